@@ -1,0 +1,1 @@
+"""Low-precision kernels: scaling, casting, FP8/MXFP8 linear and grouped GEMMs."""

@@ -1,0 +1,279 @@
+"""GPT-OSS architecture: the one place sizes live, presets, and HF config.json in and out.
+
+Numbers are from `gpt-oss-reference.md` section 1; the HF config.json written by `to_hf_config`
+follows the released models' files (rope_theta + rope_scaling with YaRN, layer_types,
+quantization_config when experts are MXFP4).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from gptoss_cli.errors import ConfigError
+
+SLIDING = "sliding_attention"
+FULL = "full_attention"
+
+
+@dataclass(frozen=True)
+class GptOssArch:
+    """Architecture of a GPT-OSS model, in Hugging Face's terms (blocks, not Hybrid layers)."""
+
+    num_hidden_layers: int = 36
+    num_local_experts: int = 128
+    num_experts_per_tok: int = 4
+    hidden_size: int = 2880
+    intermediate_size: int = 2880
+    num_attention_heads: int = 64
+    num_key_value_heads: int = 8
+    head_dim: int = 64
+    vocab_size: int = 201088
+    sliding_window: int = 128
+    # None means the GPT-OSS default: sliding on even blocks, full on odd ones.
+    layer_types: tuple[str, ...] | None = None
+    max_position_embeddings: int = 131072
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 150000.0
+    rope_scaling_factor: float = 32.0
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_original_max_position_embeddings: int = 4096
+    rope_truncate: bool = False
+    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
+    router_aux_loss_coef: float = 0.9
+    initializer_range: float = 0.02
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = 200002
+    pad_token_id: int | None = 199999
+
+    def __post_init__(self) -> None:
+        if self.layer_types is None:
+            object.__setattr__(
+                self,
+                "layer_types",
+                tuple(SLIDING if i % 2 == 0 else FULL for i in range(self.num_hidden_layers)),
+            )
+        else:
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        self.check()
+
+    # --- derived sizes -------------------------------------------------------------------
+    @property
+    def q_per_kv(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @property
+    def qkv_rows(self) -> int:
+        return (self.num_attention_heads + 2 * self.num_key_value_heads) * self.head_dim
+
+    @property
+    def num_hybrid_layers(self) -> int:
+        return 2 * self.num_hidden_layers
+
+    @property
+    def hybrid_layer_pattern(self) -> str:
+        """The ungrouped Megatron pattern conversion emits: HF block i -> layers 2i ('*'), 2i+1 ('E')."""
+        return "*E" * self.num_hidden_layers
+
+    def is_sliding(self, block: int) -> bool:
+        """Whether HF block `block` (and so Hybrid attention layer 2*block) uses the sliding window."""
+        return self.layer_types[block] == SLIDING
+
+    def check(self) -> None:
+        """Reject architectures the model cannot be built with, naming the field."""
+        positive = [
+            "num_hidden_layers", "num_local_experts", "num_experts_per_tok", "hidden_size",
+            "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+            "vocab_size", "max_position_embeddings",
+        ]
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"architecture field {name}={value!r} must be a positive integer")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+        if self.num_experts_per_tok > self.num_local_experts:
+            raise ConfigError(
+                f"num_experts_per_tok={self.num_experts_per_tok} exceeds "
+                f"num_local_experts={self.num_local_experts}"
+            )
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ConfigError(
+                f"layer_types has {len(self.layer_types)} entries but num_hidden_layers="
+                f"{self.num_hidden_layers}"
+            )
+        bad = sorted({t for t in self.layer_types if t not in (SLIDING, FULL)})
+        if bad:
+            raise ConfigError(f"layer_types holds unknown attention types {bad}; use {SLIDING!r} or {FULL!r}")
+
+    def replace(self, **changes: Any) -> "GptOssArch":
+        if "num_hidden_layers" in changes and "layer_types" not in changes:
+            changes["layer_types"] = None
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["layer_types"] = list(self.layer_types)
+        return d
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, source: str = "architecture") -> "GptOssArch":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"{source}: unknown architecture fields {unknown}")
+        try:
+            return cls(**data)
+        except TypeError as exc:
+            raise ConfigError(f"{source}: {exc}") from None
+
+    # --- Hugging Face config.json ---------------------------------------------------------
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any], *, source: str = "config.json") -> "GptOssArch":
+        """Read a GPT-OSS HF config.json (released form with rope_scaling, or transformers 5's rope_parameters)."""
+        if cfg.get("model_type") != "gpt_oss":
+            raise ConfigError(
+                f"{source}: model_type is {cfg.get('model_type')!r}, expected 'gpt_oss'",
+                hint="gptoss converts GPT-OSS checkpoints only",
+            )
+        rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "yarn"))
+        if rope_type != "yarn":
+            raise ConfigError(f"{source}: rope type {rope_type!r} is not supported; GPT-OSS uses 'yarn'")
+        defaults = cls()
+        required = [
+            "num_hidden_layers", "num_local_experts", "hidden_size", "intermediate_size",
+            "num_attention_heads", "num_key_value_heads", "vocab_size",
+        ]
+        missing = [k for k in required if k not in cfg]
+        if missing:
+            raise ConfigError(f"{source}: missing fields {missing}")
+        try:
+            return cls(
+                num_hidden_layers=cfg["num_hidden_layers"],
+                num_local_experts=cfg["num_local_experts"],
+                num_experts_per_tok=cfg.get("num_experts_per_tok", cfg.get("experts_per_token", 4)),
+                hidden_size=cfg["hidden_size"],
+                intermediate_size=cfg["intermediate_size"],
+                num_attention_heads=cfg["num_attention_heads"],
+                num_key_value_heads=cfg["num_key_value_heads"],
+                head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
+                vocab_size=cfg["vocab_size"],
+                sliding_window=cfg.get("sliding_window") or defaults.sliding_window,
+                layer_types=tuple(cfg["layer_types"]) if cfg.get("layer_types") else None,
+                max_position_embeddings=cfg.get("max_position_embeddings", defaults.max_position_embeddings),
+                rms_norm_eps=cfg.get("rms_norm_eps", defaults.rms_norm_eps),
+                rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", defaults.rope_theta))),
+                rope_scaling_factor=float(rope.get("factor", defaults.rope_scaling_factor)),
+                rope_beta_fast=float(rope.get("beta_fast", defaults.rope_beta_fast)),
+                rope_beta_slow=float(rope.get("beta_slow", defaults.rope_beta_slow)),
+                rope_original_max_position_embeddings=int(
+                    rope.get("original_max_position_embeddings", defaults.rope_original_max_position_embeddings)
+                ),
+                rope_truncate=bool(rope.get("truncate", True)),
+                swiglu_limit=float(cfg.get("swiglu_limit", defaults.swiglu_limit)),
+                swiglu_alpha=float(cfg.get("swiglu_alpha", defaults.swiglu_alpha)),
+                router_aux_loss_coef=float(cfg.get("router_aux_loss_coef", defaults.router_aux_loss_coef)),
+                initializer_range=float(cfg.get("initializer_range", defaults.initializer_range)),
+                bos_token_id=cfg.get("bos_token_id"),
+                eos_token_id=cfg.get("eos_token_id"),
+                pad_token_id=cfg.get("pad_token_id"),
+            )
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{source}: {exc}") from None
+
+    def to_hf_config(self, *, experts_form: str = "bf16", torch_dtype: str = "bfloat16") -> dict[str, Any]:
+        """config.json as the released GPT-OSS models write it."""
+        cfg: dict[str, Any] = {
+            "architectures": ["GptOssForCausalLM"],
+            "attention_bias": True,
+            "attention_dropout": 0.0,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            "experts_per_token": self.num_experts_per_tok,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "hidden_size": self.hidden_size,
+            "initial_context_length": self.rope_original_max_position_embeddings,
+            "initializer_range": self.initializer_range,
+            "intermediate_size": self.intermediate_size,
+            "layer_types": list(self.layer_types),
+            "max_position_embeddings": self.max_position_embeddings,
+            "model_type": "gpt_oss",
+            "num_attention_heads": self.num_attention_heads,
+            "num_experts_per_tok": self.num_experts_per_tok,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_key_value_heads": self.num_key_value_heads,
+            "num_local_experts": self.num_local_experts,
+            "output_router_logits": False,
+            "pad_token_id": self.pad_token_id,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_scaling": {
+                "beta_fast": self.rope_beta_fast,
+                "beta_slow": self.rope_beta_slow,
+                "factor": self.rope_scaling_factor,
+                "original_max_position_embeddings": self.rope_original_max_position_embeddings,
+                "rope_type": "yarn",
+                "truncate": self.rope_truncate,
+            },
+            "rope_theta": self.rope_theta,
+            "router_aux_loss_coef": self.router_aux_loss_coef,
+            "sliding_window": self.sliding_window,
+            "swiglu_alpha": self.swiglu_alpha,
+            "swiglu_limit": self.swiglu_limit,
+            "tie_word_embeddings": False,
+            "torch_dtype": torch_dtype,
+            "use_cache": True,
+            "vocab_size": self.vocab_size,
+        }
+        if experts_form == "mxfp4":
+            cfg["quantization_config"] = {
+                "modules_to_not_convert": [
+                    "model.layers.*.self_attn",
+                    "model.layers.*.mlp.router",
+                    "model.embed_tokens",
+                    "lm_head",
+                ],
+                "quant_method": "mxfp4",
+            }
+        return cfg
+
+
+PRESETS: dict[str, GptOssArch] = {
+    "gpt_oss_20b": GptOssArch(num_hidden_layers=24, num_local_experts=32),
+    "gpt_oss_120b": GptOssArch(num_hidden_layers=36, num_local_experts=128),
+    # Shapes chosen to catch layout bugs: intermediate != hidden, 3 query heads per kv head,
+    # a vocab that is not a round number; hidden and intermediate divisible by 32 for MXFP4/MXFP8.
+    "tiny": GptOssArch(
+        num_hidden_layers=3,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        hidden_size=64,
+        intermediate_size=96,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=1003,
+        sliding_window=8,
+        eos_token_id=1002,
+        pad_token_id=1001,
+    ),
+}
+
+
+def preset(name: str) -> GptOssArch:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ConfigError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}") from None
+
+
+__all__ = ["GptOssArch", "PRESETS", "preset", "SLIDING", "FULL"]

@@ -1,0 +1,1 @@
+"""Parity: weight round trip and block-streamed forward comparison against transformers."""

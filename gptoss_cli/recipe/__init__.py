@@ -1,0 +1,1 @@
+"""Recipes: the structured schema, loading with overrides, and the capability/parallelism rule registry."""

@@ -1,0 +1,1 @@
+"""Training: the launcher, the loop, data, checkpoints and metrics."""
