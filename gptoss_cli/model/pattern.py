@@ -1,0 +1,106 @@
+"""The Megatron hybrid layer pattern grammar: parse `*E*E`, `[*E][*E]`, `*-|*E` into layers.
+
+Symbols (Megatron's): `*` attention, `E` mixture-of-experts MLP, `-` dense MLP, `M` Mamba,
+`|` a pipeline-stage split, `[` `]` a group of layers that runs as one unit (the grouped
+`[*E]` form). `M` is part of the grammar but this tool cannot build Mamba layers; asking for a
+buildable model with it is an error that names the symbol and its positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gptoss_cli.errors import ConfigError
+
+ATTENTION = "*"
+MOE = "E"
+MLP = "-"
+MAMBA = "M"
+LAYER_SYMBOLS = {ATTENTION: "attention", MOE: "moe", MLP: "mlp", MAMBA: "mamba"}
+BUILDABLE = frozenset({ATTENTION, MOE, MLP})
+
+
+@dataclass(frozen=True)
+class HybridPattern:
+    """A parsed pattern: one symbol per physical layer, plus grouping and pipeline structure."""
+
+    text: str
+    layers: tuple[str, ...]
+    # groups[k] = (first_layer, last_layer_exclusive); ungrouped layers are groups of one.
+    groups: tuple[tuple[int, int], ...]
+    # indices of the first layer of each pipeline stage after the first
+    pipeline_splits: tuple[int, ...]
+    grouped: bool
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def num_pipeline_stages(self) -> int:
+        return len(self.pipeline_splits) + 1
+
+    def kinds(self) -> tuple[str, ...]:
+        return tuple(LAYER_SYMBOLS[s] for s in self.layers)
+
+    def require_buildable(self, allowed: frozenset[str] = BUILDABLE) -> None:
+        bad = sorted({s for s in self.layers if s not in allowed})
+        if bad:
+            where = {s: [i for i, x in enumerate(self.layers) if x == s] for s in bad}
+            names = ", ".join(f"{s!r} ({LAYER_SYMBOLS[s]}) at layers {where[s][:8]}" for s in bad)
+            raise ConfigError(
+                f"hybrid_layer_pattern {self.text!r}: this tool cannot build {names}",
+                hint=f"use only {sorted(allowed)}",
+            )
+
+
+def parse_pattern(text: str) -> HybridPattern:
+    """Parse a pattern string fully, rejecting unknown symbols and unbalanced groups by position."""
+    if not isinstance(text, str) or not text.strip():
+        raise ConfigError(f"hybrid_layer_pattern {text!r} is empty")
+    layers: list[str] = []
+    groups: list[tuple[int, int]] = []
+    splits: list[int] = []
+    group_start: int | None = None
+    grouped = False
+    for pos, ch in enumerate(text):
+        if ch.isspace():
+            continue
+        if ch in LAYER_SYMBOLS:
+            if group_start is None:
+                groups.append((len(layers), len(layers) + 1))
+            layers.append(ch)
+        elif ch == "[":
+            if group_start is not None:
+                raise ConfigError(f"hybrid_layer_pattern {text!r}: nested '[' at position {pos}")
+            group_start = len(layers)
+            grouped = True
+        elif ch == "]":
+            if group_start is None:
+                raise ConfigError(f"hybrid_layer_pattern {text!r}: ']' without '[' at position {pos}")
+            if group_start == len(layers):
+                raise ConfigError(f"hybrid_layer_pattern {text!r}: empty group '[]' at position {pos}")
+            groups.append((group_start, len(layers)))
+            group_start = None
+        elif ch == "|":
+            if group_start is not None:
+                raise ConfigError(
+                    f"hybrid_layer_pattern {text!r}: pipeline split '|' inside a group at position {pos}"
+                )
+            if not layers or (splits and splits[-1] == len(layers)):
+                raise ConfigError(f"hybrid_layer_pattern {text!r}: empty pipeline stage at position {pos}")
+            splits.append(len(layers))
+        else:
+            raise ConfigError(
+                f"hybrid_layer_pattern {text!r}: unknown symbol {ch!r} at position {pos}",
+                hint="known symbols: * (attention), E (MoE), - (MLP), M (Mamba), | (pipeline split), [ ] (group)",
+            )
+    if group_start is not None:
+        raise ConfigError(f"hybrid_layer_pattern {text!r}: '[' at layer {group_start} is never closed")
+    if not layers:
+        raise ConfigError(f"hybrid_layer_pattern {text!r} has no layers")
+    if splits and splits[-1] == len(layers):
+        raise ConfigError(f"hybrid_layer_pattern {text!r}: empty last pipeline stage")
+    return HybridPattern(
+        text=text, layers=tuple(layers), groups=tuple(groups), pipeline_splits=tuple(splits), grouped=grouped
+    )
