@@ -1,0 +1,140 @@
+"""GQA self-attention with learned sinks, sliding windows, YaRN RoPE and biases (reference section 2).
+
+Layout follows Megatron's Hybrid attention layer so that parameter names are the checkpoint's:
+`self_attention.linear_qkv.{layer_norm_weight,weight,bias}` (the input RMSNorm fused into the QKV
+projection, as Transformer Engine's LayerNormLinear does), `self_attention.core_attention.
+softmax_offset` (the sinks) and `self_attention.linear_proj.{weight,bias}`.
+
+The fused QKV rows are grouped by kv head (section 4): for kv group g, the r = heads/kv query
+heads g*r .. g*r+r-1, then k_g, then v_g.
+
+Sinks go through `scaled_dot_product_attention` as what section 2 says they are: one extra
+softmax column per query head whose value is zero. We append one feature to q (the sink logit)
+and to k (sqrt(head_dim) on a single extra key, zero on the real keys), so the extra key scores
+exactly `sink_h` and the real keys score exactly `q.k / sqrt(head_dim)`; its value row is zero.
+Any SDPA backend that accepts a boolean mask then computes the sink softmax, gradients to the
+sinks included; no Python loop over heads or positions.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gptoss_cli.model.config import GptOssArch
+from gptoss_cli.model.norm import rms_norm
+from gptoss_cli.model.rope import apply_rotary
+
+
+def attention_mask(seq_len: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """Boolean [seq, seq+1] mask; column 0 is the sink key (always visible), then the real keys.
+
+    Key k is visible from query q iff `q - W < k <= q` (W keys including itself, section 2), or
+    `k <= q` without a window.
+    """
+    q = torch.arange(seq_len, device=device)[:, None]
+    k = torch.arange(seq_len, device=device)[None, :]
+    visible = k <= q
+    if window is not None:
+        visible = visible & (k > q - window)
+    sink = torch.ones(seq_len, 1, dtype=torch.bool, device=device)
+    return torch.cat([sink, visible], dim=1)
+
+
+def sink_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sinks: torch.Tensor,
+    window: int | None,
+) -> torch.Tensor:
+    """Attention with one sink logit per query head.
+
+    q [B, heads, S, d], k/v [B, kv_heads, S, d], sinks [heads] -> [B, heads, S, d]. Query head h
+    reads kv head h // (heads/kv_heads) (SDPA's enable_gqa grouping).
+    """
+    b, nh, s, d = q.shape
+    nkv = k.shape[1]
+    # Extra features padded to a multiple of 8 so fused kernels keep aligned head dims.
+    extra = -(-(d + 1) // 8) * 8 - d
+    sink_q = sinks.to(q.dtype).view(1, nh, 1, 1).expand(b, nh, s, 1)
+    q_aug = torch.cat([q, sink_q, q.new_zeros(b, nh, s, extra - 1)], dim=-1)
+    # sqrt(d) is exact in binary for d = 16, 64 (GPT-OSS), so the sink score is exactly sink_h.
+    sink_k = k.new_zeros(b, nkv, 1, d + extra)
+    sink_k[..., d] = d**0.5
+    k_aug = torch.cat([k, k.new_zeros(b, nkv, s, extra)], dim=-1)
+    k_aug = torch.cat([sink_k, k_aug], dim=2)
+    v_aug = torch.cat([v.new_zeros(b, nkv, 1, d), v], dim=2)
+    mask = attention_mask(s, window, q.device)
+    return F.scaled_dot_product_attention(
+        q_aug, k_aug, v_aug, attn_mask=mask, scale=d**-0.5, enable_gqa=nkv != nh
+    )
+
+
+class LayerNormLinear(nn.Module):
+    """RMSNorm fused with a linear projection: Megatron's `linear_qkv` with `layer_norm_weight`."""
+
+    def __init__(self, in_features: int, out_features: int, eps: float, device=None, dtype=None):
+        super().__init__()
+        self.eps = eps
+        self.layer_norm_weight = nn.Parameter(torch.ones(in_features, device=device, dtype=dtype))
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(rms_norm(x, self.layer_norm_weight, self.eps), self.weight, self.bias)
+
+
+class CoreAttention(nn.Module):
+    """Holds the sinks (`softmax_offset`, one logit per query head) and the window of this layer."""
+
+    def __init__(self, num_heads: int, window: int | None, device=None, dtype=None):
+        super().__init__()
+        self.window = window
+        self.softmax_offset = nn.Parameter(torch.zeros(num_heads, device=device, dtype=dtype))
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return sink_attention(q, k, v, self.softmax_offset, self.window)
+
+    def extra_repr(self) -> str:
+        return f"window={self.window}"
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, arch: GptOssArch, window: int | None, device=None, dtype=None):
+        super().__init__()
+        self.num_heads = arch.num_attention_heads
+        self.num_kv_heads = arch.num_key_value_heads
+        self.head_dim = arch.head_dim
+        self.linear_qkv = LayerNormLinear(arch.hidden_size, arch.qkv_rows, arch.rms_norm_eps, device, dtype)
+        self.core_attention = CoreAttention(arch.num_attention_heads, window, device, dtype)
+        self.linear_proj = nn.Linear(
+            arch.num_attention_heads * arch.head_dim, arch.hidden_size, bias=True, device=device, dtype=dtype
+        )
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [B, S, H] (un-normalised: the norm is fused into linear_qkv) -> attention output [B, S, H]."""
+        b, s, _ = x.shape
+        r = self.num_heads // self.num_kv_heads
+        qkv = self.linear_qkv(x).view(b, s, self.num_kv_heads, r + 2, self.head_dim)
+        q = qkv[:, :, :, :r].reshape(b, s, self.num_heads, self.head_dim).transpose(1, 2)
+        k = qkv[:, :, :, r].transpose(1, 2)
+        v = qkv[:, :, :, r + 1].transpose(1, 2)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        out = self.core_attention(q, k, v)
+        return self.linear_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
+
+
+class AttentionLayer(nn.Module):
+    """A `*` layer of the Hybrid stack: x + Attn(RMSNorm(x))."""
+
+    symbol = "*"
+
+    def __init__(self, arch: GptOssArch, window: int | None, device=None, dtype=None):
+        super().__init__()
+        self.self_attention = SelfAttention(arch, window, device, dtype)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return x + self.self_attention(x, cos, sin)

@@ -1,0 +1,355 @@
+"""The MoE layer: router, token dispatcher, grouped experts with the clamped SwiGLU, and a dense MLP.
+
+Reference: gpt-oss-reference.md section 2 (router, expert math, aux loss) and section 4 (names).
+
+An `E` layer is split along the boundaries the expert-parallel overlap schedule needs
+(section 5): `pre_dispatch` (pre-MLP norm + router) -> `dispatch` (permute tokens by expert and,
+with expert parallelism, the all-to-all) -> `experts` (grouped GEMMs on the local experts) ->
+`combine` (routing weights, unpermute by index_add, the reverse all-to-all) + residual.
+`forward` composes them.
+
+The layer holds a contiguous range of experts [expert_offset, expert_offset + num_local_experts)
+as stacked tensors `[E_local, out, in]` for grouped GEMMs; its state_dict uses the per-expert,
+global-id names of the Hybrid checkpoint (`linear_fc1.weight{e}` ...), see `ExpertLinear`.
+
+Token dispatcher interface (the local one is `LocalTokenDispatcher`; expert parallelism plugs in
+an all-to-all one with the same two methods):
+    dispatch(hidden [T,H], probs [T,k], indices [T,k] global expert ids)
+        -> (expert_input [N,H] sorted by local expert, tokens_per_local_expert LongTensor [E_local], ctx)
+    combine(expert_output [N,H], ctx) -> hidden [T,H]
+        (multiplies by the routing weight after the fc2 bias and sums the top-k by index_add)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gptoss_cli.errors import ConfigError
+from gptoss_cli.model.config import GptOssArch
+from gptoss_cli.model.norm import RMSNorm
+
+
+def clamped_swiglu(gate_up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
+    """GPT-OSS activation on fc1 output `[gate; up]` (section 2): gate<=limit, |up|<=limit,
+    `(up + 1) * gate * sigmoid(alpha * gate)`."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(alpha * gate))
+
+
+# --------------------------------------------------------------------------------------------
+# Router
+
+
+@dataclass
+class RouterOutput:
+    logits: torch.Tensor  # [T, E] raw logits (aux loss, diagnostics)
+    probs: torch.Tensor  # [T, k] softmax over the k selected logits
+    indices: torch.Tensor  # [T, k] global expert ids
+
+
+class Router(nn.Module):
+    """`logits = x W^T + b`; top-k of the raw logits; softmax over those k only (section 2)."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, device=None, dtype=None):
+        super().__init__()
+        self.top_k = top_k
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(num_experts, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> RouterOutput:
+        logits = F.linear(x, self.weight, self.bias)
+        top, indices = torch.topk(logits, self.top_k, dim=-1)
+        return RouterOutput(logits=logits, probs=torch.softmax(top, dim=-1), indices=indices)
+
+
+# --------------------------------------------------------------------------------------------
+# Token dispatchers
+
+
+class TokenDispatcher(Protocol):
+    def dispatch(
+        self, hidden: torch.Tensor, probs: torch.Tensor, indices: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, Any]: ...
+
+    def combine(self, expert_output: torch.Tensor, ctx: Any) -> torch.Tensor: ...
+
+
+@dataclass
+class LocalDispatchContext:
+    token_index: torch.Tensor  # [N] source token of each permuted row
+    weights: torch.Tensor  # [N] routing weight of each permuted row
+    num_tokens: int
+
+
+class LocalTokenDispatcher:
+    """No-communication dispatcher: every expert is local. Permutes by a stable sort on expert id
+    (dropless: every (token, choice) pair gets a row) and unpermutes with index_add."""
+
+    def __init__(self, num_experts: int):
+        self.num_experts = num_experts
+
+    def dispatch(
+        self, hidden: torch.Tensor, probs: torch.Tensor, indices: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, LocalDispatchContext]:
+        top_k = indices.shape[1]
+        flat = indices.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        token_index = torch.div(order, top_k, rounding_mode="floor")
+        tokens_per_expert = torch.bincount(flat, minlength=self.num_experts)
+        ctx = LocalDispatchContext(token_index, probs.reshape(-1)[order], hidden.shape[0])
+        return hidden.index_select(0, token_index), tokens_per_expert, ctx
+
+    def combine(self, expert_output: torch.Tensor, ctx: LocalDispatchContext) -> torch.Tensor:
+        # Routing weight after the fc2 bias (section 2), then the top-k sum per token.
+        weighted = expert_output * ctx.weights.to(expert_output.dtype)[:, None]
+        out = expert_output.new_zeros(ctx.num_tokens, expert_output.shape[1])
+        return out.index_add_(0, ctx.token_index, weighted)
+
+
+# --------------------------------------------------------------------------------------------
+# Experts
+
+
+def _grouped_mm_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    if not hasattr(torch, "_grouped_mm") or x.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if x.is_cuda and x.dtype != torch.bfloat16:
+        return False  # the CUDA grouped kernel is bf16-only
+    if not (x.is_cuda or x.device.type == "cpu"):
+        return False
+    # The kernels need every row stride to be a multiple of 16 bytes.
+    align = 16 // x.element_size()
+    return weight.shape[-1] % align == 0 and weight.shape[-2] % align == 0
+
+
+def grouped_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, tokens_per_expert: torch.Tensor
+) -> torch.Tensor:
+    """Rows of x sorted by expert, `weight [E, out, in]`, `bias [E, out]` -> [N, out].
+
+    One grouped GEMM (torch._grouped_mm) where it runs, else a loop over the experts (never
+    over tokens)."""
+    n = x.shape[0]
+    if _grouped_mm_usable(x, weight):
+        offsets = torch.cumsum(tokens_per_expert, 0).to(torch.int32)
+        out = torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
+        return out + torch.repeat_interleave(bias, tokens_per_expert, dim=0, output_size=n)
+    outs = [
+        F.linear(chunk, weight[e], bias[e])
+        for e, chunk in enumerate(torch.split(x, tokens_per_expert.tolist()))
+    ]
+    return torch.cat(outs) if outs else x.new_zeros(0, weight.shape[1])
+
+
+class ExpertLinear(nn.Module):
+    """Stacked weights of the local experts, `weight [E_local, out, in]`, `bias [E_local, out]`.
+
+    state_dict() and load_state_dict() speak the checkpoint's per-expert names with GLOBAL expert
+    ids (`weight{e}`, `bias{e}` for e in [expert_offset, expert_offset + E_local)), so a layer that
+    holds a slice of the experts under expert parallelism saves and loads its own slice.
+    """
+
+    def __init__(self, num_local_experts: int, expert_offset: int, out_features: int, in_features: int,
+                 device=None, dtype=None):
+        super().__init__()
+        self.expert_offset = expert_offset
+        self.num_local_experts = num_local_experts
+        self.weight = nn.Parameter(
+            torch.empty(num_local_experts, out_features, in_features, device=device, dtype=dtype)
+        )
+        self.bias = nn.Parameter(torch.zeros(num_local_experts, out_features, device=device, dtype=dtype))
+        self.register_state_dict_post_hook(ExpertLinear._split_state_dict)
+        self.register_load_state_dict_pre_hook(ExpertLinear._join_state_dict)
+        self.register_load_state_dict_post_hook(ExpertLinear._drop_stacked_missing)
+
+    def global_ids(self) -> range:
+        return range(self.expert_offset, self.expert_offset + self.num_local_experts)
+
+    @staticmethod
+    def _split_state_dict(module: "ExpertLinear", state_dict, prefix, local_metadata) -> None:
+        for name in ("weight", "bias"):
+            stacked = state_dict.pop(prefix + name)
+            for local, e in enumerate(module.global_ids()):
+                state_dict[f"{prefix}{name}{e}"] = stacked[local]
+
+    @staticmethod
+    def _join_state_dict(module: "ExpertLinear", state_dict, prefix, local_metadata, strict,
+                         missing_keys, unexpected_keys, error_msgs) -> None:
+        module._load_prefix = prefix
+        for name in ("weight", "bias"):
+            keys = [f"{prefix}{name}{e}" for e in module.global_ids()]
+            absent = [k for k in keys if k not in state_dict]
+            if absent:
+                missing_keys.extend(absent)
+                for k in keys:
+                    state_dict.pop(k, None)
+                continue
+            state_dict[prefix + name] = torch.stack([state_dict.pop(k) for k in keys])
+
+    @staticmethod
+    def _drop_stacked_missing(module: "ExpertLinear", incompatible_keys) -> None:
+        # The stacked names are internal; the per-expert names were already reported missing.
+        prefix = getattr(module, "_load_prefix", None)
+        for name in ("weight", "bias"):
+            if prefix is not None and prefix + name in incompatible_keys.missing_keys:
+                incompatible_keys.missing_keys.remove(prefix + name)
+
+    def extra_repr(self) -> str:
+        e, o, i = self.weight.shape
+        return f"experts [{self.expert_offset}, {self.expert_offset + e}), out={o}, in={i}"
+
+
+class GroupedExperts(nn.Module):
+    """The local experts: fc1 `[2I, H]` with rows `[gate; up]`, clamped SwiGLU, fc2 `[H, I]`."""
+
+    def __init__(self, arch: GptOssArch, num_local_experts: int, expert_offset: int, device=None, dtype=None):
+        super().__init__()
+        self.limit = arch.swiglu_limit
+        self.alpha = arch.swiglu_alpha
+        h, i = arch.hidden_size, arch.intermediate_size
+        self.linear_fc1 = ExpertLinear(num_local_experts, expert_offset, 2 * i, h, device, dtype)
+        self.linear_fc2 = ExpertLinear(num_local_experts, expert_offset, h, i, device, dtype)
+
+    def forward(self, expert_input: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """expert_input [N, H] sorted by local expert, counts [E_local] -> fc2 output [N, H] (with bias,
+        before the routing weight)."""
+        gate_up = grouped_linear(expert_input, self.linear_fc1.weight, self.linear_fc1.bias, tokens_per_expert)
+        act = clamped_swiglu(gate_up, self.limit, self.alpha)
+        return grouped_linear(act, self.linear_fc2.weight, self.linear_fc2.bias, tokens_per_expert)
+
+
+class MoEMLP(nn.Module):
+    """Container that gives the checkpoint names `mlp.router.*` and `mlp.experts.*`."""
+
+    def __init__(self, arch: GptOssArch, num_local_experts: int, expert_offset: int, device=None, dtype=None):
+        super().__init__()
+        self.router = Router(arch.hidden_size, arch.num_local_experts, arch.num_experts_per_tok, device, dtype)
+        self.experts = GroupedExperts(arch, num_local_experts, expert_offset, device, dtype)
+
+
+@dataclass
+class RouterStats:
+    """What one layer contributes to the load-balancing loss (section 2, Mixtral style)."""
+
+    tokens_per_expert: torch.Tensor  # [E] float, top-k assignment counts (no gradient)
+    prob_sum: torch.Tensor  # [E] float, sum over tokens of softmax(all E logits) (differentiable)
+    num_tokens: int
+
+
+def load_balancing_loss(stats: list[RouterStats], num_experts: int) -> torch.Tensor:
+    """Mixtral/HF load-balancing loss pooled over layers: `E * sum_e f_e * P_e` with
+    f_e = assignments to e / (layers * tokens) and P_e = mean router probability of e.
+    Equal to transformers' `load_balancing_loss_func` for the same router logits."""
+    total = sum(s.num_tokens for s in stats)
+    f = torch.stack([s.tokens_per_expert for s in stats]).sum(0) / total
+    p = torch.stack([s.prob_sum for s in stats]).sum(0) / total
+    return num_experts * torch.sum(f * p)
+
+
+class MoELayer(nn.Module):
+    """An `E` layer of the Hybrid stack: x + MoE(RMSNorm(x))."""
+
+    symbol = "E"
+
+    def __init__(
+        self,
+        arch: GptOssArch,
+        *,
+        expert_offset: int = 0,
+        num_local_experts: int | None = None,
+        token_dispatcher: TokenDispatcher | None = None,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        num_local_experts = arch.num_local_experts if num_local_experts is None else num_local_experts
+        if (
+            expert_offset < 0
+            or num_local_experts <= 0
+            or expert_offset + num_local_experts > arch.num_local_experts
+        ):
+            raise ConfigError(
+                f"local expert range [{expert_offset}, {expert_offset + num_local_experts}) is not inside "
+                f"the {arch.num_local_experts} experts of the architecture"
+            )
+        self.num_experts = arch.num_local_experts
+        self.expert_offset = expert_offset
+        self.num_local_experts = num_local_experts
+        self.pre_mlp_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, device, dtype)
+        self.mlp = MoEMLP(arch, num_local_experts, expert_offset, device, dtype)
+        if token_dispatcher is None and num_local_experts == arch.num_local_experts:
+            token_dispatcher = LocalTokenDispatcher(arch.num_local_experts)
+        # None when the layer holds a slice of the experts: the caller must plug in a dispatcher
+        # that moves tokens between ranks.
+        self.token_dispatcher = token_dispatcher
+        # Set by `pre_dispatch` when `collect_router_stats` is on (training with aux loss).
+        self.collect_router_stats = False
+        self.router_stats: RouterStats | None = None
+
+    # --- the four stages (section 5's node split) ------------------------------------------
+    def pre_dispatch(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, S, H] -> (normalised tokens [T, H], probs [T, k], global expert indices [T, k])."""
+        hidden = self.pre_mlp_layernorm(x).reshape(-1, x.shape[-1])
+        routed = self.mlp.router(hidden)
+        if self.collect_router_stats:
+            counts = torch.bincount(routed.indices.reshape(-1), minlength=self.num_experts)
+            self.router_stats = RouterStats(
+                tokens_per_expert=counts.float(),
+                prob_sum=torch.softmax(routed.logits.float(), dim=-1).sum(0),
+                num_tokens=hidden.shape[0],
+            )
+        return hidden, routed.probs, routed.indices
+
+    def dispatch(self, hidden: torch.Tensor, probs: torch.Tensor, indices: torch.Tensor):
+        if self.token_dispatcher is None:
+            raise ConfigError(
+                f"this MoE layer holds experts [{self.expert_offset}, "
+                f"{self.expert_offset + self.num_local_experts}) of {self.num_experts} but has no token_dispatcher",
+                hint="set layer.token_dispatcher to an expert-parallel dispatcher",
+            )
+        return self.token_dispatcher.dispatch(hidden, probs, indices)
+
+    def experts(self, expert_input: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        return self.mlp.experts(expert_input, tokens_per_expert)
+
+    def combine(self, expert_output: torch.Tensor, ctx: Any, residual: torch.Tensor) -> torch.Tensor:
+        out = self.token_dispatcher.combine(expert_output, ctx)
+        return residual + out.view_as(residual)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden, probs, indices = self.pre_dispatch(x)
+        expert_input, tokens_per_expert, ctx = self.dispatch(hidden, probs, indices)
+        expert_output = self.experts(expert_input, tokens_per_expert)
+        return self.combine(expert_output, ctx, x)
+
+
+class DenseMLPLayer(nn.Module):
+    """A `-` layer: x + MLP(RMSNorm(x)), with the experts' math on one dense MLP.
+
+    Our definition (GPT-OSS has no dense layers): `linear_fc1 [2I, H]` with rows `[gate; up]`,
+    the clamped SwiGLU of section 2, `linear_fc2 [H, I]`, biases, no routing weight. Names follow
+    Megatron's MLP: `pre_mlp_layernorm.weight`, `mlp.linear_fc1.{weight,bias}`, `mlp.linear_fc2.{weight,bias}`.
+    """
+
+    symbol = "-"
+
+    def __init__(self, arch: GptOssArch, device=None, dtype=None):
+        super().__init__()
+        self.limit = arch.swiglu_limit
+        self.alpha = arch.swiglu_alpha
+        h, i = arch.hidden_size, arch.intermediate_size
+        self.pre_mlp_layernorm = RMSNorm(h, arch.rms_norm_eps, device, dtype)
+        self.mlp = nn.Module()
+        self.mlp.linear_fc1 = nn.Linear(h, 2 * i, bias=True, device=device, dtype=dtype)
+        self.mlp.linear_fc2 = nn.Linear(i, h, bias=True, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        act = clamped_swiglu(self.mlp.linear_fc1(self.pre_mlp_layernorm(x)), self.limit, self.alpha)
+        return x + self.mlp.linear_fc2(act)

@@ -1,0 +1,191 @@
+"""Unit behaviours of the Hybrid layers: masks, sinks, experts, dispatch, names, patterns."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gptoss_cli.errors import ConfigError
+from gptoss_cli.model.attention import attention_mask, sink_attention
+from gptoss_cli.model.hybrid import HybridModel, layer_windows
+from gptoss_cli.model.moe import (
+    ExpertLinear,
+    LocalTokenDispatcher,
+    MoELayer,
+    clamped_swiglu,
+    grouped_linear,
+)
+from gptoss_cli.model.pattern import parse_pattern
+from tests.model.conftest import TINY, tokens
+
+
+def test_sliding_window_mask_sees_exactly_w_keys_including_itself():
+    w, s = 3, 7
+    mask = attention_mask(s, w, torch.device("cpu"))
+    assert mask[:, 0].all()  # the sink column
+    for q in range(s):
+        visible = [k for k in range(s) if mask[q, k + 1]]
+        assert visible == list(range(max(0, q - w + 1), q + 1))
+
+
+def test_full_mask_is_causal():
+    mask = attention_mask(5, None, torch.device("cpu"))[:, 1:]
+    assert torch.equal(mask, torch.ones(5, 5, dtype=torch.bool).tril())
+
+
+def _naive_sink_attention(q, k, v, sinks, window):
+    # Section 2 literally: the sink joins the softmax as an extra column that is then dropped.
+    b, nh, s, d = q.shape
+    r = nh // k.shape[1]
+    k = k.repeat_interleave(r, dim=1)
+    v = v.repeat_interleave(r, dim=1)
+    scores = q @ k.transpose(-1, -2) * d**-0.5
+    qi = torch.arange(s)[:, None]
+    ki = torch.arange(s)[None, :]
+    ok = ki <= qi
+    if window is not None:
+        ok &= qi - window < ki
+    scores = scores.masked_fill(~ok, float("-inf"))
+    full = torch.cat([scores, sinks.view(1, nh, 1, 1).expand(b, nh, s, 1)], dim=-1)
+    return torch.softmax(full, dim=-1)[..., :-1] @ v
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_sink_attention_and_its_gradients_match_extra_column_softmax(window):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 6, 11, 16, generator=g, requires_grad=True)
+    k = torch.randn(2, 2, 11, 16, generator=g, requires_grad=True)
+    v = torch.randn(2, 2, 11, 16, generator=g, requires_grad=True)
+    sinks = torch.randn(6, generator=g, requires_grad=True)
+    got = sink_attention(q, k, v, sinks, window)
+    grad = torch.randn_like(got)
+    got_grads = torch.autograd.grad(got, (q, k, v, sinks), grad)
+    expected = _naive_sink_attention(q, k, v, sinks, window)
+    exp_grads = torch.autograd.grad(expected, (q, k, v, sinks), grad)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    for a, b in zip(got_grads, exp_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_windows_follow_hf_block_index_not_physical_index():
+    arch = TINY  # blocks 0 and 2 sliding, block 1 full
+    windows = layer_windows(arch, parse_pattern("*E-*E*E"))
+    assert windows == {0: 8, 3: None, 5: 8}
+
+
+def test_clamped_swiglu_matches_reference_formula():
+    gate = torch.tensor([-9.0, 0.5, 8.0, 3.0])
+    up = torch.tensor([-9.0, 0.25, 8.0, -2.0])
+    got = clamped_swiglu(torch.cat([gate, up]), 7.0, 1.702)
+    g = gate.clamp(max=7.0)
+    u = up.clamp(-7.0, 7.0)
+    torch.testing.assert_close(got, (u + 1) * g * torch.sigmoid(1.702 * g))
+
+
+def test_grouped_gemm_equals_per_expert_linear_with_an_empty_expert():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(4, 32, 16, generator=g)
+    b = torch.randn(4, 32, generator=g)
+    counts = torch.tensor([3, 0, 5, 2])
+    x = torch.randn(10, 16, generator=g)
+    got = grouped_linear(x, w, b, counts)
+    starts = [0, 3, 3, 8, 10]
+    expected = torch.cat([x[starts[e]:starts[e + 1]] @ w[e].T + b[e] for e in range(4)])
+    torch.testing.assert_close(got, expected)
+
+
+def test_local_dispatcher_combine_applies_weights_and_sums_top_k():
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(5, 8, generator=g)
+    indices = torch.tensor([[2, 0], [1, 2], [3, 1], [0, 3], [2, 1]])
+    probs = torch.softmax(torch.randn(5, 2, generator=g), -1)
+    d = LocalTokenDispatcher(4)
+    x, counts, ctx = d.dispatch(hidden, probs, indices)
+    assert counts.tolist() == [2, 3, 3, 2]
+    # Each row must be the token of its (token, choice) pair, grouped by expert.
+    scale = torch.arange(1, 5, dtype=torch.float32).repeat_interleave(counts)[:, None]
+    out = d.combine(x * scale, ctx)  # "expert e multiplies by e+1"
+    expected = sum(probs[:, j:j + 1] * hidden * (indices[:, j:j + 1] + 1) for j in range(2))
+    torch.testing.assert_close(out, expected)
+
+
+def test_expert_slice_saves_and_loads_its_experts_under_global_ids():
+    full = MoELayer(TINY)
+    torch.nn.init.normal_(full.mlp.experts.linear_fc1.weight)
+    part = MoELayer(TINY, expert_offset=2, num_local_experts=2, token_dispatcher=LocalTokenDispatcher(4))
+    sd = full.state_dict()
+    mine = {k: v for k, v in sd.items() if not k.endswith(("weight0", "weight1", "bias0", "bias1"))}
+    part.load_state_dict(mine, strict=True)
+    assert torch.equal(part.mlp.experts.linear_fc1.weight, full.mlp.experts.linear_fc1.weight[2:])
+    keys = [k for k in part.state_dict() if "linear_fc2" in k]
+    assert keys == ["mlp.experts.linear_fc2.weight2", "mlp.experts.linear_fc2.weight3",
+                    "mlp.experts.linear_fc2.bias2", "mlp.experts.linear_fc2.bias3"]
+
+
+def test_missing_expert_tensor_is_reported_by_its_name():
+    layer = MoELayer(TINY)
+    sd = layer.state_dict()
+    del sd["mlp.experts.linear_fc2.weight3"]
+    result = layer.load_state_dict(sd, strict=False)
+    assert result.missing_keys == ["mlp.experts.linear_fc2.weight3"]
+
+
+def test_expert_range_outside_the_architecture_is_rejected():
+    with pytest.raises(ConfigError, match=r"\[3, 5\)"):
+        MoELayer(TINY, expert_offset=3, num_local_experts=2)
+
+
+def test_expert_slice_without_dispatcher_names_the_fix():
+    layer = MoELayer(TINY, expert_offset=0, num_local_experts=2)
+    with pytest.raises(ConfigError, match="token_dispatcher"):
+        layer(torch.randn(1, 3, TINY.hidden_size))
+
+
+def test_state_dict_keys_are_the_hybrid_checkpoint_names():
+    names = set(HybridModel(TINY, device="meta").state_dict())
+    expected = {"embedding.word_embeddings.weight", "decoder.final_norm.weight", "output_layer.weight"}
+    for i in range(3):
+        a, m = f"decoder.layers.{2 * i}.self_attention.", f"decoder.layers.{2 * i + 1}."
+        expected |= {a + "linear_qkv.layer_norm_weight", a + "linear_qkv.weight", a + "linear_qkv.bias",
+                     a + "linear_proj.weight", a + "linear_proj.bias", a + "core_attention.softmax_offset",
+                     m + "pre_mlp_layernorm.weight", m + "mlp.router.weight", m + "mlp.router.bias"}
+        for e in range(4):
+            for fc in ("linear_fc1", "linear_fc2"):
+                expected |= {m + f"mlp.experts.{fc}.weight{e}", m + f"mlp.experts.{fc}.bias{e}"}
+    assert names == expected
+
+
+def test_expert_tensor_shapes_are_out_by_in():
+    sd = HybridModel(TINY, device="meta").state_dict()
+    assert tuple(sd["decoder.layers.1.mlp.experts.linear_fc1.weight0"].shape) == (192, 64)
+    assert tuple(sd["decoder.layers.1.mlp.experts.linear_fc2.weight0"].shape) == (64, 96)
+    assert tuple(sd["decoder.layers.0.self_attention.linear_qkv.weight"].shape) == (160, 64)
+
+
+def test_dense_mlp_layer_has_megatron_names_and_runs():
+    model = HybridModel(TINY, "*-*E*E")
+    names = [k for k in model.state_dict() if k.startswith("decoder.layers.1.")]
+    assert names == ["decoder.layers.1.pre_mlp_layernorm.weight", "decoder.layers.1.mlp.linear_fc1.weight",
+                     "decoder.layers.1.mlp.linear_fc1.bias", "decoder.layers.1.mlp.linear_fc2.weight",
+                     "decoder.layers.1.mlp.linear_fc2.bias"]
+    assert model(tokens(1, 5)).logits.shape == (1, 5, TINY.vocab_size)
+
+
+def test_grouped_pattern_builds_the_same_layers():
+    model = HybridModel(TINY, "[*E][*E]|[*E]")
+    assert [type(m).__name__ for m in model.decoder.layers] == ["AttentionLayer", "MoELayer"] * 3
+
+
+def test_mamba_symbol_is_rejected_by_name():
+    with pytest.raises(ConfigError, match=r"'M' \(mamba\)"):
+        HybridModel(TINY, "*E*M*E")
+
+
+def test_pattern_with_wrong_attention_count_is_rejected():
+    with pytest.raises(ConfigError, match="num_hidden_layers=3"):
+        HybridModel(TINY, "*E*E")
+
+
+def test_schedule_plan_is_not_supported_yet():
+    ok, why = HybridModel.supports_schedule_plan("*E*E")
+    assert not ok and "build_schedule_plan" in why
