@@ -190,6 +190,43 @@ class GptOssArch:
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"{source}: {exc}") from None
 
+    @classmethod
+    def from_openai_config(cls, cfg: dict[str, Any], *, source: str = "original/config.json") -> "GptOssArch":
+        """Read the config.json of OpenAI's `original/` checkpoint layout."""
+        required = [
+            "num_hidden_layers", "num_experts", "experts_per_token", "vocab_size", "hidden_size",
+            "intermediate_size", "head_dim", "num_attention_heads", "num_key_value_heads",
+        ]
+        missing = [k for k in required if k not in cfg]
+        if missing:
+            raise ConfigError(f"{source}: missing fields {missing}")
+        d = cls()
+        try:
+            initial = int(cfg.get("initial_context_length", d.rope_original_max_position_embeddings))
+            factor = float(cfg.get("rope_scaling_factor", d.rope_scaling_factor))
+            return cls(
+                num_hidden_layers=cfg["num_hidden_layers"],
+                num_local_experts=cfg["num_experts"],
+                num_experts_per_tok=cfg["experts_per_token"],
+                hidden_size=cfg["hidden_size"],
+                intermediate_size=cfg["intermediate_size"],
+                num_attention_heads=cfg["num_attention_heads"],
+                num_key_value_heads=cfg["num_key_value_heads"],
+                head_dim=cfg["head_dim"],
+                vocab_size=cfg["vocab_size"],
+                sliding_window=cfg.get("sliding_window", d.sliding_window),
+                max_position_embeddings=int(initial * factor),
+                rope_theta=float(cfg.get("rope_theta", d.rope_theta)),
+                rope_scaling_factor=factor,
+                rope_beta_fast=float(cfg.get("rope_ntk_beta", d.rope_beta_fast)),
+                rope_beta_slow=float(cfg.get("rope_ntk_alpha", d.rope_beta_slow)),
+                rope_original_max_position_embeddings=initial,
+                rope_truncate=False,
+                swiglu_limit=float(cfg.get("swiglu_limit", d.swiglu_limit)),
+            )
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{source}: {exc}") from None
+
     def to_hf_config(self, *, experts_form: str = "bf16", torch_dtype: str = "bfloat16") -> dict[str, Any]:
         """config.json as the released GPT-OSS models write it."""
         cfg: dict[str, Any] = {

@@ -1,0 +1,323 @@
+"""`gptoss convert`: stream a GPT-OSS checkpoint HF (or OpenAI original) <-> Hybrid, one tensor group at a time.
+
+Memory is bounded by one table unit (for experts: a chunk of experts of one stack), never by the
+model: each unit is read, transformed and appended to the output shard, then dropped. The output
+is written under a temporary folder name next to DST and renamed only when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from gptoss_cli import __version__
+from gptoss_cli.checkpoint.hybrid_format import HybridCheckpointConfig, write_hybrid_config
+from gptoss_cli.checkpoint.layouts import HF_LAYOUTS, UINT8, Layout
+from gptoss_cli.checkpoint.mapping import VOCAB_PADDED_HYBRID, Unit, hybrid_shapes, units
+from gptoss_cli.checkpoint.safetensors_io import ShardedWriter, TensorSpec
+from gptoss_cli.checkpoint.sources import EXTRA_FILES, HYBRID, Source, check_tensors, open_source
+from gptoss_cli.errors import CheckpointError, UsageError
+from gptoss_cli.model.config import GptOssArch
+
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
+EXPERT_FORMS = ("bf16", "mxfp4")
+
+
+class Progress(Protocol):
+    def start(self, total_tensors: int, total_bytes: int) -> None: ...
+    def advance(self, tensors: int = 0, nbytes: int = 0) -> None: ...
+
+
+@dataclass
+class ConvertResult:
+    direction: str
+    source: str
+    revision: str | None
+    destination: str
+    source_format: str
+    experts_in: str
+    experts_out: str
+    dtype: str
+    num_tensors: int
+    bytes_written: int
+    num_shards: int
+    seconds: float
+    peak_rss_bytes: int
+    architecture: dict = field(default_factory=dict)
+
+    @property
+    def throughput_bytes_per_s(self) -> float:
+        return self.bytes_written / self.seconds if self.seconds > 0 else 0.0
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["throughput_bytes_per_s"] = self.throughput_bytes_per_s
+        return d
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise UsageError(f"--dtype {name!r} is not supported; use bfloat16 or float32") from None
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+# --- planning ----------------------------------------------------------------------------
+@dataclass
+class _Job:
+    """A bound table unit plus the output tensors it writes, in write order."""
+
+    unit: Unit
+    outputs: list[TensorSpec]
+
+
+def _expert_chunk(arch: GptOssArch, unit: Unit, dtype: torch.dtype, budget: int) -> int:
+    """How many experts fit in one chunk of `budget` bytes of transformed output."""
+    per_expert = max(1, _canonical_numel_per_expert(arch, unit.hf[0]) * torch.empty((), dtype=dtype).element_size())
+    return max(1, min(arch.num_local_experts, budget // per_expert))
+
+
+def _canonical_numel_per_expert(arch: GptOssArch, name: str) -> int:
+    H, I = arch.hidden_size, arch.intermediate_size
+    if name.endswith("gate_up"):
+        return 2 * I * H
+    if name.endswith("down"):
+        return H * I
+    if name.endswith("gate_up_proj_bias"):
+        return 2 * I
+    return H
+
+
+def plan_to_hybrid(arch: GptOssArch, dtype: torch.dtype) -> list[_Job]:
+    shapes = hybrid_shapes(arch)
+    return [_Job(u, [TensorSpec(n, shapes[n], dtype) for n in u.hybrid]) for u in units(arch)]
+
+
+def plan_to_hf(arch: GptOssArch, layout: Layout, dtype: torch.dtype) -> list[_Job]:
+    specs = layout.stored_specs(arch)
+    jobs = []
+    for u in units(arch):
+        outs = []
+        for canonical in u.hf:
+            for name in layout.stored_names(canonical):
+                shape, kind = specs[name]
+                outs.append(TensorSpec(name, shape, torch.uint8 if kind == UINT8 else dtype))
+        jobs.append(_Job(u, outs))
+    return jobs
+
+
+# --- execution ---------------------------------------------------------------------------
+def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t.to(dtype) if t.is_floating_point() else t
+
+
+def _read_hybrid(source: Source, name: str, dtype: torch.dtype) -> torch.Tensor:
+    if name in VOCAB_PADDED_HYBRID:  # strip Megatron's vocabulary padding
+        return _cast(source.reader.read(name, 0, source.arch.vocab_size), dtype)
+    return _cast(source.reader.read(name), dtype)
+
+
+def _run_to_hybrid(source: Source, job: _Job, write, dtype: torch.dtype, budget: int) -> None:
+    arch, unit, layout = source.arch, job.unit, source.layout
+    if unit.per_expert:
+        n = _expert_chunk(arch, unit, dtype, budget)
+        for e0 in range(0, arch.num_local_experts, n):
+            e1 = min(arch.num_local_experts, e0 + n)
+            chunk = layout.read(source.reader, arch, unit.hf[0], dtype, e0, e1)
+            for name, t in zip(unit.hybrid[e0:e1], unit.to_hybrid(arch, [chunk])):
+                write(name, _cast(t, dtype))
+            del chunk
+        return
+    ins = [layout.read(source.reader, arch, n, dtype) for n in unit.hf]
+    for name, t in zip(unit.hybrid, unit.to_hybrid(arch, ins)):
+        write(name, _cast(t, dtype))
+
+
+def _run_to_hf(source: Source, job: _Job, write, dtype: torch.dtype, layout: Layout, budget: int) -> None:
+    arch, unit = source.arch, job.unit
+    if unit.per_expert:
+        n = _expert_chunk(arch, unit, dtype, budget)
+        stash: dict[str, list[torch.Tensor]] = {}
+        for e0 in range(0, arch.num_local_experts, n):
+            e1 = min(arch.num_local_experts, e0 + n)
+            per_expert = [_read_hybrid(source, name, dtype) for name in unit.hybrid[e0:e1]]
+            (chunk,) = unit.to_hf(arch, per_expert)
+            pieces = layout.store(unit.hf[0], chunk)
+            write(pieces[0][0], _cast(pieces[0][1], dtype))
+            # MXFP4 scales follow their blocks in the file; they are 1/16 of the blocks' size
+            for name, t in pieces[1:]:
+                stash.setdefault(name, []).append(t)
+        for name, chunks in stash.items():
+            for t in chunks:
+                write(name, _cast(t, dtype))
+        return
+    ins = [_read_hybrid(source, n, dtype) for n in unit.hybrid]
+    for canonical, t in zip(unit.hf, unit.to_hf(arch, ins)):
+        for name, piece in layout.store(canonical, t):
+            write(name, _cast(piece, dtype))
+
+
+# --- the command -------------------------------------------------------------------------
+def _prepare_destination(dst: Path, force: bool) -> None:
+    if dst.exists() and not dst.is_dir():
+        raise UsageError(f"{dst}: DST exists and is a file")
+    if dst.exists() and any(dst.iterdir()) and not force:
+        raise UsageError(f"{dst}: DST exists and is not empty", hint="pass --force to replace it")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+
+
+def _check_free_space(dst: Path, needed: int) -> None:
+    free = shutil.disk_usage(dst.parent).free
+    if needed > free:
+        raise CheckpointError(
+            f"{dst.parent}: not enough disk space: the output needs {needed / 1e9:.2f} GB, "
+            f"{free / 1e9:.2f} GB are free",
+            hint="free space or choose another DST",
+        )
+
+
+def _commit(tmp: Path, dst: Path) -> None:
+    """Swap the finished temporary folder into place; an existing DST is only removed after that."""
+    old = None
+    if dst.exists():
+        old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
+        os.replace(dst, old)
+    os.replace(tmp, dst)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def convert(
+    src: str,
+    dst: str | Path,
+    *,
+    experts: str | None = None,
+    dtype: str = "bfloat16",
+    revision: str | None = None,
+    force: bool = False,
+    progress: Progress | None = None,
+    max_shard_bytes: int = 5 * 1024**3,
+    chunk_bytes: int = 128 * 1024**2,
+) -> ConvertResult:
+    """Convert SRC (HF folder or repo id, OpenAI original/, or Hybrid folder) to the other layout at DST."""
+    t0 = time.perf_counter()
+    torch_dtype = parse_dtype(dtype)
+    dst = Path(dst).expanduser()
+    if experts is not None and experts not in EXPERT_FORMS:
+        raise UsageError(f"--experts {experts!r} is not supported; use bf16 or mxfp4")
+    _prepare_destination(dst, force)
+
+    source = open_source(str(src), revision)
+    try:
+        arch = source.arch
+        to_hf = source.kind == HYBRID
+        if to_hf:
+            check_tensors(
+                source, {n: (s, "float") for n, s in hybrid_shapes(arch).items()}, padded_rows=VOCAB_PADDED_HYBRID
+            )
+            out_form = experts or "bf16"
+            if out_form == "mxfp4" and (arch.hidden_size % 32 or arch.intermediate_size % 32):
+                raise UsageError(
+                    f"--experts mxfp4 needs hidden_size and intermediate_size divisible by 32 "
+                    f"(got {arch.hidden_size}, {arch.intermediate_size})"
+                )
+            out_layout = HF_LAYOUTS[out_form]
+            jobs = plan_to_hf(arch, out_layout, torch_dtype)
+            experts_in = "bf16"
+        else:
+            if experts is not None:
+                raise UsageError(
+                    "--experts applies to HF output only; Hybrid checkpoints store one bf16/fp32 tensor per expert"
+                )
+            check_tensors(source, source.layout.stored_specs(arch))
+            jobs = plan_to_hybrid(arch, torch_dtype)
+            out_form = "bf16"
+            experts_in = source.layout.experts_form
+        plan = [spec for job in jobs for spec in job.outputs]
+        total = sum(s.nbytes for s in plan)
+        _check_free_space(dst, total)
+
+        tmp = dst.with_name(f".{dst.name}.partial-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        try:
+            writer = ShardedWriter(
+                tmp,
+                plan,
+                max_shard_bytes=max_shard_bytes,
+                on_bytes=(lambda n: progress.advance(nbytes=n)) if progress else None,
+            )
+            if progress:
+                progress.start(len(plan), total)
+            try:
+                for job in jobs:
+                    if to_hf:
+                        _run_to_hf(source, job, writer.write, torch_dtype, out_layout, chunk_bytes)
+                    else:
+                        _run_to_hybrid(source, job, writer.write, torch_dtype, chunk_bytes)
+                    if progress:
+                        progress.advance(tensors=len(job.outputs))
+                writer.close()
+            except BaseException:
+                writer.abort()
+                raise
+            provenance = {
+                "source": str(src),
+                "revision": revision,
+                "source_format": source.kind,
+                "experts_form": experts_in,
+                "tool": f"gptoss {__version__}",
+                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            }
+            dtype_name = "bfloat16" if torch_dtype == torch.bfloat16 else "float32"
+            if to_hf:
+                config = arch.to_hf_config(experts_form=out_form, torch_dtype=dtype_name)
+                (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+            else:
+                write_hybrid_config(
+                    tmp,
+                    HybridCheckpointConfig(
+                        arch=arch, hybrid_layer_pattern=arch.hybrid_layer_pattern, dtype=dtype_name, provenance=provenance
+                    ),
+                )
+            for name in EXTRA_FILES:
+                if (source.extras_folder / name).is_file():
+                    shutil.copyfile(source.extras_folder / name, tmp / name)
+            _commit(tmp, dst)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    finally:
+        source.close()
+
+    return ConvertResult(
+        direction=f"{source.kind} -> {'hf' if to_hf else 'hybrid'}",
+        source=str(src),
+        revision=revision,
+        destination=str(dst),
+        source_format=source.kind,
+        experts_in=experts_in,
+        experts_out=out_form,
+        dtype="bfloat16" if torch_dtype == torch.bfloat16 else "float32",
+        num_tensors=len(plan),
+        bytes_written=writer.bytes_written,
+        num_shards=len(writer.file_names),
+        seconds=time.perf_counter() - t0,
+        peak_rss_bytes=peak_rss_bytes(),
+        architecture=arch.to_dict(),
+    )
+
+
+__all__ = ["convert", "ConvertResult", "Progress", "plan_to_hf", "plan_to_hybrid", "parse_dtype"]

@@ -1,0 +1,71 @@
+"""The Hybrid checkpoint folder: `hybrid_config.json` (architecture, pattern, provenance) and its reading."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gptoss_cli.errors import CheckpointError, ConfigError
+from gptoss_cli.model.config import GptOssArch
+
+HYBRID_CONFIG = "hybrid_config.json"
+FORMAT_NAME = "gptoss-hybrid"
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class HybridCheckpointConfig:
+    arch: GptOssArch
+    hybrid_layer_pattern: str
+    format_version: int = FORMAT_VERSION
+    dtype: str = "bfloat16"
+    provenance: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT_NAME,
+            "format_version": self.format_version,
+            "hybrid_layer_pattern": self.hybrid_layer_pattern,
+            "num_layers": len(self.hybrid_layer_pattern.replace("[", "").replace("]", "").replace("|", "")),
+            "dtype": self.dtype,
+            "architecture": self.arch.to_dict(),
+            "provenance": self.provenance,
+        }
+
+
+def read_hybrid_config(folder: str | Path) -> HybridCheckpointConfig:
+    """Read and check `hybrid_config.json` of a Hybrid checkpoint folder."""
+    path = Path(folder) / HYBRID_CONFIG
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing; {folder} is not a gptoss Hybrid checkpoint") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
+        raise CheckpointError(f"{path}: 'format' must be {FORMAT_NAME!r}")
+    version = data.get("format_version")
+    if version != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path}: format_version {version!r} is not supported (this gptoss reads {FORMAT_VERSION})"
+        )
+    try:
+        arch = GptOssArch.from_dict(dict(data["architecture"]), source=str(path))
+        pattern = data["hybrid_layer_pattern"]
+    except KeyError as exc:
+        raise CheckpointError(f"{path}: missing field {exc.args[0]!r}") from None
+    except ConfigError as exc:
+        raise CheckpointError(str(exc)) from None
+    return HybridCheckpointConfig(
+        arch=arch,
+        hybrid_layer_pattern=pattern,
+        format_version=version,
+        dtype=data.get("dtype", "bfloat16"),
+        provenance=data.get("provenance", {}),
+    )
+
+
+def write_hybrid_config(folder: Path, cfg: HybridCheckpointConfig) -> None:
+    (Path(folder) / HYBRID_CONFIG).write_text(json.dumps(cfg.to_json(), indent=2) + "\n")

@@ -1,0 +1,88 @@
+"""`gptoss make-tiny`: write a small GPT-OSS HF checkpoint with the real layout, for demos and tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from gptoss_cli.checkpoint.convert import _commit, _prepare_destination, parse_dtype, plan_to_hf
+from gptoss_cli.checkpoint.layouts import HF_LAYOUTS
+from gptoss_cli.checkpoint.mapping import canonical_hf_shapes, units
+from gptoss_cli.checkpoint.safetensors_io import ShardedWriter
+from gptoss_cli.errors import UsageError
+from gptoss_cli.model.config import GptOssArch, preset
+
+
+@dataclass
+class MakeTinyResult:
+    destination: str
+    experts: str
+    seed: int
+    num_tensors: int
+    bytes_written: int
+    architecture: dict
+
+    def to_json(self) -> dict:
+        return self.__dict__.copy()
+
+
+def random_canonical_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """Weights with unit-scale activations (1/sqrt(fan_in)), so that layout bugs change outputs visibly."""
+    t = torch.randn(shape, generator=gen)
+    if name.endswith(("layernorm.weight", "norm.weight")):
+        return 1.0 + 0.1 * t
+    if name.endswith("sinks"):
+        return 0.5 * t
+    if name.endswith("embed_tokens.weight"):
+        return t
+    if name.endswith(("bias", "proj_bias")):
+        return 0.05 * t
+    return t / shape[-1] ** 0.5
+
+
+def make_tiny(
+    dst: str | Path,
+    *,
+    experts: str = "mxfp4",
+    seed: int = 0,
+    arch: GptOssArch | None = None,
+    dtype: str = "bfloat16",
+    force: bool = False,
+    max_shard_bytes: int = 5 * 1024**3,
+) -> MakeTinyResult:
+    arch = arch or preset("tiny")
+    if experts not in HF_LAYOUTS:
+        raise UsageError(f"--experts {experts!r} is not supported; use bf16 or mxfp4")
+    torch_dtype = parse_dtype(dtype)
+    dst = Path(dst).expanduser()
+    _prepare_destination(dst, force)
+    layout = HF_LAYOUTS[experts]
+    gen = torch.Generator().manual_seed(seed)
+    shapes = canonical_hf_shapes(arch)
+    jobs = plan_to_hf(arch, layout, torch_dtype)
+    plan = [s for j in jobs for s in j.outputs]
+    tmp = dst.with_name(f".{dst.name}.partial-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        writer = ShardedWriter(tmp, plan, max_shard_bytes=max_shard_bytes)
+        for unit in units(arch):
+            for canonical in unit.hf:
+                t = random_canonical_tensor(canonical, shapes[canonical], gen).to(torch_dtype)
+                for name, piece in layout.store(canonical, t):
+                    writer.write(name, piece.to(torch_dtype) if piece.is_floating_point() else piece)
+        writer.close()
+        dtype_name = "bfloat16" if torch_dtype == torch.bfloat16 else "float32"
+        (tmp / "config.json").write_text(
+            json.dumps(arch.to_hf_config(experts_form=experts, torch_dtype=dtype_name), indent=2) + "\n"
+        )
+        _commit(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return MakeTinyResult(str(dst), experts, seed, len(plan), writer.bytes_written, arch.to_dict())

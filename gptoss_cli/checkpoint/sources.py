@@ -1,0 +1,192 @@
+"""Finding a checkpoint: a local folder or a Hugging Face repo id, and what kind of checkpoint it holds."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from gptoss_cli.checkpoint.hybrid_format import HYBRID_CONFIG, read_hybrid_config
+from gptoss_cli.checkpoint.layouts import HF_LAYOUTS, OPENAI_ORIGINAL, UINT8, Layout
+from gptoss_cli.checkpoint.safetensors_io import CheckpointReader
+from gptoss_cli.errors import CheckpointError, ConfigError, UsageError
+from gptoss_cli.model.config import GptOssArch
+
+# Files copied alongside the weights in both directions.
+EXTRA_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
+HUB_PATTERNS = ["config.json", "model*.safetensors", "model.safetensors.index.json", *EXTRA_FILES]
+HUB_ORIGINAL_PATTERNS = ["original/config.json", "original/*.safetensors", "original/*.json"]
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+HF = "hf"
+ORIGINAL = "openai-original"
+HYBRID = "hybrid"
+
+
+@dataclass
+class Source:
+    """An opened checkpoint: its kind, architecture, stored layout and a reader over its shards."""
+
+    kind: str
+    origin: str  # what the user passed
+    revision: str | None
+    folder: Path  # the folder holding the weights
+    extras_folder: Path  # where tokenizer files are looked up
+    arch: GptOssArch
+    reader: CheckpointReader
+    layout: Layout | None = None  # for HF and original sources
+    hybrid_layer_pattern: str | None = None  # for Hybrid sources
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+def resolve(src: str, revision: str | None = None) -> tuple[Path, str | None]:
+    """A local folder as is; otherwise a Hugging Face repo id fetched (only the needed files) into the cache."""
+    path = Path(src).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise UsageError(f"{src}: SRC must be a checkpoint folder or a Hugging Face repo id, not a file")
+        return path, revision
+    if not _REPO_ID.match(src):
+        raise UsageError(f"{src}: no such folder, and not a Hugging Face repo id (owner/name)")
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+    except ImportError:  # pragma: no cover - a runtime dependency
+        raise UsageError("huggingface_hub is not installed; pass a local folder") from None
+    try:
+        folder = Path(snapshot_download(src, revision=revision, allow_patterns=HUB_PATTERNS))
+        if not (folder / "config.json").exists() and not list(folder.glob("*.safetensors")):
+            folder = Path(snapshot_download(src, revision=revision, allow_patterns=HUB_ORIGINAL_PATTERNS))
+    except LocalEntryNotFoundError:
+        offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
+        raise UsageError(
+            f"{src}: not found in the Hugging Face cache"
+            + (" and HF_HUB_OFFLINE is set" if offline else " and the Hub could not be reached"),
+            hint="download it once with network access, or pass a local folder",
+        ) from None
+    except RepositoryNotFoundError:
+        raise UsageError(f"{src}: no such Hugging Face repository (or it is private and you are not logged in)") from None
+    except HfHubHTTPError as exc:
+        raise UsageError(f"{src}: Hugging Face Hub error ({exc})") from None
+    except ValueError as exc:  # bad revision strings and the like
+        raise UsageError(f"{src}: {exc}") from None
+    return folder, revision
+
+
+def _load_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    return data
+
+
+def _config_error(exc: ConfigError) -> CheckpointError:
+    return CheckpointError(exc.message, exc.hint)
+
+
+def open_source(src: str, revision: str | None = None) -> Source:
+    """Resolve SRC, detect HF / OpenAI original / Hybrid, read its config and open its shards."""
+    root, revision = resolve(src, revision)
+    if (root / HYBRID_CONFIG).exists():
+        cfg = read_hybrid_config(root)
+        return Source(HYBRID, src, revision, root, root, cfg.arch, CheckpointReader(root),
+                      hybrid_layer_pattern=cfg.hybrid_layer_pattern)
+    config = root / "config.json"
+    if config.exists():
+        data = _load_json(config)
+        if "model_type" in data:
+            try:
+                arch = GptOssArch.from_hf_config(data, source=str(config))
+            except ConfigError as exc:
+                raise _config_error(exc) from None
+            reader = CheckpointReader(root)
+            try:
+                layout = _hf_layout(reader, data, config)
+            except BaseException:
+                reader.close()
+                raise
+            return Source(HF, src, revision, root, root, arch, reader, layout=layout)
+        if "experts_per_token" in data and "num_experts" in data:  # SRC is itself an original/ folder
+            return _open_original(src, revision, root, root.parent)
+        raise CheckpointError(f"{config}: has no model_type; is this a GPT-OSS checkpoint?")
+    if (root / "original" / "config.json").exists():
+        return _open_original(src, revision, root / "original", root)
+    raise CheckpointError(
+        f"{root}: no config.json (HF), original/config.json (OpenAI) or {HYBRID_CONFIG} (Hybrid) found",
+        hint="point SRC at the checkpoint folder",
+    )
+
+
+def _open_original(src: str, revision: str | None, folder: Path, extras: Path) -> Source:
+    config = folder / "config.json"
+    try:
+        arch = GptOssArch.from_openai_config(_load_json(config), source=str(config))
+    except ConfigError as exc:
+        raise _config_error(exc) from None
+    return Source(ORIGINAL, src, revision, folder, extras, arch, CheckpointReader(folder), layout=OPENAI_ORIGINAL)
+
+
+def _hf_layout(reader: CheckpointReader, config: dict, config_path: Path) -> Layout:
+    """The expert form, from the tensors present (never from shapes), cross-checked with quantization_config."""
+    names = set(reader.names())
+    has_mx = any(n.endswith("mlp.experts.gate_up_proj_blocks") for n in names)
+    has_bf16 = any(n.endswith("mlp.experts.gate_up_proj") for n in names)
+    if has_mx and has_bf16:
+        raise CheckpointError(f"{reader.folder}: holds both MXFP4 (*_blocks) and bf16 (gate_up_proj) experts")
+    form = "mxfp4" if has_mx else "bf16"
+    quant = (config.get("quantization_config") or {}).get("quant_method")
+    if quant == "mxfp4" and form != "mxfp4" and has_bf16:
+        raise CheckpointError(
+            f"{config_path}: quantization_config says mxfp4 but the shards hold bf16 gate_up_proj experts",
+            hint="remove quantization_config from config.json or restore the MXFP4 shards",
+        )
+    if quant not in (None, "mxfp4"):
+        raise CheckpointError(f"{config_path}: quantization method {quant!r} is not supported (mxfp4 or none)")
+    return HF_LAYOUTS[form]
+
+
+def check_tensors(source: Source, expected: dict[str, tuple[tuple[int, ...], str]], *, padded_rows: tuple = ()) -> None:
+    """Every expected tensor present with the right shape and dtype kind; nothing unexpected."""
+    present = set(source.reader.names())
+    missing = [n for n in expected if n not in present]
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise CheckpointError(f"{source.folder}: tensor {missing[0]!r} is missing{more} (the config expects it)")
+    unexpected = sorted(n for n in present - set(expected) if not n.endswith("._extra_state"))
+    if unexpected:
+        more = f" and {len(unexpected) - 1} more" if len(unexpected) > 1 else ""
+        raise CheckpointError(
+            f"{source.reader.file_of(unexpected[0])}: unexpected tensor {unexpected[0]!r}{more} "
+            f"(not part of a GPT-OSS {source.kind} checkpoint with this config)"
+        )
+    for name, (shape, kind) in expected.items():
+        spec = source.reader.spec(name)
+        ok_shape = spec.shape == shape or (
+            name in padded_rows and spec.shape[1:] == shape[1:] and spec.shape[0] >= shape[0]
+        )
+        if not ok_shape:
+            raise CheckpointError(
+                f"{source.reader.file_of(name)}: tensor {name!r} has shape {list(spec.shape)}, "
+                f"expected {list(shape)} for this config"
+            )
+        is_float = spec.dtype.is_floating_point
+        if (kind == UINT8 and spec.dtype != torch.uint8) or (kind != UINT8 and not is_float):
+            raise CheckpointError(
+                f"{source.reader.file_of(name)}: tensor {name!r} has dtype {spec.dtype}, expected "
+                + ("uint8 (MXFP4)" if kind == UINT8 else "a floating-point dtype")
+            )
