@@ -1,0 +1,61 @@
+"""`gptoss convert`: parse options, run the conversion, render a summary table or JSON."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from gptoss_cli.cli.app import app, console, handle_errors, write_json
+from gptoss_cli.cli.render import RichProgress, human_bytes
+
+
+@app.command("convert")
+@handle_errors
+def convert_cmd(
+    src: str = typer.Argument(..., help="HF folder or Hugging Face repo id (owner/name), OpenAI original/ folder, or a Hybrid folder."),
+    dst: Path = typer.Argument(..., help="Output folder (written under a temporary name, renamed when complete)."),
+    experts: Optional[str] = typer.Option(None, "--experts", help="Expert form of an HF output: bf16 (default) or mxfp4."),
+    dtype: str = typer.Option("bfloat16", "--dtype", help="dtype of non-expert tensors and dequantized experts: bfloat16 or float32."),
+    revision: Optional[str] = typer.Option(None, "--revision", help="Hub revision (branch, tag or commit) when SRC is a repo id."),
+    force: bool = typer.Option(False, "--force", help="Replace a non-empty DST (only after the new one is complete)."),
+    max_shard_gb: float = typer.Option(5.0, "--max-shard-size", help="Maximum output shard size in GB."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Also write a machine-readable summary to this file."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar and no table."),
+) -> None:
+    """Convert a GPT-OSS checkpoint between Hugging Face and Megatron Hybrid (*E) layouts.
+
+    The direction comes from SRC: an HF checkpoint (config.json, model_type gpt_oss; MXFP4 or bf16
+    experts) or OpenAI's original/ layout becomes a Hybrid checkpoint (HF block i -> layers 2i, 2i+1);
+    a Hybrid checkpoint (hybrid_config.json) becomes an HF one. Memory stays bounded by one tensor
+    group, so 120B converts on a 24 GiB machine.
+
+    Example: gptoss convert openai/gpt-oss-20b ./gpt-oss-20b-hybrid
+    """
+    from gptoss_cli.checkpoint.convert import convert
+
+    with RichProgress(console, "converting", enabled=not quiet) as progress:
+        result = convert(
+            src, dst, experts=experts, dtype=dtype, revision=revision, force=force, progress=progress,
+            max_shard_bytes=int(max_shard_gb * 1e9),
+        )
+    if json_path:
+        write_json(json_path, result.to_json())
+    if quiet:
+        return
+    table = Table(title=f"converted {result.direction}", show_header=False)
+    rows = [
+        ("source", f"{result.source}" + (f" @ {result.revision}" if result.revision else "")),
+        ("destination", result.destination),
+        ("experts", f"{result.experts_in} -> {result.experts_out}"),
+        ("dtype", result.dtype),
+        ("tensors", str(result.num_tensors)),
+        ("written", f"{human_bytes(result.bytes_written)} in {result.num_shards} shard(s)"),
+        ("time", f"{result.seconds:.2f} s ({human_bytes(result.throughput_bytes_per_s)}/s)"),
+        ("peak RSS", human_bytes(result.peak_rss_bytes)),
+    ]
+    for k, v in rows:
+        table.add_row(k, v)
+    console.print(table)

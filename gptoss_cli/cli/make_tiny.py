@@ -1,0 +1,37 @@
+"""`gptoss make-tiny`: write a small GPT-OSS HF checkpoint with the real layout."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from gptoss_cli.cli.app import app, console, handle_errors, write_json
+from gptoss_cli.cli.render import human_bytes
+
+
+@app.command("make-tiny")
+@handle_errors
+def make_tiny_cmd(
+    dst: Path = typer.Argument(..., help="Output folder."),
+    experts: str = typer.Option("mxfp4", "--experts", help="Expert form: mxfp4 (as released) or bf16."),
+    seed: int = typer.Option(0, "--seed", help="Random seed for the weights."),
+    dtype: str = typer.Option("bfloat16", "--dtype", help="bfloat16 or float32 for the float tensors."),
+    force: bool = typer.Option(False, "--force", help="Replace a non-empty DST."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Also write a machine-readable summary."),
+) -> None:
+    """Write a tiny GPT-OSS checkpoint (3 blocks, 4 experts, hidden 64, intermediate 96, 6 q / 2 kv heads,
+    vocab 1003) in the real Hugging Face layout, for quickstarts, demos and tests.
+
+    Example: gptoss make-tiny /tmp/tiny --experts mxfp4 && gptoss convert /tmp/tiny /tmp/tiny-hybrid
+    """
+    from gptoss_cli.checkpoint.make_tiny import make_tiny
+
+    result = make_tiny(dst, experts=experts, seed=seed, dtype=dtype, force=force)
+    if json_path:
+        write_json(json_path, result.to_json())
+    console.print(
+        f"wrote tiny GPT-OSS checkpoint to [bold]{result.destination}[/] "
+        f"({result.experts} experts, {result.num_tensors} tensors, {human_bytes(result.bytes_written)})"
+    )
