@@ -1,0 +1,162 @@
+"""Process groups for data parallel x expert parallel, built on a torch DeviceMesh.
+
+Layout (Megatron's, `gpt-oss-reference.md` section 5): EP is carved out of data parallel, so
+dense parameters are replicated over every rank (their data-parallel group is the whole world)
+and experts are split over the `ep` mesh dimension; the ranks holding the same experts form the
+expert-data-parallel group of size world / EP. Ranks of one EP group are consecutive, so on a
+multi-GPU node the all-to-all stays inside the node.
+
+A single process without torch.distributed gets a `ParallelState` whose groups are None; every
+collective helper in this package is a no-op then, so the same code trains on one CPU.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gptoss_cli.errors import ConfigError
+
+
+@dataclass
+class ParallelState:
+    """Who this rank is in DP x EP and the process groups it talks to."""
+
+    world_size: int = 1
+    rank: int = 0
+    ep_size: int = 1
+    ep_rank: int = 0
+    expert_dp_size: int = 1
+    expert_dp_rank: int = 0
+    device: torch.device = torch.device("cpu")
+    mesh: Any = None  # torch.distributed.device_mesh.DeviceMesh when distributed
+    dp_group: Any = None  # dense parameters: the whole world
+    ep_group: Any = None
+    expert_dp_group: Any = None
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    def local_expert_range(self, num_experts: int) -> tuple[int, int]:
+        """(expert_offset, num_local_experts) of this rank's contiguous block of global experts."""
+        if num_experts % self.ep_size:
+            raise ConfigError(
+                f"num_local_experts={num_experts} is not divisible by expert_model_parallel_size={self.ep_size}",
+                hint="choose an EP size that divides the number of experts",
+            )
+        n = num_experts // self.ep_size
+        return self.ep_rank * n, n
+
+
+def torchrun_env() -> dict[str, int] | None:
+    """RANK/WORLD_SIZE/LOCAL_RANK when this process was started by torchrun or our launcher."""
+    if all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):
+        return {k: int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    return None
+
+
+def pick_device(device: str = "auto") -> torch.device:
+    """The device this rank trains on: CUDA (local rank's GPU) when asked for or available, else CPU."""
+    env = torchrun_env()
+    local_rank = env["LOCAL_RANK"] if env else 0
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("device=cuda but no CUDA device is visible", hint="use device=cpu")
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    if device != "cpu":
+        raise ConfigError(f"device={device!r} is not one of auto, cuda, cpu")
+    return torch.device("cpu")
+
+
+def init_parallel(ep_size: int = 1, device: str | torch.device = "auto", timeout_s: float = 600.0) -> ParallelState:
+    """Join the process group (NCCL on CUDA, gloo on CPU) and build the (expert_dp, ep) mesh."""
+    dev = device if isinstance(device, torch.device) else pick_device(device)
+    env = torchrun_env()
+    world = env["WORLD_SIZE"] if env else 1
+    if ep_size < 1 or world % ep_size:
+        raise ConfigError(
+            f"expert_model_parallel_size={ep_size} does not divide the world size {world}",
+            hint="use a world size that is a multiple of the EP size",
+        )
+    if world == 1:
+        return ParallelState(ep_size=ep_size, device=dev) if ep_size == 1 else _single_rank_error(ep_size)
+    if not dist.is_initialized():
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+        kwargs: dict[str, Any] = {"backend": backend, "timeout": timedelta(seconds=timeout_s)}
+        if dev.type == "cuda":
+            kwargs["device_id"] = dev
+        dist.init_process_group(**kwargs)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(dev.type, (world // ep_size, ep_size), mesh_dim_names=("expert_dp", "ep"))
+    rank = dist.get_rank()
+    return ParallelState(
+        world_size=world,
+        rank=rank,
+        ep_size=ep_size,
+        ep_rank=mesh["ep"].get_local_rank(),
+        expert_dp_size=world // ep_size,
+        expert_dp_rank=mesh["expert_dp"].get_local_rank(),
+        device=dev,
+        mesh=mesh,
+        dp_group=dist.group.WORLD,
+        ep_group=mesh.get_group("ep"),
+        expert_dp_group=mesh.get_group("expert_dp"),
+    )
+
+
+def _single_rank_error(ep_size: int) -> ParallelState:
+    raise ConfigError(
+        f"expert_model_parallel_size={ep_size} needs at least {ep_size} processes, got 1",
+        hint=f"pass --nproc-per-node {ep_size} (or a multiple of it)",
+    )
+
+
+def destroy_parallel() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# --- collectives that are no-ops without a group ---------------------------------------------
+def group_size(group: Any) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def all_reduce(tensor: torch.Tensor, group: Any, op: Any = None) -> torch.Tensor:
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM, group=group)
+    return tensor
+
+
+def broadcast(tensor: torch.Tensor, src_group_rank: int, group: Any) -> torch.Tensor:
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.broadcast(tensor, src=dist.get_global_rank(group, src_group_rank), group=group)
+    return tensor
+
+
+def barrier(group: Any = None) -> None:
+    if dist.is_initialized():
+        dist.barrier(group=group)
+
+
+__all__ = [
+    "ParallelState", "init_parallel", "destroy_parallel", "pick_device", "torchrun_env",
+    "all_reduce", "broadcast", "barrier", "group_size",
+]

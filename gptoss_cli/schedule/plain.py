@@ -1,0 +1,68 @@
+"""The plain microbatch schedule (no pipelining): forward+backward each microbatch, finalise once.
+
+Like Megatron's `forward_backward_no_pipelining`, the callbacks come from the model's own runtime
+config, looked up through wrappers with `get_model_config(model)`; the gradient reduction is
+deferred (inside `no_sync_func`) for all but the last microbatch, and `finalize_model_grads_func`
+runs exactly once per training step, after the last backward, never in forward-only evaluation.
+
+Contract of `forward_step_func(data_iterator, model)`: returns `(loss_sum, num_tokens, logs)`
+where `loss_sum` is the loss summed (not averaged) over the microbatch's tokens, so that the
+finaliser can normalise by the tokens of the whole global batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+from gptoss_cli.errors import TrainingError
+from gptoss_cli.parallel.grads import get_model_config
+
+ForwardStep = Callable[[Iterator[Any], nn.Module], "tuple[torch.Tensor, torch.Tensor, dict[str, Any]]"]
+
+
+def forward_backward_no_pipelining(
+    *,
+    forward_step_func: ForwardStep,
+    data_iterator: Iterator[Any],
+    model: nn.Module,
+    num_microbatches: int,
+    forward_only: bool = False,
+) -> list[dict[str, Any]]:
+    """Run `num_microbatches` microbatches; returns one log dict per microbatch (with loss_sum, num_tokens)."""
+    config = get_model_config(model)
+    finalize = getattr(config, "finalize_model_grads_func", None)
+    if not forward_only and finalize is None:
+        # Megatron skips a missing finaliser silently; that trains on unreduced gradients.
+        raise TrainingError(
+            "the model's config has no finalize_model_grads_func, gradients would not be reduced",
+            hint="install the training callbacks on get_model_config(model), not on the provider's config",
+        )
+    no_sync = getattr(config, "no_sync_func", None) or contextlib.nullcontext
+    grad_scale = getattr(config, "grad_scale_func", None)
+    total_tokens = torch.zeros((), dtype=torch.float32)
+    logs: list[dict[str, Any]] = []
+
+    def one_microbatch() -> None:
+        nonlocal total_tokens
+        with torch.no_grad() if forward_only else contextlib.nullcontext():
+            loss_sum, num_tokens, extra = forward_step_func(data_iterator, model)
+        if not forward_only:
+            (grad_scale(loss_sum) if grad_scale is not None else loss_sum).backward()
+        total_tokens = total_tokens + num_tokens.detach().float().cpu()
+        logs.append({"loss_sum": loss_sum.detach(), "num_tokens": num_tokens.detach(), **extra})
+
+    with no_sync():
+        for _ in range(num_microbatches - 1):
+            one_microbatch()
+    one_microbatch()
+
+    if not forward_only:
+        finalize([model], total_tokens)
+    return logs
+
+
+__all__ = ["forward_backward_no_pipelining"]

@@ -1,0 +1,186 @@
+"""Training data: a deterministic learnable mock source and memory-mapped token files, sharded by DP rank.
+
+Token file format (what `gptoss prepare-data` writes), for a prefix OUT:
+  OUT.bin   the tokens of all documents back to back, each document followed by the EOS id,
+            as raw little-endian unsigned integers (uint16 when the vocabulary fits, else uint32);
+  OUT.json  the header: {"format": "gptoss-tokens", "version": 1, "dtype": "uint16"|"uint32",
+            "num_tokens": N, "num_documents": D, "vocab_size": V, "eos_token_id": id,
+            "tokenizer": path, "sources": [...]}.
+Sample i of a file is the window tokens[i*S : i*S + S + 1] (inputs = first S, labels = last S), so
+a file of N tokens holds (N - 1) // S samples; epochs reshuffle the sample order with the seed.
+
+Sharding: the global batch of step s is samples [c, c + G) where c = consumed samples before the
+step; DP rank r takes the contiguous slice [c + r*G/dp, c + (r+1)*G/dp) in microbatches of
+`micro_batch_size`. The union over ranks is the same whatever the DP size, which is what makes a
+DP=2 run equal a DP=1 run with gradient accumulation. The position (consumed samples) is saved in
+the checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from gptoss_cli.errors import ConfigError
+
+TOKEN_FORMAT = "gptoss-tokens"
+TOKEN_FORMAT_VERSION = 1
+TOKEN_DTYPES = {"uint16": torch.uint16, "uint32": torch.uint32, "int32": torch.int32, "int64": torch.int64}
+
+
+class MockSource:
+    """Deterministic sequences that a model can learn, so the loss visibly falls.
+
+    Sample i starts at a seeded random token of a small sub-vocabulary and then follows a fixed
+    successor map (next = (3 * cur + 1) mod M): after learning that bigram table the next token is
+    fully predictable. Identical for every process and every layout.
+    """
+
+    def __init__(self, vocab_size: int, seq_length: int, seed: int):
+        self.modulus = max(2, min(vocab_size, 128))
+        self.seq_length = seq_length
+        self.seed = seed
+        self.num_samples = 1 << 62  # unbounded
+
+    def sample(self, index: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        start = int(torch.randint(0, self.modulus, (1,), generator=g))
+        out = torch.empty(self.seq_length + 1, dtype=torch.long)
+        cur = start
+        for t in range(self.seq_length + 1):
+            out[t] = cur
+            cur = (3 * cur + 1) % self.modulus
+        return out
+
+
+def token_file_paths(path: str | Path) -> tuple[Path, Path]:
+    """(tokens .bin, header .json) for a prefix, a .bin path or a .json path."""
+    p = Path(path)
+    if p.suffix in (".bin", ".json"):
+        p = p.with_suffix("")
+    return p.with_suffix(".bin"), p.with_suffix(".json")
+
+
+def read_token_header(path: str | Path) -> dict[str, Any]:
+    bin_path, json_path = token_file_paths(path)
+    if not json_path.is_file():
+        raise ConfigError(f"token file header {json_path} not found", hint="create the files with `gptoss prepare-data`")
+    try:
+        header = json.loads(json_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{json_path}: not JSON ({exc.msg} at line {exc.lineno})") from None
+    if header.get("format") != TOKEN_FORMAT or header.get("dtype") not in TOKEN_DTYPES:
+        raise ConfigError(
+            f"{json_path}: not a gptoss token header (format={header.get('format')!r}, dtype={header.get('dtype')!r})",
+            hint="create the files with `gptoss prepare-data`",
+        )
+    return header
+
+
+class TokenFileSource:
+    """Windows of S+1 tokens from a memory-mapped token file (see the module docstring)."""
+
+    def __init__(self, path: str | Path, seq_length: int, seed: int, vocab_size: int | None = None):
+        bin_path, json_path = token_file_paths(path)
+        header = read_token_header(path)
+        if not bin_path.is_file():
+            raise ConfigError(f"token file {bin_path} not found", hint="create it with `gptoss prepare-data`")
+        dtype = TOKEN_DTYPES[header["dtype"]]
+        itemsize = dtype.itemsize
+        size = bin_path.stat().st_size
+        if size % itemsize or size // itemsize != header.get("num_tokens", size // itemsize):
+            raise ConfigError(
+                f"{bin_path}: {size} bytes do not hold the {header.get('num_tokens')} {header['dtype']} tokens "
+                f"that {json_path.name} announces",
+                hint="re-create the files with `gptoss prepare-data`",
+            )
+        # Memory-mapped, copy-on-write (shared=False): pages are read on demand, the file is never written.
+        # The file is little-endian; every platform torch supports for training is too.
+        self.tokens = torch.from_file(str(bin_path), shared=False, size=size // itemsize, dtype=dtype)
+        self.seq_length = seq_length
+        self.seed = seed
+        self.num_samples = (len(self.tokens) - 1) // seq_length
+        if self.num_samples < 1:
+            raise ConfigError(
+                f"{bin_path}: {len(self.tokens)} tokens are fewer than one sample of seq_length+1={seq_length + 1}",
+                hint="use more text or a smaller training.seq_length",
+            )
+        hv = header.get("vocab_size")
+        if vocab_size is not None and hv is not None and hv > vocab_size:
+            raise ConfigError(
+                f"{json_path}: tokenizer vocabulary {hv} exceeds the model's vocab_size {vocab_size}",
+                hint="tokenize with the model's own tokenizer.json",
+            )
+        self._perm_epoch = -1
+        self._perm: torch.Tensor | None = None
+
+    def sample(self, index: int) -> torch.Tensor:
+        epoch, i = divmod(index, self.num_samples)
+        if epoch != self._perm_epoch:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._perm = torch.randperm(self.num_samples, generator=g)
+            self._perm_epoch = epoch
+        j = int(self._perm[i])
+        window = self.tokens[j * self.seq_length : j * self.seq_length + self.seq_length + 1]
+        return window.to(torch.int64)
+
+
+@dataclass
+class Microbatch:
+    tokens: torch.Tensor  # [mbs, S] inputs
+    labels: torch.Tensor  # [mbs, S] next tokens
+
+
+class DataLoaderState:
+    """This rank's microbatches of each global batch; `consumed_samples` is the resumable position."""
+
+    def __init__(self, source: Any, *, global_batch_size: int, micro_batch_size: int, dp_rank: int, dp_size: int,
+                 consumed_samples: int = 0, device: torch.device | None = None):
+        if global_batch_size % (micro_batch_size * dp_size):
+            raise ConfigError(
+                f"training.global_batch_size={global_batch_size} is not a multiple of micro_batch_size x "
+                f"data-parallel size = {micro_batch_size} x {dp_size}",
+                hint="make global_batch_size a multiple of micro_batch_size x world size",
+            )
+        self.source = source
+        self.global_batch_size = global_batch_size
+        self.micro_batch_size = micro_batch_size
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.num_microbatches = global_batch_size // (micro_batch_size * dp_size)
+        self.consumed_samples = consumed_samples
+        self.device = device or torch.device("cpu")
+
+    def step_iterator(self) -> Iterator[Microbatch]:
+        """The microbatches of the next global batch for this rank; advances the position."""
+        base = self.consumed_samples + self.dp_rank * self.num_microbatches * self.micro_batch_size
+        self.consumed_samples += self.global_batch_size
+        return self._iter(base)
+
+    def _iter(self, base: int) -> Iterator[Microbatch]:
+        for m in range(self.num_microbatches):
+            rows = [self.source.sample(base + m * self.micro_batch_size + j) for j in range(self.micro_batch_size)]
+            batch = torch.stack(rows).to(self.device)
+            yield Microbatch(tokens=batch[:, :-1].contiguous(), labels=batch[:, 1:].contiguous())
+
+    def state_dict(self) -> dict[str, int]:
+        return {"consumed_samples": self.consumed_samples}
+
+
+def build_source(kind: str, *, path: str | None, seq_length: int, seed: int, vocab_size: int) -> Any:
+    if kind == "mock":
+        return MockSource(vocab_size, seq_length, seed)
+    if kind == "tokens":
+        if not path:
+            raise ConfigError("data.kind=tokens needs data.path", hint="set data.path=<prefix from gptoss prepare-data>")
+        return TokenFileSource(path, seq_length, seed, vocab_size)
+    raise ConfigError(f"data.kind={kind!r} is not one of mock, tokens")
+
+
+__all__ = [
+    "MockSource", "TokenFileSource", "DataLoaderState", "Microbatch", "build_source", "read_token_header",
+    "token_file_paths", "TOKEN_FORMAT", "TOKEN_FORMAT_VERSION",
+]

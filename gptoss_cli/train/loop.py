@@ -1,0 +1,257 @@
+"""The training loop of one rank: setup, resume, steps through the selected schedule, checkpoints, metrics.
+
+`TrainPlan` is everything a worker needs, resolved from the recipe in the launching process (it
+is plain, picklable data). `run_worker(plan, progress)` joins the process group, trains and returns
+a `TrainResult`; only rank 0 calls `progress(event)` (the CLI renders it), every rank's metrics go
+to `<run_dir>/metrics.jsonl` (written by rank 0 from an all-gather, one line per rank and step).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from gptoss_cli.errors import TrainingError
+from gptoss_cli.model.config import GptOssArch
+from gptoss_cli.parallel.grads import get_model_config
+from gptoss_cli.parallel.state import ParallelState, barrier, destroy_parallel, init_parallel
+from gptoss_cli.schedule import get_forward_backward_func
+from gptoss_cli.train.checkpointing import latest_checkpoint, load_checkpoint, save_checkpoint
+from gptoss_cli.train.data import DataLoaderState, Microbatch, build_source
+from gptoss_cli.train.optimizer import WarmupCosineLR
+from gptoss_cli.train.provider import HybridModelProvider, ModelRuntimeConfig
+from gptoss_cli.train.setup import OptimizerSettings, setup_model_and_optimizer
+
+IGNORE_INDEX = -100
+Progress = Callable[[dict[str, Any]], None]
+
+
+@dataclass
+class TrainPlan:
+    """A resolved training run (from a recipe; see `plan_from_recipe`)."""
+
+    name: str
+    arch: GptOssArch
+    hybrid_layer_pattern: str
+    run_dir: str
+    ep_size: int = 1
+    device: str = "auto"
+    params_dtype: str = "fp32"
+    aux_loss_coeff: float = 0.0
+    overlap_moe_expert_parallel_comm: bool = False
+    delay_wgrad_compute: bool = False
+    seq_length: int = 64
+    micro_batch_size: int = 1
+    global_batch_size: int = 8
+    train_iters: int = 10
+    lr: float = 3e-4
+    min_lr: float = 3e-5
+    warmup_iters: int = 0
+    lr_decay_style: str = "cosine"
+    lr_decay_iters: int | None = None
+    seed: int = 1234
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    clip_grad: float = 1.0
+    use_distributed_optimizer: bool = True
+    data_kind: str = "mock"
+    data_path: str | None = None
+    checkpoint_dir: str | None = None
+    save_interval: int | None = None
+    resume: bool = True
+    pretrained: str | None = None
+    log_interval: int = 1
+    recipe: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class TrainResult:
+    steps: int  # optimizer steps done by this run
+    final_step: int  # global step count reached
+    losses: list[float]
+    grad_norms: list[float]
+    tokens_per_s: float
+    run_dir: str
+    checkpoint: str | None
+    resumed_from: str | None
+    world_size: int
+    ep_size: int
+
+
+def forward_step(data_iterator: Iterator[Microbatch], model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """One microbatch: summed token cross-entropy (+ aux loss scaled by the microbatch's tokens)."""
+    mb = next(data_iterator)
+    out = model(mb.tokens)
+    logits = out.logits
+    lm_sum = F.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]), mb.labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+    num_tokens = (mb.labels != IGNORE_INDEX).sum()
+    loss_sum = lm_sum
+    logs: dict[str, Any] = {"lm_loss_sum": lm_sum.detach()}
+    coeff = get_model_config(model).aux_loss_coeff
+    if out.aux_loss is not None and coeff > 0:
+        # The aux loss is a per-microbatch mean; weighting it by the microbatch's tokens keeps the
+        # global per-token normalisation in finalize_model_grads exact.
+        loss_sum = lm_sum + coeff * out.aux_loss * num_tokens
+        logs["aux_loss"] = out.aux_loss.detach()
+    return loss_sum, num_tokens, logs
+
+
+def _seed_all(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+class MetricsWriter:
+    """Rank 0 appends one JSON line per rank and step to metrics.jsonl (gathered from all ranks)."""
+
+    FIELDS = ("lm_loss_sum", "num_tokens", "step_time_s")
+
+    def __init__(self, run_dir: Path, state: ParallelState):
+        self.state = state
+        self.path = run_dir / "metrics.jsonl"
+        if state.rank == 0:
+            run_dir.mkdir(parents=True, exist_ok=True)
+
+    def write(self, step: int, common: dict[str, Any], local: list[float]) -> None:
+        row = torch.tensor(local, dtype=torch.float64, device=self.state.device)
+        if self.state.distributed:
+            rows = torch.empty((self.state.world_size, len(local)), dtype=torch.float64, device=self.state.device)
+            dist.all_gather_into_tensor(rows, row)
+        else:
+            rows = row[None]
+        if self.state.rank != 0:
+            return
+        with self.path.open("a") as fh:
+            for r, values in enumerate(rows.tolist()):
+                local_d = dict(zip(self.FIELDS, values))
+                local_loss = local_d["lm_loss_sum"] / max(local_d["num_tokens"], 1)
+                fh.write(json.dumps({"step": step, "rank": r, **common, "rank_loss": local_loss,
+                                     "rank_tokens": int(local_d["num_tokens"]),
+                                     "rank_step_time_s": local_d["step_time_s"]}) + "\n")
+
+
+def run_worker(plan: TrainPlan, progress: Progress | None = None) -> TrainResult:
+    """Train on this process (rank from the torchrun environment, or a single process)."""
+    if os.environ.get("OMP_NUM_THREADS") is None and "LOCAL_WORLD_SIZE" in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
+    state = init_parallel(plan.ep_size, plan.device)
+    try:
+        return _train(plan, state, progress)
+    finally:
+        destroy_parallel()
+
+
+def _train(plan: TrainPlan, state: ParallelState, progress: Progress | None) -> TrainResult:
+    _seed_all(plan.seed)
+    run_dir = Path(plan.run_dir)
+    runtime = ModelRuntimeConfig(
+        arch=plan.arch, hybrid_layer_pattern=plan.hybrid_layer_pattern, params_dtype=plan.params_dtype,
+        aux_loss_coeff=plan.aux_loss_coeff, expert_model_parallel_size=plan.ep_size,
+        overlap_moe_expert_parallel_comm=plan.overlap_moe_expert_parallel_comm,
+        delay_wgrad_compute=plan.delay_wgrad_compute,
+    )
+    provider = HybridModelProvider(runtime, seed=plan.seed, weights=plan.pretrained)
+    settings = OptimizerSettings(
+        lr=plan.lr, weight_decay=plan.weight_decay, betas=plan.betas, eps=plan.eps, clip_grad=plan.clip_grad,
+        use_distributed_optimizer=plan.use_distributed_optimizer,
+    )
+    setup = setup_model_and_optimizer(provider, state, settings)
+    model, optimizer = setup.model, setup.optimizer
+    model.train()
+    lr_schedule = WarmupCosineLR(plan.lr, plan.min_lr, plan.warmup_iters, plan.lr_decay_iters or plan.train_iters,
+                                 plan.lr_decay_style)
+    source = build_source(plan.data_kind, path=plan.data_path, seq_length=plan.seq_length, seed=plan.seed,
+                          vocab_size=plan.arch.vocab_size)
+    data = DataLoaderState(source, global_batch_size=plan.global_batch_size, micro_batch_size=plan.micro_batch_size,
+                           dp_rank=state.dp_rank, dp_size=state.dp_size, device=state.device)
+
+    start_step, resumed_from = 0, None
+    if plan.checkpoint_dir and plan.resume:
+        folder = latest_checkpoint(plan.checkpoint_dir)
+        if folder is not None:
+            meta = load_checkpoint(folder, model=model.module, optimizer=optimizer, state=state)
+            start_step = int(meta["step"])
+            data.consumed_samples = int(meta["consumed_samples"])
+            resumed_from = str(folder)
+    if state.rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "recipe.json").write_text(json.dumps(plan.recipe, indent=2, default=str) + "\n")
+    metrics = MetricsWriter(run_dir, state)
+    schedule = get_forward_backward_func(setup.config)
+    emit = progress if (progress is not None and state.rank == 0) else None
+    if emit:
+        emit({"kind": "start", "start_step": start_step, "train_iters": plan.train_iters, "world_size": state.world_size,
+              "ep_size": state.ep_size, "resumed_from": resumed_from})
+
+    losses: list[float] = []
+    norms: list[float] = []
+    tokens_total, time_total = 0.0, 0.0
+    last_ckpt = None
+    for step in range(start_step, plan.train_iters):
+        t0 = time.perf_counter()
+        model.zero_grad_buffer()
+        logs = schedule(forward_step_func=forward_step, data_iterator=data.step_iterator(), model=model,
+                        num_microbatches=data.num_microbatches, forward_only=False)
+        local = torch.stack([sum(l["lm_loss_sum"].float() for l in logs),
+                             sum(l["num_tokens"].float() for l in logs)]).to(torch.float64)
+        totals = local.clone()
+        if state.distributed:
+            dist.all_reduce(totals, group=state.dp_group)
+        loss = float(totals[0] / totals[1])
+        if not math.isfinite(loss):
+            raise TrainingError(
+                f"loss is {loss} at step {step + 1}; stopping before the optimizer step (no checkpoint of this state)",
+                hint="lower training.lr, enable optimizer.clip_grad, or check the data",
+            )
+        lr = lr_schedule.lr_at(step)
+        grad_norm = optimizer.step(lr)
+        if state.device.type == "cuda":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        tokens = float(totals[1])
+        tokens_total += tokens
+        time_total += dt
+        losses.append(loss)
+        norms.append(grad_norm)
+        done = step + 1
+        common = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens / dt,
+                  "step_time_s": dt, "consumed_samples": data.consumed_samples}
+        metrics.write(done, common, [float(local[0]), float(local[1]), dt])
+        if emit and (done % plan.log_interval == 0 or done == plan.train_iters):
+            emit({"kind": "step", "step": done, **common})
+        if plan.checkpoint_dir and (
+            done == plan.train_iters or (plan.save_interval and done % plan.save_interval == 0)
+        ):
+            last_ckpt = save_checkpoint(
+                plan.checkpoint_dir, step=done, model=model.module, optimizer=optimizer, state=state,
+                train_state={"consumed_samples": data.consumed_samples, "lr_schedule": lr_schedule.state_dict(),
+                             "name": plan.name},
+            )
+            if emit:
+                emit({"kind": "checkpoint", "step": done, "path": str(last_ckpt)})
+    barrier()
+    result = TrainResult(
+        steps=len(losses), final_step=max(start_step, plan.train_iters), losses=losses, grad_norms=norms,
+        tokens_per_s=(tokens_total / time_total) if time_total else 0.0, run_dir=str(run_dir),
+        checkpoint=str(last_ckpt) if last_ckpt else None, resumed_from=resumed_from,
+        world_size=state.world_size, ep_size=state.ep_size,
+    )
+    if emit:
+        emit({"kind": "end", **asdict(result)})
+    return result
+
+
+__all__ = ["TrainPlan", "TrainResult", "run_worker", "forward_step", "MetricsWriter"]

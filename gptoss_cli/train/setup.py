@@ -1,0 +1,63 @@
+"""Training setup: build the model from its provider, wrap it, build the optimizer, install callbacks.
+
+The callbacks (`finalize_model_grads_func`, `grad_scale_func`, `no_sync_func`) go on the config
+the schedule reads, `get_model_config(model)`: the built model's own config, which a provider may
+have deep-copied. Installing them on the provider's config is the silent-skip bug of
+`gpt-oss-reference.md` section 5 (and the field report on callbacks on the runtime config).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from gptoss_cli.parallel import grads
+from gptoss_cli.parallel.grads import GradAccumulatingModel, get_model_config
+from gptoss_cli.parallel.state import ParallelState
+from gptoss_cli.train.optimizer import DistributedAdamW
+
+
+@dataclass
+class OptimizerSettings:
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    clip_grad: float = 0.0
+    use_distributed_optimizer: bool = True
+
+
+@dataclass
+class TrainingSetup:
+    model: GradAccumulatingModel
+    optimizer: DistributedAdamW
+    config: Any  # the runtime config the schedule reads, with the callbacks installed
+
+
+def install_training_callbacks(model: nn.Module, state: ParallelState) -> Any:
+    """Install the training callbacks on the runtime config of the BUILT model; returns that config."""
+    config = get_model_config(model)
+    # Looked up through the module at call time so a test can observe the real call.
+    config.finalize_model_grads_func = functools.partial(grads.finalize_model_grads, parallel_state=state)
+    # fp32/bf16 need no loss scaling; fp16 dynamic loss scaling would install its scaler here.
+    config.grad_scale_func = None
+    config.no_sync_func = model.no_sync if hasattr(model, "no_sync") else None
+    return config
+
+
+def setup_model_and_optimizer(provider: Any, state: ParallelState, settings: OptimizerSettings) -> TrainingSetup:
+    """provider.provide(state) -> gradient-buffer wrapper -> distributed AdamW -> callbacks."""
+    built = provider.provide(state)
+    model = GradAccumulatingModel(built, state)
+    optimizer = DistributedAdamW(
+        model, state, lr=settings.lr, weight_decay=settings.weight_decay, betas=settings.betas,
+        eps=settings.eps, clip_grad=settings.clip_grad, distributed=settings.use_distributed_optimizer,
+    )
+    config = install_training_callbacks(model, state)
+    return TrainingSetup(model=model, optimizer=optimizer, config=config)
+
+
+__all__ = ["OptimizerSettings", "TrainingSetup", "install_training_callbacks", "setup_model_and_optimizer"]
