@@ -112,6 +112,29 @@ def init_weights_(module: nn.Module, std: float) -> None:
                 p.normal_(0.0, std)
 
 
+def _copy_checked(dest: torch.Tensor, src: torch.Tensor, name: str, folder) -> None:
+    if tuple(src.shape) != tuple(dest.shape):
+        raise CheckpointError(f"{folder}: tensor {name} has shape {list(src.shape)}, the model expects {list(dest.shape)}")
+    dest.copy_(src)
+
+
+# Megatron pads these to a multiple of 128*TP rows (section 4); only the first vocab_size rows are real.
+VOCAB_PADDED = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def read_hybrid_tensor(reader, name: str, shape: tuple[int, ...], arch: GptOssArch) -> torch.Tensor:
+    """Read `name` from a Hybrid checkpoint, checking its shape (vocabulary padding is stripped)."""
+    stored = tuple(reader.shape(name))
+    if name in VOCAB_PADDED and stored[1:] == shape[1:] and stored[0] >= shape[0]:
+        return reader.read(name, 0, shape[0])
+    if stored != shape:
+        raise CheckpointError(
+            f"{reader.file_of(name)}: tensor {name} has shape {list(stored)}, the model expects {list(shape)}",
+            hint="hybrid_config.json does not describe these tensors",
+        )
+    return reader.read(name)
+
+
 class HybridModel(nn.Module):
     """GPT-OSS as a Hybrid layer stack.
 
@@ -272,14 +295,74 @@ class HybridModel(nn.Module):
                 )
             with torch.no_grad():
                 for name, dest in self.named_checkpoint_slots():
-                    shape = tuple(reader.shape(name))
-                    if shape != tuple(dest.shape):
-                        raise CheckpointError(
-                            f"{folder}: tensor {name} has shape {list(shape)}, the model expects {list(dest.shape)}"
-                        )
-                    dest.copy_(reader.read(name))
+                    dest.copy_(read_hybrid_tensor(reader, name, tuple(dest.shape), self.arch))
                     if progress is not None:
                         progress(name)
+
+    def load_hf_tensors(self, folder: str | Path, progress: Callable[[str], None] | None = None) -> None:
+        """Fill every parameter from an HF GPT-OSS folder (bf16 or MXFP4 experts) through the mapping
+        table, one table unit at a time (experts in chunks), so memory stays at one unit."""
+        from gptoss_cli.checkpoint.mapping import units
+        from gptoss_cli.checkpoint.sources import HF, check_tensors, open_source
+
+        if self.pattern.layers != tuple(self.arch.hybrid_layer_pattern):
+            raise ConfigError(
+                f"an HF checkpoint maps onto the pattern {self.arch.hybrid_layer_pattern!r}, not {self.pattern.text!r}"
+            )
+        source = open_source(str(folder))
+        try:
+            if source.kind != HF:
+                raise CheckpointError(f"{folder}: is a {source.kind} checkpoint, not a Hugging Face one")
+            if source.arch != self.arch:
+                raise CheckpointError(f"{folder}: config.json describes a different architecture than this model")
+            check_tensors(source, source.layout.stored_specs(self.arch))
+            slots = dict(self.named_checkpoint_slots(all_experts=True))
+            dtype = self.output_layer.weight.dtype
+            chunk = 8
+            with torch.no_grad():
+                for unit in units(self.arch):
+                    if unit.per_expert:
+                        for e0 in range(0, self.arch.num_local_experts, chunk):
+                            names = unit.hybrid[e0:e0 + chunk]
+                            if all(slots[n] is None for n in names):
+                                continue  # experts another rank holds
+                            e1 = e0 + len(names)
+                            stack = source.layout.read(source.reader, self.arch, unit.hf[0], dtype, e0, e1)
+                            for name, t in zip(names, unit.to_hybrid(self.arch, [stack])):
+                                if slots[name] is not None:
+                                    _copy_checked(slots[name], t, name, folder)
+                        continue
+                    ins = [source.layout.read(source.reader, self.arch, n, dtype) for n in unit.hf]
+                    for name, t in zip(unit.hybrid, unit.to_hybrid(self.arch, ins)):
+                        _copy_checked(slots[name], t, name, folder)
+                    if progress is not None:
+                        progress(", ".join(unit.hf))
+        finally:
+            source.close()
+
+    @classmethod
+    def from_hf_checkpoint(
+        cls,
+        folder: str | Path,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        **kwargs,
+    ) -> "HybridModel":
+        """Build from an HF GPT-OSS folder's config.json and load it through the mapping (streaming)."""
+        from gptoss_cli.checkpoint.sources import HF, open_source
+
+        source = open_source(str(folder))
+        try:
+            if source.kind != HF:
+                raise CheckpointError(f"{folder}: is a {source.kind} checkpoint, not a Hugging Face one")
+            arch = source.arch
+        finally:
+            source.close()
+        model = cls(arch, device="meta", dtype=dtype, **kwargs)
+        model.to_empty(device=device)
+        model.reset_buffers()
+        model.load_hf_tensors(folder)
+        return model
 
     @classmethod
     def from_hybrid_checkpoint(
