@@ -1,0 +1,253 @@
+"""The recipe schema: one dataclass per group, with Megatron's field names, defaults and docs.
+
+Every field carries `metadata["help"]` (shown by `describe_schema`); string fields with a fixed
+set of values carry `metadata["choices"]`, and numeric fields a lower bound in `metadata["min"]`.
+Loading (`gptoss_cli.recipe.load`) checks names, types and choices; the bounds and everything
+that relates two fields are rules (`gptoss_cli.recipe.rules`), so they come back as findings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+DTYPES = ("fp32", "bf16", "fp16")
+
+
+def _f(default: Any = None, help: str = "", *, choices: tuple | None = None, min: float | None = None,
+       factory: Any = None) -> Any:
+    meta: dict[str, Any] = {"help": help}
+    if choices is not None:
+        meta["choices"] = choices
+    if min is not None:
+        meta["min"] = min
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ModelConfig:
+    preset: Optional[str] = _f(
+        None, "architecture preset: gpt_oss_20b, gpt_oss_120b or tiny (set this or `checkpoint`)",
+        choices=("gpt_oss_20b", "gpt_oss_120b", "tiny", None),
+    )
+    checkpoint: Optional[str] = _f(
+        None, "read the architecture from a checkpoint folder instead: hybrid_config.json "
+        "(gptoss convert output) or a Hugging Face config.json; relative to the working directory",
+    )
+    hybrid_layer_pattern: Optional[str] = _f(
+        None, "Megatron hybrid layer pattern; null = '*E' per HF block (the layout convert writes)",
+    )
+    architecture: Dict[str, Any] = _f(
+        help="overrides of GptOssArch fields, e.g. {num_hidden_layers: 2}", factory=dict,
+    )
+    mtp_num_layers: Optional[int] = _f(
+        None, "multi-token-prediction layers; GPT-OSS has none, so null or 0", min=0,
+    )
+
+
+@dataclass
+class ParallelismConfig:
+    tensor_model_parallel_size: int = _f(1, "tensor parallel size (TP)", min=1)
+    pipeline_model_parallel_size: int = _f(1, "pipeline parallel size (PP)", min=1)
+    virtual_pipeline_model_parallel_size: Optional[int] = _f(
+        None, "virtual pipeline (interleaved) stages per pipeline rank; null = off", min=1,
+    )
+    context_parallel_size: int = _f(1, "context parallel size (CP)", min=1)
+    expert_model_parallel_size: int = _f(1, "expert parallel size (EP)", min=1)
+    expert_tensor_parallel_size: int = _f(1, "expert tensor parallel size (ETP)", min=1)
+    sequence_parallel: bool = _f(False, "shard activations along the sequence across TP ranks")
+    data_parallel_size: Optional[int] = _f(
+        None, "data parallel size; null = derived: world_size / (TP x PP x CP)", min=1,
+    )
+    world_size: Optional[int] = _f(None, "total processes; null = nodes x gpus_per_node", min=1)
+    nodes: Optional[int] = _f(None, "number of nodes (with gpus_per_node gives world_size)", min=1)
+    gpus_per_node: Optional[int] = _f(None, "processes per node", min=1)
+    backend: str = _f("auto", "torch.distributed backend; auto = nccl on cuda, gloo on cpu",
+                      choices=("auto", "nccl", "gloo"))
+    use_megatron_fsdp: bool = _f(False, "Megatron FSDP instead of DDP / distributed optimizer")
+
+
+@dataclass
+class MoEConfig:
+    token_dispatcher_type: str = _f("alltoall", "token dispatcher", choices=("alltoall", "flex", "allgather"))
+    capacity_factor: Optional[float] = _f(None, "expert capacity factor; null = dropless", min=0.0)
+    aux_loss_coeff: float = _f(0.0, "load-balancing aux loss coefficient (0 = off)", min=0.0)
+    router_dtype: str = _f("fp32", "dtype of the router softmax/top-k", choices=("fp32", "fp64", "bf16"))
+    shared_expert_overlap: bool = _f(False, "overlap shared-expert compute with dispatch (needs shared experts)")
+    grouped_gemm: bool = _f(True, "run local experts as one grouped GEMM")
+
+
+@dataclass
+class OverlapConfig:
+    overlap_moe_expert_parallel_comm: bool = _f(
+        False, "overlap EP all-to-all with compute of another microbatch (combined 1F1B, ref. section 5)",
+    )
+    delay_wgrad_compute: bool = _f(
+        False, "defer weight-gradient GEMMs into the overlap schedule (needs the overlap flag)",
+    )
+    overlap_grad_reduce: bool = _f(False, "overlap data-parallel gradient reduction with backward")
+    overlap_param_gather: bool = _f(False, "overlap distributed-optimizer parameter all-gather with forward")
+
+
+@dataclass
+class PrecisionConfig:
+    params_dtype: str = _f("bf16", "dtype of parameters and activations", choices=DTYPES)
+    fp8_recipe: str = _f("none", "FP8 GEMM recipe", choices=("none", "tensorwise", "rowwise", "mxfp8"))
+    fp8_format: str = _f("e4m3", "FP8 element format (hybrid = e4m3 forward, e5m2 backward)",
+                         choices=("e4m3", "hybrid"))
+    fp8_emulation: bool = _f(
+        False, "allow FP8 to be emulated (quantize-dequantize) where native kernels are unavailable; "
+        "numerics only, no speed-up",
+    )
+
+
+@dataclass
+class CudaGraphConfig:
+    cuda_graph_impl: str = _f("none", "CUDA graph capture", choices=("none", "local", "full_iteration"))
+    cuda_graph_scope: List[str] = _f(
+        help="modules captured by local graphs; empty = whole layer", factory=list,
+        choices=("attn", "mlp", "moe", "moe_router", "moe_preprocess"),
+    )
+    paged_stash: bool = _f(False, "paged activation stash for full-iteration graphs")
+
+
+@dataclass
+class RecomputeConfig:
+    recompute_granularity: str = _f("none", "activation recompute", choices=("none", "full", "selective"))
+    recompute_method: Optional[str] = _f(None, "full recompute method", choices=("uniform", "block", None))
+    recompute_num_layers: Optional[int] = _f(None, "layers per recompute unit (uniform) or recomputed layers (block)",
+                                             min=1)
+    recompute_modules: List[str] = _f(
+        help="selective recompute modules", factory=list,
+        choices=("core_attn", "moe_act", "layernorm", "mlp", "moe"),
+    )
+
+
+@dataclass
+class TrainingConfig:
+    seq_length: int = _f(4096, "tokens per sample", min=1)
+    micro_batch_size: int = _f(1, "samples per microbatch per data-parallel rank", min=1)
+    global_batch_size: int = _f(8, "samples per optimizer step across all data-parallel ranks", min=1)
+    train_iters: int = _f(1000, "optimizer steps", min=1)
+    lr: float = _f(3.0e-4, "peak learning rate", min=0.0)
+    min_lr: float = _f(3.0e-5, "learning rate at the end of decay", min=0.0)
+    warmup_iters: int = _f(100, "linear warm-up steps", min=0)
+    lr_decay_style: str = _f("cosine", "decay after warm-up", choices=("cosine", "linear", "constant"))
+    lr_decay_iters: Optional[int] = _f(None, "steps over which to decay; null = train_iters", min=1)
+    seed: int = _f(1234, "random seed (model init, mock data, routing ties)", min=0)
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = _f("adamw", "optimizer", choices=("adamw",))
+    weight_decay: float = _f(0.1, "AdamW decoupled weight decay", min=0.0)
+    adam_beta1: float = _f(0.9, "AdamW beta1", min=0.0)
+    adam_beta2: float = _f(0.95, "AdamW beta2", min=0.0)
+    adam_eps: float = _f(1.0e-8, "AdamW epsilon", min=0.0)
+    clip_grad: float = _f(1.0, "global gradient-norm clip (0 = off)", min=0.0)
+    use_distributed_optimizer: bool = _f(False, "shard optimizer state over data-parallel ranks")
+
+
+@dataclass
+class DataConfig:
+    kind: str = _f("mock", "mock = random tokens; tokens = a flat binary token file", choices=("mock", "tokens"))
+    path: Optional[str] = _f(None, "token file (kind=tokens), e.g. from `gptoss prepare-data`")
+    dtype: str = _f("uint32", "integer type of the token file", choices=("uint16", "uint32", "int32", "int64"))
+
+
+@dataclass
+class CheckpointConfig:
+    dir: Optional[str] = _f(None, "where training checkpoints are saved; null = no checkpoints")
+    save_interval: Optional[int] = _f(None, "save every N steps (and at the end); null = only at the end", min=1)
+    resume: bool = _f(True, "resume from the latest checkpoint in `dir` if there is one")
+    pretrained: Optional[str] = _f(None, "initial weights for fine-tuning (a `gptoss convert` output folder)")
+    format: str = _f("gptoss", "checkpoint format", choices=("gptoss", "torch_dist", "fsdp_dtensor"))
+
+
+@dataclass
+class LoggingConfig:
+    log_interval: int = _f(1, "print metrics every N steps", min=1)
+    run_dir: Optional[str] = _f(None, "folder for metrics.jsonl and the resolved recipe; null = runs/<recipe name>")
+
+
+@dataclass
+class SystemConfig:
+    device: str = _f("auto", "where to train; auto = cuda if available", choices=("auto", "cpu", "cuda"))
+    gpu: str = _f(
+        "auto", "target GPU generation, used by FP8 rules; auto = detect at launch",
+        choices=("auto", "none", "a100", "h100", "h200", "b200", "gb200", "gb300"),
+    )
+
+
+@dataclass
+class RecipeConfig:
+    name: str = _f("", "recipe name (defaults to the file name)")
+    description: str = _f("", "one line about what this recipe is for")
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    overlap: OverlapConfig = field(default_factory=OverlapConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    cuda_graphs: CudaGraphConfig = field(default_factory=CudaGraphConfig)
+    recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    system: SystemConfig = field(default_factory=SystemConfig)
+
+
+def iter_fields(cls: type = RecipeConfig, prefix: str = ""):
+    """Yield (dotted name, dataclasses.Field) for every leaf field of the schema."""
+    for f in dataclasses.fields(cls):
+        name = f"{prefix}{f.name}"
+        sub = f.type if isinstance(f.type, type) else None
+        if sub is None and isinstance(f.type, str):
+            sub = _GROUPS.get(f.type)
+        if sub is not None and dataclasses.is_dataclass(sub):
+            yield from iter_fields(sub, name + ".")
+        else:
+            yield name, f
+
+
+def get_field(dotted: str) -> dataclasses.Field | None:
+    """The schema field for a dotted name, or None."""
+    return dict(iter_fields()).get(dotted)
+
+
+def describe_schema() -> list[tuple[str, str, str]]:
+    """(dotted name, default, help) for every field; the README's field table comes from here."""
+    rows = []
+    for name, f in iter_fields():
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+            default = f.default_factory()  # type: ignore[misc]
+        else:  # pragma: no cover - every field has a default
+            default = None
+        help_text = f.metadata.get("help", "")
+        choices = f.metadata.get("choices")
+        if choices:
+            help_text += " [" + " | ".join("null" if c is None else str(c) for c in choices) + "]"
+        rows.append((name, "null" if default is None else repr(default), help_text))
+    return rows
+
+
+_GROUPS: dict[str, type] = {
+    c.__name__: c for c in (
+        ModelConfig, ParallelismConfig, MoEConfig, OverlapConfig, PrecisionConfig, CudaGraphConfig,
+        RecomputeConfig, TrainingConfig, OptimizerConfig, DataConfig, CheckpointConfig, LoggingConfig,
+        SystemConfig,
+    )
+}
+GROUP_NAMES = tuple(f.name for f in dataclasses.fields(RecipeConfig) if f.type in _GROUPS or f.type in _GROUPS.values())
+
+__all__ = [
+    "RecipeConfig", "ModelConfig", "ParallelismConfig", "MoEConfig", "OverlapConfig", "PrecisionConfig",
+    "CudaGraphConfig", "RecomputeConfig", "TrainingConfig", "OptimizerConfig", "DataConfig",
+    "CheckpointConfig", "LoggingConfig", "SystemConfig", "iter_fields", "get_field", "describe_schema",
+]
