@@ -743,7 +743,7 @@ def param_gather(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
                   "or overlap.overlap_param_gather=false")]
 
 
-@rule("data.source", "data.kind=tokens needs data.path (and, at launch, the file); mock ignores path")
+@rule("data.source", "data.kind=tokens needs data.path; at launch the token files exist and fit the vocabulary")
 def data_source(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     d = cfg.data
     if d.kind == "mock":
@@ -753,28 +753,27 @@ def data_source(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
         return []
     if not d.path:
         return [error({"data.kind": "tokens", "data.path": None}, "token data needs a file",
-                      "set data.path to a token file (see `gptoss prepare-data`), or data.kind=mock")]
-    if ctx.check_paths:
-        from pathlib import Path  # noqa: PLC0415
+                      "set data.path to a token file prefix (see `gptoss prepare-data`), or data.kind=mock")]
+    if not ctx.check_paths:
+        return []
+    # Only at launch (train): the files are on the training machine, not necessarily here.
+    from gptoss_cli.errors import GptossError  # noqa: PLC0415
+    from gptoss_cli.train.data import read_token_header, token_file_paths  # noqa: PLC0415 - torch, only at launch
 
-        if not Path(d.path).expanduser().is_file():
-            return [error({"data.path": d.path}, f"token file {d.path!r} does not exist",
-                          "check the path (relative to the working directory)")]
+    bin_path, _ = token_file_paths(d.path)
+    try:
+        header = read_token_header(d.path)
+    except GptossError as exc:
+        return [error({"data.path": d.path}, exc.message, exc.hint or "create the files with `gptoss prepare-data`")]
+    if not bin_path.is_file():
+        return [error({"data.path": d.path}, f"token file {bin_path} does not exist",
+                      "create it with `gptoss prepare-data`")]
+    vocab = header.get("vocab_size")
+    if isinstance(vocab, int) and vocab > ctx.arch.vocab_size:
+        return [error({"data.path": d.path, "header vocab_size": vocab, "model vocab_size": ctx.arch.vocab_size},
+                      f"the token file was made with a {vocab}-token vocabulary, the model has {ctx.arch.vocab_size}",
+                      "tokenize with the model's tokenizer")]
     return []
-
-
-@rule("data.dtype_holds_vocab", "the token file dtype can hold every token id of the vocabulary")
-def dtype_holds_vocab(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
-    d = cfg.data
-    if d.kind != "tokens":
-        return []
-    limit = {"uint16": 2**16, "uint32": 2**32, "int32": 2**31, "int64": 2**63}[d.dtype]
-    vocab = ctx.arch.vocab_size
-    if vocab <= limit:
-        return []
-    return [error({"data.dtype": d.dtype, "vocab_size": vocab},
-                  f"{d.dtype} holds token ids below {limit}, but the vocabulary has {vocab} tokens",
-                  "set data.dtype=uint32 (and write the token file as uint32)")]
 
 
 @rule("checkpoint.settings", "save_interval needs a checkpoint dir; at launch, pretrained weights exist")

@@ -154,8 +154,9 @@ class OptimizerConfig:
 @dataclass
 class DataConfig:
     kind: str = _f("mock", "mock = random tokens; tokens = a flat binary token file", choices=("mock", "tokens"))
-    path: Optional[str] = _f(None, "token file (kind=tokens), e.g. from `gptoss prepare-data`")
-    dtype: str = _f("uint32", "integer type of the token file", choices=("uint16", "uint32", "int32", "int64"))
+    path: Optional[str] = _f(
+        None, "token file prefix OUT (OUT.bin + OUT.json header, written by `gptoss prepare-data`); kind=tokens",
+    )
 
 
 @dataclass
