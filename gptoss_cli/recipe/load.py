@@ -57,6 +57,14 @@ class Recipe:
         return OmegaConf.to_yaml(OmegaConf.structured(self.config))
 
 
+def _is(path: Path, kind: str) -> bool:
+    """path.is_file()/is_dir() that treats unusable names (NUL bytes, too long) as absent."""
+    try:
+        return path.is_file() if kind == "file" else path.is_dir()
+    except (OSError, ValueError):
+        return False
+
+
 # --- finding the file -----------------------------------------------------------------------
 def available_recipes(recipes_dir: Path = RECIPES_DIR) -> list[str]:
     """Names of the recipes in recipes/ (bases live in recipes/bases/ and are not listed)."""
@@ -68,9 +76,9 @@ def available_recipes(recipes_dir: Path = RECIPES_DIR) -> list[str]:
 def find_recipe(ref: str | Path, recipes_dir: Path = RECIPES_DIR) -> Path:
     """A recipe argument is a path, or a bare name (with or without .yaml) in the repo's recipes/."""
     path = Path(ref).expanduser()
-    if path.is_file():
+    if _is(path, "file"):
         return path
-    if path.is_dir():
+    if _is(path, "dir"):
         raise ConfigError(f"recipe {str(ref)!r} is a directory, not a YAML file")
     text = str(ref)
     if "/" not in text and "\\" not in text:
@@ -296,7 +304,7 @@ def _read_json(path: Path) -> dict[str, Any]:
 def architecture_from_checkpoint(checkpoint: str | Path) -> tuple[GptOssArch, str | None]:
     """(architecture, stored pattern or None) from a gptoss convert output or an HF checkpoint folder."""
     path = Path(checkpoint).expanduser()
-    if path.is_dir():
+    if _is(path, "dir"):
         for name in ("hybrid_config.json", "config.json"):
             if (path / name).is_file():
                 path = path / name
@@ -304,7 +312,7 @@ def architecture_from_checkpoint(checkpoint: str | Path) -> tuple[GptOssArch, st
         else:
             raise ConfigError(f"model.checkpoint={str(checkpoint)!r} has neither hybrid_config.json nor config.json",
                               hint="point it at a `gptoss convert` output or a Hugging Face GPT-OSS folder")
-    elif not path.is_file():
+    elif not _is(path, "file"):
         raise ConfigError(f"model.checkpoint={str(checkpoint)!r} does not exist",
                           hint="paths are relative to the working directory; or use model.preset instead")
     data = _read_json(path)

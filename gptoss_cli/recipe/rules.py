@@ -760,12 +760,16 @@ def data_source(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     from gptoss_cli.errors import GptossError  # noqa: PLC0415
     from gptoss_cli.train.data import read_token_header, token_file_paths  # noqa: PLC0415 - torch, only at launch
 
-    bin_path, _ = token_file_paths(d.path)
     try:
+        bin_path, _ = token_file_paths(d.path)
         header = read_token_header(d.path)
+        bin_exists = bin_path.is_file()
     except GptossError as exc:
         return [error({"data.path": d.path}, exc.message, exc.hint or "create the files with `gptoss prepare-data`")]
-    if not bin_path.is_file():
+    except (OSError, ValueError) as exc:  # unreadable, or a name the file system cannot hold
+        return [error({"data.path": d.path}, f"token files for {d.path!r} cannot be read: {exc}",
+                      "create the files with `gptoss prepare-data`")]
+    if not bin_exists:
         return [error({"data.path": d.path}, f"token file {bin_path} does not exist",
                       "create it with `gptoss prepare-data`")]
     vocab = header.get("vocab_size")
@@ -786,7 +790,11 @@ def checkpoint_settings(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     if ctx.check_paths and c.pretrained:
         from pathlib import Path  # noqa: PLC0415
 
-        if not Path(c.pretrained).expanduser().exists():
+        try:
+            exists = Path(c.pretrained).expanduser().exists()
+        except (OSError, ValueError):  # a name the file system cannot hold
+            exists = False
+        if not exists:
             out.append(error({"checkpoint.pretrained": c.pretrained},
                              f"pretrained weights {c.pretrained!r} do not exist",
                              "convert them first (`gptoss convert`) or fix the path"))

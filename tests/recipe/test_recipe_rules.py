@@ -1,0 +1,313 @@
+"""Each rule of the registry, triggered and not triggered (on the tiny CPU recipe with overrides)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gptoss_cli.model.pattern import HybridPattern
+from gptoss_cli.recipe.rules import RULES, SEMANTIC, UNSUPPORTED, list_rules, schedule_plan_capability
+from tests.recipe.recipe_helpers import OVERLAP, CapableModel, make_ctx, run_rule
+
+W4 = ["parallelism.world_size=4"]
+MX = ["precision.fp8_recipe=mxfp8"]
+
+# rule id -> (overrides that trigger it, expected severity, overrides that keep it quiet).
+# The quiet case differs from the trigger only in what the rule is about.
+CASES = {
+    "field.range": (["training.micro_batch_size=0"], "error", ["training.micro_batch_size=1"]),
+    "model.pattern_matches_architecture": (
+        ["model.hybrid_layer_pattern=*E*E"], "error", ["model.hybrid_layer_pattern=[*E][*E][*E]"]),
+    "model.mtp_layers": (["model.mtp_num_layers=2"], "error", ["model.mtp_num_layers=0"]),
+    "model.seq_within_positions": (
+        ["model.architecture.max_position_embeddings=16"], "error", ["model.architecture.max_position_embeddings=32"]),
+    "parallel.world_size_consistent": (
+        ["parallelism.nodes=1", "parallelism.gpus_per_node=4"], "error",
+        ["parallelism.nodes=1", "parallelism.gpus_per_node=2"]),
+    "parallel.world_divisible": (["parallelism.tensor_model_parallel_size=3"], "error", []),
+    "parallel.expert_world_divisible": (["parallelism.expert_model_parallel_size=4"], "error", []),
+    "parallel.data_parallel_consistent": (
+        ["parallelism.data_parallel_size=4"], "error", ["parallelism.data_parallel_size=2"]),
+    "parallel.experts_divisible": (
+        ["parallelism.expert_model_parallel_size=3", "parallelism.world_size=6"], "error",
+        ["parallelism.expert_model_parallel_size=4", "parallelism.world_size=4"]),
+    "parallel.heads_divisible": (
+        ["parallelism.tensor_model_parallel_size=4", *W4], "error", ["parallelism.tensor_model_parallel_size=2"]),
+    "parallel.batch_divisible": (["training.global_batch_size=6"], "error", ["training.global_batch_size=12"]),
+    "parallel.pipeline_layers": (
+        ["parallelism.pipeline_model_parallel_size=4", "parallelism.world_size=8"], "error",
+        ["parallelism.pipeline_model_parallel_size=2", *W4]),
+    "parallel.context_parallel_seq": (
+        ["parallelism.context_parallel_size=2", *W4, "training.seq_length=30"], "error",
+        ["parallelism.context_parallel_size=2", *W4, "training.seq_length=32"]),
+    "parallel.sequence_parallel": (["parallelism.sequence_parallel=true"], "warning", []),
+    "moe.sequence_parallel_with_tp": (
+        ["parallelism.tensor_model_parallel_size=2", *W4], "error",
+        ["parallelism.tensor_model_parallel_size=2", *W4, "parallelism.sequence_parallel=true"]),
+    "moe.capacity_factor": (["moe.capacity_factor=0"], "error", ["moe.capacity_factor=1.25"]),
+    "moe.shared_expert_overlap": (["moe.shared_expert_overlap=true"], "error", []),
+    "overlap.requires_expert_parallel": (
+        [*OVERLAP, "parallelism.expert_model_parallel_size=1"], "error", OVERLAP),
+    "overlap.requires_multiple_experts": (
+        [*OVERLAP, "model.architecture.num_local_experts=1", "model.architecture.num_experts_per_tok=1"], "error",
+        OVERLAP),
+    "overlap.dispatcher": ([*OVERLAP, "moe.token_dispatcher_type=allgather"], "error",
+                           [*OVERLAP, "moe.token_dispatcher_type=flex"]),
+    "overlap.precision": ([*OVERLAP, "precision.params_dtype=fp32"], "error", [*OVERLAP, "precision.params_dtype=fp16"]),
+    "overlap.recompute": (
+        [*OVERLAP, "recompute.recompute_granularity=full", "recompute.recompute_method=uniform",
+         "recompute.recompute_num_layers=1"], "error",
+        [*OVERLAP, "recompute.recompute_granularity=selective", "recompute.recompute_modules=[core_attn]"]),
+    "overlap.shared_expert_overlap": ([*OVERLAP, "moe.shared_expert_overlap=true"], "error", OVERLAP),
+    "overlap.mtp_num_layers": ([*OVERLAP, "model.mtp_num_layers=2"], "error", [*OVERLAP, "model.mtp_num_layers=1"]),
+    "overlap.pipeline_requires_virtual": (
+        [*OVERLAP, "parallelism.pipeline_model_parallel_size=2", *W4], "error",
+        [*OVERLAP, "parallelism.pipeline_model_parallel_size=2", *W4,
+         "parallelism.virtual_pipeline_model_parallel_size=3"]),
+    "overlap.cuda_graphs": ([*OVERLAP, "cuda_graphs.cuda_graph_impl=full_iteration"], "error", OVERLAP),
+    "delay_wgrad.requires_overlap": (
+        ["overlap.delay_wgrad_compute=true"], "error", [*OVERLAP, "overlap.delay_wgrad_compute=true"]),
+    "cuda_graphs.paged_stash_requires_full_iteration": (
+        ["cuda_graphs.paged_stash=true"], "error",
+        ["cuda_graphs.paged_stash=true", "cuda_graphs.cuda_graph_impl=full_iteration", "system.device=cuda"]),
+    "cuda_graphs.requires_cuda": (
+        ["cuda_graphs.cuda_graph_impl=local"], "error", ["cuda_graphs.cuda_graph_impl=local", "system.device=cuda"]),
+    "cuda_graphs.scope": (
+        ["cuda_graphs.cuda_graph_scope=[attn]"], "warning",
+        ["cuda_graphs.cuda_graph_scope=[attn]", "cuda_graphs.cuda_graph_impl=local"]),
+    "recompute.settings": (
+        ["recompute.recompute_granularity=full"], "error",
+        ["recompute.recompute_granularity=full", "recompute.recompute_method=block", "recompute.recompute_num_layers=2"]),
+    "fp8.mxfp8_dims": ([*MX, "model.architecture.hidden_size=48"], "error", MX),
+    "fp8.native_gpu": ([*MX, "system.device=cuda", "system.gpu=h100"], "error",
+                       [*MX, "system.device=cuda", "system.gpu=gb200"]),
+    "fp8.mxfp8_expert_bias": (MX, "warning", ["precision.fp8_recipe=tensorwise"]),
+    "training.lr_schedule": (["training.min_lr=0.01"], "error", ["training.min_lr=0.001"]),
+    "optimizer.betas": (["optimizer.adam_beta2=1.0"], "error", ["optimizer.adam_beta2=0.999"]),
+    "optimizer.param_gather": (
+        ["overlap.overlap_param_gather=true"], "error",
+        ["overlap.overlap_param_gather=true", "overlap.overlap_grad_reduce=true"]),
+    "data.source": (["data.kind=tokens"], "error", ["data.kind=tokens", "data.path=data/tokens"]),
+    "checkpoint.settings": (["checkpoint.dir=null"], "error", ["checkpoint.dir=null", "checkpoint.save_interval=null"]),
+    "system.backend": (["parallelism.backend=nccl"], "error", ["parallelism.backend=auto"]),
+    "unsupported.tensor_parallel": (["parallelism.tensor_model_parallel_size=2"], "error", []),
+    "unsupported.pipeline_parallel": (["parallelism.pipeline_model_parallel_size=2", *W4], "error", W4),
+    "unsupported.context_parallel": (["parallelism.context_parallel_size=2", *W4], "error", W4),
+    "unsupported.expert_tensor_parallel": (["parallelism.expert_tensor_parallel_size=2", *W4], "error", W4),
+    "unsupported.megatron_fsdp": (["parallelism.use_megatron_fsdp=true"], "error", []),
+    "unsupported.token_dispatcher": (["moe.token_dispatcher_type=flex"], "error", []),
+    "unsupported.token_dropping": (["moe.capacity_factor=1.0"], "error", []),
+    "unsupported.fp8": (MX, "error", []),
+    "unsupported.cuda_graphs": (["cuda_graphs.cuda_graph_impl=local", "system.device=cuda"], "error", []),
+    "unsupported.recompute": (
+        ["recompute.recompute_granularity=selective", "recompute.recompute_modules=[core_attn]"], "error", []),
+    "unsupported.grad_overlap": (["overlap.overlap_grad_reduce=true"], "error", []),
+    "unsupported.checkpoint_format": (["checkpoint.format=torch_dist"], "error", []),
+}
+# Tested with their own context below (a model class, a torch version).
+SPECIAL = {"overlap.schedule_plan", "overlap.torch_version"}
+
+
+def test_every_registered_rule_has_a_test_case():
+    assert set(RULES) == set(CASES) | SPECIAL
+
+
+@pytest.mark.parametrize("rule_id", sorted(CASES))
+def test_rule_triggered(rule_id):
+    trigger, severity, _ = CASES[rule_id]
+    findings = run_rule(rule_id, trigger)
+    assert findings, f"{rule_id} did not fire for {trigger}"
+    f = findings[0]
+    assert (f.rule, f.severity) == (rule_id, severity)
+    assert f.message and f.fields
+    if severity == "error":
+        assert f.hint, "an error must say how to fix it"
+
+
+@pytest.mark.parametrize("rule_id", sorted(CASES))
+def test_rule_not_triggered(rule_id):
+    _, _, quiet = CASES[rule_id]
+    assert run_rule(rule_id, quiet) == []
+
+
+def test_unsupported_rules_are_their_own_kind():
+    kinds = {rule_id: kind for rule_id, kind, _ in list_rules()}
+    assert all((kinds[r] == UNSUPPORTED) == r.startswith("unsupported.") for r in kinds)
+    assert kinds["overlap.schedule_plan"] == SEMANTIC
+
+
+def test_list_rules_describes_every_rule_once():
+    rows = list_rules()
+    assert [r[0] for r in rows] == list(RULES)
+    assert all(description for _, _, description in rows)
+
+
+# --- the capability rule ---------------------------------------------------------------------
+class NoPlanModel:
+    """Like the HybridModel of the field report: no build_schedule_plan at all."""
+
+
+class PlanWithoutQuery:
+    @classmethod
+    def build_schedule_plan(cls):  # pragma: no cover
+        return None
+
+
+class AttentionOnlyPlan(CapableModel):
+    @classmethod
+    def supports_schedule_plan(cls, pattern: HybridPattern) -> tuple[bool, str]:
+        if "E" in pattern.layers:
+            return False, "no fine-grained callables for 'E' (MoE) layers"
+        return True, ""
+
+
+class RaisingQuery(CapableModel):
+    @classmethod
+    def supports_schedule_plan(cls, pattern):
+        raise RuntimeError("boom")
+
+
+def test_capability_model_with_plan_passes():
+    cfg, ctx = make_ctx(overrides=OVERLAP)
+    assert schedule_plan_capability(cfg, ctx, model_cls=CapableModel) == []
+
+
+@pytest.mark.parametrize(
+    "model_cls, reason",
+    [
+        (NoPlanModel, "NoPlanModel has no build_schedule_plan"),
+        (PlanWithoutQuery, "no supports_schedule_plan"),
+        (AttentionOnlyPlan, "no fine-grained callables for 'E'"),
+        (RaisingQuery, "RuntimeError: boom"),
+        (None, "cannot be imported"),
+    ],
+)
+def test_capability_model_without_plan_is_an_error_with_both_flags_as_the_fix(model_cls, reason):
+    cfg, ctx = make_ctx(overrides=[*OVERLAP, "overlap.delay_wgrad_compute=true"])
+    (finding,) = schedule_plan_capability(cfg, ctx, model_cls=model_cls)
+    assert finding.severity == "error" and reason in finding.message
+    assert "overlap.overlap_moe_expert_parallel_comm=false" in finding.hint
+    assert "overlap.delay_wgrad_compute=false" in finding.hint
+
+
+def test_capability_not_asked_without_overlap():
+    cfg, ctx = make_ctx()
+    assert schedule_plan_capability(cfg, ctx, model_cls=NoPlanModel) == []
+
+
+def test_capability_rule_asks_the_model_with_the_recipe_pattern():
+    seen = []
+
+    class Recording(CapableModel):
+        @classmethod
+        def supports_schedule_plan(cls, pattern):
+            seen.append(pattern.text)
+            return True, ""
+
+    run_rule("overlap.schedule_plan", [*OVERLAP, "model.hybrid_layer_pattern=[*E][*E][*E]"], model_class=Recording)
+    assert seen == ["[*E][*E][*E]"]
+
+
+def test_capability_default_is_the_real_hybrid_model():
+    from gptoss_cli.recipe.rules import default_model_class, schedule_plan_support
+
+    cls = default_model_class()
+    cfg, ctx = make_ctx(overrides=OVERLAP)
+    ok, _ = schedule_plan_support(cls, ctx.pattern)
+    findings = schedule_plan_capability(cfg, ctx)  # model class resolved lazily
+    assert (findings == []) == ok
+
+
+# --- torch version -----------------------------------------------------------------------------
+def test_overlap_needs_torch_2_6():
+    rule = RULES["overlap.torch_version"]
+    cfg, ctx = make_ctx(overrides=OVERLAP, torch_version="2.5.1+cu121")
+    assert [f.rule for f in rule(cfg, ctx)] == ["overlap.torch_version"]
+    cfg, ctx = make_ctx(overrides=OVERLAP, torch_version="2.6.0")
+    assert rule(cfg, ctx) == []
+
+
+# --- rules with a second trigger worth pinning -------------------------------------------------
+def test_explicit_world_size_differing_from_the_recipe_is_a_warning():
+    findings = run_rule("parallel.world_size_consistent", [], world_size=4)
+    assert [f.severity for f in findings] == ["warning"]
+
+
+def test_overlap_forbids_recomputing_moe():
+    findings = run_rule("overlap.recompute", [*OVERLAP, "recompute.recompute_granularity=selective",
+                                               "recompute.recompute_modules=[core_attn,moe]"])
+    assert findings and "moe" in findings[0].message
+
+
+def test_overlap_accepts_mtp_null_and_zero():
+    assert run_rule("overlap.mtp_num_layers", [*OVERLAP, "model.mtp_num_layers=null"]) == []
+    assert run_rule("overlap.mtp_num_layers", [*OVERLAP, "model.mtp_num_layers=0"]) == []
+
+
+def test_overlap_with_local_graphs_is_also_rejected():
+    findings = run_rule("overlap.cuda_graphs", [*OVERLAP, "cuda_graphs.cuda_graph_impl=local", "system.device=cuda"])
+    assert findings and "cuda_graphs.cuda_graph_impl=none" in findings[0].hint
+
+
+def test_pattern_splits_must_match_pipeline_size():
+    findings = run_rule("parallel.pipeline_layers", ["model.hybrid_layer_pattern=*E*E|*E"])
+    assert findings and "2 stages" in findings[0].message
+
+
+def test_virtual_pipeline_needs_pipeline():
+    findings = run_rule("parallel.pipeline_layers", ["parallelism.virtual_pipeline_model_parallel_size=2"])
+    assert findings and "PP > 1" in findings[0].message
+
+
+def test_fp8_emulation_turns_the_gpu_error_into_a_warning():
+    findings = run_rule("fp8.native_gpu", [*MX, "precision.fp8_emulation=true"])
+    assert [f.severity for f in findings] == ["warning"]
+
+
+def test_fp8_unknown_gpu_is_a_warning_until_launch():
+    findings = run_rule("fp8.native_gpu", [*MX, "system.device=cuda", "system.gpu=auto"])
+    assert [f.severity for f in findings] == ["warning"]
+    assert run_rule("fp8.native_gpu", [*MX, "system.device=cuda", "system.gpu=auto"], gpu="gb300") == []
+
+
+def test_tensorwise_fp8_runs_natively_on_hopper():
+    assert run_rule("fp8.native_gpu", ["precision.fp8_recipe=tensorwise", "system.device=cuda", "system.gpu=h100"]) == []
+
+
+def test_cuda_with_gloo_is_a_warning():
+    findings = run_rule("system.backend", ["system.device=cuda", "parallelism.backend=gloo"])
+    assert [f.severity for f in findings] == ["warning"]
+
+
+def _token_files(tmp_path, vocab):
+    prefix = tmp_path / "tokens"
+    prefix.with_suffix(".bin").write_bytes(b"\0" * 64)
+    prefix.with_suffix(".json").write_text(json.dumps(
+        {"format": "gptoss-tokens", "version": 1, "dtype": "uint16", "num_tokens": 32, "num_documents": 1,
+         "vocab_size": vocab, "eos_token_id": 1002}))
+    return prefix
+
+
+def test_token_files_are_checked_at_launch_only(tmp_path):
+    over = ["data.kind=tokens", f"data.path={tmp_path / 'missing'}"]
+    assert run_rule("data.source", over) == []
+    findings = run_rule("data.source", over, check_paths=True)
+    assert findings and "not found" in findings[0].message
+
+
+def test_token_files_present_and_fitting_the_vocabulary_pass(tmp_path):
+    prefix = _token_files(tmp_path, 1003)
+    assert run_rule("data.source", ["data.kind=tokens", f"data.path={prefix}"], check_paths=True) == []
+
+
+def test_token_file_with_a_larger_vocabulary_fails(tmp_path):
+    prefix = _token_files(tmp_path, 201088)
+    findings = run_rule("data.source", ["data.kind=tokens", f"data.path={prefix}"], check_paths=True)
+    assert findings and "201088" in findings[0].message
+
+
+def test_missing_pretrained_weights_fail_at_launch(tmp_path):
+    over = [f"checkpoint.pretrained={tmp_path / 'nope'}"]
+    assert run_rule("checkpoint.settings", over) == []
+    assert [f.rule for f in run_rule("checkpoint.settings", over, check_paths=True)] == ["checkpoint.settings"]
