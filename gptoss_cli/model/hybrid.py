@@ -112,6 +112,26 @@ def init_weights_(module: nn.Module, std: float) -> None:
                 p.normal_(0.0, std)
 
 
+def checkpoint_slots(
+    module: nn.Module, prefix: str = "", *, all_experts: bool = False, num_experts: int | None = None
+) -> Iterator[tuple[str, torch.Tensor | None]]:
+    """(checkpoint name, destination tensor) for every parameter of `module` (a model or one layer,
+    names prefixed by `prefix`). Expert names map to a row of their stacked parameter; with
+    all_experts, names of experts this module does not hold come with None."""
+    owners = {name: m for name, m in module.named_modules() if isinstance(m, ExpertLinear)}
+    for name, param in module.named_parameters():
+        owner_name, _, leaf = name.rpartition(".")
+        owner = owners.get(owner_name)
+        if owner is None:
+            yield prefix + name, param
+            continue
+        ids = range(num_experts) if all_experts and num_experts is not None else owner.global_ids()
+        for e in ids:
+            local = e - owner.expert_offset
+            held = 0 <= local < owner.num_local_experts
+            yield f"{prefix}{owner_name}.{leaf}{e}", (param[local] if held else None)
+
+
 def _copy_checked(dest: torch.Tensor, src: torch.Tensor, name: str, folder) -> None:
     if tuple(src.shape) != tuple(dest.shape):
         raise CheckpointError(f"{folder}: tensor {name} has shape {list(src.shape)}, the model expects {list(dest.shape)}")
@@ -252,24 +272,8 @@ class HybridModel(nn.Module):
         return names
 
     def named_checkpoint_slots(self, all_experts: bool = False) -> Iterator[tuple[str, torch.Tensor | None]]:
-        """(checkpoint name, destination tensor) for every tensor; expert names map to a row of the
-        stacked parameter. With all_experts, names of experts this instance does not hold come with None."""
-        expert_modules = {id(m): m for m in self.modules() if isinstance(m, ExpertLinear)}
-        stacked_owner: dict[str, ExpertLinear] = {}
-        for mod_name, module in self.named_modules():
-            if id(module) in expert_modules:
-                stacked_owner[mod_name] = module
-        for name, param in self.named_parameters():
-            owner_name, _, leaf = name.rpartition(".")
-            owner = stacked_owner.get(owner_name)
-            if owner is None:
-                yield name, param
-                continue
-            ids = range(self.arch.num_local_experts) if all_experts else owner.global_ids()
-            for e in ids:
-                local = e - owner.expert_offset
-                held = 0 <= local < owner.num_local_experts
-                yield f"{owner_name}.{leaf}{e}", (param[local] if held else None)
+        """(checkpoint name, destination tensor) for every tensor; see `checkpoint_slots`."""
+        return checkpoint_slots(self, all_experts=all_experts, num_experts=self.arch.num_local_experts)
 
     # --- loading --------------------------------------------------------------------------
     def load_hybrid_tensors(self, folder: str | Path, progress: Callable[[str], None] | None = None) -> None:

@@ -1,0 +1,192 @@
+"""Forward parity, one HF block resident at a time.
+
+Reference: transformers' own GPT-OSS modules (`GptOssDecoderLayer`, `GptOssRMSNorm`,
+`GptOssRotaryEmbedding`, its eager masks) built from the HF config.json and filled from the HF
+shards by their HF names; MXFP4 experts are dequantised by transformers' own
+`convert_moe_packed_tensors`, not by our codec. Ours: HybridModel layers 2i (`*`) and 2i+1 (`E`)
+built from hybrid_config.json and filled from the Hybrid shards by their Hybrid names. Both
+streams run independently on the same tokens; hidden states are compared after the embedding
+and after every block, logits at the end.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from typing import Callable
+
+import torch
+from torch import nn
+
+from gptoss_cli.errors import CheckpointError
+from gptoss_cli.model.config import GptOssArch
+from gptoss_cli.model.hybrid import build_layer, checkpoint_slots, layer_windows, read_hybrid_tensor, run_layer
+from gptoss_cli.model.norm import RMSNorm
+from gptoss_cli.model.pattern import parse_pattern
+from gptoss_cli.model.rope import YarnRotaryEmbedding
+from gptoss_cli.parity.report import LogitMetrics, StageMetrics, Thresholds, compare_hidden, compare_logits
+
+
+# --- reference side (transformers) ------------------------------------------------------
+class Reference:
+    def __init__(self, hf_folder, reader, dtype: torch.dtype, device: torch.device):
+        import transformers
+        from transformers.models.gpt_oss import modeling_gpt_oss
+
+        self.mod = modeling_gpt_oss
+        self.config = transformers.AutoConfig.from_pretrained(hf_folder)
+        self.config._attn_implementation = "eager"
+        self.config._experts_implementation = "eager"
+        self.reader = reader
+        self.dtype = dtype
+        self.device = device
+
+    def _tensor(self, name: str) -> torch.Tensor:
+        return self.reader.read(name)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        weight = self._tensor("model.embed_tokens.weight").to(self.device, self.dtype)
+        return nn.functional.embedding(ids, weight)
+
+    def masks_and_rope(self, x: torch.Tensor, position_ids: torch.Tensor):
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        kw = dict(config=self.config, inputs_embeds=x, attention_mask=None, cache=None, position_ids=position_ids)
+        masks = {
+            "full_attention": create_causal_mask(**kw),
+            "sliding_attention": create_sliding_window_causal_mask(**kw),
+        }
+        rope = self.mod.GptOssRotaryEmbedding(self.config).to(self.device)
+        return masks, rope(x, position_ids)
+
+    def block(self, i: int) -> nn.Module:
+        from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+        prefix = f"model.layers.{i}."
+        state = {}
+        for name in self.reader.names():
+            if not name.startswith(prefix):
+                continue
+            local = name[len(prefix):]
+            if local.endswith("_scales"):
+                continue
+            if local.endswith("_blocks"):
+                scales = self._tensor(name[: -len("_blocks")] + "_scales")
+                # transformers' own MXFP4 dequantisation: [E, out, G, 16] -> [E, in, out]
+                state[local[: -len("_blocks")]] = convert_moe_packed_tensors(
+                    self._tensor(name), scales, dtype=torch.float32
+                )
+            else:
+                state[local] = self._tensor(name).float()
+        layer = self.mod.GptOssDecoderLayer(self.config, i)
+        layer.load_state_dict(state, strict=True)
+        layer = layer.to(self.device, self.dtype).eval()
+        # from_pretrained keeps these norms in fp32 (_keep_in_fp32_modules)
+        layer.input_layernorm.float()
+        layer.post_attention_layernorm.float()
+        return layer
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        norm = self.mod.GptOssRMSNorm(self.config.hidden_size, eps=self.config.rms_norm_eps)
+        norm.weight.data.copy_(self._tensor("model.norm.weight"))
+        lm_head = self._tensor("lm_head.weight").to(self.device, self.dtype)
+        return nn.functional.linear(norm.to(self.device)(x), lm_head)
+
+
+# --- our side (HybridModel layers from the Hybrid checkpoint) ----------------------------
+class Ours:
+    def __init__(self, arch: GptOssArch, pattern: str, reader, dtype: torch.dtype, device: torch.device):
+        self.arch = arch
+        self.reader = reader
+        self.dtype = dtype
+        self.device = device
+        self.windows = layer_windows(arch, parse_pattern(pattern))
+
+    def _load(self, module: nn.Module, prefix: str) -> nn.Module:
+        module = module.to_empty(device=self.device)
+        with torch.no_grad():
+            for name, dest in checkpoint_slots(module, prefix):
+                if name not in self.reader:
+                    raise CheckpointError(f"{self.reader.folder}: tensor {name} is missing")
+                dest.copy_(read_hybrid_tensor(self.reader, name, tuple(dest.shape), self.arch))
+        return module.eval()
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        emb = nn.Embedding(self.arch.vocab_size, self.arch.hidden_size, device="meta", dtype=self.dtype)
+        emb = self._load(emb, "embedding.word_embeddings.")
+        return emb(ids)
+
+    def rope(self, position_ids: torch.Tensor):
+        return YarnRotaryEmbedding(self.arch).to(self.device)(position_ids, self.dtype)
+
+    def block(self, i: int) -> tuple[nn.Module, nn.Module]:
+        attn = build_layer(self.arch, "*", self.windows[2 * i], device="meta", dtype=self.dtype)
+        moe = build_layer(self.arch, "E", device="meta", dtype=self.dtype)
+        return self._load(attn, f"decoder.layers.{2 * i}."), self._load(moe, f"decoder.layers.{2 * i + 1}.")
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        norm = self._load(RMSNorm(self.arch.hidden_size, self.arch.rms_norm_eps, "meta", self.dtype), "decoder.final_norm.")
+        out = nn.Linear(self.arch.hidden_size, self.arch.vocab_size, bias=False, device="meta", dtype=self.dtype)
+        out = self._load(out, "output_layer.")
+        return out(norm(x))
+
+
+def _free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+@torch.no_grad()
+def forward_parity(
+    ref: Reference,
+    ours: Ours,
+    ids: torch.Tensor,
+    num_blocks: int,
+    thresholds: Thresholds,
+    progress: Callable[[str], None] | None = None,
+) -> tuple[list[StageMetrics], LogitMetrics | None, list[float]]:
+    stages: list[StageMetrics] = []
+    seconds: list[float] = []
+    position_ids = torch.arange(ids.shape[1], device=ids.device)[None]
+    ref_x = ref.embed(ids)
+    try:
+        our_x = ours.embed(ids)
+    except CheckpointError as exc:
+        stages.append(StageMetrics("embedding", None, float("nan"), float("nan"), float("nan"), float("nan"), False, exc.message))
+        return stages, None, seconds
+    stages.append(compare_hidden("embedding", None, our_x, ref_x, thresholds))
+    masks, (ref_cos, ref_sin) = ref.masks_and_rope(ref_x, position_ids)
+    cos, sin = ours.rope(position_ids.expand(ids.shape[0], -1))
+    for i in range(num_blocks):
+        t0 = time.perf_counter()
+        if progress is not None:
+            progress(f"block {i}")
+        layer = ref.block(i)
+        ref_x = layer(
+            ref_x, attention_mask=masks[ref.config.layer_types[i]], position_embeddings=(ref_cos, ref_sin),
+            position_ids=position_ids,
+        )
+        del layer
+        _free()
+        try:
+            attn, moe = ours.block(i)
+        except CheckpointError as exc:
+            nan = float("nan")
+            stages.append(StageMetrics(f"block {i}", i, nan, nan, nan, nan, False, exc.message))
+            return stages, None, seconds
+        our_x = run_layer(moe, run_layer(attn, our_x, cos, sin), cos, sin)
+        del attn, moe
+        _free()
+        stages.append(compare_hidden(f"block {i}", i, our_x, ref_x, thresholds))
+        seconds.append(time.perf_counter() - t0)
+    if progress is not None:
+        progress("logits")
+    ref_logits = ref.head(ref_x).float()
+    try:
+        our_logits = ours.head(our_x).float()
+    except CheckpointError as exc:
+        nan = float("nan")
+        stages.append(StageMetrics("final norm + output layer", None, nan, nan, nan, nan, False, exc.message))
+        return stages, None, seconds
+    return stages, compare_logits(our_logits, ref_logits, thresholds), seconds
