@@ -147,11 +147,13 @@ def run_worker(plan: TrainPlan, progress: Progress | None = None) -> TrainResult
     """Train on this process (rank from the torchrun environment, or a single process)."""
     if os.environ.get("OMP_NUM_THREADS") is None and "LOCAL_WORLD_SIZE" in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
+    owns_group = not dist.is_initialized()
     state = init_parallel(plan.ep_size, plan.device)
     try:
         return _train(plan, state, progress)
     finally:
-        destroy_parallel()
+        if owns_group:
+            destroy_parallel()
 
 
 def _train(plan: TrainPlan, state: ParallelState, progress: Progress | None) -> TrainResult:

@@ -1,0 +1,86 @@
+"""Run a function on N gloo processes with a free port and a hard timeout (no hanging tests)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, out_dir: str, args: tuple) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+    )
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=__import__("datetime").timedelta(seconds=60))
+        result = fn(rank, *args)
+        torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+        dist.barrier()
+    except BaseException:
+        (Path(out_dir) / f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable[..., Any], world: int, out_dir: Path, *args: Any, timeout: float = 120.0) -> list[Any]:
+    """fn(rank, *args) on `world` processes; returns each rank's return value (torch.save-able)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ctx = mp.start_processes(_entry, args=(fn, world, free_port(), str(out_dir), args), nprocs=world,
+                             join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    try:
+        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"distributed test did not finish in {timeout}s")
+    except Exception as exc:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+        errs = [p.read_text() for p in sorted(out_dir.glob("rank*.err"))]
+        done = all((out_dir / f"rank{r}.pt").is_file() for r in range(world))
+        # gloo can abort in process-group teardown after every rank delivered its result; the
+        # results are complete then, and the teardown is not what these tests check.
+        if errs or not done:
+            raise AssertionError(f"worker failed ({exc}):\n" + "\n".join(errs)) from None
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def named_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """main_grad of every checkpoint tensor (experts split per global id), from the unwrapped model."""
+    from gptoss_cli.parallel.grads import unwrap_model
+
+    inner = unwrap_model(model)
+    grads: dict[str, torch.Tensor] = {}
+    params = dict(inner.named_parameters())
+    for name, dest in inner.named_checkpoint_slots():
+        # dest is a parameter or a row of a stacked expert parameter; find its main_grad by storage.
+        for pname, p in params.items():
+            if dest is p:
+                grads[name] = p.main_grad.detach().clone()
+                break
+        else:
+            owner, _, leaf = name.rpartition(".")
+            base = leaf.rstrip("0123456789")
+            e = int(leaf[len(base):])
+            p = params[f"{owner}.{base}"]
+            local = e - inner.get_submodule(owner).expert_offset
+            grads[name] = p.main_grad[local].detach().clone()
+    return grads

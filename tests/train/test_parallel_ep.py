@@ -1,0 +1,46 @@
+"""Expert parallelism: EP=2 on 2 gloo processes computes what EP=1 computes on the same global batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gptoss_cli.parallel.state import ParallelState
+from tests.train.dist_helpers import run_distributed
+from tests.train.workers import ep_grads_worker, one_step_grads
+
+
+@pytest.fixture(scope="module")
+def ep2_vs_ep1(tmp_path_factory):
+    # EP=1 reference: one process, the global batch of 4 as 2 microbatches (rank r's half = microbatch r).
+    reference = one_step_grads(ParallelState())
+    ranks = run_distributed(ep_grads_worker, 2, tmp_path_factory.mktemp("ep2"), 2)
+    return reference, ranks
+
+
+def test_ep2_loss_equals_ep1_on_the_same_global_batch(ep2_vs_ep1):
+    ref, ranks = ep2_vs_ep1
+    loss_ep2 = sum(r["loss_sum"] for r in ranks) / sum(r["tokens"] for r in ranks)
+    assert ref["tokens"] == sum(r["tokens"] for r in ranks) == 4 * 16
+    assert loss_ep2 == pytest.approx(ref["loss_sum"] / ref["tokens"], rel=1e-6)
+
+
+def test_ep2_dense_and_router_grads_equal_ep1_on_every_rank(ep2_vs_ep1):
+    ref, ranks = ep2_vs_ep1
+    dense = [n for n in ref["grads"] if ".mlp.experts." not in n]
+    assert any(".mlp.router." in n for n in dense)
+    for r in ranks:
+        for name in dense:
+            torch.testing.assert_close(r["grads"][name], ref["grads"][name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_ep2_expert_grads_equal_ep1_each_expert_held_once(ep2_vs_ep1):
+    ref, ranks = ep2_vs_ep1
+    experts = {n for n in ref["grads"] if ".mlp.experts." in n}
+    held = [{n for n in r["grads"] if ".mlp.experts." in n} for r in ranks]
+    assert held[0].isdisjoint(held[1]) and held[0] | held[1] == experts
+    assert any(n.endswith("weight0") for n in held[0]) and any(n.endswith("weight3") for n in held[1])
+    for r, names in zip(ranks, held):
+        for name in names:
+            torch.testing.assert_close(r["grads"][name], ref["grads"][name], rtol=1e-5, atol=1e-7, msg=name)
+    assert all(ref["grads"][n].abs().sum() > 0 for n in experts if "weight" in n)

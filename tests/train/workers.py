@@ -1,0 +1,167 @@
+"""Per-rank bodies of the multi-process training tests (importable by spawned processes)."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from gptoss_cli.model.config import preset
+from gptoss_cli.parallel.grads import unwrap_model
+from gptoss_cli.parallel.state import ParallelState, init_parallel
+from gptoss_cli.schedule import get_forward_backward_func
+from gptoss_cli.train.data import DataLoaderState
+from gptoss_cli.train.loop import forward_step
+from gptoss_cli.train.provider import HybridModelProvider, ModelRuntimeConfig
+from gptoss_cli.train.setup import OptimizerSettings, setup_model_and_optimizer
+from tests.train.dist_helpers import named_grads
+
+TINY = preset("tiny")
+SEQ = 16
+
+
+class RandomTokens:
+    """Uniform random token windows, seeded per sample index (same for any layout)."""
+
+    def __init__(self, vocab: int, seq: int, seed: int = 0):
+        self.vocab, self.seq, self.seed = vocab, seq, seed
+
+    def sample(self, index: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(self.seed * 7919 + index)
+        return torch.randint(0, self.vocab, (self.seq + 1,), generator=g)
+
+
+def build(state: ParallelState, *, aux: float = 0.01, lr: float = 1e-3, distributed_opt: bool = True, seed: int = 7):
+    runtime = ModelRuntimeConfig(arch=TINY, hybrid_layer_pattern=TINY.hybrid_layer_pattern, params_dtype="fp32",
+                                 aux_loss_coeff=aux, expert_model_parallel_size=state.ep_size)
+    provider = HybridModelProvider(runtime, seed=seed)
+    return setup_model_and_optimizer(
+        provider, state, OptimizerSettings(lr=lr, clip_grad=1.0, use_distributed_optimizer=distributed_opt)
+    )
+
+
+def one_step_grads(state: ParallelState, global_batch: int = 4, mbs: int = 2) -> dict[str, Any]:
+    """Forward+backward of one global batch through the real schedule; loss and finalised grads."""
+    setup = build(state)
+    data = DataLoaderState(RandomTokens(TINY.vocab_size, SEQ), global_batch_size=global_batch, micro_batch_size=mbs,
+                           dp_rank=state.dp_rank, dp_size=state.dp_size)
+    schedule = get_forward_backward_func(setup.config)
+    logs = schedule(forward_step_func=forward_step, data_iterator=data.step_iterator(), model=setup.model,
+                    num_microbatches=data.num_microbatches)
+    return {
+        "loss_sum": float(sum(l["lm_loss_sum"] for l in logs)),
+        "tokens": float(sum(l["num_tokens"] for l in logs)),
+        "grads": named_grads(setup.model),
+    }
+
+
+def ep_grads_worker(rank: int, ep: int) -> dict[str, Any]:
+    return one_step_grads(init_parallel(ep, "cpu"))
+
+
+def train_steps(state: ParallelState, steps: int, global_batch: int, mbs: int, ep: int = 1) -> dict[str, torch.Tensor]:
+    """`steps` optimizer steps on random tokens; returns the full parameters (checkpoint names)."""
+    setup = build(state, lr=3e-3)
+    data = DataLoaderState(RandomTokens(TINY.vocab_size, SEQ, seed=3), global_batch_size=global_batch,
+                           micro_batch_size=mbs, dp_rank=state.dp_rank, dp_size=state.dp_size)
+    schedule = get_forward_backward_func(setup.config)
+    for step in range(steps):
+        setup.model.zero_grad_buffer()
+        schedule(forward_step_func=forward_step, data_iterator=data.step_iterator(), model=setup.model,
+                 num_microbatches=data.num_microbatches)
+        setup.optimizer.step(3e-3)
+    inner = unwrap_model(setup.model)
+    return {name: t.detach().clone() for name, t in inner.named_checkpoint_slots()}
+
+
+def dp_train_worker(rank: int, steps: int, global_batch: int, mbs: int) -> dict[str, torch.Tensor]:
+    return train_steps(init_parallel(1, "cpu"), steps, global_batch, mbs)
+
+
+# --- callbacks on the runtime config ---------------------------------------------------------
+@dataclass
+class ToyConfig:
+    finalize_model_grads_func: Any = None
+    grad_scale_func: Any = None
+    no_sync_func: Any = None
+    grad_sync_func: Any = None
+    param_sync_func: Any = None
+    overlap_moe_expert_parallel_comm: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+class ToyModel(nn.Module):
+    """512 zero-initialised parameters in 8 tensors; loss = sign * sum(params)."""
+
+    def __init__(self, config: ToyConfig):
+        super().__init__()
+        self.config = config
+        self.weights = nn.ParameterList(nn.Parameter(torch.zeros(8, 8)) for _ in range(8))
+
+    def forward(self, sign: float) -> torch.Tensor:
+        return sign * sum(w.sum() for w in self.weights)
+
+
+class CopyingProvider:
+    """Like a canonical provider: the model gets a DEEP COPY of the provider's config."""
+
+    def __init__(self) -> None:
+        self.config = ToyConfig()
+
+    def provide(self, state: ParallelState) -> nn.Module:
+        return ToyModel(copy.deepcopy(self.config))
+
+
+def callbacks_worker(rank: int, microbatches: int, install_on_provider: bool = False) -> dict[str, Any]:
+    """DP=2 through the real setup: +1 on rank 0, -3 on rank 1; one step; spy on the finaliser."""
+    from gptoss_cli.parallel import grads as grads_module
+    from gptoss_cli.train import setup as setup_module
+
+    state = init_parallel(1, "cpu")
+    calls: list[dict[str, Any]] = []
+    real = grads_module.finalize_model_grads
+
+    def spy(model_chunks, num_tokens=None, *, parallel_state):
+        calls.append({"models": [id(m) for m in model_chunks], "num_tokens": float(num_tokens),
+                      "dp_group_size": torch.distributed.get_world_size(parallel_state.dp_group),
+                      "expert_dp_group_size": torch.distributed.get_world_size(parallel_state.expert_dp_group)})
+        return real(model_chunks, num_tokens, parallel_state=parallel_state)
+
+    grads_module.finalize_model_grads = spy
+    try:
+        provider = CopyingProvider()
+        setup = setup_model_and_optimizer(provider, state, OptimizerSettings(lr=0.1, use_distributed_optimizer=True))
+        if install_on_provider:  # the binding bug of the field report, as a negative control
+            provider.config.finalize_model_grads_func = setup.config.finalize_model_grads_func
+            setup.config.finalize_model_grads_func = None
+        sign = 1.0 if rank == 0 else -3.0
+
+        def step_fn(it, model):
+            next(it)
+            loss = model(sign)
+            return loss, torch.tensor(1.0), {}
+
+        schedule = get_forward_backward_func(setup.config)
+        setup.model.zero_grad_buffer()
+        try:
+            schedule(forward_step_func=step_fn, data_iterator=iter(range(microbatches)), model=setup.model,
+                     num_microbatches=microbatches)
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            return {"error": f"{type(exc).__name__}: {exc}"}
+        train_calls = len(calls)
+        setup.optimizer.step(0.1)
+        schedule(forward_step_func=step_fn, data_iterator=iter(range(microbatches)), model=setup.model,
+                 num_microbatches=microbatches, forward_only=True)
+        inner = unwrap_model(setup.model)
+        owned = sorted(setup.optimizer.master)
+        return {
+            "train_calls": train_calls, "calls_after_eval": len(calls), "calls": calls,
+            "model_id": id(setup.model), "params": torch.cat([w.detach().flatten() for w in inner.weights]),
+            "config_is_model_config": setup.config is inner.config,
+            "provider_finalizer": provider.config.finalize_model_grads_func is not None, "owned": owned,
+        }
+    finally:
+        grads_module.finalize_model_grads = real
