@@ -21,7 +21,7 @@ import torch
 from gptoss_cli import __version__
 from gptoss_cli.checkpoint.hybrid_format import HybridCheckpointConfig, write_hybrid_config
 from gptoss_cli.checkpoint.layouts import HF_LAYOUTS, UINT8, Layout
-from gptoss_cli.checkpoint.mapping import VOCAB_PADDED_HYBRID, Unit, hybrid_shapes, units
+from gptoss_cli.checkpoint.mapping import VOCAB_PADDED_HYBRID, Unit, hybrid_shapes, identity, units
 from gptoss_cli.checkpoint.safetensors_io import ShardedWriter, TensorSpec
 from gptoss_cli.checkpoint.sources import EXTRA_FILES, HYBRID, Source, check_tensors, open_source
 from gptoss_cli.errors import CheckpointError, UsageError
@@ -129,8 +129,24 @@ def _read_hybrid(source: Source, name: str, dtype: torch.dtype) -> torch.Tensor:
     return _cast(source.reader.read(name), dtype)
 
 
+def _row_ranges(spec: TensorSpec, budget: int):
+    """Row ranges of about `budget` bytes, so that a 1 GB embedding is never held whole."""
+    step = max(1, budget // max(1, spec.row_bytes))
+    rows = spec.shape[0] if spec.shape else 1
+    return [(r, min(rows, r + step)) for r in range(0, rows, step)]
+
+
+def _streams_rows(unit: Unit, spec: TensorSpec) -> bool:
+    return unit.mapping.to_hybrid is identity and len(unit.hf) == 1 and len(spec.shape) >= 1
+
+
 def _run_to_hybrid(source: Source, job: _Job, write, dtype: torch.dtype, budget: int) -> None:
     arch, unit, layout = source.arch, job.unit, source.layout
+    out = job.outputs[0]
+    if _streams_rows(unit, out):
+        for r0, r1 in _row_ranges(out, budget):
+            write(out.name, layout.read(source.reader, arch, unit.hf[0], dtype, r0, r1))
+        return
     if unit.per_expert:
         n = _expert_chunk(arch, unit, dtype, budget)
         for e0 in range(0, arch.num_local_experts, n):
@@ -147,6 +163,11 @@ def _run_to_hybrid(source: Source, job: _Job, write, dtype: torch.dtype, budget:
 
 def _run_to_hf(source: Source, job: _Job, write, dtype: torch.dtype, layout: Layout, budget: int) -> None:
     arch, unit = source.arch, job.unit
+    out = job.outputs[0]
+    if _streams_rows(unit, out) and len(job.outputs) == 1:
+        for r0, r1 in _row_ranges(out, budget):
+            write(out.name, _cast(source.reader.read(unit.hybrid[0], r0, r1), dtype))
+        return
     if unit.per_expert:
         n = _expert_chunk(arch, unit, dtype, budget)
         stash: dict[str, list[torch.Tensor]] = {}

@@ -72,3 +72,15 @@ def test_vocab_padding_is_stripped_on_export(hybrid_from_bf16, tmp_path):
     out = load_all(tmp_path / "out")
     assert out["lm_head.weight"].shape[0] == 1003
     assert torch.equal(out["lm_head.weight"], load_all(hybrid_from_bf16)["output_layer.weight"])
+
+
+@pytest.mark.parametrize("form", ["bf16", "mxfp4"])
+def test_small_chunks_stream_the_same_bytes(form, hf_mxfp4, hybrid_from_mxfp4, tmp_path):
+    """With a tiny memory budget every stack is split into single experts and row ranges."""
+    convert(str(hf_mxfp4), tmp_path / "h", dtype="float32", chunk_bytes=1000)
+    small, ref = load_all(tmp_path / "h"), load_all(hybrid_from_mxfp4)
+    assert set(small) == set(ref) and all(torch.equal(small[k], ref[k]) for k in ref)
+    convert(str(tmp_path / "h"), tmp_path / "back", experts=form, dtype="float32", chunk_bytes=1000)
+    convert(str(hybrid_from_mxfp4), tmp_path / "back_ref", experts=form, dtype="float32")
+    back, back_ref = load_all(tmp_path / "back"), load_all(tmp_path / "back_ref")
+    assert set(back) == set(back_ref) and all(torch.equal(back[k], back_ref[k]) for k in back_ref)
