@@ -198,11 +198,12 @@ def _check_keys(data: Any, cls: type, prefix: str, source: str, problems: list[s
         dotted = f"{prefix}{key}"
         if key not in children:
             close = difflib.get_close_matches(str(key), list(children), n=1, cutoff=0.6)
-            if close:
+            # a field written at top level instead of inside its group
+            owners = [n for n, _ in iter_fields() if n.endswith(f".{key}")] if not prefix else []
+            if owners:
+                suggestion = f" (did you mean '{owners[0]}'?)"
+            elif close:
                 suggestion = f" (did you mean '{prefix}{close[0]}'?)"
-            elif not prefix:  # a field written at top level instead of inside its group
-                owners = [n for n, _ in iter_fields() if n.endswith(f".{key}")]
-                suggestion = f" (did you mean '{owners[0]}'?)" if owners else ""
             else:
                 suggestion = ""
             problems.append(f"unknown key {dotted!r}{suggestion}")
