@@ -85,7 +85,9 @@ def pick_device(device: str = "auto") -> torch.device:
     return torch.device("cpu")
 
 
-def init_parallel(ep_size: int = 1, device: str | torch.device = "auto", timeout_s: float = 600.0) -> ParallelState:
+def init_parallel(
+    ep_size: int = 1, device: str | torch.device = "auto", backend: str = "auto", timeout_s: float = 600.0
+) -> ParallelState:
     """Join the process group (NCCL on CUDA, gloo on CPU) and build the (expert_dp, ep) mesh."""
     dev = device if isinstance(device, torch.device) else pick_device(device)
     env = torchrun_env()
@@ -98,7 +100,8 @@ def init_parallel(ep_size: int = 1, device: str | torch.device = "auto", timeout
     if world == 1:
         return ParallelState(ep_size=ep_size, device=dev) if ep_size == 1 else _single_rank_error(ep_size)
     if not dist.is_initialized():
-        backend = "nccl" if dev.type == "cuda" else "gloo"
+        if backend == "auto":
+            backend = "nccl" if dev.type == "cuda" else "gloo"
         kwargs: dict[str, Any] = {"backend": backend, "timeout": timedelta(seconds=timeout_s)}
         if dev.type == "cuda":
             kwargs["device_id"] = dev

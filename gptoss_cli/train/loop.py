@@ -46,6 +46,7 @@ class TrainPlan:
     run_dir: str
     ep_size: int = 1
     device: str = "auto"
+    backend: str = "auto"
     params_dtype: str = "fp32"
     aux_loss_coeff: float = 0.0
     overlap_moe_expert_parallel_comm: bool = False
@@ -128,8 +129,10 @@ class MetricsWriter:
     def write(self, step: int, common: dict[str, Any], local: list[float]) -> None:
         row = torch.tensor(local, dtype=torch.float64, device=self.state.device)
         if self.state.distributed:
-            rows = torch.empty((self.state.world_size, len(local)), dtype=torch.float64, device=self.state.device)
-            dist.all_gather_into_tensor(rows, row)
+            rows = torch.empty(self.state.world_size * len(local), dtype=torch.float64, device=self.state.device)
+            # all_gather_into_tensor was renamed all_gather_single in torch 2.13
+            (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(rows, row)
+            rows = rows.view(self.state.world_size, len(local))
         else:
             rows = row[None]
         if self.state.rank != 0:
@@ -148,7 +151,7 @@ def run_worker(plan: TrainPlan, progress: Progress | None = None) -> TrainResult
     if os.environ.get("OMP_NUM_THREADS") is None and "LOCAL_WORLD_SIZE" in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
     owns_group = not dist.is_initialized()
-    state = init_parallel(plan.ep_size, plan.device)
+    state = init_parallel(plan.ep_size, plan.device, plan.backend)
     try:
         return _train(plan, state, progress)
     finally:

@@ -1,0 +1,118 @@
+"""`gptoss train`: validate a recipe with the shared rules, launch the workers, show rank 0's progress."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any, List, Optional
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from gptoss_cli.cli.app import app, console, handle_errors, write_json
+
+
+class TrainProgressBar:
+    """The library's progress callback, rendered by rank 0's process (it is pickled into the worker).
+
+    A live bar (loss, lr, grad norm, tokens/s, step time) on a terminal; one plain line per logged
+    step otherwise, so CI logs keep the loss curve.
+    """
+
+    def __init__(self, quiet: bool = False):
+        self.quiet = quiet
+        self._console: Console | None = None
+        self._progress: Progress | None = None
+        self._task: Any = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"quiet": self.quiet}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["quiet"])
+
+    def __call__(self, event: dict[str, Any]) -> None:
+        if self.quiet:
+            return
+        kind = event["kind"]
+        if kind == "start":
+            self._console = Console()
+            where = f"world {event['world_size']}, EP {event['ep_size']}"
+            if event.get("resumed_from"):
+                self._console.print(f"resuming from [bold]{escape(event['resumed_from'])}[/] at step {event['start_step']}")
+            if self._console.is_terminal:
+                self._progress = Progress(
+                    TextColumn(f"[bold]train[/] ({where})"), BarColumn(), MofNCompleteColumn(),
+                    TextColumn("{task.fields[metrics]}"), TimeElapsedColumn(), console=self._console,
+                )
+                self._progress.start()
+                self._task = self._progress.add_task("train", total=event["train_iters"], completed=event["start_step"],
+                                                     metrics="")
+        elif kind == "step":
+            text = (f"loss {event['loss']:.4f}  lr {event['lr']:.2e}  gnorm {event['grad_norm']:.3f}  "
+                    f"{event['tokens_per_s']:.0f} tok/s  {event['step_time_s'] * 1000:.0f} ms/step")
+            if self._progress is not None:
+                self._progress.update(self._task, completed=event["step"], metrics=text)
+            elif self._console is not None:
+                self._console.print(f"step {event['step']}: {text}", highlight=False)
+        elif kind == "checkpoint" and self._console is not None:
+            (self._progress.console if self._progress else self._console).print(
+                f"saved checkpoint {escape(event['path'])}", highlight=False)
+        elif kind == "end" and self._progress is not None:
+            self._progress.stop()
+
+
+def render_result(result: Any) -> None:
+    table = Table(title="training", title_justify="left", show_header=False)
+    table.add_column("", style="bold")
+    table.add_column("")
+    table.add_row("steps", f"{result.steps} (reached step {result.final_step})")
+    if result.losses:
+        table.add_row("loss", f"{result.losses[0]:.4f} -> {result.losses[-1]:.4f}")
+    table.add_row("tokens/s", f"{result.tokens_per_s:.0f} (world {result.world_size}, EP {result.ep_size})")
+    table.add_row("run folder", escape(str(result.run_dir)) + " (metrics.jsonl)")
+    if result.resumed_from:
+        table.add_row("resumed from", escape(result.resumed_from))
+    if result.checkpoint:
+        table.add_row("checkpoint", escape(result.checkpoint))
+    console.print(table)
+
+
+@app.command(
+    "train",
+    help=(
+        "Train a GPT-OSS model from a recipe (expert parallel x data parallel, AdamW, checkpoints).\n\n"
+        "The recipe is checked with the same rules as validate-config before any process starts. "
+        "Without torchrun, --nproc-per-node N workers are started on this machine (default: the "
+        "recipe's world size); under torchrun each process trains directly.\n\n"
+        "Example: gptoss train --recipe tiny_cpu_ep2 training.train_iters=5\n\n"
+        "Multi-node: torchrun --nnodes 8 --nproc-per-node 8 ... -m gptoss_cli train --recipe gb200_bf16"
+    ),
+)
+@handle_errors
+def train_cmd(
+    recipe: str = typer.Option(..., "--recipe", "-r", help="recipe YAML path or a name in recipes/"),
+    overrides: Optional[List[str]] = typer.Argument(
+        None, help="dotlist overrides, e.g. training.train_iters=10 checkpoint.dir=/tmp/ckpt", show_default=False,
+    ),
+    nproc_per_node: Optional[int] = typer.Option(
+        None, "--nproc-per-node", min=1, help="worker processes on this machine (default: the recipe's world size)",
+    ),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress output"),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="also write the result as JSON"),
+) -> None:
+    from gptoss_cli.recipe.load import load_recipe
+    from gptoss_cli.train.launch import train
+
+    loaded = load_recipe(recipe, overrides or [])
+    result = train(loaded, nproc_per_node=nproc_per_node, progress=TrainProgressBar(quiet))
+    if os.environ.get("RANK", "0") != "0":  # under torchrun only rank 0 reports
+        return
+    if not quiet:
+        render_result(result)
+    if json_path:
+        write_json(json_path, dataclasses.asdict(result))

@@ -1,0 +1,188 @@
+"""`gptoss train`'s library entry: validate the recipe with the shared rules, then launch the workers.
+
+Before any process starts, the recipe goes through the same rule registry as `validate-config`
+(`gptoss_cli.recipe.validate.preflight`, with the real world size and path checks); an error
+stops it there. Then:
+- inside a torchrun-started process (RANK/WORLD_SIZE/LOCAL_RANK set): train in this process, so
+  multi-node jobs are plain `torchrun --nnodes ... -m gptoss_cli train --recipe R`;
+- one process: train in this process;
+- N processes on this node: torch.distributed's elastic launcher (the machinery behind torchrun)
+  starts N workers. A worker that fails makes the agent stop the others; the job then raises one
+  error naming the failed rank and its message, never a hang.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import uuid
+from pathlib import Path
+from typing import Any
+
+from gptoss_cli import errors
+from gptoss_cli.errors import ConfigError, GptossError, TrainingError
+from gptoss_cli.parallel.state import torchrun_env
+from gptoss_cli.train.loop import Progress, TrainPlan, TrainResult, run_worker
+
+
+def plan_from_recipe(recipe: Any) -> TrainPlan:
+    """The worker's resolved plan from a loaded `gptoss_cli.recipe.load.Recipe`."""
+    cfg = recipe.config
+    name = cfg.name or (recipe.path.stem if recipe.path else "run")
+    t, o, d, c = cfg.training, cfg.optimizer, cfg.data, cfg.checkpoint
+    return TrainPlan(
+        name=name,
+        arch=recipe.arch,
+        hybrid_layer_pattern=recipe.pattern.text,
+        run_dir=str(Path(cfg.logging.run_dir or Path("runs") / name)),
+        ep_size=cfg.parallelism.expert_model_parallel_size,
+        device=cfg.system.device,
+        backend=cfg.parallelism.backend,
+        params_dtype=cfg.precision.params_dtype,
+        aux_loss_coeff=cfg.moe.aux_loss_coeff,
+        overlap_moe_expert_parallel_comm=cfg.overlap.overlap_moe_expert_parallel_comm,
+        delay_wgrad_compute=cfg.overlap.delay_wgrad_compute,
+        seq_length=t.seq_length,
+        micro_batch_size=t.micro_batch_size,
+        global_batch_size=t.global_batch_size,
+        train_iters=t.train_iters,
+        lr=t.lr,
+        min_lr=t.min_lr,
+        warmup_iters=t.warmup_iters,
+        lr_decay_style=t.lr_decay_style,
+        lr_decay_iters=t.lr_decay_iters,
+        seed=t.seed,
+        weight_decay=o.weight_decay,
+        betas=(o.adam_beta1, o.adam_beta2),
+        eps=o.adam_eps,
+        clip_grad=o.clip_grad,
+        use_distributed_optimizer=o.use_distributed_optimizer,
+        data_kind=d.kind,
+        data_path=d.path,
+        checkpoint_dir=c.dir,
+        save_interval=c.save_interval,
+        resume=c.resume,
+        pretrained=c.pretrained,
+        log_interval=cfg.logging.log_interval,
+        recipe=recipe.to_dict(),
+    )
+
+
+def default_nproc(recipe: Any) -> int:
+    """Processes on this node when --nproc-per-node is not given: the recipe's world size."""
+    from gptoss_cli.recipe.rules import resolve_world_size
+
+    p = recipe.config.parallelism
+    if p.nodes not in (None, 1):
+        raise ConfigError(
+            f"parallelism.nodes={p.nodes}: multi-node jobs start under torchrun",
+            hint="run `torchrun --nnodes N --nproc-per-node G ... -m gptoss_cli train --recipe R` on every node",
+        )
+    return resolve_world_size(recipe.config)[0]
+
+
+def preflight_recipe(recipe: Any, world_size: int) -> Any:
+    """The shared rules with the launch world size and path checks; ValidationFailed stops the launch."""
+    from gptoss_cli.recipe.validate import preflight
+
+    gpu = None
+    if recipe.config.system.gpu == "auto":
+        gpu = _detect_gpu(recipe.config.system.device)
+    return preflight(recipe, world_size=world_size, gpu=gpu)
+
+
+def _detect_gpu(device: str) -> str:
+    import torch
+
+    if device == "cpu" or not torch.cuda.is_available():
+        return "none"
+    name = torch.cuda.get_device_name().lower()
+    for gen in ("gb300", "gb200", "b200", "h200", "h100", "a100"):
+        if gen in name.replace(" ", ""):
+            return gen
+    return "auto"
+
+
+def train(recipe: Any, *, nproc_per_node: int | None = None, progress: Progress | None = None) -> TrainResult:
+    """Validate, then train: in this process (torchrun or one process) or on N local workers."""
+    env = torchrun_env()
+    if env is not None:
+        if nproc_per_node is not None and int(os.environ.get("LOCAL_WORLD_SIZE", nproc_per_node)) != nproc_per_node:
+            raise ConfigError(
+                f"--nproc-per-node {nproc_per_node} disagrees with torchrun's LOCAL_WORLD_SIZE={os.environ['LOCAL_WORLD_SIZE']}",
+                hint="drop --nproc-per-node when running under torchrun",
+            )
+        preflight_recipe(recipe, env["WORLD_SIZE"])
+        return run_worker(plan_from_recipe(recipe), progress)
+    nproc = nproc_per_node if nproc_per_node is not None else default_nproc(recipe)
+    if nproc < 1:
+        raise ConfigError(f"--nproc-per-node {nproc} must be at least 1")
+    preflight_recipe(recipe, nproc)
+    plan = plan_from_recipe(recipe)
+    if nproc == 1:
+        return run_worker(plan, progress)
+    return launch_local(plan, nproc, progress)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker_entry(plan: TrainPlan, progress: Progress | None) -> TrainResult:
+    """Body of one elastic worker: a GptossError is recorded for the agent as one line, no traceback."""
+    try:
+        return run_worker(plan, progress)
+    except GptossError as exc:
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        ErrorHandler().record_exception(exc)
+        raise SystemExit(exc.exit_code) from None
+    except BaseException as exc:  # a bug: record it for the agent, keep the traceback on stderr
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        ErrorHandler().record_exception(exc)
+        raise
+
+
+def launch_local(plan: TrainPlan, nproc: int, progress: Progress | None = None, *, timeout_s: float = 900) -> TrainResult:
+    """Start `nproc` workers on this node with the elastic launcher; rank 0's result."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"gptoss-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", rdzv_configs={"timeout": int(timeout_s)},
+        max_restarts=0, monitor_interval=0.1, start_method="spawn",
+    )
+    elastic_log = logging.getLogger("torch.distributed.elastic")
+    level = elastic_log.level
+    elastic_log.setLevel(logging.ERROR)  # the agent's per-signal warnings would bury our one-line error
+    try:
+        results = elastic_launch(config, _worker_entry)(plan, progress)
+    except ChildFailedError as exc:
+        rank, failure = exc.get_first_failure()
+        raise _worker_error(rank, failure) from None
+    finally:
+        elastic_log.setLevel(level)
+    return results[0]
+
+
+def _worker_error(rank: int, failure: Any) -> GptossError:
+    """The failed worker's own error type and message when it recorded one, else TrainingError."""
+    message = failure.message
+    if isinstance(message, dict):
+        message = message.get("message", "")
+    message = str(message).strip().splitlines()[0] if str(message).strip() else ""
+    if not message or message.startswith("To enable traceback"):
+        message = f"exit code {failure.exitcode}" + (f" ({failure.signal_name()})" if failure.exitcode < 0 else "")
+    cls_name, _, text = message.partition(": ")
+    cls = getattr(errors, cls_name, None)
+    if isinstance(cls, type) and issubclass(cls, GptossError) and text:
+        return cls(f"worker rank {rank}: {text}")
+    return TrainingError(f"worker rank {rank} failed: {message}", hint="see the worker's output above")
+
+
+__all__ = ["train", "plan_from_recipe", "launch_local", "preflight_recipe", "default_nproc"]
