@@ -1,0 +1,196 @@
+"""Tokenize text or JSONL files into the token file format that training memory-maps.
+
+Streaming: documents are read and tokenized in batches and appended to `OUT.bin`; memory use
+does not grow with the input. Each document's tokens are followed by the EOS id. The header
+`OUT.json` is written last, and both files appear under their final names only when complete.
+Format: see `gptoss_cli.train.data`.
+
+Inputs: `.jsonl` / `.json` lines files (one JSON object per line, the text under `text_key`), or
+any other file as plain UTF-8 text where one or more blank lines separate documents.
+"""
+
+from __future__ import annotations
+
+import array
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+
+from gptoss_cli.errors import ConfigError, UsageError
+from gptoss_cli.train.data import TOKEN_FORMAT, TOKEN_FORMAT_VERSION, token_file_paths
+
+BATCH_DOCS = 512
+EOS_CANDIDATES = ("<|endoftext|>", "<|return|>", "</s>", "<eos>")
+
+
+@dataclass
+class PrepareResult:
+    bin_path: str
+    header_path: str
+    num_tokens: int
+    num_documents: int
+    dtype: str
+    vocab_size: int
+    eos_token_id: int
+    sources: list[str] = field(default_factory=list)
+
+
+def _tokenizer_file(path: Path) -> Path:
+    candidate = path / "tokenizer.json" if path.is_dir() else path
+    if not candidate.is_file():
+        raise UsageError(f"tokenizer {candidate} not found", hint="pass a checkpoint folder with tokenizer.json, or the file")
+    return candidate
+
+
+def _eos_id(tokenizer: Any, tok_file: Path, eos_token_id: int | None) -> int:
+    if eos_token_id is not None:
+        return eos_token_id
+    config = tok_file.parent / "config.json"
+    if config.is_file():
+        try:
+            eos = json.loads(config.read_text()).get("eos_token_id")
+        except json.JSONDecodeError:
+            eos = None
+        if isinstance(eos, list) and eos:
+            eos = eos[0]
+        if isinstance(eos, int):
+            return eos
+    for token in EOS_CANDIDATES:
+        tid = tokenizer.token_to_id(token)
+        if tid is not None:
+            return tid
+    raise ConfigError(
+        f"{tok_file}: cannot tell the end-of-document token (no config.json eos_token_id, none of {list(EOS_CANDIDATES)})",
+        hint="pass --eos-id N",
+    )
+
+
+def _documents(path: Path, text_key: str) -> Iterator[tuple[str, int]]:
+    """(document text, bytes consumed) for one input file, streamed."""
+    if path.suffix in (".jsonl", ".json"):
+        with path.open("rb") as fh:
+            for lineno, raw in enumerate(fh, 1):
+                if not raw.strip():
+                    yield "", len(raw)
+                    continue
+                try:
+                    obj = json.loads(raw)
+                except json.JSONDecodeError as exc:
+                    raise UsageError(f"{path}:{lineno}: not a JSON object ({exc.msg})") from None
+                if not isinstance(obj, dict) or not isinstance(obj.get(text_key), str):
+                    raise UsageError(
+                        f"{path}:{lineno}: no string field {text_key!r}",
+                        hint="pass --text-key with the field that holds the text",
+                    )
+                yield obj[text_key], len(raw)
+        return
+    lines: list[str] = []
+    consumed = 0
+    with path.open("rb") as fh:
+        for raw in fh:
+            consumed += len(raw)
+            line = raw.decode("utf-8", errors="replace")
+            if line.strip():
+                lines.append(line)
+            elif lines:
+                yield "".join(lines).rstrip("\n"), consumed
+                lines, consumed = [], 0
+    if lines or consumed:
+        yield "".join(lines).rstrip("\n"), consumed
+
+
+def prepare_data(
+    inputs: list[Path],
+    out: Path,
+    tokenizer: Path,
+    *,
+    text_key: str = "text",
+    eos_token_id: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> PrepareResult:
+    """Tokenize `inputs` into OUT.bin + OUT.json; `progress(bytes_done, bytes_total)`."""
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise UsageError("prepare-data needs the `tokenizers` package", hint="pip install 'gptoss-cli[data]'") from None
+    if not inputs:
+        raise UsageError("no input files given")
+    missing = [str(p) for p in inputs if not Path(p).is_file()]
+    if missing:
+        raise UsageError(f"input file {missing[0]} not found")
+    tok_file = _tokenizer_file(Path(tokenizer))
+    try:
+        tok = Tokenizer.from_file(str(tok_file))
+    except Exception as exc:  # the tokenizers library raises a bare Exception for bad files
+        raise UsageError(f"{tok_file}: not a tokenizers tokenizer.json ({str(exc).splitlines()[0]})") from None
+    vocab_size = tok.get_vocab_size(with_added_tokens=True)
+    eos = _eos_id(tok, tok_file, eos_token_id)
+    dtype_name = "uint16" if max(vocab_size, eos + 1) <= 1 << 16 else "uint32"
+    dtype = torch.uint16 if dtype_name == "uint16" else torch.uint32
+    bin_path, header_path = token_file_paths(out)
+    bin_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = bin_path.with_name(f".{bin_path.name}.tmp-{os.getpid()}")
+    total_bytes = sum(Path(p).stat().st_size for p in inputs)
+    done_bytes = num_tokens = num_docs = 0
+
+    def flush(batch: list[str], fh: Any) -> int:
+        encodings = tok.encode_batch(batch, add_special_tokens=False)
+        ids: list[int] = []
+        for enc in encodings:
+            ids.extend(enc.ids)
+            ids.append(eos)
+        fh.write(_to_bytes(ids, dtype))
+        return len(ids)
+
+    try:
+        with tmp.open("wb") as fh:
+            for path in inputs:
+                batch: list[str] = []
+                for text, nbytes in _documents(Path(path), text_key):
+                    done_bytes += nbytes
+                    if text:
+                        batch.append(text)
+                        num_docs += 1
+                    if len(batch) >= BATCH_DOCS:
+                        num_tokens += flush(batch, fh)
+                        batch = []
+                        if progress:
+                            progress(done_bytes, total_bytes)
+                if batch:
+                    num_tokens += flush(batch, fh)
+                if progress:
+                    progress(done_bytes, total_bytes)
+        if num_docs == 0:
+            raise UsageError(f"no documents found in {[str(p) for p in inputs]}")
+        os.replace(tmp, bin_path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    header = {
+        "format": TOKEN_FORMAT, "version": TOKEN_FORMAT_VERSION, "dtype": dtype_name, "num_tokens": num_tokens,
+        "num_documents": num_docs, "vocab_size": vocab_size, "eos_token_id": eos, "tokenizer": str(tok_file),
+        "sources": [str(p) for p in inputs],
+    }
+    header_tmp = header_path.with_name(f".{header_path.name}.tmp-{os.getpid()}")
+    header_tmp.write_text(json.dumps(header, indent=2) + "\n")
+    os.replace(header_tmp, header_path)
+    return PrepareResult(str(bin_path), str(header_path), num_tokens, num_docs, dtype_name, vocab_size, eos,
+                         [str(p) for p in inputs])
+
+
+def _to_bytes(ids: list[int], dtype: torch.dtype) -> bytes:
+    """Little-endian bytes of the ids in `dtype` (uint16/uint32) without numpy."""
+    arr = array.array("H" if dtype == torch.uint16 else "I", ids)
+    if arr.itemsize != dtype.itemsize:  # pragma: no cover - exotic platforms
+        arr = array.array("L" if dtype == torch.uint32 else "H", ids)
+    if sys.byteorder != "little":  # pragma: no cover
+        arr.byteswap()
+    return arr.tobytes()
+
+
+__all__ = ["prepare_data", "PrepareResult"]
