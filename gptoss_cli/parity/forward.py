@@ -67,23 +67,22 @@ class Reference:
             if not name.startswith(prefix):
                 continue
             local = name[len(prefix):]
+            # from_pretrained keeps the two norms in fp32 (_keep_in_fp32_modules)
+            dtype = torch.float32 if local.endswith("layernorm.weight") else self.dtype
             if local.endswith("_scales"):
                 continue
             if local.endswith("_blocks"):
                 scales = self._tensor(name[: -len("_blocks")] + "_scales")
                 # transformers' own MXFP4 dequantisation: [E, out, G, 16] -> [E, in, out]
-                state[local[: -len("_blocks")]] = convert_moe_packed_tensors(
-                    self._tensor(name), scales, dtype=torch.float32
-                )
+                state[local[: -len("_blocks")]] = convert_moe_packed_tensors(self._tensor(name), scales, dtype=dtype)
             else:
-                state[local] = self._tensor(name).float()
-        layer = self.mod.GptOssDecoderLayer(self.config, i)
-        layer.load_state_dict(state, strict=True)
-        layer = layer.to(self.device, self.dtype).eval()
-        # from_pretrained keeps these norms in fp32 (_keep_in_fp32_modules)
-        layer.input_layernorm.float()
-        layer.post_attention_layernorm.float()
-        return layer
+                state[local] = self._tensor(name).to(dtype)
+        # Built on the meta device and filled by assignment: one copy of the block in memory.
+        with torch.device("meta"):
+            layer = self.mod.GptOssDecoderLayer(self.config, i)
+        layer.load_state_dict(state, strict=True, assign=True)
+        del state
+        return layer.to(self.device).eval()
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         norm = self.mod.GptOssRMSNorm(self.config.hidden_size, eps=self.config.rms_norm_eps)
