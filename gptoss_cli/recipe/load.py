@@ -250,7 +250,7 @@ def _type_error(exc: OmegaConfBaseException, data: dict[str, Any]) -> str:
     key = getattr(exc, "full_key", None) or ""
     try:
         value = _lookup(data, key) if key else None
-        shown = f"{key}={value!r}"
+        shown = f"{key}={'null' if value is None else repr(value)}"
     except (KeyError, AttributeError, TypeError):
         shown = key or "recipe"
     expected = ""

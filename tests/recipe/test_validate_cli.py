@@ -4,16 +4,27 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from gptoss_cli.cli import app
+from gptoss_cli.cli.app import console
 from gptoss_cli.recipe.rules import RULES
 
 runner = CliRunner()
 
 
+@pytest.fixture(autouse=True)
+def wide_console():
+    """The shared console measures its width once; make it wide so rule ids are never folded."""
+    old = console.width
+    console.width = 200
+    yield
+    console.width = old
+
+
 def invoke(*args: str):
-    return runner.invoke(app, ["validate-config", *args], env={"COLUMNS": "200"})
+    return runner.invoke(app, ["validate-config", *args])
 
 
 def test_valid_recipe_exits_0_with_a_valid_verdict():
