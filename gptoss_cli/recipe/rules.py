@@ -137,6 +137,20 @@ def expert_data_parallel_size(cfg: RecipeConfig, world: int) -> int | None:
     return world // emp if emp > 0 and world > 0 and world % emp == 0 else None
 
 
+def gpu_from_device_name(name: str | None) -> str:
+    """The system.gpu value for a CUDA device name (torch.cuda.get_device_name()); "auto" if unknown.
+
+    train passes it as `validate_recipe(..., gpu=...)` so FP8 rules judge the GPU it runs on.
+    """
+    if not name:
+        return "none"
+    text = name.lower().replace("-", " ")
+    for key in ("gb300", "gb200", "b200", "h200", "h100", "a100"):
+        if key in text.replace(" ", ""):
+            return key
+    return "auto"
+
+
 def installed_torch_version() -> str:
     try:
         return metadata.version("torch")
@@ -683,9 +697,10 @@ def fp8_native_gpu(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     if gpu == "auto":
         return [warning(fields, f"{recipe} needs {need_name}; the GPU is not known until launch",
                         "set system.gpu to check now; train checks the detected GPU")]
+    where = "the CPU" if gpu == "none" else gpu
     if cfg.precision.fp8_emulation:
-        return [warning(fields, f"{recipe} will be emulated on {gpu}: same numerics, no speed-up", "")]
-    return [error(fields, f"{recipe} has no native kernels on {gpu}; it needs {need_name}",
+        return [warning(fields, f"{recipe} will be emulated on {where}: same numerics, no speed-up", "")]
+    return [error(fields, f"{recipe} has no native kernels on {where}; it needs {need_name}",
                   "run on a supported GPU, set precision.fp8_emulation=true for numerics-only runs, "
                   "or precision.fp8_recipe=none")]
 
@@ -885,6 +900,23 @@ def unsupported_dropping(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
                          "set moe.capacity_factor=null (dropless)")]
 
 
+@rule("unsupported.router_dtype", "a router dtype other than the params dtype", kind=UNSUPPORTED)
+def unsupported_router_dtype(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
+    dt = cfg.moe.router_dtype
+    if dt is None:
+        return []
+    return [_unsupported({"moe.router_dtype": dt}, f"computing the router in {dt}",
+                         "set moe.router_dtype=null (the router runs in the params dtype)")]
+
+
+@rule("unsupported.fp16", "fp16 parameters (they need dynamic loss scaling)", kind=UNSUPPORTED)
+def unsupported_fp16(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
+    if cfg.precision.params_dtype != "fp16":
+        return []
+    return [_unsupported({"precision.params_dtype": "fp16"}, "fp16 training (dynamic loss scaling)",
+                         "set precision.params_dtype=bf16")]
+
+
 @rule("unsupported.fp8", "FP8 training recipes (until the FP8 work lands)", kind=UNSUPPORTED)
 def unsupported_fp8(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     r = cfg.precision.fp8_recipe
@@ -956,5 +988,5 @@ def _version_tuple(text: str) -> tuple[int, ...]:
 __all__ = [
     "Finding", "Rule", "Context", "RULES", "rule", "list_rules", "error", "warning", "IMPLEMENTED",
     "schedule_plan_support", "schedule_plan_capability", "default_model_class", "resolve_world_size",
-    "data_parallel_size", "expert_data_parallel_size", "ERROR", "WARNING", "SEMANTIC", "UNSUPPORTED",
+    "data_parallel_size", "expert_data_parallel_size", "gpu_from_device_name", "ERROR", "WARNING", "SEMANTIC", "UNSUPPORTED",
 ]

@@ -75,9 +75,10 @@ class MoEConfig:
     token_dispatcher_type: str = _f("alltoall", "token dispatcher", choices=("alltoall", "flex", "allgather"))
     capacity_factor: Optional[float] = _f(None, "expert capacity factor; null = dropless", min=0.0)
     aux_loss_coeff: float = _f(0.0, "load-balancing aux loss coefficient (0 = off)", min=0.0)
-    router_dtype: str = _f("fp32", "dtype of the router softmax/top-k", choices=("fp32", "fp64", "bf16"))
+    router_dtype: Optional[str] = _f(
+        None, "dtype of the router GEMM and softmax; null = the params dtype", choices=(None, "fp32", "fp64"),
+    )
     shared_expert_overlap: bool = _f(False, "overlap shared-expert compute with dispatch (needs shared experts)")
-    grouped_gemm: bool = _f(True, "run local experts as one grouped GEMM")
 
 
 @dataclass

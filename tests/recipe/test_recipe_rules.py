@@ -98,6 +98,8 @@ CASES = {
     "unsupported.megatron_fsdp": (["parallelism.use_megatron_fsdp=true"], "error", []),
     "unsupported.token_dispatcher": (["moe.token_dispatcher_type=flex"], "error", []),
     "unsupported.token_dropping": (["moe.capacity_factor=1.0"], "error", []),
+    "unsupported.router_dtype": (["moe.router_dtype=fp32"], "error", ["moe.router_dtype=null"]),
+    "unsupported.fp16": (["precision.params_dtype=fp16"], "error", ["precision.params_dtype=bf16"]),
     "unsupported.fp8": (MX, "error", []),
     "unsupported.cuda_graphs": (["cuda_graphs.cuda_graph_impl=local", "system.device=cuda"], "error", []),
     "unsupported.recompute": (
@@ -311,3 +313,13 @@ def test_missing_pretrained_weights_fail_at_launch(tmp_path):
     over = [f"checkpoint.pretrained={tmp_path / 'nope'}"]
     assert run_rule("checkpoint.settings", over) == []
     assert [f.rule for f in run_rule("checkpoint.settings", over, check_paths=True)] == ["checkpoint.settings"]
+
+
+@pytest.mark.parametrize("name, gpu", [
+    ("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA GB200", "gb200"), ("NVIDIA B200", "b200"),
+    ("NVIDIA A100-SXM4-80GB", "a100"), ("Tesla T4", "auto"), (None, "none"),
+])
+def test_gpu_generation_from_device_name(name, gpu):
+    from gptoss_cli.recipe.rules import gpu_from_device_name
+
+    assert gpu_from_device_name(name) == gpu
