@@ -76,6 +76,7 @@ class DistributedAdamW:
         self.groups: list[_ShardedGroup] = []
         self.master: dict[str, nn.Parameter] = {}  # owned parameter name -> fp32 master
         self._param_of: dict[str, nn.Parameter] = {}
+        self._module = model.module
         decay, no_decay = [], []
         for buf, pg in ((model.grad_buffers.dense, state.dp_group), (model.grad_buffers.expert, state.expert_dp_group)):
             size = group_size(pg) if distributed else 1
@@ -166,15 +167,26 @@ class DistributedAdamW:
                     p.data.copy_(new)
 
     # --- checkpoint state (per parameter name, layout-free) ---------------------------------
+    def _checkpoint_views(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """(checkpoint name, view) pairs: stacked local experts split into one entry per GLOBAL expert
+        id (as the model's state_dict names them), so the state does not depend on the EP layout."""
+        owner_name, _, leaf = name.rpartition(".")
+        owner = self._module.get_submodule(owner_name) if owner_name else self._module
+        offset, n = getattr(owner, "expert_offset", None), getattr(owner, "num_local_experts", None)
+        if offset is None or n is None or tensor.dim() == 0 or tensor.shape[0] != n:
+            return [(name, tensor)]
+        return [(f"{owner_name}.{leaf}{offset + i}", tensor[i]) for i in range(n)]
+
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Owned parameters' fp32 master and AdamW state, keyed by parameter name."""
+        """Owned parameters' fp32 master and AdamW state, keyed by checkpoint name (experts per global id)."""
         out: dict[str, torch.Tensor] = {}
         for name, m in self.master.items():
             st = self.inner.state[m]
-            out[f"{name}.master"] = m.data
-            out[f"{name}.exp_avg"] = st["exp_avg"]
-            out[f"{name}.exp_avg_sq"] = st["exp_avg_sq"]
-            out[f"{name}.step"] = st["step"]
+            for kind, tensor in (("master", m.data), ("exp_avg", st["exp_avg"]), ("exp_avg_sq", st["exp_avg_sq"])):
+                for key, view in self._checkpoint_views(name, tensor):
+                    out[f"{key}.{kind}"] = view
+            for key, _ in self._checkpoint_views(name, m.data):
+                out[f"{key}.step"] = st["step"]
         return out
 
     def after_load(self) -> None:

@@ -14,8 +14,14 @@ from tests.train.workers import callbacks_worker
 
 
 @pytest.fixture(scope="module")
-def dp2_step(tmp_path_factory):
+def runs(tmp_path_factory):
     return run_distributed(callbacks_worker, 2, tmp_path_factory.mktemp("cb"), 3)
+
+
+@pytest.fixture
+def dp2_step(runs):
+    """Per rank: one training step (3 microbatches) and one forward-only pass, callbacks installed by setup."""
+    return [r["ok"] for r in runs]
 
 
 def test_callbacks_are_installed_on_the_models_copied_config(dp2_step):
@@ -48,7 +54,7 @@ def test_distributed_adamw_applies_the_combined_gradient_on_every_shard(dp2_step
     torch.testing.assert_close(dp2_step[0]["params"], dp2_step[1]["params"], rtol=0, atol=0)
 
 
-def test_callbacks_installed_on_the_provider_config_are_refused(tmp_path):
-    ranks = run_distributed(callbacks_worker, 2, tmp_path, 1, True)
-    for r in ranks:
+def test_callbacks_installed_on_the_provider_config_are_refused(runs):
+    # The binding bug of the field report: the schedule must refuse, not silently skip the reduction.
+    for r in (run["on_provider"] for run in runs):
         assert "no finalize_model_grads_func" in r["error"]

@@ -115,7 +115,12 @@ class CopyingProvider:
         return ToyModel(copy.deepcopy(self.config))
 
 
-def callbacks_worker(rank: int, microbatches: int, install_on_provider: bool = False) -> dict[str, Any]:
+def callbacks_worker(rank: int, microbatches: int) -> dict[str, Any]:
+    """The correct setup, then the same with the callbacks moved to the provider's config."""
+    return {"ok": _callbacks_run(rank, microbatches), "on_provider": _callbacks_run(rank, 1, install_on_provider=True)}
+
+
+def _callbacks_run(rank: int, microbatches: int, install_on_provider: bool = False) -> dict[str, Any]:
     """DP=2 through the real setup: +1 on rank 0, -3 on rank 1; one step; spy on the finaliser."""
     from gptoss_cli.parallel import grads as grads_module
     from gptoss_cli.train import setup as setup_module
@@ -165,3 +170,22 @@ def callbacks_worker(rank: int, microbatches: int, install_on_provider: bool = F
         }
     finally:
         grads_module.finalize_model_grads = real
+
+
+# --- checkpoints across layouts --------------------------------------------------------------
+def tiny_plan(run_dir: str, **changes: Any):
+    from gptoss_cli.train.loop import TrainPlan
+
+    base = dict(name="ckpt", arch=TINY, hybrid_layer_pattern=TINY.hybrid_layer_pattern, run_dir=run_dir,
+                seq_length=16, micro_batch_size=2, global_batch_size=4, train_iters=3, lr=3e-3, min_lr=3e-4,
+                warmup_iters=1, device="cpu", aux_loss_coeff=0.01, clip_grad=1.0, weight_decay=0.01)
+    base.update(changes)
+    return TrainPlan(**base)
+
+
+def run_plan_worker(rank: int, plan: Any) -> dict[str, Any]:
+    """run_worker on an already-initialised group; the result and this rank's model tensors."""
+    from gptoss_cli.train.loop import run_worker
+
+    result = run_worker(plan)
+    return {"losses": result.losses, "result": result}
