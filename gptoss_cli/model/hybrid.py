@@ -132,6 +132,21 @@ def checkpoint_slots(
             yield f"{prefix}{owner_name}.{leaf}{e}", (param[local] if held else None)
 
 
+# Fields that do not change what the network computes; checkpoints may differ from the model in them.
+NON_ARCHITECTURAL = frozenset({"router_aux_loss_coef", "initializer_range", "bos_token_id", "eos_token_id", "pad_token_id"})
+
+
+def architecture_differences(a: GptOssArch, b: GptOssArch) -> list[str]:
+    """'field: A vs B' for every field that changes the computation."""
+    import dataclasses
+
+    return [
+        f"{f.name}: {getattr(a, f.name)!r} vs {getattr(b, f.name)!r}"
+        for f in dataclasses.fields(GptOssArch)
+        if f.name not in NON_ARCHITECTURAL and getattr(a, f.name) != getattr(b, f.name)
+    ]
+
+
 def _copy_checked(dest: torch.Tensor, src: torch.Tensor, name: str, folder) -> None:
     if tuple(src.shape) != tuple(dest.shape):
         raise CheckpointError(f"{folder}: tensor {name} has shape {list(src.shape)}, the model expects {list(dest.shape)}")
@@ -281,7 +296,16 @@ class HybridModel(nn.Module):
         by name: a missing or unexpected tensor, or a shape mismatch, raises CheckpointError."""
         from gptoss_cli.checkpoint.safetensors_io import CheckpointReader
 
+        from gptoss_cli.checkpoint.hybrid_format import HYBRID_CONFIG, read_hybrid_config
+
         folder = Path(folder)
+        if (folder / HYBRID_CONFIG).exists():
+            diff = architecture_differences(read_hybrid_config(folder).arch, self.arch)
+            if diff:
+                raise CheckpointError(
+                    f"{folder / HYBRID_CONFIG}: describes a different architecture than this model "
+                    f"(checkpoint vs model: {'; '.join(diff)})"
+                )
         with CheckpointReader(folder) as reader:
             present = set(reader.names())
             expected = list(self.checkpoint_names())
@@ -317,8 +341,12 @@ class HybridModel(nn.Module):
         try:
             if source.kind != HF:
                 raise CheckpointError(f"{folder}: is a {source.kind} checkpoint, not a Hugging Face one")
-            if source.arch != self.arch:
-                raise CheckpointError(f"{folder}: config.json describes a different architecture than this model")
+            diff = architecture_differences(source.arch, self.arch)
+            if diff:
+                raise CheckpointError(
+                    f"{folder}: config.json describes a different architecture than this model "
+                    f"(checkpoint vs model: {'; '.join(diff)})"
+                )
             check_tensors(source, source.layout.stored_specs(self.arch))
             slots = dict(self.named_checkpoint_slots(all_experts=True))
             dtype = self.output_layer.weight.dtype

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import resource
 from pathlib import Path
 from typing import Callable, Sequence
@@ -11,6 +10,7 @@ import torch
 
 from gptoss_cli.errors import CheckpointError, UsageError
 from gptoss_cli.model.config import GptOssArch
+from gptoss_cli.model.hybrid import architecture_differences as model_architecture_differences
 from gptoss_cli.parity.report import ParityReport, Thresholds
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -62,12 +62,7 @@ def parse_tokens(text: str, arch: GptOssArch, batch: int) -> torch.Tensor:
 
 
 def architecture_differences(hf: GptOssArch, hybrid: GptOssArch) -> list[str]:
-    out = []
-    for f in dataclasses.fields(GptOssArch):
-        a, b = getattr(hf, f.name), getattr(hybrid, f.name)
-        if a != b and f.name not in ("router_aux_loss_coef", "initializer_range", "bos_token_id", "eos_token_id", "pad_token_id"):
-            out.append(f"{f.name}: HF {a!r}, Hybrid {b!r}")
-    return out
+    return [f"{d.split(':')[0]}: HF vs Hybrid{d[d.index(':'):]}" for d in model_architecture_differences(hf, hybrid)]
 
 
 def run_parity(

@@ -79,3 +79,15 @@ def test_wrong_shape_is_named(pair, tmp_path):
     rewrite_hybrid(folder, transpose_fc2)
     with pytest.raises(CheckpointError, match=r"linear_fc2\.weight0 has shape \[96, 64\]"):
         HybridModel.from_hybrid_checkpoint(folder)
+
+
+def test_hybrid_config_for_another_architecture_is_refused(pair, tmp_path):
+    import json
+
+    folder = _copy(pair[1], tmp_path / "h")
+    model = HybridModel.from_hybrid_checkpoint(folder)
+    cfg = json.loads((folder / "hybrid_config.json").read_text())
+    cfg["architecture"]["sliding_window"] = 7
+    (folder / "hybrid_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="sliding_window: 7 vs 8"):
+        model.load_hybrid_tensors(folder)
