@@ -432,7 +432,8 @@ def _overlap_on(cfg: RecipeConfig) -> bool:
 
 
 _OVERLAP_FIELD = {"overlap.overlap_moe_expert_parallel_comm": True}
-_OVERLAP_OFF = "or turn overlap off: overlap.overlap_moe_expert_parallel_comm=false overlap.delay_wgrad_compute=false"
+_TURN_OFF = "turn overlap off: overlap.overlap_moe_expert_parallel_comm=false overlap.delay_wgrad_compute=false"
+_OVERLAP_OFF = f"or {_TURN_OFF}"
 
 
 @rule("overlap.requires_expert_parallel", "overlap_moe_expert_parallel_comm needs EP > 1")
@@ -451,7 +452,7 @@ def overlap_requires_experts(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     if not _overlap_on(cfg) or n > 1:
         return []
     return [error({**_OVERLAP_FIELD, "num_local_experts": n}, "EP overlap needs more than one expert",
-                  _OVERLAP_OFF[3:])]
+                  _TURN_OFF)]
 
 
 @rule("overlap.dispatcher", "overlap_moe_expert_parallel_comm needs the alltoall or flex dispatcher")
@@ -570,8 +571,7 @@ def schedule_plan_capability(cfg: RecipeConfig, ctx: Context, model_cls: Any = _
         fields,
         f"the model cannot build a schedule plan ({reason}); the combined-1F1B overlap schedule would "
         "fail at its first step",
-        "turn overlap off: overlap.overlap_moe_expert_parallel_comm=false overlap.delay_wgrad_compute=false "
-        "(keeping delay_wgrad_compute alone is not a substitute)",
+        f"{_TURN_OFF} (keeping delay_wgrad_compute alone is not a substitute)",
     )]
 
 

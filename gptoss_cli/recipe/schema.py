@@ -246,7 +246,6 @@ _GROUPS: dict[str, type] = {
         SystemConfig,
     )
 }
-GROUP_NAMES = tuple(f.name for f in dataclasses.fields(RecipeConfig) if f.type in _GROUPS or f.type in _GROUPS.values())
 
 __all__ = [
     "RecipeConfig", "ModelConfig", "ParallelismConfig", "MoEConfig", "OverlapConfig", "PrecisionConfig",

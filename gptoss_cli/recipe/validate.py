@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from gptoss_cli.errors import ValidationFailed
+from gptoss_cli.errors import UsageError, ValidationFailed
 from gptoss_cli.recipe.load import Recipe, load_recipe, recipe_from_config
 from gptoss_cli.recipe.rules import (
     ERROR, RULES, SEMANTIC, UNSUPPORTED, WARNING, Context, Finding, Rule, data_parallel_size,
@@ -125,6 +125,8 @@ def validate_recipe(
     """
     if target not in TARGETS:
         raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
+    if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1):
+        raise UsageError(f"world size {world_size!r} must be a positive integer")
     if isinstance(recipe, RecipeConfig):
         recipe = recipe_from_config(recipe)
     cfg = recipe.config
