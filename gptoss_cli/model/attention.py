@@ -18,6 +18,8 @@ sinks included; no Python loop over heads or positions.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -27,6 +29,7 @@ from gptoss_cli.model.norm import rms_norm
 from gptoss_cli.model.rope import apply_rotary
 
 
+@functools.lru_cache(maxsize=16)
 def attention_mask(seq_len: int, window: int | None, device: torch.device) -> torch.Tensor:
     """Boolean [seq, seq+1] mask; column 0 is the sink key (always visible), then the real keys.
 

@@ -73,6 +73,13 @@ class Router(nn.Module):
 # Token dispatchers
 
 
+def expert_counts(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """LongTensor [num_experts] of how often each id occurs; a scatter-add, so no host sync on CUDA
+    (bincount must read the maximum back first)."""
+    counts = torch.zeros(num_experts, dtype=torch.long, device=expert_ids.device)
+    return counts.scatter_add_(0, expert_ids, torch.ones_like(expert_ids))
+
+
 class TokenDispatcher(Protocol):
     def dispatch(
         self, hidden: torch.Tensor, probs: torch.Tensor, indices: torch.Tensor
@@ -102,7 +109,7 @@ class LocalTokenDispatcher:
         flat = indices.reshape(-1)
         order = torch.argsort(flat, stable=True)
         token_index = torch.div(order, top_k, rounding_mode="floor")
-        tokens_per_expert = torch.bincount(flat, minlength=self.num_experts)
+        tokens_per_expert = expert_counts(flat, self.num_experts)
         ctx = LocalDispatchContext(token_index, probs.reshape(-1)[order], hidden.shape[0])
         return hidden.index_select(0, token_index), tokens_per_expert, ctx
 
@@ -299,7 +306,7 @@ class MoELayer(nn.Module):
         hidden = self.pre_mlp_layernorm(x).reshape(-1, x.shape[-1])
         routed = self.mlp.router(hidden)
         if self.collect_router_stats:
-            counts = torch.bincount(routed.indices.reshape(-1), minlength=self.num_experts)
+            counts = expert_counts(routed.indices.reshape(-1), self.num_experts)
             self.router_stats = RouterStats(
                 tokens_per_expert=counts.float(),
                 prob_sum=torch.softmax(routed.logits.float(), dim=-1).sum(0),
