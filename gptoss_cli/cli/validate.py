@@ -11,7 +11,7 @@ from rich.table import Table
 
 from gptoss_cli.cli.app import app, console, handle_errors, write_json
 from gptoss_cli.errors import UsageError
-from gptoss_cli.recipe import available_recipes, list_rules, load_and_validate
+from gptoss_cli.recipe import available_recipes, describe_schema, list_rules, load_and_validate
 from gptoss_cli.recipe.validate import NOTE, TARGETS, ValidationReport
 
 _STYLE = {"error": "bold red", "warning": "yellow", NOTE: "dim"}
@@ -56,6 +56,16 @@ def render_rules() -> None:
     console.print(table)
 
 
+def render_fields() -> None:
+    table = Table(title="recipe fields (gptoss_cli.recipe.schema)", title_justify="left")
+    table.add_column("field", overflow="fold")
+    table.add_column("default", overflow="fold")
+    table.add_column("meaning", overflow="fold")
+    for name, default, help_text in describe_schema():
+        table.add_row(escape(name), escape(default), escape(help_text))
+    console.print(table)
+
+
 @app.command(
     "validate-config",
     help=(
@@ -84,9 +94,13 @@ def validate_config(
     ),
     json_path: Optional[Path] = typer.Option(None, "--json", help="also write the report as JSON here"),
     rules: bool = typer.Option(False, "--list-rules", help="list every rule and exit"),
+    fields: bool = typer.Option(False, "--list-fields", help="list every recipe field with its default and exit"),
 ) -> None:
-    if rules:
-        render_rules()
+    if rules or fields:
+        if rules:
+            render_rules()
+        if fields:
+            render_fields()
         return
     if recipe is None:
         names = ", ".join(available_recipes()) or "none"

@@ -235,8 +235,19 @@ def describe_schema() -> list[tuple[str, str, str]]:
         choices = f.metadata.get("choices")
         if choices:
             help_text += " [" + " | ".join("null" if c is None else str(c) for c in choices) + "]"
-        rows.append((name, "null" if default is None else repr(default), help_text))
+        rows.append((name, _yaml_text(default), help_text))
     return rows
+
+
+def _yaml_text(value: Any) -> str:
+    """A default as it would be written in a recipe: null, true, 1.0e-08, '', [], {}."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, str):
+        return value if value else "''"
+    return repr(value)
 
 
 _GROUPS: dict[str, type] = {

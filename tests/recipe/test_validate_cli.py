@@ -121,6 +121,15 @@ def test_list_rules_shows_every_rule():
         assert rule_id in result.output
 
 
+def test_list_fields_shows_every_schema_field():
+    from gptoss_cli.recipe.schema import iter_fields
+
+    result = invoke("--list-fields")
+    assert result.exit_code == 0
+    for name, _ in iter_fields():
+        assert name in result.output
+
+
 def test_help_has_an_example():
     result = invoke("--help")
     assert result.exit_code == 0 and "Example: gptoss validate-config" in result.output
