@@ -50,7 +50,15 @@ class Reference:
     def masks_and_rope(self, x: torch.Tensor, position_ids: torch.Tensor):
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-        kw = dict(config=self.config, inputs_embeds=x, attention_mask=None, cache=None, position_ids=position_ids)
+        import inspect
+
+        kw = dict(config=self.config, inputs_embeds=x, attention_mask=None, position_ids=position_ids)
+        params = inspect.signature(create_causal_mask).parameters
+        # transformers 5 names the cache argument `cache`; 4.x calls it past_key_values and needs cache_position.
+        kw["cache" if "cache" in params else "past_key_values"] = None
+        if "cache_position" in params:
+            kw["cache_position"] = torch.arange(x.shape[1], device=x.device)
+        kw = {k: v for k, v in kw.items() if k in params}
         masks = {
             "full_attention": create_causal_mask(**kw),
             "sliding_attention": create_sliding_window_causal_mask(**kw),
