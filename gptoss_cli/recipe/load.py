@@ -188,7 +188,7 @@ def _schema_children(cls: type) -> dict[str, Any]:
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
-def _check_keys(data: Any, cls: type, prefix: str, source: str, problems: list[str]) -> None:
+def _check_keys(data: Any, cls: type, prefix: str, problems: list[str]) -> None:
     if not isinstance(data, dict):
         where = prefix[:-1] or "the recipe"
         problems.append(f"{where} must be a mapping of fields, got {data!r}")
@@ -210,7 +210,7 @@ def _check_keys(data: Any, cls: type, prefix: str, source: str, problems: list[s
             continue
         typ = children[key]
         if dataclasses.is_dataclass(typ):
-            _check_keys(value, typ, dotted + ".", source, problems)
+            _check_keys(value, typ, dotted + ".", problems)
         elif dotted == "model.architecture" and isinstance(value, dict):
             known = [f.name for f in dataclasses.fields(GptOssArch)]
             for akey in value:
@@ -367,7 +367,7 @@ def load_recipe(ref: str | Path, overrides: Sequence[str] = (), *, recipes_dir: 
     where = str(path) + (f" with overrides {list(overrides)}" if overrides else "")
 
     problems: list[str] = []
-    _check_keys(data, RecipeConfig, "", where, problems)
+    _check_keys(data, RecipeConfig, "", problems)
     if problems:
         raise ConfigError(f"{where}: " + "; ".join(problems))
 
