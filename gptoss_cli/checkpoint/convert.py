@@ -70,6 +70,23 @@ def parse_dtype(name: str) -> torch.dtype:
         raise UsageError(f"--dtype {name!r} is not supported; use bfloat16 or float32") from None
 
 
+def keep_freed_memory() -> None:
+    """Ask glibc to keep freed chunk buffers for reuse instead of unmapping them.
+
+    Streaming allocates and frees a buffer of the same size for every chunk; by default glibc
+    returns each large buffer to the OS and the next one page-faults in afresh, which measured
+    as most of the decode time. Peak memory is unchanged: it is still one chunk's worth.
+    """
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 1 << 30)  # M_MMAP_THRESHOLD: serve chunk-sized buffers from the heap
+        libc.mallopt(-1, 1 << 31)  # M_TRIM_THRESHOLD: do not hand freed heap back right away
+    except (OSError, AttributeError):  # not glibc: nothing to tune
+        pass
+
+
 def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
@@ -234,6 +251,7 @@ def convert(
 ) -> ConvertResult:
     """Convert SRC (HF folder or repo id, OpenAI original/, or Hybrid folder) to the other layout at DST."""
     t0 = time.perf_counter()
+    keep_freed_memory()
     torch_dtype = parse_dtype(dtype)
     dst = Path(dst).expanduser()
     if experts is not None and experts not in EXPERT_FORMS:

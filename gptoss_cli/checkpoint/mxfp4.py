@@ -59,9 +59,10 @@ def decode(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torc
         raise TypeError(f"MXFP4 blocks/scales must be uint8, got {blocks.dtype}/{scales.dtype}")
     if blocks.shape[-1] != GROUP // 2 or blocks.shape[:-1] != scales.shape:
         raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} do not match scales {tuple(scales.shape)}")
-    values = _pair_lut(dtype)[blocks.long()].view(dtype)  # [..., G, 32]
+    # index_select takes int32 indices: half the index memory of .long() and several times faster
+    values = _pair_lut(dtype).index_select(0, blocks.reshape(-1).int()).view(dtype)
     values = values.reshape(*scales.shape, GROUP)
-    values.mul_(_scale_lut(dtype)[scales.long()].unsqueeze(-1))
+    values.mul_(_scale_lut(dtype).index_select(0, scales.reshape(-1).int()).reshape(*scales.shape, 1))
     return values.reshape(*scales.shape[:-1], scales.shape[-1] * GROUP)
 
 

@@ -13,6 +13,8 @@ import errno
 import json
 import math
 import os
+import queue
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
@@ -274,6 +276,7 @@ class ShardedWriter:
         max_shard_bytes: int = 5 * 1024**3,
         metadata: dict[str, str] | None = None,
         on_bytes: Callable[[int], None] | None = None,
+        background: bool = True,
     ):
         self.folder = Path(folder)
         self.plan = list(plan)
@@ -301,7 +304,16 @@ class ShardedWriter:
         self._rows_done = 0
         self._fh = None
         self._open_shard = -1
+        self._planned_shard = -1
         self.bytes_written = 0
+        # File writes run on a thread so that the next chunk is decoded while this one is written
+        # (file I/O releases the GIL); the queue holds at most two chunks, which bounds memory.
+        self._queue: queue.Queue | None = queue.Queue(maxsize=2) if background else None
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        if self._queue is not None:
+            self._thread = threading.Thread(target=self._drain, name="gptoss-shard-writer", daemon=True)
+            self._thread.start()
 
     # --- writing -------------------------------------------------------------------------
     def _header_bytes(self, shard: list[TensorSpec]) -> bytes:
@@ -337,6 +349,43 @@ class ShardedWriter:
         self._fh = self._io(open, path, "wb")
         self._io(self._fh.write, self._header_bytes(self.shards[shard]))
 
+    # --- I/O, inline or on the writer thread ---------------------------------------------------
+    def _do(self, op: str, arg) -> None:
+        if op == "switch":
+            self._switch_to(arg)
+        elif op == "data":
+            self._io(self._fh.write, memoryview(arg.numpy()))
+            if self.on_bytes is not None:
+                self.on_bytes(arg.numel())
+        elif op == "close" and self._fh is not None:
+            self._io(self._fh.close)
+            self._fh = None
+
+    def _drain(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            if self._error is None:
+                try:
+                    self._do(*item)
+                except BaseException as exc:  # handed to the producer on its next call
+                    self._error = exc
+
+    def _submit(self, op: str, arg=None) -> None:
+        if self._error is not None:
+            raise self._error
+        if self._queue is None:
+            self._do(op, arg)
+        else:
+            self._queue.put((op, arg))
+
+    def _stop_thread(self) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+
     @property
     def expected(self) -> TensorSpec | None:
         return self.plan[self._pos] if self._pos < len(self.plan) else None
@@ -352,13 +401,12 @@ class ShardedWriter:
         if spec.shape and (tuple(chunk.shape[1:]) != spec.shape[1:] or self._rows_done + rows > spec.shape[0]):
             raise RuntimeError(f"{name}: chunk {tuple(chunk.shape)} does not continue {spec.shape}")
         shard = self._shard_of[name]
-        if shard != self._open_shard:
-            self._switch_to(shard)
+        if shard != self._planned_shard:
+            self._planned_shard = shard
+            self._submit("switch", shard)
         data = chunk.detach().contiguous().reshape(-1).view(torch.uint8)
-        self._io(self._fh.write, memoryview(data.numpy()))
+        self._submit("data", data)
         self.bytes_written += data.numel()
-        if self.on_bytes is not None:
-            self.on_bytes(data.numel())
         self._rows_done += rows
         if not spec.shape or self._rows_done == spec.shape[0]:
             self._pos += 1
@@ -368,9 +416,10 @@ class ShardedWriter:
         """Finish: every planned tensor must have been written; then write the index."""
         if self.expected is not None:
             raise RuntimeError(f"writer closed before tensor {self.expected.name} was written")
-        if self._fh is not None:
-            self._io(self._fh.close)
-            self._fh = None
+        self._submit("close")
+        self._stop_thread()
+        if self._error is not None:
+            raise self._error
         for i, shard in enumerate(self.shards):  # a shard whose tensors were all empty
             path = self.folder / self.file_names[i]
             if not path.exists():
@@ -382,6 +431,7 @@ class ShardedWriter:
         self._io((self.folder / INDEX_NAME).write_text, json.dumps(index, indent=2) + "\n")
 
     def abort(self) -> None:
+        self._stop_thread()
         if self._fh is not None:
             try:
                 self._fh.close()
