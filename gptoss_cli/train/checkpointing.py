@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 
 from gptoss_cli.errors import CheckpointError
 from gptoss_cli.parallel.state import ParallelState, barrier
@@ -67,6 +66,8 @@ def save_checkpoint(
         if tmp.exists():
             shutil.rmtree(tmp)
     barrier()
+    import torch.distributed.checkpoint as dcp  # lazy: importing DCP costs every worker about a second
+
     payload: dict[str, Any] = {
         "model": _model_state(model),
         "optimizer": optimizer.state_dict(),
@@ -92,6 +93,8 @@ def load_checkpoint(
     folder: str | Path, *, model: torch.nn.Module, optimizer: Any, state: ParallelState
 ) -> dict[str, Any]:
     """Load model, optimizer and (same layout only) RNG in place; returns train_state.json."""
+    import torch.distributed.checkpoint as dcp
+
     folder = Path(folder)
     try:
         meta = json.loads((folder / TRAIN_STATE).read_text())

@@ -157,16 +157,20 @@ def launch_local(plan: TrainPlan, nproc: int, progress: Progress | None = None, 
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", rdzv_configs={"timeout": int(timeout_s)},
         max_restarts=0, monitor_interval=0.1, start_method="spawn",
     )
-    elastic_log = logging.getLogger("torch.distributed.elastic")
-    level = elastic_log.level
-    elastic_log.setLevel(logging.ERROR)  # the agent's per-signal warnings would bury our one-line error
+    # The agent logs each worker exit and signal with tracebacks of its own; we report the failed
+    # worker's error as one line instead (a worker that hit a bug prints its own traceback).
+    quiet = [logging.getLogger("torch.distributed.elastic"), logging.getLogger("torch.multiprocessing.spawn")]
+    levels = [log.level for log in quiet]
+    for log in quiet:
+        log.setLevel(logging.CRITICAL)
     try:
         results = elastic_launch(config, _worker_entry)(plan, progress)
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
         raise _worker_error(rank, failure) from None
     finally:
-        elastic_log.setLevel(level)
+        for log, level in zip(quiet, levels):
+            log.setLevel(level)
     return results[0]
 
 

@@ -108,31 +108,68 @@ class HybridModelProvider:
 
 
 def load_weights(model: nn.Module, folder: str | Path) -> None:
-    """Fill `model` from a Hybrid checkpoint (hybrid_config.json) or an HF checkpoint (config.json)."""
-    folder = Path(folder)
-    if (folder / "hybrid_config.json").is_file():
-        # Reads tensors by name; experts outside this rank's slice are never read.
-        model.load_hybrid_tensors(folder)
-        return
-    if (folder / "config.json").is_file():
-        load_hf_weights(model, folder)
-        return
-    raise CheckpointError(
-        f"{folder}: neither hybrid_config.json nor config.json found",
-        hint="point checkpoint.pretrained at a `gptoss convert` output or a Hugging Face GPT-OSS folder",
-    )
+    """Fill `model` from a Hybrid checkpoint or an HF / OpenAI-original checkpoint (mapped on the fly).
 
+    Either way tensors are read one at a time by name, and only this rank's experts are read.
+    """
+    from gptoss_cli.checkpoint.sources import HYBRID, open_source
 
-def load_hf_weights(model: nn.Module, folder: Path) -> None:
-    """Map an HF checkpoint onto the model tensor by tensor (streaming; own experts only)."""
+    source = open_source(str(folder))
     try:
-        from gptoss_cli.checkpoint.hf_stream import load_hf_into_hybrid  # provided by the checkpoint package
-    except ImportError:
-        raise ConfigError(
-            f"{folder}: loading Hugging Face checkpoints for training needs the checkpoint mapping, not available",
-            hint="convert first with `gptoss convert` and point checkpoint.pretrained at its output",
-        ) from None
-    load_hf_into_hybrid(model, folder)
+        if source.arch != model.arch:
+            raise CheckpointError(
+                f"{folder}: its architecture differs from the recipe's model "
+                f"(e.g. {_first_difference(source.arch, model.arch)})",
+                hint="set model.checkpoint to the same folder so the recipe takes its architecture",
+            )
+        if source.kind == HYBRID:
+            source.close()
+            model.load_hybrid_tensors(Path(folder))
+            return
+        _load_mapped(model, source)
+    finally:
+        source.close()
+
+
+def _first_difference(a: GptOssArch, b: GptOssArch) -> str:
+    da, db = a.to_dict(), b.to_dict()
+    for k in da:
+        if da[k] != db.get(k):
+            return f"{k}: checkpoint {da[k]!r} vs recipe {db.get(k)!r}"
+    return "?"
+
+
+def _load_mapped(model: nn.Module, source: Any) -> None:
+    """HF layouts through the checkpoint package's mapping table, unit by unit (streaming)."""
+    from gptoss_cli.checkpoint.mapping import units
+
+    arch, layout = source.arch, source.layout
+    slots = dict(model.named_checkpoint_slots())
+    dtype = next(model.parameters()).dtype
+    filled = 0
+    with torch.no_grad():
+        for unit in units(arch):
+            if unit.per_expert:
+                held = [e for e, name in enumerate(unit.hybrid) if name in slots]
+                if not held:
+                    continue
+                e0, e1 = held[0], held[-1] + 1  # this rank's contiguous expert range
+                chunk = layout.read(source.reader, arch, unit.hf[0], dtype, e0, e1)
+                tensors = zip(unit.hybrid[e0:e1], unit.to_hybrid(arch, [chunk]))
+            else:
+                ins = [layout.read(source.reader, arch, n, dtype) for n in unit.hf]
+                tensors = zip(unit.hybrid, unit.to_hybrid(arch, ins))
+            for name, t in tensors:
+                dest = slots.get(name)
+                if dest is None:
+                    raise CheckpointError(f"{source.folder}: mapped tensor {name} has no place in the model")
+                if tuple(t.shape) != tuple(dest.shape):
+                    raise CheckpointError(
+                        f"{source.folder}: {name} maps to shape {list(t.shape)}, the model expects {list(dest.shape)}")
+                dest.copy_(t)
+                filled += 1
+    if filled != len(slots):
+        raise CheckpointError(f"{source.folder}: filled {filled} of the model's {len(slots)} tensors")
 
 
 __all__ = ["ModelRuntimeConfig", "HybridModelProvider", "seeded_init_", "load_weights", "DTYPES"]

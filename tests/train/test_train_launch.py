@@ -1,0 +1,63 @@
+"""`gptoss train` end to end: shared-rule preflight, the elastic launcher on 2 CPU processes, worker failures."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from typer.testing import CliRunner
+
+from gptoss_cli.cli import app
+
+FAST = ["training.seq_length=16", "training.global_batch_size=4", "precision.params_dtype=fp32"]
+
+
+def _gptoss(args: list[str], cwd, timeout: float = 180) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="200")
+    return subprocess.run([sys.executable, "-m", "gptoss_cli", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_train_tiny_ep2_on_two_processes_writes_metrics_and_checkpoint(tmp_path):
+    proc = _gptoss(["train", "--recipe", "tiny_cpu_ep2", "training.train_iters=3", "checkpoint.save_interval=2",
+                    f"checkpoint.dir={tmp_path / 'ckpt'}", f"logging.run_dir={tmp_path / 'run'}", *FAST,
+                    "--json", str(tmp_path / "result.json")], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "step 3: loss" in proc.stdout  # rank 0's progress, once per step (not a terminal here)
+    assert proc.stdout.count("step 3: loss") == 1
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert sorted((r["step"], r["rank"]) for r in rows) == [(s, r) for s in (1, 2, 3) for r in (0, 1)]
+    assert {"loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "rank_loss"} <= rows[0].keys()
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "iter_0000003"
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["world_size"] == 2 and result["ep_size"] == 2 and result["steps"] == 3
+
+
+def test_failing_worker_ends_the_job_with_its_error_in_one_line(tmp_path):
+    # A token file that exists (so the preflight passes) but is shorter than one sample.
+    (tmp_path / "short.json").write_text(json.dumps(
+        {"format": "gptoss-tokens", "version": 1, "dtype": "uint16", "num_tokens": 4, "vocab_size": 1003}))
+    (tmp_path / "short.bin").write_bytes(bytes(8))
+    proc = _gptoss(["train", "--recipe", "tiny_cpu_ep2", "data.kind=tokens", f"data.path={tmp_path / 'short'}",
+                    "checkpoint.dir=null", "checkpoint.save_interval=null", f"logging.run_dir={tmp_path / 'run'}",
+                    *FAST], tmp_path, timeout=120)
+    assert proc.returncode == 2  # the worker's ConfigError keeps its exit code
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "worker rank" in errors[0] and "fewer than one sample" in errors[0]
+    assert "Traceback" not in proc.stderr
+
+
+def test_rules_reject_the_recipe_before_any_process_starts(tmp_path):
+    result = CliRunner().invoke(app, ["train", "--recipe", "tiny_cpu_ep2_overlap", f"logging.run_dir={tmp_path}"])
+    assert result.exit_code == 1
+    assert "overlap.schedule_plan" in result.output
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_world_size_that_ep_does_not_divide_is_rejected(tmp_path):
+    result = CliRunner().invoke(app, ["train", "--recipe", "tiny_cpu_ep2", "--nproc-per-node", "1",
+                                      f"logging.run_dir={tmp_path}"])
+    assert result.exit_code == 1
+    assert "parallel.expert_world_divisible" in result.output

@@ -1,0 +1,70 @@
+"""Initial weights for training: seeded (layout-free), Hybrid checkpoint or HF checkpoint, own experts only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gptoss_cli.checkpoint.convert import convert
+from gptoss_cli.checkpoint.make_tiny import make_tiny
+from gptoss_cli.checkpoint.safetensors_io import CheckpointReader
+from gptoss_cli.model.config import preset
+from gptoss_cli.parallel.state import ParallelState
+from gptoss_cli.train.provider import HybridModelProvider, ModelRuntimeConfig
+
+TINY = preset("tiny")
+
+
+def _provider(weights=None) -> HybridModelProvider:
+    cfg = ModelRuntimeConfig(arch=TINY, hybrid_layer_pattern=TINY.hybrid_layer_pattern, params_dtype="fp32")
+    return HybridModelProvider(cfg, seed=11, weights=weights)
+
+
+def _slots(model) -> dict[str, torch.Tensor]:
+    return {n: t.detach().clone() for n, t in model.named_checkpoint_slots()}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("weights")
+    make_tiny(root / "hf", experts="bf16", dtype="float32", seed=3)
+    convert(str(root / "hf"), root / "hybrid", dtype="float32")
+    return root / "hf", root / "hybrid"
+
+
+def test_seeded_init_is_the_same_for_every_ep_layout():
+    full = _slots(_provider().provide(ParallelState()))
+    for ep_rank in (0, 1):
+        part = _slots(_provider().provide(ParallelState(ep_size=2, ep_rank=ep_rank)))
+        assert part and all(torch.equal(t, full[n]) for n, t in part.items())
+        assert {n for n in part if ".experts." in n} < {n for n in full if ".experts." in n}
+
+
+def test_hf_checkpoint_maps_to_the_same_weights_as_its_hybrid_conversion(checkpoints):
+    hf, hybrid = checkpoints
+    from_hf = _slots(_provider(str(hf)).provide(ParallelState()))
+    from_hybrid = _slots(_provider(str(hybrid)).provide(ParallelState()))
+    assert from_hf.keys() == from_hybrid.keys()
+    for name in from_hf:
+        assert torch.equal(from_hf[name], from_hybrid[name]), name
+
+
+def test_each_ep_rank_reads_only_its_own_experts(checkpoints, monkeypatch):
+    hf, hybrid = checkpoints
+    reads: list[tuple[str, int | None, int | None]] = []
+    original = CheckpointReader.read
+
+    def spy(self, name, start=None, stop=None):
+        reads.append((name, start, stop))
+        return original(self, name, start, stop)
+
+    monkeypatch.setattr(CheckpointReader, "read", spy)
+    model = _provider(str(hybrid)).provide(ParallelState(ep_size=2, ep_rank=1))
+    expert_reads = [n for n, _, _ in reads if ".mlp.experts." in n]
+    assert expert_reads and all(n.endswith(("2", "3")) for n in expert_reads)  # experts 2 and 3 only
+    reads.clear()
+    from_hf = _slots(_provider(str(hf)).provide(ParallelState(ep_size=2, ep_rank=1)))
+    stacked = [(s, e) for n, s, e in reads if ".mlp.experts." in n]
+    assert stacked and all((s, e) == (2, 4) for s, e in stacked)  # HF stacks read as rows [2, 4)
+    ref = _slots(model)
+    assert all(torch.equal(from_hf[n], ref[n]) for n in ref)
