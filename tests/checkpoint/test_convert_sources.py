@@ -125,3 +125,13 @@ def test_interrupted_conversion_leaves_no_folder(hf_bf16, tmp_path, monkeypatch)
     assert calls["n"] == 3
     assert not (tmp_path / "out").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["h"]
+
+
+def test_tokenizer_files_travel_both_ways(hf_copy, tmp_path):
+    (hf_copy / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "BPE"}}')
+    (hf_copy / "chat_template.jinja").write_text("{{ messages }}")
+    convert(str(hf_copy), tmp_path / "h")
+    convert(str(tmp_path / "h"), tmp_path / "back")
+    for name in ("tokenizer.json", "chat_template.jinja"):
+        assert (tmp_path / "h" / name).read_text() == (hf_copy / name).read_text()
+        assert (tmp_path / "back" / name).read_text() == (hf_copy / name).read_text()
