@@ -116,10 +116,10 @@ def load_weights(model: nn.Module, folder: str | Path) -> None:
 
     source = open_source(str(folder))
     try:
-        if source.arch != model.arch:
+        difference = _first_difference(source.arch, model.arch)
+        if difference:
             raise CheckpointError(
-                f"{folder}: its architecture differs from the recipe's model "
-                f"(e.g. {_first_difference(source.arch, model.arch)})",
+                f"{folder}: its architecture differs from the recipe's model ({difference})",
                 hint="set model.checkpoint to the same folder so the recipe takes its architecture",
             )
         if source.kind == HYBRID:
@@ -131,12 +131,16 @@ def load_weights(model: nn.Module, folder: str | Path) -> None:
         source.close()
 
 
+# The fields that decide tensor shapes; token ids, init std and the like may differ freely.
+SHAPE_FIELDS = ("num_hidden_layers", "num_local_experts", "hidden_size", "intermediate_size",
+                "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size")
+
+
 def _first_difference(a: GptOssArch, b: GptOssArch) -> str:
-    da, db = a.to_dict(), b.to_dict()
-    for k in da:
-        if da[k] != db.get(k):
-            return f"{k}: checkpoint {da[k]!r} vs recipe {db.get(k)!r}"
-    return "?"
+    for k in SHAPE_FIELDS:
+        if getattr(a, k) != getattr(b, k):
+            return f"{k}: checkpoint {getattr(a, k)!r} vs recipe {getattr(b, k)!r}"
+    return ""
 
 
 def _load_mapped(model: nn.Module, source: Any) -> None:

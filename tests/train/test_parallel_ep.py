@@ -44,3 +44,11 @@ def test_ep2_expert_grads_equal_ep1_each_expert_held_once(ep2_vs_ep1):
         for name in names:
             torch.testing.assert_close(r["grads"][name], ref["grads"][name], rtol=1e-5, atol=1e-7, msg=name)
     assert all(ref["grads"][n].abs().sum() > 0 for n in experts if "weight" in n)
+
+
+def test_ep2_clipping_norm_counts_every_expert_once(ep2_vs_ep1):
+    ref, ranks = ep2_vs_ep1
+    true_norm = float(torch.sqrt(sum(g.double().pow(2).sum() for g in ref["grads"].values())))
+    assert ref["grad_norm"] == pytest.approx(true_norm, rel=1e-6)
+    for r in ranks:
+        assert r["grad_norm"] == pytest.approx(true_norm, rel=1e-5)

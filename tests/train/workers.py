@@ -55,6 +55,7 @@ def one_step_grads(state: ParallelState, global_batch: int = 4, mbs: int = 2) ->
         "loss_sum": float(sum(l["lm_loss_sum"] for l in logs)),
         "tokens": float(sum(l["num_tokens"] for l in logs)),
         "grads": named_grads(setup.model),
+        "grad_norm": setup.optimizer.grad_norm(),
     }
 
 
