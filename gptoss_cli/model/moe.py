@@ -224,12 +224,13 @@ class GroupedExperts(nn.Module):
         self.linear_fc1 = ExpertLinear(num_local_experts, expert_offset, 2 * i, h, device, dtype)
         self.linear_fc2 = ExpertLinear(num_local_experts, expert_offset, h, i, device, dtype)
 
-    def forward(self, expert_input: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    def forward(self, expert_input: torch.Tensor, tokens_per_expert: torch.Tensor, linear=grouped_linear) -> torch.Tensor:
         """expert_input [N, H] sorted by local expert, counts [E_local] -> fc2 output [N, H] (with bias,
-        before the routing weight)."""
-        gate_up = grouped_linear(expert_input, self.linear_fc1.weight, self.linear_fc1.bias, tokens_per_expert)
+        before the routing weight). `linear`: the delayed-wgrad option, a drop-in for grouped_linear
+        whose backward queues the weight gradients (gptoss_cli/schedule/wgrad.py)."""
+        gate_up = linear(expert_input, self.linear_fc1.weight, self.linear_fc1.bias, tokens_per_expert)
         act = clamped_swiglu(gate_up, self.limit, self.alpha)
-        return grouped_linear(act, self.linear_fc2.weight, self.linear_fc2.bias, tokens_per_expert)
+        return linear(act, self.linear_fc2.weight, self.linear_fc2.bias, tokens_per_expert)
 
 
 class MoEMLP(nn.Module):
