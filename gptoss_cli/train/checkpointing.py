@@ -32,6 +32,13 @@ def _model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
 
 
+def _rng_state(state: ParallelState) -> dict[str, torch.Tensor]:
+    rng = {f"rank{state.rank}": torch.get_rng_state()}
+    if state.device.type == "cuda":
+        rng[f"rank{state.rank}.cuda"] = torch.cuda.get_rng_state()
+    return rng
+
+
 def latest_checkpoint(ckpt_dir: str | Path) -> Path | None:
     """The folder `latest` points at, or None when there is no complete checkpoint."""
     pointer = Path(ckpt_dir) / LATEST
@@ -71,7 +78,7 @@ def save_checkpoint(
     payload: dict[str, Any] = {
         "model": _model_state(model),
         "optimizer": optimizer.state_dict(),
-        "rng": {f"rank{state.rank}": torch.get_rng_state()},
+        "rng": _rng_state(state),
     }
     dcp.save(payload, checkpoint_id=str(tmp))
     barrier()
@@ -108,13 +115,16 @@ def load_checkpoint(
             f"{folder}: checkpoint lacks {len(missing)} tensors this model needs, e.g. {missing[0]}",
             hint="resume with the same model architecture the checkpoint was trained with",
         )
-    rng_key = f"rng.rank{state.rank}"
+    # RNG streams belong to ranks: restored only when the layout is the same (else the seed's).
     same_layout = meta.get("world_size") == state.world_size and meta.get("ep_size") == state.ep_size
-    if same_layout and rng_key in saved:
-        payload["rng"] = {f"rank{state.rank}": torch.get_rng_state()}
+    rng = _rng_state(state)
+    if same_layout and all(f"rng.{k}" in saved for k in rng):
+        payload["rng"] = rng
     dcp.load(payload, checkpoint_id=str(folder))
     if "rng" in payload:
         torch.set_rng_state(payload["rng"][f"rank{state.rank}"])
+        if f"rank{state.rank}.cuda" in payload["rng"]:
+            torch.cuda.set_rng_state(payload["rng"][f"rank{state.rank}.cuda"])
     optimizer.after_load()
     return meta
 

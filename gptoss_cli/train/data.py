@@ -45,16 +45,19 @@ class MockSource:
         self.seq_length = seq_length
         self.seed = seed
         self.num_samples = 1 << 62  # unbounded
+        # x_t = a_t * x_0 + b_t (mod M) with a_{t+1} = 3 a_t, b_{t+1} = 3 b_t + 1: a sample is one
+        # vectorised expression instead of a Python loop over the sequence.
+        a, b = torch.empty(seq_length + 1, dtype=torch.long), torch.empty(seq_length + 1, dtype=torch.long)
+        a[0], b[0] = 1, 0
+        for t in range(seq_length):
+            a[t + 1] = (3 * a[t]) % self.modulus
+            b[t + 1] = (3 * b[t] + 1) % self.modulus
+        self._a, self._b = a, b
 
     def sample(self, index: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
         start = int(torch.randint(0, self.modulus, (1,), generator=g))
-        out = torch.empty(self.seq_length + 1, dtype=torch.long)
-        cur = start
-        for t in range(self.seq_length + 1):
-            out[t] = cur
-            cur = (3 * cur + 1) % self.modulus
-        return out
+        return (self._a * start + self._b) % self.modulus
 
 
 def token_file_paths(path: str | Path) -> tuple[Path, Path]:
