@@ -13,11 +13,13 @@ what lets a checkpoint saved at one DP/EP layout load at another.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -30,6 +32,14 @@ TRAIN_STATE = "train_state.json"
 
 def _model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+
+
+@contextlib.contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    """DCP warns that it assumes a single process when torch.distributed is not initialised; that is intended."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def _rng_state(state: ParallelState) -> dict[str, torch.Tensor]:
@@ -80,7 +90,8 @@ def save_checkpoint(
         "optimizer": optimizer.state_dict(),
         "rng": _rng_state(state),
     }
-    dcp.save(payload, checkpoint_id=str(tmp))
+    with _quiet_single_process():
+        dcp.save(payload, checkpoint_id=str(tmp))
     barrier()
     if state.rank == 0:
         meta = dict(train_state)
@@ -120,7 +131,8 @@ def load_checkpoint(
     rng = _rng_state(state)
     if same_layout and all(f"rng.{k}" in saved for k in rng):
         payload["rng"] = rng
-    dcp.load(payload, checkpoint_id=str(folder))
+    with _quiet_single_process():
+        dcp.load(payload, checkpoint_id=str(folder))
     if "rng" in payload:
         torch.set_rng_state(payload["rng"][f"rank{state.rank}"])
         if f"rank{state.rank}.cuda" in payload["rng"]:

@@ -227,8 +227,9 @@ def _train(plan: TrainPlan, state: ParallelState, progress: Progress | None) -> 
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         tokens = float(totals[1])
-        tokens_total += tokens
-        time_total += dt
+        if step > start_step or plan.train_iters - start_step == 1:  # the first step warms up: not in the average
+            tokens_total += tokens
+            time_total += dt
         losses.append(loss)
         norms.append(grad_norm)
         done = step + 1
