@@ -42,19 +42,20 @@ class TrainProgressBar:
         if kind == "start":
             self._console = Console()
             where = f"world {event['world_size']}, EP {event['ep_size']}"
+            self._console.print(f"training on {where}", highlight=False)
             if event.get("resumed_from"):
                 self._console.print(f"resuming from [bold]{escape(event['resumed_from'])}[/] at step {event['start_step']}")
             if self._console.is_terminal:
                 self._progress = Progress(
-                    TextColumn(f"[bold]train[/] ({where})"), BarColumn(), MofNCompleteColumn(),
+                    TextColumn("[bold]train"), BarColumn(bar_width=10), MofNCompleteColumn(),
                     TextColumn("{task.fields[metrics]}"), TimeElapsedColumn(), console=self._console,
                 )
                 self._progress.start()
                 self._task = self._progress.add_task("train", total=event["train_iters"], completed=event["start_step"],
                                                      metrics="")
         elif kind == "step":
-            text = (f"loss {event['loss']:.4f}  lr {event['lr']:.2e}  gnorm {event['grad_norm']:.3f}  "
-                    f"{event['tokens_per_s']:.0f} tok/s  {event['step_time_s'] * 1000:.0f} ms/step")
+            text = (f"loss {event['loss']:.4f} lr {event['lr']:.1e} gnorm {event['grad_norm']:.3f} "
+                    f"{event['tokens_per_s']:.0f} tok/s {event['step_time_s'] * 1000:.0f} ms/step")
             if self._progress is not None:
                 self._progress.update(self._task, completed=event["step"], metrics=text)
             elif self._console is not None:
