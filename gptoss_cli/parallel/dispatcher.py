@@ -120,4 +120,55 @@ class AllToAllTokenDispatcher:
         return out.index_add(0, ctx.token_of_row, weighted)
 
 
-__all__ = ["AllToAllTokenDispatcher", "all_to_all"]
+class AsyncAllToAll:
+    """An all-to-all in flight: `start_all_to_all(...)` issues it, `wait()` returns the received rows.
+
+    The overlap schedule (gptoss_cli/schedule/combined_1f1b.py) issues the all-to-all of one
+    microbatch, computes another microbatch, then waits. gloo runs `async_op=True` collectives on
+    its own threads; on NCCL the collective runs on NCCL's stream and `wait()` only makes the
+    current stream wait on it (an event), so the host never blocks. The timings (host clock)
+    are the collective's own: `issued_at`, `wait_started`, `wait_returned`; on CUDA, `wait_blocked`
+    is measured after a synchronize only when `sync_timing` is set (the bench does).
+    Not differentiable: the schedule's comm nodes call it in both directions themselves.
+    """
+
+    def __init__(self, out: torch.Tensor, work: Any, issued_at: float, sync_timing: bool = False):
+        self.out, self.work, self.issued_at, self.sync_timing = out, work, issued_at, sync_timing
+        self.wait_started = self.wait_returned = None
+
+    def wait(self) -> torch.Tensor:
+        import time
+
+        self.wait_started = time.perf_counter()
+        if self.work is not None:
+            self.work.wait()
+            if self.sync_timing and self.out.is_cuda:
+                torch.cuda.current_stream().synchronize()
+        self.wait_returned = time.perf_counter()
+        return self.out
+
+    @property
+    def in_flight_s(self) -> float:
+        return self.wait_returned - self.issued_at
+
+    @property
+    def blocked_s(self) -> float:
+        return self.wait_returned - self.wait_started
+
+
+def start_all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group: Any,
+                     sync_timing: bool = False) -> AsyncAllToAll:
+    """Issue a variable-size all-to-all without waiting (rows of x split by input_splits)."""
+    import time
+
+    x = x.contiguous()
+    out = x.new_empty((sum(output_splits),) + tuple(x.shape[1:]))
+    issued = time.perf_counter()
+    if group is None or dist.get_world_size(group) == 1:
+        out.copy_(x)
+        return AsyncAllToAll(out, None, issued)
+    work = dist.all_to_all_single(out, x, output_splits, input_splits, group=group, async_op=True)
+    return AsyncAllToAll(out, work, issued, sync_timing)
+
+
+__all__ = ["AllToAllTokenDispatcher", "AsyncAllToAll", "all_to_all", "start_all_to_all"]

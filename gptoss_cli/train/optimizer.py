@@ -21,14 +21,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from gptoss_cli.errors import TrainingError
-from gptoss_cli.parallel.grads import GradBuffer, GradAccumulatingModel
+from gptoss_cli.parallel.grads import GradAccumulatingModel, GradBuffer
 from gptoss_cli.parallel.state import ParallelState, all_reduce, broadcast, group_size
-
-import torch.distributed as dist
 
 
 def partition_contiguous(sizes: list[int], parts: int) -> list[int]:

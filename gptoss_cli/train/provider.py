@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from gptoss_cli.errors import CheckpointError, ConfigError
+from gptoss_cli.errors import CheckpointError
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.parallel.dispatcher import AllToAllTokenDispatcher
 from gptoss_cli.parallel.state import ParallelState

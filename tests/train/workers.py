@@ -124,7 +124,6 @@ def callbacks_worker(rank: int, microbatches: int) -> dict[str, Any]:
 def _callbacks_run(rank: int, microbatches: int, install_on_provider: bool = False) -> dict[str, Any]:
     """DP=2 through the real setup: +1 on rank 0, -3 on rank 1; one step; spy on the finaliser."""
     from gptoss_cli.parallel import grads as grads_module
-    from gptoss_cli.train import setup as setup_module
 
     state = init_parallel(1, "cpu")
     calls: list[dict[str, Any]] = []
