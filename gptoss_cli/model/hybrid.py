@@ -219,6 +219,19 @@ class HybridModel(nn.Module):
         """Whether this model can build the EP A2A overlap schedule plan (section 5)."""
         return False, "HybridModel has no build_schedule_plan (EP A2A overlap schedule not implemented)"
 
+    def build_schedule_plan(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        **kwargs,
+    ):
+        """One microbatch's combined-1F1B schedule plan (section 5): nodes per layer with detached
+        inputs; see gptoss_cli/model/schedule_plan.py (kwargs: wgrad_queue, loss_fn, sync_timing)."""
+        from gptoss_cli.model.schedule_plan import build_hybrid_schedule_plan
+
+        return build_hybrid_schedule_plan(self, input_ids, position_ids, labels, **kwargs)
+
     # --- structure helpers ----------------------------------------------------------------
     def moe_layers(self) -> Iterator[tuple[int, MoELayer]]:
         for j, layer in enumerate(self.decoder.layers):

@@ -95,6 +95,10 @@ class WgradQueue:
         self.executed += n
         return n
 
+    def clear(self) -> None:
+        """Forget queued work (only after a failed step, whose gradients are discarded anyway)."""
+        self._pending.clear()
+
     def finish_step(self) -> None:
         """End-of-step check: queued work that was never run would silently lose gradients."""
         if self._pending:
@@ -110,31 +114,41 @@ class WgradQueue:
 
 
 class _DelayedWgradGroupedLinear(torch.autograd.Function):
-    """`grouped_linear` whose backward returns only dX and queues (x, dY) for dW and db."""
+    """`grouped_linear` whose backward returns only dX and queues (x, dY) for dW and db.
+
+    The parameters reach the Function inside a tuple, not as tensor inputs: autograd then has no
+    gradient edge to them at all (returning None for a parameter input would still fire its
+    post-accumulate hook with no gradient). The queue accumulates their gradients instead."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+    def forward(ctx: Any, x: torch.Tensor, params: tuple[torch.Tensor, torch.Tensor],
                 tokens_per_expert: torch.Tensor, queue: WgradQueue, name: str) -> torch.Tensor:
         from gptoss_cli.model.moe import grouped_linear
 
-        ctx.save_for_backward(x, weight, tokens_per_expert)
-        ctx.bias, ctx.queue, ctx.name = bias, queue, name
-        return grouped_linear(x, weight, bias, tokens_per_expert)
+        weight, bias = params
+        ctx.save_for_backward(x, tokens_per_expert)
+        ctx.params, ctx.queue, ctx.name = params, queue, name
+        return grouped_linear(x, weight.detach(), bias.detach(), tokens_per_expert)
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor):
-        x, weight, tokens_per_expert = ctx.saved_tensors
+        x, tokens_per_expert = ctx.saved_tensors
+        weight, bias = ctx.params
         dy = dy.contiguous()
-        dx = grouped_input_grad(dy, weight, tokens_per_expert) if ctx.needs_input_grad[0] else None
-        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
-            ctx.queue.push(_Pending(weight, ctx.bias, x.detach(), dy, tokens_per_expert, ctx.name))
-        return dx, None, None, None, None, None
+        dx = grouped_input_grad(dy, weight.detach(), tokens_per_expert) if ctx.needs_input_grad[0] else None
+        if weight.requires_grad or bias.requires_grad:
+            ctx.queue.push(_Pending(weight, bias, x.detach(), dy, tokens_per_expert, ctx.name))
+        return dx, None, None, None, None
 
 
 def delayed_grouped_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                            tokens_per_expert: torch.Tensor, *, queue: WgradQueue, name: str = "expert linear"):
     """Drop-in for `gptoss_cli.model.moe.grouped_linear` with the weight gradient deferred to `queue`."""
-    return _DelayedWgradGroupedLinear.apply(x, weight, bias, tokens_per_expert, queue, name)
+    if not torch.is_grad_enabled():
+        from gptoss_cli.model.moe import grouped_linear
+
+        return grouped_linear(x, weight, bias, tokens_per_expert)
+    return _DelayedWgradGroupedLinear.apply(x, (weight, bias), tokens_per_expert, queue, name)
 
 
 def delayed_linear_for(queue: WgradQueue, names: dict[int, str] | None = None):

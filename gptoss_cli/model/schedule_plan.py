@@ -1,0 +1,466 @@
+"""The HybridModel's schedule plan: one microbatch's forward split into nodes that back-propagate alone.
+
+What the combined-1F1B overlap schedule (gptoss_cli/schedule/combined_1f1b.py) runs, per
+gpt-oss-reference.md section 5. For one microbatch the plan holds:
+- `embedding` (compute): word embeddings and the rotary cos/sin;
+- one *unit* per pattern group (a grouped `[*E]` is one unit, each symbol of the ungrouped `*E`
+  is its own unit), with the nodes of its layers:
+    `*`  attention                       compute   x + Attn(x)
+    `-`  mlp                             compute   x + MLP(RMSNorm(x))
+    `E`  pre_dispatch                    compute   RMSNorm, router, permute by expert, count exchange
+         dispatch                        comm      all-to-all of the permuted tokens
+         experts                         compute   regroup by local expert, fc1, SwiGLU, fc2, ungroup
+         combine                         comm      reverse all-to-all, then unpermute (routing weight,
+                                                   index_add) and the residual add
+- `post` (compute): final norm, output layer, aux loss, and the loss callback.
+
+Every node's tensor inputs are DETACHED copies of its producers' outputs, so a node's backward
+runs alone (`torch.autograd.backward` on its own outputs) and hands the gradients of its inputs
+to the producers. Values that skip nodes are explicit inputs: the residual of an `E` layer goes
+from the layer input straight to `combine`, the routing weights from `pre_dispatch` to
+`combine`, the router statistics of every `E` layer to `post` (aux loss), and cos/sin from
+`embedding` to every attention node. A producer read by two consumers sums their gradients.
+
+Comm nodes are not autograd ops: forward issues the all-to-all and finishes it later, backward
+issues the reverse all-to-all of the output gradient, so the schedule can put another
+microbatch's compute between issue and wait, in both directions. With delayed weight gradients
+the expert GEMMs queue their dW (gptoss_cli/schedule/wgrad.py) and the `dispatch` node's
+backward runs the queue right after issuing its all-to-all, while it is in flight.
+
+Pure PyTorch plus the dispatcher's async all-to-all; no pipeline parallelism.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from gptoss_cli.errors import ConfigError
+from gptoss_cli.model.attention import AttentionLayer
+from gptoss_cli.model.moe import DenseMLPLayer, LocalTokenDispatcher, MoELayer, RouterStats, load_balancing_loss
+from gptoss_cli.model.pattern import ATTENTION, LAYER_SYMBOLS, MLP, MOE, HybridPattern, parse_pattern
+
+COMPUTE, COMM = "compute", "comm"
+PLAN_SYMBOLS = frozenset({ATTENTION, MOE, MLP})
+IGNORE_INDEX = -100
+
+
+def plan_support(pattern: str | HybridPattern | None) -> tuple[bool, str]:
+    """Whether a plan can be built for `pattern`: every symbol must be `*`, `E` or `-`, no `|`."""
+    if pattern is None:
+        return True, ""
+    try:
+        parsed = parse_pattern(pattern) if isinstance(pattern, str) else pattern
+    except ConfigError as exc:
+        return False, str(exc)
+    bad = sorted({s for s in parsed.layers if s not in PLAN_SYMBOLS})
+    if bad:
+        names = ", ".join(f"{s!r} ({LAYER_SYMBOLS.get(s, '?')})" for s in bad)
+        return False, f"the HybridModel schedule plan has no nodes for layer symbol {names}"
+    if parsed.pipeline_splits:
+        return False, "the HybridModel schedule plan does not split pipeline stages ('|' in the pattern)"
+    return True, ""
+
+
+# --------------------------------------------------------------------------------------------
+# Nodes
+
+
+@dataclass(frozen=True)
+class Ref:
+    """Output `key` of `node` (resolved when the consumer runs)."""
+
+    node: "PlanNode"
+    key: str
+
+
+def _resolve(value: Any) -> Any:
+    return value.node.outputs[value.key] if isinstance(value, Ref) else value
+
+
+def _leaf(value: Any) -> Any:
+    """The detach boundary: a floating tensor becomes a fresh leaf that requires grad iff its source did."""
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value.detach().requires_grad_(value.requires_grad)
+    return value
+
+
+class PlanNode:
+    """A node: named inputs (Refs to other nodes' outputs, or plain values), named outputs."""
+
+    kind = COMPUTE
+
+    def __init__(self, name: str, inputs: dict[str, Any], *, layer: int | None = None, symbol: str | None = None):
+        self.name = name
+        self.inputs = inputs
+        self.layer = layer
+        self.symbol = symbol
+        self.outputs: dict[str, Any] | None = None
+        self.leaves: dict[str, Any] = {}
+        self.out_grads: dict[str, torch.Tensor] = {}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r})"
+
+    def add_grad(self, key: str, grad: torch.Tensor) -> None:
+        prev = self.out_grads.get(key)
+        self.out_grads[key] = grad if prev is None else prev + grad
+
+    def _take_leaves(self, keys: Any = None) -> dict[str, Any]:
+        items = self.inputs.items() if keys is None else ((k, self.inputs[k]) for k in keys)
+        self.leaves.update({k: _leaf(_resolve(v)) for k, v in items})
+        return self.leaves
+
+    def _backward_outputs(self, outputs: dict[str, Any], seed_key: str | None = None) -> None:
+        tensors, grads = [], []
+        for key, grad in self.out_grads.items():
+            t = outputs.get(key)
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                tensors.append(t)
+                grads.append(grad)
+        if seed_key is not None and seed_key not in self.out_grads:
+            loss = outputs.get(seed_key)
+            if isinstance(loss, torch.Tensor) and loss.requires_grad:
+                tensors.append(loss)
+                grads.append(torch.ones_like(loss))
+        if tensors:
+            torch.autograd.backward(tensors, grads)
+
+    def _route_input_grads(self, skip: tuple[str, ...] = ()) -> None:
+        for key, leaf in self.leaves.items():
+            src = self.inputs.get(key)
+            if key in skip or not isinstance(src, Ref) or not isinstance(leaf, torch.Tensor):
+                continue
+            if leaf.requires_grad and leaf.grad is not None:
+                src.node.add_grad(src.key, leaf.grad)
+
+    def release(self) -> None:
+        """Drop activations after backward (the outputs stay readable by later consumers until then)."""
+        self.leaves = {}
+        self.out_grads = {}
+        self.outputs = None
+
+
+class ComputeNode(PlanNode):
+    """Runs `fn(**inputs) -> dict of outputs` under autograd on detached inputs."""
+
+    kind = COMPUTE
+
+    def __init__(self, name: str, fn: Callable[..., dict[str, Any]], inputs: dict[str, Any], *,
+                 seed_key: str | None = None, **kw: Any):
+        super().__init__(name, inputs, **kw)
+        self.fn = fn
+        self.seed_key = seed_key  # a scalar output that backward seeds with 1 (the loss)
+
+    def forward(self) -> None:
+        leaves = self._take_leaves()
+        with torch.enable_grad():
+            self.outputs = self.fn(**leaves)
+
+    def backward(self) -> None:
+        self._backward_outputs(self.outputs, self.seed_key)
+        self._route_input_grads()
+        self.release()
+
+
+class CommNode(PlanNode):
+    """A variable-size all-to-all of input `x`, issued by `start_*` and completed by `finish_*`.
+
+    Inputs: `x` (Ref), `send` / `recv` (split sizes, Refs to python lists). `post`, if given,
+    is compute run after the forward all-to-all on `(received=..., **post_inputs)` (combine's
+    unpermute and residual); its backward runs before the reverse all-to-all is issued.
+    `after_backward_start` runs right after the backward all-to-all is issued (delayed wgrad).
+    """
+
+    kind = COMM
+
+    def __init__(self, name: str, inputs: dict[str, Any], *, group: Any,
+                 post: Callable[..., dict[str, Any]] | None = None, post_inputs: tuple[str, ...] = (),
+                 comm_log: list | None = None, after_backward_start: Callable[[], Any] | None = None,
+                 sync_timing: bool = False, **kw: Any):
+        super().__init__(name, inputs, **kw)
+        self.group = group
+        self.post = post
+        self.post_inputs = post_inputs
+        self.comm_log = comm_log
+        self.after_backward_start = after_backward_start
+        self.sync_timing = sync_timing
+        self._handle = None
+        self._x_requires_grad = False
+        self._post_outputs: dict[str, Any] | None = None
+
+    def _start(self, x: torch.Tensor, recv: list[int], send: list[int]) -> None:
+        from gptoss_cli.parallel.dispatcher import start_all_to_all
+
+        self._handle = start_all_to_all(x, recv, send, self.group, sync_timing=self.sync_timing)
+        if self.comm_log is not None:
+            self.comm_log.append((self.name, self._handle))
+
+    def _wait(self) -> torch.Tensor:
+        out = self._handle.wait()
+        self._handle = None
+        return out
+
+    def start_forward(self) -> None:
+        x = _resolve(self.inputs["x"])
+        self._x_requires_grad = bool(x.requires_grad)
+        self._start(x.detach(), _resolve(self.inputs["recv"]), _resolve(self.inputs["send"]))
+
+    def finish_forward(self) -> None:
+        received = self._wait().requires_grad_(self._x_requires_grad)
+        if self.post is None:
+            self.outputs = {"out": received}
+            return
+        self.leaves = {"received": received}
+        leaves = self._take_leaves(self.post_inputs)
+        with torch.enable_grad():
+            self.outputs = self.post(**leaves)
+
+    def start_backward(self) -> None:
+        if self.post is None:
+            grad = self.out_grads.get("out")
+        else:
+            self._backward_outputs(self.outputs)
+            self._route_input_grads(skip=("received",))
+            grad = self.leaves["received"].grad
+        if grad is None:
+            grad = torch.zeros_like(self.leaves["received"] if self.post is not None else self.outputs["out"])
+        # The reverse exchange: what I received from rank r goes back to rank r.
+        self._start(grad, _resolve(self.inputs["send"]), _resolve(self.inputs["recv"]))
+        if self.after_backward_start is not None:
+            self.after_backward_start()
+
+    def finish_backward(self) -> None:
+        grad_x = self._wait()
+        if self._x_requires_grad:
+            src = self.inputs["x"]
+            src.node.add_grad(src.key, grad_x)
+        self.release()
+
+    # Serial execution (no other microbatch to overlap with).
+    def forward(self) -> None:
+        self.start_forward()
+        self.finish_forward()
+
+    def backward(self) -> None:
+        self.start_backward()
+        self.finish_backward()
+
+
+# --------------------------------------------------------------------------------------------
+# The plan
+
+
+@dataclass
+class SchedulePlan:
+    """The nodes of one microbatch: `embedding`, `units` (one list of nodes per pattern group), `post`."""
+
+    embedding: ComputeNode
+    units: list[list[PlanNode]]
+    post: ComputeNode
+    pattern: HybridPattern
+    # Set by the schedule: maps the model output (HybridOutput) to (loss to back-propagate, extra).
+    loss_fn: Callable[[Any], tuple[torch.Tensor, Any]] | None = None
+    comm_log: list = field(default_factory=list)
+
+    def nodes(self) -> list[PlanNode]:
+        return [self.embedding, *(n for unit in self.units for n in unit), self.post]
+
+    def forward(self) -> Any:
+        """Run every node in order (serial, no overlap); returns post's outputs."""
+        for node in self.nodes():
+            node.forward()
+        return self.post.outputs
+
+    def backward(self) -> None:
+        """Back-propagate node by node in reverse order, from the loss."""
+        for node in reversed(self.nodes()):
+            node.backward()
+
+
+def _check_dispatcher(j: int, layer: MoELayer) -> tuple[int, Any]:
+    """(ep_size, ep_group) of an E layer's dispatcher, which must be one the plan knows how to split."""
+    from gptoss_cli.parallel.dispatcher import AllToAllTokenDispatcher
+
+    d = layer.token_dispatcher
+    if isinstance(d, AllToAllTokenDispatcher):
+        return (d.ep_size, d.ep_group) if d.ep_group is not None else (1, None)
+    if isinstance(d, LocalTokenDispatcher):
+        return 1, None
+    raise ConfigError(
+        f"decoder.layers.{j}: token dispatcher {type(d).__name__} cannot be split into schedule-plan nodes",
+        hint="use the alltoall dispatcher (gptoss_cli.parallel.dispatcher.AllToAllTokenDispatcher) with overlap",
+    )
+
+
+def _moe_nodes(model: Any, j: int, layer: MoELayer, x: Ref, collect: bool, wgrad_queue: Any,
+               comm_log: list, sync_timing: bool) -> list[PlanNode]:
+    ep, group = _check_dispatcher(j, layer)
+    num_experts = layer.num_experts
+    e_loc = layer.num_local_experts
+    p = f"decoder.layers.{j}"
+
+    def pre_dispatch(x: torch.Tensor) -> dict[str, Any]:
+        layer.collect_router_stats = collect
+        layer.router_stats = None
+        hidden, probs, indices = layer.pre_dispatch(x)
+        stats, layer.router_stats = layer.router_stats, None
+        num_tokens, k = indices.shape
+        flat = indices.reshape(-1)
+        # The same permutation as the alltoall dispatcher (a stable sort keeps token order per expert).
+        order = torch.sort(flat, stable=True).indices
+        token_of_row = torch.div(order, k, rounding_mode="floor")
+        out: dict[str, Any] = {
+            "permuted": hidden[token_of_row], "prob_of_row": probs.reshape(-1)[order],
+            "token_of_row": token_of_row, "num_tokens": num_tokens,
+        }
+        counts = torch.bincount(flat, minlength=num_experts)
+        if ep > 1:
+            send_counts = counts.view(ep, e_loc).contiguous()
+            recv_counts = torch.empty_like(send_counts)
+            # A few integers, synchronously: the split sizes of the token all-to-all.
+            dist.all_to_all_single(recv_counts, send_counts, group=group)
+            out.update(send=send_counts.sum(1).tolist(), recv=recv_counts.sum(1).tolist(), recv_counts=recv_counts)
+        else:
+            n = int(flat.numel())
+            out.update(send=[n], recv=[n], recv_counts=counts.view(1, num_experts))
+        if stats is not None:
+            out.update(prob_sum=stats.prob_sum, tokens_per_expert=stats.tokens_per_expert, stat_tokens=stats.num_tokens)
+        return out
+
+    names = {id(layer.mlp.experts.linear_fc1.weight): f"{p}.mlp.experts.linear_fc1",
+             id(layer.mlp.experts.linear_fc2.weight): f"{p}.mlp.experts.linear_fc2"}
+    if wgrad_queue is not None:
+        from gptoss_cli.schedule.wgrad import delayed_linear_for
+
+        linear = delayed_linear_for(wgrad_queue, names)
+    else:
+        from gptoss_cli.model.moe import grouped_linear as linear
+
+    def experts(received: torch.Tensor, recv_counts: torch.Tensor) -> dict[str, Any]:
+        tokens_per_local_expert = recv_counts.sum(0).to(torch.long)
+        if ep > 1:
+            # Received rows are ordered (source rank, local expert); regroup by local expert.
+            local_expert_of_row = torch.repeat_interleave(
+                torch.arange(e_loc, device=received.device).repeat(ep), recv_counts.reshape(-1))
+            regroup = torch.sort(local_expert_of_row, stable=True).indices
+            y = layer.mlp.experts(received[regroup], tokens_per_local_expert, linear=linear)
+            return {"rows": y[torch.argsort(regroup)]}
+        return {"rows": layer.mlp.experts(received, tokens_per_local_expert, linear=linear)}
+
+    def unpermute(received: torch.Tensor, prob_of_row: torch.Tensor, token_of_row: torch.Tensor, num_tokens: int,
+                  residual: torch.Tensor) -> dict[str, Any]:
+        # Routing weight after the fc2 bias, then the top-k sum per token (section 2).
+        weighted = received * prob_of_row.to(received.dtype).unsqueeze(-1)
+        out = received.new_zeros((num_tokens, received.shape[-1])).index_add(0, token_of_row, weighted)
+        return {"hidden": residual + out.view_as(residual)}
+
+    pre = ComputeNode(f"{p}.pre_dispatch", pre_dispatch, {"x": x}, layer=j, symbol=MOE)
+    dispatch = CommNode(
+        f"{p}.dispatch", {"x": Ref(pre, "permuted"), "send": Ref(pre, "send"), "recv": Ref(pre, "recv")},
+        group=group, comm_log=comm_log, sync_timing=sync_timing, layer=j, symbol=MOE,
+        after_backward_start=wgrad_queue.execute if wgrad_queue is not None else None,
+    )
+    exp = ComputeNode(f"{p}.experts", experts, {"received": Ref(dispatch, "out"), "recv_counts": Ref(pre, "recv_counts")},
+                      layer=j, symbol=MOE)
+    combine = CommNode(
+        f"{p}.combine",
+        # Backwards: the rows go back the way they came (send and recv swapped).
+        {"x": Ref(exp, "rows"), "send": Ref(pre, "recv"), "recv": Ref(pre, "send"),
+         "prob_of_row": Ref(pre, "prob_of_row"), "token_of_row": Ref(pre, "token_of_row"),
+         "num_tokens": Ref(pre, "num_tokens"), "residual": x},
+        group=group, post=unpermute, post_inputs=("prob_of_row", "token_of_row", "num_tokens", "residual"),
+        comm_log=comm_log, sync_timing=sync_timing, layer=j, symbol=MOE,
+    )
+    return [pre, dispatch, exp, combine]
+
+
+def build_hybrid_schedule_plan(
+    model: Any,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+    labels: torch.Tensor | None = None,
+    *,
+    wgrad_queue: Any = None,
+    loss_fn: Callable[[Any], tuple[torch.Tensor, Any]] | None = None,
+    sync_timing: bool = False,
+) -> SchedulePlan:
+    """The plan of one microbatch for a HybridModel (see the module docstring). Nothing runs yet."""
+    from gptoss_cli.model.hybrid import HybridOutput
+
+    ok, reason = plan_support(model.pattern)
+    if not ok:
+        raise ConfigError(f"hybrid_layer_pattern {model.pattern.text!r}: {reason}",
+                          hint="turn overlap off: overlap.overlap_moe_expert_parallel_comm=false")
+    collect = model.training and model.aux_loss_coef > 0
+    comm_log: list = []
+
+    def embedding(input_ids: torch.Tensor, position_ids: torch.Tensor | None) -> dict[str, Any]:
+        x = model.embed(input_ids)
+        cos, sin = model.rope(input_ids, position_ids, x.dtype)
+        return {"hidden": x, "cos": cos, "sin": sin}
+
+    emb = ComputeNode("embedding", embedding, {"input_ids": input_ids, "position_ids": position_ids})
+    hidden: Ref = Ref(emb, "hidden")
+    units: list[list[PlanNode]] = []
+    moe_nodes: list[ComputeNode] = []
+    for start, end in model.pattern.groups:
+        unit: list[PlanNode] = []
+        for j in range(start, end):
+            layer = model.decoder.layers[j]
+            if isinstance(layer, AttentionLayer):
+                node = ComputeNode(
+                    f"decoder.layers.{j}.attention",
+                    lambda x, cos, sin, _l=layer: {"hidden": _l(x, cos, sin)},
+                    {"x": hidden, "cos": Ref(emb, "cos"), "sin": Ref(emb, "sin")}, layer=j, symbol=ATTENTION,
+                )
+                unit.append(node)
+            elif isinstance(layer, DenseMLPLayer):
+                node = ComputeNode(f"decoder.layers.{j}.mlp", lambda x, _l=layer: {"hidden": _l(x)},
+                                   {"x": hidden}, layer=j, symbol=MLP)
+                unit.append(node)
+            elif isinstance(layer, MoELayer):
+                nodes = _moe_nodes(model, j, layer, hidden, collect, wgrad_queue, comm_log, sync_timing)
+                moe_nodes.append(nodes[0])
+                unit.extend(nodes)
+                node = nodes[-1]
+            else:  # pragma: no cover - plan_support already rejected the symbol
+                raise ConfigError(f"decoder.layers.{j}: {type(layer).__name__} has no schedule-plan nodes")
+            hidden = Ref(node, "hidden")
+        units.append(unit)
+
+    post_inputs: dict[str, Any] = {"hidden": hidden, "labels": labels}
+    if collect:
+        for i, pre in enumerate(moe_nodes):
+            post_inputs[f"prob_sum{i}"] = Ref(pre, "prob_sum")
+            post_inputs[f"tokens_per_expert{i}"] = Ref(pre, "tokens_per_expert")
+            post_inputs[f"stat_tokens{i}"] = Ref(pre, "stat_tokens")
+
+    plan = SchedulePlan(embedding=emb, units=units, post=None, pattern=model.pattern, loss_fn=loss_fn,  # type: ignore[arg-type]
+                        comm_log=comm_log)
+
+    def post(hidden: torch.Tensor, labels: torch.Tensor | None, **stats: Any) -> dict[str, Any]:
+        out = HybridOutput(logits=model.head(hidden))
+        if collect and moe_nodes:
+            out.aux_loss = load_balancing_loss(
+                [RouterStats(stats[f"tokens_per_expert{i}"], stats[f"prob_sum{i}"], stats[f"stat_tokens{i}"])
+                 for i in range(len(moe_nodes))], model.arch.num_local_experts)
+        if labels is not None:
+            out.lm_loss = F.cross_entropy(out.logits.float().reshape(-1, out.logits.shape[-1]), labels.reshape(-1),
+                                          ignore_index=IGNORE_INDEX)
+            out.loss = out.lm_loss if out.aux_loss is None else out.lm_loss + model.aux_loss_coef * out.aux_loss
+        if plan.loss_fn is not None:
+            loss, extra = plan.loss_fn(out)
+            return {"loss": loss, "extra": extra}
+        return {"loss": out.loss, "extra": out}
+
+    plan.post = ComputeNode("post", post, post_inputs, seed_key="loss")
+    return plan
+
+
+__all__ = ["SchedulePlan", "PlanNode", "ComputeNode", "CommNode", "Ref", "build_hybrid_schedule_plan",
+           "plan_support", "COMPUTE", "COMM"]

@@ -1,0 +1,307 @@
+"""Combined 1F1B without pipelining: EP all-to-all of one microbatch hidden behind another's compute.
+
+Megatron's `combined_1f1b_schedule_for_no_pipelining` (gpt-oss-reference.md section 5), for
+models with `build_schedule_plan` (found on the unwrapped model, like Megatron's
+`get_attr_wrapped_model`):
+
+    F(0);  then for i = 1..N-1:  F(i) interleaved with B(i-1);  then B(N-1)
+
+Each microbatch's plan (gptoss_cli/model/schedule_plan.py) is a list of *slots*: the embedding,
+one slot per pattern unit (a layer, or a `[..]` group), the post-process/loss node. Forward slot
+k of microbatch i runs alongside backward slot k of microbatch i-1, i.e. forward layer j with
+backward layer L-1-j. Inside a slot pair, ops are merged so that whenever one microbatch has an
+all-to-all in flight (issued with async_op=True: gloo's threads on CPU, NCCL's stream on GPU)
+the other microbatch computes; a stream waits only when nothing else can run. The merge depends
+only on the plan's structure, so every rank issues its collectives in the same order.
+
+With `delay_wgrad_compute` the expert GEMMs queue their weight gradients
+(gptoss_cli/schedule/wgrad.py) and each `dispatch` node runs the queue right after issuing its
+backward all-to-all. At the end of the step the queue must be empty, else TrainingError.
+
+`finalize_model_grads_func` (from `get_model_config(model)`, never the provider's config) runs
+exactly once, after the last backward; the reduction is deferred (`no_sync_func`) until the last
+microbatch's backward, like the plain schedule.
+
+forward_step_func contract: the same as the plain schedule's (`(data_iterator, model) ->
+(loss_sum, num_tokens, logs)`). It is called twice per microbatch: first with a stand-in model
+that records the model's inputs and stops the call (so the plan can be built from them), then,
+at the end of that microbatch's forward, with the same data item and a stand-in that returns
+the plan's output, so the loss is computed by the caller's own code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+from gptoss_cli.errors import ConfigError, TrainingError
+from gptoss_cli.model.schedule_plan import COMM, SchedulePlan
+from gptoss_cli.parallel.grads import get_attr_wrapped_model, get_model_config
+from gptoss_cli.schedule.plain import ForwardStep, forward_backward_no_pipelining
+from gptoss_cli.schedule.wgrad import WgradQueue
+
+
+@dataclass
+class OverlapStats:
+    """What the bench reads: every all-to-all's own timings and the delayed-wgrad work done."""
+
+    comms: list[tuple[str, float, float]] = field(default_factory=list)  # (node, in flight s, blocked in wait s)
+    wgrad_gemms: int = 0
+    sync_timing: bool = False  # on CUDA, synchronize in wait so blocked time is real (bench only)
+
+    @property
+    def in_flight_s(self) -> float:
+        return sum(c[1] for c in self.comms)
+
+    @property
+    def blocked_s(self) -> float:
+        return sum(c[2] for c in self.comms)
+
+    @property
+    def hidden_fraction(self) -> float:
+        """Share of the all-to-all time (issue to wait returning) not spent blocked in wait."""
+        total = self.in_flight_s
+        return 1.0 - self.blocked_s / total if total > 0 else 0.0
+
+
+# --------------------------------------------------------------------------------------------
+# Calling forward_step_func around a plan
+
+
+class _InputsCaptured(Exception):
+    pass
+
+
+class _CaptureInputs(nn.Module):
+    """Stands in for the model: records the call's arguments and stops forward_step_func there."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.module = model  # so get_model_config(stand-in) still finds the model's config
+        self.args: tuple = ()
+        self.kwargs: dict = {}
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.args, self.kwargs = args, kwargs
+        raise _InputsCaptured
+
+
+class _ReturnOutput(nn.Module):
+    """Stands in for the model at the loss: returns the plan's output for the same inputs."""
+
+    def __init__(self, model: nn.Module, output: Any, args: tuple):
+        super().__init__()
+        self.module = model
+        self.output, self.expected = output, args
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if len(args) != len(self.expected) or any(a is not b for a, b in zip(args, self.expected)):
+            raise TrainingError("forward_step_func called the model with other inputs the second time",
+                                hint="forward_step_func must be deterministic in what it feeds the model")
+        return self.output
+
+
+class _Recording:
+    def __init__(self, it: Iterator[Any]):
+        self.it, self.items = it, []
+
+    def __iter__(self) -> "_Recording":
+        return self
+
+    def __next__(self) -> Any:
+        item = next(self.it)
+        self.items.append(item)
+        return item
+
+
+# --------------------------------------------------------------------------------------------
+# Merging two streams of ops
+
+
+START, FINISH, RUN = "start", "finish", "run"
+
+
+def _forward_ops(slot: list) -> list[tuple[str, Callable[[], None]]]:
+    ops = []
+    for node in slot:
+        if node.kind == COMM:
+            ops += [(START, node.start_forward), (FINISH, node.finish_forward)]
+        else:
+            ops.append((RUN, node.forward))
+    return ops
+
+
+def _backward_ops(slot: list) -> list[tuple[str, Callable[[], None]]]:
+    ops = []
+    for node in reversed(slot):
+        if node.kind == COMM:
+            ops += [(START, node.start_backward), (FINISH, node.finish_backward)]
+        else:
+            ops.append((RUN, node.backward))
+    return ops
+
+
+class _Stream:
+    def __init__(self, ops: list):
+        self.ops, self.i = ops, 0
+        self.issued_at = -1  # sequence number of the comm in flight, -1 when none
+
+    @property
+    def done(self) -> bool:
+        return self.i >= len(self.ops)
+
+    @property
+    def next_kind(self) -> str | None:
+        return None if self.done else self.ops[self.i][0]
+
+    def step(self, seq: int = -1) -> None:
+        kind, fn = self.ops[self.i]
+        fn()
+        self.i += 1
+        self.issued_at = seq if kind == START else -1
+
+
+def run_interleaved(f_ops: list, b_ops: list) -> None:
+    """Run two op streams (one microbatch's forward slot, another's backward slot) so that each
+    stream's communication is in flight while the other computes; deterministic in the ops alone."""
+    streams = [s for s in (_Stream(f_ops), _Stream(b_ops)) if not s.done]
+    seq = 0
+    while any(not s.done for s in streams):
+        for s in streams:  # issue communication as early as possible
+            if s.next_kind == START:
+                s.step(seq)
+                seq += 1
+        runnable = [s for s in streams if s.next_kind == RUN]
+        if runnable:
+            # Prefer the stream whose partner has communication to hide.
+            hiding = [s for s in runnable if any(o.next_kind == FINISH for o in streams if o is not s)]
+            (hiding or runnable)[0].step()
+            continue
+        waiting = [s for s in streams if s.next_kind == FINISH]
+        if waiting:
+            min(waiting, key=lambda s: s.issued_at).step()
+
+
+def _slots(plan: SchedulePlan) -> list[list]:
+    return [[plan.embedding], *plan.units, [plan.post]]
+
+
+# --------------------------------------------------------------------------------------------
+# The schedule
+
+
+def forward_backward_combined_1f1b(
+    *,
+    forward_step_func: ForwardStep,
+    data_iterator: Iterator[Any],
+    model: nn.Module,
+    num_microbatches: int,
+    forward_only: bool = False,
+    interleave: bool = True,
+    stats: OverlapStats | None = None,
+) -> list[dict[str, Any]]:
+    """Same contract as `forward_backward_no_pipelining`; returns one log dict per microbatch.
+
+    interleave=False runs the same plans one microbatch after another (the bench's control);
+    stats, if given, receives every all-to-all's timings and the number of delayed dW GEMMs.
+    """
+    if forward_only:  # nothing to overlap without a backward
+        return forward_backward_no_pipelining(forward_step_func=forward_step_func, data_iterator=data_iterator,
+                                              model=model, num_microbatches=num_microbatches, forward_only=True)
+    config = get_model_config(model)
+    finalize = getattr(config, "finalize_model_grads_func", None)
+    if finalize is None:
+        raise TrainingError(
+            "the model's config has no finalize_model_grads_func, gradients would not be reduced",
+            hint="install the training callbacks on get_model_config(model), not on the provider's config",
+        )
+    try:
+        build = get_attr_wrapped_model(model, "build_schedule_plan")
+    except AttributeError:
+        raise ConfigError(
+            f"overlap_moe_expert_parallel_comm=true, but {type(model).__name__} and the models it wraps have no "
+            "build_schedule_plan (the combined-1F1B schedule cannot split them into nodes)",
+            hint="turn overlap off: overlap.overlap_moe_expert_parallel_comm=false overlap.delay_wgrad_compute=false",
+        ) from None
+    signature = inspect.signature(build.__self__.forward)
+    no_sync = getattr(config, "no_sync_func", None) or contextlib.nullcontext
+    grad_scale = getattr(config, "grad_scale_func", None)
+    queue = WgradQueue() if getattr(config, "delay_wgrad_compute", False) else None
+    sync_timing = bool(stats is not None and stats.sync_timing)
+    logs: list[dict[str, Any]] = []
+    total_tokens = torch.zeros((), dtype=torch.float32)
+
+    def new_plan() -> SchedulePlan:
+        recording = _Recording(data_iterator)
+        capture = _CaptureInputs(model)
+        try:
+            forward_step_func(recording, capture)
+        except _InputsCaptured:
+            pass
+        else:
+            raise TrainingError("forward_step_func returned without calling the model; there is nothing to schedule")
+        bound = signature.bind(*capture.args, **capture.kwargs).arguments
+        args = capture.args
+        items = list(recording.items)
+
+        def loss_fn(output: Any) -> tuple[torch.Tensor, Any]:
+            nonlocal total_tokens
+            loss_sum, num_tokens, extra = forward_step_func(iter(items), _ReturnOutput(model, output, args))
+            total_tokens = total_tokens + num_tokens.detach().float().cpu()
+            logs.append({"loss_sum": loss_sum.detach(), "num_tokens": num_tokens.detach(), **extra})
+            return (grad_scale(loss_sum) if grad_scale is not None else loss_sum), None
+
+        return build(bound.get("input_ids"), bound.get("position_ids"), bound.get("labels"),
+                     wgrad_queue=queue, loss_fn=loss_fn, sync_timing=sync_timing)
+
+    def forward(plan: SchedulePlan) -> None:
+        for slot in _slots(plan):
+            run_interleaved(_forward_ops(slot), [])
+
+    def backward(plan: SchedulePlan) -> None:
+        for slot in reversed(_slots(plan)):
+            run_interleaved([], _backward_ops(slot))
+
+    def forward_and_backward(f_plan: SchedulePlan, b_plan: SchedulePlan) -> None:
+        # Forward slot k (layer j) with backward slot k of the previous microbatch (layer L-1-j).
+        for f_slot, b_slot in zip(_slots(f_plan), reversed(_slots(b_plan))):
+            run_interleaved(_forward_ops(f_slot), _backward_ops(b_slot))
+
+    def record(plan: SchedulePlan) -> None:
+        if stats is not None:
+            stats.comms += [(name, h.in_flight_s, h.blocked_s) for name, h in plan.comm_log]
+        plan.comm_log.clear()
+
+    try:
+        with no_sync():
+            previous = new_plan()
+            forward(previous)
+            for _ in range(1, num_microbatches):
+                current = new_plan()
+                if interleave:
+                    forward_and_backward(current, previous)
+                else:
+                    backward(previous)
+                    forward(current)
+                record(previous)
+                previous = current
+        backward(previous)
+        record(previous)
+    except BaseException:
+        if queue is not None:
+            queue.clear()  # the step failed anyway; do not mask its error with a second one
+        raise
+    if queue is not None:
+        queue.finish_step()  # raises if any dW was queued but never run
+        if stats is not None:
+            stats.wgrad_gemms += queue.executed
+    finalize([model], total_tokens)
+    return logs
+
+
+__all__ = ["forward_backward_combined_1f1b", "OverlapStats", "run_interleaved"]
