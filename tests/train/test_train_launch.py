@@ -61,3 +61,14 @@ def test_world_size_that_ep_does_not_divide_is_rejected(tmp_path):
                                       f"logging.run_dir={tmp_path}"])
     assert result.exit_code == 1
     assert "parallel.expert_world_divisible" in result.output
+
+
+def test_inside_torchrun_each_process_trains_directly(tmp_path):
+    from tests.train.dist_helpers import run_distributed
+    from tests.train.workers import torchrun_style_worker
+
+    overrides = ["training.train_iters=2", "checkpoint.dir=null", "checkpoint.save_interval=null",
+                 f"logging.run_dir={tmp_path / 'run'}", "training.warmup_iters=1", *FAST]
+    ranks = run_distributed(torchrun_style_worker, 2, tmp_path / "out", overrides)
+    assert [r["world_size"] for r in ranks] == [2, 2]
+    assert ranks[0]["losses"] == ranks[1]["losses"] and len(ranks[0]["losses"]) == 2

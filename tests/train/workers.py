@@ -189,3 +189,16 @@ def run_plan_worker(rank: int, plan: Any) -> dict[str, Any]:
 
     result = run_worker(plan)
     return {"losses": result.losses, "result": result}
+
+
+def torchrun_style_worker(rank: int, overrides: list[str]) -> dict[str, Any]:
+    """`gptoss train`'s library entry inside an already-started process (RANK/WORLD_SIZE set)."""
+    from gptoss_cli.recipe.load import load_recipe
+    from gptoss_cli.train import launch
+
+    def no_launch(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("train() started workers from inside a torchrun-started process")
+
+    launch.launch_local = no_launch
+    result = launch.train(load_recipe("tiny_cpu_ep2", overrides))
+    return {"world_size": result.world_size, "losses": result.losses}
