@@ -216,8 +216,12 @@ class HybridModel(nn.Module):
     # --- capabilities ---------------------------------------------------------------------
     @classmethod
     def supports_schedule_plan(cls, pattern: str | None = None) -> tuple[bool, str]:
-        """Whether this model can build the EP A2A overlap schedule plan (section 5)."""
-        return False, "HybridModel has no build_schedule_plan (EP A2A overlap schedule not implemented)"
+        """Whether this model can build the EP A2A overlap schedule plan (section 5) for `pattern`:
+        (True, "") when every symbol has plan nodes (`*`, `E`, `-`, grouped or not), else
+        (False, reason naming the symbol)."""
+        from gptoss_cli.model.schedule_plan import plan_support
+
+        return plan_support(pattern)
 
     def build_schedule_plan(
         self,
