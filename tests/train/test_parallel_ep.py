@@ -52,3 +52,17 @@ def test_ep2_clipping_norm_counts_every_expert_once(ep2_vs_ep1):
     assert ref["grad_norm"] == pytest.approx(true_norm, rel=1e-6)
     for r in ranks:
         assert r["grad_norm"] == pytest.approx(true_norm, rel=1e-5)
+
+
+def test_alltoall_dispatcher_round_trip_forward_and_backward(ep2_vs_ep1):
+    _, ranks = ep2_vs_ep1
+    for r in ranks:
+        assert r["dispatch_all"]["out_ok"] and r["dispatch_all"]["grad_ok"]
+    assert sum(r["dispatch_all"]["rows"] for r in ranks) == 2 * (5 + 6)  # dropless: every (token, choice)
+
+
+def test_alltoall_dispatcher_handles_a_rank_that_receives_no_tokens(ep2_vs_ep1):
+    _, ranks = ep2_vs_ep1
+    assert ranks[1]["dispatch_rank0_only"]["rows"] == 0
+    for r in ranks:
+        assert r["dispatch_rank0_only"]["out_ok"] and r["dispatch_rank0_only"]["grad_ok"]

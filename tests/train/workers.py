@@ -59,8 +59,32 @@ def one_step_grads(state: ParallelState, global_batch: int = 4, mbs: int = 2) ->
     }
 
 
+def dispatcher_round_trip(state: ParallelState, route_to: tuple[int, ...]) -> dict[str, Any]:
+    """All-to-all dispatch -> 'expert e multiplies by e+1' -> combine, forward and backward, with every
+    token routed to the experts in `route_to` (so some ranks may receive no rows at all)."""
+    from gptoss_cli.parallel.dispatcher import AllToAllTokenDispatcher
+
+    g = torch.Generator().manual_seed(100 + state.rank)
+    T, H, k = 5 + state.rank, 8, 2
+    hidden = torch.randn(T, H, generator=g).requires_grad_()
+    indices = torch.tensor([[route_to[(t + j) % len(route_to)] for j in range(k)] for t in range(T)])
+    probs = torch.softmax(torch.randn(T, k, generator=g), -1)
+    d = AllToAllTokenDispatcher(4, state.ep_size, state.ep_rank, state.ep_group)
+    expert_input, counts, ctx = d.dispatch(hidden, probs, indices)
+    scale = torch.repeat_interleave(torch.arange(d.expert_offset, d.expert_offset + d.num_local_experts) + 1.0, counts)
+    out = d.combine(expert_input * scale[:, None], ctx)
+    out.sum().backward()
+    expected = (probs * (indices + 1)).sum(-1, keepdim=True)
+    return {"rows": int(counts.sum()), "out_ok": bool(torch.allclose(out, hidden.detach() * expected, atol=1e-6)),
+            "grad_ok": bool(torch.allclose(hidden.grad, expected.expand(T, H), atol=1e-6))}
+
+
 def ep_grads_worker(rank: int, ep: int) -> dict[str, Any]:
-    return one_step_grads(init_parallel(ep, "cpu"))
+    state = init_parallel(ep, "cpu")
+    out = one_step_grads(state)
+    out["dispatch_all"] = dispatcher_round_trip(state, (0, 1, 2, 3))
+    out["dispatch_rank0_only"] = dispatcher_round_trip(state, (0, 1))  # rank 1's experts get nothing
+    return out
 
 
 def train_steps(state: ParallelState, steps: int, global_batch: int, mbs: int, ep: int = 1) -> dict[str, torch.Tensor]:
