@@ -186,6 +186,9 @@ def test_pattern_with_wrong_attention_count_is_rejected():
         HybridModel(TINY, "*E*E")
 
 
-def test_schedule_plan_is_not_supported_yet():
-    ok, why = HybridModel.supports_schedule_plan("*E*E")
-    assert not ok and "build_schedule_plan" in why
+def test_schedule_plan_is_supported_for_attention_moe_and_mlp_patterns():
+    # Issue 6 gave HybridModel a build_schedule_plan; plan tests live in tests/schedule/.
+    assert HybridModel.supports_schedule_plan("*E*E") == (True, "")
+    assert HybridModel.supports_schedule_plan("[*E][*E]") == (True, "")
+    ok, why = HybridModel.supports_schedule_plan("*E*M")
+    assert not ok and "'M'" in why

@@ -50,7 +50,9 @@ def test_failing_worker_ends_the_job_with_its_error_in_one_line(tmp_path):
 
 
 def test_rules_reject_the_recipe_before_any_process_starts(tmp_path):
-    result = CliRunner().invoke(app, ["train", "--recipe", "tiny_cpu_ep2_overlap", f"logging.run_dir={tmp_path}"])
+    # Overlap on a pattern the schedule plan cannot split (a pipeline split) fails the capability rule.
+    result = CliRunner().invoke(app, ["train", "--recipe", "tiny_cpu_ep2_overlap",
+                                      "model.hybrid_layer_pattern=*E*E|*E", f"logging.run_dir={tmp_path}"])
     assert result.exit_code == 1
     assert "overlap.schedule_plan" in result.output
     assert not (tmp_path / "metrics.jsonl").exists()
