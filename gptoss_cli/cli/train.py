@@ -91,7 +91,7 @@ def render_result(result: Any) -> None:
         "Without torchrun, --nproc-per-node N workers are started on this machine (default: the "
         "recipe's world size); under torchrun each process trains directly.\n\n"
         "Example: gptoss train --recipe tiny_cpu_ep2 training.train_iters=5\n\n"
-        "Multi-node: torchrun --nnodes 8 --nproc-per-node 8 ... -m gptoss_cli train --recipe gb200_bf16"
+        "Multi-node: torchrun --nnodes 8 --nproc-per-node 8 ... -m gptoss_cli train --recipe gpt_oss_120b_pretrain"
     ),
 )
 @handle_errors
