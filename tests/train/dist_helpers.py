@@ -84,3 +84,24 @@ def named_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             local = e - inner.get_submodule(owner).expert_offset
             grads[name] = p.main_grad[local].detach().clone()
     return grads
+
+
+def once_per_session(tmp_path_factory: Any, name: str, compute: Callable[[Path], Any]) -> Any:
+    """compute(folder) once per test session, shared by pytest-xdist workers.
+
+    Module fixtures run once per xdist worker that gets one of the module's tests; the multi-process
+    runs behind them are the expensive part, so the first worker computes under a file lock and
+    saves the result, the others load it.
+    """
+    import fcntl
+
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if base.name.startswith("popen-gw") else base  # shared by the xdist workers
+    folder = root / f"shared-{name}"
+    result = root / f"shared-{name}.pt"
+    with open(root / f"shared-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not result.exists():
+            folder.mkdir(parents=True, exist_ok=True)
+            torch.save(compute(folder), result)
+    return torch.load(result, weights_only=False)

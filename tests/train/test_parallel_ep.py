@@ -6,16 +6,20 @@ import pytest
 import torch
 
 from gptoss_cli.parallel.state import ParallelState
-from tests.train.dist_helpers import run_distributed
+from tests.train.dist_helpers import once_per_session, run_distributed
 from tests.train.workers import ep_grads_worker, one_step_grads
+
+
+def _ep2_vs_ep1(folder):
+    # EP=1 reference: one process, the global batch of 4 as 2 microbatches (rank r's half = microbatch r).
+    reference = one_step_grads(ParallelState())
+    ranks = run_distributed(ep_grads_worker, 2, folder, 2)
+    return reference, ranks
 
 
 @pytest.fixture(scope="module")
 def ep2_vs_ep1(tmp_path_factory):
-    # EP=1 reference: one process, the global batch of 4 as 2 microbatches (rank r's half = microbatch r).
-    reference = one_step_grads(ParallelState())
-    ranks = run_distributed(ep_grads_worker, 2, tmp_path_factory.mktemp("ep2"), 2)
-    return reference, ranks
+    return once_per_session(tmp_path_factory, "ep2_vs_ep1", _ep2_vs_ep1)
 
 
 def test_ep2_loss_equals_ep1_on_the_same_global_batch(ep2_vs_ep1):

@@ -9,13 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.train.dist_helpers import run_distributed
+from tests.train.dist_helpers import once_per_session, run_distributed
 from tests.train.workers import callbacks_worker
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return run_distributed(callbacks_worker, 2, tmp_path_factory.mktemp("cb"), 3)
+    return once_per_session(tmp_path_factory, "callbacks",
+                            lambda folder: run_distributed(callbacks_worker, 2, folder, 3))
 
 
 @pytest.fixture

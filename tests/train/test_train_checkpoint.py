@@ -11,7 +11,7 @@ import torch.distributed.checkpoint as dcp
 from gptoss_cli.errors import TrainingError
 from gptoss_cli.train.checkpointing import latest_checkpoint
 from gptoss_cli.train.loop import run_worker
-from tests.train.dist_helpers import run_distributed
+from tests.train.dist_helpers import once_per_session, run_distributed
 from tests.train.workers import run_plan_worker, tiny_plan
 
 
@@ -77,12 +77,14 @@ def test_nan_loss_stops_with_training_error_and_is_never_checkpointed(tmp_path):
     assert not (tmp_path / "c" / "iter_0000002").exists()
 
 
+def _ep2_run(work):
+    plan = tiny_plan(str(work / "run"), ep_size=2, train_iters=2, checkpoint_dir=str(work / "ckpt"))
+    return work, run_distributed(run_plan_worker, 2, work / "out", plan)
+
+
 @pytest.fixture(scope="module")
 def ep2_checkpoint(tmp_path_factory):
-    work = tmp_path_factory.mktemp("layout")
-    plan = tiny_plan(str(work / "run"), ep_size=2, train_iters=2, checkpoint_dir=str(work / "ckpt"))
-    ranks = run_distributed(run_plan_worker, 2, work / "out", plan)
-    return work, ranks
+    return once_per_session(tmp_path_factory, "ep2_checkpoint", _ep2_run)
 
 
 def test_checkpoint_saved_at_ep2_loads_at_ep1(ep2_checkpoint, tmp_path):
