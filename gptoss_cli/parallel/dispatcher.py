@@ -127,13 +127,17 @@ class AsyncAllToAll:
     microbatch, computes another microbatch, then waits. gloo runs `async_op=True` collectives on
     its own threads; on NCCL the collective runs on NCCL's stream and `wait()` only makes the
     current stream wait on it (an event), so the host never blocks. The timings (host clock)
-    are the collective's own: `issued_at`, `wait_started`, `wait_returned`; on CUDA, `wait_blocked`
-    is measured after a synchronize only when `sync_timing` is set (the bench does).
+    are the collective's own: `issued_at` / `issue_returned` around the issuing call (which may
+    do part of the work before returning), `wait_started` / `wait_returned` around wait(); on
+    CUDA, wait() synchronises only when `sync_timing` is set (the bench does).
     Not differentiable: the schedule's comm nodes call it in both directions themselves.
     """
 
     def __init__(self, out: torch.Tensor, work: Any, issued_at: float, sync_timing: bool = False):
+        import time
+
         self.out, self.work, self.issued_at, self.sync_timing = out, work, issued_at, sync_timing
+        self.issue_returned = time.perf_counter()
         self.wait_started = self.wait_returned = None
 
     def wait(self) -> torch.Tensor:
@@ -153,7 +157,8 @@ class AsyncAllToAll:
 
     @property
     def blocked_s(self) -> float:
-        return self.wait_returned - self.wait_started
+        """Host time spent blocked on this collective: inside the issuing call and inside wait()."""
+        return (self.issue_returned - self.issued_at) + (self.wait_returned - self.wait_started)
 
 
 def start_all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group: Any,
