@@ -42,7 +42,10 @@ def _offsets(tokens_per_expert: torch.Tensor) -> torch.Tensor:
 def grouped_input_grad(dy: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
     """dX of `grouped_linear`: rows of dy [N, out] by expert, weight [E, out, in] -> [N, in]."""
     if _grouped_mm_usable(dy, weight):
-        return torch._grouped_mm(dy, weight, offs=_offsets(tokens_per_expert))
+        try:
+            return torch._grouped_mm(dy, weight, offs=_offsets(tokens_per_expert))
+        except RuntimeError:  # a kernel that wants another operand layout (checked on CPU only): loop
+            pass
     chunks = torch.split(dy, tokens_per_expert.tolist())
     outs = [c @ weight[e] for e, c in enumerate(chunks)]
     return torch.cat(outs) if outs else dy.new_zeros(0, weight.shape[-1])
@@ -54,10 +57,11 @@ def grouped_weight_grad(x: torch.Tensor, dy: torch.Tensor, tokens_per_expert: to
     counts = tokens_per_expert.tolist()
     db = torch.stack([c.sum(0) for c in torch.split(dy, counts)]) if counts else dy.new_zeros(0, dy.shape[1])
     if _grouped_mm_usable(x, dy.new_empty(num_experts, dy.shape[1], x.shape[1])) and x.shape[0] > 0:
-        dw = torch._grouped_mm(dy.t(), x, offs=_offsets(tokens_per_expert))
-    else:
-        dw = torch.stack([d.t() @ xe for d, xe in zip(torch.split(dy, counts), torch.split(x, counts))])
-    return dw, db
+        try:
+            return torch._grouped_mm(dy.t(), x, offs=_offsets(tokens_per_expert)), db
+        except RuntimeError:  # as in grouped_input_grad
+            pass
+    return torch.stack([d.t() @ xe for d, xe in zip(torch.split(dy, counts), torch.split(x, counts))]), db
 
 
 @dataclass
