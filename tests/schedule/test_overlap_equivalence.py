@@ -17,8 +17,10 @@ STEPS, GLOBAL_BATCH, MBS = 3, 12, 2  # 3 microbatches per rank and step
 
 @pytest.mark.parametrize(
     ("ep", "pattern"),
-    [(2, "*E*E*E"), (1, "[*E][*E][*E]")],
-    ids=["ep2-ungrouped", "dp2xep1-grouped"],
+    # grouped EP=2 merges comm nodes of both microbatches inside one slot, the ungrouped form pairs
+    # an attention slot with an MoE slot
+    [(2, "*E*E*E"), (2, "[*E][*E][*E]"), (1, "[*E][*E][*E]")],
+    ids=["ep2-ungrouped", "ep2-grouped", "dp2xep1-grouped"],
 )
 def test_overlap_schedule_matches_plain_schedule(tmp_path, ep, pattern):
     ranks = run_distributed(equivalence_worker, 2, tmp_path, ep, STEPS, GLOBAL_BATCH, MBS, pattern, timeout=240)
