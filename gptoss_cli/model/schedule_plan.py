@@ -27,7 +27,8 @@ microbatch's compute between issue and wait, in both directions. With delayed we
 the expert GEMMs queue their dW (gptoss_cli/schedule/wgrad.py) and the `dispatch` node's
 backward runs the queue right after issuing its all-to-all, while it is in flight.
 
-Pure PyTorch plus the dispatcher's async all-to-all; no pipeline parallelism.
+Pure PyTorch plus torch.distributed (the per-expert count exchange and the dispatcher's async
+all-to-all, both on the EP group of the layer's dispatcher); no pipeline parallelism.
 """
 
 from __future__ import annotations
