@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -105,7 +104,9 @@ def child(hf: str, hybrid: str, dtype: str, seq_len: int) -> None:
 
     from gptoss_cli.parity import run_parity
 
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    from gptoss_cli.parity.check import peak_rss_bytes
+
+    base = peak_rss_bytes()
     t0 = time.perf_counter()
     report = run_parity(hf, hybrid, dtype=dtype, seq_len=seq_len)
     print(json.dumps({

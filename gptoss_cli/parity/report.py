@@ -135,9 +135,17 @@ class ParityReport:
                                  ("left over in HF", w.leftover_hf), ("left over in Hybrid", w.leftover_hybrid)):
                 if names:
                     parts.append(f"weights: {len(names)} {label}, first {names[0]}")
-        first = self.first_diverging
+        first = next((s for s in self.stages if not s.passed), None)
         if first is not None:
-            parts.append(f"first diverging: {first}")
+            detail = first.error or (
+                f"cosine {first.cosine:.6f}, max rel diff {first.rel_max_diff:.3g}, max abs diff {first.max_abs_diff:.3g}"
+            )
+            parts.append(f"first diverging: {first.stage} ({detail})")
+        elif self.logits is not None and not self.logits.passed:
+            lg = self.logits
+            parts.append(
+                f"first diverging: logits (top-1 {lg.top1_agreement:.4f}, KL {lg.kl:.3g}, cosine {lg.cosine:.6f})"
+            )
         return "parity FAILED: " + "; ".join(parts)
 
     def to_json(self) -> dict[str, Any]:
