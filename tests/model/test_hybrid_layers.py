@@ -192,3 +192,24 @@ def test_schedule_plan_is_supported_for_attention_moe_and_mlp_patterns():
     assert HybridModel.supports_schedule_plan("[*E][*E]") == (True, "")
     ok, why = HybridModel.supports_schedule_plan("*E*M")
     assert not ok and "'M'" in why
+
+
+def test_loop_over_experts_fallback_equals_grouped_gemm(monkeypatch):
+    import gptoss_cli.model.moe as moe
+
+    model = HybridModel(TINY).eval()
+    ids = tokens(2, 9)
+    with torch.no_grad():
+        grouped = model(ids).logits
+        monkeypatch.setattr(moe, "_grouped_mm_usable", lambda x, w: False)
+        looped = model(ids).logits
+    torch.testing.assert_close(looped, grouped, rtol=1e-5, atol=1e-5)
+
+
+def test_gradients_reach_every_parameter():
+    model = HybridModel(TINY).train()
+    ids = tokens(2, 12)
+    labels = torch.roll(ids, -1, dims=1)
+    model(ids, labels=labels).loss.backward()
+    no_grad = [n for n, p in model.named_parameters() if p.grad is None or not torch.isfinite(p.grad).all()]
+    assert no_grad == []
