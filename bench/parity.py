@@ -11,6 +11,12 @@ The vocabulary is kept small (default 2048 instead of 201088) so the embedding a
 layer, which are not per-block, do not dominate; pass --vocab 201088 for the real one.
 Disk: about 1.7 GB (HF, MXFP4) + 6.4 GB (Hybrid, bf16) per block with 128 experts.
 
+The run is in bfloat16 (a 120B block in fp32 needs ~13 GB per side). The "passed" column is not
+the point here: on random weights with 32+ experts, bf16 rounding differences between
+transformers' eager path and ours flip near-tied top-4 routing decisions, so bf16 runs can
+diverge beyond the bf16 defaults; the same synthetic checkpoints pass in float32 (measured at
+real dims with 4 and 32 experts: block max abs diff < 1e-4, logits KL < 1e-12).
+
     python bench/parity.py --workdir /tmp/parity-bench [--experts 128] [--blocks 1 2 4]
 """
 
