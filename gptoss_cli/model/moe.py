@@ -22,6 +22,7 @@ an all-to-all one with the same two methods):
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -124,6 +125,9 @@ class LocalTokenDispatcher:
 # Experts
 
 
+_GROUPED_MM_BROKEN: set[str] = set()
+
+
 def _grouped_mm_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     if not hasattr(torch, "_grouped_mm") or x.dtype not in (torch.float32, torch.bfloat16):
         return False
@@ -144,10 +148,18 @@ def grouped_linear(
     One grouped GEMM (torch._grouped_mm) where it runs, else a loop over the experts (never
     over tokens)."""
     n = x.shape[0]
-    if _grouped_mm_usable(x, weight):
+    if _grouped_mm_usable(x, weight) and x.device.type not in _GROUPED_MM_BROKEN:
         offsets = torch.cumsum(tokens_per_expert, 0).to(torch.int32)
-        out = torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
-        return out + torch.repeat_interleave(bias, tokens_per_expert, dim=0, output_size=n)
+        try:
+            out = torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
+        except RuntimeError as exc:
+            if not x.is_cuda:
+                raise
+            # Older GPUs lack the grouped kernel; the loop below computes the same thing.
+            _GROUPED_MM_BROKEN.add(x.device.type)
+            warnings.warn(f"torch._grouped_mm unavailable on this GPU ({exc}); looping over experts instead")
+        else:
+            return out + torch.repeat_interleave(bias, tokens_per_expert, dim=0, output_size=n)
     outs = [
         F.linear(chunk, weight[e], bias[e])
         for e, chunk in enumerate(torch.split(x, tokens_per_expert.tolist()))
