@@ -51,6 +51,7 @@ class ConvertResult:
     num_shards: int
     seconds: float
     peak_rss_bytes: int
+    write_seconds: float = 0.0  # file I/O time; close to `seconds` means the disk is the bottleneck
     architecture: dict = field(default_factory=dict)
 
     @property
@@ -355,6 +356,7 @@ def convert(
         num_shards=len(writer.file_names),
         seconds=time.perf_counter() - t0,
         peak_rss_bytes=peak_rss_bytes(),
+        write_seconds=writer.io_seconds,
         architecture=arch.to_dict(),
     )
 

@@ -15,6 +15,7 @@ import math
 import os
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
@@ -306,6 +307,7 @@ class ShardedWriter:
         self._open_shard = -1
         self._planned_shard = -1
         self.bytes_written = 0
+        self.io_seconds = 0.0  # time spent in file I/O (on the writer thread when background)
         # File writes run on a thread so that the next chunk is decoded while this one is written
         # (file I/O releases the GIL); the queue holds at most two chunks, which bounds memory.
         self._queue: queue.Queue | None = queue.Queue(maxsize=2) if background else None
@@ -351,6 +353,13 @@ class ShardedWriter:
 
     # --- I/O, inline or on the writer thread ---------------------------------------------------
     def _do(self, op: str, arg) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._do_io(op, arg)
+        finally:
+            self.io_seconds += time.perf_counter() - t0
+
+    def _do_io(self, op: str, arg) -> None:
         if op == "switch":
             self._switch_to(arg)
         elif op == "data":

@@ -14,14 +14,14 @@ import torch
 
 from gptoss_cli.checkpoint.mapping import Unit, units
 from gptoss_cli.model.config import GptOssArch
-from gptoss_cli.model.hybrid import VOCAB_PADDED
+from gptoss_cli.checkpoint.mapping import VOCAB_PADDED_HYBRID
 from gptoss_cli.parity.report import WeightReport
 
 EXPERT_CHUNK = 8
 
 
 def _read_hybrid(reader, name: str, arch: GptOssArch) -> torch.Tensor:
-    if name in VOCAB_PADDED and reader.shape(name)[0] > arch.vocab_size:
+    if name in VOCAB_PADDED_HYBRID and reader.shape(name)[0] > arch.vocab_size:
         return reader.read(name, 0, arch.vocab_size)  # Megatron's vocabulary padding (section 4)
     return reader.read(name)
 

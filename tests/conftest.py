@@ -1,5 +1,8 @@
-"""Training tests run tiny models; one intra-op thread per process avoids oversubscribing the CI's 2 cores
-(the multi-process tests already run one thread per rank)."""
+"""Suite-wide settings: one intra-op thread per test process.
+
+CI has 2 cores shared by the pytest-xdist workers and the 2-process distributed tests; more torch
+threads per process only oversubscribe them.
+"""
 
 import pytest
 import torch
