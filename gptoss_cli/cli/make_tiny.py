@@ -21,8 +21,10 @@ def make_tiny_cmd(
     force: bool = typer.Option(False, "--force", help="Replace a non-empty DST."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Also write a machine-readable summary."),
 ) -> None:
-    """Write a tiny GPT-OSS checkpoint (3 blocks, 4 experts, hidden 64, intermediate 96, 6 q / 2 kv heads,
-    vocab 1003) in the real Hugging Face layout, for quickstarts, demos and tests.
+    """Write a tiny GPT-OSS checkpoint in the real Hugging Face layout, for demos and tests.
+
+    3 blocks, 4 experts (top-2), hidden 64, intermediate 96, 6 query / 2 kv heads, vocab 1003,
+    sliding window 8: small, but shaped so that layout bugs show.
 
     Example: gptoss make-tiny /tmp/tiny --experts mxfp4 && gptoss convert /tmp/tiny /tmp/tiny-hybrid
     """
