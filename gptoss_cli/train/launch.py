@@ -95,13 +95,11 @@ def preflight_recipe(recipe: Any, world_size: int) -> Any:
 def _detect_gpu(device: str) -> str:
     import torch
 
+    from gptoss_cli.recipe.rules import gpu_from_device_name
+
     if device == "cpu" or not torch.cuda.is_available():
         return "none"
-    name = torch.cuda.get_device_name().lower()
-    for gen in ("gb300", "gb200", "b200", "h200", "h100", "a100"):
-        if gen in name.replace(" ", ""):
-            return gen
-    return "auto"
+    return gpu_from_device_name(torch.cuda.get_device_name())
 
 
 def train(recipe: Any, *, nproc_per_node: int | None = None, progress: Progress | None = None) -> TrainResult:
