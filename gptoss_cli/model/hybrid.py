@@ -344,10 +344,11 @@ class HybridModel(nn.Module):
                         progress(name)
 
     def load_hf_tensors(self, folder: str | Path, progress: Callable[[str], None] | None = None) -> None:
-        """Fill every parameter from an HF GPT-OSS folder (bf16 or MXFP4 experts) through the mapping
-        table, one table unit at a time (experts in chunks), so memory stays at one unit."""
+        """Fill every parameter from an HF GPT-OSS folder (bf16 or MXFP4 experts) or OpenAI's original/
+        layout through the mapping table, one table unit at a time (experts in chunks, only the
+        experts this model holds), so memory stays at one unit."""
         from gptoss_cli.checkpoint.mapping import units
-        from gptoss_cli.checkpoint.sources import HF, check_tensors, open_source
+        from gptoss_cli.checkpoint.sources import HYBRID, check_tensors, open_source
 
         if self.pattern.layers != tuple(self.arch.hybrid_layer_pattern):
             raise ConfigError(
@@ -355,8 +356,8 @@ class HybridModel(nn.Module):
             )
         source = open_source(str(folder))
         try:
-            if source.kind != HF:
-                raise CheckpointError(f"{folder}: is a {source.kind} checkpoint, not a Hugging Face one")
+            if source.kind == HYBRID:
+                raise CheckpointError(f"{folder}: is a Hybrid checkpoint; load it with load_hybrid_tensors")
             diff = architecture_differences(source.arch, self.arch)
             if diff:
                 raise CheckpointError(
@@ -370,15 +371,14 @@ class HybridModel(nn.Module):
             with torch.no_grad():
                 for unit in units(self.arch):
                     if unit.per_expert:
-                        for e0 in range(0, self.arch.num_local_experts, chunk):
-                            names = unit.hybrid[e0:e0 + chunk]
-                            if all(slots[n] is None for n in names):
-                                continue  # experts another rank holds
-                            e1 = e0 + len(names)
+                        # only this rank's contiguous expert range is read, a few experts at a time
+                        held = [e for e, n in enumerate(unit.hybrid) if slots[n] is not None]
+                        lo, hi = (held[0], held[-1] + 1) if held else (0, 0)
+                        for e0 in range(lo, hi, chunk):
+                            e1 = min(hi, e0 + chunk)
                             stack = source.layout.read(source.reader, self.arch, unit.hf[0], dtype, e0, e1)
-                            for name, t in zip(names, unit.to_hybrid(self.arch, [stack])):
-                                if slots[name] is not None:
-                                    _copy_checked(slots[name], t, name, folder)
+                            for name, t in zip(unit.hybrid[e0:e1], unit.to_hybrid(self.arch, [stack])):
+                                _copy_checked(slots[name], t, name, folder)
                         continue
                     ins = [source.layout.read(source.reader, self.arch, n, dtype) for n in unit.hf]
                     for name, t in zip(unit.hybrid, unit.to_hybrid(self.arch, ins)):

@@ -122,13 +122,12 @@ def load_weights(model: nn.Module, folder: str | Path) -> None:
                 f"{folder}: its architecture differs from the recipe's model ({difference})",
                 hint="set model.checkpoint to the same folder so the recipe takes its architecture",
             )
-        if source.kind == HYBRID:
-            source.close()
-            model.load_hybrid_tensors(Path(folder))
-            return
-        _load_mapped(model, source)
     finally:
         source.close()
+    if source.kind == HYBRID:
+        model.load_hybrid_tensors(Path(folder))
+    else:
+        model.load_hf_tensors(Path(folder))
 
 
 # The fields that decide tensor shapes; token ids, init std and the like may differ freely.
@@ -141,39 +140,6 @@ def _first_difference(a: GptOssArch, b: GptOssArch) -> str:
         if getattr(a, k) != getattr(b, k):
             return f"{k}: checkpoint {getattr(a, k)!r} vs recipe {getattr(b, k)!r}"
     return ""
-
-
-def _load_mapped(model: nn.Module, source: Any) -> None:
-    """HF layouts through the checkpoint package's mapping table, unit by unit (streaming)."""
-    from gptoss_cli.checkpoint.mapping import units
-
-    arch, layout = source.arch, source.layout
-    slots = dict(model.named_checkpoint_slots())
-    dtype = next(model.parameters()).dtype
-    filled = 0
-    with torch.no_grad():
-        for unit in units(arch):
-            if unit.per_expert:
-                held = [e for e, name in enumerate(unit.hybrid) if name in slots]
-                if not held:
-                    continue
-                e0, e1 = held[0], held[-1] + 1  # this rank's contiguous expert range
-                chunk = layout.read(source.reader, arch, unit.hf[0], dtype, e0, e1)
-                tensors = zip(unit.hybrid[e0:e1], unit.to_hybrid(arch, [chunk]))
-            else:
-                ins = [layout.read(source.reader, arch, n, dtype) for n in unit.hf]
-                tensors = zip(unit.hybrid, unit.to_hybrid(arch, ins))
-            for name, t in tensors:
-                dest = slots.get(name)
-                if dest is None:
-                    raise CheckpointError(f"{source.folder}: mapped tensor {name} has no place in the model")
-                if tuple(t.shape) != tuple(dest.shape):
-                    raise CheckpointError(
-                        f"{source.folder}: {name} maps to shape {list(t.shape)}, the model expects {list(dest.shape)}")
-                dest.copy_(t)
-                filled += 1
-    if filled != len(slots):
-        raise CheckpointError(f"{source.folder}: filled {filled} of the model's {len(slots)} tensors")
 
 
 __all__ = ["ModelRuntimeConfig", "HybridModelProvider", "seeded_init_", "load_weights", "DTYPES"]
