@@ -18,7 +18,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -253,10 +253,6 @@ class CheckpointReader:
             raise CheckpointError(f"{self.folder}: tensor {name!r} is missing")
         return self._files[self._where[name]].read(name, start, stop)
 
-    @property
-    def total_bytes(self) -> int:
-        return sum(self.spec(n).nbytes for n in self._where)
-
 
 def shard_file_name(i: int, n: int, prefix: str = "model") -> str:
     return f"{prefix}-{i + 1:05d}-of-{n:05d}.safetensors"
@@ -448,12 +444,3 @@ class ShardedWriter:
                 pass
             self._fh = None
 
-
-def write_tensors(folder: Path, tensors: Iterable[tuple[str, torch.Tensor]], **kw) -> ShardedWriter:
-    """Small-model convenience: write (name, tensor) pairs that are all in memory."""
-    items = list(tensors)
-    w = ShardedWriter(folder, [TensorSpec(n, tuple(t.shape), t.dtype) for n, t in items], **kw)
-    for n, t in items:
-        w.write(n, t)
-    w.close()
-    return w

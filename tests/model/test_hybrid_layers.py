@@ -9,7 +9,6 @@ from gptoss_cli.errors import ConfigError
 from gptoss_cli.model.attention import attention_mask, sink_attention
 from gptoss_cli.model.hybrid import HybridModel, layer_windows
 from gptoss_cli.model.moe import (
-    ExpertLinear,
     LocalTokenDispatcher,
     MoELayer,
     clamped_swiglu,
