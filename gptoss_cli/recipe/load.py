@@ -26,8 +26,19 @@ from gptoss_cli.model.config import PRESETS, GptOssArch
 from gptoss_cli.model.pattern import HybridPattern, parse_pattern
 from gptoss_cli.recipe.schema import RecipeConfig, iter_fields
 
-# The repository's recipes/ folder (the package is installed editable from the repository).
-RECIPES_DIR = Path(gptoss_cli.__file__).resolve().parent.parent / "recipes"
+
+
+def _recipes_dir() -> Path:
+    """The repository's recipes/ folder (editable install), else its copy shipped as package data
+    (`gptoss_cli/recipes_data`, see pyproject.toml)."""
+    package = Path(gptoss_cli.__file__).resolve().parent
+    for candidate in (package.parent / "recipes", package / "recipes_data"):
+        if candidate.is_dir():
+            return candidate
+    return package.parent / "recipes"
+
+
+RECIPES_DIR = _recipes_dir()
 BASE_KEY = "base"
 # A layer count beyond any real model; larger values would only make the pattern string huge.
 MAX_BLOCKS = 4096
