@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 
 class GptossError(Exception):
     """A failure the user can act on. The message names the culprit and, where known, the fix."""
@@ -47,3 +49,25 @@ class TrainingError(GptossError):
     """A training run that had to stop: NaN loss, a failed worker, a bad resume point."""
 
     exit_code = 1
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived: unwinds like KeyboardInterrupt (temporary files are removed on the way out)."""
+
+
+class FileSystemError(UsageError):
+    """An operating-system error on a named path: unwritable, missing, full disk, a file where a folder goes."""
+
+
+def describe_os_error(exc: OSError, action: str | None = None) -> str:
+    """One line naming the path(s) and the reason of an OSError, e.g. '/ro/x: Read-only file system'."""
+    reason = exc.strerror or (os.strerror(exc.errno) if exc.errno else "") or str(exc) or type(exc).__name__
+    paths = [str(p) for p in (exc.filename, exc.filename2) if p is not None]
+    where = " -> ".join(paths)
+    text = f"{where}: {reason}" if where else reason
+    return f"{action}: {text}" if action else text
+
+
+def file_system_error(exc: OSError, action: str | None = None, hint: str | None = None) -> FileSystemError:
+    """The FileSystemError for an OSError (raise it `from None`: the message already says everything)."""
+    return FileSystemError(describe_os_error(exc, action), hint)

@@ -8,7 +8,6 @@ is written under a temporary folder name next to DST and renamed only when compl
 from __future__ import annotations
 
 import json
-import os
 import resource
 import shutil
 import time
@@ -18,13 +17,13 @@ from typing import Protocol
 
 import torch
 
-from gptoss_cli import __version__
-from gptoss_cli.checkpoint.hybrid_format import HybridCheckpointConfig, write_hybrid_config
+from gptoss_cli import __version__, outputs
+from gptoss_cli.checkpoint.hybrid_format import FORMAT_NAME, HYBRID_CONFIG, HybridCheckpointConfig, write_hybrid_config
 from gptoss_cli.checkpoint.layouts import HF_LAYOUTS, UINT8, Layout
 from gptoss_cli.checkpoint.mapping import VOCAB_PADDED_HYBRID, Unit, hybrid_shapes, identity, units
 from gptoss_cli.checkpoint.safetensors_io import ShardedWriter, TensorSpec
-from gptoss_cli.checkpoint.sources import EXTRA_FILES, HYBRID, Source, check_tensors, open_source
-from gptoss_cli.errors import CheckpointError, UsageError
+from gptoss_cli.checkpoint.sources import EXTRA_FILES, HF, HYBRID, Source, check_tensors, open_source
+from gptoss_cli.errors import CheckpointError, UsageError, file_system_error
 from gptoss_cli.model.config import GptOssArch
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
@@ -53,6 +52,7 @@ class ConvertResult:
     peak_rss_bytes: int
     write_seconds: float = 0.0  # file I/O time; close to `seconds` means the disk is the bottleneck
     architecture: dict = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)  # e.g. leftovers of killed runs that were removed
 
     @property
     def throughput_bytes_per_s(self) -> float:
@@ -209,33 +209,70 @@ def _run_to_hf(source: Source, job: _Job, write, dtype: torch.dtype, layout: Lay
 
 
 # --- the command -------------------------------------------------------------------------
-def _prepare_destination(dst: Path, force: bool) -> None:
-    if dst.exists() and not dst.is_dir():
-        raise UsageError(f"{dst}: DST exists and is a file")
-    if dst.exists() and any(dst.iterdir()) and not force:
-        raise UsageError(f"{dst}: DST exists and is not empty", hint="pass --force to replace it")
-    dst.parent.mkdir(parents=True, exist_ok=True)
+def _is_gptoss_hybrid(config: Path) -> bool:
+    try:
+        return json.loads(config.read_text()).get("format") == FORMAT_NAME
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
-def _check_free_space(dst: Path, needed: int) -> None:
-    free = shutil.disk_usage(dst.parent).free
-    if needed > free:
-        raise CheckpointError(
-            f"{dst.parent}: not enough disk space: the output needs {needed / 1e9:.2f} GB, "
-            f"{free / 1e9:.2f} GB are free",
-            hint="free space or choose another DST",
-        )
+def _is_gpt_oss_hf(config: Path) -> bool:
+    try:
+        return json.loads(config.read_text()).get("model_type") == "gpt_oss"
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
-def _commit(tmp: Path, dst: Path) -> None:
-    """Swap the finished temporary folder into place; an existing DST is only removed after that."""
-    old = None
-    if dst.exists():
-        old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
-        os.replace(dst, old)
-    os.replace(tmp, dst)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+def check_replaceable_output(dst: Path, kind: str) -> None:
+    """--force may replace DST only if it is empty or a previous gptoss output of this kind."""
+    if kind == HYBRID:
+        outputs.check_replaceable(dst, HYBRID_CONFIG, _is_gptoss_hybrid, "Hybrid", EXTRA_FILES)
+    else:
+        outputs.check_replaceable(dst, "config.json", _is_gpt_oss_hf, "Hugging Face", EXTRA_FILES)
+
+
+class _NonFiniteCheck:
+    """Refuse NaN/inf weights, naming the tensor: every forward through one would be NaN.
+
+    Wraps the source reader (what SRC holds) and the writer (what a transform produced, e.g. an
+    MXFP4 scale that overflows bf16); one extra pass over each chunk in memory.
+    """
+
+    def __init__(self, reader):
+        self._reader = reader
+
+    def __getattr__(self, name):
+        return getattr(self._reader, name)
+
+    def read(self, name: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
+        t = self._reader.read(name, start, stop)
+        _check_finite(t, name, f"{self._reader.file_of(name)}: tensor", start or 0)
+        return t
+
+    @staticmethod
+    def wrap_write(write, where: Path):
+        offsets: dict[str, int] = {}
+
+        def checked(name: str, chunk: torch.Tensor) -> None:
+            _check_finite(chunk, name, f"{where}: output tensor", offsets.get(name, 0))
+            offsets[name] = offsets.get(name, 0) + (chunk.shape[0] if chunk.dim() else 1)
+            write(name, chunk)
+
+        return checked
+
+
+def _check_finite(t: torch.Tensor, name: str, what: str, row0: int) -> None:
+    if not t.is_floating_point() or bool(torch.isfinite(t).all()):
+        return
+    bad = ~torch.isfinite(t)
+    index = [int(i) for i in bad.nonzero()[0]]
+    value = t[tuple(index)].item()
+    if index:  # chunks are row ranges: report the index in the whole tensor
+        index[0] += row0
+    raise CheckpointError(
+        f"{what} {name!r} holds {int(bad.sum())} non-finite values in this chunk (first: {value} at {first})",
+        hint="the checkpoint is corrupt or diverged; convert a finite one",
+    )
 
 
 def convert(
@@ -257,12 +294,19 @@ def convert(
     dst = Path(dst).expanduser()
     if experts is not None and experts not in EXPERT_FORMS:
         raise UsageError(f"--experts {experts!r} is not supported; use bf16 or mxfp4")
-    _prepare_destination(dst, force)
+    if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
+        raise UsageError(f"max shard size {max_shard_bytes!r} must be a positive number of bytes")
+    outputs.check_destination(dst, force)
 
     source = open_source(str(src), revision)
     try:
+        for folder in {source.folder, source.extras_folder}:
+            outputs.check_separate(folder, dst)
         arch = source.arch
         to_hf = source.kind == HYBRID
+        if force:
+            check_replaceable_output(dst, HF if to_hf else HYBRID)
+        source.reader = _NonFiniteCheck(source.reader)
         if to_hf:
             check_tensors(
                 source, {n: (s, "float") for n, s in hybrid_shapes(arch).items()}, padded_rows=VOCAB_PADDED_HYBRID
@@ -287,11 +331,15 @@ def convert(
             experts_in = source.layout.experts_form
         plan = [spec for job in jobs for spec in job.outputs]
         total = sum(s.nbytes for s in plan)
-        _check_free_space(dst, total)
+        notes = outputs.recover(dst)  # before the free-space check: what killed runs left is free space
+        outputs.check_free_space(dst, total)
 
-        tmp = dst.with_name(f".{dst.name}.partial-{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        tmp = outputs.temp_path(dst)
+        try:
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            tmp.mkdir()
+        except OSError as exc:
+            raise file_system_error(exc, "cannot create the output folder") from None
         try:
             writer = ShardedWriter(
                 tmp,
@@ -301,12 +349,13 @@ def convert(
             )
             if progress:
                 progress.start(len(plan), total)
+            write = _NonFiniteCheck.wrap_write(writer.write, dst)
             try:
                 for job in jobs:
                     if to_hf:
-                        _run_to_hf(source, job, writer.write, torch_dtype, out_layout, chunk_bytes)
+                        _run_to_hf(source, job, write, torch_dtype, out_layout, chunk_bytes)
                     else:
-                        _run_to_hybrid(source, job, writer.write, torch_dtype, chunk_bytes)
+                        _run_to_hybrid(source, job, write, torch_dtype, chunk_bytes)
                     if progress:
                         progress.advance(tensors=len(job.outputs))
                 writer.close()
@@ -335,7 +384,10 @@ def convert(
             for name in EXTRA_FILES:
                 if (source.extras_folder / name).is_file():
                     shutil.copyfile(source.extras_folder / name, tmp / name)
-            _commit(tmp, dst)
+            outputs.commit(tmp, dst)
+        except OSError as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise file_system_error(exc, f"writing {dst} failed (nothing was changed at DST)") from None
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -358,6 +410,7 @@ def convert(
         peak_rss_bytes=peak_rss_bytes(),
         write_seconds=writer.io_seconds,
         architecture=arch.to_dict(),
+        notes=notes,
     )
 
 

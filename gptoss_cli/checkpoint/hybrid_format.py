@@ -9,10 +9,12 @@ from typing import Any
 
 from gptoss_cli.errors import CheckpointError, ConfigError
 from gptoss_cli.model.config import GptOssArch
+from gptoss_cli.model.pattern import parse_pattern
 
 HYBRID_CONFIG = "hybrid_config.json"
 FORMAT_NAME = "gptoss-hybrid"
 FORMAT_VERSION = 1
+DTYPES = ("bfloat16", "float32", "float16")
 
 
 @dataclass(frozen=True)
@@ -52,19 +54,42 @@ def read_hybrid_config(folder: str | Path) -> HybridCheckpointConfig:
             f"{path}: format_version {version!r} is not supported (this gptoss reads {FORMAT_VERSION})"
         )
     try:
-        arch = GptOssArch.from_dict(dict(data["architecture"]), source=str(path))
+        arch = GptOssArch.from_dict(data["architecture"], source=str(path))
         pattern = data["hybrid_layer_pattern"]
     except KeyError as exc:
         raise CheckpointError(f"{path}: missing field {exc.args[0]!r}") from None
     except ConfigError as exc:
-        raise CheckpointError(str(exc)) from None
+        raise CheckpointError(exc.message, exc.hint) from None
+    check_pattern(pattern, arch, path)
+    dtype = data.get("dtype", "bfloat16")
+    if dtype not in DTYPES:
+        raise CheckpointError(f"{path}: dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    provenance = data.get("provenance", {})
+    if not isinstance(provenance, dict):
+        raise CheckpointError(f"{path}: provenance must be a JSON object, got {provenance!r}")
     return HybridCheckpointConfig(
         arch=arch,
         hybrid_layer_pattern=pattern,
         format_version=version,
-        dtype=data.get("dtype", "bfloat16"),
-        provenance=data.get("provenance", {}),
+        dtype=dtype,
+        provenance=provenance,
     )
+
+
+def check_pattern(pattern: Any, arch: GptOssArch, path: Path) -> None:
+    """The stored pattern parses and is GPT-OSS's '*E' per block (grouped `[*E]` allowed), as the tensors are."""
+    try:
+        parsed = parse_pattern(pattern)
+    except ConfigError as exc:
+        raise CheckpointError(f"{path}: {exc.message}", exc.hint) from None
+    if parsed.layers != tuple(arch.hybrid_layer_pattern):
+        shown = pattern if len(pattern) <= 40 else pattern[:37] + "..."
+        raise CheckpointError(
+            f"{path}: hybrid_layer_pattern {shown!r} does not describe the tensors: GPT-OSS with "
+            f"num_hidden_layers={arch.num_hidden_layers} stores '*E' x {arch.num_hidden_layers} "
+            "(attention layer 2i, MoE layer 2i+1)",
+            hint=f"set it to '{'*E' * min(arch.num_hidden_layers, 3)}...' ('*E' x {arch.num_hidden_layers})",
+        )
 
 
 def write_hybrid_config(folder: Path, cfg: HybridCheckpointConfig) -> None:

@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from gptoss_cli.checkpoint.convert import _commit, _prepare_destination, parse_dtype, plan_to_hf
+from gptoss_cli import outputs
+from gptoss_cli.checkpoint.convert import HF, check_replaceable_output, parse_dtype, plan_to_hf
 from gptoss_cli.checkpoint.layouts import HF_LAYOUTS
 from gptoss_cli.checkpoint.mapping import canonical_hf_shapes, units
 from gptoss_cli.checkpoint.safetensors_io import ShardedWriter
-from gptoss_cli.errors import UsageError
+from gptoss_cli.errors import UsageError, file_system_error
 from gptoss_cli.model.config import GptOssArch, preset
 
 
@@ -26,6 +26,7 @@ class MakeTinyResult:
     num_tensors: int
     bytes_written: int
     architecture: dict
+    notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return self.__dict__.copy()
@@ -59,16 +60,25 @@ def make_tiny(
     if experts not in HF_LAYOUTS:
         raise UsageError(f"--experts {experts!r} is not supported; use bf16 or mxfp4")
     torch_dtype = parse_dtype(dtype)
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise UsageError(f"--seed {seed!r} must be an integer in [0, 2**63)")
     dst = Path(dst).expanduser()
-    _prepare_destination(dst, force)
+    outputs.check_destination(dst, force)
+    if force:
+        check_replaceable_output(dst, HF)
     layout = HF_LAYOUTS[experts]
     gen = torch.Generator().manual_seed(seed)
     shapes = canonical_hf_shapes(arch)
     jobs = plan_to_hf(arch, layout, torch_dtype)
     plan = [s for j in jobs for s in j.outputs]
-    tmp = dst.with_name(f".{dst.name}.partial-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    notes = outputs.recover(dst)
+    outputs.check_free_space(dst, sum(s.nbytes for s in plan))
+    tmp = outputs.temp_path(dst)
+    try:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+    except OSError as exc:
+        raise file_system_error(exc, "cannot create the output folder") from None
     try:
         writer = ShardedWriter(tmp, plan, max_shard_bytes=max_shard_bytes)
         for unit in units(arch):
@@ -81,8 +91,11 @@ def make_tiny(
         (tmp / "config.json").write_text(
             json.dumps(arch.to_hf_config(experts_form=experts, torch_dtype=dtype_name), indent=2) + "\n"
         )
-        _commit(tmp, dst)
+        outputs.commit(tmp, dst)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise file_system_error(exc, f"writing {dst} failed (nothing was changed at DST)") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return MakeTinyResult(str(dst), experts, seed, len(plan), writer.bytes_written, arch.to_dict())
+    return MakeTinyResult(str(dst), experts, seed, len(plan), writer.bytes_written, arch.to_dict(), notes)

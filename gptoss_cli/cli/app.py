@@ -5,14 +5,16 @@ from __future__ import annotations
 import functools
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any, Callable
 
 import typer
 from rich.console import Console
+from rich.text import Text
 
-from gptoss_cli.errors import GptossError
+from gptoss_cli.errors import FileSystemError, GptossError, Terminated, UsageError, describe_os_error
 
 app = typer.Typer(
     name="gptoss",
@@ -28,34 +30,106 @@ app = typer.Typer(
 console = Console(stderr=False)
 err_console = Console(stderr=True)
 
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
+EXIT_TERMINATED = 143  # 128 + SIGTERM
+
+
+def print_error(message: str, label: str = "error: ") -> None:
+    """One red-labelled line; the message is printed verbatim (paths like `x[/y]` are not markup)."""
+    line = Text(label, style="bold red")
+    line.append(" ".join(str(message).split("\n")))
+    err_console.print(line, highlight=False, soft_wrap=True)
+
 
 def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Turn a GptossError (or a bad-input OSError) into one red line and its exit code."""
+    """Turn a GptossError, an OSError, Ctrl-C or SIGTERM into one line and its exit code, never a traceback."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
         except GptossError as exc:
-            err_console.print(f"[bold red]error:[/] {exc}", markup=True, highlight=False, soft_wrap=True)
+            print_error(str(exc))
             raise typer.Exit(exc.exit_code) from None
+        except OSError as exc:  # an unwritable, missing or full path the library did not name itself
+            print_error(describe_os_error(exc))
+            raise typer.Exit(FileSystemError.exit_code) from None
+        except MemoryError:
+            print_error("out of memory")
+            raise typer.Exit(1) from None
         except KeyboardInterrupt:
-            err_console.print("[bold red]interrupted[/]; nothing was left half-written")
-            raise typer.Exit(130) from None
+            print_error("nothing was left half-written", label="interrupted: ")
+            raise typer.Exit(EXIT_INTERRUPTED) from None
+        except Terminated:
+            print_error("nothing was left half-written", label="terminated: ")
+            raise typer.Exit(EXIT_TERMINATED) from None
 
     return wrapper
 
 
-def write_json(path: Path, payload: Any) -> None:
-    """Write a machine-readable result atomically (temporary name, then rename)."""
+def check_number(option: str, value: float | None, *, low: float | None = None, high: float | None = None,
+                 low_inclusive: bool = True) -> None:
+    """A numeric option is finite and inside its range (typer accepts 'nan' and 'inf' for floats)."""
+    import math
+
+    if value is None:
+        return
+    bad = not math.isfinite(value)
+    if low is not None:
+        bad = bad or (value < low if low_inclusive else value <= low)
+    if high is not None:
+        bad = bad or value > high
+    if bad:
+        lo = "" if low is None else ("[" if low_inclusive else "(") + f"{low:g}"
+        hi = "" if high is None else f"{high:g}]"
+        where = f"in {lo or '(-inf'}, {hi or 'inf)'}"
+        raise UsageError(f"{option} {value!r} must be a finite number {where}")
+
+
+def check_json_path(path: Path | None) -> None:
+    """Refuse a --json path that cannot be written before any work is done."""
+    if path is None:
+        return
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.is_dir():
+        raise UsageError(f"--json {path}: is a folder", hint="give a file name")
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UsageError(f"--json {path}: {parent} is not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise FileSystemError(f"--json {path}: {parent} is not writable")
+
+
+def write_json(path: Path, payload: Any, done: str | None = None) -> None:
+    """Write a machine-readable result atomically (temporary name, then rename).
+
+    `done` says what already succeeded (e.g. "converted to /x"): a failure here must not read as
+    if that work had been lost.
+    """
+    path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(payload, indent=2, default=str) + "\n")
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+        os.replace(tmp, path)
+    except OSError as exc:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:  # the folder itself is missing or unwritable: nothing was created
+            pass
+        prefix = f"{done}, but " if done else ""
+        raise FileSystemError(f"{prefix}the JSON summary could not be written: {describe_os_error(exc)}") from None
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise Terminated()
 
 
 def main() -> None:
+    # SIGTERM unwinds like Ctrl-C, so the `finally` blocks that remove temporary folders run.
+    signal.signal(signal.SIGTERM, _terminate)
     app(prog_name="gptoss")
 
 

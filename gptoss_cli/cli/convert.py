@@ -7,8 +7,9 @@ from typing import Optional
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
-from gptoss_cli.cli.app import app, console, handle_errors, write_json
+from gptoss_cli.cli.app import app, check_json_path, check_number, console, err_console, handle_errors, write_json
 from gptoss_cli.cli.render import RichProgress, human_bytes
 
 
@@ -34,18 +35,22 @@ def convert_cmd(
 
     Example: gptoss convert openai/gpt-oss-20b ./gpt-oss-20b-hybrid
     """
+    check_number("--max-shard-size", max_shard_gb, low=0.0, low_inclusive=False, high=1e6)
+    check_json_path(json_path)
     from gptoss_cli.checkpoint.convert import convert
 
     with RichProgress(console, "converting", enabled=not quiet) as progress:
         result = convert(
             src, dst, experts=experts, dtype=dtype, revision=revision, force=force, progress=progress,
-            max_shard_bytes=int(max_shard_gb * 1e9),
+            max_shard_bytes=max(1, int(max_shard_gb * 1e9)),
         )
+    for note in [] if quiet else result.notes:
+        err_console.print(Text("note: ", style="yellow") + Text(note), highlight=False, soft_wrap=True)
     if json_path:
-        write_json(json_path, result.to_json())
+        write_json(json_path, result.to_json(), done=f"converted to {result.destination}")
     if quiet:
         return
-    table = Table(title=f"converted {result.direction}", show_header=False)
+    table = Table(title=Text(f"converted {result.direction}"), show_header=False)
     rows = [
         ("source", f"{result.source}" + (f" @ {result.revision}" if result.revision else "")),
         ("destination", result.destination),
@@ -57,5 +62,5 @@ def convert_cmd(
         ("peak RSS", human_bytes(result.peak_rss_bytes)),
     ]
     for k, v in rows:
-        table.add_row(k, v)
+        table.add_row(k, Text(v))  # paths are data, not markup
     console.print(table)

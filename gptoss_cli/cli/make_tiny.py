@@ -7,7 +7,9 @@ from typing import Optional
 
 import typer
 
-from gptoss_cli.cli.app import app, console, handle_errors, write_json
+from rich.text import Text
+
+from gptoss_cli.cli.app import app, check_json_path, console, err_console, handle_errors, write_json
 from gptoss_cli.cli.render import human_bytes
 
 
@@ -28,12 +30,16 @@ def make_tiny_cmd(
 
     Example: gptoss make-tiny /tmp/tiny --experts mxfp4 && gptoss convert /tmp/tiny /tmp/tiny-hybrid
     """
+    check_json_path(json_path)
     from gptoss_cli.checkpoint.make_tiny import make_tiny
 
     result = make_tiny(dst, experts=experts, seed=seed, dtype=dtype, force=force)
+    for note in result.notes:
+        err_console.print(Text("note: ", style="yellow") + Text(note), highlight=False, soft_wrap=True)
     if json_path:
-        write_json(json_path, result.to_json())
+        write_json(json_path, result.to_json(), done=f"wrote {result.destination}")
     console.print(
-        f"wrote tiny GPT-OSS checkpoint to [bold]{result.destination}[/] "
-        f"({result.experts} experts, {result.num_tensors} tensors, {human_bytes(result.bytes_written)})"
+        Text("wrote tiny GPT-OSS checkpoint to ") + Text(result.destination, style="bold")
+        + Text(f" ({result.experts} experts, {result.num_tensors} tensors, {human_bytes(result.bytes_written)})"),
+        highlight=False,
     )

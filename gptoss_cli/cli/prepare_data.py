@@ -11,7 +11,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
-from gptoss_cli.cli.app import app, console, err_console, handle_errors, write_json
+from gptoss_cli.cli.app import app, check_json_path, console, err_console, handle_errors, write_json
 
 
 @app.command(
@@ -31,9 +31,13 @@ def prepare_data_cmd(
     tokenizer: Path = typer.Option(..., "--tokenizer", "-t", help="tokenizer.json, or a checkpoint folder holding it"),
     text_key: str = typer.Option("text", "--text-key", help="JSONL field with the text"),
     eos_id: Optional[int] = typer.Option(None, "--eos-id", help="end-of-document id (default: config.json's eos_token_id)"),
+    errors: str = typer.Option(
+        "strict", "--errors", help="invalid UTF-8: strict (an error naming the file and byte offset) or replace (U+FFFD)",
+    ),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar or table"),
     json_path: Optional[Path] = typer.Option(None, "--json", help="also write the result as JSON"),
 ) -> None:
+    check_json_path(json_path)
     from gptoss_cli.train.prepare_data import prepare_data
 
     bar = Progress(TextColumn("[bold]tokenizing"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
@@ -45,7 +49,8 @@ def prepare_data_cmd(
         def progress(done: int, total: int) -> None:
             bar.update(task, completed=done, total=total)
 
-        result = prepare_data(list(inputs), out, tokenizer, text_key=text_key, eos_token_id=eos_id, progress=progress)
+        result = prepare_data(list(inputs), out, tokenizer, text_key=text_key, eos_token_id=eos_id, progress=progress,
+                              errors=errors)
     if not quiet:
         table = Table(title="prepare-data", title_justify="left", show_header=False)
         table.add_column("", style="bold")
@@ -56,4 +61,4 @@ def prepare_data_cmd(
         table.add_row("files", escape(f"{result.bin_path}, {result.header_path}"))
         console.print(table)
     if json_path:
-        write_json(json_path, dataclasses.asdict(result))
+        write_json(json_path, dataclasses.asdict(result), done=f"wrote {result.bin_path}")

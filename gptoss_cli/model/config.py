@@ -8,6 +8,7 @@ quantization_config when experts are MXFP4).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +16,28 @@ from gptoss_cli.errors import ConfigError
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
+
+# Upper bounds far above any real model (GPT-OSS-120B: 36 blocks, 128 experts, hidden 2880, vocab
+# 201088, 131072 positions). They turn a typo such as num_hidden_layers: 100000000 into a one-line
+# error instead of an allocation that grows until the machine runs out of memory.
+INT_LIMITS = {
+    "num_hidden_layers": 4096, "num_local_experts": 1 << 16, "num_experts_per_tok": 1 << 16,
+    "hidden_size": 1 << 20, "intermediate_size": 1 << 20, "num_attention_heads": 1 << 14,
+    "num_key_value_heads": 1 << 14, "head_dim": 1 << 14, "vocab_size": 1 << 26,
+    "max_position_embeddings": 1 << 26, "sliding_window": 1 << 26, "rope_original_max_position_embeddings": 1 << 26,
+}
+# (low, low_inclusive, high): the ranges the formulas using them are defined on.
+FLOAT_RANGES = {
+    "rms_norm_eps": (0.0, False, 1.0),
+    "rope_theta": (1.0, False, None),  # YaRN divides by log(rope_theta)
+    "rope_scaling_factor": (0.0, False, None),
+    "rope_beta_fast": (0.0, False, None),
+    "rope_beta_slow": (0.0, False, None),
+    "swiglu_limit": (0.0, False, None),
+    "swiglu_alpha": (0.0, False, None),
+    "router_aux_loss_coef": (0.0, True, None),
+    "initializer_range": (0.0, True, None),
+}
 
 
 @dataclass(frozen=True)
@@ -50,6 +73,12 @@ class GptOssArch:
     pad_token_id: int | None = 199999
 
     def __post_init__(self) -> None:
+        # Sizes first: layer_types below is built from num_hidden_layers.
+        self._check_ints()
+        for name in FLOAT_RANGES:
+            value = getattr(self, name)
+            if isinstance(value, int) and not isinstance(value, bool):
+                object.__setattr__(self, name, float(value))
         if self.layer_types is None:
             object.__setattr__(
                 self,
@@ -82,17 +111,36 @@ class GptOssArch:
         """Whether HF block `block` (and so Hybrid attention layer 2*block) uses the sliding window."""
         return self.layer_types[block] == SLIDING
 
-    def check(self) -> None:
-        """Reject architectures the model cannot be built with, naming the field."""
-        positive = [
-            "num_hidden_layers", "num_local_experts", "num_experts_per_tok", "hidden_size",
-            "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-            "vocab_size", "max_position_embeddings",
-        ]
-        for name in positive:
+    def _check_ints(self) -> None:
+        for name, high in INT_LIMITS.items():
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"architecture field {name}={value!r} must be a positive integer")
+            if value > high:
+                raise ConfigError(f"architecture field {name}={value} is implausibly large (at most {high})")
+
+    def check(self) -> None:
+        """Reject architectures the model cannot be built with: types, finiteness, ranges; names the field."""
+        self._check_ints()
+        for name, (low, inclusive, high) in FLOAT_RANGES.items():
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+                raise ConfigError(f"architecture field {name}={value!r} must be a finite number")
+            if (value < low if inclusive else value <= low) or (high is not None and value > high):
+                where = f"{'>=' if inclusive else '>'} {low:g}" + (f" and <= {high:g}" if high is not None else "")
+                raise ConfigError(f"architecture field {name}={value!r} must be {where}")
+        if not isinstance(self.rope_truncate, bool):
+            raise ConfigError(f"architecture field rope_truncate={self.rope_truncate!r} must be true or false")
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            value = getattr(self, name)
+            ids = value if isinstance(value, (list, tuple)) and name == "eos_token_id" else [value]
+            for tid in ids:
+                if tid is None and len(ids) == 1:
+                    continue
+                if not isinstance(tid, int) or isinstance(tid, bool) or not 0 <= tid < self.vocab_size:
+                    raise ConfigError(
+                        f"architecture field {name}={value!r} must be a token id in [0, vocab_size={self.vocab_size})"
+                    )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
@@ -105,6 +153,8 @@ class GptOssArch:
             )
         if self.head_dim % 2:
             raise ConfigError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        if any(not isinstance(t, str) for t in self.layer_types):
+            raise ConfigError(f"layer_types must be a list of strings, got {list(self.layer_types)[:4]!r}")
         if len(self.layer_types) != self.num_hidden_layers:
             raise ConfigError(
                 f"layer_types has {len(self.layer_types)} entries but num_hidden_layers="
@@ -126,13 +176,17 @@ class GptOssArch:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, source: str = "architecture") -> "GptOssArch":
+        if not isinstance(data, dict):
+            raise ConfigError(f"{source}: 'architecture' must be a mapping of fields, got a {type(data).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ConfigError(f"{source}: unknown architecture fields {unknown}")
         try:
             return cls(**data)
-        except TypeError as exc:
+        except ConfigError as exc:
+            raise ConfigError(f"{source}: {exc.message}", exc.hint) from None
+        except (TypeError, ValueError) as exc:
             raise ConfigError(f"{source}: {exc}") from None
 
     # --- Hugging Face config.json ---------------------------------------------------------
@@ -144,7 +198,12 @@ class GptOssArch:
                 f"{source}: model_type is {cfg.get('model_type')!r}, expected 'gpt_oss'",
                 hint="gptoss converts GPT-OSS checkpoints only",
             )
-        rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+        rope = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+        if rope is None:
+            # As transformers' GptOssConfig: no rope_scaling means GPT-OSS's own YaRN, truncate false.
+            rope = {"rope_type": "yarn", "truncate": False}
+        if not isinstance(rope, dict):
+            raise ConfigError(f"{source}: rope_scaling must be a mapping (or null), got {rope!r}")
         rope_type = rope.get("rope_type", rope.get("type", "yarn"))
         if rope_type != "yarn":
             raise ConfigError(f"{source}: rope type {rope_type!r} is not supported; GPT-OSS uses 'yarn'")
@@ -171,23 +230,25 @@ class GptOssArch:
                 layer_types=tuple(cfg["layer_types"]) if cfg.get("layer_types") else None,
                 max_position_embeddings=cfg.get("max_position_embeddings", defaults.max_position_embeddings),
                 rms_norm_eps=cfg.get("rms_norm_eps", defaults.rms_norm_eps),
-                rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", defaults.rope_theta))),
-                rope_scaling_factor=float(rope.get("factor", defaults.rope_scaling_factor)),
-                rope_beta_fast=float(rope.get("beta_fast", defaults.rope_beta_fast)),
-                rope_beta_slow=float(rope.get("beta_slow", defaults.rope_beta_slow)),
-                rope_original_max_position_embeddings=int(
-                    rope.get("original_max_position_embeddings", defaults.rope_original_max_position_embeddings)
+                rope_theta=cfg.get("rope_theta", rope.get("rope_theta", defaults.rope_theta)),
+                rope_scaling_factor=rope.get("factor", defaults.rope_scaling_factor),
+                rope_beta_fast=rope.get("beta_fast", defaults.rope_beta_fast),
+                rope_beta_slow=rope.get("beta_slow", defaults.rope_beta_slow),
+                rope_original_max_position_embeddings=rope.get(
+                    "original_max_position_embeddings", defaults.rope_original_max_position_embeddings
                 ),
-                rope_truncate=bool(rope.get("truncate", True)),
-                swiglu_limit=float(cfg.get("swiglu_limit", defaults.swiglu_limit)),
-                swiglu_alpha=float(cfg.get("swiglu_alpha", defaults.swiglu_alpha)),
-                router_aux_loss_coef=float(cfg.get("router_aux_loss_coef", defaults.router_aux_loss_coef)),
-                initializer_range=float(cfg.get("initializer_range", defaults.initializer_range)),
+                rope_truncate=rope.get("truncate", True),  # transformers' YaRN default
+                swiglu_limit=cfg.get("swiglu_limit", defaults.swiglu_limit),
+                swiglu_alpha=cfg.get("swiglu_alpha", defaults.swiglu_alpha),
+                router_aux_loss_coef=cfg.get("router_aux_loss_coef", defaults.router_aux_loss_coef),
+                initializer_range=cfg.get("initializer_range", defaults.initializer_range),
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_id=cfg.get("eos_token_id"),
                 pad_token_id=cfg.get("pad_token_id"),
             )
-        except (TypeError, ValueError) as exc:
+        except ConfigError as exc:
+            raise ConfigError(f"{source}: {exc.message}", exc.hint) from None
+        except (TypeError, ValueError, ArithmeticError) as exc:
             raise ConfigError(f"{source}: {exc}") from None
 
     @classmethod
@@ -223,8 +284,13 @@ class GptOssArch:
                 rope_original_max_position_embeddings=initial,
                 rope_truncate=False,
                 swiglu_limit=float(cfg.get("swiglu_limit", d.swiglu_limit)),
+                # original/config.json has no token ids: the released ones, where the vocabulary holds them
+                eos_token_id=d.eos_token_id if _fits(d.eos_token_id, cfg["vocab_size"]) else None,
+                pad_token_id=d.pad_token_id if _fits(d.pad_token_id, cfg["vocab_size"]) else None,
             )
-        except (TypeError, ValueError) as exc:
+        except ConfigError as exc:
+            raise ConfigError(f"{source}: {exc.message}", exc.hint) from None
+        except (TypeError, ValueError, ArithmeticError) as exc:
             raise ConfigError(f"{source}: {exc}") from None
 
     def to_hf_config(self, *, experts_form: str = "bf16", torch_dtype: str = "bfloat16") -> dict[str, Any]:
@@ -282,6 +348,10 @@ class GptOssArch:
                 "quant_method": "mxfp4",
             }
         return cfg
+
+
+def _fits(token_id: Any, vocab_size: Any) -> bool:
+    return isinstance(vocab_size, int) and isinstance(token_id, int) and token_id < vocab_size
 
 
 PRESETS: dict[str, GptOssArch] = {

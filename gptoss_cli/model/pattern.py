@@ -56,7 +56,9 @@ class HybridPattern:
 
 def parse_pattern(text: str) -> HybridPattern:
     """Parse a pattern string fully, rejecting unknown symbols and unbalanced groups by position."""
-    if not isinstance(text, str) or not text.strip():
+    if not isinstance(text, str):
+        raise ConfigError(f"hybrid_layer_pattern {text!r} must be a string such as '*E*E'")
+    if not text.strip():
         raise ConfigError(f"hybrid_layer_pattern {text!r} is empty")
     layers: list[str] = []
     groups: list[tuple[int, int]] = []

@@ -222,7 +222,9 @@ def _check_keys(data: Any, cls: type, prefix: str, problems: list[str]) -> None:
         typ = children[key]
         if dataclasses.is_dataclass(typ):
             _check_keys(value, typ, dotted + ".", problems)
-        elif dotted == "model.architecture" and isinstance(value, dict):
+        elif dotted == "model.architecture" and not isinstance(value, dict):
+            problems.append(f"model.architecture must be a mapping of architecture fields, got {value!r}")
+        elif dotted == "model.architecture":
             known = [f.name for f in dataclasses.fields(GptOssArch)]
             for akey in value:
                 if akey not in known:
@@ -387,6 +389,8 @@ def load_recipe(ref: str | Path, overrides: Sequence[str] = (), *, recipes_dir: 
         merged = OmegaConf.merge(schema, data)
     except OmegaConfBaseException as exc:
         raise ConfigError(f"{where}: {_type_error(exc, data)}") from None
+    except (TypeError, ValueError) as exc:  # e.g. a list where the schema has a mapping
+        raise ConfigError(f"{where}: {_first_line(exc)}") from None
     try:
         cfg: RecipeConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as exc:  # interpolation errors, missing values

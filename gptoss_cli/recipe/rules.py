@@ -194,14 +194,18 @@ def list_rules() -> list[tuple[str, str, str]]:
 
 
 # --- field bounds ----------------------------------------------------------------------------
-@rule("field.range", "numbers at or above their minimum (sizes >= 1, rates >= 0, ...)")
+@rule("field.range", "numbers finite and at or above their minimum (sizes >= 1, rates >= 0, ...)")
 def field_range(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     out = []
     for dotted, f in iter_fields():
+        value = _get(cfg, dotted)
+        if isinstance(value, float) and not math.isfinite(value):  # YAML .inf, .nan, 1e400
+            out.append(error({dotted: value}, f"{dotted}={value} is not a finite number",
+                             f"set {dotted} to a finite value"))
+            continue
         low = f.metadata.get("min")
         if low is None:
             continue
-        value = _get(cfg, dotted)
         if value is not None and not isinstance(value, bool) and value < low:
             out.append(error({dotted: value}, f"{dotted}={value} is below its minimum {low}",
                              f"set {dotted} to a value >= {low}"))

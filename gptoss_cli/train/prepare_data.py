@@ -6,7 +6,9 @@ does not grow with the input. Each document's tokens are followed by the EOS id.
 Format: see `gptoss_cli.train.data`.
 
 Inputs: `.jsonl` / `.json` lines files (one JSON object per line, the text under `text_key`), or
-any other file as plain UTF-8 text where one or more blank lines separate documents.
+any other file as plain UTF-8 text where one or more blank lines separate documents. Invalid UTF-8
+is an error naming the file and byte offset (`errors="replace"` substitutes U+FFFD instead, as an
+explicit choice); a NUL byte marks a binary file, which is always refused.
 """
 
 from __future__ import annotations
@@ -21,10 +23,12 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from gptoss_cli.errors import ConfigError, UsageError
+from gptoss_cli import outputs
+from gptoss_cli.errors import ConfigError, UsageError, file_system_error
 from gptoss_cli.train.data import TOKEN_FORMAT, TOKEN_FORMAT_VERSION, token_file_paths
 
 BATCH_DOCS = 512
+DECODE_ERRORS = ("strict", "replace")
 EOS_CANDIDATES = ("<|endoftext|>", "<|return|>", "</s>", "<eos>")
 
 
@@ -47,7 +51,18 @@ def _tokenizer_file(path: Path) -> Path:
     return candidate
 
 
-def _eos_id(tokenizer: Any, tok_file: Path, eos_token_id: int | None) -> int:
+def _eos_id(tokenizer: Any, tok_file: Path, eos_token_id: int | None, vocab_size: int) -> int:
+    eos = _configured_eos(tokenizer, tok_file, eos_token_id)
+    if isinstance(eos, bool) or not isinstance(eos, int) or not 0 <= eos < vocab_size:
+        where = "--eos-id" if eos_token_id is not None else f"eos_token_id of {tok_file.parent / 'config.json'}"
+        raise UsageError(
+            f"{where} {eos!r} is outside the vocabulary of {tok_file} (ids 0..{vocab_size - 1})",
+            hint="pass the id of the tokenizer's end-of-text token",
+        )
+    return eos
+
+
+def _configured_eos(tokenizer: Any, tok_file: Path, eos_token_id: int | None) -> Any:
     if eos_token_id is not None:
         return eos_token_id
     config = tok_file.parent / "config.json"
@@ -58,7 +73,7 @@ def _eos_id(tokenizer: Any, tok_file: Path, eos_token_id: int | None) -> int:
             eos = None
         if isinstance(eos, list) and eos:
             eos = eos[0]
-        if isinstance(eos, int):
+        if eos is not None:
             return eos
     for token in EOS_CANDIDATES:
         tid = tokenizer.token_to_id(token)
@@ -70,16 +85,33 @@ def _eos_id(tokenizer: Any, tok_file: Path, eos_token_id: int | None) -> int:
     )
 
 
-def _documents(path: Path, text_key: str) -> Iterator[tuple[str, int]]:
+def _decode(raw: bytes, path: Path, offset: int, errors: str) -> str:
+    """One line of input as text; binary data and (unless errors="replace") invalid UTF-8 are refused."""
+    nul = raw.find(b"\0")
+    if nul >= 0:
+        raise UsageError(f"{path}: NUL byte at byte offset {offset + nul}; this looks like a binary file, not text")
+    try:
+        return raw.decode("utf-8", errors=errors)
+    except UnicodeDecodeError as exc:
+        raise UsageError(
+            f"{path}: invalid UTF-8 at byte offset {offset + exc.start} ({exc.reason})",
+            hint="fix the file, or pass --errors replace to substitute U+FFFD",
+        ) from None
+
+
+def _documents(path: Path, text_key: str, errors: str = "strict") -> Iterator[tuple[str, int]]:
     """(document text, bytes consumed) for one input file, streamed."""
+    offset = 0
     if path.suffix in (".jsonl", ".json"):
         with path.open("rb") as fh:
             for lineno, raw in enumerate(fh, 1):
-                if not raw.strip():
+                line = _decode(raw, path, offset, errors)
+                offset += len(raw)
+                if not line.strip():
                     yield "", len(raw)
                     continue
                 try:
-                    obj = json.loads(raw)
+                    obj = json.loads(line)
                 except json.JSONDecodeError as exc:
                     raise UsageError(f"{path}:{lineno}: not a JSON object ({exc.msg})") from None
                 if not isinstance(obj, dict) or not isinstance(obj.get(text_key), str):
@@ -93,8 +125,9 @@ def _documents(path: Path, text_key: str) -> Iterator[tuple[str, int]]:
     consumed = 0
     with path.open("rb") as fh:
         for raw in fh:
+            line = _decode(raw, path, offset, errors)
+            offset += len(raw)
             consumed += len(raw)
-            line = raw.decode("utf-8", errors="replace")
             if line.strip():
                 lines.append(line)
             elif lines:
@@ -112,29 +145,47 @@ def prepare_data(
     text_key: str = "text",
     eos_token_id: int | None = None,
     progress: Callable[[int, int], None] | None = None,
+    errors: str = "strict",
 ) -> PrepareResult:
-    """Tokenize `inputs` into OUT.bin + OUT.json; `progress(bytes_done, bytes_total)`."""
+    """Tokenize `inputs` into OUT.bin + OUT.json; `progress(bytes_done, bytes_total)`.
+
+    errors: "strict" (invalid UTF-8 is an error naming the file and byte offset) or "replace".
+    """
+    if errors not in DECODE_ERRORS:
+        raise UsageError(f"--errors {errors!r} is not one of {', '.join(DECODE_ERRORS)}")
+    if not isinstance(text_key, str) or not text_key:
+        raise UsageError(f"--text-key {text_key!r} must be a non-empty field name")
     try:
         from tokenizers import Tokenizer
     except ImportError:
         raise UsageError("prepare-data needs the `tokenizers` package", hint="pip install 'gptoss-cli[data]'") from None
     if not inputs:
         raise UsageError("no input files given")
-    missing = [str(p) for p in inputs if not Path(p).is_file()]
-    if missing:
-        raise UsageError(f"input file {missing[0]} not found")
+    for p in inputs:
+        if Path(p).is_dir():
+            raise UsageError(f"input {p} is a folder; pass the text or JSONL files in it")
+        if not Path(p).is_file():
+            raise UsageError(f"input file {p} not found")
     tok_file = _tokenizer_file(Path(tokenizer))
     try:
         tok = Tokenizer.from_file(str(tok_file))
     except Exception as exc:  # the tokenizers library raises a bare Exception for bad files
         raise UsageError(f"{tok_file}: not a tokenizers tokenizer.json ({str(exc).splitlines()[0]})") from None
     vocab_size = tok.get_vocab_size(with_added_tokens=True)
-    eos = _eos_id(tok, tok_file, eos_token_id)
-    dtype_name = "uint16" if max(vocab_size, eos + 1) <= 1 << 16 else "uint32"
+    eos = _eos_id(tok, tok_file, eos_token_id, vocab_size)
+    dtype_name = "uint16" if vocab_size <= 1 << 16 else "uint32"
     dtype = torch.uint16 if dtype_name == "uint16" else torch.uint32
     bin_path, header_path = token_file_paths(out)
-    bin_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = bin_path.with_name(f".{bin_path.name}.tmp-{os.getpid()}")
+    outputs.check_writable_location(bin_path, "--out")
+    for target in (bin_path, header_path):
+        if target.is_dir():
+            raise UsageError(f"--out {out}: {target} is a folder")
+        outputs.recover(target)  # .OUT.bin.tmp-PID of killed runs
+    try:
+        bin_path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise file_system_error(exc, "cannot create the output folder") from None
+    tmp = outputs.temp_path(bin_path, outputs.TMP)
     total_bytes = sum(Path(p).stat().st_size for p in inputs)
     done_bytes = num_tokens = num_docs = 0
 
@@ -151,7 +202,7 @@ def prepare_data(
         with tmp.open("wb") as fh:
             for path in inputs:
                 batch: list[str] = []
-                for text, nbytes in _documents(Path(path), text_key):
+                for text, nbytes in _documents(Path(path), text_key, errors):
                     done_bytes += nbytes
                     if text:
                         batch.append(text)
@@ -168,6 +219,8 @@ def prepare_data(
         if num_docs == 0:
             raise UsageError(f"no documents found in {[str(p) for p in inputs]}")
         os.replace(tmp, bin_path)
+    except OSError as exc:
+        raise file_system_error(exc, f"writing {bin_path} failed") from None
     finally:
         if tmp.exists():
             tmp.unlink()
@@ -176,9 +229,12 @@ def prepare_data(
         "num_documents": num_docs, "vocab_size": vocab_size, "eos_token_id": eos, "tokenizer": str(tok_file),
         "sources": [str(p) for p in inputs],
     }
-    header_tmp = header_path.with_name(f".{header_path.name}.tmp-{os.getpid()}")
-    header_tmp.write_text(json.dumps(header, indent=2) + "\n")
-    os.replace(header_tmp, header_path)
+    header_tmp = outputs.temp_path(header_path, outputs.TMP)
+    try:
+        header_tmp.write_text(json.dumps(header, indent=2) + "\n")
+        os.replace(header_tmp, header_path)
+    finally:
+        header_tmp.unlink(missing_ok=True)
     return PrepareResult(str(bin_path), str(header_path), num_tokens, num_docs, dtype_name, vocab_size, eos,
                          [str(p) for p in inputs])
 

@@ -170,9 +170,16 @@ def test_existing_destination_is_refused_without_force(hf_bf16, tmp_path):
     r, out = run_convert(hf_bf16, dst)
     assert r.exit_code == 2 and "--force" in out
     assert (dst / "keep.txt").read_text() == "precious"
+    # --force replaces only a previous gptoss output of the same kind (or an empty folder)
+    r, out = run_convert(hf_bf16, dst, "--force")
+    assert r.exit_code == 2 and "'keep.txt'" not in out and "no gptoss hybrid_config.json" in out, out
+    assert (dst / "keep.txt").read_text() == "precious"
+    (dst / "keep.txt").unlink()
     r, out = run_convert(hf_bf16, dst, "--force")
     assert r.exit_code == 0, out
-    assert not (dst / "keep.txt").exists() and (dst / "hybrid_config.json").exists()
+    r, out = run_convert(hf_bf16, dst, "--force")
+    assert r.exit_code == 0, out
+    assert (dst / "hybrid_config.json").exists()
 
 
 def test_bad_options(hf_bf16, hybrid_from_bf16, tmp_path):

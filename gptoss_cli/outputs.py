@@ -1,0 +1,255 @@
+"""Writing outputs so that nothing is lost or half-written: destination checks, temporary names, commit, leftovers.
+
+Every command that writes a folder or file writes it under a temporary name next to its
+destination, `.NAME.partial-PID` (folders) or `.NAME.tmp-PID` (files), and renames it into place
+when it is complete. A process killed with SIGKILL cannot remove its temporary name; the next run
+for the same destination finds the names whose process is gone (`leftovers`) and removes them
+(`recover`) before it checks free space, so their bytes count as free.
+
+Replacing an existing folder (`commit`) never leaves the destination absent: on Linux the new
+folder and the old one swap places in one `renameat2(RENAME_EXCHANGE)` call; where that is not
+available the old folder is first renamed to `.NAME.old-PID`, and a kill between the two renames
+is repaired by `recover`, which puts the old folder back.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from gptoss_cli.errors import CheckpointError, FileSystemError, UsageError, describe_os_error
+
+PARTIAL, OLD, TMP = "partial", "old", "tmp"
+_TEMP_NAME = re.compile(r"^\.(?P<name>.+)\.(?P<kind>partial|old|tmp)-(?P<pid>\d+)$")
+
+
+def temp_path(dst: Path, kind: str = PARTIAL) -> Path:
+    """This process's temporary name for `dst`: `.NAME.partial-PID` (or old / tmp)."""
+    return dst.with_name(f".{dst.name}.{kind}-{os.getpid()}")
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists on this host and is not a zombie (a killed, unreaped child)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            state = fh.read().rsplit(b")", 1)[1].split()[0]
+        return state not in (b"Z", b"X")
+    except (OSError, IndexError):  # no /proc (not Linux): os.kill said it exists
+        return True
+
+
+def tree_bytes(path: Path) -> int:
+    """Bytes held by a file or a folder tree (what removing it frees)."""
+    try:
+        if not path.is_dir() or path.is_symlink():
+            return path.lstat().st_size
+    except OSError:
+        return 0
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(root, f)).st_size
+            except OSError:
+                pass
+    return total
+
+
+@dataclass(frozen=True)
+class Leftover:
+    """A temporary name for a destination whose writing process is gone."""
+
+    path: Path
+    kind: str  # partial | old | tmp
+    pid: int
+    nbytes: int
+
+
+def leftovers(dst: Path) -> list[Leftover]:
+    """Temporary names `.DST.{partial,old,tmp}-PID` next to `dst` whose process no longer runs."""
+    parent = dst.parent
+    try:
+        entries = list(parent.iterdir())
+    except OSError:  # no parent yet, or unreadable: nothing of ours can be there
+        return []
+    found = []
+    for entry in entries:
+        m = _TEMP_NAME.match(entry.name)
+        if m and m["name"] == dst.name and not pid_alive(int(m["pid"])):
+            found.append(Leftover(entry, m["kind"], int(m["pid"]), tree_bytes(entry)))
+    return sorted(found, key=lambda lo: lo.path.name)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def recover(dst: Path) -> list[str]:
+    """Clean up after killed runs for `dst`; returns one note per action.
+
+    A `.DST.old-PID` while DST is absent is the previous DST stranded by a kill in the middle of a
+    commit: it is moved back. Every other leftover is an incomplete or superseded copy and is removed.
+    """
+    notes = []
+    found = leftovers(dst)
+    stranded = [lo for lo in found if lo.kind == OLD]
+    if stranded and not os.path.lexists(dst):
+        newest = max(stranded, key=lambda lo: lo.path.stat().st_mtime)
+        os.rename(newest.path, dst)
+        notes.append(f"restored {dst} from {newest.path.name} (process {newest.pid} was killed while replacing it)")
+        found.remove(newest)
+    for lo in found:
+        try:
+            _remove(lo.path)
+        except OSError as exc:
+            raise FileSystemError(describe_os_error(exc, f"cannot remove the leftover {lo.path} of process {lo.pid}"),
+                                  hint="remove it by hand") from None
+        notes.append(f"removed {lo.path} ({lo.nbytes / 1e6:.1f} MB) left by process {lo.pid}, which is gone")
+    return notes
+
+
+def existing_ancestor(path: Path) -> Path:
+    """`path` or its nearest ancestor that exists."""
+    path = Path(os.path.abspath(path))
+    while not os.path.lexists(path) and path != path.parent:
+        path = path.parent
+    return path
+
+
+def check_writable_location(path: Path, what: str) -> None:
+    """`path` (to be created or replaced) can be written: no file in the way, the existing part writable."""
+    base = existing_ancestor(path.parent)
+    if not base.is_dir():
+        raise UsageError(f"{what} {path}: {base} is a file, not a folder")
+    if not os.access(base, os.W_OK | os.X_OK):
+        reason = "read-only file system" if _read_only_fs(base) else "permission denied"
+        raise FileSystemError(f"{what} {path}: {base} is not writable ({reason})")
+
+
+def _read_only_fs(path: Path) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
+def check_destination(dst: Path, force: bool) -> None:
+    """DST may be absent or an empty folder; a non-empty one only with --force (see `check_replaceable`)."""
+    check_writable_location(dst, "DST")
+    if os.path.lexists(dst) and not dst.is_dir():
+        raise UsageError(f"{dst}: DST exists and is not a folder")
+    if dst.is_dir() and any(dst.iterdir()) and not force:
+        raise UsageError(f"{dst}: DST exists and is not empty", hint="pass --force to replace it")
+
+
+def check_replaceable(dst: Path, config_name: str, is_ours, kind: str, extra_files: tuple[str, ...] = ()) -> None:
+    """--force replaces only an empty folder or a previous gptoss output of the same kind.
+
+    Recognised by its config file (`is_ours(path)` says whether that file is one gptoss writes) and
+    by holding nothing else than what gptoss writes there: the config, safetensors shards and index,
+    tokenizer files. Anything else (a source checkpoint, notes, another project) is refused.
+    """
+    if not dst.is_dir() or not any(dst.iterdir()):
+        return
+    refuse = f"{dst}: --force replaces only an empty folder or a previous gptoss {kind} output"
+    config = dst / config_name
+    if not config.is_file() or not is_ours(config):
+        raise UsageError(f"{refuse}, and it has no gptoss {config_name}",
+                         hint="choose another DST, or empty it yourself")
+    allowed = {config_name, "model.safetensors.index.json", *extra_files}
+    for entry in sorted(dst.iterdir()):
+        name = entry.name
+        if entry.is_file() and (name in allowed or re.fullmatch(r"model(-\d{5}-of-\d{5})?\.safetensors", name)):
+            continue
+        raise UsageError(f"{refuse}; it also holds {name!r}, which gptoss does not write",
+                         hint="choose another DST, or move that file out first")
+
+
+def check_separate(src: Path, dst: Path) -> None:
+    """DST may not be SRC, contain SRC, or lie inside SRC (after resolving symlinks)."""
+    s, d = Path(src).resolve(), Path(dst).resolve()
+    if s == d:
+        raise UsageError(f"DST {dst} is the source folder {src}", hint="choose a new folder for the output")
+    if d in s.parents:
+        raise UsageError(f"DST {dst} contains the source {src}", hint="choose a folder outside the source")
+    if s in d.parents:
+        raise UsageError(f"DST {dst} lies inside the source {src}", hint="choose a folder outside the source")
+
+
+def check_free_space(dst: Path, needed: int) -> None:
+    """Enough free space next to DST for `needed` bytes; run after `recover`, before anything is written."""
+    where = existing_ancestor(dst.parent)
+    free = shutil.disk_usage(where).free
+    if needed > free:
+        raise CheckpointError(
+            f"{where}: not enough disk space: the output needs {needed / 1e9:.2f} GB, {free / 1e9:.2f} GB are free",
+            hint="free space or choose another DST",
+        )
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _renameat2():
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):  # not glibc >= 2.28 (or not Linux)
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two existing paths (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    fn = _renameat2()
+    if fn is None:
+        return False
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):  # file system without it
+        return False
+    raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
+def commit(tmp: Path, dst: Path) -> None:
+    """Put the finished `tmp` in place of `dst`; at every instant DST is the old or the new copy.
+
+    With RENAME_EXCHANGE the old copy ends up under tmp's name and is removed (a kill before that
+    leaves it as a leftover of a dead process). Without it the old copy is renamed aside first; a
+    kill between the two renames leaves `.DST.old-PID`, which `recover` restores.
+    """
+    if not os.path.lexists(dst):
+        os.rename(tmp, dst)
+        return
+    if exchange(tmp, dst):
+        shutil.rmtree(tmp, ignore_errors=True)
+        return
+    old = temp_path(dst, OLD)
+    os.rename(dst, old)
+    os.rename(tmp, dst)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+__all__ = [
+    "temp_path", "pid_alive", "leftovers", "recover", "check_destination", "check_replaceable", "check_separate",
+    "check_free_space", "check_writable_location", "commit", "exchange", "existing_ancestor", "Leftover",
+]
