@@ -19,10 +19,11 @@ import errno
 import os
 import re
 import shutil
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from gptoss_cli.errors import CheckpointError, FileSystemError, UsageError, describe_os_error
+from gptoss_cli.errors import CheckpointError, FileSystemError, UsageError, describe_os_error, file_system_error
 
 PARTIAL, OLD, TMP = "partial", "old", "tmp"
 _TEMP_NAME = re.compile(r"^\.(?P<name>.+)\.(?P<kind>partial|old|tmp)-(?P<pid>\d+)$")
@@ -249,7 +250,56 @@ def commit(tmp: Path, dst: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+class FolderLock:
+    """One run at a time in a folder: an exclusive flock on FOLDER/.gptoss.lock, held until `release`.
+
+    The kernel drops a flock when its process ends, however it ends, so the lock of a killed run
+    is simply taken over; the file only records who holds it, for the error message. Creating the
+    folder and the lock file is also the pre-flight proof that the folder is writable.
+    """
+
+    NAME = ".gptoss.lock"
+
+    def __init__(self, folder: str | Path, what: str):
+        self.folder = Path(folder)
+        self.what = what
+        self._fd: int | None = None
+
+    def acquire(self) -> "FolderLock":
+        import fcntl
+
+        path = self.folder / self.NAME
+        try:
+            if os.path.lexists(self.folder) and not self.folder.is_dir():
+                raise UsageError(f"{self.what} {self.folder} is a file, not a folder")
+            self.folder.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise file_system_error(exc, f"{self.what} {self.folder} is not writable") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            owner = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise UsageError(f"{self.what} {self.folder} is in use by another gptoss run ({owner})",
+                             hint="wait for it to finish, or give this run its own folder") from None
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        except OSError as exc:
+            os.close(fd)
+            raise file_system_error(exc, f"{self.what} {self.folder} is not writable") from None
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing drops the flock; the file stays (removing it would race a waiter)
+            self._fd = None
+
+
 __all__ = [
+    "FolderLock",
     "temp_path", "pid_alive", "leftovers", "recover", "check_destination", "check_replaceable", "check_separate",
     "check_free_space", "check_writable_location", "commit", "exchange", "existing_ancestor", "Leftover",
 ]

@@ -18,7 +18,7 @@ from gptoss_cli.cli.render import human_bytes
 def make_tiny_cmd(
     dst: Path = typer.Argument(..., help="Output folder."),
     experts: str = typer.Option("mxfp4", "--experts", help="Expert form: mxfp4 (as released) or bf16."),
-    seed: int = typer.Option(0, "--seed", help="Random seed for the weights."),
+    seed: int = typer.Option(0, "--seed", min=0, max=2**63 - 1, help="Random seed for the weights."),
     dtype: str = typer.Option("bfloat16", "--dtype", help="bfloat16 or float32 for the float tensors."),
     force: bool = typer.Option(False, "--force", help="Replace a non-empty DST."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Also write a machine-readable summary."),

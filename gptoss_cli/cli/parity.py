@@ -7,9 +7,10 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
-from gptoss_cli.cli.app import app, console, err_console, handle_errors, write_json
+from gptoss_cli.cli.app import app, check_json_path, check_number, console, err_console, handle_errors, write_json
 from gptoss_cli.errors import ParityFailure
 
 
@@ -20,18 +21,18 @@ def _fmt(x: float, spec: str = ".3e") -> str:
 def render(report) -> None:
     arch = report.architecture_differences
     if arch:
-        console.print("[bold red]architecture differs[/] (HF config.json vs hybrid_config.json): " + "; ".join(arch))
+        console.print("[bold red]architecture differs[/] (HF config.json vs hybrid_config.json): " + escape("; ".join(arch)))
     w = report.weights
     if w is not None:
         status = "[green]OK[/]" if w.passed else "[bold red]FAIL[/]"
         note = f", Hybrid rounded to {w.rounded_to}" if w.rounded_to else ""
         console.print(f"weights HF <-> Hybrid: {status} ({w.tensors_checked} Hybrid tensors both ways{note})")
         for m in w.mismatches[:10]:
-            console.print(f"  [red]{m['direction']}[/] {m['tensor']}: {m['detail']}")
+            console.print(f"  [red]{escape(str(m['direction']))}[/] {escape(str(m['tensor']))}: {escape(str(m['detail']))}")
         for label, names in (("missing in HF", w.missing_hf), ("missing in Hybrid", w.missing_hybrid),
                              ("left over in HF", w.leftover_hf), ("left over in Hybrid", w.leftover_hybrid)):
             if names:
-                console.print(f"  [red]{len(names)} {label}[/]: {', '.join(names[:5])}{' ...' if len(names) > 5 else ''}")
+                console.print(f"  [red]{len(names)} {label}[/]: {escape(', '.join(names[:5]))}{' ...' if len(names) > 5 else ''}")
     t = report.thresholds
     table = Table(title=f"forward parity ({report.dtype}, {report.device}, batch {report.batch} x {report.seq_len} tokens)")
     for col in ("stage", "max |diff|", "mean |diff|", "cosine", "max rel diff", ""):
@@ -39,7 +40,7 @@ def render(report) -> None:
     for s in report.stages:
         ok = "[green]ok[/]" if s.passed else "[bold red]DIVERGES[/]"
         if s.error:
-            ok = f"[bold red]{s.error}[/]"
+            ok = f"[bold red]{escape(str(s.error))}[/]"
         table.add_row(s.stage, _fmt(s.max_abs_diff), _fmt(s.mean_abs_diff), _fmt(s.cosine, ".7f"), _fmt(s.rel_max_diff), ok)
     console.print(table)
     lg = report.logits
@@ -66,8 +67,9 @@ def parity_check(
     tokens: Optional[str] = typer.Option(
         None, help='Token ids to run, "1,2,3" or @file; default: deterministic ids longer than 2x the sliding window.'
     ),
-    seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Length of the default prompt (or cut --tokens)."),
-    batch: int = typer.Option(1, help="Rows in the batch."),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len", min=1, max=1 << 20,
+                                          help="Length of the default prompt (or cut --tokens)."),
+    batch: int = typer.Option(1, min=1, max=1 << 16, help="Rows in the batch."),
     dtype: str = typer.Option("float32", help="float32 or bfloat16 (both sides)."),
     device: str = typer.Option("cpu", help="torch device, e.g. cpu or cuda."),
     top1_min: Optional[float] = typer.Option(None, "--top1-min", help="Min top-1 agreement (fp32 default 1.0, bf16 0.8)."),
@@ -85,6 +87,12 @@ def parity_check(
 
     Example: gptoss parity-check /ckpt/gpt-oss-20b /ckpt/gpt-oss-20b-hybrid --json parity.json
     """
+    check_number("--top1-min", top1_min, low=0.0, high=1.0)
+    check_number("--kl-max", kl_max, low=0.0)
+    check_number("--cosine-min", cosine_min, low=-1.0, high=1.0)
+    check_number("--hidden-cosine-min", hidden_cosine_min, low=-1.0, high=1.0)
+    check_number("--hidden-rel-max", hidden_rel_max, low=0.0)
+    check_json_path(json_path)
     from gptoss_cli.parity.check import run_parity
 
     thresholds = dict(top1_min=top1_min, kl_max=kl_max, logits_cosine_min=cosine_min,
@@ -97,7 +105,7 @@ def parity_check(
         )
     render(report)
     if json_path is not None:
-        write_json(json_path, report.to_json())
+        write_json(json_path, report.to_json(), done="parity-check ran")
     if not report.passed:
         raise ParityFailure(report.summary())
-    console.print(f"[bold green]{report.summary()}[/]")
+    console.print(f"[bold green]{escape(report.summary())}[/]")

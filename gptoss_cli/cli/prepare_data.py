@@ -30,7 +30,7 @@ def prepare_data_cmd(
     out: Path = typer.Option(..., "--out", "-o", help="output prefix: writes OUT.bin and OUT.json"),
     tokenizer: Path = typer.Option(..., "--tokenizer", "-t", help="tokenizer.json, or a checkpoint folder holding it"),
     text_key: str = typer.Option("text", "--text-key", help="JSONL field with the text"),
-    eos_id: Optional[int] = typer.Option(None, "--eos-id", help="end-of-document id (default: config.json's eos_token_id)"),
+    eos_id: Optional[int] = typer.Option(None, "--eos-id", min=0, help="end-of-document id (default: config.json's eos_token_id)"),
     errors: str = typer.Option(
         "strict", "--errors", help="invalid UTF-8: strict (an error naming the file and byte offset) or replace (U+FFFD)",
     ),

@@ -12,8 +12,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
-from gptoss_cli.cli.app import app, console, handle_errors, write_json
+from gptoss_cli.cli.app import app, check_json_path, console, err_console, handle_errors, write_json
 
 
 class TrainProgressBar:
@@ -106,6 +107,7 @@ def train_cmd(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress output"),
     json_path: Optional[Path] = typer.Option(None, "--json", help="also write the result as JSON"),
 ) -> None:
+    check_json_path(json_path)
     from gptoss_cli.recipe.load import load_recipe
     from gptoss_cli.train.launch import train
 
@@ -114,6 +116,8 @@ def train_cmd(
     if os.environ.get("RANK", "0") != "0":  # under torchrun only rank 0 reports
         return
     if not quiet:
+        for note in result.notes:
+            err_console.print(Text("note: ", style="yellow") + Text(note), highlight=False, soft_wrap=True)
         render_result(result)
     if json_path:
-        write_json(json_path, dataclasses.asdict(result))
+        write_json(json_path, dataclasses.asdict(result), done=f"training finished at step {result.final_step}")

@@ -9,7 +9,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from gptoss_cli.cli.app import app, console, handle_errors, write_json
+from gptoss_cli.cli.app import app, check_json_path, console, handle_errors, write_json
 from gptoss_cli.errors import UsageError
 from gptoss_cli.recipe import available_recipes, describe_schema, list_rules, load_and_validate
 from gptoss_cli.recipe.validate import NOTE, TARGETS, ValidationReport
@@ -107,6 +107,7 @@ def validate_config(
         raise UsageError("missing RECIPE", hint=f"give a YAML path or one of: {names}")
     if target not in TARGETS:
         raise UsageError(f"--target {target!r} is not one of {' | '.join(TARGETS)}")
+    check_json_path(json_path)
     loaded, report = load_and_validate(recipe, list(overrides or []), world_size=world_size, target=target)
     render_report(report)
     if json_path is not None:

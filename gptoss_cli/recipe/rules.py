@@ -194,13 +194,16 @@ def list_rules() -> list[tuple[str, str, str]]:
 
 
 # --- field bounds ----------------------------------------------------------------------------
+_FLOAT32_MAX = 3.4028234663852886e38
+
 @rule("field.range", "numbers finite and at or above their minimum (sizes >= 1, rates >= 0, ...)")
 def field_range(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     out = []
     for dotted, f in iter_fields():
         value = _get(cfg, dotted)
-        if isinstance(value, float) and not math.isfinite(value):  # YAML .inf, .nan, 1e400
-            out.append(error({dotted: value}, f"{dotted}={value} is not a finite number",
+        # YAML .inf, .nan, 1e400; and beyond float32, which the optimizer computes in (torch refuses it)
+        if isinstance(value, float) and not (math.isfinite(value) and abs(value) <= _FLOAT32_MAX):
+            out.append(error({dotted: value}, f"{dotted}={value} is not a finite (float32) number",
                              f"set {dotted} to a finite value"))
             continue
         low = f.metadata.get("min")

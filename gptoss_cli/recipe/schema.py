@@ -182,6 +182,10 @@ class SystemConfig:
         "auto", "target GPU generation, used by FP8 rules; auto = detect at launch",
         choices=("auto", "none", "a100", "h100", "h200", "b200", "gb200", "gb300"),
     )
+    heartbeat_timeout_s: float = _f(
+        180.0, "end the job, naming the rank, when a rank makes no progress in a step (or its process stops) "
+        "for this many seconds; far below the 10-minute collective timeout", min=1.0,
+    )
 
 
 @dataclass

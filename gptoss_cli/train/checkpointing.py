@@ -9,6 +9,13 @@ It is written under a temporary name and renamed when every rank has finished, t
 (one line: the folder name) is replaced atomically; a run killed mid-save leaves the previous
 checkpoint as the latest. Loading asks DCP only for the keys this rank's layout needs, which is
 what lets a checkpoint saved at one DP/EP layout load at another.
+
+Before a save every rank checks that its parameters and optimizer state are finite: a non-finite
+state is never written and never becomes `latest`. Before a load, the names, shapes and dtypes
+this model needs are checked against the checkpoint's metadata and every shard file against the
+bytes the metadata places in it, so a changed architecture or a truncated `.distcp` is one line
+naming the tensor or file. `.iter_*.partial` folders of killed runs are removed by the next run
+(`remove_partial_checkpoints`, called while the run holds the directory's lock).
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -23,11 +31,30 @@ from typing import Any, Iterator
 
 import torch
 
-from gptoss_cli.errors import CheckpointError
+from gptoss_cli.errors import CheckpointError, TrainingError
 from gptoss_cli.parallel.state import ParallelState, barrier
 
 LATEST = "latest"
 TRAIN_STATE = "train_state.json"
+_ITER_NAME = re.compile(r"^iter_\d+$")
+_PARTIAL_NAME = re.compile(r"^\.(iter_\d+\.partial|latest\.tmp)$")
+
+
+def remove_partial_checkpoints(ckpt_dir: str | Path) -> list[str]:
+    """Remove `.iter_*.partial` folders and `.latest.tmp` that killed runs left; returns one note per item.
+
+    Only call this while holding the directory's run lock: then no other run is writing them.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    notes = []
+    if not ckpt_dir.is_dir():
+        return notes
+    for entry in sorted(ckpt_dir.iterdir()):
+        if _PARTIAL_NAME.match(entry.name):
+            size = sum(f.stat().st_size for f in entry.rglob("*") if f.is_file()) if entry.is_dir() else 0
+            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+            notes.append(f"removed {entry} ({size / 1e6:.1f} MB), an incomplete checkpoint of a killed run")
+    return notes
 
 
 def _model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -56,7 +83,7 @@ def latest_checkpoint(ckpt_dir: str | Path) -> Path | None:
         return None
     name = pointer.read_text().strip()
     folder = Path(ckpt_dir) / name
-    if not (folder / TRAIN_STATE).is_file():
+    if not _ITER_NAME.match(name) or not (folder / TRAIN_STATE).is_file():
         raise CheckpointError(
             f"{pointer} points at {name!r}, which is not a complete checkpoint",
             hint="point `latest` at an iter_* folder that has train_state.json, or delete it to start fresh",
@@ -78,6 +105,7 @@ def save_checkpoint(
     name = f"iter_{step:07d}"
     final = ckpt_dir / name
     tmp = ckpt_dir / f".{name}.partial"
+    check_finite_state(ckpt_dir, step, model, optimizer, state)
     if state.rank == 0:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
         if tmp.exists():
@@ -107,6 +135,82 @@ def save_checkpoint(
     return final
 
 
+def _first_non_finite(tensors: dict[str, Any]) -> tuple[int, str | None]:
+    bad, first = 0, None
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            bad += 1
+            first = first or name
+    return bad, first
+
+
+def check_finite_state(ckpt_dir: Path, step: int, model: torch.nn.Module, optimizer: Any, state: ParallelState) -> None:
+    """Every rank checks its parameters and optimizer state; any non-finite tensor stops the save on all ranks."""
+    payload = {**{f"model.{k}": v for k, v in _model_state(model).items()},
+               **{f"optimizer.{k}": v for k, v in optimizer.state_dict().items()}}
+    bad, first = _first_non_finite(payload)
+    counts = torch.tensor([bad, len(payload)], dtype=torch.float64)
+    if state.distributed:
+        import torch.distributed as dist
+
+        flags = counts.to(state.device)
+        dist.all_reduce(flags)
+        counts = flags.cpu()
+        if int(counts[0]):
+            names: list[Any] = [None] * state.world_size
+            dist.all_gather_object(names, first)
+            first = next(n for n in names if n)
+    if int(counts[0]):
+        latest = (ckpt_dir / LATEST).read_text().strip() if (ckpt_dir / LATEST).is_file() else None
+        raise TrainingError(
+            f"after step {step}, {int(counts[0])} of {int(counts[1])} parameter and optimizer tensors are not finite "
+            f"(first: {first}); this state was not saved and `latest` "
+            + (f"still points at {latest}" if latest else "was not created"),
+            hint="check training.lr and the optimizer settings (adam_eps > 0), then resume from the last good checkpoint",
+        )
+
+
+def _check_against_metadata(folder: Path, payload: dict[str, Any], metadata: Any) -> None:
+    """Names, shapes and dtypes of what this model needs, then the shard files' sizes; first mismatch in one line."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    saved = metadata.state_dict_metadata
+    for group, tensors in payload.items():
+        for key, t in tensors.items():
+            fqn = f"{group}.{key}"
+            meta = saved.get(fqn)
+            if meta is None:
+                missing = [f"{g}.{k}" for g in payload for k in payload[g] if f"{g}.{k}" not in saved]
+                raise CheckpointError(
+                    f"{folder}: checkpoint lacks {len(missing)} tensors this model needs, e.g. {missing[0]}",
+                    hint="resume with the same model architecture the checkpoint was trained with",
+                )
+            if not isinstance(t, torch.Tensor):
+                continue
+            if not isinstance(meta, TensorStorageMetadata):
+                raise CheckpointError(f"{folder}: {fqn} is not a tensor in the checkpoint")
+            if tuple(meta.size) != tuple(t.shape) or meta.properties.dtype != t.dtype:
+                raise CheckpointError(
+                    f"{folder}: tensor {fqn} is {list(meta.size)} {meta.properties.dtype} in the checkpoint, "
+                    f"the model has {list(t.shape)} {t.dtype}",
+                    hint="resume with the architecture and precision.params_dtype the checkpoint was trained with, "
+                    "or start in a new checkpoint.dir",
+                )
+    sizes: dict[str, int] = {}
+    for index, info in metadata.storage_data.items():
+        path = folder / info.relative_path
+        if info.relative_path not in sizes:
+            sizes[info.relative_path] = path.stat().st_size if path.is_file() else -1
+        have = sizes[info.relative_path]
+        if have < info.offset + info.length:
+            state = "is missing" if have < 0 else f"has {have} bytes"
+            raise CheckpointError(
+                f"{path}: {state}, but tensor {index.fqn} lies at bytes {info.offset}..{info.offset + info.length}; "
+                "the checkpoint is truncated or incomplete",
+                hint="point `latest` at an earlier complete iter_* folder, or start in a new checkpoint.dir",
+            )
+
+
 def load_checkpoint(
     folder: str | Path, *, model: torch.nn.Module, optimizer: Any, state: ParallelState
 ) -> dict[str, Any]:
@@ -116,23 +220,24 @@ def load_checkpoint(
     folder = Path(folder)
     try:
         meta = json.loads((folder / TRAIN_STATE).read_text())
-        saved = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{folder}: cannot read checkpoint ({exc})") from None
+        metadata = dcp.FileSystemReader(str(folder)).read_metadata()
+        saved = metadata.state_dict_metadata
+    except Exception as exc:  # OSError, bad JSON, or an unpickling error from a damaged .metadata
+        raise CheckpointError(f"{folder}: cannot read checkpoint ({_first_line(exc)})") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("step"), int):
+        raise CheckpointError(f"{folder / TRAIN_STATE}: not a gptoss train state (no integer 'step')")
     payload: dict[str, Any] = {"model": _model_state(model), "optimizer": optimizer.state_dict()}
-    missing = [f"{group}.{k}" for group in ("model", "optimizer") for k in payload[group] if f"{group}.{k}" not in saved]
-    if missing:
-        raise CheckpointError(
-            f"{folder}: checkpoint lacks {len(missing)} tensors this model needs, e.g. {missing[0]}",
-            hint="resume with the same model architecture the checkpoint was trained with",
-        )
+    _check_against_metadata(folder, payload, metadata)
     # RNG streams belong to ranks: restored only when the layout is the same (else the seed's).
     same_layout = meta.get("world_size") == state.world_size and meta.get("ep_size") == state.ep_size
     rng = _rng_state(state)
     if same_layout and all(f"rng.{k}" in saved for k in rng):
         payload["rng"] = rng
-    with _quiet_single_process():
-        dcp.load(payload, checkpoint_id=str(folder))
+    try:
+        with _quiet_single_process():
+            dcp.load(payload, checkpoint_id=str(folder))
+    except Exception as exc:  # DCP wraps every rank's failure in one CheckpointException
+        raise CheckpointError(f"{folder}: cannot load checkpoint ({_first_line(exc)})") from None
     if "rng" in payload:
         torch.set_rng_state(payload["rng"][f"rank{state.rank}"])
         if f"rank{state.rank}.cuda" in payload["rng"]:
@@ -141,4 +246,9 @@ def load_checkpoint(
     return meta
 
 
-__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "LATEST", "TRAIN_STATE"]
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0][:300]
+
+
+__all__ = ["remove_partial_checkpoints", "check_finite_state", "save_checkpoint", "load_checkpoint", "latest_checkpoint", "LATEST", "TRAIN_STATE"]

@@ -112,12 +112,19 @@ class TokenFileSource:
                 f"{bin_path}: {len(self.tokens)} tokens are fewer than one sample of seq_length+1={seq_length + 1}",
                 hint="use more text or a smaller training.seq_length",
             )
-        hv = header.get("vocab_size")
+        hv, eos = header.get("vocab_size"), header.get("eos_token_id")
+        for field, value in (("vocab_size", hv), ("eos_token_id", eos)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ConfigError(f"{json_path}: {field}={value!r} is not a token count/id")
         if vocab_size is not None and hv is not None and hv > vocab_size:
             raise ConfigError(
                 f"{json_path}: tokenizer vocabulary {hv} exceeds the model's vocab_size {vocab_size}",
                 hint="tokenize with the model's own tokenizer.json",
             )
+        if vocab_size is not None and eos is not None and eos >= vocab_size:
+            raise ConfigError(f"{json_path}: eos_token_id {eos} is outside the model's vocabulary ({vocab_size})",
+                              hint="re-create the files with `gptoss prepare-data` and the model's tokenizer")
+        self.bin_path, self.vocab_size = bin_path, vocab_size
         self._perm_epoch = -1
         self._perm: torch.Tensor | None = None
 
@@ -128,8 +135,17 @@ class TokenFileSource:
             self._perm = torch.randperm(self.num_samples, generator=g)
             self._perm_epoch = epoch
         j = int(self._perm[i])
-        window = self.tokens[j * self.seq_length : j * self.seq_length + self.seq_length + 1]
-        return window.to(torch.int64)
+        window = self.tokens[j * self.seq_length : j * self.seq_length + self.seq_length + 1].to(torch.int64)
+        # The header can lie (a foreign or hand-edited file): an id past the embedding would otherwise
+        # surface as "IndexError: index out of range in self" deep inside the model.
+        if self.vocab_size is not None and int(window.max()) >= self.vocab_size:
+            k = int((window >= self.vocab_size).nonzero()[0])
+            raise ConfigError(
+                f"{self.bin_path}: token id {int(window[k])} at token {j * self.seq_length + k} is outside the "
+                f"model's vocabulary ({self.vocab_size})",
+                hint="tokenize with the model's own tokenizer (gptoss prepare-data)",
+            )
+        return window
 
 
 @dataclass

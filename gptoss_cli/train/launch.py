@@ -8,21 +8,36 @@ stops it there. Then:
 - one process: train in this process;
 - N processes on this node: torch.distributed's elastic launcher (the machinery behind torchrun)
   starts N workers. A worker that fails makes the agent stop the others; the job then raises one
-  error naming the failed rank and its message, never a hang.
+  error naming the failed rank and its message, never a hang. A heartbeat watchdog
+  (`gptoss_cli.train.heartbeat`) ends the job when a rank stops making progress for
+  `system.heartbeat_timeout_s`, naming that rank. Ctrl-C and SIGTERM stop the workers and end as
+  KeyboardInterrupt / Terminated (the CLI prints one line, exit 130 / 143).
+
+Pre-flight, before any process starts, the run takes a lock on `checkpoint.dir` and on the run
+folder (a second run on the same folders fails at once; the lock of a killed run is taken over),
+which also proves both folders writable, and removes incomplete checkpoints that killed runs left.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import os
+import shutil
+import signal
 import socket
+import sys
+import tempfile
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from gptoss_cli import errors
-from gptoss_cli.errors import ConfigError, GptossError, TrainingError
+from gptoss_cli.errors import ConfigError, GptossError, Terminated, TrainingError
+from gptoss_cli.outputs import FolderLock
 from gptoss_cli.parallel.state import torchrun_env
+from gptoss_cli.train.heartbeat import Watchdog
 from gptoss_cli.train.loop import Progress, TrainPlan, TrainResult, run_worker
 
 
@@ -65,6 +80,7 @@ def plan_from_recipe(recipe: Any) -> TrainPlan:
         resume=c.resume,
         pretrained=c.pretrained,
         log_interval=cfg.logging.log_interval,
+        heartbeat_timeout_s=cfg.system.heartbeat_timeout_s,
         recipe=recipe.to_dict(),
     )
 
@@ -112,15 +128,53 @@ def train(recipe: Any, *, nproc_per_node: int | None = None, progress: Progress 
                 hint="drop --nproc-per-node when running under torchrun",
             )
         preflight_recipe(recipe, env["WORLD_SIZE"])
-        return run_worker(plan_from_recipe(recipe), progress)
+        plan = plan_from_recipe(recipe)
+        with run_folders(plan, owner=env["RANK"] == 0) as notes:
+            return _with_notes(run_worker(plan, progress), notes)
     nproc = nproc_per_node if nproc_per_node is not None else default_nproc(recipe)
     if nproc < 1:
         raise ConfigError(f"--nproc-per-node {nproc} must be at least 1")
     preflight_recipe(recipe, nproc)
     plan = plan_from_recipe(recipe)
-    if nproc == 1:
-        return run_worker(plan, progress)
-    return launch_local(plan, nproc, progress)
+    with run_folders(plan) as notes:
+        if nproc == 1:
+            return _with_notes(run_worker(plan, progress), notes)
+        return _with_notes(launch_local(plan, nproc, progress), notes)
+
+
+@contextlib.contextmanager
+def run_folders(plan: TrainPlan, owner: bool = True) -> Iterator[list[str]]:
+    """Lock checkpoint.dir and the run folder for this run (pre-flight: proves them writable) and remove
+    the incomplete checkpoints killed runs left there; yields notes on what was removed.
+
+    Under torchrun only global rank 0 (`owner`) does this: the folders are shared by all ranks.
+    """
+    from gptoss_cli.train.checkpointing import remove_partial_checkpoints
+
+    if not owner:
+        yield []
+        return
+    folders = [("logging.run_dir", Path(plan.run_dir))]
+    if plan.checkpoint_dir:
+        folders.insert(0, ("checkpoint.dir", Path(plan.checkpoint_dir)))
+    locks: list[FolderLock] = []
+    seen: set[Path] = set()
+    try:
+        for what, folder in folders:
+            resolved = folder.expanduser().resolve()
+            if resolved not in seen:
+                seen.add(resolved)
+                locks.append(FolderLock(folder.expanduser(), what).acquire())
+        notes = remove_partial_checkpoints(Path(plan.checkpoint_dir).expanduser()) if plan.checkpoint_dir else []
+        yield notes
+    finally:
+        for lock in locks:
+            lock.release()
+
+
+def _with_notes(result: TrainResult, notes: list[str]) -> TrainResult:
+    result.notes = list(notes) + list(result.notes)
+    return result
 
 
 def _free_port() -> int:
@@ -129,8 +183,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _exit_on_interrupt(signum: int, frame: Any) -> None:
+    # Ctrl-C reaches every worker twice (from the terminal, then from the agent stopping them);
+    # unwinding a KeyboardInterrupt through DCP threads and gloo teardown can print tracebacks and
+    # takes seconds. Nothing a worker holds needs its cleanup: an unfinished checkpoint is a
+    # `.iter_*.partial` folder that the next run removes, and the launcher reports the interrupt.
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(130)
+
+
 def _worker_entry(plan: TrainPlan, progress: Progress | None) -> TrainResult:
     """Body of one elastic worker: a GptossError is recorded for the agent as one line, no traceback."""
+    signal.signal(signal.SIGINT, _exit_on_interrupt)
     try:
         return run_worker(plan, progress)
     except GptossError as exc:
@@ -150,23 +218,43 @@ def launch_local(plan: TrainPlan, nproc: int, progress: Progress | None = None, 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    options: dict[str, Any] = {}
+    if "shutdown_timeout" in {f.name for f in dataclasses.fields(LaunchConfig)}:
+        # Workers die on SIGTERM at once unless they are stopped; do not wait 30 s for those.
+        options["shutdown_timeout"] = 5
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"gptoss-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", rdzv_configs={"timeout": int(timeout_s)},
-        max_restarts=0, monitor_interval=0.1, start_method="spawn",
+        max_restarts=0, monitor_interval=0.1, start_method="spawn", **options,
     )
     # The agent logs each worker exit and signal with tracebacks of its own; we report the failed
-    # worker's error as one line instead (a worker that hit a bug prints its own traceback).
-    quiet = [logging.getLogger("torch.distributed.elastic"), logging.getLogger("torch.multiprocessing.spawn")]
+    # worker's error as one line instead (a worker that hit a bug prints its own traceback). Its
+    # loggers set their own levels, so each one is quietened, not just the parent.
+    names = [n for n in logging.root.manager.loggerDict if n.startswith(("torch.distributed.elastic",
+                                                                         "torch.multiprocessing"))]
+    quiet = [logging.getLogger(n) for n in ["torch.distributed.elastic", "torch.multiprocessing.spawn", *names]]
     levels = [log.level for log in quiet]
     for log in quiet:
         log.setLevel(logging.CRITICAL)
+    beats = tempfile.mkdtemp(prefix="gptoss-heartbeat-")
+    plan = dataclasses.replace(plan, heartbeat_dir=beats)
     try:
-        results = elastic_launch(config, _worker_entry)(plan, progress)
-    except ChildFailedError as exc:
-        rank, failure = exc.get_first_failure()
-        raise _worker_error(rank, failure) from None
+        with Watchdog(beats, plan.heartbeat_timeout_s) as watchdog:
+            try:
+                results = elastic_launch(config, _worker_entry)(plan, progress)
+            except ChildFailedError as exc:
+                if watchdog.reason:
+                    raise TrainingError(watchdog.reason) from None
+                rank, failure = exc.get_first_failure()
+                raise _worker_error(rank, failure) from None
+            except SignalException as exc:  # the agent has stopped the workers
+                if exc.sigval == signal.SIGINT:
+                    raise KeyboardInterrupt from None
+                raise Terminated() from None
     finally:
+        shutil.rmtree(beats, ignore_errors=True)
         for log, level in zip(quiet, levels):
             log.setLevel(level)
     return results[0]

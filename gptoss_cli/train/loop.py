@@ -28,6 +28,7 @@ from gptoss_cli.parallel.state import ParallelState, barrier, destroy_parallel, 
 from gptoss_cli.schedule import get_forward_backward_func
 from gptoss_cli.train.checkpointing import latest_checkpoint, load_checkpoint, save_checkpoint
 from gptoss_cli.train.data import DataLoaderState, Microbatch, build_source
+from gptoss_cli.train.heartbeat import Heartbeat
 from gptoss_cli.train.optimizer import WarmupCosineLR
 from gptoss_cli.train.provider import HybridModelProvider, ModelRuntimeConfig
 from gptoss_cli.train.setup import OptimizerSettings, setup_model_and_optimizer
@@ -73,6 +74,8 @@ class TrainPlan:
     resume: bool = True
     pretrained: str | None = None
     log_interval: int = 1
+    heartbeat_timeout_s: float = 180.0
+    heartbeat_dir: str | None = None  # set by the local launcher, whose watchdog reads the beats
     recipe: dict[str, Any] = field(default_factory=dict)
 
 
@@ -88,6 +91,7 @@ class TrainResult:
     resumed_from: str | None
     world_size: int
     ep_size: int
+    notes: list[str] = field(default_factory=list)  # e.g. leftovers of killed runs that were removed
 
 
 def forward_step(data_iterator: Iterator[Microbatch], model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, dict]:
@@ -151,15 +155,22 @@ def run_worker(plan: TrainPlan, progress: Progress | None = None) -> TrainResult
     if os.environ.get("OMP_NUM_THREADS") is None and "LOCAL_WORLD_SIZE" in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
     owns_group = not dist.is_initialized()
-    state = init_parallel(plan.ep_size, plan.device, plan.backend)
+    rank = int(os.environ.get("RANK", "0"))
+    # Under torchrun (no launcher watchdog) each rank watches its own progress.
+    self_watch = plan.heartbeat_dir is None and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    heartbeat = Heartbeat(rank, plan.heartbeat_timeout_s, plan.heartbeat_dir, self_watch=self_watch).start()
     try:
-        return _train(plan, state, progress)
+        state = init_parallel(plan.ep_size, plan.device, plan.backend)
+        try:
+            return _train(plan, state, progress, heartbeat)
+        finally:
+            if owns_group:
+                destroy_parallel()
     finally:
-        if owns_group:
-            destroy_parallel()
+        heartbeat.stop()
 
 
-def _train(plan: TrainPlan, state: ParallelState, progress: Progress | None) -> TrainResult:
+def _train(plan: TrainPlan, state: ParallelState, progress: Progress | None, heartbeat: Heartbeat) -> TrainResult:
     _seed_all(plan.seed)
     run_dir = Path(plan.run_dir)
     runtime = ModelRuntimeConfig(
@@ -206,6 +217,7 @@ def _train(plan: TrainPlan, state: ParallelState, progress: Progress | None) -> 
     tokens_total, time_total = 0.0, 0.0
     last_ckpt = None
     for step in range(start_step, plan.train_iters):
+        heartbeat.progress(step + 1, "step")
         t0 = time.perf_counter()
         model.zero_grad_buffer()
         logs = schedule(forward_step_func=forward_step, data_iterator=data.step_iterator(), model=model,
@@ -241,6 +253,7 @@ def _train(plan: TrainPlan, state: ParallelState, progress: Progress | None) -> 
         if plan.checkpoint_dir and (
             done == plan.train_iters or (plan.save_interval and done % plan.save_interval == 0)
         ):
+            heartbeat.progress(done, "checkpoint save", watched=False)  # disks may be slow; a stopped rank still shows
             last_ckpt = save_checkpoint(
                 plan.checkpoint_dir, step=done, model=model.module, optimizer=optimizer, state=state,
                 train_state={"consumed_samples": data.consumed_samples, "lr_schedule": lr_schedule.state_dict(),
@@ -248,6 +261,7 @@ def _train(plan: TrainPlan, state: ParallelState, progress: Progress | None) -> 
             )
             if emit:
                 emit({"kind": "checkpoint", "step": done, "path": str(last_ckpt)})
+    heartbeat.progress(plan.train_iters, "finishing", watched=False)
     barrier()
     result = TrainResult(
         steps=len(losses), final_step=max(start_step, plan.train_iters), losses=losses, grad_norms=norms,
