@@ -14,6 +14,7 @@ is repaired by `recover`, which puts the old folder back.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
@@ -27,6 +28,22 @@ from gptoss_cli.errors import CheckpointError, FileSystemError, UsageError, desc
 
 PARTIAL, OLD, TMP = "partial", "old", "tmp"
 _TEMP_NAME = re.compile(r"^\.(?P<name>.+)\.(?P<kind>partial|old|tmp)-(?P<pid>\d+)$")
+
+
+@contextlib.contextmanager
+def naming(path: Path):
+    """Attach `path` to an OSError that lacks it (write() and close() errors name no file, e.g. ENOSPC)."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is None:
+            exc.filename = str(path)
+        raise
+
+
+def write_text(path: Path, text: str) -> None:
+    with naming(path):
+        Path(path).write_text(text)
 
 
 def temp_path(dst: Path, kind: str = PARTIAL) -> Path:

@@ -270,7 +270,7 @@ def _check_finite(t: torch.Tensor, name: str, what: str, row0: int) -> None:
     if index:  # chunks are row ranges: report the index in the whole tensor
         index[0] += row0
     raise CheckpointError(
-        f"{what} {name!r} holds {int(bad.sum())} non-finite values in this chunk (first: {value} at {first})",
+        f"{what} {name!r} holds non-finite values (first: {value} at {index}; {int(bad.sum())} in the rows read)",
         hint="the checkpoint is corrupt or diverged; convert a finite one",
     )
 
@@ -296,6 +296,8 @@ def convert(
         raise UsageError(f"--experts {experts!r} is not supported; use bf16 or mxfp4")
     if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
         raise UsageError(f"max shard size {max_shard_bytes!r} must be a positive number of bytes")
+    # First, what killed runs left for DST: a stranded old DST goes back in place before DST is judged.
+    notes = outputs.recover(dst)
     outputs.check_destination(dst, force)
 
     source = open_source(str(src), revision)
@@ -331,7 +333,6 @@ def convert(
             experts_in = source.layout.experts_form
         plan = [spec for job in jobs for spec in job.outputs]
         total = sum(s.nbytes for s in plan)
-        notes = outputs.recover(dst)  # before the free-space check: what killed runs left is free space
         outputs.check_free_space(dst, total)
 
         tmp = outputs.temp_path(dst)
@@ -373,7 +374,7 @@ def convert(
             dtype_name = "bfloat16" if torch_dtype == torch.bfloat16 else "float32"
             if to_hf:
                 config = arch.to_hf_config(experts_form=out_form, torch_dtype=dtype_name)
-                (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+                outputs.write_text(tmp / "config.json", json.dumps(config, indent=2) + "\n")
             else:
                 write_hybrid_config(
                     tmp,
@@ -383,7 +384,8 @@ def convert(
                 )
             for name in EXTRA_FILES:
                 if (source.extras_folder / name).is_file():
-                    shutil.copyfile(source.extras_folder / name, tmp / name)
+                    with outputs.naming(tmp / name):
+                        shutil.copyfile(source.extras_folder / name, tmp / name)
             outputs.commit(tmp, dst)
         except OSError as exc:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -93,4 +93,6 @@ def check_pattern(pattern: Any, arch: GptOssArch, path: Path) -> None:
 
 
 def write_hybrid_config(folder: Path, cfg: HybridCheckpointConfig) -> None:
-    (Path(folder) / HYBRID_CONFIG).write_text(json.dumps(cfg.to_json(), indent=2) + "\n")
+    from gptoss_cli.outputs import write_text
+
+    write_text(Path(folder) / HYBRID_CONFIG, json.dumps(cfg.to_json(), indent=2) + "\n")

@@ -63,6 +63,8 @@ def make_tiny(
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
         raise UsageError(f"--seed {seed!r} must be an integer in [0, 2**63)")
     dst = Path(dst).expanduser()
+    # First, what killed runs left for DST: a stranded old DST goes back in place before DST is judged.
+    notes = outputs.recover(dst)
     outputs.check_destination(dst, force)
     if force:
         check_replaceable_output(dst, HF)
@@ -71,7 +73,6 @@ def make_tiny(
     shapes = canonical_hf_shapes(arch)
     jobs = plan_to_hf(arch, layout, torch_dtype)
     plan = [s for j in jobs for s in j.outputs]
-    notes = outputs.recover(dst)
     outputs.check_free_space(dst, sum(s.nbytes for s in plan))
     tmp = outputs.temp_path(dst)
     try:
@@ -88,9 +89,8 @@ def make_tiny(
                     writer.write(name, piece.to(torch_dtype) if piece.is_floating_point() else piece)
         writer.close()
         dtype_name = "bfloat16" if torch_dtype == torch.bfloat16 else "float32"
-        (tmp / "config.json").write_text(
-            json.dumps(arch.to_hf_config(experts_form=experts, torch_dtype=dtype_name), indent=2) + "\n"
-        )
+        outputs.write_text(tmp / "config.json",
+                           json.dumps(arch.to_hf_config(experts_form=experts, torch_dtype=dtype_name), indent=2) + "\n")
         outputs.commit(tmp, dst)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -149,20 +149,20 @@ VOCAB_PADDED_HYBRID = ("embedding.word_embeddings.weight", "output_layer.weight"
 VOCAB_PAD_MULTIPLE = 128  # Megatron's make_vocab_size_divisible_by default
 
 
-def is_vocab_padding(rows: int, vocab_size: int) -> bool:
-    """Whether `rows` stored rows are `vocab_size` as Megatron pads it: the next multiple of 128 x TP
-    for some tensor-parallel size TP (docs/checkpoint-layouts.md, "Vocabulary padding").
+def is_vocab_padding(rows: int, arch: GptOssArch) -> bool:
+    """Whether `rows` stored rows are `arch.vocab_size` as Megatron pads it: the next multiple of
+    128 x TP, for a tensor-parallel size TP that divides the attention heads
+    (docs/checkpoint-layouts.md, "Vocabulary padding").
 
-    Anything else (fewer rows, or more than that padding) means hybrid_config.json's vocab_size
-    does not describe the tensors, and cutting the rows would silently drop real tokens.
+    Anything else (fewer rows, or more than that padding) means the config's vocab_size does not
+    describe the tensors, and cutting the rows would silently drop real tokens.
     """
-    if rows == vocab_size:
+    vocab = arch.vocab_size
+    if rows == vocab:
         return True
-    if rows < vocab_size or rows % VOCAB_PAD_MULTIPLE:
-        return False
-    for tp in range(1, rows // VOCAB_PAD_MULTIPLE + 1):
+    for tp in range(1, arch.num_attention_heads + 1):
         m = VOCAB_PAD_MULTIPLE * tp
-        if rows % m == 0 and -(-vocab_size // m) * m == rows:
+        if arch.num_attention_heads % tp == 0 and -(-vocab // m) * m == rows:
             return True
     return False
 

@@ -11,6 +11,7 @@ from rich.text import Text
 
 from gptoss_cli.cli.app import app, check_json_path, check_number, console, err_console, handle_errors, write_json
 from gptoss_cli.cli.render import RichProgress, human_bytes
+from gptoss_cli.outputs import check_separate
 
 
 @app.command("convert")
@@ -37,6 +38,8 @@ def convert_cmd(
     """
     check_number("--max-shard-size", max_shard_gb, low=0.0, low_inclusive=False, high=1e6)
     check_json_path(json_path)
+    if Path(src).expanduser().is_dir():  # refuse at once, before torch is even imported (convert checks again)
+        check_separate(Path(src).expanduser(), Path(dst).expanduser())
     from gptoss_cli.checkpoint.convert import convert
 
     with RichProgress(console, "converting", enabled=not quiet) as progress:

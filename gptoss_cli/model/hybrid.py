@@ -159,7 +159,7 @@ def _copy_checked(dest: torch.Tensor, src: torch.Tensor, name: str, folder) -> N
 def read_hybrid_tensor(reader, name: str, shape: tuple[int, ...], arch: GptOssArch) -> torch.Tensor:
     """Read `name` from a Hybrid checkpoint, checking its shape (vocabulary padding is stripped)."""
     stored = tuple(reader.shape(name))
-    if name in VOCAB_PADDED_HYBRID and stored[1:] == shape[1:] and stored[0] > shape[0] and is_vocab_padding(stored[0], shape[0]):
+    if name in VOCAB_PADDED_HYBRID and stored[1:] == shape[1:] and is_vocab_padding(stored[0], arch):
         return reader.read(name, 0, shape[0])
     if stored != shape:
         raise CheckpointError(
