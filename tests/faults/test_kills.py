@@ -129,3 +129,22 @@ def test_prepare_data_removes_the_temporary_files_of_killed_runs(tmp_path):
                                       "--out", str(tmp_path / "corpus"), "--quiet"])
     assert result.exit_code == 0, result.output
     assert leftovers(tmp_path) == [alive.name]
+
+
+def test_replacing_an_existing_dst_is_one_atomic_swap_where_the_file_system_has_it(tmp_path, monkeypatch):
+    from gptoss_cli import outputs
+
+    old, new = tmp_path / "dst", tmp_path / ".dst.partial-1"
+    for folder, text in ((old, "old"), (new, "new")):
+        folder.mkdir()
+        (folder / "f").write_text(text)
+    if not outputs.exchange(new, old):
+        pytest.skip("no renameat2(RENAME_EXCHANGE) on this file system; the two-rename commit is tested above")
+    outputs.exchange(new, old)  # swap back
+
+    def no_two_step(*args):
+        raise AssertionError("DST was renamed aside: it would be absent until the second rename")
+
+    monkeypatch.setattr(os, "rename", no_two_step)
+    outputs.commit(new, old)
+    assert (old / "f").read_text() == "new" and not new.exists()
