@@ -70,10 +70,33 @@ def run_ok(cmd: list[str], what: str) -> float:
     return time.monotonic() - t0
 
 
-def kill_at(cmd: list[str], delay: float, group: bool = False) -> tuple[int | None, float]:
-    """Start `cmd`, SIGKILL it (or its process group) after `delay` s; (exit code or None if killed, delay)."""
+def timed_write_window(cmd: list[str], dst: Path) -> tuple[float, float]:
+    """Run `cmd` to completion; (seconds until its temporary folder appeared, total seconds)."""
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    appeared = None
+    while proc.poll() is None:
+        if appeared is None and any(dst.parent.glob(f".{dst.name}.partial-{proc.pid}")):
+            appeared = time.monotonic() - t0
+        time.sleep(0.001)
+    total = time.monotonic() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"reference conversion failed: {proc.stderr.read()[-2000:]}")
+    return (appeared if appeared is not None else 0.0), total
+
+
+def kill_at(cmd: list[str], delay: float, group: bool = False,
+            after: tuple[Path, str] | None = None) -> tuple[int | None, float]:
+    """Start `cmd`, SIGKILL it (or its process group) after `delay` s; (exit code or None if killed, delay).
+
+    after=(dst, marker): the delay counts from when `.DST<marker><pid>` appears next to dst.
+    """
     proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
+    if after is not None:
+        dst, marker = after
+        while proc.poll() is None and not any(dst.parent.glob(f".{dst.name}{marker}{proc.pid}")):
+            time.sleep(0.0005)
     try:
         proc.wait(timeout=delay)
         return proc.returncode, delay
@@ -96,17 +119,23 @@ def bench_convert(n: int, work: Path, rng: random.Random) -> dict:
         shutil.rmtree(p, ignore_errors=True)
     make_tiny(src, arch=arch, experts="mxfp4")
     run_ok(gptoss("convert", src, old_ref, "--dtype", "float32", "--quiet"), "reference (old) conversion")
-    full = run_ok(gptoss("convert", src, new_ref, "--dtype", "bfloat16", "--quiet"), "reference (new) conversion")
+    write_starts, full = timed_write_window(gptoss("convert", src, new_ref, "--dtype", "bfloat16", "--quiet"), new_ref)
     old, new = digest(old_ref), digest(new_ref)
     dst.parent.mkdir(parents=True)
 
     stats = {"trials": n, "dst_incomplete": 0, "dst_old": 0, "dst_new": 0, "killed": 0, "left_after_kill": 0,
-             "left_after_next_run": 0, "next_run_failed": 0, "run_seconds": round(full, 2), "left_kinds": {}}
-    for _ in range(n):
+             "left_after_next_run": 0, "next_run_failed": 0, "run_seconds": round(full, 2),
+             "write_window": (round(write_starts, 2), round(full, 2)), "left_kinds": {}}
+    for i in range(n):
         shutil.rmtree(dst, ignore_errors=True)
         shutil.copytree(old_ref, dst)
-        code, _ = kill_at(gptoss("convert", src, dst, "--force", "--dtype", "bfloat16", "--quiet"),
-                          rng.uniform(0, full))
+        # Half the kills anywhere in the run, half at a random moment after the temporary folder
+        # appeared (most of a run is start-up and reading, where a kill can leave nothing behind).
+        cmd = gptoss("convert", src, dst, "--force", "--dtype", "bfloat16", "--quiet")
+        if i % 2:
+            code, _ = kill_at(cmd, rng.uniform(0, full))
+        else:
+            code, _ = kill_at(cmd, rng.uniform(0, full - write_starts), after=(dst, ".partial-"))
         stats["killed"] += code is None
         state = digest(dst) if dst.is_dir() else None
         if state == old:
@@ -189,8 +218,8 @@ def main() -> None:
     args.workdir.mkdir(parents=True, exist_ok=True)
     if "convert" in args.parts:
         s = bench_convert(args.n, args.workdir / "convert", rng)
-        print(f"convert: {s['trials']} random kill -9 ({s['killed']} landed before the run ended, one run "
-              f"{s['run_seconds']} s): DST incomplete or absent {s['dst_incomplete']} (must be 0); DST was the old "
+        print(f"convert: {s['trials']} random kill -9 ({s['killed']} landed before the run ended; one run "
+              f"{s['run_seconds']} s, writing from {s['write_window'][0]} s): DST incomplete or absent {s['dst_incomplete']} (must be 0); DST was the old "
               f"output {s['dst_old']}x, the new one {s['dst_new']}x; something left next to DST after the kill "
               f"{s['left_after_kill']}x {s['left_kinds']}; left after the next run {s['left_after_next_run']} "
               f"(must be 0); next run failed {s['next_run_failed']} (must be 0)", flush=True)

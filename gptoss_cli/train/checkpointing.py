@@ -31,7 +31,7 @@ from typing import Any, Iterator
 
 import torch
 
-from gptoss_cli.errors import CheckpointError, TrainingError
+from gptoss_cli.errors import CheckpointError, TrainingError, describe_os_error
 from gptoss_cli.parallel.state import ParallelState, barrier
 
 LATEST = "latest"
@@ -118,8 +118,22 @@ def save_checkpoint(
         "optimizer": optimizer.state_dict(),
         "rng": _rng_state(state),
     }
-    with _quiet_single_process():
-        dcp.save(payload, checkpoint_id=str(tmp))
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        with _quiet_single_process():
+            dcp.save(payload, checkpoint_id=str(tmp))
+    except (Exception, CheckpointException) as exc:  # DCP wraps each rank's OSError (a full disk) in one
+        latest = (ckpt_dir / LATEST).read_text().strip() if (ckpt_dir / LATEST).is_file() else None
+        if state.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        # torch's own message for a full disk can be as cryptic as "unexpected pos 704 vs 598"
+        free = shutil.disk_usage(ckpt_dir).free
+        raise CheckpointError(
+            f"{tmp}: saving the checkpoint of step {step} failed ({_dcp_error(exc)}; {free / 1e6:.1f} MB free "
+            f"there); `latest` " + (f"still points at {latest}" if latest else "was not created"),
+            hint="free space in checkpoint.dir, then resume",
+        ) from None
     barrier()
     if state.rank == 0:
         meta = dict(train_state)
@@ -233,17 +247,29 @@ def load_checkpoint(
     rng = _rng_state(state)
     if same_layout and all(f"rng.{k}" in saved for k in rng):
         payload["rng"] = rng
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
         with _quiet_single_process():
             dcp.load(payload, checkpoint_id=str(folder))
-    except Exception as exc:  # DCP wraps every rank's failure in one CheckpointException
-        raise CheckpointError(f"{folder}: cannot load checkpoint ({_first_line(exc)})") from None
+    except (Exception, CheckpointException) as exc:  # DCP wraps every rank's failure in one CheckpointException
+        raise CheckpointError(f"{folder}: cannot load checkpoint ({_dcp_error(exc)})") from None
     if "rng" in payload:
         torch.set_rng_state(payload["rng"][f"rank{state.rank}"])
         if f"rank{state.rank}.cuda" in payload["rng"]:
             torch.cuda.set_rng_state(payload["rng"][f"rank{state.rank}.cuda"])
     optimizer.after_load()
     return meta
+
+
+def _dcp_error(exc: BaseException) -> str:
+    """The first rank's own error inside DCP's CheckpointException (whose first line names no file)."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank = min(failures)
+        inner = failures[rank][0] if isinstance(failures[rank], tuple) else failures[rank]
+        return f"rank {rank}: {_dcp_error(inner)}"
+    return describe_os_error(exc) if isinstance(exc, OSError) else _first_line(exc)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -3,9 +3,9 @@
 Without it the only watchdog is the collective timeout (10 minutes): a rank that is stopped
 (SIGSTOP, a frozen node) or stuck holds every other rank inside its next all-reduce until then.
 
-Each worker has a `Heartbeat`: the training loop reports its progress (step and phase) from the
-main thread, and a daemon thread publishes it about once a second together with its own clock
-reading, the liveness beat. A process that is stopped publishes nothing, so its liveness beat
+Each worker has a `Heartbeat`: the training loop reports its progress (step and phase, at every
+microbatch) from the main thread, and a daemon thread publishes it about once a second together
+with its own clock reading, the liveness beat. A process that is stopped publishes nothing, so its liveness beat
 ages; a process that is alive but stuck keeps beating while its progress ages.
 
 - Local launches (`gptoss train` starting N workers): the beats are small files in a folder of
@@ -29,7 +29,9 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator, TypeVar
+
+T = TypeVar("T")
 
 INTERVAL_S = 1.0
 # A liveness beat older than this many intervals means the process is not running at all.
@@ -52,6 +54,12 @@ class Heartbeat:
 
     def progress(self, step: int, phase: str = "step", *, watched: bool = True) -> None:
         self._state = {"step": step, "phase": phase, "watched": watched, "progress_time": time.time()}
+
+    def beating(self, items: Iterator[T], step: int) -> Iterator[T]:
+        """`items` (a step's microbatches), reporting progress at each one: a long step is not a stall."""
+        for item in items:
+            self.progress(step, "step")
+            yield item
 
     def start(self) -> "Heartbeat":
         if self.path is None and not self.self_watch:

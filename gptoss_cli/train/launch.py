@@ -201,9 +201,11 @@ def _worker_entry(plan: TrainPlan, progress: Progress | None) -> TrainResult:
     signal.signal(signal.SIGINT, _exit_on_interrupt)
     try:
         return run_worker(plan, progress)
-    except GptossError as exc:
+    except (GptossError, OSError) as exc:  # an OSError (full disk, unwritable metrics) is one line naming the path
         from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
+        if isinstance(exc, OSError):
+            exc = errors.file_system_error(exc)
         ErrorHandler().record_exception(exc)
         raise SystemExit(exc.exit_code) from None
     except BaseException as exc:  # a bug: record it for the agent, keep the traceback on stderr

@@ -220,8 +220,8 @@ def _train(plan: TrainPlan, state: ParallelState, progress: Progress | None, hea
         heartbeat.progress(step + 1, "step")
         t0 = time.perf_counter()
         model.zero_grad_buffer()
-        logs = schedule(forward_step_func=forward_step, data_iterator=data.step_iterator(), model=model,
-                        num_microbatches=data.num_microbatches, forward_only=False)
+        logs = schedule(forward_step_func=forward_step, data_iterator=heartbeat.beating(data.step_iterator(), step + 1),
+                        model=model, num_microbatches=data.num_microbatches, forward_only=False)
         local = torch.stack([sum(l["lm_loss_sum"].float() for l in logs),
                              sum(l["num_tokens"].float() for l in logs)]).to(torch.float64)
         totals = local.clone()

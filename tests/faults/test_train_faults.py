@@ -174,3 +174,13 @@ def test_the_lock_of_a_killed_run_is_taken_over(tmp_path):
     assert proc.returncode == -signal.SIGKILL
     assert "pid" in (tmp_path / FolderLock.NAME).read_text()  # the dead owner's record is still there
     FolderLock(tmp_path, "checkpoint.dir").acquire().release()
+
+
+def test_a_full_disk_during_a_save_is_one_line_and_leaves_latest_alone(tmp_path, tmpfs):
+    small = tmpfs("512k")  # the lock file fits, a checkpoint of the tiny model does not
+    code, out = train_in_process(small / "ckpt", tmp_path / "run", "training.train_iters=2", "-q")
+    flat = " ".join(out.split())
+    assert code == 2 and len(out.strip().splitlines()) == 1, out
+    assert "saving the checkpoint of step 2 failed" in flat and "MB free there" in flat, out
+    assert "`latest` was not created" in flat and not (small / "ckpt" / "latest").exists()
+    assert leftovers(small / "ckpt") == []
