@@ -167,6 +167,15 @@ class GptOssArch:
     def replace(self, **changes: Any) -> "GptOssArch":
         if "num_hidden_layers" in changes and "layer_types" not in changes:
             changes["layer_types"] = None
+        # A smaller vocabulary (a reduced test model) drops special-token ids it no longer holds,
+        # as a new num_hidden_layers drops layer_types; ids given with it are checked as usual.
+        vocab = changes.get("vocab_size")
+        if isinstance(vocab, int) and not isinstance(vocab, bool):
+            for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+                old = getattr(self, name)
+                if name not in changes and any(isinstance(i, int) and i >= vocab for i in (
+                        old if isinstance(old, (list, tuple)) else [old])):
+                    changes[name] = None
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:

@@ -120,3 +120,20 @@ def test_non_finite_weights_are_refused_naming_the_tensor(tiny_hf, tmp_path):
     code, out = convert(src, tmp_path / "out")
     assert code == 2 and f"tensor {name!r} holds non-finite values (first: nan at [5, 7]" in out, out
     assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("scale, needle", [
+    (255, "holds the MXFP4 scale byte 255, which is NaN"),  # NaN by the OCP E8M0 encoding
+    (254, "output tensor 'decoder.layers.1.mlp.experts.linear_fc1.weight0' holds non-finite values"),  # 6 * 2**127
+])
+def test_mxfp4_scales_that_decode_to_nan_or_inf_are_refused(tiny_hf, tmp_path, scale, needle):
+    src = tmp_path / "src"
+    shutil.copytree(tiny_hf, src)
+    shard = next(src.glob("*.safetensors"))
+    tensors = load_file(shard)
+    tensors["model.layers.0.mlp.experts.gate_up_proj_scales"][0, 0, 0] = scale
+    tensors["model.layers.0.mlp.experts.gate_up_proj_blocks"][0, 0, 0, 0] = 0x77  # two codes of 6.0
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    code, out = convert(src, tmp_path / "out")
+    assert code == 2 and needle in out, out
+    assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
