@@ -14,7 +14,8 @@ from gptoss_cli.schedule.plain import forward_backward_no_pipelining
 from gptoss_cli.schedule.wgrad import WgradQueue, delayed_grouped_linear
 from gptoss_cli.train.data import DataLoaderState
 from gptoss_cli.train.loop import forward_step
-from tests.schedule.workers import SEQ, TINY, assert_grads_close, build
+from tests.schedule.workers import SEQ, TINY, build
+from tests.tolerances import assert_tensors_close, reassociation_rel
 from tests.train.dist_helpers import named_grads
 from tests.train.workers import RandomTokens, ToyConfig, ToyModel
 
@@ -63,8 +64,9 @@ def test_same_losses_and_grads_as_plain_and_one_finalisation_per_step():
         assert calls == [3 * 2 * SEQ]  # once, after all microbatches, with the step's token count
         results[overlap] = ([float(l["loss_sum"]) for l in logs], named_grads(setup.model))
     (plain_losses, plain_grads), (losses, grads) = results[False], results[True]
-    assert losses == pytest.approx(plain_losses, rel=1e-6)
-    assert_grads_close(grads, plain_grads)
+    depth = 2 * TINY.num_hidden_layers + 1  # error model: tests/tolerances.py
+    assert losses == pytest.approx(plain_losses, rel=reassociation_rel(TINY.hidden_size, depth))
+    assert_tensors_close(grads, plain_grads, reassociation_rel(6 * SEQ, depth))
 
 
 def test_forward_only_never_finalises():

@@ -25,7 +25,7 @@ def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, out_dir: st
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
         LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
     )
-    torch.set_num_threads(1)
+    torch.set_num_threads(int(os.environ.get("GPTOSS_TEST_THREADS", "1")))  # see tests/conftest.py
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=__import__("datetime").timedelta(seconds=60))
         result = fn(rank, *args)

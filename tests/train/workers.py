@@ -87,23 +87,44 @@ def ep_grads_worker(rank: int, ep: int) -> dict[str, Any]:
     return out
 
 
-def train_steps(state: ParallelState, steps: int, global_batch: int, mbs: int, ep: int = 1) -> dict[str, torch.Tensor]:
-    """`steps` optimizer steps on random tokens; returns the full parameters (checkpoint names)."""
+def grads_per_step(state: ParallelState, global_batch: int, mbs: int, *, steps: int = 0,
+                   weights_per_step: list[dict[str, torch.Tensor]] | None = None) -> list[dict[str, Any]]:
+    """Loss and finalised gradients of consecutive global batches of random tokens.
+
+    Without `weights_per_step` this is the reference run: `steps` steps, each followed by the
+    optimizer step; the weights each step started from are returned too. With it, every step
+    starts from the given weights (the reference's), so a candidate layout is compared with the
+    reference from the same weights at every step, never after AdamW steps of its own (see
+    tests/tolerances.py)."""
     setup = build(state, lr=3e-3)
     data = DataLoaderState(RandomTokens(TINY.vocab_size, SEQ, seed=3), global_batch_size=global_batch,
                            micro_batch_size=mbs, dp_rank=state.dp_rank, dp_size=state.dp_size)
     schedule = get_forward_backward_func(setup.config)
-    for step in range(steps):
-        setup.model.zero_grad_buffer()
-        schedule(forward_step_func=forward_step, data_iterator=data.step_iterator(), model=setup.model,
-                 num_microbatches=data.num_microbatches)
-        setup.optimizer.step(3e-3)
     inner = unwrap_model(setup.model)
-    return {name: t.detach().clone() for name, t in inner.named_checkpoint_slots()}
+    out = []
+    for step in range(len(weights_per_step) if weights_per_step is not None else steps):
+        with torch.no_grad():
+            if weights_per_step is not None:
+                for name, p in inner.named_parameters():
+                    p.copy_(weights_per_step[step][name])
+            weights = {name: p.detach().clone() for name, p in inner.named_parameters()}
+        setup.model.zero_grad_buffer()
+        logs = schedule(forward_step_func=forward_step, data_iterator=data.step_iterator(), model=setup.model,
+                        num_microbatches=data.num_microbatches)
+        out.append({"weights": weights, "grads": named_grads(setup.model),
+                    "loss_sum": float(sum(l["lm_loss_sum"] for l in logs)),
+                    "tokens": float(sum(l["num_tokens"] for l in logs))})
+        if weights_per_step is None:
+            setup.optimizer.step(3e-3)
+    return out
 
 
-def dp_train_worker(rank: int, steps: int, global_batch: int, mbs: int) -> dict[str, torch.Tensor]:
-    return train_steps(init_parallel(1, "cpu"), steps, global_batch, mbs)
+def dp_grads_worker(rank: int, weights_per_step: list[dict[str, torch.Tensor]], global_batch: int,
+                    mbs: int) -> list[dict[str, Any]]:
+    steps = grads_per_step(init_parallel(1, "cpu"), global_batch, mbs, weights_per_step=weights_per_step)
+    for s in steps:
+        del s["weights"]  # the caller has them
+    return steps
 
 
 # --- callbacks on the runtime config ---------------------------------------------------------
