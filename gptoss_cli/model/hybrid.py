@@ -25,13 +25,8 @@ from gptoss_cli.checkpoint.mapping import VOCAB_PADDED_HYBRID
 from gptoss_cli.errors import CheckpointError, ConfigError
 from gptoss_cli.model.attention import AttentionLayer
 from gptoss_cli.model.config import GptOssArch
-from gptoss_cli.model.moe import (
-    DenseMLPLayer,
-    ExpertLinear,
-    MoELayer,
-    TokenDispatcher,
-    load_balancing_loss,
-)
+from gptoss_cli.model.dispatcher import AllToAllTokenDispatcher
+from gptoss_cli.model.moe import DenseMLPLayer, ExpertLinear, MoELayer, load_balancing_loss
 from gptoss_cli.model.norm import RMSNorm
 from gptoss_cli.model.pattern import ATTENTION, MLP, MOE, HybridPattern, parse_pattern
 from gptoss_cli.model.rope import YarnRotaryEmbedding
@@ -79,7 +74,7 @@ def build_layer(
     *,
     expert_offset: int = 0,
     num_local_experts: int | None = None,
-    token_dispatcher: TokenDispatcher | None = None,
+    token_dispatcher: AllToAllTokenDispatcher | None = None,
     device=None,
     dtype=None,
 ) -> nn.Module:
@@ -185,7 +180,7 @@ class HybridModel(nn.Module):
         *,
         expert_offset: int = 0,
         num_local_experts: int | None = None,
-        token_dispatcher_factory: Callable[[int, MoELayer], TokenDispatcher] | None = None,
+        token_dispatcher_factory: Callable[[int, MoELayer], AllToAllTokenDispatcher] | None = None,
         device=None,
         dtype=None,
     ):
@@ -241,7 +236,7 @@ class HybridModel(nn.Module):
             if isinstance(layer, MoELayer):
                 yield j, layer
 
-    def set_token_dispatchers(self, factory: Callable[[int, MoELayer], TokenDispatcher]) -> None:
+    def set_token_dispatchers(self, factory: Callable[[int, MoELayer], AllToAllTokenDispatcher]) -> None:
         for j, layer in self.moe_layers():
             layer.token_dispatcher = factory(j, layer)
 
@@ -421,7 +416,7 @@ class HybridModel(nn.Module):
         *,
         expert_offset: int = 0,
         num_local_experts: int | None = None,
-        token_dispatcher_factory: Callable[[int, MoELayer], TokenDispatcher] | None = None,
+        token_dispatcher_factory: Callable[[int, MoELayer], AllToAllTokenDispatcher] | None = None,
         progress: Callable[[str], None] | None = None,
     ) -> "HybridModel":
         """Build from `hybrid_config.json` and load the safetensors shards (see load_hybrid_tensors)."""

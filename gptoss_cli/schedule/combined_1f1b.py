@@ -15,7 +15,7 @@ the other microbatch computes; a stream waits only when nothing else can run. Th
 only on the plan's structure, so every rank issues its collectives in the same order.
 
 With `delay_wgrad_compute` the expert GEMMs queue their weight gradients
-(gptoss_cli/schedule/wgrad.py) and each `dispatch` node runs the queue right after issuing its
+(gptoss_cli/model/grouped_gemm.py) and each `dispatch` node runs the queue right after issuing its
 backward all-to-all. At the end of the step the queue must be empty, else TrainingError.
 
 `finalize_model_grads_func` (from `get_model_config(model)`, never the provider's config) runs
@@ -43,7 +43,7 @@ from gptoss_cli.errors import ConfigError, TrainingError
 from gptoss_cli.model.schedule_plan import COMM, SchedulePlan
 from gptoss_cli.parallel.grads import get_attr_wrapped_model, get_model_config
 from gptoss_cli.schedule.plain import ForwardStep, forward_backward_no_pipelining
-from gptoss_cli.schedule.wgrad import WgradQueue
+from gptoss_cli.model.grouped_gemm import WgradQueue
 
 
 @dataclass

@@ -23,7 +23,7 @@ from torch import nn
 
 from gptoss_cli.errors import CheckpointError
 from gptoss_cli.model.config import GptOssArch
-from gptoss_cli.parallel.dispatcher import AllToAllTokenDispatcher
+from gptoss_cli.model.dispatcher import AllToAllTokenDispatcher
 from gptoss_cli.parallel.state import ParallelState
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -89,7 +89,7 @@ class HybridModelProvider:
         factory = None
         if state.ep_size > 1:
             def factory(_j: int, _layer: Any) -> AllToAllTokenDispatcher:
-                return AllToAllTokenDispatcher.from_state(arch.num_local_experts, state)
+                return AllToAllTokenDispatcher(arch.num_local_experts, state.ep_size, state.ep_rank, state.ep_group)
         model = HybridModel(
             arch, cfg.hybrid_layer_pattern, expert_offset=offset, num_local_experts=n_local,
             token_dispatcher_factory=factory, device="meta", dtype=cfg.torch_dtype,

@@ -9,7 +9,7 @@ from gptoss_cli.errors import ConfigError
 from gptoss_cli.model.config import preset
 from gptoss_cli.model.hybrid import HybridModel
 from gptoss_cli.model.schedule_plan import COMM, COMPUTE, CommNode, Ref
-from gptoss_cli.schedule.wgrad import WgradQueue
+from gptoss_cli.model.grouped_gemm import WgradQueue
 
 TINY = preset("tiny")
 E_NODES = ["pre_dispatch", "dispatch", "experts", "combine"]

@@ -62,7 +62,7 @@ def one_step_grads(state: ParallelState, global_batch: int = 4, mbs: int = 2) ->
 def dispatcher_round_trip(state: ParallelState, route_to: tuple[int, ...]) -> dict[str, Any]:
     """All-to-all dispatch -> 'expert e multiplies by e+1' -> combine, forward and backward, with every
     token routed to the experts in `route_to` (so some ranks may receive no rows at all)."""
-    from gptoss_cli.parallel.dispatcher import AllToAllTokenDispatcher
+    from gptoss_cli.model.dispatcher import AllToAllTokenDispatcher
 
     g = torch.Generator().manual_seed(100 + state.rank)
     T, H, k = 5 + state.rank, 8, 2
