@@ -1,28 +1,30 @@
-"""HybridModel: the Megatron Hybrid layout of GPT-OSS in pure PyTorch (reference sections 2 and 4).
+"""HybridModel: GPT-OSS in the Megatron Hybrid layer layout, pure PyTorch (no I/O, no process groups).
 
 Built from a `GptOssArch` and a `hybrid_layer_pattern` (`*` attention, `E` MoE, `-` dense MLP;
 grouping `[..]` and pipeline splits `|` are accepted and only change scheduling, not the math).
-`model.state_dict()` keys are exactly the Hybrid checkpoint names of section 4, e.g.
-`decoder.layers.0.self_attention.linear_qkv.weight`, `decoder.layers.1.mlp.experts.linear_fc1.weight3`.
+`model.state_dict()` keys are exactly the Hybrid checkpoint names (docs/checkpoint-layouts.md,
+"Hybrid layout"), e.g. `decoder.layers.0.self_attention.linear_qkv.weight`,
+`decoder.layers.1.mlp.experts.linear_fc1.weight3`. Filling a model from a checkpoint folder is
+gptoss_cli/checkpoint/load.py's job.
 
 Activations are batch-first, [batch, seq, hidden].
 
 The attention layer j computes block index b = (number of `*` layers before j); it is sliding iff
-HF block b is (`arch.layer_types[b]`), as section 4 prescribes, not by its physical index.
+HF block b is (`arch.layer_types[b]`), not by its physical index (docs/architecture.md, "Sliding
+window").
 """
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gptoss_cli.checkpoint.mapping import VOCAB_PADDED_HYBRID
-from gptoss_cli.errors import CheckpointError, ConfigError
+from gptoss_cli.errors import ConfigError
 from gptoss_cli.model.attention import AttentionLayer
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.model.dispatcher import AllToAllTokenDispatcher
@@ -95,17 +97,22 @@ def run_layer(layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.T
     return layer(x, cos, sin) if isinstance(layer, AttentionLayer) else layer(x)
 
 
-def init_weights_(module: nn.Module, std: float) -> None:
-    """Random init for training from scratch / tests: normal(std) matrices, zero biases, unit norms."""
+def init_weights_(model: "HybridModel", std: float, seed: int) -> None:
+    """The one initialisation rule: norm weights 1, biases 0, every other tensor normal(0, std)
+    drawn from its own generator seeded by (seed, crc32(checkpoint name)).
+
+    A tensor's value depends only on the seed and its checkpoint name, not on which rank or
+    expert slice holds it, so any EP layout starts from the same model."""
     with torch.no_grad():
-        for name, p in module.named_parameters():
+        for name, dest in model.named_checkpoint_slots():
             leaf = name.rsplit(".", 1)[-1]
-            if leaf in ("layer_norm_weight",) or name.endswith("layernorm.weight") or name.endswith("norm.weight"):
-                p.fill_(1.0)
-            elif leaf == "bias":
-                p.zero_()
+            if ("norm" in name and leaf.startswith("weight")) or leaf == "layer_norm_weight":
+                dest.fill_(1.0)
+            elif leaf.startswith("bias"):
+                dest.zero_()
             else:
-                p.normal_(0.0, std)
+                g = torch.Generator().manual_seed((seed * 2_654_435_761 + zlib.crc32(name.encode())) % (1 << 63))
+                dest.copy_(torch.randn(dest.shape, generator=g, dtype=torch.float32).mul_(std))
 
 
 def checkpoint_slots(
@@ -126,42 +133,6 @@ def checkpoint_slots(
             local = e - owner.expert_offset
             held = 0 <= local < owner.num_local_experts
             yield f"{prefix}{owner_name}.{leaf}{e}", (param[local] if held else None)
-
-
-# Fields that do not change what the network computes; checkpoints may differ from the model in them.
-NON_ARCHITECTURAL = frozenset({"router_aux_loss_coef", "initializer_range", "bos_token_id", "eos_token_id", "pad_token_id"})
-
-
-def architecture_differences(a: GptOssArch, b: GptOssArch) -> list[str]:
-    """'field: A vs B' for every field that changes the computation."""
-    import dataclasses
-
-    return [
-        f"{f.name}: {getattr(a, f.name)!r} vs {getattr(b, f.name)!r}"
-        for f in dataclasses.fields(GptOssArch)
-        if f.name not in NON_ARCHITECTURAL and getattr(a, f.name) != getattr(b, f.name)
-    ]
-
-
-def _copy_checked(dest: torch.Tensor, src: torch.Tensor, name: str, folder) -> None:
-    if tuple(src.shape) != tuple(dest.shape):
-        raise CheckpointError(f"{folder}: tensor {name} has shape {list(src.shape)}, the model expects {list(dest.shape)}")
-    dest.copy_(src)
-
-
-
-
-def read_hybrid_tensor(reader, name: str, shape: tuple[int, ...], arch: GptOssArch) -> torch.Tensor:
-    """Read `name` from a Hybrid checkpoint, checking its shape (vocabulary padding is stripped)."""
-    stored = tuple(reader.shape(name))
-    if name in VOCAB_PADDED_HYBRID and stored[1:] == shape[1:] and stored[0] >= shape[0]:
-        return reader.read(name, 0, shape[0])
-    if stored != shape:
-        raise CheckpointError(
-            f"{reader.file_of(name)}: tensor {name} has shape {list(stored)}, the model expects {list(shape)}",
-            hint="hybrid_config.json does not describe these tensors",
-        )
-    return reader.read(name)
 
 
 class HybridModel(nn.Module):
@@ -205,7 +176,8 @@ class HybridModel(nn.Module):
         if token_dispatcher_factory is not None:
             self.set_token_dispatchers(token_dispatcher_factory)
         if device is None or torch.device(device).type != "meta":
-            init_weights_(self, arch.initializer_range)
+            # seeded from torch's global generator, so torch.manual_seed decides the weights
+            init_weights_(self, arch.initializer_range, int(torch.randint(0, 1 << 62, ())))
 
     # --- capabilities ---------------------------------------------------------------------
     @classmethod
@@ -292,142 +264,8 @@ class HybridModel(nn.Module):
     def checkpoint_names(self) -> list[str]:
         """Every tensor name of the full Hybrid checkpoint for this architecture and pattern
         (all experts, whatever slice this instance holds)."""
-        names = []
-        for name, tensor in self.named_checkpoint_slots(all_experts=True):
-            names.append(name)
-        return names
+        return [name for name, _ in self.named_checkpoint_slots(all_experts=True)]
 
     def named_checkpoint_slots(self, all_experts: bool = False) -> Iterator[tuple[str, torch.Tensor | None]]:
         """(checkpoint name, destination tensor) for every tensor; see `checkpoint_slots`."""
         return checkpoint_slots(self, all_experts=all_experts, num_experts=self.arch.num_local_experts)
-
-    # --- loading --------------------------------------------------------------------------
-    def load_hybrid_tensors(self, folder: str | Path, progress: Callable[[str], None] | None = None) -> None:
-        """Fill every parameter from a Hybrid checkpoint folder, one tensor at a time, strictly
-        by name: a missing or unexpected tensor, or a shape mismatch, raises CheckpointError."""
-        from gptoss_cli.checkpoint.safetensors_io import CheckpointReader
-
-        from gptoss_cli.checkpoint.hybrid_format import HYBRID_CONFIG, read_hybrid_config
-
-        folder = Path(folder)
-        if (folder / HYBRID_CONFIG).exists():
-            diff = architecture_differences(read_hybrid_config(folder).arch, self.arch)
-            if diff:
-                raise CheckpointError(
-                    f"{folder / HYBRID_CONFIG}: describes a different architecture than this model "
-                    f"(checkpoint vs model: {'; '.join(diff)})"
-                )
-        with CheckpointReader(folder) as reader:
-            present = set(reader.names())
-            expected = list(self.checkpoint_names())
-            missing = [n for n in expected if n not in present]
-            unexpected = sorted(present - set(expected))
-            if missing or unexpected:
-                parts = []
-                if missing:
-                    parts.append(f"{len(missing)} missing tensors (first: {missing[:3]})")
-                if unexpected:
-                    parts.append(f"{len(unexpected)} unexpected tensors (first: {unexpected[:3]})")
-                raise CheckpointError(
-                    f"{folder}: does not match the model for pattern {self.pattern.text!r}: " + "; ".join(parts),
-                    hint="re-run `gptoss convert`, or check hybrid_config.json against the tensors",
-                )
-            with torch.no_grad():
-                for name, dest in self.named_checkpoint_slots():
-                    dest.copy_(read_hybrid_tensor(reader, name, tuple(dest.shape), self.arch))
-                    if progress is not None:
-                        progress(name)
-
-    def load_hf_tensors(self, folder: str | Path, progress: Callable[[str], None] | None = None) -> None:
-        """Fill every parameter from an HF GPT-OSS folder (bf16 or MXFP4 experts) or OpenAI's original/
-        layout through the mapping table, one table unit at a time (experts in chunks, only the
-        experts this model holds), so memory stays at one unit."""
-        from gptoss_cli.checkpoint.mapping import units
-        from gptoss_cli.checkpoint.sources import HYBRID, check_tensors, open_source
-
-        if self.pattern.layers != tuple(self.arch.hybrid_layer_pattern):
-            raise ConfigError(
-                f"an HF checkpoint maps onto the pattern {self.arch.hybrid_layer_pattern!r}, not {self.pattern.text!r}"
-            )
-        source = open_source(str(folder))
-        try:
-            if source.kind == HYBRID:
-                raise CheckpointError(f"{folder}: is a Hybrid checkpoint; load it with load_hybrid_tensors")
-            diff = architecture_differences(source.arch, self.arch)
-            if diff:
-                raise CheckpointError(
-                    f"{folder}: config.json describes a different architecture than this model "
-                    f"(checkpoint vs model: {'; '.join(diff)})"
-                )
-            check_tensors(source, source.layout.stored_specs(self.arch))
-            slots = dict(self.named_checkpoint_slots(all_experts=True))
-            dtype = self.output_layer.weight.dtype
-            chunk = 8
-            with torch.no_grad():
-                for unit in units(self.arch):
-                    if unit.per_expert:
-                        # only this rank's contiguous expert range is read, a few experts at a time
-                        held = [e for e, n in enumerate(unit.hybrid) if slots[n] is not None]
-                        lo, hi = (held[0], held[-1] + 1) if held else (0, 0)
-                        for e0 in range(lo, hi, chunk):
-                            e1 = min(hi, e0 + chunk)
-                            stack = source.layout.read(source.reader, self.arch, unit.hf[0], dtype, e0, e1)
-                            for name, t in zip(unit.hybrid[e0:e1], unit.to_hybrid(self.arch, [stack])):
-                                _copy_checked(slots[name], t, name, folder)
-                        continue
-                    ins = [source.layout.read(source.reader, self.arch, n, dtype) for n in unit.hf]
-                    for name, t in zip(unit.hybrid, unit.to_hybrid(self.arch, ins)):
-                        _copy_checked(slots[name], t, name, folder)
-                    if progress is not None:
-                        progress(", ".join(unit.hf))
-        finally:
-            source.close()
-
-    @classmethod
-    def from_hf_checkpoint(
-        cls,
-        folder: str | Path,
-        dtype: torch.dtype = torch.float32,
-        device: str | torch.device = "cpu",
-        **kwargs,
-    ) -> "HybridModel":
-        """Build from an HF GPT-OSS folder's config.json and load it through the mapping (streaming)."""
-        from gptoss_cli.checkpoint.sources import HF, open_source
-
-        source = open_source(str(folder))
-        try:
-            if source.kind != HF:
-                raise CheckpointError(f"{folder}: is a {source.kind} checkpoint, not a Hugging Face one")
-            arch = source.arch
-        finally:
-            source.close()
-        model = cls(arch, device="meta", dtype=dtype, **kwargs)
-        model.to_empty(device=device)
-        model.reset_buffers()
-        model.load_hf_tensors(folder)
-        return model
-
-    @classmethod
-    def from_hybrid_checkpoint(
-        cls,
-        folder: str | Path,
-        dtype: torch.dtype = torch.float32,
-        device: str | torch.device = "cpu",
-        *,
-        expert_offset: int = 0,
-        num_local_experts: int | None = None,
-        token_dispatcher_factory: Callable[[int, MoELayer], AllToAllTokenDispatcher] | None = None,
-        progress: Callable[[str], None] | None = None,
-    ) -> "HybridModel":
-        """Build from `hybrid_config.json` and load the safetensors shards (see load_hybrid_tensors)."""
-        from gptoss_cli.checkpoint.hybrid_format import read_hybrid_config
-
-        cfg = read_hybrid_config(folder)
-        model = cls(
-            cfg.arch, cfg.hybrid_layer_pattern, expert_offset=expert_offset, num_local_experts=num_local_experts,
-            token_dispatcher_factory=token_dispatcher_factory, device="meta", dtype=dtype,
-        )
-        model.to_empty(device=device)
-        model.reset_buffers()
-        model.load_hybrid_tensors(folder, progress=progress)
-        return model

@@ -19,7 +19,8 @@ from torch import nn
 
 from gptoss_cli.errors import CheckpointError
 from gptoss_cli.model.config import GptOssArch
-from gptoss_cli.model.hybrid import build_layer, checkpoint_slots, layer_windows, read_hybrid_tensor, run_layer
+from gptoss_cli.checkpoint.load import read_hybrid_tensor
+from gptoss_cli.model.hybrid import build_layer, checkpoint_slots, layer_windows, run_layer
 from gptoss_cli.model.norm import RMSNorm
 from gptoss_cli.model.pattern import parse_pattern
 from gptoss_cli.model.rope import YarnRotaryEmbedding
@@ -124,7 +125,7 @@ class Ours:
             for name, dest in checkpoint_slots(module, prefix):
                 if name not in self.reader:
                     raise CheckpointError(f"{self.reader.folder}: tensor {name} is missing")
-                dest.copy_(read_hybrid_tensor(self.reader, name, tuple(dest.shape), self.arch))
+                dest.copy_(read_hybrid_tensor(self.reader, name, tuple(dest.shape)))
         return module.eval()
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
