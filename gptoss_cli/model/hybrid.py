@@ -36,6 +36,13 @@ from gptoss_cli.model.rope import YarnRotaryEmbedding
 IGNORE_INDEX = -100
 
 
+def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy of next-token labels in fp32, ignoring IGNORE_INDEX: the one definition of the
+    language-model loss (the model's forward, the schedule plan and the trainer's loss_func)."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                           ignore_index=IGNORE_INDEX, reduction=reduction)
+
+
 @dataclass
 class HybridOutput:
     logits: torch.Tensor  # [B, S, V]
@@ -182,7 +189,7 @@ class HybridModel(nn.Module):
     # --- capabilities ---------------------------------------------------------------------
     @classmethod
     def supports_schedule_plan(cls, pattern: str | None = None) -> tuple[bool, str]:
-        """Whether this model can build the EP A2A overlap schedule plan (section 5) for `pattern`:
+        """Whether this model can build the EP A2A overlap schedule plan for `pattern`:
         (True, "") when every symbol has plan nodes (`*`, `E`, `-`, grouped or not), else
         (False, reason naming the symbol)."""
         from gptoss_cli.model.schedule_plan import plan_support
@@ -194,13 +201,12 @@ class HybridModel(nn.Module):
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
-        **kwargs,
     ):
-        """One microbatch's combined-1F1B schedule plan (section 5): nodes per layer with detached
-        inputs; see gptoss_cli/model/schedule_plan.py (kwargs: wgrad_queue, loss_fn, sync_timing)."""
+        """One microbatch's combined-1F1B schedule plan: nodes per layer with detached inputs
+        (gptoss_cli/model/schedule_plan.py); the schedule configures it (`SchedulePlan.configure`)."""
         from gptoss_cli.model.schedule_plan import build_hybrid_schedule_plan
 
-        return build_hybrid_schedule_plan(self, input_ids, position_ids, labels, **kwargs)
+        return build_hybrid_schedule_plan(self, input_ids, position_ids, labels)
 
     # --- structure helpers ----------------------------------------------------------------
     def moe_layers(self) -> Iterator[tuple[int, MoELayer]]:
@@ -245,19 +251,18 @@ class HybridModel(nn.Module):
         cos, sin = self.rope(input_ids, position_ids, x.dtype)
         for layer in self.decoder.layers:
             x = run_layer(layer, x, cos, sin)
-        logits = self.head(x)
-        out = HybridOutput(logits=logits)
+        out = HybridOutput(logits=self.head(x))
         if collect:
             stats = [layer.router_stats for _, layer in self.moe_layers() if layer.router_stats is not None]
             if stats:
                 out.aux_loss = load_balancing_loss(stats, self.arch.num_local_experts)
+        return self.attach_losses(out, labels)
+
+    def attach_losses(self, out: HybridOutput, labels: torch.Tensor | None) -> HybridOutput:
+        """HF's convention: loss = mean token cross-entropy + aux_loss_coef * aux loss."""
         if labels is not None:
-            out.lm_loss = F.cross_entropy(
-                logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX
-            )
-            out.loss = out.lm_loss
-            if out.aux_loss is not None:
-                out.loss = out.lm_loss + self.aux_loss_coef * out.aux_loss
+            out.lm_loss = token_cross_entropy(out.logits, labels)
+            out.loss = out.lm_loss if out.aux_loss is None else out.lm_loss + self.aux_loss_coef * out.aux_loss
         return out
 
     # --- checkpoint names -----------------------------------------------------------------

@@ -40,7 +40,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 
 from gptoss_cli.errors import ConfigError
 from gptoss_cli.model.attention import AttentionLayer
@@ -51,7 +50,6 @@ from gptoss_cli.model.pattern import ATTENTION, LAYER_SYMBOLS, MLP, MOE, HybridP
 
 COMPUTE, COMM = "compute", "comm"
 PLAN_SYMBOLS = frozenset({ATTENTION, MOE, MLP})
-IGNORE_INDEX = -100
 
 
 def plan_support(pattern: str | HybridPattern | None) -> tuple[bool, str]:
@@ -186,8 +184,9 @@ class CommNode(PlanNode):
     def __init__(self, name: str, inputs: dict[str, Any], *, group: Any,
                  post: Callable[..., dict[str, Any]] | None = None, post_inputs: tuple[str, ...] = (),
                  comm_log: list | None = None, after_backward_start: Callable[[], Any] | None = None,
-                 sync_timing: bool = False, **kw: Any):
+                 sync_timing: bool = False, runs_wgrad: bool = False, **kw: Any):
         super().__init__(name, inputs, **kw)
+        self.runs_wgrad = runs_wgrad
         self.group = group
         self.post = post
         self.post_inputs = post_inputs
@@ -260,15 +259,30 @@ class CommNode(PlanNode):
 
 @dataclass
 class SchedulePlan:
-    """The nodes of one microbatch: `embedding`, `units` (one list of nodes per pattern group), `post`."""
+    """The nodes of one microbatch: `embedding`, `units` (one list of nodes per pattern group), `post`.
+
+    What the schedule decides is set with `configure` before the plan runs: the loss callback
+    (the forward_step's loss_func: model output -> (loss to back-propagate, extra)), the
+    delayed-wgrad queue, and whether comm nodes synchronise for timing (bench)."""
 
     embedding: ComputeNode
     units: list[list[PlanNode]]
     post: ComputeNode
     pattern: HybridPattern
-    # Set by the schedule: maps the model output (HybridOutput) to (loss to back-propagate, extra).
     loss_fn: Callable[[Any], tuple[torch.Tensor, Any]] | None = None
+    wgrad_queue: WgradQueue | None = None
     comm_log: list = field(default_factory=list)
+
+    def configure(self, *, loss_fn: Callable[[Any], tuple[torch.Tensor, Any]] | None = None,
+                  wgrad_queue: WgradQueue | None = None, sync_timing: bool = False) -> "SchedulePlan":
+        """Set the loss callback and, for the overlap schedule, delayed wgrad and timing sync."""
+        self.loss_fn, self.wgrad_queue = loss_fn, wgrad_queue
+        for node in self.nodes():
+            if isinstance(node, CommNode):
+                node.sync_timing = sync_timing
+                if node.runs_wgrad:  # the backward dispatch all-to-all hides the queued dW GEMMs
+                    node.after_backward_start = wgrad_queue.execute if wgrad_queue is not None else None
+        return self
 
     def nodes(self) -> list[PlanNode]:
         return [self.embedding, *(n for unit in self.units for n in unit), self.post]
@@ -285,8 +299,7 @@ class SchedulePlan:
             node.backward()
 
 
-def _moe_nodes(j: int, layer: MoELayer, x: Ref, collect: bool, wgrad_queue: WgradQueue | None,
-               comm_log: list, sync_timing: bool) -> list[PlanNode]:
+def _moe_nodes(plan: SchedulePlan, j: int, layer: MoELayer, x: Ref, collect: bool) -> list[PlanNode]:
     """The four nodes of an E layer, each calling its phases of the layer's token dispatcher."""
     d = layer.dispatcher()
     p = f"decoder.layers.{j}"
@@ -312,7 +325,7 @@ def _moe_nodes(j: int, layer: MoELayer, x: Ref, collect: bool, wgrad_queue: Wgra
 
     def experts(received: torch.Tensor, routing: Routing) -> dict[str, Any]:
         expert_input = d.dispatch_postprocess(received, routing)
-        y = layer.mlp.experts(expert_input, routing.tokens_per_expert, wgrad_queue=wgrad_queue,
+        y = layer.mlp.experts(expert_input, routing.tokens_per_expert, wgrad_queue=plan.wgrad_queue,
                               name=f"{p}.mlp.experts")
         return {"rows": d.combine_preprocess(y, routing)}
 
@@ -324,8 +337,7 @@ def _moe_nodes(j: int, layer: MoELayer, x: Ref, collect: bool, wgrad_queue: Wgra
     pre = ComputeNode(f"{p}.pre_dispatch", pre_dispatch, {"x": x}, layer=j, symbol=MOE)
     dispatch = CommNode(
         f"{p}.dispatch", {"x": Ref(pre, "permuted"), "send": Ref(pre, "send"), "recv": Ref(pre, "recv")},
-        group=group, comm_log=comm_log, sync_timing=sync_timing, layer=j, symbol=MOE,
-        after_backward_start=wgrad_queue.execute if wgrad_queue is not None else None,
+        group=group, comm_log=plan.comm_log, runs_wgrad=True, layer=j, symbol=MOE,
     )
     exp = ComputeNode(f"{p}.experts", experts, {"received": Ref(dispatch, "out"), "routing": Ref(pre, "routing")},
                       layer=j, symbol=MOE)
@@ -335,7 +347,7 @@ def _moe_nodes(j: int, layer: MoELayer, x: Ref, collect: bool, wgrad_queue: Wgra
         {"x": Ref(exp, "rows"), "send": Ref(pre, "recv"), "recv": Ref(pre, "send"),
          "prob_of_row": Ref(pre, "prob_of_row"), "routing": Ref(pre, "routing"), "residual": x},
         group=group, post=unpermute, post_inputs=("prob_of_row", "routing", "residual"),
-        comm_log=comm_log, sync_timing=sync_timing, layer=j, symbol=MOE,
+        comm_log=plan.comm_log, layer=j, symbol=MOE,
     )
     return [pre, dispatch, exp, combine]
 
@@ -345,12 +357,11 @@ def build_hybrid_schedule_plan(
     input_ids: torch.Tensor,
     position_ids: torch.Tensor | None = None,
     labels: torch.Tensor | None = None,
-    *,
-    wgrad_queue: Any = None,
-    loss_fn: Callable[[Any], tuple[torch.Tensor, Any]] | None = None,
-    sync_timing: bool = False,
 ) -> SchedulePlan:
-    """The plan of one microbatch for a HybridModel (see the module docstring). Nothing runs yet."""
+    """The plan of one microbatch for a HybridModel (see the module docstring). Nothing runs yet.
+
+    Without a loss callback (`SchedulePlan.configure`), `post` computes the model's own loss from
+    `labels` (`HybridModel.attach_losses`), so a plan can be checked against `model(...)`."""
     from gptoss_cli.model.hybrid import HybridOutput
 
     ok, reason = plan_support(model.pattern)
@@ -358,7 +369,6 @@ def build_hybrid_schedule_plan(
         raise ConfigError(f"hybrid_layer_pattern {model.pattern.text!r}: {reason}",
                           hint="turn overlap off: overlap.overlap_moe_expert_parallel_comm=false")
     collect = model.training and model.aux_loss_coef > 0
-    comm_log: list = []
 
     def embedding(input_ids: torch.Tensor, position_ids: torch.Tensor | None) -> dict[str, Any]:
         x = model.embed(input_ids)
@@ -366,8 +376,8 @@ def build_hybrid_schedule_plan(
         return {"hidden": x, "cos": cos, "sin": sin}
 
     emb = ComputeNode("embedding", embedding, {"input_ids": input_ids, "position_ids": position_ids})
+    plan = SchedulePlan(embedding=emb, units=[], post=None, pattern=model.pattern)  # type: ignore[arg-type]
     hidden: Ref = Ref(emb, "hidden")
-    units: list[list[PlanNode]] = []
     moe_nodes: list[ComputeNode] = []
     for start, end in model.pattern.groups:
         unit: list[PlanNode] = []
@@ -385,14 +395,14 @@ def build_hybrid_schedule_plan(
                                    {"x": hidden}, layer=j, symbol=MLP)
                 unit.append(node)
             elif isinstance(layer, MoELayer):
-                nodes = _moe_nodes(j, layer, hidden, collect, wgrad_queue, comm_log, sync_timing)
+                nodes = _moe_nodes(plan, j, layer, hidden, collect)
                 moe_nodes.append(nodes[0])
                 unit.extend(nodes)
                 node = nodes[-1]
             else:  # pragma: no cover - plan_support already rejected the symbol
                 raise ConfigError(f"decoder.layers.{j}: {type(layer).__name__} has no schedule-plan nodes")
             hidden = Ref(node, "hidden")
-        units.append(unit)
+        plan.units.append(unit)
 
     post_inputs: dict[str, Any] = {"hidden": hidden, "labels": labels}
     if collect:
@@ -401,22 +411,16 @@ def build_hybrid_schedule_plan(
             post_inputs[f"tokens_per_expert{i}"] = Ref(pre, "tokens_per_expert")
             post_inputs[f"stat_tokens{i}"] = Ref(pre, "stat_tokens")
 
-    plan = SchedulePlan(embedding=emb, units=units, post=None, pattern=model.pattern, loss_fn=loss_fn,  # type: ignore[arg-type]
-                        comm_log=comm_log)
-
     def post(hidden: torch.Tensor, labels: torch.Tensor | None, **stats: Any) -> dict[str, Any]:
         out = HybridOutput(logits=model.head(hidden))
         if collect and moe_nodes:
             out.aux_loss = load_balancing_loss(
                 [RouterStats(stats[f"tokens_per_expert{i}"], stats[f"prob_sum{i}"], stats[f"stat_tokens{i}"])
                  for i in range(len(moe_nodes))], model.arch.num_local_experts)
-        if labels is not None:
-            out.lm_loss = F.cross_entropy(out.logits.float().reshape(-1, out.logits.shape[-1]), labels.reshape(-1),
-                                          ignore_index=IGNORE_INDEX)
-            out.loss = out.lm_loss if out.aux_loss is None else out.lm_loss + model.aux_loss_coef * out.aux_loss
         if plan.loss_fn is not None:
             loss, extra = plan.loss_fn(out)
             return {"loss": loss, "extra": extra}
+        model.attach_losses(out, labels)
         return {"loss": out.loss, "extra": out}
 
     plan.post = ComputeNode("post", post, post_inputs, seed_key="loss")

@@ -8,6 +8,7 @@ to `<run_dir>/metrics.jsonl` (written by rank 0 from an all-gather, one line per
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -19,11 +20,11 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from gptoss_cli.errors import TrainingError
 from gptoss_cli.model.config import GptOssArch
-from gptoss_cli.parallel.grads import get_model_config
+from gptoss_cli.model.hybrid import IGNORE_INDEX, token_cross_entropy
+from gptoss_cli.parallel.grads import get_attr_wrapped_model, get_model_config
 from gptoss_cli.parallel.state import ParallelState, barrier, destroy_parallel, init_parallel
 from gptoss_cli.schedule import get_forward_backward_func
 from gptoss_cli.train.checkpointing import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -32,7 +33,6 @@ from gptoss_cli.train.optimizer import WarmupCosineLR
 from gptoss_cli.train.provider import HybridModelProvider, ModelRuntimeConfig
 from gptoss_cli.train.setup import OptimizerSettings, setup_model_and_optimizer
 
-IGNORE_INDEX = -100
 Progress = Callable[[dict[str, Any]], None]
 
 
@@ -90,23 +90,31 @@ class TrainResult:
     ep_size: int
 
 
-def forward_step(data_iterator: Iterator[Microbatch], model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """One microbatch: summed token cross-entropy (+ aux loss scaled by the microbatch's tokens)."""
+def forward_step(data_iterator: Iterator[Microbatch], model: torch.nn.Module,
+                 return_schedule_plan: bool = False) -> tuple[Any, Callable[[Any], tuple[torch.Tensor, torch.Tensor, dict]]]:
+    """Megatron's forward_step contract: one microbatch -> (model output, loss_func).
+
+    With `return_schedule_plan` (the overlap schedule asks for it) the output is the model's
+    schedule plan for the microbatch instead of its forward; the schedule runs the plan and calls
+    loss_func on its output. Either way the schedule decides when the loss is computed."""
     mb = next(data_iterator)
-    out = model(mb.tokens)
-    logits = out.logits
-    lm_sum = F.cross_entropy(
-        logits.float().reshape(-1, logits.shape[-1]), mb.labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
-    num_tokens = (mb.labels != IGNORE_INDEX).sum()
+    loss_func = functools.partial(microbatch_loss, mb.labels, get_model_config(model).aux_loss_coeff)
+    if return_schedule_plan:
+        return get_attr_wrapped_model(model, "build_schedule_plan")(mb.tokens), loss_func
+    return model(mb.tokens), loss_func
+
+
+def microbatch_loss(labels: torch.Tensor, aux_coeff: float, output: Any) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """(summed token cross-entropy + aux loss scaled by the microbatch's tokens, tokens, logs)."""
+    lm_sum = token_cross_entropy(output.logits, labels, reduction="sum")
+    num_tokens = (labels != IGNORE_INDEX).sum()
     loss_sum = lm_sum
     logs: dict[str, Any] = {"lm_loss_sum": lm_sum.detach()}
-    coeff = get_model_config(model).aux_loss_coeff
-    if out.aux_loss is not None and coeff > 0:
+    if output.aux_loss is not None and aux_coeff > 0:
         # The aux loss is a per-microbatch mean; weighting it by the microbatch's tokens keeps the
         # global per-token normalisation in finalize_model_grads exact.
-        loss_sum = lm_sum + coeff * out.aux_loss * num_tokens
-        logs["aux_loss"] = out.aux_loss.detach()
+        loss_sum = lm_sum + aux_coeff * output.aux_loss * num_tokens
+        logs["aux_loss"] = output.aux_loss.detach()
     return loss_sum, num_tokens, logs
 
 
