@@ -168,7 +168,12 @@ class HybridModel(nn.Module):
         self.aux_loss_coef = arch.router_aux_loss_coef
         windows = layer_windows(arch, self.pattern)
         self.embedding = nn.Module()
-        self.embedding.word_embeddings = nn.Embedding(arch.vocab_size, arch.hidden_size, device=device, dtype=dtype)
+        # Given weight: nn.Embedding's own normal_ init imports torch._dynamo on the meta device (about
+        # 2 s per process); init_weights_ below sets every value anyway.
+        self.embedding.word_embeddings = nn.Embedding(
+            arch.vocab_size, arch.hidden_size,
+            _weight=torch.empty(arch.vocab_size, arch.hidden_size, device=device, dtype=dtype),
+        )
         self.decoder = nn.Module()
         self.decoder.layers = nn.ModuleList(
             build_layer(

@@ -129,7 +129,8 @@ class Ours:
         return module.eval()
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        emb = nn.Embedding(self.arch.vocab_size, self.arch.hidden_size, device="meta", dtype=self.dtype)
+        shape = (self.arch.vocab_size, self.arch.hidden_size)  # given weight: see HybridModel's embedding
+        emb = nn.Embedding(*shape, _weight=torch.empty(shape, device="meta", dtype=self.dtype))
         emb = self._load(emb, "embedding.word_embeddings.")
         return emb(ids)
 
