@@ -70,11 +70,15 @@ _LAZY = object()
 
 
 def default_model_class() -> Any:
-    """gptoss_cli.model.hybrid.HybridModel, or None when it cannot be imported (yet)."""
+    """gptoss_cli.model.hybrid.HybridModel, imported when a rule first asks (it pulls in torch).
+
+    A model module that fails to import is a broken installation, not a model without a schedule
+    plan: the ImportError names the failure and surfaces as a crashed rule, never as a capability
+    verdict."""
     try:
-        from gptoss_cli.model.hybrid import HybridModel  # noqa: PLC0415 - lazy: the model may not exist yet
-    except Exception:  # a missing module or a broken one: either way there is no usable model class
-        return None
+        from gptoss_cli.model.hybrid import HybridModel  # noqa: PLC0415 - lazy: torch only when asked
+    except Exception as exc:
+        raise ImportError(f"gptoss_cli.model.hybrid cannot be imported: {type(exc).__name__}: {exc}") from exc
     return HybridModel
 
 
@@ -536,8 +540,8 @@ def schedule_plan_support(model_cls: Any, pattern: HybridPattern) -> tuple[bool,
     The agreed interface: a classmethod `supports_schedule_plan(pattern) -> (bool, reason)`
     next to `build_schedule_plan`. A class lacking either cannot run the overlap schedule.
     """
-    if model_cls is None:
-        return False, "gptoss_cli.model.hybrid.HybridModel cannot be imported"
+    if model_cls is None:  # only when a caller passes None: the default class raises if it cannot import
+        return False, "the model class given is None"
     name = getattr(model_cls, "__name__", repr(model_cls))
     if not callable(getattr(model_cls, "build_schedule_plan", None)):
         return False, f"{name} has no build_schedule_plan"

@@ -182,7 +182,7 @@ def test_capability_model_with_plan_passes():
         (PlanWithoutQuery, "no supports_schedule_plan"),
         (AttentionOnlyPlan, "no fine-grained callables for 'E'"),
         (RaisingQuery, "RuntimeError: boom"),
-        (None, "cannot be imported"),
+        (None, "the model class given is None"),
     ],
 )
 def test_capability_model_without_plan_is_an_error_with_both_flags_as_the_fix(model_cls, reason):
@@ -212,13 +212,38 @@ def test_capability_rule_asks_the_model_with_the_recipe_pattern():
 
 
 def test_capability_default_is_the_real_hybrid_model():
-    from gptoss_cli.recipe.rules import default_model_class, schedule_plan_support
+    from gptoss_cli.model.hybrid import HybridModel
+    from gptoss_cli.recipe.rules import default_model_class
 
-    cls = default_model_class()
+    assert default_model_class() is HybridModel
     cfg, ctx = make_ctx(overrides=OVERLAP)
-    ok, _ = schedule_plan_support(cls, ctx.pattern)
-    findings = schedule_plan_capability(cfg, ctx)  # model class resolved lazily
-    assert (findings == []) == ok
+    assert schedule_plan_capability(cfg, ctx) == []  # resolved lazily: HybridModel plans *E
+    cfg, ctx = make_ctx(overrides=[*OVERLAP, "model.hybrid_layer_pattern=*E|*E*E"])
+    (finding,) = schedule_plan_capability(cfg, ctx)
+    assert "does not split pipeline stages" in finding.message
+
+
+@pytest.fixture
+def broken_model_module(monkeypatch):
+    """gptoss_cli.model.hybrid as a broken installation leaves it: importing it fails."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "gptoss_cli.model.hybrid", None)  # import raises ImportError
+
+
+def test_broken_model_import_is_an_import_error_naming_the_module(broken_model_module):
+    from gptoss_cli.recipe.rules import default_model_class
+
+    with pytest.raises(ImportError) as info:
+        default_model_class()
+    assert str(info.value) == ("gptoss_cli.model.hybrid cannot be imported: ModuleNotFoundError: "
+                               "import of gptoss_cli.model.hybrid halted; None in sys.modules")
+
+
+def test_broken_model_import_is_reported_as_a_crash_not_as_a_capability_verdict(broken_model_module):
+    (finding,) = run_rule("overlap.schedule_plan", OVERLAP, model_class=None)
+    assert finding.message.startswith("rule crashed: ImportError: gptoss_cli.model.hybrid cannot be imported")
+    assert "schedule plan (" not in finding.message and "this is a bug in gptoss" in finding.hint
 
 
 # --- torch version -----------------------------------------------------------------------------
