@@ -163,19 +163,94 @@ def test_training_loss_is_transformers_loss_with_router_aux_loss(weights, reques
     torch.testing.assert_close((loss_sum / num_tokens).detach(), expected.loss, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("truncate", [False, True])
-def test_yarn_frequencies_match_transformers(truncate):
+# --- YaRN at the real head_dim 64 -----------------------------------------------------------------
+# config.json of openai/gpt-oss-120b as released on the Hub (the fields transformers reads)
+RELEASED_120B = {
+    "model_type": "gpt_oss", "num_hidden_layers": 36, "num_local_experts": 128, "num_experts_per_tok": 4,
+    "experts_per_token": 4, "hidden_size": 2880, "intermediate_size": 2880, "head_dim": 64,
+    "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 201088, "sliding_window": 128,
+    "layer_types": ["sliding_attention", "full_attention"] * 18, "max_position_embeddings": 131072,
+    "initial_context_length": 4096, "rms_norm_eps": 1e-05, "rope_theta": 150000, "swiglu_limit": 7.0,
+    "router_aux_loss_coef": 0.9, "attention_bias": True, "tie_word_embeddings": False,
+    "eos_token_id": 200002, "pad_token_id": 199999,
+    "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
+                     "rope_type": "yarn", "truncate": False},
+}
+# original/config.json of the same model (OpenAI's own layout and names)
+OPENAI_120B_ORIGINAL = {
+    "num_hidden_layers": 36, "num_experts": 128, "experts_per_token": 4, "vocab_size": 201088, "hidden_size": 2880,
+    "intermediate_size": 2880, "swiglu_limit": 7.0, "head_dim": 64, "num_attention_heads": 64,
+    "num_key_value_heads": 8, "sliding_window": 128, "initial_context_length": 4096, "rope_theta": 150000,
+    "rope_scaling_factor": 32.0, "rope_ntk_alpha": 1, "rope_ntk_beta": 32,
+}
+
+
+def transformers_yarn(hf_config: dict):
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from gptoss_cli.model.rope import yarn_inv_freq
-    from tests.model.conftest import tiny_hf_config
+    return ROPE_INIT_FUNCTIONS["yarn"](transformers.GptOssConfig(**hf_config))
 
-    cfg = tiny_hf_config()
-    cfg.rope_parameters["truncate"] = truncate
-    expected, scale = ROPE_INIT_FUNCTIONS["yarn"](cfg)
-    got, got_scale = yarn_inv_freq(TINY.replace(rope_truncate=truncate))
-    torch.testing.assert_close(got, expected, rtol=0, atol=0)
-    assert got_scale == pytest.approx(scale)
+
+@pytest.mark.parametrize("truncate", [False, True])
+def test_yarn_frequencies_match_transformers_at_head_dim_64(truncate):
+    from gptoss_cli.model.config import GptOssArch
+    from gptoss_cli.model.rope import yarn_inv_freq
+
+    cfg = {**RELEASED_120B, "rope_scaling": {**RELEASED_120B["rope_scaling"], "truncate": truncate}}
+    expected, scale = transformers_yarn(cfg)
+    got, got_scale = yarn_inv_freq(GptOssArch.from_hf_config(cfg))
+    assert got.shape == (32,) and torch.equal(got, expected)
+    assert got_scale == scale
+
+
+@pytest.mark.parametrize("key", ["rope_scaling", "rope_parameters"])
+def test_yarn_without_truncate_in_the_config_follows_transformers_default(key):
+    """A config.json whose YaRN block has no `truncate` is read by transformers as truncate=True."""
+    from gptoss_cli.model.config import GptOssArch
+    from gptoss_cli.model.rope import yarn_inv_freq
+
+    rope = {k: v for k, v in RELEASED_120B["rope_scaling"].items() if k != "truncate"}
+    cfg = {k: v for k, v in RELEASED_120B.items() if k != "rope_scaling"}
+    cfg[key] = rope if key == "rope_scaling" else {**rope, "rope_theta": cfg.pop("rope_theta")}
+    expected, _ = transformers_yarn(cfg)
+    got, _ = yarn_inv_freq(GptOssArch.from_hf_config(cfg))
+    assert torch.equal(got, expected)
+    assert not torch.equal(got, transformers_yarn(RELEASED_120B)[0])  # the default is not the released value
+
+
+# The same YaRN written both ways with every value off the 120B defaults, so a field read from the
+# wrong key (or a default standing in for it) shows: original/ -> the HF config.json it means.
+OPENAI_OTHER_ROPE = {"rope_theta": 50000, "rope_scaling_factor": 8.0, "initial_context_length": 2048,
+                     "rope_ntk_beta": 16, "rope_ntk_alpha": 2}
+HF_OTHER_ROPE = {"rope_theta": 50000, "max_position_embeddings": 16384,
+                 "rope_scaling": {"beta_fast": 16.0, "beta_slow": 2.0, "factor": 8.0,
+                                  "original_max_position_embeddings": 2048, "rope_type": "yarn", "truncate": False}}
+
+
+@pytest.mark.parametrize("rope", ["released", "other"])
+def test_openai_original_config_gives_the_rope_of_the_corresponding_hf_config(rope):
+    """original/config.json names YaRN differently (rope_ntk_beta/alpha, initial_context_length,
+    rope_scaling_factor) and never rounds the correction range: its frequencies, scale and cos/sin
+    must be transformers' for the HF config.json of the same model."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRotaryEmbedding
+
+    from gptoss_cli.model.config import GptOssArch
+    from gptoss_cli.model.rope import YarnRotaryEmbedding, yarn_inv_freq
+
+    original = {**OPENAI_120B_ORIGINAL, **(OPENAI_OTHER_ROPE if rope == "other" else {})}
+    hf_config = {**RELEASED_120B, **(HF_OTHER_ROPE if rope == "other" else {})}
+    arch = GptOssArch.from_openai_config(original)
+    assert arch.max_position_embeddings == hf_config["max_position_embeddings"]
+    expected, scale = transformers_yarn(hf_config)
+    got, got_scale = yarn_inv_freq(arch)
+    assert torch.equal(got, expected) and got_scale == scale
+    positions = torch.tensor([[0, 1, 127, 128, 2047, 4096, 16383, 131071]])
+    theirs = GptOssRotaryEmbedding(transformers.GptOssConfig(**hf_config))
+    ref_cos, ref_sin = theirs(torch.zeros(1, positions.shape[1], 64), positions)  # [1, S, 32]
+    cos, sin = YarnRotaryEmbedding(arch)(positions, torch.float32)
+    assert ref_cos.shape == cos.shape == (1, 8, 32)
+    torch.testing.assert_close(cos, ref_cos, rtol=0, atol=0)
+    torch.testing.assert_close(sin, ref_sin, rtol=0, atol=0)
 
 
 def test_yarn_truncate_flag_changes_frequencies():
