@@ -102,26 +102,20 @@ def test_exported_hf_folder_gives_the_source_logits_in_transformers(form, hf_bf1
     assert torch.equal(ours, ref)
 
 
-def test_vocab_padding_is_stripped_on_export(hybrid_from_bf16, tmp_path):
-    """Megatron pads embedding/output rows to a multiple of 128*TP; export must drop the padding."""
-    import shutil
+def test_vocab_padding_is_stripped_on_export(hf_bf16, hybrid_from_bf16, tmp_path):
+    """Megatron pads embedding/output rows to a multiple of 128*TP; export must drop the padding of
+    both and give back the HF source's rows."""
+    from tests.model.tiny_checkpoints import write_padded_hybrid
 
-    from safetensors.torch import save_file
+    from gptoss_cli.checkpoint.safetensors_io import CheckpointReader
 
-    padded = tmp_path / "padded"
-    shutil.copytree(hybrid_from_bf16, padded)
-    tensors = load_all(padded)
-    for name in ("embedding.word_embeddings.weight", "output_layer.weight"):
-        t = tensors[name]
-        tensors[name] = torch.cat([t, torch.full((1024 - t.shape[0], t.shape[1]), 9.0)])
-    for f in padded.glob("*.safetensors"):
-        f.unlink()
-    (padded / "model.safetensors.index.json").unlink()
-    save_file(tensors, str(padded / "model.safetensors"))
+    padded = write_padded_hybrid(hybrid_from_bf16, tmp_path / "padded")
+    with CheckpointReader(padded) as reader:
+        assert reader.shape("embedding.word_embeddings.weight")[0] == reader.shape("output_layer.weight")[0] == 1024
     convert(str(padded), tmp_path / "out", dtype="float32")
-    out = load_all(tmp_path / "out")
-    assert out["lm_head.weight"].shape[0] == 1003
-    assert torch.equal(out["lm_head.weight"], load_all(hybrid_from_bf16)["output_layer.weight"])
+    out, src = load_all(tmp_path / "out"), load_all(hf_bf16)
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        assert out[name].shape == (1003, 64) and torch.equal(out[name], src[name]), name
 
 
 @pytest.mark.parametrize("form", ["bf16", "mxfp4"])

@@ -25,6 +25,26 @@ def test_converted_checkpoint_logits_match_transformers(pair):
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+def test_vocab_padded_checkpoint_loads_the_unpadded_rows(pair, tmp_path):
+    """A Hybrid folder with Megatron's vocabulary padding (1024 rows for 1003 tokens) loads into the
+    1003-row model and computes transformers' logits of the unpadded source."""
+    from safetensors.torch import load_file
+
+    from tests.model.tiny_checkpoints import write_padded_hybrid
+
+    hf, hybrid = pair
+    model = model_from_checkpoint(write_padded_hybrid(hybrid, tmp_path / "padded")).eval()
+    src = load_file(str(hf / "model.safetensors"))
+    assert torch.equal(model.embedding.word_embeddings.weight, src["model.embed_tokens.weight"])
+    assert torch.equal(model.output_layer.weight, src["lm_head.weight"])
+    ids = tokens()
+    with torch.no_grad():
+        expected = load_hf_reference(hf)(ids).logits
+        got = model(ids).logits
+    assert got.shape[-1] == 1003
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_hf_checkpoint_loads_through_the_mapping(pair):
     hf, _ = pair
     ids = tokens()

@@ -85,3 +85,24 @@ def rewrite_hybrid(folder: Path, edit) -> None:
     index = Path(folder) / "model.safetensors.index.json"
     if index.exists():
         index.unlink()  # names may have changed; the reader falls back to the shard files
+
+
+PAD_FILL = 9.0  # padding rows hold this: large enough that any leak into lookups or logits shows
+
+
+def write_padded_hybrid(src: Path, dst: Path, rows: int = 1024) -> Path:
+    """A copy of Hybrid folder `src` whose embedding and output layer are padded, as Megatron pads
+    the vocabulary (to a multiple of 128 x TP rows), with rows of PAD_FILL after the real ones."""
+    import shutil
+
+    from gptoss_cli.checkpoint.mapping import VOCAB_PADDED_HYBRID
+
+    shutil.copytree(src, dst)
+
+    def pad(tensors):
+        for name in VOCAB_PADDED_HYBRID:
+            t = tensors[name]
+            tensors[name] = torch.cat([t, torch.full((rows - t.shape[0], t.shape[1]), PAD_FILL, dtype=t.dtype)])
+
+    rewrite_hybrid(dst, pad)
+    return Path(dst)
