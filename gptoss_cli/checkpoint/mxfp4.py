@@ -1,6 +1,6 @@
 """MXFP4 codec: GPT-OSS expert blocks/scales to dense values and back (OCP floor rule).
 
-Layout (gpt-oss-reference.md section 3): `blocks uint8 [..., G, 16]` holds 32 E2M1 codes per
+Layout (docs/checkpoint-layouts.md, "MXFP4"): `blocks uint8 [..., G, 16]` holds 32 E2M1 codes per
 group, low nibble = element 2j, high nibble = element 2j+1; `scales uint8 [..., G]` holds one
 UE8M0 exponent per group, value = code_value * 2**(scale - 127).
 

@@ -59,7 +59,7 @@ def test_aux_loss_matches_transformers_load_balancing_loss(hf_tiny):
     torch.testing.assert_close(out.aux_loss.detach(), hf_aux, rtol=1e-4, atol=1e-5)
 
 
-# --- the SwiGLU clamp (section 2): weights large enough that it is active ----------------------------
+# --- the SwiGLU clamp (docs/architecture.md, "Forward semantics"): weights that make it active ---
 CLAMP_SCALE = 15.0  # fc1 weights 15 x 0.08 = 1.2 randn: routed pre-activations have a std of about 10
 
 
@@ -84,7 +84,7 @@ def routed_preactivations(hf_layer, x: torch.Tensor) -> tuple[torch.Tensor, torc
     rows = torch.arange(x.shape[0])[:, None].expand_as(idx)
     gu = torch.einsum("th,thf->tf", x[rows.reshape(-1)], experts.gate_up_proj[idx.reshape(-1)])
     gu = gu + experts.gate_up_proj_bias[idx.reshape(-1)]
-    return gu[:, 0::2], gu[:, 1::2]  # interleaved on the last dim (section 3)
+    return gu[:, 0::2], gu[:, 1::2]  # interleaved (docs/checkpoint-layouts.md, "Hugging Face layout")
 
 
 def assert_clamp_active(gate: torch.Tensor, up: torch.Tensor) -> None:
