@@ -71,7 +71,7 @@ def plan_from_recipe(recipe: Any) -> TrainPlan:
 
 def default_nproc(recipe: Any) -> int:
     """Processes on this node when --nproc-per-node is not given: the recipe's world size."""
-    from gptoss_cli.recipe.rules import resolve_world_size
+    from gptoss_cli.recipe.sizes import resolve_world_size
 
     p = recipe.config.parallelism
     if p.nodes not in (None, 1):
@@ -95,7 +95,7 @@ def preflight_recipe(recipe: Any, world_size: int) -> Any:
 def _detect_gpu(device: str) -> str:
     import torch
 
-    from gptoss_cli.recipe.rules import gpu_from_device_name
+    from gptoss_cli.recipe.environment import gpu_from_device_name
 
     if device == "cpu" or not torch.cuda.is_available():
         return "none"

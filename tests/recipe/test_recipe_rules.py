@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+from dataclasses import replace
+
 import pytest
 
 from gptoss_cli.model.pattern import HybridPattern
@@ -172,7 +174,7 @@ class RaisingQuery(CapableModel):
 
 def test_capability_model_with_plan_passes():
     cfg, ctx = make_ctx(overrides=OVERLAP)
-    assert schedule_plan_capability(cfg, ctx, model_cls=CapableModel) == []
+    assert schedule_plan_capability(cfg, replace(ctx, model_class=CapableModel)) == []
 
 
 @pytest.mark.parametrize(
@@ -187,7 +189,7 @@ def test_capability_model_with_plan_passes():
 )
 def test_capability_model_without_plan_is_an_error_with_both_flags_as_the_fix(model_cls, reason):
     cfg, ctx = make_ctx(overrides=[*OVERLAP, "overlap.delay_wgrad_compute=true"])
-    (finding,) = schedule_plan_capability(cfg, ctx, model_cls=model_cls)
+    (finding,) = schedule_plan_capability(cfg, replace(ctx, model_class=model_cls))
     assert finding.severity == "error" and reason in finding.message
     assert "overlap.overlap_moe_expert_parallel_comm=false" in finding.hint
     assert "overlap.delay_wgrad_compute=false" in finding.hint
@@ -195,7 +197,7 @@ def test_capability_model_without_plan_is_an_error_with_both_flags_as_the_fix(mo
 
 def test_capability_not_asked_without_overlap():
     cfg, ctx = make_ctx()
-    assert schedule_plan_capability(cfg, ctx, model_cls=NoPlanModel) == []
+    assert schedule_plan_capability(cfg, replace(ctx, model_class=NoPlanModel)) == []
 
 
 def test_capability_rule_asks_the_model_with_the_recipe_pattern():
@@ -345,6 +347,6 @@ def test_missing_pretrained_weights_fail_at_launch(tmp_path):
     ("NVIDIA A100-SXM4-80GB", "a100"), ("Tesla T4", "auto"), (None, "none"),
 ])
 def test_gpu_generation_from_device_name(name, gpu):
-    from gptoss_cli.recipe.rules import gpu_from_device_name
+    from gptoss_cli.recipe.environment import gpu_from_device_name
 
     assert gpu_from_device_name(name) == gpu
