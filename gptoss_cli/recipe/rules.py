@@ -32,7 +32,7 @@ UNSUPPORTED = "unsupported"
 # unsupported.* rule goes quiet; nothing else needs to change.
 IMPLEMENTED = {
     "token_dispatchers": frozenset({"alltoall"}),
-    "fp8_recipes": frozenset({"none"}),  # the FP8 issue adds tensorwise/rowwise/mxfp8
+    "fp8_recipes": frozenset({"none", "tensorwise", "rowwise", "mxfp8"}),  # gptoss_cli/fp8/
     "checkpoint_formats": frozenset({"gptoss"}),
 }
 
@@ -713,7 +713,8 @@ def mxfp8_expert_bias(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     return [warning({"precision.fp8_recipe": "mxfp8"},
                     "GPT-OSS experts carry biases; a peer's MXFP8 grouped GEMM went NaN from step 1 "
                     "(scale saturation in the backward re-quantization)",
-                    "watch the first steps' loss and grad norm; compare against a bf16 run")]
+                    "watch the first steps' loss and grad norm; compare against a bf16 run (gptoss rounds MX "
+                    "scales up, so a block maximum never saturates, and adds expert biases outside the GEMM)")]
 
 
 # --- training, optimizer, data, checkpoints, system ------------------------------------------------
@@ -917,7 +918,7 @@ def unsupported_fp16(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
                          "set precision.params_dtype=bf16")]
 
 
-@rule("unsupported.fp8", "FP8 training recipes (until the FP8 work lands)", kind=UNSUPPORTED)
+@rule("unsupported.fp8", "FP8 recipes gptoss train does not implement", kind=UNSUPPORTED)
 def unsupported_fp8(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     r = cfg.precision.fp8_recipe
     if r in IMPLEMENTED["fp8_recipes"]:
