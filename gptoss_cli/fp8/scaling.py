@@ -36,6 +36,7 @@ synchronisation per quantised operand.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -102,8 +103,9 @@ def cast_saturating(scaled: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
 
 def check_finite(amax: torch.Tensor, where: str) -> None:
     """Raise when an amax is NaN or inf: the operand it came from holds a non-finite value."""
-    if not bool(torch.isfinite(amax).all()):
-        kind = "NaN" if bool(torch.isnan(amax).any()) else "inf"
+    largest = float(amax.max()) if amax.numel() else 0.0  # max propagates NaN
+    if not math.isfinite(largest):
+        kind = "NaN" if math.isnan(largest) else "inf"
         raise TrainingError(
             f"{where} contains {kind}; an FP8 cast would hide it (inf saturates to the format's max, "
             "NaN poisons its whole scale group), so the run stops here",
@@ -138,8 +140,10 @@ def quantize(x: torch.Tensor, fmt: Fp8Format, scaling: str, where: str = "FP8 op
         amax = blocks.abs().amax(dim=-1)
         check_finite(amax, where)
         biased = mx_exponents(amax, fmt)
-        # The multiplier that maps a block into range: 2^-e, or 1 for a block clamped to 2^-127.
-        rcp = torch.where(biased == 0, 1.0, torch.ldexp(torch.ones_like(amax), _E8M0_BIAS - biased.int()))
+        # The multiplier that maps a block into range: 2^-e from its bits, or 1 for a block clamped
+        # to 2^-127 (whose values are below the format's range anyway).
+        rcp = torch.bitwise_left_shift(2 * _E8M0_BIAS - biased.int(), 23).view(torch.float32)
+        rcp = torch.where(biased == 0, 1.0, rcp)
         data = cast_saturating(blocks * rcp.unsqueeze(-1), fmt).view(rows, k)
         return Quantized(data, biased, scaling, fmt)
     raise ValueError(f"unknown FP8 scaling {scaling!r} (one of {', '.join(SCALINGS)})")
@@ -164,8 +168,9 @@ def mx_exponents(amax: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
 
 
 def mx_scale_values(biased: torch.Tensor) -> torch.Tensor:
-    """UE8M0 bytes -> the fp32 powers of two 2^(byte - 127) they encode (byte 0 is 2^-127)."""
-    return torch.ldexp(torch.ones(biased.shape, device=biased.device), biased.int() - _E8M0_BIAS)
+    """UE8M0 bytes -> the fp32 powers of two 2^(byte - 127) they encode, built from the exponent bits
+    (byte 0, 2^-127, is below fp32's normal range and comes out as 0: its block holds only zeros)."""
+    return torch.bitwise_left_shift(biased.int(), 23).view(torch.float32)
 
 
 __all__ = ["Fp8Format", "E4M3", "E5M2", "MX_BLOCK", "SCALINGS", "Quantized", "quantize", "cast_saturating",
