@@ -76,7 +76,7 @@ class Fp8Numerics:
         qb = quantize(b.contiguous(), fb, self.scaling, f"{where} {names[1]}")
         try:
             out = run_kernel(self.kernel, qa, qb, out_dtype)
-        except RuntimeError as exc:
+        except (RuntimeError, ValueError) as exc:  # torch raises either for an unsupported configuration
             raise TrainingError(
                 f"{where}: the FP8 kernel {self.kernel} failed on a {list(a.shape)} x {list(b.shape)}^T GEMM "
                 f"({qa.fmt.name} x {qb.fmt.name}): {str(exc).splitlines()[0]}",
@@ -100,12 +100,9 @@ def run_kernel(kernel: str, qa: Quantized, qb: Quantized, out_dtype: torch.dtype
     if kernel == BLOCK_SCALED_MM:
         if qa.scaling != "mx":
             raise ValueError(f"{kernel} takes MX scales, not {qa.scaling}")
-        return F.scaled_mm(
-            qa.data, qb.data.t(),
-            swizzle_mx_scales(qa.scale).view(torch.float8_e8m0fnu), F.ScalingType.BlockWise1x32,
-            swizzle_mx_scales(qb.scale).view(torch.float8_e8m0fnu), F.ScalingType.BlockWise1x32,
-            swizzle_a=F.SwizzleType.SWIZZLE_32_4_4, swizzle_b=F.SwizzleType.SWIZZLE_32_4_4, output_dtype=out_dtype,
-        )
+        # The call torchao's MX linear makes on sm100: scales as UE8M0 in the swizzled layout.
+        return torch._scaled_mm(qa.data, qb.data.t(), swizzle_mx_scales(qa.scale).view(torch.float8_e8m0fnu),
+                                swizzle_mx_scales(qb.scale).view(torch.float8_e8m0fnu), out_dtype=out_dtype)
     raise ValueError(f"unknown FP8 kernel {kernel!r} (one of {', '.join(KERNELS)})")
 
 

@@ -19,7 +19,7 @@ import torch
 from gptoss_cli.errors import TrainingError
 from gptoss_cli.fp8.grouped import Fp8GroupedGemm
 from gptoss_cli.fp8.linear import Fp8LinearGemm
-from gptoss_cli.fp8.matmul import DEQUANTIZE, SCALED_MM, Fp8Numerics
+from gptoss_cli.fp8.matmul import BLOCK_SCALED_MM, DEQUANTIZE, SCALED_MM, Fp8Numerics
 from gptoss_cli.fp8.recipe import SCALING_OF, Fp8Settings, select_gemms
 from gptoss_cli.fp8.scaling import E4M3, E5M2
 from gptoss_cli.model.dense_gemm import linear
@@ -118,6 +118,16 @@ def test_cpu_scaled_mm_kernel_equals_the_dequantize_emulation(scaling):
     via_dequant = Fp8Numerics(scaling, E4M3, E5M2, DEQUANTIZE).matmul(a, b, **kw)
     scale = (a.abs() @ b.abs().t())
     assert torch.all((via_scaled_mm - via_dequant).abs() <= 4 * 160 * 2**-24 * scale)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a device without block-scaled kernels")
+def test_a_failing_native_kernel_is_an_error_never_a_fallback():
+    # torch has no block-scaled MX kernel on CPU: the GEMM must stop with the layer's name, not
+    # quietly compute something else.
+    numerics = Fp8Numerics("mx", E4M3, E4M3, BLOCK_SCALED_MM)
+    with pytest.raises(TrainingError, match="layers.1.mlp.experts.linear_fc2 fprop: the FP8 kernel block_scaled_mm failed"):
+        numerics.matmul(torch.randn(8, 64), torch.randn(16, 64), grad_operand=None,
+                        where="layers.1.mlp.experts.linear_fc2 fprop", names=("input", "weight"), out_dtype=torch.float32)
 
 
 def test_nan_in_a_layer_input_is_an_error_naming_the_layer_and_gemm():
