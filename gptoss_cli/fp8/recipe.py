@@ -36,6 +36,9 @@ FORMATS = ("e4m3", "hybrid")
 SCALING_OF = {"tensorwise": "tensor", "rowwise": "row", "mxfp8": "mx"}
 # (CUDA capability the native kernel needs, kernel)
 NATIVE_KERNELS = {"tensorwise": ((9, 0), SCALED_MM), "rowwise": ((9, 0), SCALED_MM), "mxfp8": ((10, 0), BLOCK_SCALED_MM)}
+NATIVE_NEEDS = {"tensorwise": "a CUDA GPU of compute capability 9.0+ (Hopper)",
+                "rowwise": "a CUDA GPU of compute capability 9.0+ (Hopper)",
+                "mxfp8": "a CUDA GPU of compute capability 10.0+ (Blackwell)"}
 NATIVE, EMULATED = "native", "emulated"
 
 
@@ -123,11 +126,6 @@ def select_gemms(settings: Fp8Settings, device: torch.device | str) -> Fp8Gemms 
         gradient=E5M2 if settings.fp8_format == "hybrid" else E4M3, kernel=kernel,
     )
     return Fp8Gemms(settings=settings, numerics=numerics, path=path, device=_device_name(device))
-
-
-NATIVE_NEEDS = {"tensorwise": "a CUDA GPU of compute capability 9.0+ (Hopper)",
-                "rowwise": "a CUDA GPU of compute capability 9.0+ (Hopper)",
-                "mxfp8": "a CUDA GPU of compute capability 10.0+ (Blackwell)"}
 
 
 def _device_name(device: torch.device) -> str:
