@@ -25,9 +25,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from gptoss_cli.errors import ConfigError
-from gptoss_cli.model.attention import AttentionLayer
+from gptoss_cli.model.attention import AttentionLayer, LayerNormLinear
 from gptoss_cli.model.config import GptOssArch
+from gptoss_cli.model.dense_gemm import DenseGemm, Linear
 from gptoss_cli.model.dispatcher import AllToAllTokenDispatcher
+from gptoss_cli.model.grouped_gemm import GroupedGemm
 from gptoss_cli.model.moe import DenseMLPLayer, ExpertLinear, MoELayer, load_balancing_loss
 from gptoss_cli.model.norm import RMSNorm
 from gptoss_cli.model.pattern import ATTENTION, MLP, MOE, HybridPattern, parse_pattern
@@ -142,6 +144,32 @@ def checkpoint_slots(
             yield f"{prefix}{owner_name}.{leaf}{e}", (param[local] if held else None)
 
 
+def set_gemms(
+    module: nn.Module,
+    *,
+    dense: Callable[[str], DenseGemm] | None = None,
+    grouped: Callable[[str], GroupedGemm] | None = None,
+) -> list[str]:
+    """Choose the numerics of the transformer layers' GEMMs: `dense(name)` gives the gemm of each
+    linear projection (attention's `linear_qkv` and `linear_proj`, a `-` layer's MLP),
+    `grouped(name)` that of each experts' `linear_fc1` / `linear_fc2`; None restores the default.
+    `name` is the layer's parameter prefix, which low-precision gemms use in their errors.
+
+    The router, embeddings, output layer, norms and sinks keep the model's dtype (they are not
+    these module types). Returns the names of the layers that got a gemm."""
+    named: list[str] = []
+    for name, m in module.named_modules():
+        if isinstance(m, (Linear, LayerNormLinear)):
+            m.gemm = dense(name) if dense is not None else None
+        elif isinstance(m, ExpertLinear):
+            m.gemm = grouped(name) if grouped is not None else None
+        else:
+            continue
+        if m.gemm is not None:
+            named.append(name)
+    return named
+
+
 class HybridModel(nn.Module):
     """GPT-OSS as a Hybrid layer stack.
 
@@ -222,6 +250,11 @@ class HybridModel(nn.Module):
     def set_token_dispatchers(self, factory: Callable[[int, MoELayer], AllToAllTokenDispatcher]) -> None:
         for j, layer in self.moe_layers():
             layer.token_dispatcher = factory(j, layer)
+
+    def set_gemms(self, *, dense: Callable[[str], DenseGemm] | None = None,
+                  grouped: Callable[[str], GroupedGemm] | None = None) -> list[str]:
+        """The numerics of the attention projections and expert GEMMs; see `set_gemms`."""
+        return set_gemms(self, dense=dense, grouped=grouped)
 
     def reset_buffers(self) -> None:
         """Recompute non-persistent buffers (after `to_empty` from the meta device)."""

@@ -27,7 +27,8 @@ from torch import nn
 from gptoss_cli.errors import ConfigError
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.model.dispatcher import AllToAllTokenDispatcher, expert_counts
-from gptoss_cli.model.grouped_gemm import WgradQueue, grouped_linear
+from gptoss_cli.model.dense_gemm import Linear
+from gptoss_cli.model.grouped_gemm import GroupedGemm, WgradQueue, grouped_linear
 from gptoss_cli.model.norm import RMSNorm
 
 
@@ -76,7 +77,11 @@ class ExpertLinear(nn.Module):
     state_dict() and load_state_dict() speak the checkpoint's per-expert names with GLOBAL expert
     ids (`weight{e}`, `bias{e}` for e in [expert_offset, expert_offset + E_local)), so a layer that
     holds a slice of the experts under expert parallelism saves and loads its own slice.
+
+    `gemm` computes its grouped GEMMs (model/grouped_gemm.py; None: the default numerics).
     """
+
+    gemm: GroupedGemm | None = None
 
     def __init__(self, num_local_experts: int, expert_offset: int, out_features: int, in_features: int,
                  device=None, dtype=None):
@@ -144,10 +149,11 @@ class GroupedExperts(nn.Module):
         """expert_input [N, H] sorted by local expert, counts [E_local] -> fc2 output [N, H] (with bias,
         before the routing weight). With `wgrad_queue` the weight gradients wait in the queue
         (delayed wgrad); `name` (the layer's parameter prefix) names them in errors."""
-        gate_up = grouped_linear(expert_input, self.linear_fc1.weight, self.linear_fc1.bias, tokens_per_expert,
+        fc1, fc2 = self.linear_fc1, self.linear_fc2
+        gate_up = grouped_linear(expert_input, fc1.weight, fc1.bias, tokens_per_expert, gemm=fc1.gemm,
                                  wgrad_queue=wgrad_queue, name=f"{name}.linear_fc1")
         act = clamped_swiglu(gate_up, self.limit, self.alpha)
-        return grouped_linear(act, self.linear_fc2.weight, self.linear_fc2.bias, tokens_per_expert,
+        return grouped_linear(act, fc2.weight, fc2.bias, tokens_per_expert, gemm=fc2.gemm,
                               wgrad_queue=wgrad_queue, name=f"{name}.linear_fc2")
 
 
@@ -277,8 +283,8 @@ class DenseMLPLayer(nn.Module):
         h, i = arch.hidden_size, arch.intermediate_size
         self.pre_mlp_layernorm = RMSNorm(h, arch.rms_norm_eps, device, dtype)
         self.mlp = nn.Module()
-        self.mlp.linear_fc1 = nn.Linear(h, 2 * i, bias=True, device=device, dtype=dtype)
-        self.mlp.linear_fc2 = nn.Linear(i, h, bias=True, device=device, dtype=dtype)
+        self.mlp.linear_fc1 = Linear(h, 2 * i, bias=True, device=device, dtype=dtype)
+        self.mlp.linear_fc2 = Linear(i, h, bias=True, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         act = clamped_swiglu(self.mlp.linear_fc1(self.pre_mlp_layernorm(x)), self.limit, self.alpha)

@@ -22,6 +22,7 @@ from typing import Any
 
 from gptoss_cli import errors
 from gptoss_cli.errors import ConfigError, GptossError, TrainingError
+from gptoss_cli.fp8.recipe import Fp8Settings
 from gptoss_cli.parallel.state import torchrun_env
 from gptoss_cli.train.loop import Progress, TrainPlan, TrainResult, run_worker
 
@@ -40,6 +41,7 @@ def plan_from_recipe(recipe: Any) -> TrainPlan:
         device=cfg.system.device,
         backend=cfg.parallelism.backend,
         params_dtype=cfg.precision.params_dtype,
+        fp8=Fp8Settings.from_precision(cfg.precision),
         aux_loss_coeff=cfg.moe.aux_loss_coeff,
         overlap_moe_expert_parallel_comm=cfg.overlap.overlap_moe_expert_parallel_comm,
         delay_wgrad_compute=cfg.overlap.delay_wgrad_compute,

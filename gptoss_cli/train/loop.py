@@ -48,6 +48,7 @@ class TrainPlan:
     device: str = "auto"
     backend: str = "auto"
     params_dtype: str = "fp32"
+    fp8: Any = None  # gptoss_cli.fp8.Fp8Settings (precision.fp8_*), None or fp8_recipe=none: no FP8
     aux_loss_coeff: float = 0.0
     overlap_moe_expert_parallel_comm: bool = False
     delay_wgrad_compute: bool = False
@@ -88,6 +89,7 @@ class TrainResult:
     resumed_from: str | None
     world_size: int
     ep_size: int
+    fp8: dict[str, Any] | None = None  # recipe, format, path (native/emulated), kernel, FP8 GEMMs run (rank 0)
 
 
 def forward_step(data_iterator: Iterator[Microbatch], model: torch.nn.Module,
@@ -172,7 +174,7 @@ def _train(plan: TrainPlan, state: ParallelState, progress: Progress | None) -> 
     run_dir = Path(plan.run_dir)
     runtime = ModelRuntimeConfig(
         arch=plan.arch, hybrid_layer_pattern=plan.hybrid_layer_pattern, params_dtype=plan.params_dtype,
-        aux_loss_coeff=plan.aux_loss_coeff, expert_model_parallel_size=plan.ep_size,
+        fp8=plan.fp8, aux_loss_coeff=plan.aux_loss_coeff, expert_model_parallel_size=plan.ep_size,
         overlap_moe_expert_parallel_comm=plan.overlap_moe_expert_parallel_comm,
         delay_wgrad_compute=plan.delay_wgrad_compute,
     )
@@ -204,10 +206,11 @@ def _train(plan: TrainPlan, state: ParallelState, progress: Progress | None) -> 
         (run_dir / "recipe.json").write_text(json.dumps(plan.recipe, indent=2, default=str) + "\n")
     metrics = MetricsWriter(run_dir, state)
     schedule = get_forward_backward_func(setup.config)
+    fp8 = setup.config.extra.get("fp8")  # the FP8 gemms the provider selected: which path runs, what ran
     emit = progress if (progress is not None and state.rank == 0) else None
     if emit:
         emit({"kind": "start", "start_step": start_step, "train_iters": plan.train_iters, "world_size": state.world_size,
-              "ep_size": state.ep_size, "resumed_from": resumed_from})
+              "ep_size": state.ep_size, "resumed_from": resumed_from, "fp8": fp8.describe() if fp8 else None})
 
     losses: list[float] = []
     norms: list[float] = []
@@ -243,6 +246,8 @@ def _train(plan: TrainPlan, state: ParallelState, progress: Progress | None) -> 
         done = step + 1
         common = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens / dt,
                   "step_time_s": dt, "consumed_samples": data.consumed_samples}
+        if fp8 is not None:
+            common["fp8"] = fp8.summary()
         metrics.write(done, common, [float(local[0]), float(local[1]), dt])
         if emit and (done % plan.log_interval == 0 or done == plan.train_iters):
             emit({"kind": "step", "step": done, **common})
@@ -261,7 +266,7 @@ def _train(plan: TrainPlan, state: ParallelState, progress: Progress | None) -> 
         steps=len(losses), final_step=max(start_step, plan.train_iters), losses=losses, grad_norms=norms,
         tokens_per_s=(tokens_total / time_total) if time_total else 0.0, run_dir=str(run_dir),
         checkpoint=str(last_ckpt) if last_ckpt else None, resumed_from=resumed_from,
-        world_size=state.world_size, ep_size=state.ep_size,
+        world_size=state.world_size, ep_size=state.ep_size, fp8=fp8.summary() if fp8 else None,
     )
     if emit:
         emit({"kind": "end", **asdict(result)})

@@ -5,6 +5,9 @@ it builds keeps its own deep copy as `model.config`, which is the object the sch
 (`get_model_config(model)`). Training callbacks must therefore be installed on that copy, never on
 `provider.config` (see `gptoss_cli.train.setup.install_training_callbacks`).
 
+With `precision.fp8_recipe` set, the attention projections and expert GEMMs get FP8 gemms
+(gptoss_cli/fp8/recipe.py, `select_gemms`) for this rank's device.
+
 Weights come from one of: a seed (every tensor drawn from a generator seeded by the seed and the
 tensor's checkpoint name, so any EP layout gets the same initial model), a Hybrid checkpoint
 (each rank reads only its own experts' tensors) or a Hugging Face checkpoint (mapped on the fly).
@@ -33,6 +36,7 @@ class ModelRuntimeConfig:
     arch: GptOssArch
     hybrid_layer_pattern: str
     params_dtype: str = "fp32"
+    fp8: Any = None  # gptoss_cli.fp8.Fp8Settings; the provider gives the model its FP8 gemms
     aux_loss_coeff: float = 0.0
     expert_model_parallel_size: int = 1
     overlap_moe_expert_parallel_comm: bool = False
@@ -77,8 +81,16 @@ class HybridModelProvider:
             init_weights_(model, arch.initializer_range, self.seed)
         else:
             load_weights(model, self.weights)
+        gemms = None
+        if cfg.fp8 is not None and cfg.fp8.enabled:
+            from gptoss_cli.fp8 import select_gemms
+
+            gemms = select_gemms(cfg.fp8, state.device)  # ConfigError: no native kernel, no emulation
+            model.set_gemms(dense=gemms.dense, grouped=gemms.grouped)
         # The model keeps its own copy of the config (as canonical providers do).
         model.config = copy.deepcopy(cfg)
+        if gemms is not None:
+            model.config.extra["fp8"] = gemms  # the run reports its path and GEMM counts from here
         return model
 
 

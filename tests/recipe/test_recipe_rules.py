@@ -102,15 +102,14 @@ CASES = {
     "unsupported.token_dropping": (["moe.capacity_factor=1.0"], "error", []),
     "unsupported.router_dtype": (["moe.router_dtype=fp32"], "error", ["moe.router_dtype=null"]),
     "unsupported.fp16": (["precision.params_dtype=fp16"], "error", ["precision.params_dtype=bf16"]),
-    "unsupported.fp8": (MX, "error", []),
     "unsupported.cuda_graphs": (["cuda_graphs.cuda_graph_impl=local", "system.device=cuda"], "error", []),
     "unsupported.recompute": (
         ["recompute.recompute_granularity=selective", "recompute.recompute_modules=[core_attn]"], "error", []),
     "unsupported.grad_overlap": (["overlap.overlap_grad_reduce=true"], "error", []),
     "unsupported.checkpoint_format": (["checkpoint.format=torch_dist"], "error", []),
 }
-# Tested with their own context below (a model class, a torch version).
-SPECIAL = {"overlap.schedule_plan", "overlap.torch_version"}
+# Tested with their own context below (a model class, a torch version, what is implemented).
+SPECIAL = {"overlap.schedule_plan", "overlap.torch_version", "unsupported.fp8"}
 
 
 def test_every_registered_rule_has_a_test_case():
@@ -302,6 +301,20 @@ def test_fp8_unknown_gpu_is_a_warning_until_launch():
 
 def test_tensorwise_fp8_runs_natively_on_hopper():
     assert run_rule("fp8.native_gpu", ["precision.fp8_recipe=tensorwise", "system.device=cuda", "system.gpu=h100"]) == []
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "mxfp8"])
+def test_every_fp8_recipe_of_the_schema_is_implemented(recipe):
+    assert run_rule("unsupported.fp8", [f"precision.fp8_recipe={recipe}"]) == []
+
+
+def test_an_fp8_recipe_missing_from_implemented_is_unsupported(monkeypatch):
+    from gptoss_cli.recipe import rules
+
+    monkeypatch.setitem(rules.IMPLEMENTED, "fp8_recipes", frozenset({"none", "tensorwise"}))
+    (finding,) = run_rule("unsupported.fp8", MX)
+    assert (finding.severity, finding.kind, finding.fields) == ("error", UNSUPPORTED, {"precision.fp8_recipe": "mxfp8"})
+    assert finding.hint == "set precision.fp8_recipe=none"
 
 
 def test_cuda_with_gloo_is_a_warning():

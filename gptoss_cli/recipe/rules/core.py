@@ -30,7 +30,7 @@ UNSUPPORTED = "unsupported"
 # unsupported.* rule goes quiet; nothing else needs to change.
 IMPLEMENTED = {
     "token_dispatchers": frozenset({"alltoall"}),
-    "fp8_recipes": frozenset({"none"}),  # the FP8 issue adds tensorwise/rowwise/mxfp8
+    "fp8_recipes": frozenset({"none", "tensorwise", "rowwise", "mxfp8"}),  # gptoss_cli/fp8/
     "checkpoint_formats": frozenset({"gptoss"}),
 }
 

@@ -56,4 +56,5 @@ def mxfp8_expert_bias(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     return [warning({"precision.fp8_recipe": "mxfp8"},
                     "GPT-OSS experts carry biases; a peer's MXFP8 grouped GEMM went NaN from step 1 "
                     "(scale saturation in the backward re-quantization)",
-                    "watch the first steps' loss and grad norm; compare against a bf16 run")]
+                    "watch the first steps' loss and grad norm; compare against a bf16 run (gptoss rounds MX "
+                    "scales up, so a block maximum never saturates, and adds expert biases outside the GEMM)")]

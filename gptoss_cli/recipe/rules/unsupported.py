@@ -70,7 +70,7 @@ TABLE: tuple[Unsupported, ...] = (
         lambda c, x: c.precision.params_dtype != "fp16",
         lambda c: "fp16 training (dynamic loss scaling)", "set precision.params_dtype=bf16"),
     Unsupported(
-        "fp8", "FP8 training recipes not implemented in gptoss", ("precision.fp8_recipe",),
+        "fp8", "FP8 recipes gptoss train does not implement", ("precision.fp8_recipe",),
         lambda c, x: c.precision.fp8_recipe in IMPLEMENTED["fp8_recipes"],
         lambda c: f"FP8 recipe {c.precision.fp8_recipe!r}", "set precision.fp8_recipe=none"),
     Unsupported(
