@@ -17,58 +17,12 @@ import logging
 import os
 import socket
 import uuid
-from pathlib import Path
 from typing import Any
 
 from gptoss_cli import errors
 from gptoss_cli.errors import ConfigError, GptossError, TrainingError
-from gptoss_cli.fp8.recipe import Fp8Settings
 from gptoss_cli.parallel.state import torchrun_env
-from gptoss_cli.train.loop import Progress, TrainPlan, TrainResult, run_worker
-
-
-def plan_from_recipe(recipe: Any) -> TrainPlan:
-    """The worker's resolved plan from a loaded `gptoss_cli.recipe.load.Recipe`."""
-    cfg = recipe.config
-    name = cfg.name or (recipe.path.stem if recipe.path else "run")
-    t, o, d, c = cfg.training, cfg.optimizer, cfg.data, cfg.checkpoint
-    return TrainPlan(
-        name=name,
-        arch=recipe.arch,
-        hybrid_layer_pattern=recipe.pattern.text,
-        run_dir=str(Path(cfg.logging.run_dir or Path("runs") / name)),
-        ep_size=cfg.parallelism.expert_model_parallel_size,
-        device=cfg.system.device,
-        backend=cfg.parallelism.backend,
-        params_dtype=cfg.precision.params_dtype,
-        fp8=Fp8Settings.from_precision(cfg.precision),
-        aux_loss_coeff=cfg.moe.aux_loss_coeff,
-        overlap_moe_expert_parallel_comm=cfg.overlap.overlap_moe_expert_parallel_comm,
-        delay_wgrad_compute=cfg.overlap.delay_wgrad_compute,
-        seq_length=t.seq_length,
-        micro_batch_size=t.micro_batch_size,
-        global_batch_size=t.global_batch_size,
-        train_iters=t.train_iters,
-        lr=t.lr,
-        min_lr=t.min_lr,
-        warmup_iters=t.warmup_iters,
-        lr_decay_style=t.lr_decay_style,
-        lr_decay_iters=t.lr_decay_iters,
-        seed=t.seed,
-        weight_decay=o.weight_decay,
-        betas=(o.adam_beta1, o.adam_beta2),
-        eps=o.adam_eps,
-        clip_grad=o.clip_grad,
-        use_distributed_optimizer=o.use_distributed_optimizer,
-        data_kind=d.kind,
-        data_path=d.path,
-        checkpoint_dir=c.dir,
-        save_interval=c.save_interval,
-        resume=c.resume,
-        pretrained=c.pretrained,
-        log_interval=cfg.logging.log_interval,
-        recipe=recipe.to_dict(),
-    )
+from gptoss_cli.train.loop import Progress, TrainJob, TrainResult, run_worker
 
 
 def default_nproc(recipe: Any) -> int:
@@ -114,15 +68,15 @@ def train(recipe: Any, *, nproc_per_node: int | None = None, progress: Progress 
                 hint="drop --nproc-per-node when running under torchrun",
             )
         preflight_recipe(recipe, env["WORLD_SIZE"])
-        return run_worker(plan_from_recipe(recipe), progress)
+        return run_worker(TrainJob.from_recipe(recipe), progress)
     nproc = nproc_per_node if nproc_per_node is not None else default_nproc(recipe)
     if nproc < 1:
         raise ConfigError(f"--nproc-per-node {nproc} must be at least 1")
     preflight_recipe(recipe, nproc)
-    plan = plan_from_recipe(recipe)
+    job = TrainJob.from_recipe(recipe)
     if nproc == 1:
-        return run_worker(plan, progress)
-    return launch_local(plan, nproc, progress)
+        return run_worker(job, progress)
+    return launch_local(job, nproc, progress)
 
 
 def _free_port() -> int:
@@ -131,10 +85,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker_entry(plan: TrainPlan, progress: Progress | None) -> TrainResult:
+def _worker_entry(job: TrainJob, progress: Progress | None) -> TrainResult:
     """Body of one elastic worker: a GptossError is recorded for the agent as one line, no traceback."""
     try:
-        return run_worker(plan, progress)
+        return run_worker(job, progress)
     except GptossError as exc:
         from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
@@ -147,7 +101,7 @@ def _worker_entry(plan: TrainPlan, progress: Progress | None) -> TrainResult:
         raise
 
 
-def launch_local(plan: TrainPlan, nproc: int, progress: Progress | None = None, *, timeout_s: float = 900) -> TrainResult:
+def launch_local(job: TrainJob, nproc: int, progress: Progress | None = None, *, timeout_s: float = 900) -> TrainResult:
     """Start `nproc` workers on this node with the elastic launcher; rank 0's result."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -164,7 +118,7 @@ def launch_local(plan: TrainPlan, nproc: int, progress: Progress | None = None, 
     for log in quiet:
         log.setLevel(logging.CRITICAL)
     try:
-        results = elastic_launch(config, _worker_entry)(plan, progress)
+        results = elastic_launch(config, _worker_entry)(job, progress)
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
         raise _worker_error(rank, failure) from None
@@ -189,4 +143,4 @@ def _worker_error(rank: int, failure: Any) -> GptossError:
     return TrainingError(f"worker rank {rank} failed: {message}", hint="see the worker's output above")
 
 
-__all__ = ["train", "plan_from_recipe", "launch_local", "preflight_recipe", "default_nproc"]
+__all__ = ["train", "launch_local", "preflight_recipe", "default_nproc"]

@@ -1,7 +1,7 @@
 """The training loop of one rank: setup, resume, steps through the selected schedule, checkpoints, metrics.
 
-`TrainPlan` is everything a worker needs, resolved from the recipe in the launching process (it
-is plain, picklable data). `run_worker(plan, progress)` joins the process group, trains and returns
+`TrainJob` is everything a worker needs: the recipe's typed config, resolved in the launching
+process (plain, picklable data). `run_worker(job, progress)` joins the process group, trains and returns
 a `TrainResult`; only rank 0 calls `progress(event)` (the CLI renders it), every rank's metrics go
 to `<run_dir>/metrics.jsonl` (written by rank 0 from an all-gather, one line per rank and step).
 """
@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from gptoss_cli.errors import TrainingError
 from gptoss_cli.model.config import GptOssArch
+from gptoss_cli.recipe.schema import RecipeConfig
 from gptoss_cli.model.hybrid import IGNORE_INDEX, token_cross_entropy
 from gptoss_cli.parallel.grads import get_attr_wrapped_model, get_model_config
 from gptoss_cli.parallel.state import ParallelState, barrier, destroy_parallel, init_parallel
@@ -31,50 +32,32 @@ from gptoss_cli.train.checkpointing import latest_checkpoint, load_checkpoint, s
 from gptoss_cli.train.data import DataLoaderState, Microbatch, build_source
 from gptoss_cli.train.optimizer import WarmupCosineLR
 from gptoss_cli.train.provider import HybridModelProvider, ModelRuntimeConfig
-from gptoss_cli.train.setup import OptimizerSettings, setup_model_and_optimizer
+from gptoss_cli.train.setup import setup_model_and_optimizer
 
 Progress = Callable[[dict[str, Any]], None]
 
 
 @dataclass
-class TrainPlan:
-    """A resolved training run (from a recipe; see `plan_from_recipe`)."""
+class TrainJob:
+    """A resolved training run: the recipe's typed config and what was resolved from it.
 
-    name: str
+    `config` is the one source of every setting and default (gptoss_cli/recipe/schema.py); the
+    worker reads its sections directly. Plain, picklable data: it travels to spawned workers."""
+
+    config: RecipeConfig
     arch: GptOssArch
     hybrid_layer_pattern: str
+    name: str
     run_dir: str
-    ep_size: int = 1
-    device: str = "auto"
-    backend: str = "auto"
-    params_dtype: str = "fp32"
-    fp8: Any = None  # gptoss_cli.fp8.Fp8Settings (precision.fp8_*), None or fp8_recipe=none: no FP8
-    aux_loss_coeff: float = 0.0
-    overlap_moe_expert_parallel_comm: bool = False
-    delay_wgrad_compute: bool = False
-    seq_length: int = 64
-    micro_batch_size: int = 1
-    global_batch_size: int = 8
-    train_iters: int = 10
-    lr: float = 3e-4
-    min_lr: float = 3e-5
-    warmup_iters: int = 0
-    lr_decay_style: str = "cosine"
-    lr_decay_iters: int | None = None
-    seed: int = 1234
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    clip_grad: float = 1.0
-    use_distributed_optimizer: bool = True
-    data_kind: str = "mock"
-    data_path: str | None = None
-    checkpoint_dir: str | None = None
-    save_interval: int | None = None
-    resume: bool = True
-    pretrained: str | None = None
-    log_interval: int = 1
-    recipe: dict[str, Any] = field(default_factory=dict)
+    recipe: dict[str, Any] = field(default_factory=dict)  # the resolved recipe as plain data, for the run dir
+
+    @classmethod
+    def from_recipe(cls, recipe: Any) -> "TrainJob":
+        """From a loaded `gptoss_cli.recipe.load.Recipe`."""
+        cfg = recipe.config
+        name = cfg.name or (recipe.path.stem if recipe.path else "run")
+        return cls(config=cfg, arch=recipe.arch, hybrid_layer_pattern=recipe.pattern.text, name=name,
+                   run_dir=str(Path(cfg.logging.run_dir or Path("runs") / name)), recipe=recipe.to_dict())
 
 
 @dataclass
@@ -156,46 +139,39 @@ class MetricsWriter:
                                      "rank_step_time_s": local_d["step_time_s"]}) + "\n")
 
 
-def run_worker(plan: TrainPlan, progress: Progress | None = None) -> TrainResult:
+def run_worker(job: TrainJob, progress: Progress | None = None) -> TrainResult:
     """Train on this process (rank from the torchrun environment, or a single process)."""
     if os.environ.get("OMP_NUM_THREADS") is None and "LOCAL_WORLD_SIZE" in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
     owns_group = not dist.is_initialized()
-    state = init_parallel(plan.ep_size, plan.device, plan.backend)
+    cfg = job.config
+    state = init_parallel(cfg.parallelism.expert_model_parallel_size, cfg.system.device, cfg.parallelism.backend)
     try:
-        return _train(plan, state, progress)
+        return _train(job, state, progress)
     finally:
         if owns_group:
             destroy_parallel()
 
 
-def _train(plan: TrainPlan, state: ParallelState, progress: Progress | None) -> TrainResult:
-    _seed_all(plan.seed)
-    run_dir = Path(plan.run_dir)
-    runtime = ModelRuntimeConfig(
-        arch=plan.arch, hybrid_layer_pattern=plan.hybrid_layer_pattern, params_dtype=plan.params_dtype,
-        fp8=plan.fp8, aux_loss_coeff=plan.aux_loss_coeff, expert_model_parallel_size=plan.ep_size,
-        overlap_moe_expert_parallel_comm=plan.overlap_moe_expert_parallel_comm,
-        delay_wgrad_compute=plan.delay_wgrad_compute,
-    )
-    provider = HybridModelProvider(runtime, seed=plan.seed, weights=plan.pretrained)
-    settings = OptimizerSettings(
-        lr=plan.lr, weight_decay=plan.weight_decay, betas=plan.betas, eps=plan.eps, clip_grad=plan.clip_grad,
-        use_distributed_optimizer=plan.use_distributed_optimizer,
-    )
-    setup = setup_model_and_optimizer(provider, state, settings)
+def _train(job: TrainJob, state: ParallelState, progress: Progress | None) -> TrainResult:
+    cfg = job.config
+    t, ckpt = cfg.training, cfg.checkpoint
+    _seed_all(t.seed)
+    run_dir = Path(job.run_dir)
+    runtime = ModelRuntimeConfig.from_recipe(cfg, job.arch, job.hybrid_layer_pattern)
+    provider = HybridModelProvider(runtime, seed=t.seed, weights=ckpt.pretrained)
+    setup = setup_model_and_optimizer(provider, state, cfg.optimizer, t.lr)
     model, optimizer = setup.model, setup.optimizer
     model.train()
-    lr_schedule = WarmupCosineLR(plan.lr, plan.min_lr, plan.warmup_iters, plan.lr_decay_iters or plan.train_iters,
-                                 plan.lr_decay_style)
-    source = build_source(plan.data_kind, path=plan.data_path, seq_length=plan.seq_length, seed=plan.seed,
-                          vocab_size=plan.arch.vocab_size)
-    data = DataLoaderState(source, global_batch_size=plan.global_batch_size, micro_batch_size=plan.micro_batch_size,
+    lr_schedule = WarmupCosineLR(t.lr, t.min_lr, t.warmup_iters, t.lr_decay_iters or t.train_iters, t.lr_decay_style)
+    source = build_source(cfg.data.kind, path=cfg.data.path, seq_length=t.seq_length, seed=t.seed,
+                          vocab_size=job.arch.vocab_size)
+    data = DataLoaderState(source, global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size,
                            dp_rank=state.dp_rank, dp_size=state.dp_size, device=state.device)
 
     start_step, resumed_from = 0, None
-    if plan.checkpoint_dir and plan.resume:
-        folder = latest_checkpoint(plan.checkpoint_dir)
+    if ckpt.dir and ckpt.resume:
+        folder = latest_checkpoint(ckpt.dir)
         if folder is not None:
             meta = load_checkpoint(folder, model=model.module, optimizer=optimizer, state=state)
             start_step = int(meta["step"])
@@ -203,20 +179,20 @@ def _train(plan: TrainPlan, state: ParallelState, progress: Progress | None) -> 
             resumed_from = str(folder)
     if state.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "recipe.json").write_text(json.dumps(plan.recipe, indent=2, default=str) + "\n")
+        (run_dir / "recipe.json").write_text(json.dumps(job.recipe, indent=2, default=str) + "\n")
     metrics = MetricsWriter(run_dir, state)
     schedule = get_forward_backward_func(setup.config)
-    fp8 = setup.config.extra.get("fp8")  # the FP8 gemms the provider selected: which path runs, what ran
+    fp8 = setup.config.fp8_gemms  # the FP8 gemms the provider selected: which path runs, what ran
     emit = progress if (progress is not None and state.rank == 0) else None
     if emit:
-        emit({"kind": "start", "start_step": start_step, "train_iters": plan.train_iters, "world_size": state.world_size,
+        emit({"kind": "start", "start_step": start_step, "train_iters": t.train_iters, "world_size": state.world_size,
               "ep_size": state.ep_size, "resumed_from": resumed_from, "fp8": fp8.describe() if fp8 else None})
 
     losses: list[float] = []
     norms: list[float] = []
     tokens_total, time_total = 0.0, 0.0
     last_ckpt = None
-    for step in range(start_step, plan.train_iters):
+    for step in range(start_step, t.train_iters):
         t0 = time.perf_counter()
         model.zero_grad_buffer()
         logs = schedule(forward_step_func=forward_step, data_iterator=data.step_iterator(), model=model,
@@ -238,7 +214,7 @@ def _train(plan: TrainPlan, state: ParallelState, progress: Progress | None) -> 
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         tokens = float(totals[1])
-        if step > start_step or plan.train_iters - start_step == 1:  # the first step warms up: not in the average
+        if step > start_step or t.train_iters - start_step == 1:  # the first step warms up: not in the average
             tokens_total += tokens
             time_total += dt
         losses.append(loss)
@@ -249,21 +225,21 @@ def _train(plan: TrainPlan, state: ParallelState, progress: Progress | None) -> 
         if fp8 is not None:
             common["fp8"] = fp8.summary()
         metrics.write(done, common, [float(local[0]), float(local[1]), dt])
-        if emit and (done % plan.log_interval == 0 or done == plan.train_iters):
+        if emit and (done % cfg.logging.log_interval == 0 or done == t.train_iters):
             emit({"kind": "step", "step": done, **common})
-        if plan.checkpoint_dir and (
-            done == plan.train_iters or (plan.save_interval and done % plan.save_interval == 0)
+        if ckpt.dir and (
+            done == t.train_iters or (ckpt.save_interval and done % ckpt.save_interval == 0)
         ):
             last_ckpt = save_checkpoint(
-                plan.checkpoint_dir, step=done, model=model.module, optimizer=optimizer, state=state,
+                ckpt.dir, step=done, model=model.module, optimizer=optimizer, state=state,
                 train_state={"consumed_samples": data.consumed_samples, "lr_schedule": lr_schedule.state_dict(),
-                             "name": plan.name},
+                             "name": job.name},
             )
             if emit:
                 emit({"kind": "checkpoint", "step": done, "path": str(last_ckpt)})
     barrier()
     result = TrainResult(
-        steps=len(losses), final_step=max(start_step, plan.train_iters), losses=losses, grad_norms=norms,
+        steps=len(losses), final_step=max(start_step, t.train_iters), losses=losses, grad_norms=norms,
         tokens_per_s=(tokens_total / time_total) if time_total else 0.0, run_dir=str(run_dir),
         checkpoint=str(last_ckpt) if last_ckpt else None, resumed_from=resumed_from,
         world_size=state.world_size, ep_size=state.ep_size, fp8=fp8.summary() if fp8 else None,
@@ -273,4 +249,4 @@ def _train(plan: TrainPlan, state: ParallelState, progress: Progress | None) -> 
     return result
 
 
-__all__ = ["TrainPlan", "TrainResult", "run_worker", "forward_step", "MetricsWriter"]
+__all__ = ["TrainJob", "TrainResult", "run_worker", "forward_step", "MetricsWriter"]

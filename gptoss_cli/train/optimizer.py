@@ -31,6 +31,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from gptoss_cli.errors import TrainingError
 from gptoss_cli.parallel.grads import GradAccumulatingModel, GradBuffer
+from gptoss_cli.recipe.schema import OptimizerConfig
 from gptoss_cli.parallel.state import ParallelState, all_reduce, broadcast, group_size
 
 
@@ -86,17 +87,16 @@ class DistributedAdamW:
         self,
         model: GradAccumulatingModel,
         state: ParallelState,
+        config: OptimizerConfig,
         *,
         lr: float,
-        weight_decay: float = 0.0,
-        betas: tuple[float, float] = (0.9, 0.95),
-        eps: float = 1e-8,
-        clip_grad: float = 0.0,
-        distributed: bool = True,
     ):
+        """`config`: the recipe's optimizer section (weight decay, betas, eps, clip, sharding); `lr`:
+        the initial learning rate (each `step(lr)` sets the current one)."""
         self.state = state
-        self.clip_grad = clip_grad
-        self.distributed = distributed
+        self.clip_grad = config.clip_grad
+        self.distributed = distributed = config.use_distributed_optimizer
+        weight_decay, betas, eps = config.weight_decay, (config.adam_beta1, config.adam_beta2), config.adam_eps
         self.groups: list[_ShardedGroup] = []
         self.master: dict[str, nn.Parameter] = {}  # owned parameter name -> fp32 master
         self._param_of: dict[str, nn.Parameter] = {}

@@ -16,42 +16,53 @@ tensor's checkpoint name, so any EP layout gets the same initial model), a Hybri
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
+from gptoss_cli.fp8 import Fp8Settings, select_gemms
 from gptoss_cli.model.config import GptOssArch
+from gptoss_cli.model.dtypes import torch_dtype
+from gptoss_cli.recipe.schema import RecipeConfig
 from gptoss_cli.model.dispatcher import AllToAllTokenDispatcher
 from gptoss_cli.parallel.state import ParallelState
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
 @dataclass
 class ModelRuntimeConfig:
-    """What the built model and the schedule read at run time (Megatron's TransformerConfig role)."""
+    """What the built model and the schedule read at run time (Megatron's TransformerConfig role).
+
+    Built from a recipe by `from_recipe`: the recipe's schema is the only table of defaults."""
 
     arch: GptOssArch
     hybrid_layer_pattern: str
-    params_dtype: str = "fp32"
-    fp8: Any = None  # gptoss_cli.fp8.Fp8Settings; the provider gives the model its FP8 gemms
-    aux_loss_coeff: float = 0.0
-    expert_model_parallel_size: int = 1
-    overlap_moe_expert_parallel_comm: bool = False
-    delay_wgrad_compute: bool = False
-    # Training callbacks, installed by setup on the model's own copy of this config.
+    params_dtype: str
+    fp8: Fp8Settings  # the provider gives the model its FP8 gemms when enabled
+    aux_loss_coeff: float
+    expert_model_parallel_size: int
+    overlap_moe_expert_parallel_comm: bool
+    delay_wgrad_compute: bool
+    # Set at run time: the FP8 gemms the provider selected (which path runs, GEMM counts), and the
+    # training callbacks, installed by setup on the model's own copy of this config.
+    fp8_gemms: Any = None
     finalize_model_grads_func: Callable[..., Any] | None = None
     grad_scale_func: Callable[[torch.Tensor], torch.Tensor] | None = None
     no_sync_func: Callable[[], Any] | None = None
-    grad_sync_func: Callable[..., Any] | None = None
-    param_sync_func: Callable[..., Any] | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_recipe(cls, cfg: RecipeConfig, arch: GptOssArch, hybrid_layer_pattern: str) -> "ModelRuntimeConfig":
+        return cls(
+            arch=arch, hybrid_layer_pattern=hybrid_layer_pattern, params_dtype=cfg.precision.params_dtype,
+            fp8=Fp8Settings.from_precision(cfg.precision), aux_loss_coeff=cfg.moe.aux_loss_coeff,
+            expert_model_parallel_size=cfg.parallelism.expert_model_parallel_size,
+            overlap_moe_expert_parallel_comm=cfg.overlap.overlap_moe_expert_parallel_comm,
+            delay_wgrad_compute=cfg.overlap.delay_wgrad_compute,
+        )
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.params_dtype]
+        return torch_dtype(self.params_dtype)
 
 
 class HybridModelProvider:
@@ -82,16 +93,13 @@ class HybridModelProvider:
         else:
             load_weights(model, self.weights)
         gemms = None
-        if cfg.fp8 is not None and cfg.fp8.enabled:
-            from gptoss_cli.fp8 import select_gemms
-
+        if cfg.fp8.enabled:
             gemms = select_gemms(cfg.fp8, state.device)  # ConfigError: no native kernel, no emulation
             model.set_gemms(dense=gemms.dense, grouped=gemms.grouped)
         # The model keeps its own copy of the config (as canonical providers do).
         model.config = copy.deepcopy(cfg)
-        if gemms is not None:
-            model.config.extra["fp8"] = gemms  # the run reports its path and GEMM counts from here
+        model.config.fp8_gemms = gemms  # the run reports its path and GEMM counts from here
         return model
 
 
-__all__ = ["ModelRuntimeConfig", "HybridModelProvider", "DTYPES"]
+__all__ = ["ModelRuntimeConfig", "HybridModelProvider"]

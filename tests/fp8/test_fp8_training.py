@@ -67,8 +67,7 @@ def _large_expert_biases(init):
 def _train_all(rank: int, run_root: str) -> dict:
     import gptoss_cli.model.hybrid as hybrid
     from gptoss_cli.recipe.load import load_recipe
-    from gptoss_cli.train.launch import plan_from_recipe
-    from gptoss_cli.train.loop import run_worker
+    from gptoss_cli.train.loop import TrainJob, run_worker
 
     hybrid.init_weights_ = _large_expert_biases(hybrid.init_weights_)
     out = {}
@@ -76,7 +75,7 @@ def _train_all(rank: int, run_root: str) -> dict:
         run_dir = Path(run_root) / name
         recipe = load_recipe("tiny_cpu_ep2_mxfp8", [*SMALL, *overrides, f"training.train_iters={steps}",
                                                     f"logging.run_dir={run_dir}"])
-        result = run_worker(plan_from_recipe(recipe))
+        result = run_worker(TrainJob.from_recipe(recipe))
         metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         out[name] = {"losses": result.losses, "grad_norms": result.grad_norms, "fp8": result.fp8,
                      "metrics_fp8": [m.get("fp8") for m in metrics],

@@ -9,7 +9,7 @@ from gptoss_cli.errors import ConfigError
 from gptoss_cli.fp8 import Fp8Settings, select_gemms
 from gptoss_cli.fp8.recipe import emulated_kernel, native_kernel
 from gptoss_cli.recipe.load import load_recipe
-from gptoss_cli.train.launch import plan_from_recipe
+from gptoss_cli.train.provider import ModelRuntimeConfig
 
 
 def test_recipe_none_selects_nothing():
@@ -38,10 +38,11 @@ def test_a_cuda_device_without_fp8_hardware_emulates_by_dequantizing():
     assert emulated_kernel("tensorwise", torch.device("cuda")) == "dequantize"
 
 
-def test_the_recipe_reaches_the_training_plan():
-    plan = plan_from_recipe(load_recipe("tiny_cpu_ep2_mxfp8"))
-    assert plan.fp8 == Fp8Settings("mxfp8", "hybrid", emulation=True)
-    assert plan.overlap_moe_expert_parallel_comm and plan.delay_wgrad_compute
+def test_the_recipe_reaches_the_models_runtime_config():
+    recipe = load_recipe("tiny_cpu_ep2_mxfp8")
+    runtime = ModelRuntimeConfig.from_recipe(recipe.config, recipe.arch, recipe.pattern.text)
+    assert runtime.fp8 == Fp8Settings("mxfp8", "hybrid", emulation=True)
+    assert runtime.overlap_moe_expert_parallel_comm and runtime.delay_wgrad_compute
 
 
 def test_the_summary_table_names_the_fp8_path():

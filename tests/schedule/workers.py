@@ -11,9 +11,10 @@ from gptoss_cli.parallel.state import ParallelState, init_parallel
 from gptoss_cli.schedule import get_forward_backward_func
 from gptoss_cli.train.data import DataLoaderState
 from gptoss_cli.train.loop import forward_step
-from gptoss_cli.train.provider import HybridModelProvider, ModelRuntimeConfig
-from gptoss_cli.train.setup import OptimizerSettings, setup_model_and_optimizer
+from gptoss_cli.train.provider import HybridModelProvider
+from gptoss_cli.train.setup import setup_model_and_optimizer
 from tests.train.dist_helpers import named_grads
+from tests.train.jobs import optimizer_config, runtime_config
 from tests.train.workers import RandomTokens
 
 TINY = preset("tiny")
@@ -21,11 +22,9 @@ SEQ = 16
 
 
 def build(state: ParallelState, *, overlap: bool, pattern: str, aux: float = 0.01, seed: int = 7):
-    runtime = ModelRuntimeConfig(arch=TINY, hybrid_layer_pattern=pattern, params_dtype="fp32", aux_loss_coeff=aux,
-                                 expert_model_parallel_size=state.ep_size, overlap_moe_expert_parallel_comm=overlap,
-                                 delay_wgrad_compute=overlap)
-    return setup_model_and_optimizer(HybridModelProvider(runtime, seed=seed), state,
-                                     OptimizerSettings(lr=3e-3, clip_grad=1.0))
+    runtime = runtime_config(pattern=pattern, aux_loss_coeff=aux, ep_size=state.ep_size,
+                             overlap_moe_expert_parallel_comm=overlap, delay_wgrad_compute=overlap)
+    return setup_model_and_optimizer(HybridModelProvider(runtime, seed=seed), state, optimizer_config(clip_grad=1.0), 3e-3)
 
 
 def equivalence_worker(rank: int, ep: int, steps: int, global_batch: int, mbs: int, pattern: str) -> dict[str, Any]:

@@ -3,7 +3,7 @@ clip_grad_norm_, step by step, restarting the reference from gptoss's weights at
 
 The fixture: a transformers-made HF checkpoint (fp32, `tests/model/tiny_checkpoints.py`) and a token
 file in the format of `gptoss_cli/train/data.py` holding exactly one global batch, so every step of
-every layout trains on the same tokens. `gptoss train`'s real loop (`run_worker` on a `TrainPlan`:
+every layout trains on the same tokens. `gptoss train`'s real loop (`run_worker` on a `TrainJob`:
 `checkpoint.pretrained`, `data.kind=tokens`, constant lr, weight decay 1.0, clip 1.1, aux loss 0)
 runs in every layout; a spy on `DistributedAdamW.step` records, before each update, the weights
 and the finalised `main_grad` (which is what the optimizer is about to use) and, after it, the
@@ -86,16 +86,16 @@ def windows(prefix: Path) -> torch.Tensor:
 
 
 def plan(layout: str, run_dir: Path, hf: Path, prefix: Path):
-    from gptoss_cli.train.loop import TrainPlan
+    from tests.train.jobs import train_job
 
     _, ep, distributed_opt = LAYOUTS[layout]
-    return TrainPlan(
-        name=f"reference-{layout}", arch=TINY, hybrid_layer_pattern=TINY.hybrid_layer_pattern, run_dir=str(run_dir),
+    return train_job(
+        run_dir, name=f"reference-{layout}",
         ep_size=ep, device="cpu", params_dtype="fp32", aux_loss_coeff=0.0, seq_length=SEQ, micro_batch_size=1,
         global_batch_size=GLOBAL_BATCH, train_iters=STEPS, lr=LR, min_lr=LR, warmup_iters=0,
-        lr_decay_style="constant", weight_decay=WEIGHT_DECAY, betas=BETAS, eps=EPS, clip_grad=CLIP,
-        use_distributed_optimizer=distributed_opt, data_kind="tokens", data_path=str(prefix), pretrained=str(hf),
-        checkpoint_dir=None,
+        lr_decay_style="constant", weight_decay=WEIGHT_DECAY, adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_eps=EPS,
+        clip_grad=CLIP, use_distributed_optimizer=distributed_opt, data_kind="tokens", data_path=str(prefix),
+        pretrained=str(hf), checkpoint_dir=None,
     )
 
 

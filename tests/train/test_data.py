@@ -14,7 +14,8 @@ from gptoss_cli.cli import app
 from gptoss_cli.errors import ConfigError
 from gptoss_cli.model.config import preset
 from gptoss_cli.train.data import DataLoaderState, MockSource, TokenFileSource, read_token_header
-from gptoss_cli.train.loop import TrainPlan, run_worker
+from gptoss_cli.train.loop import run_worker
+from tests.train.jobs import train_job
 
 DOCS = [
     "the quick brown fox jumps over the lazy dog",
@@ -106,9 +107,8 @@ def test_mock_source_is_deterministic_and_learnable(tmp_path):
     a, b = MockSource(1003, 16, seed=5), MockSource(1003, 16, seed=5)
     assert torch.equal(a.sample(7), b.sample(7)) and not torch.equal(a.sample(7), a.sample(8))
     arch = preset("tiny")
-    plan = TrainPlan(name="mock", arch=arch, hybrid_layer_pattern=arch.hybrid_layer_pattern, run_dir=str(tmp_path),
-                     seq_length=16, micro_batch_size=4, global_batch_size=4, train_iters=15, lr=3e-3, min_lr=3e-3,
-                     warmup_iters=0, device="cpu")
+    plan = train_job(tmp_path, arch=arch, name="mock", seq_length=16, micro_batch_size=4, global_batch_size=4,
+                     train_iters=15, lr=3e-3, min_lr=3e-3, warmup_iters=0, device="cpu")
     losses = run_worker(plan).losses
     assert losses[-1] < losses[0] - 1.0  # from ~ln(1003) = 6.9 down by more than one nat
 
@@ -139,9 +139,8 @@ def test_training_trains_on_the_token_files_windows(prepared, tmp_path, monkeypa
     monkeypatch.setattr(loop, "forward_step", recording_forward_step)
     windows = file_windows(prepared, 8)
     arch = preset("tiny")
-    plan = TrainPlan(name="tok", arch=arch, hybrid_layer_pattern=arch.hybrid_layer_pattern, run_dir=str(tmp_path),
-                     seq_length=8, micro_batch_size=1, global_batch_size=len(windows), train_iters=1, device="cpu",
-                     data_kind="tokens", data_path=str(prepared))
+    plan = train_job(tmp_path, arch=arch, name="tok", seq_length=8, micro_batch_size=1, global_batch_size=len(windows),
+                     train_iters=1, device="cpu", data_kind="tokens", data_path=str(prepared))
     result = run_worker(plan)
     assert sorted(seen) == sorted(windows) and len(windows) > 8
     assert len(result.losses) == 1 and math.isfinite(result.losses[0])

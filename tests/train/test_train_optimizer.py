@@ -15,6 +15,7 @@ from gptoss_cli.parallel.grads import GradAccumulatingModel
 from gptoss_cli.parallel.state import ParallelState
 from gptoss_cli.model.config import preset
 from gptoss_cli.model.hybrid import HybridModel
+from tests.train.jobs import optimizer_config, train_job
 from gptoss_cli.train.optimizer import DistributedAdamW, WarmupCosineLR, decays, partition_contiguous
 
 TINY = preset("tiny")
@@ -35,7 +36,7 @@ def _model(dtype=torch.float32) -> GradAccumulatingModel:
 
 def test_bf16_parameters_keep_fp32_master_weights():
     model = _model(torch.bfloat16)
-    opt = DistributedAdamW(model, ParallelState(), lr=1e-4, weight_decay=0.0)
+    opt = DistributedAdamW(model, ParallelState(), optimizer_config(weight_decay=0.0, clip_grad=0.0), lr=1e-4)
     for _ in range(5):
         model.zero_grad_buffer()
         model(torch.ones(()).to(torch.bfloat16)).backward()
@@ -49,7 +50,7 @@ def test_bf16_parameters_keep_fp32_master_weights():
 
 def test_gradients_are_clipped_to_the_global_norm():
     model = _model()
-    opt = DistributedAdamW(model, ParallelState(), lr=1e-3, clip_grad=0.5)
+    opt = DistributedAdamW(model, ParallelState(), optimizer_config(clip_grad=0.5), lr=1e-3)
     model(torch.full((), 10.0)).backward()
     assert opt.step(1e-3) == pytest.approx(40.0)  # ||10 * ones(4,4)|| = 40
     assert float(model.module.weight.main_grad.norm()) == pytest.approx(0.5, rel=1e-5)
@@ -57,7 +58,7 @@ def test_gradients_are_clipped_to_the_global_norm():
 
 def test_non_finite_gradient_norm_stops_before_the_update():
     model = _model()
-    opt = DistributedAdamW(model, ParallelState(), lr=1e-3)
+    opt = DistributedAdamW(model, ParallelState(), optimizer_config(clip_grad=0.0), lr=1e-3)
     model(torch.full((), float("inf"))).backward()
     with pytest.raises(TrainingError, match="gradient norm is"):
         opt.step(1e-3)
@@ -96,11 +97,10 @@ def test_without_warmup_the_first_step_uses_the_full_lr():
 
 
 def test_metrics_lr_column_follows_megatron_schedule_through_the_loop(tmp_path):
-    from gptoss_cli.train.loop import TrainPlan, run_worker
+    from gptoss_cli.train.loop import run_worker
 
-    plan = TrainPlan(name="lr", arch=TINY, hybrid_layer_pattern=TINY.hybrid_layer_pattern, run_dir=str(tmp_path),
-                     device="cpu", seq_length=8, micro_batch_size=1, global_batch_size=1, train_iters=7,
-                     lr=1e-3, min_lr=1e-4, warmup_iters=2, lr_decay_iters=6, lr_decay_style="cosine")
+    plan = train_job(tmp_path, name="lr", device="cpu", seq_length=8, micro_batch_size=1, global_batch_size=1,
+                     train_iters=7, lr=1e-3, min_lr=1e-4, warmup_iters=2, lr_decay_iters=6, lr_decay_style="cosine")
     run_worker(plan)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 8))  # step = steps done after this row's update
@@ -127,8 +127,8 @@ DECAY_SUFFIXES = (
 def _groups_by_name(pattern: str, **model_kw) -> tuple[set[str], set[str], set[str]]:
     """(all parameter names, decayed, not decayed) of DistributedAdamW on a real HybridModel."""
     module = HybridModel(TINY, pattern, **model_kw)
-    opt = DistributedAdamW(GradAccumulatingModel(module, ParallelState()), ParallelState(), lr=1e-3,
-                           weight_decay=0.1, distributed=False)
+    opt = DistributedAdamW(GradAccumulatingModel(module, ParallelState()), ParallelState(),
+                           optimizer_config(weight_decay=0.1, clip_grad=0.0, use_distributed_optimizer=False), lr=1e-3)
     name_of = {id(m): n for n, m in opt.master.items()}
     by_decay: dict[float, set[str]] = {}
     for group in opt.inner.param_groups:

@@ -12,14 +12,14 @@ from gptoss_cli.checkpoint.make_tiny import make_tiny
 from gptoss_cli.checkpoint.safetensors_io import CheckpointReader
 from gptoss_cli.model.config import preset
 from gptoss_cli.parallel.state import ParallelState
-from gptoss_cli.train.provider import HybridModelProvider, ModelRuntimeConfig
+from gptoss_cli.train.provider import HybridModelProvider
+from tests.train.jobs import runtime_config, train_job
 
 TINY = preset("tiny")
 
 
 def _provider(weights=None) -> HybridModelProvider:
-    cfg = ModelRuntimeConfig(arch=TINY, hybrid_layer_pattern=TINY.hybrid_layer_pattern, params_dtype="fp32")
-    return HybridModelProvider(cfg, seed=11, weights=weights)
+    return HybridModelProvider(runtime_config(), seed=11, weights=weights)
 
 
 def _slots(model) -> dict[str, torch.Tensor]:
@@ -76,15 +76,14 @@ def test_training_from_a_vocab_padded_hybrid_equals_training_from_the_unpadded_o
     """Two steps from a Hybrid folder with Megatron's vocabulary padding (1024 rows) give the losses
     and gradient norms of the same steps from the unpadded folder, and no padding row is trained."""
     from tests.model.tiny_checkpoints import write_padded_hybrid
-    from gptoss_cli.train.loop import TrainPlan, run_worker
+    from gptoss_cli.train.loop import run_worker
 
     _, hybrid = checkpoints
     padded = write_padded_hybrid(hybrid, tmp_path / "padded")
 
     def train(weights, run):
-        plan = TrainPlan(name="pad", arch=TINY, hybrid_layer_pattern=TINY.hybrid_layer_pattern, run_dir=str(tmp_path / run),
-                         seq_length=16, micro_batch_size=2, global_batch_size=2, train_iters=2, device="cpu",
-                         pretrained=str(weights), lr=1e-3, warmup_iters=0)
+        plan = train_job(tmp_path / run, name="pad", seq_length=16, micro_batch_size=2, global_batch_size=2,
+                         train_iters=2, device="cpu", pretrained=str(weights), lr=1e-3, warmup_iters=0)
         return run_worker(plan)
 
     ours, want = train(padded, "padded"), train(hybrid, "unpadded")

@@ -15,9 +15,10 @@ from gptoss_cli.parallel.state import ParallelState, init_parallel
 from gptoss_cli.schedule import get_forward_backward_func
 from gptoss_cli.train.data import DataLoaderState
 from gptoss_cli.train.loop import forward_step
-from gptoss_cli.train.provider import HybridModelProvider, ModelRuntimeConfig
-from gptoss_cli.train.setup import OptimizerSettings, setup_model_and_optimizer
+from gptoss_cli.train.provider import HybridModelProvider
+from gptoss_cli.train.setup import setup_model_and_optimizer
 from tests.train.dist_helpers import named_grads
+from tests.train.jobs import optimizer_config, runtime_config, train_job
 
 TINY = preset("tiny")
 SEQ = 16
@@ -35,11 +36,9 @@ class RandomTokens:
 
 
 def build(state: ParallelState, *, aux: float = 0.01, lr: float = 1e-3, distributed_opt: bool = True, seed: int = 7):
-    runtime = ModelRuntimeConfig(arch=TINY, hybrid_layer_pattern=TINY.hybrid_layer_pattern, params_dtype="fp32",
-                                 aux_loss_coeff=aux, expert_model_parallel_size=state.ep_size)
-    provider = HybridModelProvider(runtime, seed=seed)
+    provider = HybridModelProvider(runtime_config(aux_loss_coeff=aux, ep_size=state.ep_size), seed=seed)
     return setup_model_and_optimizer(
-        provider, state, OptimizerSettings(lr=lr, clip_grad=1.0, use_distributed_optimizer=distributed_opt)
+        provider, state, optimizer_config(clip_grad=1.0, use_distributed_optimizer=distributed_opt), lr
     )
 
 
@@ -183,7 +182,8 @@ def _callbacks_run(rank: int, microbatches: int, install_on_provider: bool = Fal
     grads_module.finalize_model_grads = spy
     try:
         provider = CopyingProvider()
-        setup = setup_model_and_optimizer(provider, state, OptimizerSettings(lr=0.1, use_distributed_optimizer=True))
+        setup = setup_model_and_optimizer(provider, state, optimizer_config(clip_grad=0.0, use_distributed_optimizer=True),
+                                          0.1)
         if install_on_provider:  # the binding bug of the field report, as a negative control
             provider.config.finalize_model_grads_func = setup.config.finalize_model_grads_func
             setup.config.finalize_model_grads_func = None
@@ -218,13 +218,9 @@ def _callbacks_run(rank: int, microbatches: int, install_on_provider: bool = Fal
 
 # --- checkpoints across layouts --------------------------------------------------------------
 def tiny_plan(run_dir: str, **changes: Any):
-    from gptoss_cli.train.loop import TrainPlan
-
-    base = dict(name="ckpt", arch=TINY, hybrid_layer_pattern=TINY.hybrid_layer_pattern, run_dir=run_dir,
-                seq_length=16, micro_batch_size=2, global_batch_size=4, train_iters=3, lr=3e-3, min_lr=3e-4,
+    base = dict(seq_length=16, micro_batch_size=2, global_batch_size=4, train_iters=3, lr=3e-3, min_lr=3e-4,
                 warmup_iters=1, device="cpu", aux_loss_coeff=0.01, clip_grad=1.0, weight_decay=0.01)
-    base.update(changes)
-    return TrainPlan(**base)
+    return train_job(run_dir, name="ckpt", **{**base, **changes})
 
 
 def run_plan_worker(rank: int, plan: Any) -> dict[str, Any]:
