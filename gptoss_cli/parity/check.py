@@ -29,7 +29,7 @@ def require_transformers() -> None:
 
 
 def default_seq_len(arch: GptOssArch) -> int:
-    """Longer than twice the sliding window, so window and RoPE bugs show (section 7)."""
+    """Longer than twice the sliding window, so window and RoPE bugs show (short prompts hide them)."""
     return 2 * arch.sliding_window + 32
 
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 @dataclass(frozen=True)
 class Thresholds:
     """Pass thresholds. Defaults per dtype: a correct conversion meets them, layout bugs fail them
-    (reference section 6: peers pass KL < 1e-6; a transposed expert gave cosine 0.54)."""
+    (peers pass at KL < 1e-6; a transposed expert gave cosine 0.54, docs/checkpoint-layouts.md)."""
 
     top1_min: float  # fraction of positions whose argmax agrees
     kl_max: float  # mean KL(ref || ours) per position, nats

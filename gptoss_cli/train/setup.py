@@ -3,7 +3,7 @@
 The callbacks (`finalize_model_grads_func`, `grad_scale_func`, `no_sync_func`) go on the config
 the schedule reads, `get_model_config(model)`: the built model's own config, which a provider may
 have deep-copied. Installing them on the provider's config is the silent-skip bug of
-`gpt-oss-reference.md` section 5 (and the field report on callbacks on the runtime config).
+docs/upstream-failures.md, "Callbacks on a copied config".
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ def tiny_hf_model(seed: int = 0, **config_overrides):
 
 def write_hf_checkpoint(folder: Path, experts: str = "bf16", seed: int = 0) -> Path:
     """An HF GPT-OSS folder (fp32 tensors). experts="mxfp4" stores the experts as blocks/scales
-    ([E, out, in/32, 16] / [E, out, in/32], section 3) and adds quantization_config."""
+    ([E, out, in/32, 16] / [E, out, in/32], docs/checkpoint-layouts.md) and adds quantization_config."""
     from safetensors.torch import save_file
 
     from gptoss_cli.checkpoint import mxfp4

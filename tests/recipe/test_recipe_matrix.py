@@ -1,4 +1,4 @@
-"""Every recipe in recipes/ validates to the verdict the README states; the production matrix of reference section 6."""
+"""Every recipe in recipes/ validates to the verdict the README states; the production matrix (docs/megatron-rules.md)."""
 
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ def test_recipe_validates_to_its_verdict(name, target):
     assert set(report.error_rules()) == VERDICTS[name][target == "gptoss"], report.verdict
 
 
-# --- the production matrix (reference section 6) ------------------------------------------------
+# --- the production matrix (docs/megatron-rules.md, "CUDA graphs policy") -----------------------
 @pytest.mark.parametrize("target", ["gptoss", "megatron"])
 def test_gb200_bf16_is_valid(target):
     report = validate_recipe(load_recipe("gb200_bf16"), target=target)

@@ -148,7 +148,7 @@ def test_list_rules_describes_every_rule_once():
 
 # --- the capability rule ---------------------------------------------------------------------
 class NoPlanModel:
-    """Like the HybridModel of the field report: no build_schedule_plan at all."""
+    """Like the upstream HybridModel of docs/upstream-failures.md: no build_schedule_plan at all."""
 
 
 class PlanWithoutQuery:

@@ -184,7 +184,7 @@ def _callbacks_run(rank: int, microbatches: int, install_on_provider: bool = Fal
         provider = CopyingProvider()
         setup = setup_model_and_optimizer(provider, state, optimizer_config(clip_grad=0.0, use_distributed_optimizer=True),
                                           0.1)
-        if install_on_provider:  # the binding bug of the field report, as a negative control
+        if install_on_provider:  # the binding bug of docs/upstream-failures.md, as a negative control
             provider.config.finalize_model_grads_func = setup.config.finalize_model_grads_func
             setup.config.finalize_model_grads_func = None
         sign = 1.0 if rank == 0 else -3.0
