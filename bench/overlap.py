@@ -43,17 +43,20 @@ def worker(rank: int, args: dict) -> dict:
     from gptoss_cli.schedule.plain import forward_backward_no_pipelining
     from gptoss_cli.train.data import DataLoaderState, MockSource
     from gptoss_cli.train.loop import forward_step
+    from gptoss_cli.recipe.schema import RecipeConfig
     from gptoss_cli.train.provider import HybridModelProvider, ModelRuntimeConfig
-    from gptoss_cli.train.setup import OptimizerSettings, setup_model_and_optimizer
+    from gptoss_cli.train.setup import setup_model_and_optimizer
 
     torch.set_num_threads(args["threads"])
     state = init_parallel(2, args["device"])
     arch = preset("tiny").replace(hidden_size=args["hidden"], intermediate_size=args["intermediate"],
                                   num_local_experts=args["experts"], num_experts_per_tok=2)
-    runtime = ModelRuntimeConfig(arch=arch, hybrid_layer_pattern=arch.hybrid_layer_pattern, params_dtype="fp32",
-                                 aux_loss_coeff=0.001, expert_model_parallel_size=2,
-                                 overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True)
-    setup = setup_model_and_optimizer(HybridModelProvider(runtime, seed=1), state, OptimizerSettings())
+    cfg = RecipeConfig()
+    cfg.precision.params_dtype, cfg.moe.aux_loss_coeff = "fp32", 0.001
+    cfg.parallelism.expert_model_parallel_size = 2
+    cfg.overlap.overlap_moe_expert_parallel_comm = cfg.overlap.delay_wgrad_compute = True
+    runtime = ModelRuntimeConfig.from_recipe(cfg, arch, arch.hybrid_layer_pattern)
+    setup = setup_model_and_optimizer(HybridModelProvider(runtime, seed=1), state, cfg.optimizer, cfg.training.lr)
     model = setup.model
     model.train()
     mb = args["micro_batch"]

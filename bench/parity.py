@@ -41,7 +41,7 @@ def arch_for(blocks: int, experts: int, vocab: int):
 
 
 def write_block(path: Path, arch, i: int) -> None:
-    """One HF block with MXFP4 experts, as the released checkpoints store it (section 3)."""
+    """One HF block with MXFP4 experts, as the released checkpoints store it (docs/checkpoint-layouts.md)."""
     from safetensors.torch import save_file
 
     g = torch.Generator().manual_seed(1000 + i)

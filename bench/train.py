@@ -51,13 +51,17 @@ def ours_step_fn(arch, tokens: torch.Tensor, dtype: str, state=None, microbatche
     from gptoss_cli.schedule import get_forward_backward_func
     from gptoss_cli.train.data import Microbatch
     from gptoss_cli.train.loop import forward_step
+    from gptoss_cli.recipe.schema import RecipeConfig
     from gptoss_cli.train.provider import HybridModelProvider, ModelRuntimeConfig
-    from gptoss_cli.train.setup import OptimizerSettings, setup_model_and_optimizer
+    from gptoss_cli.train.setup import setup_model_and_optimizer
 
     state = state or ParallelState()
-    cfg = ModelRuntimeConfig(arch=arch, hybrid_layer_pattern=arch.hybrid_layer_pattern, params_dtype=dtype,
-                             aux_loss_coeff=0.0, expert_model_parallel_size=state.ep_size)
-    setup = setup_model_and_optimizer(HybridModelProvider(cfg, seed=0), state, OptimizerSettings(lr=1e-4, clip_grad=1.0))
+    recipe = RecipeConfig()
+    recipe.precision.params_dtype, recipe.moe.aux_loss_coeff = dtype, 0.0
+    recipe.parallelism.expert_model_parallel_size = state.ep_size
+    recipe.optimizer.weight_decay, recipe.optimizer.use_distributed_optimizer = 0.0, True
+    cfg = ModelRuntimeConfig.from_recipe(recipe, arch, arch.hybrid_layer_pattern)
+    setup = setup_model_and_optimizer(HybridModelProvider(cfg, seed=0), state, recipe.optimizer, 1e-4)
     schedule = get_forward_backward_func(setup.config)
     mbs = [Microbatch(tokens=t[:, :-1].contiguous(), labels=t[:, 1:].contiguous())
            for t in tokens.chunk(microbatches)]

@@ -1,16 +1,33 @@
-"""Suite-wide settings: one intra-op thread per test process.
+"""Suite-wide settings: one intra-op thread per test process (GPTOSS_TEST_THREADS to change it), and
+derandomised property tests (HYPOTHESIS_PROFILE=explore to draw new examples).
 
 CI has 2 cores shared by the pytest-xdist workers and the 2-process distributed tests; more torch
-threads per process only oversubscribe them.
+threads per process only oversubscribe them. GPTOSS_TEST_THREADS=2 re-runs the suite with two
+threads per process, which changes the order of parallel reductions: the comparisons between code
+paths must hold either way (tests/tolerances.py).
+
+Hypothesis draws its examples from a fixed seed by default ("ci" profile): every run, in CI or
+here, checks the same examples in the same time, and a failure reproduces by re-running. The
+"explore" profile draws fresh random examples, more of them, to look for new failures locally.
 """
+
+import os
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
+
+_COMMON = dict(database=None, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("ci", derandomize=True, **_COMMON)
+settings.register_profile("explore", derandomize=False, max_examples=1000, **_COMMON)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+TEST_THREADS = int(os.environ.get("GPTOSS_TEST_THREADS", "1"))
 
 
 @pytest.fixture(autouse=True, scope="session")
 def _one_thread():
     previous = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(TEST_THREADS)
     yield
     torch.set_num_threads(previous)

@@ -40,6 +40,20 @@ def test_correct_conversion_passes(form, dtype, request):
     assert report.seq_len > 2 * 8
 
 
+def test_vocab_padded_hybrid_passes_like_the_unpadded_one(bf16_pair, tmp_path):
+    """Megatron's padded embedding/output rows (1024 for 1003 tokens) are not part of the model: the
+    weights match after stripping them and the forward gives the unpadded conversion's numbers."""
+    from tests.model.tiny_checkpoints import write_padded_hybrid
+
+    hf, hybrid = bf16_pair
+    report = run_parity(hf, write_padded_hybrid(hybrid, tmp_path / "padded"))
+    unpadded = run_parity(hf, hybrid)
+    assert report.passed, report.summary()
+    assert report.weights.tensors_checked == 78
+    assert report.logits.kl == unpadded.logits.kl and report.logits.max_abs_diff == unpadded.logits.max_abs_diff
+    assert [s.max_abs_diff for s in report.stages] == [s.max_abs_diff for s in unpadded.stages]
+
+
 def test_fp32_conversion_meets_the_strict_defaults(bf16_pair):
     report = run_parity(*bf16_pair)
     assert report.logits.top1_agreement == 1.0
@@ -122,6 +136,54 @@ def test_hybrid_config_corruption_fails_at_the_first_affected_block(mutation, bf
     assert report.weights.passed  # the tensors themselves are right
 
 
+# --- bf16: which layout bugs the bf16 thresholds themselves catch ------------------------------------
+def _final_norm_not_loaded(t):
+    t["decoder.final_norm.weight"] = torch.ones_like(t["decoder.final_norm.weight"])
+
+
+def _mutated_any(pair, tmp_path, mutation):
+    if mutation in TENSOR_MUTATIONS:
+        return _mutated(pair, tmp_path, TENSOR_MUTATIONS[mutation][0])
+    if mutation in CONFIG_MUTATIONS:
+        return _mutated(pair, tmp_path, config_edit=CONFIG_MUTATIONS[mutation])
+    return _mutated(pair, tmp_path, {"final norm not loaded": _final_norm_not_loaded}[mutation])
+
+
+# mutation -> the stage whose bf16 thresholds must fail first
+BF16_FORWARD_CATCHES = {
+    "two experts swapped": "block 1",
+    "QKV rows in plain q|k|v order": "block 1",
+    "gate/up left interleaved": "block 2",
+    "sliding window off by one": "block 0",
+    "final norm not loaded": "logits",  # the only one left to the logits thresholds
+}
+
+
+@pytest.mark.parametrize("mutation", list(BF16_FORWARD_CATCHES))
+def test_bf16_forward_thresholds_alone_catch_layout_bugs(mutation, bf16_pair, tmp_path):
+    """Without the weight check, in bf16, at the CLI's default batch: the forward thresholds must
+    name the stage. (Correct bf16 conversions of these tiny models stay at hidden cosine >= 0.997,
+    KL <= 1.2e-3, top-1 >= 0.89 over seeds 0-5 and both expert forms; these bugs give hidden cosine
+    <= 0.94 or, for the final norm, top-1 0.73 and logits cosine 0.97.)"""
+    report = run_parity(*_mutated_any(bf16_pair, tmp_path, mutation), dtype="bfloat16", check_weights_step=False)
+    assert report.first_diverging == BF16_FORWARD_CATCHES[mutation], report.summary()
+
+
+@pytest.mark.parametrize("mutation", ["sinks zeroed", "YaRN truncate flipped"])
+def test_bf16_parity_check_fails_bugs_below_bf16_resolution_by_weights_or_config(mutation, bf16_pair, tmp_path):
+    """Zeroed sinks change this model's hidden states by a median 1.5% per token even in exact fp32
+    arithmetic, a flipped YaRN truncate by 0.1%: no smaller than, or far below, the 1-2% that two
+    bf16 implementations differ by (the forward cannot tell them from noise, so no bf16 threshold
+    can be set to catch them with a margin). A bf16 parity-check still fails them, through the
+    weight check and the architecture comparison; the fp32 forward catches them too (above)."""
+    report = run_parity(*_mutated_any(bf16_pair, tmp_path, mutation), dtype="bfloat16")
+    assert not report.passed
+    if mutation == "sinks zeroed":
+        assert report.weights.first_bad_block == 1
+    else:
+        assert any("rope_truncate" in d for d in report.architecture_differences)
+
+
 @pytest.fixture(scope="module")
 def square_pair(tmp_path_factory):
     # H == I, as in the real models, so a transposed fc2 still loads and only the values are wrong
@@ -147,6 +209,11 @@ def test_fc2_transposed_fails_and_names_the_block(square_pair, tmp_path):
     assert not report.passed
     assert report.first_diverging_block == 2
     assert report.weights.first_bad_block == 2
+
+
+def test_fc2_transposed_is_caught_by_the_bf16_forward_thresholds(square_pair, tmp_path):
+    report = run_parity(*_mutated(square_pair, tmp_path, _transpose_fc2), dtype="bfloat16", check_weights_step=False)
+    assert report.first_diverging == "block 2", report.summary()
 
 
 def test_fc2_transposed_with_rectangular_experts_is_a_named_shape_failure(bf16_pair, tmp_path):

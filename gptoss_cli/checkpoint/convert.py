@@ -18,6 +18,7 @@ from typing import Protocol
 import torch
 
 from gptoss_cli import __version__, outputs
+from gptoss_cli.checkpoint import mxfp4
 from gptoss_cli.checkpoint.hybrid_format import FORMAT_NAME, HYBRID_CONFIG, HybridCheckpointConfig, write_hybrid_config
 from gptoss_cli.checkpoint.layouts import HF_LAYOUTS, UINT8, Layout
 from gptoss_cli.checkpoint.mapping import VOCAB_PADDED_HYBRID, Unit, hybrid_shapes, identity, units
@@ -193,7 +194,12 @@ def _run_to_hf(source: Source, job: _Job, write, dtype: torch.dtype, layout: Lay
             e1 = min(arch.num_local_experts, e0 + n)
             per_expert = [_read_hybrid(source, name, dtype) for name in unit.hybrid[e0:e1]]
             (chunk,) = unit.to_hf(arch, per_expert)
-            pieces = layout.store(unit.hf[0], chunk)
+            try:
+                pieces = layout.store(unit.hf[0], chunk)
+            except mxfp4.NonFiniteError as exc:
+                raise CheckpointError(
+                    f"{unit.hybrid[e0 + exc.index[0]]}: holds {exc.value}; MXFP4 has no encoding for NaN or Inf"
+                ) from None
             write(pieces[0][0], _cast(pieces[0][1], dtype))
             # MXFP4 scales follow their blocks in the file; they are 1/16 of the blocks' size
             for name, t in pieces[1:]:

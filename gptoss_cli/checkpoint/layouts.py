@@ -1,7 +1,7 @@
 """How canonical HF tensors are stored: bf16 experts, MXFP4 experts, and OpenAI's `original/` names.
 
 A layout maps each canonical tensor (see `mapping.py`) to the tensor(s) a checkpoint stores and
-back. Expert orientation is a property of the stored form (section 3 of gpt-oss-reference.md):
+back. Expert orientation is a property of the stored form (docs/checkpoint-layouts.md, "Hugging Face layout"):
 bf16 `gate_up_proj` is `[E, H, 2I]` (input-major, used as `x @ W`), MXFP4 blocks are `[E, 2I, ...]`
 (output-major). It is never inferred from shapes, which are square for the real models.
 """

@@ -1,16 +1,23 @@
 """MXFP4 codec: GPT-OSS expert blocks/scales to dense values and back (OCP floor rule).
 
-Layout (gpt-oss-reference.md section 3): `blocks uint8 [..., G, 16]` holds 32 E2M1 codes per
+Layout (docs/checkpoint-layouts.md, "MXFP4"): `blocks uint8 [..., G, 16]` holds 32 E2M1 codes per
 group, low nibble = element 2j, high nibble = element 2j+1; `scales uint8 [..., G]` holds one
 UE8M0 exponent per group, value = code_value * 2**(scale - 127).
 
 Decoding is two table lookups and a multiply, done directly in the output dtype: every E2M1
 value times a power of two is exact in bf16 and fp32, so nothing is rounded.
 
-Encoding follows the OCP "floor" rule: per group e = floor(log2(amax)) - 2, values divided by
-2**e are rounded to the nearest E2M1 value (ties to even) and clamped to +-6. A group decoded
-from floor-encoded bytes has its largest code at 4 or 6, so re-encoding it reproduces the same
-scale and codes: an unchanged MXFP4 source round-trips to identical bytes.
+Encoding follows the OCP "floor" rule: per group e = max(-127, floor(log2(amax)) - 2) (an
+all-zero group gets e = -127, scale byte 0), values divided by 2**e are rounded to the nearest
+E2M1 value (ties to even) and clamped to +-6. NaN and Inf are refused (`NonFiniteError`).
+
+Round trip of any bytes (scale bytes up to 252, whose values are finite): decode then encode
+gives the same values, always. It gives the same bytes when the group's largest code magnitude m
+is 4 or 6, which is every group the floor rule writes (so an unchanged floor-encoded source
+round-trips byte for byte), or when its scale byte is 0. Other groups come back in the floor
+rule's form: the scale byte drops by 2 - floor(log2 m) (m = 3 or 2: by 1; 1.5 or 1: by 2;
+0.5: by 3), stopping at 0, and the codes grow to match; an all-zero group keeps its codes
+(signed zeros too) and gets scale byte 0.
 """
 
 from __future__ import annotations
@@ -66,14 +73,30 @@ def decode(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torc
     return values.reshape(*scales.shape[:-1], scales.shape[-1] * GROUP)
 
 
+class NonFiniteError(ValueError):
+    """`encode` met NaN or Inf: E2M1 codes have neither, and a NaN scale (255) would turn the whole
+    group of 32 into NaN, so there is no faithful encoding. `index` is the first such element."""
+
+    def __init__(self, value: float, index: tuple[int, ...]):
+        super().__init__(f"MXFP4 cannot encode {value} at index {list(index)}: E2M1 has no NaN or Inf")
+        self.value = value
+        self.index = index
+
+
 def encode(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Values `[..., K]` (K divisible by 32) -> (`blocks [..., K/32, 16] uint8`, `scales [..., K/32] uint8`)."""
+    """Values `[..., K]` (K divisible by 32) -> (`blocks [..., K/32, 16] uint8`, `scales [..., K/32] uint8`).
+
+    Raises `NonFiniteError` for NaN or Inf input."""
     if values.shape[-1] % GROUP:
         raise ValueError(f"MXFP4 needs the last dimension divisible by {GROUP}, got {tuple(values.shape)}")
     lead = values.shape[:-1]
     g = values.shape[-1] // GROUP
     x = values.reshape(*lead, g, GROUP).float()
     amax = x.abs().amax(dim=-1)
+    if not bool(torch.isfinite(amax).all()):  # amax propagates NaN and Inf: one check per group
+        *head, group, j = (int(i) for i in (~torch.isfinite(x)).nonzero()[0])
+        index = (*head, group * GROUP + j)
+        raise NonFiniteError(float(values[index]), index)
     # floor(log2(amax)) exactly, from the float's exponent bits (log2 of a float32 can round up
     # just below a power of two); an all-zero group gets the smallest scale, as torchao does.
     _, exp = torch.frexp(amax)

@@ -43,6 +43,8 @@ class TrainProgressBar:
         if kind == "start":
             self._console = Console()
             where = f"world {event['world_size']}, EP {event['ep_size']}"
+            if event.get("fp8"):
+                where += f", fp8 {event['fp8']}"
             self._console.print(f"training on {where}", highlight=False)
             if event.get("resumed_from"):
                 self._console.print(f"resuming from [bold]{escape(event['resumed_from'])}[/] at step {event['start_step']}")
@@ -76,6 +78,10 @@ def render_result(result: Any) -> None:
     if result.losses:
         table.add_row("loss", f"{result.losses[0]:.4f} -> {result.losses[-1]:.4f}")
     table.add_row("tokens/s", f"{result.tokens_per_s:.0f} (world {result.world_size}, EP {result.ep_size})")
+    if result.fp8:
+        f = result.fp8
+        table.add_row("fp8", f"{f['recipe']} {f['format']}: {f['path']} ({f['kernel']}) on {f['device']}, "
+                             f"{f['gemms']} FP8 GEMMs on rank 0")
     table.add_row("run folder", escape(str(result.run_dir)) + " (metrics.jsonl)")
     if result.resumed_from:
         table.add_row("resumed from", escape(result.resumed_from))

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gptoss_cli.model.config import GptOssArch
+from gptoss_cli.model.dense_gemm import DenseGemm, Linear, linear
 from gptoss_cli.model.norm import rms_norm
 from gptoss_cli.model.rope import apply_rotary
 
@@ -76,7 +77,11 @@ def sink_attention(
 
 
 class LayerNormLinear(nn.Module):
-    """RMSNorm fused with a linear projection: Megatron's `linear_qkv` with `layer_norm_weight`."""
+    """RMSNorm fused with a linear projection: Megatron's `linear_qkv` with `layer_norm_weight`.
+
+    The norm stays in high precision; the projection's GEMMs are `gemm`'s (model/dense_gemm.py)."""
+
+    gemm: DenseGemm | None = None
 
     def __init__(self, in_features: int, out_features: int, eps: float, device=None, dtype=None):
         super().__init__()
@@ -86,7 +91,7 @@ class LayerNormLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(rms_norm(x, self.layer_norm_weight, self.eps), self.weight, self.bias)
+        return linear(rms_norm(x, self.layer_norm_weight, self.eps), self.weight, self.bias, gemm=self.gemm)
 
 
 class CoreAttention(nn.Module):
@@ -112,7 +117,7 @@ class SelfAttention(nn.Module):
         self.head_dim = arch.head_dim
         self.linear_qkv = LayerNormLinear(arch.hidden_size, arch.qkv_rows, arch.rms_norm_eps, device, dtype)
         self.core_attention = CoreAttention(arch.num_attention_heads, window, device, dtype)
-        self.linear_proj = nn.Linear(
+        self.linear_proj = Linear(
             arch.num_attention_heads * arch.head_dim, arch.hidden_size, bias=True, device=device, dtype=dtype
         )
 

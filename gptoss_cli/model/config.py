@@ -16,6 +16,8 @@ from gptoss_cli.errors import ConfigError
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
+# Fields that do not change what the network computes; a checkpoint may differ from a model in them.
+NON_ARCHITECTURAL = frozenset({"router_aux_loss_coef", "initializer_range", "bos_token_id", "eos_token_id", "pad_token_id"})
 
 # Upper bounds far above any real model (GPT-OSS-120B: 36 blocks, 128 experts, hidden 2880, vocab
 # 201088, 131072 positions). They turn a typo such as num_hidden_layers: 100000000 into a one-line
@@ -163,6 +165,15 @@ class GptOssArch:
         bad = sorted({t for t in self.layer_types if t not in (SLIDING, FULL)})
         if bad:
             raise ConfigError(f"layer_types holds unknown attention types {bad}; use {SLIDING!r} or {FULL!r}")
+
+    def differences(self, other: "GptOssArch") -> list[str]:
+        """'field: self vs other' for every field that changes what the network computes (token
+        ids, the init std and the aux-loss coefficient do not)."""
+        return [
+            f"{f.name}: {getattr(self, f.name)!r} vs {getattr(other, f.name)!r}"
+            for f in dataclasses.fields(self)
+            if f.name not in NON_ARCHITECTURAL and getattr(self, f.name) != getattr(other, f.name)
+        ]
 
     def replace(self, **changes: Any) -> "GptOssArch":
         if "num_hidden_layers" in changes and "layer_types" not in changes:

@@ -1,30 +1,24 @@
 """The MoE layer: router, token dispatcher, grouped experts with the clamped SwiGLU, and a dense MLP.
 
-Reference: gpt-oss-reference.md section 2 (router, expert math, aux loss) and section 4 (names).
+Math: docs/architecture.md, "Router", "Experts", "Aux loss"; names: docs/checkpoint-layouts.md,
+"Hybrid layout".
 
 An `E` layer is split along the boundaries the expert-parallel overlap schedule needs
-(section 5): `pre_dispatch` (pre-MLP norm + router) -> `dispatch` (permute tokens by expert and,
-with expert parallelism, the all-to-all) -> `experts` (grouped GEMMs on the local experts) ->
-`combine` (routing weights, unpermute by index_add, the reverse all-to-all) + residual.
+(docs/megatron-rules.md, "EP all-to-all overlap"): `pre_dispatch` (pre-MLP norm + router) ->
+`dispatch` (the token dispatcher's permutation and, with expert parallelism, its all-to-all;
+model/dispatcher.py) -> `experts` (grouped GEMMs on the local experts; model/grouped_gemm.py) ->
+`combine` (the dispatcher's way back: routing weights, unpermute, reverse all-to-all) + residual.
 `forward` composes them.
 
 The layer holds a contiguous range of experts [expert_offset, expert_offset + num_local_experts)
 as stacked tensors `[E_local, out, in]` for grouped GEMMs; its state_dict uses the per-expert,
 global-id names of the Hybrid checkpoint (`linear_fc1.weight{e}` ...), see `ExpertLinear`.
-
-Token dispatcher interface (the local one is `LocalTokenDispatcher`; expert parallelism plugs in
-an all-to-all one with the same two methods):
-    dispatch(hidden [T,H], probs [T,k], indices [T,k] global expert ids)
-        -> (expert_input [N,H] sorted by local expert, tokens_per_local_expert LongTensor [E_local], ctx)
-    combine(expert_output [N,H], ctx) -> hidden [T,H]
-        (multiplies by the routing weight after the fc2 bias and sums the top-k by index_add)
 """
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -32,11 +26,14 @@ from torch import nn
 
 from gptoss_cli.errors import ConfigError
 from gptoss_cli.model.config import GptOssArch
+from gptoss_cli.model.dispatcher import AllToAllTokenDispatcher, expert_counts
+from gptoss_cli.model.dense_gemm import Linear
+from gptoss_cli.model.grouped_gemm import GroupedGemm, WgradQueue, grouped_linear
 from gptoss_cli.model.norm import RMSNorm
 
 
 def clamped_swiglu(gate_up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
-    """GPT-OSS activation on fc1 output `[gate; up]` (section 2): gate<=limit, |up|<=limit,
+    """GPT-OSS activation on fc1 output `[gate; up]` (docs/architecture.md, "Experts"): gate<=limit, |up|<=limit,
     `(up + 1) * gate * sigmoid(alpha * gate)`."""
     gate, up = gate_up.chunk(2, dim=-1)
     gate = gate.clamp(max=limit)
@@ -56,7 +53,7 @@ class RouterOutput:
 
 
 class Router(nn.Module):
-    """`logits = x W^T + b`; top-k of the raw logits; softmax over those k only (section 2)."""
+    """`logits = x W^T + b`; top-k of the raw logits; softmax over those k only (docs/architecture.md, "Router")."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, device=None, dtype=None):
         super().__init__()
@@ -71,100 +68,7 @@ class Router(nn.Module):
 
 
 # --------------------------------------------------------------------------------------------
-# Token dispatchers
-
-
-def expert_counts(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """LongTensor [num_experts] of how often each id occurs; a scatter-add, so no host sync on CUDA
-    (bincount must read the maximum back first)."""
-    counts = torch.zeros(num_experts, dtype=torch.long, device=expert_ids.device)
-    return counts.scatter_add_(0, expert_ids, torch.ones_like(expert_ids))
-
-
-class TokenDispatcher(Protocol):
-    def dispatch(
-        self, hidden: torch.Tensor, probs: torch.Tensor, indices: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, Any]: ...
-
-    def combine(self, expert_output: torch.Tensor, ctx: Any) -> torch.Tensor: ...
-
-
-@dataclass
-class LocalDispatchContext:
-    token_index: torch.Tensor  # [N] source token of each permuted row
-    weights: torch.Tensor  # [N] routing weight of each permuted row
-    num_tokens: int
-
-
-class LocalTokenDispatcher:
-    """No-communication dispatcher: every expert is local. Permutes by a stable sort on expert id
-    (dropless: every (token, choice) pair gets a row) and unpermutes with index_add."""
-
-    def __init__(self, num_experts: int):
-        self.num_experts = num_experts
-
-    def dispatch(
-        self, hidden: torch.Tensor, probs: torch.Tensor, indices: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, LocalDispatchContext]:
-        top_k = indices.shape[1]
-        flat = indices.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        token_index = torch.div(order, top_k, rounding_mode="floor")
-        tokens_per_expert = expert_counts(flat, self.num_experts)
-        ctx = LocalDispatchContext(token_index, probs.reshape(-1)[order], hidden.shape[0])
-        return hidden.index_select(0, token_index), tokens_per_expert, ctx
-
-    def combine(self, expert_output: torch.Tensor, ctx: LocalDispatchContext) -> torch.Tensor:
-        # Routing weight after the fc2 bias (section 2), then the top-k sum per token.
-        weighted = expert_output * ctx.weights.to(expert_output.dtype)[:, None]
-        out = expert_output.new_zeros(ctx.num_tokens, expert_output.shape[1])
-        return out.index_add_(0, ctx.token_index, weighted)
-
-
-# --------------------------------------------------------------------------------------------
 # Experts
-
-
-_GROUPED_MM_BROKEN: set[str] = set()
-
-
-def _grouped_mm_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    if not hasattr(torch, "_grouped_mm") or x.dtype not in (torch.float32, torch.bfloat16):
-        return False
-    if x.is_cuda and x.dtype != torch.bfloat16:
-        return False  # the CUDA grouped kernel is bf16-only
-    if not (x.is_cuda or x.device.type == "cpu"):
-        return False
-    # The kernels need every row stride to be a multiple of 16 bytes.
-    align = 16 // x.element_size()
-    return weight.shape[-1] % align == 0 and weight.shape[-2] % align == 0
-
-
-def grouped_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, tokens_per_expert: torch.Tensor
-) -> torch.Tensor:
-    """Rows of x sorted by expert, `weight [E, out, in]`, `bias [E, out]` -> [N, out].
-
-    One grouped GEMM (torch._grouped_mm) where it runs, else a loop over the experts (never
-    over tokens)."""
-    n = x.shape[0]
-    if _grouped_mm_usable(x, weight) and x.device.type not in _GROUPED_MM_BROKEN:
-        offsets = torch.cumsum(tokens_per_expert, 0).to(torch.int32)
-        try:
-            out = torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
-        except RuntimeError as exc:
-            if not x.is_cuda:
-                raise
-            # Older GPUs lack the grouped kernel; the loop below computes the same thing.
-            _GROUPED_MM_BROKEN.add(x.device.type)
-            warnings.warn(f"torch._grouped_mm unavailable on this GPU ({exc}); looping over experts instead")
-        else:
-            return out + torch.repeat_interleave(bias, tokens_per_expert, dim=0, output_size=n)
-    outs = [
-        F.linear(chunk, weight[e], bias[e])
-        for e, chunk in enumerate(torch.split(x, tokens_per_expert.tolist()))
-    ]
-    return torch.cat(outs) if outs else x.new_zeros(0, weight.shape[1])
 
 
 class ExpertLinear(nn.Module):
@@ -173,7 +77,11 @@ class ExpertLinear(nn.Module):
     state_dict() and load_state_dict() speak the checkpoint's per-expert names with GLOBAL expert
     ids (`weight{e}`, `bias{e}` for e in [expert_offset, expert_offset + E_local)), so a layer that
     holds a slice of the experts under expert parallelism saves and loads its own slice.
+
+    `gemm` computes its grouped GEMMs (model/grouped_gemm.py; None: the default numerics).
     """
+
+    gemm: GroupedGemm | None = None
 
     def __init__(self, num_local_experts: int, expert_offset: int, out_features: int, in_features: int,
                  device=None, dtype=None):
@@ -236,13 +144,17 @@ class GroupedExperts(nn.Module):
         self.linear_fc1 = ExpertLinear(num_local_experts, expert_offset, 2 * i, h, device, dtype)
         self.linear_fc2 = ExpertLinear(num_local_experts, expert_offset, h, i, device, dtype)
 
-    def forward(self, expert_input: torch.Tensor, tokens_per_expert: torch.Tensor, linear=grouped_linear) -> torch.Tensor:
+    def forward(self, expert_input: torch.Tensor, tokens_per_expert: torch.Tensor, *,
+                wgrad_queue: WgradQueue | None = None, name: str = "mlp.experts") -> torch.Tensor:
         """expert_input [N, H] sorted by local expert, counts [E_local] -> fc2 output [N, H] (with bias,
-        before the routing weight). `linear`: the delayed-wgrad option, a drop-in for grouped_linear
-        whose backward queues the weight gradients (gptoss_cli/schedule/wgrad.py)."""
-        gate_up = linear(expert_input, self.linear_fc1.weight, self.linear_fc1.bias, tokens_per_expert)
+        before the routing weight). With `wgrad_queue` the weight gradients wait in the queue
+        (delayed wgrad); `name` (the layer's parameter prefix) names them in errors."""
+        fc1, fc2 = self.linear_fc1, self.linear_fc2
+        gate_up = grouped_linear(expert_input, fc1.weight, fc1.bias, tokens_per_expert, gemm=fc1.gemm,
+                                 wgrad_queue=wgrad_queue, name=f"{name}.linear_fc1")
         act = clamped_swiglu(gate_up, self.limit, self.alpha)
-        return linear(act, self.linear_fc2.weight, self.linear_fc2.bias, tokens_per_expert)
+        return grouped_linear(act, fc2.weight, fc2.bias, tokens_per_expert, gemm=fc2.gemm,
+                              wgrad_queue=wgrad_queue, name=f"{name}.linear_fc2")
 
 
 class MoEMLP(nn.Module):
@@ -256,7 +168,7 @@ class MoEMLP(nn.Module):
 
 @dataclass
 class RouterStats:
-    """What one layer contributes to the load-balancing loss (section 2, Mixtral style)."""
+    """What one layer contributes to the load-balancing loss (docs/architecture.md, "Aux loss")."""
 
     tokens_per_expert: torch.Tensor  # [E] float, top-k assignment counts (no gradient)
     prob_sum: torch.Tensor  # [E] float, sum over tokens of softmax(all E logits) (differentiable)
@@ -284,7 +196,7 @@ class MoELayer(nn.Module):
         *,
         expert_offset: int = 0,
         num_local_experts: int | None = None,
-        token_dispatcher: TokenDispatcher | None = None,
+        token_dispatcher: AllToAllTokenDispatcher | None = None,
         device=None,
         dtype=None,
     ):
@@ -305,7 +217,7 @@ class MoELayer(nn.Module):
         self.pre_mlp_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, device, dtype)
         self.mlp = MoEMLP(arch, num_local_experts, expert_offset, device, dtype)
         if token_dispatcher is None and num_local_experts == arch.num_local_experts:
-            token_dispatcher = LocalTokenDispatcher(arch.num_local_experts)
+            token_dispatcher = AllToAllTokenDispatcher(arch.num_local_experts)
         # None when the layer holds a slice of the experts: the caller must plug in a dispatcher
         # that moves tokens between ranks.
         self.token_dispatcher = token_dispatcher
@@ -313,7 +225,7 @@ class MoELayer(nn.Module):
         self.collect_router_stats = False
         self.router_stats: RouterStats | None = None
 
-    # --- the four stages (section 5's node split) ------------------------------------------
+    # --- the four stages (the overlap schedule's node split) --------------------------------
     def pre_dispatch(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B, S, H] -> (normalised tokens [T, H], probs [T, k], global expert indices [T, k])."""
         hidden = self.pre_mlp_layernorm(x).reshape(-1, x.shape[-1])
@@ -327,14 +239,18 @@ class MoELayer(nn.Module):
             )
         return hidden, routed.probs, routed.indices
 
-    def dispatch(self, hidden: torch.Tensor, probs: torch.Tensor, indices: torch.Tensor):
+    def dispatcher(self) -> AllToAllTokenDispatcher:
+        """The layer's token dispatcher; a layer holding a slice of the experts needs an EP one."""
         if self.token_dispatcher is None:
             raise ConfigError(
                 f"this MoE layer holds experts [{self.expert_offset}, "
                 f"{self.expert_offset + self.num_local_experts}) of {self.num_experts} but has no token_dispatcher",
-                hint="set layer.token_dispatcher to an expert-parallel dispatcher",
+                hint="set layer.token_dispatcher to an expert-parallel AllToAllTokenDispatcher",
             )
-        return self.token_dispatcher.dispatch(hidden, probs, indices)
+        return self.token_dispatcher
+
+    def dispatch(self, hidden: torch.Tensor, probs: torch.Tensor, indices: torch.Tensor):
+        return self.dispatcher().dispatch(hidden, probs, indices)
 
     def experts(self, expert_input: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         return self.mlp.experts(expert_input, tokens_per_expert)
@@ -354,7 +270,7 @@ class DenseMLPLayer(nn.Module):
     """A `-` layer: x + MLP(RMSNorm(x)), with the experts' math on one dense MLP.
 
     Our definition (GPT-OSS has no dense layers): `linear_fc1 [2I, H]` with rows `[gate; up]`,
-    the clamped SwiGLU of section 2, `linear_fc2 [H, I]`, biases, no routing weight. Names follow
+    the clamped SwiGLU of the experts, `linear_fc2 [H, I]`, biases, no routing weight. Names follow
     Megatron's MLP: `pre_mlp_layernorm.weight`, `mlp.linear_fc1.{weight,bias}`, `mlp.linear_fc2.{weight,bias}`.
     """
 
@@ -367,8 +283,8 @@ class DenseMLPLayer(nn.Module):
         h, i = arch.hidden_size, arch.intermediate_size
         self.pre_mlp_layernorm = RMSNorm(h, arch.rms_norm_eps, device, dtype)
         self.mlp = nn.Module()
-        self.mlp.linear_fc1 = nn.Linear(h, 2 * i, bias=True, device=device, dtype=dtype)
-        self.mlp.linear_fc2 = nn.Linear(i, h, bias=True, device=device, dtype=dtype)
+        self.mlp.linear_fc1 = Linear(h, 2 * i, bias=True, device=device, dtype=dtype)
+        self.mlp.linear_fc2 = Linear(i, h, bias=True, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         act = clamped_swiglu(self.mlp.linear_fc1(self.pre_mlp_layernorm(x)), self.limit, self.alpha)

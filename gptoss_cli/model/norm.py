@@ -1,4 +1,4 @@
-"""RMSNorm computed in fp32 (gpt-oss-reference.md section 1: eps 1e-5, computed in fp32)."""
+"""RMSNorm computed in fp32 (docs/architecture.md, "Sizes": eps 1e-5, computed in fp32)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""YaRN rotary position embeddings as GPT-OSS uses them (gpt-oss-reference.md section 2)."""
+"""YaRN rotary position embeddings as GPT-OSS uses them (docs/architecture.md, "YaRN")."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ def yarn_inv_freq(arch: GptOssArch) -> tuple[torch.Tensor, float]:
     """Per-pair inverse frequencies and the cos/sin scale (`0.1*ln(factor)+1`) of YaRN.
 
     `arch.rope_truncate` decides whether the correction range from beta_fast/beta_slow is rounded
-    outward; GPT-OSS ships `truncate: false` and rounding changes 9 of 32 frequencies (section 2).
+    outward; GPT-OSS ships `truncate: false` and rounding changes 9 of 32 frequencies.
     """
     dim = arch.head_dim
     base = arch.rope_theta

@@ -1,18 +1,21 @@
 """The HybridModel's schedule plan: one microbatch's forward split into nodes that back-propagate alone.
 
-What the combined-1F1B overlap schedule (gptoss_cli/schedule/combined_1f1b.py) runs, per
-gpt-oss-reference.md section 5. For one microbatch the plan holds:
+What the combined-1F1B overlap schedule (gptoss_cli/schedule/combined_1f1b.py) runs
+(docs/megatron-rules.md, "EP all-to-all overlap"). For one microbatch the plan holds:
 - `embedding` (compute): word embeddings and the rotary cos/sin;
 - one *unit* per pattern group (a grouped `[*E]` is one unit, each symbol of the ungrouped `*E`
   is its own unit), with the nodes of its layers:
-    `*`  attention                       compute   x + Attn(x)
-    `-`  mlp                             compute   x + MLP(RMSNorm(x))
-    `E`  pre_dispatch                    compute   RMSNorm, router, permute by expert, count exchange
-         dispatch                        comm      all-to-all of the permuted tokens
-         experts                         compute   regroup by local expert, fc1, SwiGLU, fc2, ungroup
-         combine                         comm      reverse all-to-all, then unpermute (routing weight,
-                                                   index_add) and the residual add
+    `*`  attention      compute   x + Attn(x)
+    `-`  mlp            compute   x + MLP(RMSNorm(x))
+    `E`  pre_dispatch   compute   RMSNorm, router, dispatcher.dispatch_preprocess (permute by
+                                  expert, count exchange)
+         dispatch       comm      the all-to-all of the permuted tokens (token_dispatch)
+         experts        compute   dispatch_postprocess, fc1, SwiGLU, fc2, combine_preprocess
+         combine        comm      the reverse all-to-all (token_combine), then
+                                  combine_postprocess (routing weight, unpermute) and the residual
 - `post` (compute): final norm, output layer, aux loss, and the loss callback.
+The E nodes call the phases of the layer's own token dispatcher (model/dispatcher.py), so the
+plan holds no copy of the permutation.
 
 Every node's tensor inputs are DETACHED copies of its producers' outputs, so a node's backward
 runs alone (`torch.autograd.backward` on its own outputs) and hands the gradients of its inputs
@@ -24,11 +27,11 @@ from the layer input straight to `combine`, the routing weights from `pre_dispat
 Comm nodes are not autograd ops: forward issues the all-to-all and finishes it later, backward
 issues the reverse all-to-all of the output gradient, so the schedule can put another
 microbatch's compute between issue and wait, in both directions. With delayed weight gradients
-the expert GEMMs queue their dW (gptoss_cli/schedule/wgrad.py) and the `dispatch` node's
+the expert GEMMs queue their dW (model/grouped_gemm.py, `WgradQueue`) and the `dispatch` node's
 backward runs the queue right after issuing its all-to-all, while it is in flight.
 
-Pure PyTorch plus torch.distributed (the per-expert count exchange and the dispatcher's async
-all-to-all, both on the EP group of the layer's dispatcher); no pipeline parallelism.
+Plain PyTorch; the only collectives are the dispatcher's (count exchange, all-to-all) on the EP
+group of each layer's dispatcher. No pipeline parallelism.
 """
 
 from __future__ import annotations
@@ -37,17 +40,16 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 
 from gptoss_cli.errors import ConfigError
 from gptoss_cli.model.attention import AttentionLayer
-from gptoss_cli.model.moe import DenseMLPLayer, LocalTokenDispatcher, MoELayer, RouterStats, load_balancing_loss
+from gptoss_cli.model.dispatcher import PHASES, Routing, start_all_to_all
+from gptoss_cli.model.grouped_gemm import WgradQueue
+from gptoss_cli.model.moe import DenseMLPLayer, MoELayer, RouterStats, load_balancing_loss
 from gptoss_cli.model.pattern import ATTENTION, LAYER_SYMBOLS, MLP, MOE, HybridPattern, parse_pattern
 
 COMPUTE, COMM = "compute", "comm"
 PLAN_SYMBOLS = frozenset({ATTENTION, MOE, MLP})
-IGNORE_INDEX = -100
 
 
 def plan_support(pattern: str | HybridPattern | None) -> tuple[bool, str]:
@@ -182,8 +184,9 @@ class CommNode(PlanNode):
     def __init__(self, name: str, inputs: dict[str, Any], *, group: Any,
                  post: Callable[..., dict[str, Any]] | None = None, post_inputs: tuple[str, ...] = (),
                  comm_log: list | None = None, after_backward_start: Callable[[], Any] | None = None,
-                 sync_timing: bool = False, **kw: Any):
+                 sync_timing: bool = False, runs_wgrad: bool = False, **kw: Any):
         super().__init__(name, inputs, **kw)
+        self.runs_wgrad = runs_wgrad
         self.group = group
         self.post = post
         self.post_inputs = post_inputs
@@ -195,8 +198,6 @@ class CommNode(PlanNode):
         self._post_outputs: dict[str, Any] | None = None
 
     def _start(self, x: torch.Tensor, recv: list[int], send: list[int]) -> None:
-        from gptoss_cli.parallel.dispatcher import start_all_to_all
-
         self._handle = start_all_to_all(x, recv, send, self.group, sync_timing=self.sync_timing)
         if self.comm_log is not None:
             self.comm_log.append((self.name, self._handle))
@@ -258,15 +259,30 @@ class CommNode(PlanNode):
 
 @dataclass
 class SchedulePlan:
-    """The nodes of one microbatch: `embedding`, `units` (one list of nodes per pattern group), `post`."""
+    """The nodes of one microbatch: `embedding`, `units` (one list of nodes per pattern group), `post`.
+
+    What the schedule decides is set with `configure` before the plan runs: the loss callback
+    (the forward_step's loss_func: model output -> (loss to back-propagate, extra)), the
+    delayed-wgrad queue, and whether comm nodes synchronise for timing (bench)."""
 
     embedding: ComputeNode
     units: list[list[PlanNode]]
     post: ComputeNode
     pattern: HybridPattern
-    # Set by the schedule: maps the model output (HybridOutput) to (loss to back-propagate, extra).
     loss_fn: Callable[[Any], tuple[torch.Tensor, Any]] | None = None
+    wgrad_queue: WgradQueue | None = None
     comm_log: list = field(default_factory=list)
+
+    def configure(self, *, loss_fn: Callable[[Any], tuple[torch.Tensor, Any]] | None = None,
+                  wgrad_queue: WgradQueue | None = None, sync_timing: bool = False) -> "SchedulePlan":
+        """Set the loss callback and, for the overlap schedule, delayed wgrad and timing sync."""
+        self.loss_fn, self.wgrad_queue = loss_fn, wgrad_queue
+        for node in self.nodes():
+            if isinstance(node, CommNode):
+                node.sync_timing = sync_timing
+                if node.runs_wgrad:  # the backward dispatch all-to-all hides the queued dW GEMMs
+                    node.after_backward_start = wgrad_queue.execute if wgrad_queue is not None else None
+        return self
 
     def nodes(self) -> list[PlanNode]:
         return [self.embedding, *(n for unit in self.units for n in unit), self.post]
@@ -283,99 +299,55 @@ class SchedulePlan:
             node.backward()
 
 
-def _check_dispatcher(j: int, layer: MoELayer) -> tuple[int, Any]:
-    """(ep_size, ep_group) of an E layer's dispatcher, which must be one the plan knows how to split."""
-    from gptoss_cli.parallel.dispatcher import AllToAllTokenDispatcher
-
-    d = layer.token_dispatcher
-    if isinstance(d, AllToAllTokenDispatcher):
-        return (d.ep_size, d.ep_group) if d.ep_group is not None else (1, None)
-    if isinstance(d, LocalTokenDispatcher):
-        return 1, None
-    raise ConfigError(
-        f"decoder.layers.{j}: token dispatcher {type(d).__name__} cannot be split into schedule-plan nodes",
-        hint="use the alltoall dispatcher (gptoss_cli.parallel.dispatcher.AllToAllTokenDispatcher) with overlap",
-    )
-
-
-def _moe_nodes(model: Any, j: int, layer: MoELayer, x: Ref, collect: bool, wgrad_queue: Any,
-               comm_log: list, sync_timing: bool) -> list[PlanNode]:
-    ep, group = _check_dispatcher(j, layer)
-    num_experts = layer.num_experts
-    e_loc = layer.num_local_experts
+def _moe_nodes(plan: SchedulePlan, j: int, layer: MoELayer, x: Ref, collect: bool) -> list[PlanNode]:
+    """The four nodes of an E layer, each calling its phases of the layer's token dispatcher."""
+    d = layer.dispatcher()
     p = f"decoder.layers.{j}"
+    missing = [phase for phase in PHASES if not callable(getattr(d, phase, None))]
+    if missing:
+        raise ConfigError(
+            f"{p}: token dispatcher {type(d).__name__} cannot be split into schedule-plan nodes "
+            f"(it has no {', '.join(missing)})",
+            hint="use gptoss_cli.model.dispatcher.AllToAllTokenDispatcher with overlap",
+        )
 
     def pre_dispatch(x: torch.Tensor) -> dict[str, Any]:
         layer.collect_router_stats = collect
         layer.router_stats = None
         hidden, probs, indices = layer.pre_dispatch(x)
         stats, layer.router_stats = layer.router_stats, None
-        num_tokens, k = indices.shape
-        flat = indices.reshape(-1)
-        # The same permutation as the alltoall dispatcher (a stable sort keeps token order per expert).
-        order = torch.sort(flat, stable=True).indices
-        token_of_row = torch.div(order, k, rounding_mode="floor")
-        out: dict[str, Any] = {
-            "permuted": hidden[token_of_row], "prob_of_row": probs.reshape(-1)[order],
-            "token_of_row": token_of_row, "num_tokens": num_tokens,
-        }
-        counts = torch.bincount(flat, minlength=num_experts)
-        if ep > 1:
-            send_counts = counts.view(ep, e_loc).contiguous()
-            recv_counts = torch.empty_like(send_counts)
-            # A few integers, synchronously: the split sizes of the token all-to-all.
-            dist.all_to_all_single(recv_counts, send_counts, group=group)
-            out.update(send=send_counts.sum(1).tolist(), recv=recv_counts.sum(1).tolist(), recv_counts=recv_counts)
-        else:
-            n = int(flat.numel())
-            out.update(send=[n], recv=[n], recv_counts=counts.view(1, num_experts))
+        permuted, prob_of_row, routing = d.dispatch_preprocess(hidden, probs, indices)
+        out: dict[str, Any] = {"permuted": permuted, "prob_of_row": prob_of_row, "routing": routing,
+                               "send": routing.input_splits, "recv": routing.output_splits}
         if stats is not None:
             out.update(prob_sum=stats.prob_sum, tokens_per_expert=stats.tokens_per_expert, stat_tokens=stats.num_tokens)
         return out
 
-    names = {id(layer.mlp.experts.linear_fc1.weight): f"{p}.mlp.experts.linear_fc1",
-             id(layer.mlp.experts.linear_fc2.weight): f"{p}.mlp.experts.linear_fc2"}
-    if wgrad_queue is not None:
-        from gptoss_cli.schedule.wgrad import delayed_linear_for
+    def experts(received: torch.Tensor, routing: Routing) -> dict[str, Any]:
+        expert_input = d.dispatch_postprocess(received, routing)
+        y = layer.mlp.experts(expert_input, routing.tokens_per_expert, wgrad_queue=plan.wgrad_queue,
+                              name=f"{p}.mlp.experts")
+        return {"rows": d.combine_preprocess(y, routing)}
 
-        linear = delayed_linear_for(wgrad_queue, names)
-    else:
-        from gptoss_cli.model.moe import grouped_linear as linear
-
-    def experts(received: torch.Tensor, recv_counts: torch.Tensor) -> dict[str, Any]:
-        tokens_per_local_expert = recv_counts.sum(0).to(torch.long)
-        if ep > 1:
-            # Received rows are ordered (source rank, local expert); regroup by local expert.
-            local_expert_of_row = torch.repeat_interleave(
-                torch.arange(e_loc, device=received.device).repeat(ep), recv_counts.reshape(-1))
-            regroup = torch.sort(local_expert_of_row, stable=True).indices
-            y = layer.mlp.experts(received[regroup], tokens_per_local_expert, linear=linear)
-            return {"rows": y[torch.argsort(regroup)]}
-        return {"rows": layer.mlp.experts(received, tokens_per_local_expert, linear=linear)}
-
-    def unpermute(received: torch.Tensor, prob_of_row: torch.Tensor, token_of_row: torch.Tensor, num_tokens: int,
+    def unpermute(received: torch.Tensor, prob_of_row: torch.Tensor, routing: Routing,
                   residual: torch.Tensor) -> dict[str, Any]:
-        # Routing weight after the fc2 bias, then the top-k sum per token (section 2).
-        weighted = received * prob_of_row.to(received.dtype).unsqueeze(-1)
-        out = received.new_zeros((num_tokens, received.shape[-1])).index_add(0, token_of_row, weighted)
-        return {"hidden": residual + out.view_as(residual)}
+        return {"hidden": residual + d.combine_postprocess(received, prob_of_row, routing).view_as(residual)}
 
+    group = d.ep_group if d.uses_ep else None
     pre = ComputeNode(f"{p}.pre_dispatch", pre_dispatch, {"x": x}, layer=j, symbol=MOE)
     dispatch = CommNode(
         f"{p}.dispatch", {"x": Ref(pre, "permuted"), "send": Ref(pre, "send"), "recv": Ref(pre, "recv")},
-        group=group, comm_log=comm_log, sync_timing=sync_timing, layer=j, symbol=MOE,
-        after_backward_start=wgrad_queue.execute if wgrad_queue is not None else None,
+        group=group, comm_log=plan.comm_log, runs_wgrad=True, layer=j, symbol=MOE,
     )
-    exp = ComputeNode(f"{p}.experts", experts, {"received": Ref(dispatch, "out"), "recv_counts": Ref(pre, "recv_counts")},
+    exp = ComputeNode(f"{p}.experts", experts, {"received": Ref(dispatch, "out"), "routing": Ref(pre, "routing")},
                       layer=j, symbol=MOE)
     combine = CommNode(
         f"{p}.combine",
         # Backwards: the rows go back the way they came (send and recv swapped).
         {"x": Ref(exp, "rows"), "send": Ref(pre, "recv"), "recv": Ref(pre, "send"),
-         "prob_of_row": Ref(pre, "prob_of_row"), "token_of_row": Ref(pre, "token_of_row"),
-         "num_tokens": Ref(pre, "num_tokens"), "residual": x},
-        group=group, post=unpermute, post_inputs=("prob_of_row", "token_of_row", "num_tokens", "residual"),
-        comm_log=comm_log, sync_timing=sync_timing, layer=j, symbol=MOE,
+         "prob_of_row": Ref(pre, "prob_of_row"), "routing": Ref(pre, "routing"), "residual": x},
+        group=group, post=unpermute, post_inputs=("prob_of_row", "routing", "residual"),
+        comm_log=plan.comm_log, layer=j, symbol=MOE,
     )
     return [pre, dispatch, exp, combine]
 
@@ -385,12 +357,11 @@ def build_hybrid_schedule_plan(
     input_ids: torch.Tensor,
     position_ids: torch.Tensor | None = None,
     labels: torch.Tensor | None = None,
-    *,
-    wgrad_queue: Any = None,
-    loss_fn: Callable[[Any], tuple[torch.Tensor, Any]] | None = None,
-    sync_timing: bool = False,
 ) -> SchedulePlan:
-    """The plan of one microbatch for a HybridModel (see the module docstring). Nothing runs yet."""
+    """The plan of one microbatch for a HybridModel (see the module docstring). Nothing runs yet.
+
+    Without a loss callback (`SchedulePlan.configure`), `post` computes the model's own loss from
+    `labels` (`HybridModel.attach_losses`), so a plan can be checked against `model(...)`."""
     from gptoss_cli.model.hybrid import HybridOutput
 
     ok, reason = plan_support(model.pattern)
@@ -398,7 +369,6 @@ def build_hybrid_schedule_plan(
         raise ConfigError(f"hybrid_layer_pattern {model.pattern.text!r}: {reason}",
                           hint="turn overlap off: overlap.overlap_moe_expert_parallel_comm=false")
     collect = model.training and model.aux_loss_coef > 0
-    comm_log: list = []
 
     def embedding(input_ids: torch.Tensor, position_ids: torch.Tensor | None) -> dict[str, Any]:
         x = model.embed(input_ids)
@@ -406,8 +376,8 @@ def build_hybrid_schedule_plan(
         return {"hidden": x, "cos": cos, "sin": sin}
 
     emb = ComputeNode("embedding", embedding, {"input_ids": input_ids, "position_ids": position_ids})
+    plan = SchedulePlan(embedding=emb, units=[], post=None, pattern=model.pattern)  # type: ignore[arg-type]
     hidden: Ref = Ref(emb, "hidden")
-    units: list[list[PlanNode]] = []
     moe_nodes: list[ComputeNode] = []
     for start, end in model.pattern.groups:
         unit: list[PlanNode] = []
@@ -425,14 +395,14 @@ def build_hybrid_schedule_plan(
                                    {"x": hidden}, layer=j, symbol=MLP)
                 unit.append(node)
             elif isinstance(layer, MoELayer):
-                nodes = _moe_nodes(model, j, layer, hidden, collect, wgrad_queue, comm_log, sync_timing)
+                nodes = _moe_nodes(plan, j, layer, hidden, collect)
                 moe_nodes.append(nodes[0])
                 unit.extend(nodes)
                 node = nodes[-1]
             else:  # pragma: no cover - plan_support already rejected the symbol
                 raise ConfigError(f"decoder.layers.{j}: {type(layer).__name__} has no schedule-plan nodes")
             hidden = Ref(node, "hidden")
-        units.append(unit)
+        plan.units.append(unit)
 
     post_inputs: dict[str, Any] = {"hidden": hidden, "labels": labels}
     if collect:
@@ -441,22 +411,16 @@ def build_hybrid_schedule_plan(
             post_inputs[f"tokens_per_expert{i}"] = Ref(pre, "tokens_per_expert")
             post_inputs[f"stat_tokens{i}"] = Ref(pre, "stat_tokens")
 
-    plan = SchedulePlan(embedding=emb, units=units, post=None, pattern=model.pattern, loss_fn=loss_fn,  # type: ignore[arg-type]
-                        comm_log=comm_log)
-
     def post(hidden: torch.Tensor, labels: torch.Tensor | None, **stats: Any) -> dict[str, Any]:
         out = HybridOutput(logits=model.head(hidden))
         if collect and moe_nodes:
             out.aux_loss = load_balancing_loss(
                 [RouterStats(stats[f"tokens_per_expert{i}"], stats[f"prob_sum{i}"], stats[f"stat_tokens{i}"])
                  for i in range(len(moe_nodes))], model.arch.num_local_experts)
-        if labels is not None:
-            out.lm_loss = F.cross_entropy(out.logits.float().reshape(-1, out.logits.shape[-1]), labels.reshape(-1),
-                                          ignore_index=IGNORE_INDEX)
-            out.loss = out.lm_loss if out.aux_loss is None else out.lm_loss + model.aux_loss_coef * out.aux_loss
         if plan.loss_fn is not None:
             loss, extra = plan.loss_fn(out)
             return {"loss": loss, "extra": extra}
+        model.attach_losses(out, labels)
         return {"loss": out.loss, "extra": out}
 
     plan.post = ComputeNode("post", post, post_inputs, seed_key="loss")

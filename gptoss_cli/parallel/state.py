@@ -1,6 +1,7 @@
 """Process groups for data parallel x expert parallel, built on a torch DeviceMesh.
 
-Layout (Megatron's, `gpt-oss-reference.md` section 5): EP is carved out of data parallel, so
+Layout (Megatron's, docs/megatron-rules.md, "Token dispatcher and expert data parallel"): EP is
+carved out of data parallel, so
 dense parameters are replicated over every rank (their data-parallel group is the whole world)
 and experts are split over the `ep` mesh dimension; the ranks holding the same experts form the
 expert-data-parallel group of size world / EP. Ranks of one EP group are consecutive, so on a

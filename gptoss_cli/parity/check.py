@@ -10,7 +10,6 @@ import torch
 
 from gptoss_cli.errors import CheckpointError, UsageError
 from gptoss_cli.model.config import GptOssArch
-from gptoss_cli.model.hybrid import architecture_differences as model_architecture_differences
 from gptoss_cli.parity.report import ParityReport, Thresholds
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -30,7 +29,7 @@ def require_transformers() -> None:
 
 
 def default_seq_len(arch: GptOssArch) -> int:
-    """Longer than twice the sliding window, so window and RoPE bugs show (section 7)."""
+    """Longer than twice the sliding window, so window and RoPE bugs show (short prompts hide them)."""
     return 2 * arch.sliding_window + 32
 
 
@@ -62,7 +61,7 @@ def parse_tokens(text: str, arch: GptOssArch, batch: int) -> torch.Tensor:
 
 
 def architecture_differences(hf: GptOssArch, hybrid: GptOssArch) -> list[str]:
-    return [f"{d.split(':')[0]}: HF vs Hybrid{d[d.index(':'):]}" for d in model_architecture_differences(hf, hybrid)]
+    return [f"{d.split(':')[0]}: HF vs Hybrid{d[d.index(':'):]}" for d in hf.differences(hybrid)]
 
 
 def run_parity(

@@ -19,7 +19,8 @@ from torch import nn
 
 from gptoss_cli.errors import CheckpointError
 from gptoss_cli.model.config import GptOssArch
-from gptoss_cli.model.hybrid import build_layer, checkpoint_slots, layer_windows, read_hybrid_tensor, run_layer
+from gptoss_cli.checkpoint.load import read_hybrid_tensor
+from gptoss_cli.model.hybrid import build_layer, checkpoint_slots, layer_windows, run_layer
 from gptoss_cli.model.norm import RMSNorm
 from gptoss_cli.model.pattern import parse_pattern
 from gptoss_cli.model.rope import YarnRotaryEmbedding
@@ -124,11 +125,12 @@ class Ours:
             for name, dest in checkpoint_slots(module, prefix):
                 if name not in self.reader:
                     raise CheckpointError(f"{self.reader.folder}: tensor {name} is missing")
-                dest.copy_(read_hybrid_tensor(self.reader, name, tuple(dest.shape), self.arch))
+                dest.copy_(read_hybrid_tensor(self.reader, name, tuple(dest.shape)))
         return module.eval()
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        emb = nn.Embedding(self.arch.vocab_size, self.arch.hidden_size, device="meta", dtype=self.dtype)
+        shape = (self.arch.vocab_size, self.arch.hidden_size)  # given weight: see HybridModel's embedding
+        emb = nn.Embedding(*shape, _weight=torch.empty(shape, device="meta", dtype=self.dtype))
         emb = self._load(emb, "embedding.word_embeddings.")
         return emb(ids)
 

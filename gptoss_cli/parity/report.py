@@ -13,7 +13,7 @@ import torch.nn.functional as F
 @dataclass(frozen=True)
 class Thresholds:
     """Pass thresholds. Defaults per dtype: a correct conversion meets them, layout bugs fail them
-    (reference section 6: peers pass KL < 1e-6; a transposed expert gave cosine 0.54)."""
+    (peers pass at KL < 1e-6; a transposed expert gave cosine 0.54, docs/checkpoint-layouts.md)."""
 
     top1_min: float  # fraction of positions whose argmax agrees
     kl_max: float  # mean KL(ref || ours) per position, nats
@@ -26,7 +26,14 @@ class Thresholds:
         if dtype == torch.float32:
             return cls(top1_min=1.0, kl_max=1e-6, logits_cosine_min=0.99999, hidden_cosine_min=0.99999,
                        hidden_rel_max=1e-4)
-        # bf16 runs round every GEMM and activation to 8 bits of mantissa, on both sides differently.
+        # bf16 runs round every GEMM and activation to 8 bits of mantissa, on both sides differently:
+        # about 1% per token after a few blocks, plus near-tied routing decisions that flip and move a
+        # few tokens by O(1). On the tiny test models (seeds 0-5, both expert forms) correct
+        # conversions stay at hidden cosine >= 0.997, KL <= 1.2e-3, top-1 >= 0.89, logits cosine
+        # >= 0.997, max rel diff <= 0.37, while layout bugs (swapped experts, q|k|v order, interleaved
+        # gate/up, transposed fc2, window off by one, final norm not loaded) give hidden cosine <= 0.94
+        # or logits top-1 <= 0.73 (tests/test_parity_check.py). Bugs whose exact effect is below that
+        # noise (zeroed sinks, YaRN truncate) are left to the weight and architecture checks and fp32.
         return cls(top1_min=0.8, kl_max=1e-2, logits_cosine_min=0.99, hidden_cosine_min=0.995, hidden_rel_max=0.5)
 
     def replace(self, **changes: Any) -> "Thresholds":

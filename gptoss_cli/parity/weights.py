@@ -22,7 +22,7 @@ EXPERT_CHUNK = 8
 
 def _read_hybrid(reader, name: str, arch: GptOssArch) -> torch.Tensor:
     if name in VOCAB_PADDED_HYBRID and reader.shape(name)[0] > arch.vocab_size:
-        return reader.read(name, 0, arch.vocab_size)  # Megatron's vocabulary padding (section 4)
+        return reader.read(name, 0, arch.vocab_size)  # Megatron's vocabulary padding (docs/checkpoint-layouts.md)
     return reader.read(name)
 
 

@@ -84,7 +84,7 @@ class MoEConfig:
 @dataclass
 class OverlapConfig:
     overlap_moe_expert_parallel_comm: bool = _f(
-        False, "overlap EP all-to-all with compute of another microbatch (combined 1F1B, ref. section 5)",
+        False, "overlap EP all-to-all with compute of another microbatch (combined 1F1B, docs/megatron-rules.md)",
     )
     delay_wgrad_compute: bool = _f(
         False, "defer weight-gradient GEMMs into the overlap schedule (needs the overlap flag)",

@@ -14,10 +14,9 @@ from typing import Any, Sequence
 
 from gptoss_cli.errors import UsageError, ValidationFailed
 from gptoss_cli.recipe.load import Recipe, load_recipe, recipe_from_config
-from gptoss_cli.recipe.rules import (
-    ERROR, RULES, SEMANTIC, UNSUPPORTED, WARNING, Context, Finding, Rule, data_parallel_size,
-    expert_data_parallel_size, installed_torch_version, resolve_world_size,
-)
+from gptoss_cli.recipe.environment import installed_torch_version
+from gptoss_cli.recipe.rules import ERROR, RULES, SEMANTIC, UNSUPPORTED, WARNING, Context, Finding, Rule
+from gptoss_cli.recipe.sizes import data_parallel_size, expert_data_parallel_size, resolve_world_size
 from gptoss_cli.recipe.schema import RecipeConfig
 
 TARGETS = ("gptoss", "megatron")
@@ -154,8 +153,8 @@ def validate_recipe(
         expert_data_parallel_size=expert_data_parallel_size(cfg, world) if world > 0 else None,
     )
     selected = list(rules) if rules is not None else list(RULES.values())
-    bounds = [r for r in selected if r.id == "field.range"]
-    others = [r for r in selected if r.id != "field.range"]
+    bounds = [r for r in selected if r.gate]
+    others = [r for r in selected if not r.gate]
     for r in bounds:
         report.findings.extend(r(cfg, ctx))
     if any(f.severity == ERROR for f in report.findings) or world <= 0:

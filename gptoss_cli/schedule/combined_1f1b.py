@@ -1,6 +1,7 @@
 """Combined 1F1B without pipelining: EP all-to-all of one microbatch hidden behind another's compute.
 
-Megatron's `combined_1f1b_schedule_for_no_pipelining` (gpt-oss-reference.md section 5), for
+Megatron's `combined_1f1b_schedule_for_no_pipelining` (docs/megatron-rules.md, "EP all-to-all
+overlap"), for
 models with `build_schedule_plan` (found on the unwrapped model, like Megatron's
 `get_attr_wrapped_model`):
 
@@ -15,18 +16,17 @@ the other microbatch computes; a stream waits only when nothing else can run. Th
 only on the plan's structure, so every rank issues its collectives in the same order.
 
 With `delay_wgrad_compute` the expert GEMMs queue their weight gradients
-(gptoss_cli/schedule/wgrad.py) and each `dispatch` node runs the queue right after issuing its
+(gptoss_cli/model/grouped_gemm.py) and each `dispatch` node runs the queue right after issuing its
 backward all-to-all. At the end of the step the queue must be empty, else TrainingError.
 
 `finalize_model_grads_func` (from `get_model_config(model)`, never the provider's config) runs
 exactly once, after the last backward; the reduction is deferred (`no_sync_func`) until the last
 microbatch's backward, like the plain schedule.
 
-forward_step_func contract: the same as the plain schedule's (`(data_iterator, model) ->
-(loss_sum, num_tokens, logs)`). It is called twice per microbatch: first with a stand-in model
-that records the model's inputs and stops the call (so the plan can be built from them), then,
-at the end of that microbatch's forward, with the same data item and a stand-in that returns
-the plan's output, so the loss is computed by the caller's own code.
+forward_step_func contract: Megatron's. The schedule calls
+`forward_step_func(data_iterator, model, return_schedule_plan=True)`, which returns the model's
+schedule plan for the next microbatch and its loss_func; the plan's last node calls loss_func on
+the model output, so the loss is computed by the caller's own code, once.
 """
 
 from __future__ import annotations
@@ -40,10 +40,10 @@ import torch
 from torch import nn
 
 from gptoss_cli.errors import ConfigError, TrainingError
+from gptoss_cli.model.grouped_gemm import WgradQueue
 from gptoss_cli.model.schedule_plan import COMM, SchedulePlan
 from gptoss_cli.parallel.grads import get_attr_wrapped_model, get_model_config
 from gptoss_cli.schedule.plain import ForwardStep, forward_backward_no_pipelining
-from gptoss_cli.schedule.wgrad import WgradQueue
 
 
 @dataclass
@@ -67,56 +67,6 @@ class OverlapStats:
         """Share of the all-to-all time (issue to wait returning) not spent blocked in wait."""
         total = self.in_flight_s
         return 1.0 - self.blocked_s / total if total > 0 else 0.0
-
-
-# --------------------------------------------------------------------------------------------
-# Calling forward_step_func around a plan
-
-
-class _InputsCaptured(Exception):
-    pass
-
-
-class _CaptureInputs(nn.Module):
-    """Stands in for the model: records the call's arguments and stops forward_step_func there."""
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.module = model  # so get_model_config(stand-in) still finds the model's config
-        self.args: tuple = ()
-        self.kwargs: dict = {}
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self.args, self.kwargs = args, kwargs
-        raise _InputsCaptured
-
-
-class _ReturnOutput(nn.Module):
-    """Stands in for the model at the loss: returns the plan's output for the same inputs."""
-
-    def __init__(self, model: nn.Module, output: Any, args: tuple):
-        super().__init__()
-        self.module = model
-        self.output, self.expected = output, args
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if len(args) != len(self.expected) or any(a is not b for a, b in zip(args, self.expected)):
-            raise TrainingError("forward_step_func called the model with other inputs the second time",
-                                hint="forward_step_func must be deterministic in what it feeds the model")
-        return self.output
-
-
-class _Recording:
-    def __init__(self, it: Iterator[Any]):
-        self.it, self.items = it, []
-
-    def __iter__(self) -> "_Recording":
-        return self
-
-    def __next__(self) -> Any:
-        item = next(self.it)
-        self.items.append(item)
-        return item
 
 
 # --------------------------------------------------------------------------------------------
@@ -221,14 +171,19 @@ def forward_backward_combined_1f1b(
             hint="install the training callbacks on get_model_config(model), not on the provider's config",
         )
     try:
-        build = get_attr_wrapped_model(model, "build_schedule_plan")
+        get_attr_wrapped_model(model, "build_schedule_plan")
     except AttributeError:
         raise ConfigError(
             f"overlap_moe_expert_parallel_comm=true, but {type(model).__name__} and the models it wraps have no "
             "build_schedule_plan (the combined-1F1B schedule cannot split them into nodes)",
             hint="turn overlap off: overlap.overlap_moe_expert_parallel_comm=false overlap.delay_wgrad_compute=false",
         ) from None
-    signature = inspect.signature(build.__self__.forward)
+    if "return_schedule_plan" not in inspect.signature(forward_step_func).parameters:
+        raise ConfigError(
+            "overlap_moe_expert_parallel_comm=true, but forward_step_func takes no return_schedule_plan argument",
+            hint="forward_step_func(data_iterator, model, return_schedule_plan=False) must return "
+                 "(model.build_schedule_plan(...), loss_func) when asked",
+        )
     no_sync = getattr(config, "no_sync_func", None) or contextlib.nullcontext
     grad_scale = getattr(config, "grad_scale_func", None)
     queue = WgradQueue() if getattr(config, "delay_wgrad_compute", False) else None
@@ -237,27 +192,16 @@ def forward_backward_combined_1f1b(
     total_tokens = torch.zeros((), dtype=torch.float32)
 
     def new_plan() -> SchedulePlan:
-        recording = _Recording(data_iterator)
-        capture = _CaptureInputs(model)
-        try:
-            forward_step_func(recording, capture)
-        except _InputsCaptured:
-            pass
-        else:
-            raise TrainingError("forward_step_func returned without calling the model; there is nothing to schedule")
-        bound = signature.bind(*capture.args, **capture.kwargs).arguments
-        args = capture.args
-        items = list(recording.items)
+        plan, loss_func = forward_step_func(data_iterator, model, return_schedule_plan=True)
 
         def loss_fn(output: Any) -> tuple[torch.Tensor, Any]:
             nonlocal total_tokens
-            loss_sum, num_tokens, extra = forward_step_func(iter(items), _ReturnOutput(model, output, args))
+            loss_sum, num_tokens, extra = loss_func(output)
             total_tokens = total_tokens + num_tokens.detach().float().cpu()
             logs.append({"loss_sum": loss_sum.detach(), "num_tokens": num_tokens.detach(), **extra})
             return (grad_scale(loss_sum) if grad_scale is not None else loss_sum), None
 
-        return build(bound.get("input_ids"), bound.get("position_ids"), bound.get("labels"),
-                     wgrad_queue=queue, loss_fn=loss_fn, sync_timing=sync_timing)
+        return plan.configure(loss_fn=loss_fn, wgrad_queue=queue, sync_timing=sync_timing)
 
     def forward(plan: SchedulePlan) -> None:
         for slot in _slots(plan):

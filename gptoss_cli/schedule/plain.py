@@ -5,9 +5,11 @@ config, looked up through wrappers with `get_model_config(model)`; the gradient 
 deferred (inside `no_sync_func`) for all but the last microbatch, and `finalize_model_grads_func`
 runs exactly once per training step, after the last backward, never in forward-only evaluation.
 
-Contract of `forward_step_func(data_iterator, model)`: returns `(loss_sum, num_tokens, logs)`
-where `loss_sum` is the loss summed (not averaged) over the microbatch's tokens, so that the
-finaliser can normalise by the tokens of the whole global batch.
+Megatron's contract: `forward_step_func(data_iterator, model)` returns `(output, loss_func)`, and
+the schedule calls `loss_func(output) -> (loss_sum, num_tokens, logs)`, where `loss_sum` is the
+loss summed (not averaged) over the microbatch's tokens, so that the finaliser can normalise by
+the tokens of the whole global batch. The schedule owns when the loss is computed (the overlap
+schedule computes it inside the last node of a schedule plan).
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from torch import nn
 from gptoss_cli.errors import TrainingError
 from gptoss_cli.parallel.grads import get_model_config
 
-ForwardStep = Callable[[Iterator[Any], nn.Module], "tuple[torch.Tensor, torch.Tensor, dict[str, Any]]"]
+LossFunc = Callable[[Any], "tuple[torch.Tensor, torch.Tensor, dict[str, Any]]"]
+ForwardStep = Callable[..., "tuple[Any, LossFunc]"]
 
 
 def forward_backward_no_pipelining(
@@ -49,7 +52,8 @@ def forward_backward_no_pipelining(
     def one_microbatch() -> None:
         nonlocal total_tokens
         with torch.no_grad() if forward_only else contextlib.nullcontext():
-            loss_sum, num_tokens, extra = forward_step_func(data_iterator, model)
+            output, loss_func = forward_step_func(data_iterator, model)
+            loss_sum, num_tokens, extra = loss_func(output)
         if not forward_only:
             (grad_scale(loss_sum) if grad_scale is not None else loss_sum).backward()
         total_tokens = total_tokens + num_tokens.detach().float().cpu()

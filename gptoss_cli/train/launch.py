@@ -38,56 +38,12 @@ from gptoss_cli.errors import ConfigError, GptossError, Terminated, TrainingErro
 from gptoss_cli.outputs import FolderLock
 from gptoss_cli.parallel.state import torchrun_env
 from gptoss_cli.train.heartbeat import Watchdog
-from gptoss_cli.train.loop import Progress, TrainPlan, TrainResult, run_worker
-
-
-def plan_from_recipe(recipe: Any) -> TrainPlan:
-    """The worker's resolved plan from a loaded `gptoss_cli.recipe.load.Recipe`."""
-    cfg = recipe.config
-    name = cfg.name or (recipe.path.stem if recipe.path else "run")
-    t, o, d, c = cfg.training, cfg.optimizer, cfg.data, cfg.checkpoint
-    return TrainPlan(
-        name=name,
-        arch=recipe.arch,
-        hybrid_layer_pattern=recipe.pattern.text,
-        run_dir=str(Path(cfg.logging.run_dir or Path("runs") / name)),
-        ep_size=cfg.parallelism.expert_model_parallel_size,
-        device=cfg.system.device,
-        backend=cfg.parallelism.backend,
-        params_dtype=cfg.precision.params_dtype,
-        aux_loss_coeff=cfg.moe.aux_loss_coeff,
-        overlap_moe_expert_parallel_comm=cfg.overlap.overlap_moe_expert_parallel_comm,
-        delay_wgrad_compute=cfg.overlap.delay_wgrad_compute,
-        seq_length=t.seq_length,
-        micro_batch_size=t.micro_batch_size,
-        global_batch_size=t.global_batch_size,
-        train_iters=t.train_iters,
-        lr=t.lr,
-        min_lr=t.min_lr,
-        warmup_iters=t.warmup_iters,
-        lr_decay_style=t.lr_decay_style,
-        lr_decay_iters=t.lr_decay_iters,
-        seed=t.seed,
-        weight_decay=o.weight_decay,
-        betas=(o.adam_beta1, o.adam_beta2),
-        eps=o.adam_eps,
-        clip_grad=o.clip_grad,
-        use_distributed_optimizer=o.use_distributed_optimizer,
-        data_kind=d.kind,
-        data_path=d.path,
-        checkpoint_dir=c.dir,
-        save_interval=c.save_interval,
-        resume=c.resume,
-        pretrained=c.pretrained,
-        log_interval=cfg.logging.log_interval,
-        heartbeat_timeout_s=cfg.system.heartbeat_timeout_s,
-        recipe=recipe.to_dict(),
-    )
+from gptoss_cli.train.loop import Progress, TrainJob, TrainResult, run_worker
 
 
 def default_nproc(recipe: Any) -> int:
     """Processes on this node when --nproc-per-node is not given: the recipe's world size."""
-    from gptoss_cli.recipe.rules import resolve_world_size
+    from gptoss_cli.recipe.sizes import resolve_world_size
 
     p = recipe.config.parallelism
     if p.nodes not in (None, 1):
@@ -111,7 +67,7 @@ def preflight_recipe(recipe: Any, world_size: int) -> Any:
 def _detect_gpu(device: str) -> str:
     import torch
 
-    from gptoss_cli.recipe.rules import gpu_from_device_name
+    from gptoss_cli.recipe.environment import gpu_from_device_name
 
     if device == "cpu" or not torch.cuda.is_available():
         return "none"
@@ -128,22 +84,22 @@ def train(recipe: Any, *, nproc_per_node: int | None = None, progress: Progress 
                 hint="drop --nproc-per-node when running under torchrun",
             )
         preflight_recipe(recipe, env["WORLD_SIZE"])
-        plan = plan_from_recipe(recipe)
-        with run_folders(plan, owner=env["RANK"] == 0) as notes:
-            return _with_notes(run_worker(plan, progress), notes)
+        job = TrainJob.from_recipe(recipe)
+        with run_folders(job, owner=env["RANK"] == 0) as notes:
+            return _with_notes(run_worker(job, progress), notes)
     nproc = nproc_per_node if nproc_per_node is not None else default_nproc(recipe)
     if nproc < 1:
         raise ConfigError(f"--nproc-per-node {nproc} must be at least 1")
     preflight_recipe(recipe, nproc)
-    plan = plan_from_recipe(recipe)
-    with run_folders(plan) as notes:
+    job = TrainJob.from_recipe(recipe)
+    with run_folders(job) as notes:
         if nproc == 1:
-            return _with_notes(run_worker(plan, progress), notes)
-        return _with_notes(launch_local(plan, nproc, progress), notes)
+            return _with_notes(run_worker(job, progress), notes)
+        return _with_notes(launch_local(job, nproc, progress), notes)
 
 
 @contextlib.contextmanager
-def run_folders(plan: TrainPlan, owner: bool = True) -> Iterator[list[str]]:
+def run_folders(job: TrainJob, owner: bool = True) -> Iterator[list[str]]:
     """Lock checkpoint.dir and the run folder for this run (pre-flight: proves them writable) and remove
     the incomplete checkpoints killed runs left there; yields notes on what was removed.
 
@@ -154,9 +110,10 @@ def run_folders(plan: TrainPlan, owner: bool = True) -> Iterator[list[str]]:
     if not owner:
         yield []
         return
-    folders = [("logging.run_dir", Path(plan.run_dir))]
-    if plan.checkpoint_dir:
-        folders.insert(0, ("checkpoint.dir", Path(plan.checkpoint_dir)))
+    ckpt_dir = job.config.checkpoint.dir
+    folders = [("logging.run_dir", Path(job.run_dir))]
+    if ckpt_dir:
+        folders.insert(0, ("checkpoint.dir", Path(ckpt_dir)))
     locks: list[FolderLock] = []
     seen: set[Path] = set()
     try:
@@ -165,7 +122,7 @@ def run_folders(plan: TrainPlan, owner: bool = True) -> Iterator[list[str]]:
             if resolved not in seen:
                 seen.add(resolved)
                 locks.append(FolderLock(folder.expanduser(), what).acquire())
-        notes = remove_partial_checkpoints(Path(plan.checkpoint_dir).expanduser()) if plan.checkpoint_dir else []
+        notes = remove_partial_checkpoints(Path(ckpt_dir).expanduser()) if ckpt_dir else []
         yield notes
     finally:
         for lock in locks:
@@ -196,11 +153,11 @@ def _exit_on_interrupt(signum: int, frame: Any) -> None:
     os._exit(130)
 
 
-def _worker_entry(plan: TrainPlan, progress: Progress | None) -> TrainResult:
+def _worker_entry(job: TrainJob, progress: Progress | None) -> TrainResult:
     """Body of one elastic worker: a GptossError is recorded for the agent as one line, no traceback."""
     signal.signal(signal.SIGINT, _exit_on_interrupt)
     try:
-        return run_worker(plan, progress)
+        return run_worker(job, progress)
     except (GptossError, OSError) as exc:  # an OSError (full disk, unwritable metrics) is one line naming the path
         from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
@@ -215,7 +172,7 @@ def _worker_entry(plan: TrainPlan, progress: Progress | None) -> TrainResult:
         raise
 
 
-def launch_local(plan: TrainPlan, nproc: int, progress: Progress | None = None, *, timeout_s: float = 900) -> TrainResult:
+def launch_local(job: TrainJob, nproc: int, progress: Progress | None = None, *, timeout_s: float = 900) -> TrainResult:
     """Start `nproc` workers on this node with the elastic launcher; rank 0's result."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -241,11 +198,11 @@ def launch_local(plan: TrainPlan, nproc: int, progress: Progress | None = None, 
     for log in quiet:
         log.setLevel(logging.CRITICAL)
     beats = tempfile.mkdtemp(prefix="gptoss-heartbeat-")
-    plan = dataclasses.replace(plan, heartbeat_dir=beats)
+    job = dataclasses.replace(job, heartbeat_dir=beats)
     try:
-        with Watchdog(beats, plan.heartbeat_timeout_s) as watchdog:
+        with Watchdog(beats, job.config.system.heartbeat_timeout_s) as watchdog:
             try:
-                results = elastic_launch(config, _worker_entry)(plan, progress)
+                results = elastic_launch(config, _worker_entry)(job, progress)
             except ChildFailedError as exc:
                 if watchdog.reason:
                     raise TrainingError(watchdog.reason) from None
@@ -277,4 +234,4 @@ def _worker_error(rank: int, failure: Any) -> GptossError:
     return TrainingError(f"worker rank {rank} failed: {message}", hint="see the worker's output above")
 
 
-__all__ = ["train", "plan_from_recipe", "launch_local", "preflight_recipe", "default_nproc"]
+__all__ = ["train", "launch_local", "preflight_recipe", "default_nproc"]

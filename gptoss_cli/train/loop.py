@@ -1,13 +1,14 @@
 """The training loop of one rank: setup, resume, steps through the selected schedule, checkpoints, metrics.
 
-`TrainPlan` is everything a worker needs, resolved from the recipe in the launching process (it
-is plain, picklable data). `run_worker(plan, progress)` joins the process group, trains and returns
+`TrainJob` is everything a worker needs: the recipe's typed config, resolved in the launching
+process (plain, picklable data). `run_worker(job, progress)` joins the process group, trains and returns
 a `TrainResult`; only rank 0 calls `progress(event)` (the CLI renders it), every rank's metrics go
 to `<run_dir>/metrics.jsonl` (written by rank 0 from an all-gather, one line per rank and step).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -19,11 +20,12 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from gptoss_cli.errors import TrainingError
 from gptoss_cli.model.config import GptOssArch
-from gptoss_cli.parallel.grads import get_model_config
+from gptoss_cli.recipe.schema import RecipeConfig
+from gptoss_cli.model.hybrid import IGNORE_INDEX, token_cross_entropy
+from gptoss_cli.parallel.grads import get_attr_wrapped_model, get_model_config
 from gptoss_cli.parallel.state import ParallelState, barrier, destroy_parallel, init_parallel
 from gptoss_cli.schedule import get_forward_backward_func
 from gptoss_cli.train.checkpointing import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -31,52 +33,33 @@ from gptoss_cli.train.data import DataLoaderState, Microbatch, build_source
 from gptoss_cli.train.heartbeat import Heartbeat
 from gptoss_cli.train.optimizer import WarmupCosineLR
 from gptoss_cli.train.provider import HybridModelProvider, ModelRuntimeConfig
-from gptoss_cli.train.setup import OptimizerSettings, setup_model_and_optimizer
+from gptoss_cli.train.setup import setup_model_and_optimizer
 
-IGNORE_INDEX = -100
 Progress = Callable[[dict[str, Any]], None]
 
 
 @dataclass
-class TrainPlan:
-    """A resolved training run (from a recipe; see `plan_from_recipe`)."""
+class TrainJob:
+    """A resolved training run: the recipe's typed config and what was resolved from it.
 
-    name: str
+    `config` is the one source of every setting and default (gptoss_cli/recipe/schema.py); the
+    worker reads its sections directly. Plain, picklable data: it travels to spawned workers."""
+
+    config: RecipeConfig
     arch: GptOssArch
     hybrid_layer_pattern: str
+    name: str
     run_dir: str
-    ep_size: int = 1
-    device: str = "auto"
-    backend: str = "auto"
-    params_dtype: str = "fp32"
-    aux_loss_coeff: float = 0.0
-    overlap_moe_expert_parallel_comm: bool = False
-    delay_wgrad_compute: bool = False
-    seq_length: int = 64
-    micro_batch_size: int = 1
-    global_batch_size: int = 8
-    train_iters: int = 10
-    lr: float = 3e-4
-    min_lr: float = 3e-5
-    warmup_iters: int = 0
-    lr_decay_style: str = "cosine"
-    lr_decay_iters: int | None = None
-    seed: int = 1234
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    clip_grad: float = 1.0
-    use_distributed_optimizer: bool = True
-    data_kind: str = "mock"
-    data_path: str | None = None
-    checkpoint_dir: str | None = None
-    save_interval: int | None = None
-    resume: bool = True
-    pretrained: str | None = None
-    log_interval: int = 1
-    heartbeat_timeout_s: float = 180.0
+    recipe: dict[str, Any] = field(default_factory=dict)  # the resolved recipe as plain data, for the run dir
     heartbeat_dir: str | None = None  # set by the local launcher, whose watchdog reads the beats
-    recipe: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_recipe(cls, recipe: Any) -> "TrainJob":
+        """From a loaded `gptoss_cli.recipe.load.Recipe`."""
+        cfg = recipe.config
+        name = cfg.name or (recipe.path.stem if recipe.path else "run")
+        return cls(config=cfg, arch=recipe.arch, hybrid_layer_pattern=recipe.pattern.text, name=name,
+                   run_dir=str(Path(cfg.logging.run_dir or Path("runs") / name)), recipe=recipe.to_dict())
 
 
 @dataclass
@@ -91,26 +74,35 @@ class TrainResult:
     resumed_from: str | None
     world_size: int
     ep_size: int
+    fp8: dict[str, Any] | None = None  # recipe, format, path (native/emulated), kernel, FP8 GEMMs run (rank 0)
     notes: list[str] = field(default_factory=list)  # e.g. leftovers of killed runs that were removed
 
 
-def forward_step(data_iterator: Iterator[Microbatch], model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """One microbatch: summed token cross-entropy (+ aux loss scaled by the microbatch's tokens)."""
+def forward_step(data_iterator: Iterator[Microbatch], model: torch.nn.Module,
+                 return_schedule_plan: bool = False) -> tuple[Any, Callable[[Any], tuple[torch.Tensor, torch.Tensor, dict]]]:
+    """Megatron's forward_step contract: one microbatch -> (model output, loss_func).
+
+    With `return_schedule_plan` (the overlap schedule asks for it) the output is the model's
+    schedule plan for the microbatch instead of its forward; the schedule runs the plan and calls
+    loss_func on its output. Either way the schedule decides when the loss is computed."""
     mb = next(data_iterator)
-    out = model(mb.tokens)
-    logits = out.logits
-    lm_sum = F.cross_entropy(
-        logits.float().reshape(-1, logits.shape[-1]), mb.labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
-    num_tokens = (mb.labels != IGNORE_INDEX).sum()
+    loss_func = functools.partial(microbatch_loss, mb.labels, get_model_config(model).aux_loss_coeff)
+    if return_schedule_plan:
+        return get_attr_wrapped_model(model, "build_schedule_plan")(mb.tokens), loss_func
+    return model(mb.tokens), loss_func
+
+
+def microbatch_loss(labels: torch.Tensor, aux_coeff: float, output: Any) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """(summed token cross-entropy + aux loss scaled by the microbatch's tokens, tokens, logs)."""
+    lm_sum = token_cross_entropy(output.logits, labels, reduction="sum")
+    num_tokens = (labels != IGNORE_INDEX).sum()
     loss_sum = lm_sum
     logs: dict[str, Any] = {"lm_loss_sum": lm_sum.detach()}
-    coeff = get_model_config(model).aux_loss_coeff
-    if out.aux_loss is not None and coeff > 0:
+    if output.aux_loss is not None and aux_coeff > 0:
         # The aux loss is a per-microbatch mean; weighting it by the microbatch's tokens keeps the
         # global per-token normalisation in finalize_model_grads exact.
-        loss_sum = lm_sum + coeff * out.aux_loss * num_tokens
-        logs["aux_loss"] = out.aux_loss.detach()
+        loss_sum = lm_sum + aux_coeff * output.aux_loss * num_tokens
+        logs["aux_loss"] = output.aux_loss.detach()
     return loss_sum, num_tokens, logs
 
 
@@ -150,19 +142,20 @@ class MetricsWriter:
                                      "rank_step_time_s": local_d["step_time_s"]}) + "\n")
 
 
-def run_worker(plan: TrainPlan, progress: Progress | None = None) -> TrainResult:
+def run_worker(job: TrainJob, progress: Progress | None = None) -> TrainResult:
     """Train on this process (rank from the torchrun environment, or a single process)."""
     if os.environ.get("OMP_NUM_THREADS") is None and "LOCAL_WORLD_SIZE" in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
     owns_group = not dist.is_initialized()
+    cfg = job.config
     rank = int(os.environ.get("RANK", "0"))
     # Under torchrun (no launcher watchdog) each rank watches its own progress.
-    self_watch = plan.heartbeat_dir is None and int(os.environ.get("WORLD_SIZE", "1")) > 1
-    heartbeat = Heartbeat(rank, plan.heartbeat_timeout_s, plan.heartbeat_dir, self_watch=self_watch).start()
+    self_watch = job.heartbeat_dir is None and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    heartbeat = Heartbeat(rank, cfg.system.heartbeat_timeout_s, job.heartbeat_dir, self_watch=self_watch).start()
     try:
-        state = init_parallel(plan.ep_size, plan.device, plan.backend)
+        state = init_parallel(cfg.parallelism.expert_model_parallel_size, cfg.system.device, cfg.parallelism.backend)
         try:
-            return _train(plan, state, progress, heartbeat)
+            return _train(job, state, progress, heartbeat)
         finally:
             if owns_group:
                 destroy_parallel()
@@ -170,33 +163,25 @@ def run_worker(plan: TrainPlan, progress: Progress | None = None) -> TrainResult
         heartbeat.stop()
 
 
-def _train(plan: TrainPlan, state: ParallelState, progress: Progress | None, heartbeat: Heartbeat) -> TrainResult:
-    _seed_all(plan.seed)
-    run_dir = Path(plan.run_dir)
-    runtime = ModelRuntimeConfig(
-        arch=plan.arch, hybrid_layer_pattern=plan.hybrid_layer_pattern, params_dtype=plan.params_dtype,
-        aux_loss_coeff=plan.aux_loss_coeff, expert_model_parallel_size=plan.ep_size,
-        overlap_moe_expert_parallel_comm=plan.overlap_moe_expert_parallel_comm,
-        delay_wgrad_compute=plan.delay_wgrad_compute,
-    )
-    provider = HybridModelProvider(runtime, seed=plan.seed, weights=plan.pretrained)
-    settings = OptimizerSettings(
-        lr=plan.lr, weight_decay=plan.weight_decay, betas=plan.betas, eps=plan.eps, clip_grad=plan.clip_grad,
-        use_distributed_optimizer=plan.use_distributed_optimizer,
-    )
-    setup = setup_model_and_optimizer(provider, state, settings)
+def _train(job: TrainJob, state: ParallelState, progress: Progress | None, heartbeat: Heartbeat) -> TrainResult:
+    cfg = job.config
+    t, ckpt = cfg.training, cfg.checkpoint
+    _seed_all(t.seed)
+    run_dir = Path(job.run_dir)
+    runtime = ModelRuntimeConfig.from_recipe(cfg, job.arch, job.hybrid_layer_pattern)
+    provider = HybridModelProvider(runtime, seed=t.seed, weights=ckpt.pretrained)
+    setup = setup_model_and_optimizer(provider, state, cfg.optimizer, t.lr)
     model, optimizer = setup.model, setup.optimizer
     model.train()
-    lr_schedule = WarmupCosineLR(plan.lr, plan.min_lr, plan.warmup_iters, plan.lr_decay_iters or plan.train_iters,
-                                 plan.lr_decay_style)
-    source = build_source(plan.data_kind, path=plan.data_path, seq_length=plan.seq_length, seed=plan.seed,
-                          vocab_size=plan.arch.vocab_size)
-    data = DataLoaderState(source, global_batch_size=plan.global_batch_size, micro_batch_size=plan.micro_batch_size,
+    lr_schedule = WarmupCosineLR(t.lr, t.min_lr, t.warmup_iters, t.lr_decay_iters or t.train_iters, t.lr_decay_style)
+    source = build_source(cfg.data.kind, path=cfg.data.path, seq_length=t.seq_length, seed=t.seed,
+                          vocab_size=job.arch.vocab_size)
+    data = DataLoaderState(source, global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size,
                            dp_rank=state.dp_rank, dp_size=state.dp_size, device=state.device)
 
     start_step, resumed_from = 0, None
-    if plan.checkpoint_dir and plan.resume:
-        folder = latest_checkpoint(plan.checkpoint_dir)
+    if ckpt.dir and ckpt.resume:
+        folder = latest_checkpoint(ckpt.dir)
         if folder is not None:
             meta = load_checkpoint(folder, model=model.module, optimizer=optimizer, state=state)
             start_step = int(meta["step"])
@@ -204,19 +189,20 @@ def _train(plan: TrainPlan, state: ParallelState, progress: Progress | None, hea
             resumed_from = str(folder)
     if state.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "recipe.json").write_text(json.dumps(plan.recipe, indent=2, default=str) + "\n")
+        (run_dir / "recipe.json").write_text(json.dumps(job.recipe, indent=2, default=str) + "\n")
     metrics = MetricsWriter(run_dir, state)
     schedule = get_forward_backward_func(setup.config)
+    fp8 = setup.config.fp8_gemms  # the FP8 gemms the provider selected: which path runs, what ran
     emit = progress if (progress is not None and state.rank == 0) else None
     if emit:
-        emit({"kind": "start", "start_step": start_step, "train_iters": plan.train_iters, "world_size": state.world_size,
-              "ep_size": state.ep_size, "resumed_from": resumed_from})
+        emit({"kind": "start", "start_step": start_step, "train_iters": t.train_iters, "world_size": state.world_size,
+              "ep_size": state.ep_size, "resumed_from": resumed_from, "fp8": fp8.describe() if fp8 else None})
 
     losses: list[float] = []
     norms: list[float] = []
     tokens_total, time_total = 0.0, 0.0
     last_ckpt = None
-    for step in range(start_step, plan.train_iters):
+    for step in range(start_step, t.train_iters):
         heartbeat.progress(step + 1, "step")
         t0 = time.perf_counter()
         model.zero_grad_buffer()
@@ -239,7 +225,7 @@ def _train(plan: TrainPlan, state: ParallelState, progress: Progress | None, hea
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         tokens = float(totals[1])
-        if step > start_step or plan.train_iters - start_step == 1:  # the first step warms up: not in the average
+        if step > start_step or t.train_iters - start_step == 1:  # the first step warms up: not in the average
             tokens_total += tokens
             time_total += dt
         losses.append(loss)
@@ -247,31 +233,33 @@ def _train(plan: TrainPlan, state: ParallelState, progress: Progress | None, hea
         done = step + 1
         common = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens / dt,
                   "step_time_s": dt, "consumed_samples": data.consumed_samples}
+        if fp8 is not None:
+            common["fp8"] = fp8.summary()
         metrics.write(done, common, [float(local[0]), float(local[1]), dt])
-        if emit and (done % plan.log_interval == 0 or done == plan.train_iters):
+        if emit and (done % cfg.logging.log_interval == 0 or done == t.train_iters):
             emit({"kind": "step", "step": done, **common})
-        if plan.checkpoint_dir and (
-            done == plan.train_iters or (plan.save_interval and done % plan.save_interval == 0)
+        if ckpt.dir and (
+            done == t.train_iters or (ckpt.save_interval and done % ckpt.save_interval == 0)
         ):
             heartbeat.progress(done, "checkpoint save", watched=False)  # disks may be slow; a stopped rank still shows
             last_ckpt = save_checkpoint(
-                plan.checkpoint_dir, step=done, model=model.module, optimizer=optimizer, state=state,
+                ckpt.dir, step=done, model=model.module, optimizer=optimizer, state=state,
                 train_state={"consumed_samples": data.consumed_samples, "lr_schedule": lr_schedule.state_dict(),
-                             "name": plan.name},
+                             "name": job.name},
             )
             if emit:
                 emit({"kind": "checkpoint", "step": done, "path": str(last_ckpt)})
-    heartbeat.progress(plan.train_iters, "finishing", watched=False)
+    heartbeat.progress(t.train_iters, "finishing", watched=False)
     barrier()
     result = TrainResult(
-        steps=len(losses), final_step=max(start_step, plan.train_iters), losses=losses, grad_norms=norms,
+        steps=len(losses), final_step=max(start_step, t.train_iters), losses=losses, grad_norms=norms,
         tokens_per_s=(tokens_total / time_total) if time_total else 0.0, run_dir=str(run_dir),
         checkpoint=str(last_ckpt) if last_ckpt else None, resumed_from=resumed_from,
-        world_size=state.world_size, ep_size=state.ep_size,
+        world_size=state.world_size, ep_size=state.ep_size, fp8=fp8.summary() if fp8 else None,
     )
     if emit:
         emit({"kind": "end", **asdict(result)})
     return result
 
 
-__all__ = ["TrainPlan", "TrainResult", "run_worker", "forward_step", "MetricsWriter"]
+__all__ = ["TrainJob", "TrainResult", "run_worker", "forward_step", "MetricsWriter"]

@@ -12,11 +12,15 @@ written at one DP/EP layout loads at another.
 
 The gradient norm is the true global norm: dense parameters once (they are reduced over DP) and
 every expert once, not once per EP replica (`gpt-oss-reference.md` section 7).
+
+Weight decay follows what a parameter is, read from its name (`decays`), never its shape
+(docs/megatron-rules.md, "Weight decay").
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +31,29 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from gptoss_cli.errors import TrainingError
 from gptoss_cli.parallel.grads import GradAccumulatingModel, GradBuffer
+from gptoss_cli.recipe.schema import OptimizerConfig
 from gptoss_cli.parallel.state import ParallelState, all_reduce, broadcast, group_size
+
+
+_BIAS = re.compile(r"bias\d*")  # `bias`, or `bias{e}` in per-expert checkpoint names
+
+
+def decays(name: str) -> bool:
+    """Whether AdamW's weight decay applies to the parameter called `name` in the model
+    (a `named_parameters()` name or a checkpoint name; docs/megatron-rules.md, "Weight decay").
+
+    No decay, by meaning: every bias (`*.bias`: attention, dense MLP, the router's, and the
+    stacked expert biases `[E_local, out]`, which are biases although 2-D; `bias{e}` per expert),
+    every norm weight (`*.layer_norm_weight`, the `weight` of any module named `*norm`:
+    `pre_mlp_layernorm`, `final_norm`) and the attention sinks (`*.softmax_offset`). Everything
+    else decays: projections, expert matrices, the router weight, the embedding, the output layer.
+    Megatron's rule, `name.endswith(".bias") or param.dim() == 1`, selects the same set for the
+    Hybrid model's per-expert 1-D biases; deciding by shape instead would decay our stacked ones.
+    """
+    owner, _, leaf = name.rpartition(".")
+    if _BIAS.fullmatch(leaf) or leaf in ("layer_norm_weight", "softmax_offset"):
+        return False
+    return not (leaf == "weight" and owner.rpartition(".")[2].endswith("norm"))
 
 
 def partition_contiguous(sizes: list[int], parts: int) -> list[int]:
@@ -61,17 +87,16 @@ class DistributedAdamW:
         self,
         model: GradAccumulatingModel,
         state: ParallelState,
+        config: OptimizerConfig,
         *,
         lr: float,
-        weight_decay: float = 0.0,
-        betas: tuple[float, float] = (0.9, 0.95),
-        eps: float = 1e-8,
-        clip_grad: float = 0.0,
-        distributed: bool = True,
     ):
+        """`config`: the recipe's optimizer section (weight decay, betas, eps, clip, sharding); `lr`:
+        the initial learning rate (each `step(lr)` sets the current one)."""
         self.state = state
-        self.clip_grad = clip_grad
-        self.distributed = distributed
+        self.clip_grad = config.clip_grad
+        self.distributed = distributed = config.use_distributed_optimizer
+        weight_decay, betas, eps = config.weight_decay, (config.adam_beta1, config.adam_beta2), config.adam_eps
         self.groups: list[_ShardedGroup] = []
         self.master: dict[str, nn.Parameter] = {}  # owned parameter name -> fp32 master
         self._param_of: dict[str, nn.Parameter] = {}
@@ -89,8 +114,7 @@ class DistributedAdamW:
                 m.grad = p.main_grad  # fp32 view into the gradient buffer
                 self.master[name] = m
                 self._param_of[name] = p
-                # Megatron's default: no weight decay on biases and norm weights (1-D tensors).
-                (decay if p.dim() >= 2 else no_decay).append(m)
+                (decay if decays(name) else no_decay).append(m)
         param_groups = [
             {"params": decay, "weight_decay": weight_decay},
             {"params": no_decay, "weight_decay": 0.0},
@@ -198,7 +222,14 @@ class DistributedAdamW:
 
 
 class WarmupCosineLR:
-    """Linear warmup to `lr` over `warmup_iters`, then cosine decay to `min_lr` at `decay_iters`."""
+    """Megatron's schedule (docs/megatron-rules.md, "Learning-rate schedule"): linear warmup from 0
+    to `lr` over `warmup_iters`, then cosine (or linear, or constant) decay to `min_lr` at `decay_iters`.
+
+    `lr_at(s)` is the lr of the optimizer step that follows `s` completed steps, as Megatron's
+    `OptimizerParamScheduler` computes it with `num_steps = s` (`lr_warmup_init` 0): the first step
+    uses 0 when there is warmup (it only fills AdamW's moments), `lr` is reached at step
+    `warmup_iters`, so a recipe gives the same lr column as Megatron at every iteration.
+    """
 
     def __init__(self, lr: float, min_lr: float, warmup_iters: int, decay_iters: int, style: str = "cosine"):
         self.max_lr, self.min_lr = lr, min_lr
@@ -206,9 +237,9 @@ class WarmupCosineLR:
         self.style = style
 
     def lr_at(self, step: int) -> float:
-        """Learning rate for the 0-based optimizer step `step`."""
-        if self.warmup_iters > 0 and step < self.warmup_iters:
-            return self.max_lr * (step + 1) / self.warmup_iters
+        """Learning rate for the 0-based optimizer step `step` (= steps completed before it)."""
+        if self.warmup_iters > 0 and step <= self.warmup_iters:
+            return self.max_lr * step / self.warmup_iters
         if self.style == "constant":
             return self.max_lr
         span = max(self.decay_iters - self.warmup_iters, 1)
@@ -222,4 +253,4 @@ class WarmupCosineLR:
                 "decay_iters": self.decay_iters, "style": self.style}
 
 
-__all__ = ["DistributedAdamW", "WarmupCosineLR", "partition_contiguous"]
+__all__ = ["DistributedAdamW", "WarmupCosineLR", "decays", "partition_contiguous"]

@@ -3,7 +3,7 @@
 The callbacks (`finalize_model_grads_func`, `grad_scale_func`, `no_sync_func`) go on the config
 the schedule reads, `get_model_config(model)`: the built model's own config, which a provider may
 have deep-copied. Installing them on the provider's config is the silent-skip bug of
-`gpt-oss-reference.md` section 5 (and the field report on callbacks on the runtime config).
+docs/upstream-failures.md, "Callbacks on a copied config".
 """
 
 from __future__ import annotations
@@ -17,17 +17,8 @@ from torch import nn
 from gptoss_cli.parallel import grads
 from gptoss_cli.parallel.grads import GradAccumulatingModel, get_model_config
 from gptoss_cli.parallel.state import ParallelState
+from gptoss_cli.recipe.schema import OptimizerConfig
 from gptoss_cli.train.optimizer import DistributedAdamW
-
-
-@dataclass
-class OptimizerSettings:
-    lr: float = 3e-4
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    clip_grad: float = 0.0
-    use_distributed_optimizer: bool = True
 
 
 @dataclass
@@ -48,16 +39,13 @@ def install_training_callbacks(model: nn.Module, state: ParallelState) -> Any:
     return config
 
 
-def setup_model_and_optimizer(provider: Any, state: ParallelState, settings: OptimizerSettings) -> TrainingSetup:
-    """provider.provide(state) -> gradient-buffer wrapper -> distributed AdamW -> callbacks."""
+def setup_model_and_optimizer(provider: Any, state: ParallelState, optimizer: OptimizerConfig, lr: float) -> TrainingSetup:
+    """provider.provide(state) -> gradient-buffer wrapper -> distributed AdamW (the recipe's optimizer
+    section, initial `lr`) -> callbacks."""
     built = provider.provide(state)
     model = GradAccumulatingModel(built, state)
-    optimizer = DistributedAdamW(
-        model, state, lr=settings.lr, weight_decay=settings.weight_decay, betas=settings.betas,
-        eps=settings.eps, clip_grad=settings.clip_grad, distributed=settings.use_distributed_optimizer,
-    )
     config = install_training_callbacks(model, state)
-    return TrainingSetup(model=model, optimizer=optimizer, config=config)
+    return TrainingSetup(model=model, optimizer=DistributedAdamW(model, state, optimizer, lr=lr), config=config)
 
 
-__all__ = ["OptimizerSettings", "TrainingSetup", "install_training_callbacks", "setup_model_and_optimizer"]
+__all__ = ["TrainingSetup", "install_training_callbacks", "setup_model_and_optimizer"]

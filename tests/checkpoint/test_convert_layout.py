@@ -1,6 +1,6 @@
 """HF -> Hybrid: names, shapes and values against expectations computed here from the HF tensors.
 
-The expectations re-derive the Megatron layout element by element (gpt-oss-reference.md section 4)
+The expectations re-derive the Megatron layout element by element (docs/checkpoint-layouts.md)
 rather than calling the mapping table, so a wrong table fails these tests.
 """
 

@@ -28,6 +28,17 @@ def populate_hub_cache(cache, repo_id, src):
     (repo / "refs" / "main").write_text(COMMIT)
 
 
+OTHER_COMMIT = "fedcba9876543210fedcba9876543210fedcba98"
+
+
+def add_hub_revision(cache, repo_id, src, commit, ref=None):
+    """A second snapshot of the same cached repo, optionally named by a branch or tag ref."""
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    shutil.copytree(src, repo / "snapshots" / commit)
+    if ref is not None:
+        (repo / "refs" / ref).write_text(commit)
+
+
 def run_cli(*args, env):
     return subprocess.run(
         [sys.executable, "-m", "gptoss_cli", *map(str, args)], capture_output=True, text=True, env=env, timeout=300
@@ -41,8 +52,10 @@ def offline_env(tmp_path):
     return env
 
 
-def test_repo_id_resolves_from_the_offline_hub_cache(hf_mxfp4, hybrid_from_mxfp4, tmp_path, offline_env):
+def test_repo_id_resolves_from_the_offline_hub_cache(hf_mxfp4, hybrid_from_mxfp4, hf_bf16, hybrid_from_bf16, tmp_path,
+                                                     offline_env):
     populate_hub_cache(tmp_path / "hub", "acme/gpt-oss-tiny", hf_mxfp4)
+    add_hub_revision(tmp_path / "hub", "acme/gpt-oss-tiny", hf_bf16, OTHER_COMMIT)
     out = tmp_path / "out"
     r = run_cli("convert", "acme/gpt-oss-tiny", out, "--dtype", "float32", "--quiet", "--json", tmp_path / "s.json",
                 env=offline_env)
@@ -51,8 +64,44 @@ def test_repo_id_resolves_from_the_offline_hub_cache(hf_mxfp4, hybrid_from_mxfp4
     assert set(ours) == set(ref) and all(torch.equal(ours[k], ref[k]) for k in ref)
     summary = json.loads((tmp_path / "s.json").read_text())
     assert summary["source"] == "acme/gpt-oss-tiny" and summary["experts_in"] == "mxfp4"
-    r = run_cli("convert", "acme/gpt-oss-tiny", tmp_path / "o2", "--revision", COMMIT, "--quiet", env=offline_env)
+    # the CLI passes --revision on: the other snapshot holds a different model
+    r = run_cli("convert", "acme/gpt-oss-tiny", tmp_path / "o2", "--revision", OTHER_COMMIT, "--dtype", "float32",
+                "--quiet", env=offline_env)
     assert r.returncode == 0, r.stderr
+    ours, ref = load_all(tmp_path / "o2"), load_all(hybrid_from_bf16)
+    assert set(ours) == set(ref) and all(torch.equal(ours[k], ref[k]) for k in ref)
+
+
+@pytest.fixture
+def offline_hub(tmp_path, monkeypatch):
+    """HF_HUB_OFFLINE and HF_HUB_CACHE for this process: huggingface_hub reads its constants module."""
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hub"
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    return cache
+
+
+@pytest.mark.parametrize("revision", [OTHER_COMMIT, "v2"], ids=["commit", "tag"])
+def test_revision_selects_that_snapshot_not_main(revision, hf_mxfp4, hf_bf16, hybrid_from_bf16, hybrid_from_mxfp4,
+                                                 tmp_path, offline_hub):
+    """main holds the MXFP4 checkpoint, the other revision a different model (the bf16-form one):
+    --revision must convert the other one, and record it."""
+    populate_hub_cache(offline_hub, "acme/gpt-oss-tiny", hf_mxfp4)
+    add_hub_revision(offline_hub, "acme/gpt-oss-tiny", hf_bf16, OTHER_COMMIT, ref="v2")
+    result = convert("acme/gpt-oss-tiny", tmp_path / "out", revision=revision, dtype="float32")
+    ours, want = load_all(tmp_path / "out"), load_all(hybrid_from_bf16)
+    assert set(ours) == set(want) and all(torch.equal(ours[k], want[k]) for k in want)
+    assert not torch.equal(ours["embedding.word_embeddings.weight"],
+                           load_all(hybrid_from_mxfp4)["embedding.word_embeddings.weight"])
+    assert result.experts_in == "bf16" and result.revision == revision
+    provenance = json.loads((tmp_path / "out" / "hybrid_config.json").read_text())["provenance"]
+    assert provenance["revision"] == revision
+    convert("acme/gpt-oss-tiny", tmp_path / "main", dtype="float32")  # and without it, main
+    assert load_all(tmp_path / "main")["embedding.word_embeddings.weight"].equal(
+        load_all(hybrid_from_mxfp4)["embedding.word_embeddings.weight"])
 
 
 def test_repo_missing_from_offline_cache_is_a_clear_error(tmp_path, offline_env):

@@ -1,5 +1,5 @@
 """Shared fixtures for the HybridModel tests: a tiny transformers GPT-OSS and an independent,
-test-local HF -> Hybrid re-arrangement of its weights (gpt-oss-reference.md sections 3 and 4)."""
+test-local HF -> Hybrid re-arrangement of its weights (docs/checkpoint-layouts.md)."""
 
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ def hf_tiny():
 
 
 def hf_to_hybrid_state_dict(hf_sd: dict, num_layers: int = 3, heads: int = 6, kv: int = 2, hd: int = 16) -> dict:
-    """Independent re-arrangement (section 4) used as the expectation in tests."""
+    """Independent re-arrangement (docs/checkpoint-layouts.md, "Hybrid layout") used as the expectation in tests."""
     r = heads // kv
     out = {
         "embedding.word_embeddings.weight": hf_sd["model.embed_tokens.weight"],

@@ -8,12 +8,9 @@ import torch
 from gptoss_cli.errors import ConfigError
 from gptoss_cli.model.attention import attention_mask, sink_attention
 from gptoss_cli.model.hybrid import HybridModel, layer_windows
-from gptoss_cli.model.moe import (
-    LocalTokenDispatcher,
-    MoELayer,
-    clamped_swiglu,
-    grouped_linear,
-)
+from gptoss_cli.model.dispatcher import AllToAllTokenDispatcher
+from gptoss_cli.model.grouped_gemm import grouped_linear
+from gptoss_cli.model.moe import MoELayer, clamped_swiglu
 from gptoss_cli.model.pattern import parse_pattern
 from tests.model.conftest import TINY, tokens
 
@@ -98,7 +95,7 @@ def test_local_dispatcher_combine_applies_weights_and_sums_top_k():
     hidden = torch.randn(5, 8, generator=g)
     indices = torch.tensor([[2, 0], [1, 2], [3, 1], [0, 3], [2, 1]])
     probs = torch.softmax(torch.randn(5, 2, generator=g), -1)
-    d = LocalTokenDispatcher(4)
+    d = AllToAllTokenDispatcher(4)
     x, counts, ctx = d.dispatch(hidden, probs, indices)
     assert counts.tolist() == [2, 3, 3, 2]
     # Each row must be the token of its (token, choice) pair, grouped by expert.
@@ -111,7 +108,7 @@ def test_local_dispatcher_combine_applies_weights_and_sums_top_k():
 def test_expert_slice_saves_and_loads_its_experts_under_global_ids():
     full = MoELayer(TINY)
     torch.nn.init.normal_(full.mlp.experts.linear_fc1.weight)
-    part = MoELayer(TINY, expert_offset=2, num_local_experts=2, token_dispatcher=LocalTokenDispatcher(4))
+    part = MoELayer(TINY, expert_offset=2, num_local_experts=2, token_dispatcher=AllToAllTokenDispatcher(4))
     sd = full.state_dict()
     mine = {k: v for k, v in sd.items() if not k.endswith(("weight0", "weight1", "bias0", "bias1"))}
     part.load_state_dict(mine, strict=True)
@@ -194,13 +191,13 @@ def test_schedule_plan_is_supported_for_attention_moe_and_mlp_patterns():
 
 
 def test_loop_over_experts_fallback_equals_grouped_gemm(monkeypatch):
-    import gptoss_cli.model.moe as moe
+    import gptoss_cli.model.grouped_gemm as grouped_gemm
 
     model = HybridModel(TINY).eval()
     ids = tokens(2, 9)
     with torch.no_grad():
         grouped = model(ids).logits
-        monkeypatch.setattr(moe, "_grouped_mm_usable", lambda x, w: False)
+        monkeypatch.setattr(grouped_gemm, "_grouped_mm_usable", lambda a, shape: False)
         looped = model(ids).logits
     torch.testing.assert_close(looped, grouped, rtol=1e-5, atol=1e-5)
 

@@ -21,7 +21,7 @@ def tiny_hf_model(seed: int = 0, **config_overrides):
 
 def write_hf_checkpoint(folder: Path, experts: str = "bf16", seed: int = 0) -> Path:
     """An HF GPT-OSS folder (fp32 tensors). experts="mxfp4" stores the experts as blocks/scales
-    ([E, out, in/32, 16] / [E, out, in/32], section 3) and adds quantization_config."""
+    ([E, out, in/32, 16] / [E, out, in/32], docs/checkpoint-layouts.md) and adds quantization_config."""
     from safetensors.torch import save_file
 
     from gptoss_cli.checkpoint import mxfp4
@@ -85,3 +85,24 @@ def rewrite_hybrid(folder: Path, edit) -> None:
     index = Path(folder) / "model.safetensors.index.json"
     if index.exists():
         index.unlink()  # names may have changed; the reader falls back to the shard files
+
+
+PAD_FILL = 9.0  # padding rows hold this: large enough that any leak into lookups or logits shows
+
+
+def write_padded_hybrid(src: Path, dst: Path, rows: int = 1024) -> Path:
+    """A copy of Hybrid folder `src` whose embedding and output layer are padded, as Megatron pads
+    the vocabulary (to a multiple of 128 x TP rows), with rows of PAD_FILL after the real ones."""
+    import shutil
+
+    from gptoss_cli.checkpoint.mapping import VOCAB_PADDED_HYBRID
+
+    shutil.copytree(src, dst)
+
+    def pad(tensors):
+        for name in VOCAB_PADDED_HYBRID:
+            t = tensors[name]
+            tensors[name] = torch.cat([t, torch.full((rows - t.shape[0], t.shape[1]), PAD_FILL, dtype=t.dtype)])
+
+    rewrite_hybrid(dst, pad)
+    return Path(dst)

@@ -1,70 +1,91 @@
-"""Every recipe in recipes/ validates to its documented verdict; the production matrix of reference section 6."""
+"""Every recipe in recipes/ validates to the verdict the README states; the production matrix (docs/megatron-rules.md)."""
 
 from __future__ import annotations
+
+import re
+from pathlib import Path
 
 import pytest
 
 from gptoss_cli.errors import ValidationFailed
 from gptoss_cli.recipe import available_recipes, load_recipe, preflight, validate_recipe
 from gptoss_cli.recipe.load import RECIPES_DIR
-from gptoss_cli.recipe.rules import default_model_class, schedule_plan_support
 
-
-def _model_can_overlap(recipe_name: str) -> bool:
-    """Whether the real HybridModel can build a schedule plan for this recipe's pattern (issue 6)."""
-    return schedule_plan_support(default_model_class(), load_recipe(recipe_name).pattern)[0]
-
-
-CAPABILITY = "overlap.schedule_plan"
+README = Path(__file__).resolve().parents[2] / "README.md"
 GRAPHS_POLICY = "overlap.cuda_graphs"
-FP8_UNSUPPORTED = {"unsupported.fp8", "unsupported.cuda_graphs"}
+GRAPHS_UNSUPPORTED = {"unsupported.cuda_graphs"}  # FP8 itself is implemented (gptoss_cli/fp8/)
 
-# recipe -> (errors for target megatron, extra errors for target gptoss, uses overlap).
-# The capability error is added below for overlap recipes while HybridModel cannot build a plan.
+# recipe -> (error rules for --target megatron, error rules for --target gptoss), written out by
+# hand from the README's recipe table (which the next test parses and compares with this).
 VERDICTS = {
-    "gpt_oss_20b_pretrain": (set(), set(), False),
-    "gpt_oss_20b_finetune": (set(), set(), False),
-    "gpt_oss_120b_pretrain": (set(), set(), False),
-    "gpt_oss_120b_finetune": (set(), set(), False),
-    "h100_bf16": (set(), set(), False),
-    "tiny_cpu_ep2": (set(), set(), False),
-    "tiny_cpu_ep2_overlap": (set(), set(), True),
-    "gb200_bf16": (set(), set(), True),
-    "gb200_fp8mx": ({GRAPHS_POLICY}, FP8_UNSUPPORTED, True),
-    "gb300_fp8mx": ({GRAPHS_POLICY}, FP8_UNSUPPORTED, True),
+    "gpt_oss_20b_pretrain": (set(), set()),
+    "gpt_oss_20b_finetune": (set(), set()),
+    "gpt_oss_120b_pretrain": (set(), set()),
+    "gpt_oss_120b_finetune": (set(), set()),
+    "h100_bf16": (set(), set()),
+    "tiny_cpu_ep2": (set(), set()),
+    "tiny_cpu_ep2_overlap": (set(), set()),
+    "tiny_cpu_ep2_mxfp8": (set(), set()),
+    "gb200_bf16": (set(), set()),
+    "gb200_fp8mx": ({"overlap.cuda_graphs"}, {"overlap.cuda_graphs", "unsupported.cuda_graphs"}),
+    "gb300_fp8mx": ({"overlap.cuda_graphs"}, {"overlap.cuda_graphs", "unsupported.cuda_graphs"}),
 }
 
 
-def _expected(name: str, target: str) -> set[str]:
-    megatron, gptoss_extra, overlap = VERDICTS[name]
-    expected = set(megatron) | (gptoss_extra if target == "gptoss" else set())
-    if overlap and not _model_can_overlap(name):
-        expected.add(CAPABILITY)
-    return expected
+def readme_verdicts() -> dict[str, tuple[set[str], set[str]]]:
+    """The README's `| recipe | verdict |` table as {recipe: (megatron errors, gptoss errors)}.
+
+    A recipe cell lists names separated by commas, with `a_b_c / _d` meaning a_b_c and a_b_d and
+    parentheses as comments. A verdict cell is `valid`, or `invalid ...` naming the rule ids in
+    backticks, then `the gptoss target adds` and the ids only the gptoss target reports."""
+    lines = README.read_text().splitlines()
+    start = lines.index("| recipe | verdict |") + 2  # skip the header and the |---| line
+    table = {}
+    for line in lines[start:]:
+        if not line.startswith("|"):
+            break
+        recipes_cell, verdict = (c.strip() for c in line.strip("|").split("|"))
+        names = []
+        for item in re.sub(r"\([^)]*\)", "", recipes_cell).split(","):
+            first, *suffixes = (part.strip() for part in item.split("/"))
+            names += [first] + [first.rsplit("_", 1)[0] + suffix for suffix in suffixes]
+        if verdict == "valid":
+            megatron, extra = set(), set()
+        else:
+            assert verdict.startswith("invalid"), verdict
+            common, _, added = verdict.partition("the gptoss target adds")
+            megatron, extra = set(re.findall(r"`([^`]+)`", common)), set(re.findall(r"`([^`]+)`", added))
+        for name in names:
+            assert name not in table, f"{name} appears twice in the README's table"
+            table[name] = (megatron, megatron | extra)
+    return table
 
 
-def test_every_recipe_has_a_documented_verdict():
+def test_readme_table_gives_every_recipe_the_verdict_the_tests_assert():
+    assert readme_verdicts() == VERDICTS
     assert set(available_recipes()) == set(VERDICTS)
-    for name in VERDICTS:
-        assert "Verdict:" in (RECIPES_DIR / f"{name}.yaml").read_text(), f"{name}.yaml lacks its verdict comment"
 
 
-@pytest.mark.parametrize("target", ["gptoss", "megatron"])
+def test_every_recipe_file_states_its_verdict_in_a_comment():
+    for name, (megatron, _) in VERDICTS.items():
+        text = (RECIPES_DIR / f"{name}.yaml").read_text()
+        (comment,) = re.findall(r"Verdict: (.*)", text)
+        assert comment.startswith("valid" if not megatron else "invalid"), f"{name}.yaml: {comment}"
+        assert all(rule in text for rule in megatron), f"{name}.yaml does not name {megatron}"
+
+
+@pytest.mark.parametrize("target", ["megatron", "gptoss"])
 @pytest.mark.parametrize("name", sorted(VERDICTS))
 def test_recipe_validates_to_its_verdict(name, target):
     report = validate_recipe(load_recipe(name), target=target)
-    assert set(report.error_rules()) == _expected(name, target), report.verdict
+    assert set(report.error_rules()) == VERDICTS[name][target == "gptoss"], report.verdict
 
 
-# --- the production matrix (reference section 6) ------------------------------------------------
+# --- the production matrix (docs/megatron-rules.md, "CUDA graphs policy") -----------------------
 @pytest.mark.parametrize("target", ["gptoss", "megatron"])
 def test_gb200_bf16_is_valid(target):
     report = validate_recipe(load_recipe("gb200_bf16"), target=target)
-    if _model_can_overlap("gb200_bf16"):
-        assert report.ok, report.verdict
-    else:
-        # Until HybridModel has build_schedule_plan the honest answer is the capability error alone.
-        assert report.error_rules() == [CAPABILITY]
+    assert report.ok, report.verdict
 
 
 def test_gb200_bf16_is_the_section_6_workload():
@@ -90,14 +111,25 @@ def test_fp8mx_way_out_keep_graphs_drop_overlap_is_valid_for_megatron(name):
     recipe = load_recipe(name, ["overlap.overlap_moe_expert_parallel_comm=false", "overlap.delay_wgrad_compute=false"])
     report = validate_recipe(recipe, target="megatron")
     assert report.ok, report.verdict
-    assert {f.rule for f in report.notes} == FP8_UNSUPPORTED
+    assert {f.rule for f in report.notes} == GRAPHS_UNSUPPORTED
 
 
 @pytest.mark.parametrize("name", ["gb200_fp8mx", "gb300_fp8mx"])
-def test_fp8mx_way_out_keep_overlap_drop_graphs_leaves_only_the_capability_question(name):
+def test_fp8mx_way_out_keep_overlap_drop_graphs_is_valid_for_megatron(name):
+    # HybridModel builds a schedule plan for *E, so the capability rule overlap.schedule_plan passes
     recipe = load_recipe(name, ["cuda_graphs.cuda_graph_impl=none", "cuda_graphs.paged_stash=false"])
     report = validate_recipe(recipe, target="megatron")
-    assert set(report.error_rules()) == ({CAPABILITY} if not _model_can_overlap(name) else set())
+    assert report.ok, report.verdict
+    assert {f.rule for f in report.notes} == set()  # MXFP8 is implemented (gptoss_cli/fp8/)
+
+
+@pytest.mark.parametrize("name", ["gb200_fp8mx", "gb300_fp8mx"])
+def test_fp8mx_with_graphs_off_is_runnable_by_gptoss(name):
+    # MXFP8 is implemented: only the CUDA-graph policy stood between gptoss train and these recipes.
+    recipe = load_recipe(name, ["cuda_graphs.cuda_graph_impl=none", "cuda_graphs.paged_stash=false"])
+    report = validate_recipe(recipe, target="gptoss")
+    assert report.ok, report.verdict
+    assert {f.rule for f in report.warnings} == {"fp8.mxfp8_expert_bias"}  # native on Blackwell: no emulation
 
 
 @pytest.mark.parametrize(
@@ -150,4 +182,4 @@ def test_report_json_lists_findings_with_their_counted_severity():
     data = report.to_dict()
     assert data["valid"] is False and data["world_size"] == 64
     counted = {f["rule"]: f["counted_as"] for f in data["findings"]}
-    assert counted["unsupported.fp8"] == "note" and counted[GRAPHS_POLICY] == "error"
+    assert counted["unsupported.cuda_graphs"] == "note" and counted[GRAPHS_POLICY] == "error"

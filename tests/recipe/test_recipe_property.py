@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
@@ -47,7 +47,7 @@ overrides = st.lists(st.tuples(keys, values).map(lambda kv: f"{kv[0]}={kv[1]}"),
 recipes = st.sampled_from(available_recipes())
 
 
-@settings(max_examples=200, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=200)  # the rest comes from the profile in tests/conftest.py (derandomised)
 @given(recipe=recipes, items=overrides, target=st.sampled_from(["gptoss", "megatron"]),
        world=st.one_of(st.none(), st.integers(min_value=1, max_value=10**6)))
 def test_random_overrides_give_a_report_or_our_error(recipe, items, target, world):
@@ -66,7 +66,7 @@ def test_random_overrides_give_a_report_or_our_error(recipe, items, target, worl
 runner = CliRunner()
 
 
-@settings(max_examples=40, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40)
 @given(recipe=recipes, items=overrides)
 def test_cli_never_shows_a_traceback(recipe, items):
     result = runner.invoke(app, ["validate-config", recipe, *items])

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+from dataclasses import replace
+
 import pytest
 
 from gptoss_cli.model.pattern import HybridPattern
@@ -100,15 +102,14 @@ CASES = {
     "unsupported.token_dropping": (["moe.capacity_factor=1.0"], "error", []),
     "unsupported.router_dtype": (["moe.router_dtype=fp32"], "error", ["moe.router_dtype=null"]),
     "unsupported.fp16": (["precision.params_dtype=fp16"], "error", ["precision.params_dtype=bf16"]),
-    "unsupported.fp8": (MX, "error", []),
     "unsupported.cuda_graphs": (["cuda_graphs.cuda_graph_impl=local", "system.device=cuda"], "error", []),
     "unsupported.recompute": (
         ["recompute.recompute_granularity=selective", "recompute.recompute_modules=[core_attn]"], "error", []),
     "unsupported.grad_overlap": (["overlap.overlap_grad_reduce=true"], "error", []),
     "unsupported.checkpoint_format": (["checkpoint.format=torch_dist"], "error", []),
 }
-# Tested with their own context below (a model class, a torch version).
-SPECIAL = {"overlap.schedule_plan", "overlap.torch_version"}
+# Tested with their own context below (a model class, a torch version, what is implemented).
+SPECIAL = {"overlap.schedule_plan", "overlap.torch_version", "unsupported.fp8"}
 
 
 def test_every_registered_rule_has_a_test_case():
@@ -147,7 +148,7 @@ def test_list_rules_describes_every_rule_once():
 
 # --- the capability rule ---------------------------------------------------------------------
 class NoPlanModel:
-    """Like the HybridModel of the field report: no build_schedule_plan at all."""
+    """Like the upstream HybridModel of docs/upstream-failures.md: no build_schedule_plan at all."""
 
 
 class PlanWithoutQuery:
@@ -172,7 +173,7 @@ class RaisingQuery(CapableModel):
 
 def test_capability_model_with_plan_passes():
     cfg, ctx = make_ctx(overrides=OVERLAP)
-    assert schedule_plan_capability(cfg, ctx, model_cls=CapableModel) == []
+    assert schedule_plan_capability(cfg, replace(ctx, model_class=CapableModel)) == []
 
 
 @pytest.mark.parametrize(
@@ -182,12 +183,12 @@ def test_capability_model_with_plan_passes():
         (PlanWithoutQuery, "no supports_schedule_plan"),
         (AttentionOnlyPlan, "no fine-grained callables for 'E'"),
         (RaisingQuery, "RuntimeError: boom"),
-        (None, "cannot be imported"),
+        (None, "the model class given is None"),
     ],
 )
 def test_capability_model_without_plan_is_an_error_with_both_flags_as_the_fix(model_cls, reason):
     cfg, ctx = make_ctx(overrides=[*OVERLAP, "overlap.delay_wgrad_compute=true"])
-    (finding,) = schedule_plan_capability(cfg, ctx, model_cls=model_cls)
+    (finding,) = schedule_plan_capability(cfg, replace(ctx, model_class=model_cls))
     assert finding.severity == "error" and reason in finding.message
     assert "overlap.overlap_moe_expert_parallel_comm=false" in finding.hint
     assert "overlap.delay_wgrad_compute=false" in finding.hint
@@ -195,7 +196,7 @@ def test_capability_model_without_plan_is_an_error_with_both_flags_as_the_fix(mo
 
 def test_capability_not_asked_without_overlap():
     cfg, ctx = make_ctx()
-    assert schedule_plan_capability(cfg, ctx, model_cls=NoPlanModel) == []
+    assert schedule_plan_capability(cfg, replace(ctx, model_class=NoPlanModel)) == []
 
 
 def test_capability_rule_asks_the_model_with_the_recipe_pattern():
@@ -212,13 +213,38 @@ def test_capability_rule_asks_the_model_with_the_recipe_pattern():
 
 
 def test_capability_default_is_the_real_hybrid_model():
-    from gptoss_cli.recipe.rules import default_model_class, schedule_plan_support
+    from gptoss_cli.model.hybrid import HybridModel
+    from gptoss_cli.recipe.rules import default_model_class
 
-    cls = default_model_class()
+    assert default_model_class() is HybridModel
     cfg, ctx = make_ctx(overrides=OVERLAP)
-    ok, _ = schedule_plan_support(cls, ctx.pattern)
-    findings = schedule_plan_capability(cfg, ctx)  # model class resolved lazily
-    assert (findings == []) == ok
+    assert schedule_plan_capability(cfg, ctx) == []  # resolved lazily: HybridModel plans *E
+    cfg, ctx = make_ctx(overrides=[*OVERLAP, "model.hybrid_layer_pattern=*E|*E*E"])
+    (finding,) = schedule_plan_capability(cfg, ctx)
+    assert "does not split pipeline stages" in finding.message
+
+
+@pytest.fixture
+def broken_model_module(monkeypatch):
+    """gptoss_cli.model.hybrid as a broken installation leaves it: importing it fails."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "gptoss_cli.model.hybrid", None)  # import raises ImportError
+
+
+def test_broken_model_import_is_an_import_error_naming_the_module(broken_model_module):
+    from gptoss_cli.recipe.rules import default_model_class
+
+    with pytest.raises(ImportError) as info:
+        default_model_class()
+    assert str(info.value) == ("gptoss_cli.model.hybrid cannot be imported: ModuleNotFoundError: "
+                               "import of gptoss_cli.model.hybrid halted; None in sys.modules")
+
+
+def test_broken_model_import_is_reported_as_a_crash_not_as_a_capability_verdict(broken_model_module):
+    (finding,) = run_rule("overlap.schedule_plan", OVERLAP, model_class=None)
+    assert finding.message.startswith("rule crashed: ImportError: gptoss_cli.model.hybrid cannot be imported")
+    assert "schedule plan (" not in finding.message and "this is a bug in gptoss" in finding.hint
 
 
 # --- torch version -----------------------------------------------------------------------------
@@ -277,6 +303,20 @@ def test_tensorwise_fp8_runs_natively_on_hopper():
     assert run_rule("fp8.native_gpu", ["precision.fp8_recipe=tensorwise", "system.device=cuda", "system.gpu=h100"]) == []
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "mxfp8"])
+def test_every_fp8_recipe_of_the_schema_is_implemented(recipe):
+    assert run_rule("unsupported.fp8", [f"precision.fp8_recipe={recipe}"]) == []
+
+
+def test_an_fp8_recipe_missing_from_implemented_is_unsupported(monkeypatch):
+    from gptoss_cli.recipe import rules
+
+    monkeypatch.setitem(rules.IMPLEMENTED, "fp8_recipes", frozenset({"none", "tensorwise"}))
+    (finding,) = run_rule("unsupported.fp8", MX)
+    assert (finding.severity, finding.kind, finding.fields) == ("error", UNSUPPORTED, {"precision.fp8_recipe": "mxfp8"})
+    assert finding.hint == "set precision.fp8_recipe=none"
+
+
 def test_cuda_with_gloo_is_a_warning():
     findings = run_rule("system.backend", ["system.device=cuda", "parallelism.backend=gloo"])
     assert [f.severity for f in findings] == ["warning"]
@@ -320,6 +360,6 @@ def test_missing_pretrained_weights_fail_at_launch(tmp_path):
     ("NVIDIA A100-SXM4-80GB", "a100"), ("Tesla T4", "auto"), (None, "none"),
 ])
 def test_gpu_generation_from_device_name(name, gpu):
-    from gptoss_cli.recipe.rules import gpu_from_device_name
+    from gptoss_cli.recipe.environment import gpu_from_device_name
 
     assert gpu_from_device_name(name) == gpu

@@ -36,7 +36,7 @@ def test_valid_recipe_exits_0_with_a_valid_verdict():
 def test_invalid_recipe_exits_1_with_a_table_of_findings():
     result = invoke("gb200_fp8mx")
     assert result.exit_code == 1
-    for text in ("overlap.cuda_graphs", "unsupported.fp8", "cuda_graphs.cuda_graph_impl=full_iteration", "fix:",
+    for text in ("overlap.cuda_graphs", "unsupported.cuda_graphs", "cuda_graphs.cuda_graph_impl=full_iteration", "fix:",
                  "gb200_fp8mx: INVALID"):
         assert text in result.output
 

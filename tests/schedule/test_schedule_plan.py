@@ -9,7 +9,7 @@ from gptoss_cli.errors import ConfigError
 from gptoss_cli.model.config import preset
 from gptoss_cli.model.hybrid import HybridModel
 from gptoss_cli.model.schedule_plan import COMM, COMPUTE, CommNode, Ref
-from gptoss_cli.schedule.wgrad import WgradQueue
+from gptoss_cli.model.grouped_gemm import WgradQueue
 
 TINY = preset("tiny")
 E_NODES = ["pre_dispatch", "dispatch", "experts", "combine"]
@@ -109,7 +109,7 @@ def test_plan_forward_backward_equals_the_model(pattern, delayed):
     model.zero_grad(set_to_none=True)
 
     queue = WgradQueue() if delayed else None
-    plan = model.build_schedule_plan(ids, labels=labels, wgrad_queue=queue)
+    plan = model.build_schedule_plan(ids, labels=labels).configure(wgrad_queue=queue)
     result = plan.forward()
     torch.testing.assert_close(result["loss"].detach(), out.loss.detach(), rtol=1e-6, atol=0)
     torch.testing.assert_close(result["extra"].aux_loss.detach(), out.aux_loss.detach(), rtol=1e-6, atol=0)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import math
 
+import numpy as np
 import pytest
 import torch
 from typer.testing import CliRunner
@@ -12,7 +14,8 @@ from gptoss_cli.cli import app
 from gptoss_cli.errors import ConfigError
 from gptoss_cli.model.config import preset
 from gptoss_cli.train.data import DataLoaderState, MockSource, TokenFileSource, read_token_header
-from gptoss_cli.train.loop import TrainPlan, run_worker
+from gptoss_cli.train.loop import run_worker
+from tests.train.jobs import train_job
 
 DOCS = [
     "the quick brown fox jumps over the lazy dog",
@@ -104,19 +107,119 @@ def test_mock_source_is_deterministic_and_learnable(tmp_path):
     a, b = MockSource(1003, 16, seed=5), MockSource(1003, 16, seed=5)
     assert torch.equal(a.sample(7), b.sample(7)) and not torch.equal(a.sample(7), a.sample(8))
     arch = preset("tiny")
-    plan = TrainPlan(name="mock", arch=arch, hybrid_layer_pattern=arch.hybrid_layer_pattern, run_dir=str(tmp_path),
-                     seq_length=16, micro_batch_size=4, global_batch_size=4, train_iters=15, lr=3e-3, min_lr=3e-3,
-                     warmup_iters=0, device="cpu")
+    plan = train_job(tmp_path, arch=arch, name="mock", seq_length=16, micro_batch_size=4, global_batch_size=4,
+                     train_iters=15, lr=3e-3, min_lr=3e-3, warmup_iters=0, device="cpu")
     losses = run_worker(plan).losses
     assert losses[-1] < losses[0] - 1.0  # from ~ln(1003) = 6.9 down by more than one nat
 
 
-def test_training_reads_the_prepared_token_file(prepared, tmp_path):
+def file_windows(prefix, seq: int, dtype: str = "<u2") -> list[list[int]]:
+    """Every window [i*S, i*S+S+1) of the .bin file, read with numpy (not the loader)."""
+    ids = np.fromfile(prefix.with_suffix(".bin"), dtype=dtype).tolist()
+    return [ids[i * seq : i * seq + seq + 1] for i in range((len(ids) - 1) // seq)]
+
+
+def test_training_trains_on_the_token_files_windows(prepared, tmp_path, monkeypatch):
+    """One step whose global batch is the whole file: the microbatches the model sees are exactly
+    the file's windows, each once (inputs = the first S tokens, labels = the next S)."""
+    from gptoss_cli.train import loop
+
+    seen = []
+
+    def recording_forward_step(data_iterator, model, **kwargs):
+        def tap():
+            for mb in data_iterator:
+                seen.extend(torch.cat([mb.tokens, mb.labels[:, -1:]], dim=1).tolist())
+                assert torch.equal(mb.labels[:, :-1], mb.tokens[:, 1:])
+                yield mb
+
+        return real_forward_step(tap(), model, **kwargs)
+
+    real_forward_step = loop.forward_step
+    monkeypatch.setattr(loop, "forward_step", recording_forward_step)
+    windows = file_windows(prepared, 8)
     arch = preset("tiny")
-    plan = TrainPlan(name="tok", arch=arch, hybrid_layer_pattern=arch.hybrid_layer_pattern, run_dir=str(tmp_path),
-                     seq_length=8, micro_batch_size=2, global_batch_size=2, train_iters=2, device="cpu",
-                     data_kind="tokens", data_path=str(prepared))
+    plan = train_job(tmp_path, arch=arch, name="tok", seq_length=8, micro_batch_size=1, global_batch_size=len(windows),
+                     train_iters=1, device="cpu", data_kind="tokens", data_path=str(prepared))
     result = run_worker(plan)
-    assert len(result.losses) == 2 and all(l == l for l in result.losses)
-    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(l)["step"] for l in lines] == [1, 2]
+    assert sorted(seen) == sorted(windows) and len(windows) > 8
+    assert len(result.losses) == 1 and math.isfinite(result.losses[0])
+    (line,) = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert json.loads(line)["rank_tokens"] == 8 * len(windows)
+
+
+# --- prepare-data through the CLI: dtypes, the 65536 boundary, --eos-id, --text-key ---------------
+def word_tokenizer(folder, size: int):
+    """A word-level tokenizer.json whose word `w{i}` is id i, for i < size (ids chosen by the test)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(size)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def prepare(*args):
+    return CliRunner().invoke(app, ["prepare-data", *map(str, args), "--quiet"])
+
+
+@pytest.mark.parametrize(
+    "size, eos, dtype, numpy_dtype",
+    [(65536, 65535, "uint16", "<u2"), (65537, 65536, "uint32", "<u4")],
+    ids=["65536-ids-fit-uint16", "65537-ids-need-uint32"],
+)
+def test_token_width_follows_the_vocabulary_and_keeps_the_largest_ids(size, eos, dtype, numpy_dtype, tmp_path):
+    tok = word_tokenizer(tmp_path / "tok", size)
+    text = tmp_path / "docs.txt"
+    text.write_text(f"w0 w{size - 1} w40000\n\nw7 w{size - 2}\n")
+    result = prepare(text, "--tokenizer", tok, "--out", tmp_path / "out", "--eos-id", eos)
+    assert result.exit_code == 0, result.output
+    header = json.loads((tmp_path / "out.json").read_text())
+    assert (header["dtype"], header["vocab_size"], header["eos_token_id"]) == (dtype, size, eos)
+    ids = np.fromfile(tmp_path / "out.bin", dtype=numpy_dtype).tolist()
+    assert ids == [0, size - 1, 40000, eos, 7, size - 2, eos]
+    # the training loader reads the same ids back at this width
+    assert TokenFileSource(tmp_path / "out", seq_length=6, seed=0).tokens.to(torch.int64).tolist() == ids
+
+
+def test_eos_id_option_overrides_the_checkpoints_eos_token_id(tmp_path):
+    tok = word_tokenizer(tmp_path / "tok", 50)
+    (tok / "config.json").write_text(json.dumps({"eos_token_id": 49}))
+    text = tmp_path / "docs.txt"
+    text.write_text("w1 w2\n\nw3\n")
+    assert prepare(text, "--tokenizer", tok, "--out", tmp_path / "a").exit_code == 0
+    assert np.fromfile(tmp_path / "a.bin", dtype="<u2").tolist() == [1, 2, 49, 3, 49]
+    assert prepare(text, "--tokenizer", tok, "--out", tmp_path / "b", "--eos-id", "48").exit_code == 0
+    assert np.fromfile(tmp_path / "b.bin", dtype="<u2").tolist() == [1, 2, 48, 3, 48]
+    assert json.loads((tmp_path / "b.json").read_text())["eos_token_id"] == 48
+
+
+def test_text_key_selects_the_jsonl_field(tmp_path):
+    tok = word_tokenizer(tmp_path / "tok", 50)
+    jsonl = tmp_path / "docs.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": "w9 w9", "body": b}) + "\n" for b in ("w1 w2", "w3")))
+    result = prepare(jsonl, "--tokenizer", tok, "--out", tmp_path / "out", "--eos-id", "49", "--text-key", "body")
+    assert result.exit_code == 0, result.output
+    assert np.fromfile(tmp_path / "out.bin", dtype="<u2").tolist() == [1, 2, 49, 3, 49]
+
+
+@pytest.mark.parametrize(
+    "second_line, message",
+    [
+        (json.dumps({"text": "w1"}), "docs.jsonl:2: no string field 'body'"),
+        (json.dumps({"body": 5}), "docs.jsonl:2: no string field 'body'"),
+        (json.dumps(["body", "w1"]), "docs.jsonl:2: no string field 'body'"),
+        ("{not json", "docs.jsonl:2: not a JSON object"),
+    ],
+    ids=["key-missing", "not-a-string", "not-an-object", "not-json"],
+)
+def test_text_key_errors_name_the_file_line_and_key_and_write_nothing(second_line, message, tmp_path):
+    tok = word_tokenizer(tmp_path / "tok", 50)
+    jsonl = tmp_path / "docs.jsonl"
+    jsonl.write_text(json.dumps({"body": "w1"}) + "\n" + second_line + "\n")
+    result = prepare(jsonl, "--tokenizer", tok, "--out", tmp_path / "out", "--eos-id", "49", "--text-key", "body")
+    assert result.exit_code == 2
+    (line,) = result.output.strip().splitlines()
+    assert message in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["docs.jsonl", "tok"]

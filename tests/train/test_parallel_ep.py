@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from gptoss_cli.parallel.state import ParallelState
+from tests.tolerances import assert_tensors_close, reassociation_rel
 from tests.train.dist_helpers import once_per_session, run_distributed
-from tests.train.workers import ep_grads_worker, one_step_grads
+from tests.train.workers import SEQ, TINY, ep_grads_worker, one_step_grads
+
+# Same weights and tokens at EP=1 and EP=2: only the order of sums differs (tests/tolerances.py).
+# A gradient element sums over the global batch's tokens (4 x 16); a logit over the hidden size.
+DEPTH = 2 * TINY.num_hidden_layers + 1
+GRAD_REL = reassociation_rel(4 * SEQ, DEPTH)
+LOSS_REL = reassociation_rel(TINY.hidden_size, DEPTH)
 
 
 def _ep2_vs_ep1(folder):
@@ -26,16 +35,15 @@ def test_ep2_loss_equals_ep1_on_the_same_global_batch(ep2_vs_ep1):
     ref, ranks = ep2_vs_ep1
     loss_ep2 = sum(r["loss_sum"] for r in ranks) / sum(r["tokens"] for r in ranks)
     assert ref["tokens"] == sum(r["tokens"] for r in ranks) == 4 * 16
-    assert loss_ep2 == pytest.approx(ref["loss_sum"] / ref["tokens"], rel=1e-6)
+    assert loss_ep2 == pytest.approx(ref["loss_sum"] / ref["tokens"], rel=LOSS_REL)
 
 
 def test_ep2_dense_and_router_grads_equal_ep1_on_every_rank(ep2_vs_ep1):
     ref, ranks = ep2_vs_ep1
     dense = [n for n in ref["grads"] if ".mlp.experts." not in n]
     assert any(".mlp.router." in n for n in dense)
-    for r in ranks:
-        for name in dense:
-            torch.testing.assert_close(r["grads"][name], ref["grads"][name], rtol=1e-5, atol=1e-7, msg=name)
+    for rank, r in enumerate(ranks):
+        assert_tensors_close({n: r["grads"][n] for n in dense}, {n: ref["grads"][n] for n in dense}, GRAD_REL, rank)
 
 
 def test_ep2_expert_grads_equal_ep1_each_expert_held_once(ep2_vs_ep1):
@@ -44,18 +52,21 @@ def test_ep2_expert_grads_equal_ep1_each_expert_held_once(ep2_vs_ep1):
     held = [{n for n in r["grads"] if ".mlp.experts." in n} for r in ranks]
     assert held[0].isdisjoint(held[1]) and held[0] | held[1] == experts
     assert any(n.endswith("weight0") for n in held[0]) and any(n.endswith("weight3") for n in held[1])
-    for r, names in zip(ranks, held):
-        for name in names:
-            torch.testing.assert_close(r["grads"][name], ref["grads"][name], rtol=1e-5, atol=1e-7, msg=name)
+    for rank, (r, names) in enumerate(zip(ranks, held)):
+        assert_tensors_close({n: r["grads"][n] for n in names}, {n: ref["grads"][n] for n in names}, GRAD_REL, rank)
     assert all(ref["grads"][n].abs().sum() > 0 for n in experts if "weight" in n)
 
 
 def test_ep2_clipping_norm_counts_every_expert_once(ep2_vs_ep1):
     ref, ranks = ep2_vs_ep1
     true_norm = float(torch.sqrt(sum(g.double().pow(2).sum() for g in ref["grads"].values())))
-    assert ref["grad_norm"] == pytest.approx(true_norm, rel=1e-6)
+    # The norm sums positive squares (no cancellation): torch's cascade sum per tensor errs by about
+    # log2(n) * u, then one fp32 addition per tensor; x4 safety as in tests/tolerances.py.
+    n = max(g.numel() for g in ref["grads"].values())
+    norm_rel = 4 * (math.log2(n) + len(ref["grads"])) * 2.0**-24
+    assert ref["grad_norm"] == pytest.approx(true_norm, rel=norm_rel)
     for r in ranks:
-        assert r["grad_norm"] == pytest.approx(true_norm, rel=1e-5)
+        assert r["grad_norm"] == pytest.approx(true_norm, rel=norm_rel + GRAD_REL)
 
 
 def test_alltoall_dispatcher_round_trip_forward_and_backward(ep2_vs_ep1):

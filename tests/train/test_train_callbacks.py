@@ -56,6 +56,6 @@ def test_distributed_adamw_applies_the_combined_gradient_on_every_shard(dp2_step
 
 
 def test_callbacks_installed_on_the_provider_config_are_refused(runs):
-    # The binding bug of the field report: the schedule must refuse, not silently skip the reduction.
+    # The binding bug of docs/upstream-failures.md: the schedule must refuse, not silently skip the reduction.
     for r in (run["on_provider"] for run in runs):
         assert "no finalize_model_grads_func" in r["error"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -10,14 +12,14 @@ from gptoss_cli.checkpoint.make_tiny import make_tiny
 from gptoss_cli.checkpoint.safetensors_io import CheckpointReader
 from gptoss_cli.model.config import preset
 from gptoss_cli.parallel.state import ParallelState
-from gptoss_cli.train.provider import HybridModelProvider, ModelRuntimeConfig
+from gptoss_cli.train.provider import HybridModelProvider
+from tests.train.jobs import runtime_config, train_job
 
 TINY = preset("tiny")
 
 
 def _provider(weights=None) -> HybridModelProvider:
-    cfg = ModelRuntimeConfig(arch=TINY, hybrid_layer_pattern=TINY.hybrid_layer_pattern, params_dtype="fp32")
-    return HybridModelProvider(cfg, seed=11, weights=weights)
+    return HybridModelProvider(runtime_config(), seed=11, weights=weights)
 
 
 def _slots(model) -> dict[str, torch.Tensor]:
@@ -68,3 +70,22 @@ def test_each_ep_rank_reads_only_its_own_experts(checkpoints, monkeypatch):
     assert stacked and all((s, e) == (2, 4) for s, e in stacked)  # HF stacks read as rows [2, 4)
     ref = _slots(model)
     assert all(torch.equal(from_hf[n], ref[n]) for n in ref)
+
+
+def test_training_from_a_vocab_padded_hybrid_equals_training_from_the_unpadded_one(checkpoints, tmp_path):
+    """Two steps from a Hybrid folder with Megatron's vocabulary padding (1024 rows) give the losses
+    and gradient norms of the same steps from the unpadded folder, and no padding row is trained."""
+    from tests.model.tiny_checkpoints import write_padded_hybrid
+    from gptoss_cli.train.loop import run_worker
+
+    _, hybrid = checkpoints
+    padded = write_padded_hybrid(hybrid, tmp_path / "padded")
+
+    def train(weights, run):
+        plan = train_job(tmp_path / run, name="pad", seq_length=16, micro_batch_size=2, global_batch_size=2,
+                         train_iters=2, device="cpu", pretrained=str(weights), lr=1e-3, warmup_iters=0)
+        return run_worker(plan)
+
+    ours, want = train(padded, "padded"), train(hybrid, "unpadded")
+    assert ours.losses == want.losses and ours.grad_norms == want.grad_norms
+    assert abs(want.losses[0] - math.log(TINY.vocab_size)) < 2  # a real model's loss, not a padded-logit one

@@ -15,9 +15,10 @@ from gptoss_cli.parallel.state import ParallelState, init_parallel
 from gptoss_cli.schedule import get_forward_backward_func
 from gptoss_cli.train.data import DataLoaderState
 from gptoss_cli.train.loop import forward_step
-from gptoss_cli.train.provider import HybridModelProvider, ModelRuntimeConfig
-from gptoss_cli.train.setup import OptimizerSettings, setup_model_and_optimizer
+from gptoss_cli.train.provider import HybridModelProvider
+from gptoss_cli.train.setup import setup_model_and_optimizer
 from tests.train.dist_helpers import named_grads
+from tests.train.jobs import optimizer_config, runtime_config, train_job
 
 TINY = preset("tiny")
 SEQ = 16
@@ -35,11 +36,9 @@ class RandomTokens:
 
 
 def build(state: ParallelState, *, aux: float = 0.01, lr: float = 1e-3, distributed_opt: bool = True, seed: int = 7):
-    runtime = ModelRuntimeConfig(arch=TINY, hybrid_layer_pattern=TINY.hybrid_layer_pattern, params_dtype="fp32",
-                                 aux_loss_coeff=aux, expert_model_parallel_size=state.ep_size)
-    provider = HybridModelProvider(runtime, seed=seed)
+    provider = HybridModelProvider(runtime_config(aux_loss_coeff=aux, ep_size=state.ep_size), seed=seed)
     return setup_model_and_optimizer(
-        provider, state, OptimizerSettings(lr=lr, clip_grad=1.0, use_distributed_optimizer=distributed_opt)
+        provider, state, optimizer_config(clip_grad=1.0, use_distributed_optimizer=distributed_opt), lr
     )
 
 
@@ -62,7 +61,7 @@ def one_step_grads(state: ParallelState, global_batch: int = 4, mbs: int = 2) ->
 def dispatcher_round_trip(state: ParallelState, route_to: tuple[int, ...]) -> dict[str, Any]:
     """All-to-all dispatch -> 'expert e multiplies by e+1' -> combine, forward and backward, with every
     token routed to the experts in `route_to` (so some ranks may receive no rows at all)."""
-    from gptoss_cli.parallel.dispatcher import AllToAllTokenDispatcher
+    from gptoss_cli.model.dispatcher import AllToAllTokenDispatcher
 
     g = torch.Generator().manual_seed(100 + state.rank)
     T, H, k = 5 + state.rank, 8, 2
@@ -87,23 +86,44 @@ def ep_grads_worker(rank: int, ep: int) -> dict[str, Any]:
     return out
 
 
-def train_steps(state: ParallelState, steps: int, global_batch: int, mbs: int, ep: int = 1) -> dict[str, torch.Tensor]:
-    """`steps` optimizer steps on random tokens; returns the full parameters (checkpoint names)."""
+def grads_per_step(state: ParallelState, global_batch: int, mbs: int, *, steps: int = 0,
+                   weights_per_step: list[dict[str, torch.Tensor]] | None = None) -> list[dict[str, Any]]:
+    """Loss and finalised gradients of consecutive global batches of random tokens.
+
+    Without `weights_per_step` this is the reference run: `steps` steps, each followed by the
+    optimizer step; the weights each step started from are returned too. With it, every step
+    starts from the given weights (the reference's), so a candidate layout is compared with the
+    reference from the same weights at every step, never after AdamW steps of its own (see
+    tests/tolerances.py)."""
     setup = build(state, lr=3e-3)
     data = DataLoaderState(RandomTokens(TINY.vocab_size, SEQ, seed=3), global_batch_size=global_batch,
                            micro_batch_size=mbs, dp_rank=state.dp_rank, dp_size=state.dp_size)
     schedule = get_forward_backward_func(setup.config)
-    for step in range(steps):
-        setup.model.zero_grad_buffer()
-        schedule(forward_step_func=forward_step, data_iterator=data.step_iterator(), model=setup.model,
-                 num_microbatches=data.num_microbatches)
-        setup.optimizer.step(3e-3)
     inner = unwrap_model(setup.model)
-    return {name: t.detach().clone() for name, t in inner.named_checkpoint_slots()}
+    out = []
+    for step in range(len(weights_per_step) if weights_per_step is not None else steps):
+        with torch.no_grad():
+            if weights_per_step is not None:
+                for name, p in inner.named_parameters():
+                    p.copy_(weights_per_step[step][name])
+            weights = {name: p.detach().clone() for name, p in inner.named_parameters()}
+        setup.model.zero_grad_buffer()
+        logs = schedule(forward_step_func=forward_step, data_iterator=data.step_iterator(), model=setup.model,
+                        num_microbatches=data.num_microbatches)
+        out.append({"weights": weights, "grads": named_grads(setup.model),
+                    "loss_sum": float(sum(l["lm_loss_sum"] for l in logs)),
+                    "tokens": float(sum(l["num_tokens"] for l in logs))})
+        if weights_per_step is None:
+            setup.optimizer.step(3e-3)
+    return out
 
 
-def dp_train_worker(rank: int, steps: int, global_batch: int, mbs: int) -> dict[str, torch.Tensor]:
-    return train_steps(init_parallel(1, "cpu"), steps, global_batch, mbs)
+def dp_grads_worker(rank: int, weights_per_step: list[dict[str, torch.Tensor]], global_batch: int,
+                    mbs: int) -> list[dict[str, Any]]:
+    steps = grads_per_step(init_parallel(1, "cpu"), global_batch, mbs, weights_per_step=weights_per_step)
+    for s in steps:
+        del s["weights"]  # the caller has them
+    return steps
 
 
 # --- callbacks on the runtime config ---------------------------------------------------------
@@ -162,16 +182,16 @@ def _callbacks_run(rank: int, microbatches: int, install_on_provider: bool = Fal
     grads_module.finalize_model_grads = spy
     try:
         provider = CopyingProvider()
-        setup = setup_model_and_optimizer(provider, state, OptimizerSettings(lr=0.1, use_distributed_optimizer=True))
-        if install_on_provider:  # the binding bug of the field report, as a negative control
+        setup = setup_model_and_optimizer(provider, state, optimizer_config(clip_grad=0.0, use_distributed_optimizer=True),
+                                          0.1)
+        if install_on_provider:  # the binding bug of docs/upstream-failures.md, as a negative control
             provider.config.finalize_model_grads_func = setup.config.finalize_model_grads_func
             setup.config.finalize_model_grads_func = None
         sign = 1.0 if rank == 0 else -3.0
 
         def step_fn(it, model):
             next(it)
-            loss = model(sign)
-            return loss, torch.tensor(1.0), {}
+            return model(sign), lambda loss: (loss, torch.tensor(1.0), {})
 
         schedule = get_forward_backward_func(setup.config)
         setup.model.zero_grad_buffer()
@@ -198,13 +218,9 @@ def _callbacks_run(rank: int, microbatches: int, install_on_provider: bool = Fal
 
 # --- checkpoints across layouts --------------------------------------------------------------
 def tiny_plan(run_dir: str, **changes: Any):
-    from gptoss_cli.train.loop import TrainPlan
-
-    base = dict(name="ckpt", arch=TINY, hybrid_layer_pattern=TINY.hybrid_layer_pattern, run_dir=run_dir,
-                seq_length=16, micro_batch_size=2, global_batch_size=4, train_iters=3, lr=3e-3, min_lr=3e-4,
+    base = dict(seq_length=16, micro_batch_size=2, global_batch_size=4, train_iters=3, lr=3e-3, min_lr=3e-4,
                 warmup_iters=1, device="cpu", aux_loss_coeff=0.01, clip_grad=1.0, weight_decay=0.01)
-    base.update(changes)
-    return TrainPlan(**base)
+    return train_job(run_dir, name="ckpt", **{**base, **changes})
 
 
 def run_plan_worker(rank: int, plan: Any) -> dict[str, Any]:

@@ -1,0 +1,171 @@
+"""Filling a built HybridModel from a checkpoint folder: Hybrid, Hugging Face or OpenAI original.
+
+Streaming and strict: tensors are read one at a time by name (for HF sources, one mapping-table
+unit at a time, experts in chunks), only the experts the model holds are read, and a missing,
+unexpected or misshapen tensor is a CheckpointError naming the file and the tensor. The model's
+architecture must equal the checkpoint's in every field that changes the computation
+(`GptOssArch.differences`).
+
+`build_model` is the one place a model is created on the meta device and materialised;
+`model_from_checkpoint` builds and loads in one call (the architecture from the folder).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from gptoss_cli.checkpoint.hybrid_format import HYBRID_CONFIG, read_hybrid_config
+from gptoss_cli.checkpoint.mapping import VOCAB_PADDED_HYBRID, is_vocab_padding, units
+from gptoss_cli.checkpoint.safetensors_io import CheckpointReader
+from gptoss_cli.checkpoint.sources import HYBRID, check_tensors, open_source
+from gptoss_cli.errors import CheckpointError, ConfigError
+from gptoss_cli.model.config import GptOssArch
+from gptoss_cli.model.hybrid import HybridModel
+
+Progress = Callable[[str], None]
+EXPERT_CHUNK = 8  # experts read per chunk from an HF stack
+
+
+def build_model(arch: GptOssArch, pattern: str | None = None, *, device: str | torch.device = "cpu",
+                dtype: torch.dtype = torch.float32, **kwargs) -> HybridModel:
+    """A HybridModel built on the meta device and materialised (uninitialised) on `device`."""
+    model = HybridModel(arch, pattern, device="meta", dtype=dtype, **kwargs)
+    model.to_empty(device=device)
+    model.reset_buffers()
+    return model
+
+
+def read_hybrid_tensor(reader: CheckpointReader, name: str, shape: tuple[int, ...],
+                       arch: GptOssArch | None = None) -> torch.Tensor:
+    """Read `name` from a Hybrid checkpoint, checking its shape; Megatron's vocabulary padding rows
+    are dropped (docs/checkpoint-layouts.md, "Vocabulary padding"). With `arch`, extra rows must be
+    that padding (`is_vocab_padding`), never real tokens cut by a too-small vocab_size."""
+    stored = tuple(reader.shape(name))
+    if name in VOCAB_PADDED_HYBRID and stored[1:] == tuple(shape[1:]) and stored[0] >= shape[0]:
+        if arch is not None and not is_vocab_padding(stored[0], arch):
+            raise CheckpointError(
+                f"{reader.file_of(name)}: tensor {name} has {stored[0]} rows but vocab_size is {shape[0]}; extra "
+                "rows are allowed only as Megatron's padding to the next multiple of 128 x TP",
+                hint="fix vocab_size in hybrid_config.json: cutting the rows would drop real tokens",
+            )
+        return reader.read(name, 0, shape[0])
+    if stored != tuple(shape):
+        raise CheckpointError(
+            f"{reader.file_of(name)}: tensor {name} has shape {list(stored)}, the model expects {list(shape)}",
+            hint="hybrid_config.json does not describe these tensors",
+        )
+    return reader.read(name)
+
+
+def _check_architecture(folder: Path, what: str, stored: GptOssArch, model: HybridModel) -> None:
+    diff = stored.differences(model.arch)
+    if diff:
+        raise CheckpointError(
+            f"{folder / what}: describes a different architecture than the model "
+            f"(checkpoint vs model: {'; '.join(diff)})",
+            hint="build the model from the checkpoint's own config (e.g. model.checkpoint in a recipe)",
+        )
+
+
+def load_hybrid(model: HybridModel, folder: str | Path, progress: Progress | None = None) -> None:
+    """Fill every parameter from a Hybrid checkpoint folder, strictly by name."""
+    folder = Path(folder)
+    if (folder / HYBRID_CONFIG).exists():
+        _check_architecture(folder, HYBRID_CONFIG, read_hybrid_config(folder).arch, model)
+    with CheckpointReader(folder) as reader:
+        present = set(reader.names())
+        expected = model.checkpoint_names()
+        missing = [n for n in expected if n not in present]
+        unexpected = sorted(present - set(expected))
+        if missing or unexpected:
+            parts = []
+            if missing:
+                parts.append(f"{len(missing)} missing tensors (first: {missing[:3]})")
+            if unexpected:
+                parts.append(f"{len(unexpected)} unexpected tensors (first: {unexpected[:3]})")
+            raise CheckpointError(
+                f"{folder}: does not match the model for pattern {model.pattern.text!r}: " + "; ".join(parts),
+                hint="re-run `gptoss convert`, or check hybrid_config.json against the tensors",
+            )
+        with torch.no_grad():
+            for name, dest in model.named_checkpoint_slots():
+                dest.copy_(read_hybrid_tensor(reader, name, tuple(dest.shape), model.arch))
+                if progress is not None:
+                    progress(name)
+
+
+def load_hf(model: HybridModel, folder: str | Path, progress: Progress | None = None) -> None:
+    """Fill every parameter from an HF GPT-OSS folder (bf16 or MXFP4 experts) or OpenAI's original/
+    layout through the mapping table, one unit at a time (experts in chunks, only those held)."""
+    if model.pattern.layers != tuple(model.arch.hybrid_layer_pattern):
+        raise ConfigError(
+            f"an HF checkpoint maps onto the pattern {model.arch.hybrid_layer_pattern!r}, not {model.pattern.text!r}"
+        )
+    source = open_source(str(folder))
+    try:
+        if source.kind == HYBRID:
+            raise CheckpointError(f"{folder}: is a Hybrid checkpoint, not a Hugging Face one")
+        _check_architecture(Path(folder), "config.json", source.arch, model)
+        check_tensors(source, source.layout.stored_specs(model.arch))
+        slots = dict(model.named_checkpoint_slots(all_experts=True))
+        dtype = model.output_layer.weight.dtype
+        with torch.no_grad():
+            for unit in units(model.arch):
+                if unit.per_expert:
+                    held = [e for e, n in enumerate(unit.hybrid) if slots[n] is not None]
+                    lo, hi = (held[0], held[-1] + 1) if held else (0, 0)
+                    for e0 in range(lo, hi, EXPERT_CHUNK):
+                        e1 = min(hi, e0 + EXPERT_CHUNK)
+                        stack = source.layout.read(source.reader, model.arch, unit.hf[0], dtype, e0, e1)
+                        for name, t in zip(unit.hybrid[e0:e1], unit.to_hybrid(model.arch, [stack])):
+                            _copy_checked(slots[name], t, name, folder)
+                    continue
+                ins = [source.layout.read(source.reader, model.arch, n, dtype) for n in unit.hf]
+                for name, t in zip(unit.hybrid, unit.to_hybrid(model.arch, ins)):
+                    _copy_checked(slots[name], t, name, folder)
+                if progress is not None:
+                    progress(", ".join(unit.hf))
+    finally:
+        source.close()
+
+
+def _copy_checked(dest: torch.Tensor, src: torch.Tensor, name: str, folder: str | Path) -> None:
+    if tuple(src.shape) != tuple(dest.shape):
+        raise CheckpointError(f"{folder}: tensor {name} has shape {list(src.shape)}, the model expects {list(dest.shape)}")
+    dest.copy_(src)
+
+
+def load_weights(model: HybridModel, folder: str | Path, progress: Progress | None = None) -> None:
+    """Fill `model` from a Hybrid, HF or OpenAI-original folder, whichever `folder` holds."""
+    if (Path(folder) / HYBRID_CONFIG).exists():
+        load_hybrid(model, folder, progress)
+    else:
+        load_hf(model, folder, progress)
+
+
+def checkpoint_architecture(folder: str | Path) -> tuple[GptOssArch, str | None]:
+    """(architecture, Hybrid layer pattern or None for HF/original) of a checkpoint folder."""
+    source = open_source(str(folder))
+    try:
+        return source.arch, source.hybrid_layer_pattern
+    finally:
+        source.close()
+
+
+def model_from_checkpoint(folder: str | Path, *, dtype: torch.dtype = torch.float32,
+                          device: str | torch.device = "cpu", progress: Progress | None = None,
+                          **kwargs) -> HybridModel:
+    """Build a HybridModel from a folder's own config (hybrid_config.json, or config.json) and load it.
+
+    kwargs go to HybridModel (expert_offset, num_local_experts, token_dispatcher_factory)."""
+    arch, pattern = checkpoint_architecture(folder)
+    model = build_model(arch, pattern, device=device, dtype=dtype, **kwargs)
+    load_weights(model, folder, progress)
+    return model
+
+
+__all__ = ["build_model", "load_hybrid", "load_hf", "load_weights", "model_from_checkpoint", "read_hybrid_tensor",
+           "checkpoint_architecture"]

@@ -1,0 +1,244 @@
+"""The experts' grouped linear layer: one GEMM path for forward, input gradient and weight gradient.
+
+Rows of `x [N, in]` are sorted by local expert and `tokens_per_expert [E]` says how many rows each
+expert owns; `weight [E, out, in]`, `bias [E, out]`. The three GEMMs of the layer are
+
+    fprop  y_e  = x_e @ W_e^T          (+ b_e, added outside the GEMM)
+    dgrad  dx_e = dy_e @ W_e
+    wgrad  dW_e = dy_e^T @ x_e,  db_e = sum over the rows of dy_e
+
+and `GroupedGemm` computes them: `torch._grouped_mm` where it runs (CPU fp32/bf16, CUDA bf16 on
+Hopper and newer), else a loop over the experts (never over tokens). Low-precision recipes (FP8)
+provide the same three methods with other numerics; the autograd functions below do not change.
+Biases are added and reduced in the activation dtype outside the GEMM, so padding rows that a
+kernel may add never receive one.
+
+`grouped_linear(..., wgrad_queue=q)` is the delayed-wgrad form (docs/megatron-rules.md, "Delayed
+weight gradients"): backward computes dx at once and queues (x, dy); `q.execute()` later runs
+the wgrad GEMMs and accumulates into the parameters. `WgradQueue.finish_step()` raises when work
+is left, so a schedule that forgot to run it fails instead of training on missing gradients.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gptoss_cli.errors import TrainingError
+
+# Devices whose grouped kernel raised once (older GPUs): the loop computes the same thing.
+_GROUPED_MM_BROKEN: set[str] = set()
+
+
+def _grouped_mm_usable(a: torch.Tensor, b_shape: tuple[int, ...]) -> bool:
+    if not hasattr(torch, "_grouped_mm") or a.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if a.is_cuda and a.dtype != torch.bfloat16:
+        return False  # the CUDA grouped kernel is bf16-only
+    if not (a.is_cuda or a.device.type == "cpu") or a.device.type in _GROUPED_MM_BROKEN:
+        return False
+    # The kernels need every row stride to be a multiple of 16 bytes.
+    align = 16 // a.element_size()
+    return all(d % align == 0 for d in b_shape[-2:])
+
+
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor | None:
+    """torch._grouped_mm, or None when the kernel is unavailable here (then the caller loops)."""
+    try:
+        return torch._grouped_mm(a, b, offs=offsets)
+    except RuntimeError as exc:
+        if not a.is_cuda:
+            return None  # a CPU kernel that wants another operand layout: loop
+        _GROUPED_MM_BROKEN.add(a.device.type)
+        warnings.warn(f"torch._grouped_mm unavailable on this GPU ({exc}); looping over experts instead")
+        return None
+
+
+def expert_of_row(tokens_per_expert: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """[N] local expert index of every row (no host sync: the output size is given)."""
+    experts = torch.arange(tokens_per_expert.numel(), device=tokens_per_expert.device)
+    return torch.repeat_interleave(experts, tokens_per_expert, output_size=num_rows)
+
+
+class GroupedGemm:
+    """The three GEMMs of a grouped linear layer in the operands' own dtype."""
+
+    name = "default"
+
+    def fprop(self, x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] and _grouped_mm_usable(x, weight.shape):
+            out = _grouped_mm(x, weight.transpose(-2, -1), _offsets(tokens_per_expert))
+            if out is not None:
+                return out
+        return _loop(x, tokens_per_expert, lambda e, rows: rows @ weight[e].t(), weight.shape[1])
+
+    def dgrad(self, dy: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        if dy.shape[0] and _grouped_mm_usable(dy, weight.shape):
+            out = _grouped_mm(dy, weight, _offsets(tokens_per_expert))
+            if out is not None:
+                return out
+        return _loop(dy, tokens_per_expert, lambda e, rows: rows @ weight[e], weight.shape[2])
+
+    def wgrad(self, x: torch.Tensor, dy: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        num_experts = tokens_per_expert.numel()
+        if x.shape[0] and _grouped_mm_usable(x, (num_experts, dy.shape[1], x.shape[1])):
+            out = _grouped_mm(dy.t(), x, _offsets(tokens_per_expert))
+            if out is not None:
+                return out
+        counts = tokens_per_expert.tolist()
+        grads = [d.t() @ xe for d, xe in zip(torch.split(dy, counts), torch.split(x, counts))]
+        return torch.stack(grads) if grads else dy.new_zeros(0, dy.shape[1], x.shape[1])
+
+
+DEFAULT_GEMM = GroupedGemm()
+
+
+def _offsets(tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    return torch.cumsum(tokens_per_expert, 0).to(torch.int32)
+
+
+def _loop(rows: torch.Tensor, tokens_per_expert: torch.Tensor, fn, out_features: int) -> torch.Tensor:
+    outs = [fn(e, chunk) for e, chunk in enumerate(torch.split(rows, tokens_per_expert.tolist()))]
+    return torch.cat(outs) if outs else rows.new_zeros(0, out_features)
+
+
+def _add_bias(y: torch.Tensor, bias: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    return y + torch.repeat_interleave(bias.to(y.dtype), tokens_per_expert, dim=0, output_size=y.shape[0])
+
+
+def _bias_grad(dy: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    rows = expert_of_row(tokens_per_expert, dy.shape[0])
+    return dy.new_zeros(tokens_per_expert.numel(), dy.shape[1]).index_add_(0, rows, dy)
+
+
+class _GroupedLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                tokens_per_expert: torch.Tensor, gemm: GroupedGemm) -> torch.Tensor:
+        ctx.save_for_backward(x, weight, tokens_per_expert)
+        ctx.gemm = gemm
+        return _add_bias(gemm.fprop(x, weight, tokens_per_expert), bias, tokens_per_expert)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor):
+        x, weight, tokens_per_expert = ctx.saved_tensors
+        dy = dy.contiguous()
+        dx = ctx.gemm.dgrad(dy, weight, tokens_per_expert) if ctx.needs_input_grad[0] else None
+        dw = ctx.gemm.wgrad(x, dy, tokens_per_expert).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        db = _bias_grad(dy, tokens_per_expert) if ctx.needs_input_grad[2] else None
+        return dx, dw, db, None, None
+
+
+@dataclass
+class _Pending:
+    weight: torch.Tensor
+    bias: torch.Tensor
+    x: torch.Tensor
+    dy: torch.Tensor
+    tokens_per_expert: torch.Tensor
+    gemm: GroupedGemm
+    name: str
+
+
+class WgradQueue:
+    """FIFO of weight-gradient GEMMs deferred from backward (one per step, shared by the layers)."""
+
+    def __init__(self) -> None:
+        self._pending: list[_Pending] = []
+        self.executed = 0  # GEMM pairs run since construction (tests and the bench read it)
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def push(self, item: _Pending) -> None:
+        self._pending.append(item)
+
+    def execute(self) -> int:
+        """Run every queued wgrad now, accumulating into the parameters; returns how many."""
+        n = 0
+        while self._pending:
+            p = self._pending.pop(0)
+            _accumulate_grad(p.weight, p.gemm.wgrad(p.x, p.dy, p.tokens_per_expert))
+            _accumulate_grad(p.bias, _bias_grad(p.dy, p.tokens_per_expert))
+            n += 1
+        self.executed += n
+        return n
+
+    def clear(self) -> None:
+        """Forget queued work (only after a failed step, whose gradients are discarded anyway)."""
+        self._pending.clear()
+
+    def finish_step(self) -> None:
+        """End-of-step check: queued work that was never run would silently lose gradients."""
+        if self._pending:
+            names = sorted({p.name for p in self._pending})
+            count = len(self._pending)
+            self._pending.clear()
+            raise TrainingError(
+                f"{count} delayed weight-gradient GEMMs were queued but never run this step "
+                f"(for {', '.join(names[:4])}{'...' if len(names) > 4 else ''}); their gradients would be lost",
+                hint="delay_wgrad_compute works only inside the overlap schedule, which runs the queue; "
+                     "set overlap.delay_wgrad_compute=false otherwise",
+            )
+
+
+def _accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """What autograd plus the training buffers' post-accumulate hook would have done with `grad`."""
+    main = getattr(param, "main_grad", None)
+    if main is not None:
+        main.add_(grad)
+    elif param.grad is None:
+        param.grad = grad.to(param.dtype)
+    else:
+        param.grad.add_(grad)
+
+
+class _DelayedWgradGroupedLinear(torch.autograd.Function):
+    """Backward returns only dx and queues (x, dy) for dW and db.
+
+    The parameters reach the Function inside a tuple, not as tensor inputs: autograd then has no
+    gradient edge to them at all (returning None for a parameter input would still fire its
+    post-accumulate hook with no gradient). The queue accumulates their gradients instead."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, params: tuple[torch.Tensor, torch.Tensor], tokens_per_expert: torch.Tensor,
+                gemm: GroupedGemm, queue: WgradQueue, name: str) -> torch.Tensor:
+        weight, bias = params
+        ctx.save_for_backward(x, tokens_per_expert)
+        ctx.params, ctx.gemm, ctx.queue, ctx.name = params, gemm, queue, name
+        return _add_bias(gemm.fprop(x, weight.detach(), tokens_per_expert), bias.detach(), tokens_per_expert)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor):
+        x, tokens_per_expert = ctx.saved_tensors
+        weight, bias = ctx.params
+        dy = dy.contiguous()
+        dx = ctx.gemm.dgrad(dy, weight.detach(), tokens_per_expert) if ctx.needs_input_grad[0] else None
+        if weight.requires_grad or bias.requires_grad:
+            ctx.queue.push(_Pending(weight, bias, x.detach(), dy, tokens_per_expert, ctx.gemm, ctx.name))
+        return dx, None, None, None, None, None
+
+
+def grouped_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    *,
+    gemm: GroupedGemm | None = None,
+    wgrad_queue: WgradQueue | None = None,
+    name: str = "expert linear",
+) -> torch.Tensor:
+    """Rows of x sorted by expert -> `[N, out]`; with `wgrad_queue`, dW and db wait in the queue."""
+    gemm = gemm or DEFAULT_GEMM
+    if wgrad_queue is not None and torch.is_grad_enabled():
+        return _DelayedWgradGroupedLinear.apply(x, (weight, bias), tokens_per_expert, gemm, wgrad_queue, name)
+    if not torch.is_grad_enabled():
+        return _add_bias(gemm.fprop(x, weight, tokens_per_expert), bias, tokens_per_expert)
+    return _GroupedLinear.apply(x, weight, bias, tokens_per_expert, gemm)
+
+
+__all__ = ["GroupedGemm", "DEFAULT_GEMM", "WgradQueue", "grouped_linear", "expert_of_row"]

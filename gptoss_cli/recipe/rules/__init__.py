@@ -1,0 +1,21 @@
+"""The rule registry that validate-config, train's pre-flight check and the README's rule list share.
+
+`core.py` holds the machinery (findings, the `rule` decorator, the context); each other module
+registers the rules of one area, in the order they run: field bounds (the gate), the model,
+parallel arithmetic and MoE, EP overlap, CUDA graphs and recompute, precision, training, and the
+table of options gptoss does not implement yet.
+"""
+
+from gptoss_cli.recipe.rules.core import (  # noqa: F401
+    ERROR, IMPLEMENTED, RULES, SEMANTIC, UNSUPPORTED, WARNING, Context, Finding, Rule, default_model_class, error,
+    list_rules, rule, warning,
+)
+from gptoss_cli.recipe.rules import fields, model, parallel, overlap, graphs, precision, training  # noqa: F401,E402
+from gptoss_cli.recipe.rules import unsupported  # noqa: F401,E402  (registers last: unsupported.* after semantics)
+from gptoss_cli.recipe.rules.overlap import schedule_plan_capability, schedule_plan_support  # noqa: F401,E402
+
+__all__ = [
+    "Finding", "Rule", "Context", "RULES", "rule", "list_rules", "error", "warning", "IMPLEMENTED",
+    "schedule_plan_support", "schedule_plan_capability", "default_model_class", "ERROR", "WARNING", "SEMANTIC",
+    "UNSUPPORTED",
+]

@@ -1,0 +1,164 @@
+"""The rule registry's core: findings, the `rule` decorator, the context rules read, shared helpers.
+
+A rule is `fn(cfg, ctx) -> list[Finding]`, registered with `@rule(id, description, kind=..., gate=...)`.
+The registry fills in the rule id and kind, so each function only says what is wrong and how to
+fix it. Two kinds:
+- "semantic": Megatron's own constraints and the model's capabilities; a recipe that breaks one
+  cannot work anywhere (docs/megatron-rules.md).
+- "unsupported" (ids `unsupported.*`, rules/unsupported.py): options `gptoss train` does not
+  implement yet. Errors for the `gptoss` target, notes for the `megatron` target.
+A *gate* rule runs first; when it reports an error the other rules are skipped (their arithmetic
+would be meaningless), see recipe/validate.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+from gptoss_cli.model.config import GptOssArch
+from gptoss_cli.model.pattern import HybridPattern
+from gptoss_cli.recipe.schema import RecipeConfig
+
+ERROR = "error"
+WARNING = "warning"
+SEMANTIC = "semantic"
+UNSUPPORTED = "unsupported"
+
+# What `gptoss train` implements today. Widen an entry when the feature lands and its
+# unsupported.* rule goes quiet; nothing else needs to change.
+IMPLEMENTED = {
+    "token_dispatchers": frozenset({"alltoall"}),
+    "fp8_recipes": frozenset({"none", "tensorwise", "rowwise", "mxfp8"}),  # gptoss_cli/fp8/
+    "checkpoint_formats": frozenset({"gptoss"}),
+}
+
+@dataclass(frozen=True)
+class Finding:
+    """One problem: which rule, how bad, which fields with which values, what is wrong, the fix."""
+
+    rule: str
+    severity: str  # "error" | "warning"
+    fields: dict[str, Any]
+    message: str
+    hint: str = ""
+    kind: str = SEMANTIC  # "semantic" | "unsupported"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def error(fields: dict[str, Any], message: str, hint: str = "") -> Finding:
+    return Finding(rule="", severity=ERROR, fields=fields, message=message, hint=hint)
+
+
+def warning(fields: dict[str, Any], message: str, hint: str = "") -> Finding:
+    return Finding(rule="", severity=WARNING, fields=fields, message=message, hint=hint)
+
+# --- context ---------------------------------------------------------------------------------
+LAZY = object()
+
+
+def default_model_class() -> Any:
+    """gptoss_cli.model.hybrid.HybridModel, imported when a rule first asks (it pulls in torch).
+
+    A model module that fails to import is a broken installation, not a model without a schedule
+    plan: the ImportError names the failure and surfaces as a crashed rule, never as a capability
+    verdict."""
+    try:
+        from gptoss_cli.model.hybrid import HybridModel  # noqa: PLC0415 - lazy: torch only when asked
+    except Exception as exc:
+        raise ImportError(f"gptoss_cli.model.hybrid cannot be imported: {type(exc).__name__}: {exc}") from exc
+    return HybridModel
+
+
+@dataclass
+class Context:
+    """What rules need besides the config: the model, the world size, the target machine."""
+
+    arch: GptOssArch
+    pattern: HybridPattern
+    world_size: int
+    world_size_source: str
+    explicit_world_size: int | None = None
+    gpu: str = "auto"  # the GPU generation (recipe's system.gpu, or detected by train)
+    torch_version: str = ""
+    check_paths: bool = False  # train sets this: data and checkpoint paths must exist here
+    model_class: Any = LAZY
+
+    def resolved_model_class(self) -> Any:
+        if self.model_class is LAZY:
+            self.model_class = default_model_class()
+        return self.model_class
+
+
+
+# --- the registry ----------------------------------------------------------------------------
+RuleFn = Callable[[RecipeConfig, Context], "Iterable[Finding] | None"]
+
+
+@dataclass(frozen=True)
+class Rule:
+    id: str
+    kind: str
+    description: str
+    fn: RuleFn = field(repr=False)
+    gate: bool = False  # runs first; its errors stop the other rules
+
+    def __call__(self, cfg: RecipeConfig, ctx: Context) -> list[Finding]:
+        return [dataclasses.replace(f, rule=self.id, kind=self.kind) for f in (self.fn(cfg, ctx) or [])]
+
+
+RULES: dict[str, Rule] = {}
+
+
+def rule(rule_id: str, description: str, *, kind: str = SEMANTIC, gate: bool = False) -> Callable[[RuleFn], RuleFn]:
+    """Register `fn(cfg, ctx) -> list[Finding]` under `rule_id`; the function stays callable as is."""
+
+    def register(fn: RuleFn) -> RuleFn:
+        register_rule(Rule(rule_id, kind, description, fn, gate))
+        return fn
+
+    return register
+
+
+def register_rule(r: Rule) -> None:
+    if r.id in RULES:
+        raise ValueError(f"rule {r.id!r} registered twice")
+    RULES[r.id] = r
+
+
+def list_rules() -> list[tuple[str, str, str]]:
+    """(id, kind, description) of every rule, in the order they run (the README's rule list)."""
+    return [(r.id, r.kind, r.description) for r in RULES.values()]
+
+
+# --- helpers shared by the rule modules ---------------------------------------------------------
+def field_value(obj: Any, dotted: str) -> Any:
+    """cfg's value of a dotted field name, e.g. "training.lr"."""
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def short_pattern(text: str) -> str:
+    """'*E*E...*E' (72 chars) shown as "'*E' x 36"; anything else up to 40 characters."""
+    compact = "".join(text.split())
+    if len(compact) >= 4 and len(compact) % 2 == 0 and compact == compact[:2] * (len(compact) // 2):
+        return f"{compact[:2]!r} x {len(compact) // 2}"
+    return compact if len(compact) <= 40 else compact[:37] + "..."
+
+
+def version_tuple(text: str) -> tuple[int, ...]:
+    parts = []
+    for piece in text.split("+")[0].split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts)
+
+
+
+__all__ = ["Finding", "Rule", "Context", "RULES", "rule", "register_rule", "list_rules", "error", "warning",
+           "IMPLEMENTED", "default_model_class", "field_value", "short_pattern", "version_tuple", "LAZY",
+           "ERROR", "WARNING", "SEMANTIC", "UNSUPPORTED"]

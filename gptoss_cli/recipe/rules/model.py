@@ -1,0 +1,45 @@
+"""The model: the layer pattern, MTP layers and sequence length against the architecture."""
+
+from __future__ import annotations
+
+from gptoss_cli.model.pattern import ATTENTION, MOE
+from gptoss_cli.recipe.rules.core import Context, Finding, error, rule, short_pattern
+from gptoss_cli.recipe.schema import RecipeConfig
+
+
+# --- the model -------------------------------------------------------------------------------
+@rule("model.pattern_matches_architecture",
+      "hybrid_layer_pattern is one '*E' pair per HF block (attention then MoE), as the weights map")
+def pattern_matches_architecture(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
+    expected = (ATTENTION, MOE) * ctx.arch.num_hidden_layers
+    if ctx.pattern.layers == expected:
+        return []
+    return [error(
+        {"model.hybrid_layer_pattern": short_pattern(ctx.pattern.text),
+         "model.num_hidden_layers": ctx.arch.num_hidden_layers},
+        f"pattern has layers {short_pattern(''.join(ctx.pattern.layers))} but GPT-OSS with "
+        f"{ctx.arch.num_hidden_layers} blocks needs '*E' x {ctx.arch.num_hidden_layers} "
+        "(HF block i -> attention layer 2i, MoE layer 2i+1)",
+        "set model.hybrid_layer_pattern=null (derived from the architecture) or change "
+        "model.architecture.num_hidden_layers",
+    )]
+
+
+@rule("model.mtp_layers", "mtp_num_layers > 0 needs a model with MTP layers; GPT-OSS has none")
+def mtp_layers(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
+    n = cfg.model.mtp_num_layers
+    if n is None or n <= 0:
+        return []
+    return [error({"model.mtp_num_layers": n},
+                  f"mtp_num_layers={n} asks for multi-token-prediction layers, which GPT-OSS does not have",
+                  "set model.mtp_num_layers=0 (or null)")]
+
+
+@rule("model.seq_within_positions", "training.seq_length <= the model's max_position_embeddings")
+def seq_within_positions(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
+    seq, cap = cfg.training.seq_length, ctx.arch.max_position_embeddings
+    if seq <= cap:
+        return []
+    return [error({"training.seq_length": seq, "max_position_embeddings": cap},
+                  f"seq_length={seq} exceeds the model's max_position_embeddings={cap}",
+                  f"set training.seq_length <= {cap}")]

@@ -1,0 +1,189 @@
+"""Parallel arithmetic and MoE settings: sizes divide, batches split, pipeline stages fit."""
+
+from __future__ import annotations
+
+import math
+
+from gptoss_cli.recipe.rules.core import Context, Finding, error, rule, short_pattern, warning
+from gptoss_cli.recipe.schema import RecipeConfig
+from gptoss_cli.recipe.sizes import data_parallel_size, expert_model_parallel_product, model_parallel_size
+
+
+# --- parallel arithmetic -----------------------------------------------------------------------
+@rule("parallel.world_size_consistent",
+      "world size from --world-size, parallelism.world_size and nodes x gpus_per_node agree")
+def world_size_consistent(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
+    p, out = cfg.parallelism, []
+    if p.world_size is not None and p.nodes is not None and p.gpus_per_node is not None:
+        if p.nodes * p.gpus_per_node != p.world_size:
+            out.append(error(
+                {"parallelism.world_size": p.world_size, "parallelism.nodes": p.nodes,
+                 "parallelism.gpus_per_node": p.gpus_per_node},
+                f"world_size={p.world_size} but nodes x gpus_per_node = {p.nodes * p.gpus_per_node}",
+                "make them agree, or drop parallelism.world_size"))
+    recipe_world = p.world_size if p.world_size is not None else (
+        p.nodes * p.gpus_per_node if p.nodes is not None and p.gpus_per_node is not None else None)
+    if ctx.explicit_world_size is not None and recipe_world is not None and ctx.explicit_world_size != recipe_world:
+        out.append(warning(
+            {"world_size": ctx.explicit_world_size, "parallelism.world_size": recipe_world},
+            f"checking with world size {ctx.explicit_world_size}, but the recipe is written for {recipe_world}",
+            "batch arithmetic below uses the launched world size; update parallelism.world_size to match"))
+    return out
+
+
+@rule("parallel.world_divisible", "world size divisible by TP x PP x CP (the rest is data parallel)")
+def world_divisible(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
+    mp = model_parallel_size(cfg)
+    if ctx.world_size % mp == 0:
+        return []
+    p = cfg.parallelism
+    return [error(
+        {"world_size": ctx.world_size, "parallelism.tensor_model_parallel_size": p.tensor_model_parallel_size,
+         "parallelism.pipeline_model_parallel_size": p.pipeline_model_parallel_size,
+         "parallelism.context_parallel_size": p.context_parallel_size},
+        f"world size {ctx.world_size} is not divisible by TP x PP x CP = {mp}",
+        f"use a world size that is a multiple of {mp}, or smaller model-parallel sizes")]
+
+
+@rule("parallel.expert_world_divisible",
+      "world size divisible by ETP x EP x PP (the rest is expert data parallel)")
+def expert_world_divisible(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
+    emp = expert_model_parallel_product(cfg)
+    if ctx.world_size % emp == 0:
+        return []
+    p = cfg.parallelism
+    return [error(
+        {"world_size": ctx.world_size, "parallelism.expert_model_parallel_size": p.expert_model_parallel_size,
+         "parallelism.expert_tensor_parallel_size": p.expert_tensor_parallel_size,
+         "parallelism.pipeline_model_parallel_size": p.pipeline_model_parallel_size},
+        f"world size {ctx.world_size} is not divisible by ETP x EP x PP = {emp}",
+        f"use a world size that is a multiple of {emp}, or a smaller expert_model_parallel_size")]
+
+
+@rule("parallel.data_parallel_consistent", "an explicit data_parallel_size equals world / (TP x PP x CP)")
+def data_parallel_consistent(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
+    want = cfg.parallelism.data_parallel_size
+    dp = data_parallel_size(cfg, ctx.world_size)
+    if want is None or dp is None or want == dp:
+        return []
+    return [error({"parallelism.data_parallel_size": want, "world_size": ctx.world_size},
+                  f"data_parallel_size={want} but world size {ctx.world_size} / (TP x PP x CP) = {dp}",
+                  "set parallelism.data_parallel_size=null to derive it, or change the world size")]
+
+
+@rule("parallel.experts_divisible", "num_local_experts divisible by expert_model_parallel_size")
+def experts_divisible(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
+    ep, experts = cfg.parallelism.expert_model_parallel_size, ctx.arch.num_local_experts
+    if experts % ep == 0:
+        return []
+    return [error({"parallelism.expert_model_parallel_size": ep, "num_local_experts": experts},
+                  f"{experts} experts cannot be split evenly over EP={ep}",
+                  f"use an expert_model_parallel_size that divides {experts}")]
+
+
+@rule("parallel.heads_divisible", "attention heads and kv heads divisible by tensor_model_parallel_size")
+def heads_divisible(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
+    tp, a = cfg.parallelism.tensor_model_parallel_size, ctx.arch
+    bad = {k: v for k, v in (("num_attention_heads", a.num_attention_heads),
+                             ("num_key_value_heads", a.num_key_value_heads)) if v % tp}
+    if not bad:
+        return []
+    return [error({"parallelism.tensor_model_parallel_size": tp, **bad},
+                  f"TP={tp} does not divide {', '.join(f'{k}={v}' for k, v in bad.items())}",
+                  f"use a tensor_model_parallel_size that divides {math.gcd(a.num_attention_heads, a.num_key_value_heads)}")]
+
+
+@rule("parallel.batch_divisible", "global_batch_size divisible by micro_batch_size x data parallel size")
+def batch_divisible(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
+    dp = data_parallel_size(cfg, ctx.world_size)
+    if dp is None:
+        return []  # parallel.world_divisible reports it
+    t = cfg.training
+    step = t.micro_batch_size * dp
+    if t.global_batch_size % step == 0:
+        return []
+    return [error({"training.global_batch_size": t.global_batch_size,
+                   "training.micro_batch_size": t.micro_batch_size, "data_parallel_size": dp},
+                  f"global_batch_size={t.global_batch_size} is not a multiple of micro_batch_size x DP = {step}",
+                  f"set training.global_batch_size to a multiple of {step} (e.g. "
+                  f"{max(step, t.global_batch_size // step * step)})")]
+
+
+@rule("parallel.pipeline_layers",
+      "pipeline stages: '|' splits match PP, or layers divide evenly into PP (x VPP) stages")
+def pipeline_layers(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
+    p, out = cfg.parallelism, []
+    pp, vpp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size
+    if vpp is not None and pp == 1:
+        out.append(error({"parallelism.virtual_pipeline_model_parallel_size": vpp,
+                          "parallelism.pipeline_model_parallel_size": pp},
+                         "virtual pipeline stages need pipeline parallelism (PP > 1)",
+                         "set parallelism.virtual_pipeline_model_parallel_size=null"))
+    stages = ctx.pattern.num_pipeline_stages
+    if ctx.pattern.pipeline_splits:
+        if stages != pp * (vpp or 1):
+            out.append(error({"model.hybrid_layer_pattern": short_pattern(ctx.pattern.text), "stages": stages,
+                              "parallelism.pipeline_model_parallel_size": pp},
+                             f"the pattern's '|' splits make {stages} stages but PP x VPP = {pp * (vpp or 1)}",
+                             "add or remove '|' splits, or change the pipeline sizes"))
+    elif pp > 1 and ctx.pattern.num_layers % (pp * (vpp or 1)):
+        out.append(error({"layers": ctx.pattern.num_layers, "parallelism.pipeline_model_parallel_size": pp,
+                          "parallelism.virtual_pipeline_model_parallel_size": vpp},
+                         f"{ctx.pattern.num_layers} layers do not divide into PP x VPP = {pp * (vpp or 1)} stages",
+                         "mark stage boundaries with '|' in model.hybrid_layer_pattern, or change PP/VPP"))
+    return out
+
+
+@rule("parallel.context_parallel_seq", "with CP > 1, seq_length divisible by 2 x CP (load-balanced halves)")
+def context_parallel_seq(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
+    cp, seq = cfg.parallelism.context_parallel_size, cfg.training.seq_length
+    if cp == 1 or seq % (2 * cp) == 0:
+        return []
+    return [error({"parallelism.context_parallel_size": cp, "training.seq_length": seq},
+                  f"seq_length={seq} is not divisible by 2 x CP = {2 * cp}",
+                  f"use a seq_length that is a multiple of {2 * cp}")]
+
+
+@rule("parallel.sequence_parallel", "sequence_parallel needs TP > 1 and seq_length divisible by TP")
+def sequence_parallel(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
+    p, seq = cfg.parallelism, cfg.training.seq_length
+    if not p.sequence_parallel:
+        return []
+    if p.tensor_model_parallel_size == 1:
+        return [warning({"parallelism.sequence_parallel": True, "parallelism.tensor_model_parallel_size": 1},
+                        "sequence_parallel has no effect with TP=1", "set parallelism.sequence_parallel=false")]
+    if seq % p.tensor_model_parallel_size:
+        return [error({"parallelism.sequence_parallel": True, "training.seq_length": seq,
+                       "parallelism.tensor_model_parallel_size": p.tensor_model_parallel_size},
+                      f"seq_length={seq} is not divisible by TP={p.tensor_model_parallel_size}",
+                      "use a seq_length that is a multiple of TP")]
+    return []
+
+
+@rule("moe.sequence_parallel_with_tp", "expert parallelism together with TP > 1 requires sequence_parallel")
+def moe_sequence_parallel(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
+    p = cfg.parallelism
+    if p.expert_model_parallel_size > 1 and p.tensor_model_parallel_size > 1 and not p.sequence_parallel:
+        return [error({"parallelism.expert_model_parallel_size": p.expert_model_parallel_size,
+                       "parallelism.tensor_model_parallel_size": p.tensor_model_parallel_size,
+                       "parallelism.sequence_parallel": False},
+                      "MoE with EP > 1 and TP > 1 needs sequence parallelism (Megatron's requirement)",
+                      "set parallelism.sequence_parallel=true")]
+    return []
+
+
+@rule("moe.capacity_factor", "capacity_factor, when set, is > 0")
+def capacity_factor(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
+    cf = cfg.moe.capacity_factor
+    if cf is None or cf > 0:
+        return []
+    return [error({"moe.capacity_factor": cf}, f"capacity_factor={cf} would drop every token",
+                  "set moe.capacity_factor=null for dropless routing, or a value > 0")]
+
+
+@rule("moe.shared_expert_overlap", "shared_expert_overlap needs shared experts; GPT-OSS has none")
+def shared_expert_overlap_needs_shared(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
+    if not cfg.moe.shared_expert_overlap:
+        return []
+    return [error({"moe.shared_expert_overlap": True}, "GPT-OSS has no shared experts to overlap",
+                  "set moe.shared_expert_overlap=false")]

@@ -1,0 +1,60 @@
+"""FP8 and MXFP8: block divisibility, native kernels by GPU generation, emulation."""
+
+from __future__ import annotations
+
+from gptoss_cli.recipe.environment import BLACKWELL, HOPPER_OR_NEWER
+from gptoss_cli.recipe.rules.core import Context, Finding, error, rule, warning
+from gptoss_cli.recipe.schema import RecipeConfig
+
+
+# --- FP8 -----------------------------------------------------------------------------------------
+@rule("fp8.mxfp8_dims", "MXFP8 needs every GEMM dimension divisible by 32 (one scale per 32 values)")
+def mxfp8_dims(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
+    if cfg.precision.fp8_recipe != "mxfp8":
+        return []
+    a = ctx.arch
+    dims = {"hidden_size": a.hidden_size, "intermediate_size": a.intermediate_size,
+            "num_attention_heads x head_dim": a.num_attention_heads * a.head_dim, "qkv rows": a.qkv_rows}
+    bad = {k: v for k, v in dims.items() if v % 32}
+    if not bad:
+        return []
+    return [error({"precision.fp8_recipe": "mxfp8", **bad},
+                  f"MXFP8 scales blocks of 32 values, but {', '.join(f'{k}={v}' for k, v in bad.items())} "
+                  "is not a multiple of 32",
+                  "use precision.fp8_recipe=tensorwise or rowwise, or dimensions divisible by 32")]
+
+
+@rule("fp8.native_gpu",
+      "FP8 needs a GPU with native kernels (Hopper+; MXFP8: Blackwell) unless fp8_emulation is set")
+def fp8_native_gpu(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
+    recipe = cfg.precision.fp8_recipe
+    if recipe == "none":
+        return []
+    need = BLACKWELL if recipe == "mxfp8" else HOPPER_OR_NEWER
+    need_name = "Blackwell (b200/gb200/gb300)" if recipe == "mxfp8" else "Hopper or newer (h100/h200/b200/gb200/gb300)"
+    gpu = "none" if cfg.system.device == "cpu" else ctx.gpu
+    fields = {"precision.fp8_recipe": recipe, "system.gpu": gpu, "precision.fp8_emulation": cfg.precision.fp8_emulation}
+    if gpu in need:
+        return []
+    if gpu == "auto":
+        return [warning(fields, f"{recipe} needs {need_name}; the GPU is not known until launch",
+                        "set system.gpu to check now; train checks the detected GPU")]
+    where = "the CPU" if gpu == "none" else gpu
+    if cfg.precision.fp8_emulation:
+        return [warning(fields, f"{recipe} will be emulated on {where}: same numerics, no speed-up", "")]
+    return [error(fields, f"{recipe} has no native kernels on {where}; it needs {need_name}",
+                  "run on a supported GPU, set precision.fp8_emulation=true for numerics-only runs, "
+                  "or precision.fp8_recipe=none")]
+
+
+@rule("fp8.mxfp8_expert_bias", "warn: MXFP8 with GPT-OSS's biased experts has produced NaN in a peer")
+def mxfp8_expert_bias(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
+    if cfg.precision.fp8_recipe != "mxfp8":
+        return []
+    # docs/megatron-rules.md, "FP8 and MXFP8": biased expert outputs saturated the scale in the backward
+    # re-quantization.
+    return [warning({"precision.fp8_recipe": "mxfp8"},
+                    "GPT-OSS experts carry biases; a peer's MXFP8 grouped GEMM went NaN from step 1 "
+                    "(scale saturation in the backward re-quantization)",
+                    "watch the first steps' loss and grad norm; compare against a bf16 run (gptoss rounds MX "
+                    "scales up, so a block maximum never saturates, and adds expert biases outside the GEMM)")]

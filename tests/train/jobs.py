@@ -1,0 +1,67 @@
+"""Training jobs and configs for tests, built from the recipe schema (the one table of defaults).
+
+Tests name settings with short keywords (`ep_size=2, lr=1e-3`); `FIELDS` maps each onto its recipe
+field. `BASE` are the small-test values every job starts from (fp32, mock data, one process).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from gptoss_cli.model.config import GptOssArch, preset
+from gptoss_cli.recipe.schema import OptimizerConfig, RecipeConfig
+from gptoss_cli.train.loop import TrainJob
+from gptoss_cli.train.provider import ModelRuntimeConfig
+
+TINY = preset("tiny")
+
+FIELDS = {
+    "ep_size": "parallelism.expert_model_parallel_size", "backend": "parallelism.backend",
+    "device": "system.device", "heartbeat_timeout_s": "system.heartbeat_timeout_s",
+    "params_dtype": "precision.params_dtype", "fp8_recipe": "precision.fp8_recipe",
+    "fp8_format": "precision.fp8_format", "fp8_emulation": "precision.fp8_emulation",
+    "aux_loss_coeff": "moe.aux_loss_coeff",
+    "overlap_moe_expert_parallel_comm": "overlap.overlap_moe_expert_parallel_comm",
+    "delay_wgrad_compute": "overlap.delay_wgrad_compute",
+    "seq_length": "training.seq_length", "micro_batch_size": "training.micro_batch_size",
+    "global_batch_size": "training.global_batch_size", "train_iters": "training.train_iters", "lr": "training.lr",
+    "min_lr": "training.min_lr", "warmup_iters": "training.warmup_iters", "lr_decay_style": "training.lr_decay_style",
+    "lr_decay_iters": "training.lr_decay_iters", "seed": "training.seed",
+    "weight_decay": "optimizer.weight_decay", "adam_beta1": "optimizer.adam_beta1", "adam_beta2": "optimizer.adam_beta2",
+    "adam_eps": "optimizer.adam_eps", "clip_grad": "optimizer.clip_grad",
+    "use_distributed_optimizer": "optimizer.use_distributed_optimizer",
+    "data_kind": "data.kind", "data_path": "data.path",
+    "checkpoint_dir": "checkpoint.dir", "save_interval": "checkpoint.save_interval", "resume": "checkpoint.resume",
+    "pretrained": "checkpoint.pretrained", "log_interval": "logging.log_interval",
+}
+
+BASE: dict[str, Any] = dict(
+    ep_size=1, device="cpu", params_dtype="fp32", aux_loss_coeff=0.0, seq_length=64, micro_batch_size=1,
+    global_batch_size=8, train_iters=10, lr=3e-4, min_lr=3e-5, warmup_iters=0, weight_decay=0.0, clip_grad=1.0,
+    use_distributed_optimizer=True, data_kind="mock", log_interval=1,
+)
+
+
+def recipe_config(**changes: Any) -> RecipeConfig:
+    """RecipeConfig with BASE and `changes` (short keywords, see FIELDS) applied."""
+    cfg = RecipeConfig()
+    for key, value in {**BASE, **changes}.items():
+        section, attr = FIELDS[key].split(".")
+        setattr(getattr(cfg, section), attr, value)
+    return cfg
+
+
+def train_job(run_dir: str | Path, *, arch: GptOssArch = TINY, pattern: str | None = None, name: str = "test",
+              **changes: Any) -> TrainJob:
+    """What `gptoss train` hands a worker, for the tiny model unless `arch` says otherwise."""
+    return TrainJob(config=recipe_config(**changes), arch=arch, hybrid_layer_pattern=pattern or arch.hybrid_layer_pattern,
+                    name=name, run_dir=str(run_dir))
+
+
+def runtime_config(arch: GptOssArch = TINY, pattern: str | None = None, **changes: Any) -> ModelRuntimeConfig:
+    return ModelRuntimeConfig.from_recipe(recipe_config(**changes), arch, pattern or arch.hybrid_layer_pattern)
+
+
+def optimizer_config(**changes: Any) -> OptimizerConfig:
+    return recipe_config(**changes).optimizer
