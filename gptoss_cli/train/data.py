@@ -1,13 +1,7 @@
 """Training data: a deterministic learnable mock source and memory-mapped token files, sharded by DP rank.
 
-Token file format (what `gptoss prepare-data` writes), for a prefix OUT:
-  OUT.bin   the tokens of all documents back to back, each document followed by the EOS id,
-            as raw little-endian unsigned integers (uint16 when the vocabulary fits, else uint32);
-  OUT.json  the header: {"format": "gptoss-tokens", "version": 1, "dtype": "uint16"|"uint32",
-            "num_tokens": N, "num_documents": D, "vocab_size": V, "eos_token_id": id,
-            "tokenizer": path, "sources": [...]}.
-Sample i of a file is the window tokens[i*S : i*S + S + 1] (inputs = first S, labels = last S), so
-a file of N tokens holds (N - 1) // S samples; epochs reshuffle the sample order with the seed.
+Token files are gptoss_cli/token_format.py's format (what `gptoss prepare-data` writes); epochs
+reshuffle the sample order with the seed.
 
 Sharding: the global batch of step s is samples [c, c + G) where c = consumed samples before the
 step; DP rank r takes the contiguous slice [c + r*G/dp, c + (r+1)*G/dp) in microbatches of
@@ -18,7 +12,6 @@ the checkpoint.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -26,9 +19,9 @@ from typing import Any, Iterator
 import torch
 
 from gptoss_cli.errors import ConfigError
+from gptoss_cli.token_format import check_header_fits_model, read_token_header, token_file_paths
 
-TOKEN_FORMAT = "gptoss-tokens"
-TOKEN_FORMAT_VERSION = 1
+# The format's dtype names as torch dtypes (gptoss_cli/token_format.py).
 TOKEN_DTYPES = {"uint16": torch.uint16, "uint32": torch.uint32, "int32": torch.int32, "int64": torch.int64}
 
 
@@ -60,30 +53,6 @@ class MockSource:
         return (self._a * start + self._b) % self.modulus
 
 
-def token_file_paths(path: str | Path) -> tuple[Path, Path]:
-    """(tokens .bin, header .json) for a prefix, a .bin path or a .json path."""
-    p = Path(path)
-    if p.suffix in (".bin", ".json"):
-        p = p.with_suffix("")
-    return p.with_suffix(".bin"), p.with_suffix(".json")
-
-
-def read_token_header(path: str | Path) -> dict[str, Any]:
-    bin_path, json_path = token_file_paths(path)
-    if not json_path.is_file():
-        raise ConfigError(f"token file header {json_path} not found", hint="create the files with `gptoss prepare-data`")
-    try:
-        header = json.loads(json_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{json_path}: not JSON ({exc.msg} at line {exc.lineno})") from None
-    if header.get("format") != TOKEN_FORMAT or header.get("dtype") not in TOKEN_DTYPES:
-        raise ConfigError(
-            f"{json_path}: not a gptoss token header (format={header.get('format')!r}, dtype={header.get('dtype')!r})",
-            hint="create the files with `gptoss prepare-data`",
-        )
-    return header
-
-
 class TokenFileSource:
     """Windows of S+1 tokens from a memory-mapped token file (see the module docstring)."""
 
@@ -112,18 +81,8 @@ class TokenFileSource:
                 f"{bin_path}: {len(self.tokens)} tokens are fewer than one sample of seq_length+1={seq_length + 1}",
                 hint="use more text or a smaller training.seq_length",
             )
-        hv, eos = header.get("vocab_size"), header.get("eos_token_id")
-        for field, value in (("vocab_size", hv), ("eos_token_id", eos)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-                raise ConfigError(f"{json_path}: {field}={value!r} is not a token count/id")
-        if vocab_size is not None and hv is not None and hv > vocab_size:
-            raise ConfigError(
-                f"{json_path}: tokenizer vocabulary {hv} exceeds the model's vocab_size {vocab_size}",
-                hint="tokenize with the model's own tokenizer.json",
-            )
-        if vocab_size is not None and eos is not None and eos >= vocab_size:
-            raise ConfigError(f"{json_path}: eos_token_id {eos} is outside the model's vocabulary ({vocab_size})",
-                              hint="re-create the files with `gptoss prepare-data` and the model's tokenizer")
+        if vocab_size is not None:
+            check_header_fits_model(header, json_path, vocab_size)
         self.bin_path, self.vocab_size = bin_path, vocab_size
         self._perm_epoch = -1
         self._perm: torch.Tensor | None = None
@@ -199,7 +158,4 @@ def build_source(kind: str, *, path: str | None, seq_length: int, seed: int, voc
     raise ConfigError(f"data.kind={kind!r} is not one of mock, tokens")
 
 
-__all__ = [
-    "MockSource", "TokenFileSource", "DataLoaderState", "Microbatch", "build_source", "read_token_header",
-    "token_file_paths", "TOKEN_FORMAT", "TOKEN_FORMAT_VERSION",
-]
+__all__ = ["MockSource", "TokenFileSource", "DataLoaderState", "Microbatch", "build_source", "TOKEN_DTYPES"]

@@ -13,7 +13,8 @@ from typer.testing import CliRunner
 from gptoss_cli.cli import app
 from gptoss_cli.errors import ConfigError
 from gptoss_cli.model.config import preset
-from gptoss_cli.train.data import DataLoaderState, MockSource, TokenFileSource, read_token_header
+from gptoss_cli.token_format import read_token_header
+from gptoss_cli.train.data import DataLoaderState, MockSource, TokenFileSource
 from gptoss_cli.train.loop import run_worker
 from tests.train.jobs import train_job
 

@@ -63,7 +63,7 @@ def data_source(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
         return []
     # Only at launch (train): the files are on the training machine, not necessarily here.
     from gptoss_cli.errors import GptossError  # noqa: PLC0415
-    from gptoss_cli.train.data import read_token_header, token_file_paths  # noqa: PLC0415 - torch, only at launch
+    from gptoss_cli.token_format import read_token_header, token_file_paths  # noqa: PLC0415
 
     try:
         bin_path, _ = token_file_paths(d.path)
