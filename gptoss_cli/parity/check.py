@@ -10,9 +10,9 @@ import torch
 
 from gptoss_cli.errors import CheckpointError, UsageError
 from gptoss_cli.model.config import GptOssArch
+from gptoss_cli.model.dtypes import torch_dtype as parse_dtype
 from gptoss_cli.parity.report import ParityReport, Thresholds
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 PROMPT_SEED = 20250805  # any fixed number: the default prompt must be the same on every run
 
 
@@ -86,9 +86,7 @@ def run_parity(
     from gptoss_cli.parity.forward import Ours, Reference, forward_parity
     from gptoss_cli.parity.weights import check_weights
 
-    if dtype not in DTYPES:
-        raise UsageError(f"--dtype {dtype!r} is not supported; use float32 or bfloat16")
-    torch_dtype = DTYPES[dtype]
+    torch_dtype = parse_dtype(dtype, "--dtype", allowed=("float32", "bfloat16", "fp32", "bf16"))
     if batch < 1:
         raise UsageError(f"--batch {batch} must be at least 1")
     try:
@@ -154,4 +152,4 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-__all__ = ["run_parity", "default_tokens", "default_seq_len", "parse_tokens", "DTYPES"]
+__all__ = ["run_parity", "default_tokens", "default_seq_len", "parse_tokens"]
