@@ -75,6 +75,7 @@ class SafetensorsFile:
         except OSError as exc:
             raise CheckpointError(f"{self.path}: cannot open ({exc.strerror})") from None
         self.file_size = os.fstat(self._fh.fileno()).st_size
+        self._lock = threading.Lock()
         self.specs: dict[str, TensorSpec] = {}
         self._offsets: dict[str, int] = {}
         self.metadata: dict[str, str] = {}
@@ -148,12 +149,29 @@ class SafetensorsFile:
         row_bytes = spec.row_bytes if spec.shape else _itemsize(spec.dtype)
         nbytes = (stop - start) * row_bytes
         buf = torch.empty(nbytes, dtype=torch.uint8)
-        self._fh.seek(self._offsets[name] + start * row_bytes)
-        got = self._fh.readinto(memoryview(buf.numpy())) if nbytes else 0
+        got = self._read_into(memoryview(buf.numpy()), self._offsets[name] + start * row_bytes) if nbytes else 0
         if got != nbytes:
             raise CheckpointError(f"{self.path}: truncated shard while reading tensor {name!r}")
         # safetensors stores little-endian data, which is what every platform torch supports here is.
         return buf.view(spec.dtype).reshape(shape)
+
+    def _read_into(self, view: memoryview, offset: int) -> int:
+        """Read at `offset` until `view` is full or the file ends; returns the bytes read.
+
+        Positional reads leave the file position alone, so conversion threads read tensors of one
+        file at the same time.
+        """
+        if not hasattr(os, "preadv"):  # no positional reads on this platform: one reader at a time
+            with self._lock:
+                self._fh.seek(offset)
+                return self._fh.readinto(view) or 0
+        fd, got = self._fh.fileno(), 0
+        while got < len(view):
+            n = os.preadv(fd, [view[got:]], offset + got)  # one call returns at most ~2 GiB
+            if n == 0:
+                break
+            got += n
+        return got
 
     def close(self) -> None:
         self._fh.close()
