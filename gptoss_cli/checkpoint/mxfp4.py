@@ -79,7 +79,7 @@ def decode(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torc
     table = _value_table(dtype, blocks.device)
     groups = scales.numel()
     b = blocks.reshape(groups, GROUP // 2)
-    s = scales.reshape(groups, 1)
+    s = scales.reshape(groups, 1).to(torch.int32) << 8
     out = torch.empty(groups * (GROUP // 2), dtype=table.dtype, device=blocks.device)
     step = max(1, SLICE_BYTES // (GROUP // 2))  # groups per slice
     idx = _index_buffer(min(groups, step) * (GROUP // 2), blocks.device)
@@ -88,7 +88,7 @@ def decode(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torc
         n = (g1 - g0) * (GROUP // 2)
         i = idx[:n].view(g1 - g0, GROUP // 2)
         i.copy_(b[g0:g1])  # the index is scale * 256 + byte, built in int32 (index_select's narrowest)
-        i.add_(s[g0:g1].to(torch.int32) << 8)
+        i.add_(s[g0:g1])
         torch.index_select(table, 0, idx[:n], out=out[g0 * (GROUP // 2) : g1 * (GROUP // 2)])
     return out.view(dtype).reshape(*scales.shape[:-1], scales.shape[-1] * GROUP)
 
