@@ -4,6 +4,7 @@ We parse and write the safetensors container ourselves (it is an 8-byte header l
 header and raw little-endian bytes) because the library's writer needs every tensor of a file in
 memory at once and its reader maps whole files; conversion of a 120B model must hold one tensor
 group, not one shard. Files written here are read back by `safetensors.safe_open` in the tests.
+Large shards are written with O_DIRECT, past the page cache (see `_DirectFile`).
 Nothing here unpickles anything.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import errno
 import json
 import math
+import mmap
 import os
 import queue
 import threading
@@ -272,6 +274,92 @@ class CheckpointReader:
         return self._files[self._where[name]].read(name, start, stop)
 
 
+# Shards at least this large are written with O_DIRECT (below): a checkpoint's shards are
+# gigabytes, and small files are better served by the page cache.
+DIRECT_MIN_BYTES = 64 * 1024**2
+_DIRECT_ALIGN = 4096  # file offsets, lengths and buffer addresses of direct writes (the usual logical block)
+_DIRECT_STAGING = 16 * 1024**2
+
+
+def _open_direct(path: str, flags: int) -> int:
+    return os.open(path, flags | os.O_DIRECT, 0o666)
+
+
+class _DirectFile:
+    """A file written with O_DIRECT, through a page-aligned staging buffer.
+
+    Writing through the page cache costs the kernel a copy and the page bookkeeping of every byte,
+    then writeback: on small VMs that CPU work, not the disk, bounds a multi-GB write (measured at
+    5x slower than O_DIRECT on a 2-core VM), and it competes with the decode for the same cores.
+    Direct writes go from the staging buffer to the disk. The last partial block is written
+    padded with zeros and the file truncated back to its size. Where the filesystem refuses
+    O_DIRECT (at open, or EINVAL at the first write) the file falls back to ordinary writes.
+    """
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._direct = hasattr(os, "O_DIRECT")
+        try:
+            self._fh = open(path, "wb", buffering=0, opener=_open_direct if self._direct else None)
+        except OSError as exc:
+            if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+                raise
+            self._direct = False
+            self._fh = open(path, "wb")
+        self._buf = mmap.mmap(-1, _DIRECT_STAGING) if self._direct else None  # mmap memory is page-aligned
+        self._staging = torch.frombuffer(self._buf, dtype=torch.uint8) if self._direct else None
+        self._fill = 0  # bytes waiting in the staging buffer
+        self._flushed = 0  # bytes in the file
+
+    def write(self, data) -> None:
+        """Append `data` (bytes or a 1-D uint8 tensor)."""
+        if not self._direct:
+            self._fh.write(data if isinstance(data, bytes) else memoryview(data.numpy()))
+            return
+        if isinstance(data, bytes):
+            data = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        pos, n = 0, data.numel()
+        while pos < n:
+            k = min(n - pos, _DIRECT_STAGING - self._fill)
+            self._staging[self._fill : self._fill + k].copy_(data[pos : pos + k])  # releases the GIL
+            self._fill += k
+            pos += k
+            if self._fill == _DIRECT_STAGING:
+                self._flush(_DIRECT_STAGING)
+                if not self._direct:  # fell back: the rest goes straight to the file
+                    self._fh.write(memoryview(data[pos:].numpy()))
+                    return
+
+    def _flush(self, nbytes: int) -> None:
+        view = memoryview(self._buf)
+        try:
+            done = 0
+            while done < nbytes:
+                done += self._fh.write(view[done:nbytes])
+        except OSError as exc:
+            if exc.errno != errno.EINVAL or self._flushed:
+                raise
+            # the filesystem takes O_DIRECT at open but not for writes: write this file as usual
+            self._fh.close()
+            self._fh = open(self.path, "wb")
+            self._fh.write(view[:nbytes])
+            self._direct = False
+        finally:
+            view.release()
+        self._flushed += nbytes
+        self._fill = 0
+
+    def close(self) -> None:
+        if self._direct and self._fill:
+            size = self._flushed + self._fill
+            padded = -(-self._fill // _DIRECT_ALIGN) * _DIRECT_ALIGN
+            self._staging[self._fill : padded].zero_()
+            self._flush(padded)
+            self._fh.truncate(size)
+        self._fh.close()
+        self._staging = self._buf = None  # unmapped once the last view is gone
+
+
 def shard_file_name(i: int, n: int, prefix: str = "model") -> str:
     return f"{prefix}-{i + 1:05d}-of-{n:05d}.safetensors"
 
@@ -292,6 +380,7 @@ class ShardedWriter:
         metadata: dict[str, str] | None = None,
         on_bytes: Callable[[int], None] | None = None,
         background: bool = True,
+        direct_io: bool = True,
     ):
         self.folder = Path(folder)
         self.plan = list(plan)
@@ -302,6 +391,7 @@ class ShardedWriter:
             seen.add(spec.name)
         self.metadata = {"format": "pt", **(metadata or {})}
         self.on_bytes = on_bytes
+        self.direct_io = direct_io  # O_DIRECT for shards of DIRECT_MIN_BYTES or more (see _DirectFile)
         self.shards: list[list[TensorSpec]] = []
         current: list[TensorSpec] = []
         size = 0
@@ -362,7 +452,10 @@ class ShardedWriter:
             self._io(self._fh.close)
         self._open_shard = shard
         path = self.folder / self.file_names[shard]
-        self._fh = self._io(open, path, "wb")
+        if self.direct_io and sum(s.nbytes for s in self.shards[shard]) >= DIRECT_MIN_BYTES:
+            self._fh = self._io(_DirectFile, path)
+        else:
+            self._fh = self._io(open, path, "wb")
         self._io(self._fh.write, self._header_bytes(self.shards[shard]))
 
     # --- I/O, inline or on the writer thread ---------------------------------------------------
@@ -377,7 +470,7 @@ class ShardedWriter:
         if op == "switch":
             self._switch_to(arg)
         elif op == "data":
-            self._io(self._fh.write, memoryview(arg.numpy()))
+            self._io(self._fh.write, arg if isinstance(self._fh, _DirectFile) else memoryview(arg.numpy()))
             if self.on_bytes is not None:
                 self.on_bytes(arg.numel())
         elif op == "close" and self._fh is not None:
