@@ -1,7 +1,8 @@
 """`gptoss convert`: stream a GPT-OSS checkpoint HF (or OpenAI original) <-> Hybrid, one tensor group at a time.
 
-Memory is bounded by one table unit (for experts: a chunk of experts of one stack), never by the
-model: each unit is read, transformed and appended to the output shard, then dropped. The output
+Memory is bounded by a few chunks (for experts: a chunk of experts of one stack), never by the
+model: worker threads read and transform chunks in parallel, and each is appended to the output
+shard in order, then dropped. The output
 is written under a temporary folder name next to DST and renamed only when complete.
 """
 
@@ -27,7 +28,7 @@ from gptoss_cli.checkpoint.hybrid_format import HybridCheckpointConfig, write_hy
 from gptoss_cli.checkpoint.layouts import HF_LAYOUTS, UINT8, Layout
 from gptoss_cli.checkpoint.mapping import VOCAB_PADDED_HYBRID, Unit, hybrid_shapes, identity, units
 from gptoss_cli.checkpoint.safetensors_io import ShardedWriter, TensorSpec
-from gptoss_cli.checkpoint.sources import EXTRA_FILES, HYBRID, Source, check_tensors, open_source
+from gptoss_cli.checkpoint.sources import EXTRA_FILES, HYBRID, check_tensors, open_source
 from gptoss_cli.errors import CheckpointError, UsageError
 from gptoss_cli.model.config import GptOssArch
 
@@ -99,6 +100,14 @@ def keep_freed_memory() -> None:
 
 
 def peak_rss_bytes() -> int:
+    """Peak resident memory of this process: VmHWM where Linux has it (as parity.check does),
+    because ru_maxrss carries the launching process's peak across exec."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
