@@ -110,7 +110,7 @@ def child(hf: str, hybrid: str, dtype: str, seq_len: int) -> None:
 
     from gptoss_cli.parity import run_parity
 
-    from gptoss_cli.parity.check import peak_rss_bytes
+    from gptoss_cli.resources import peak_rss_bytes
 
     base = peak_rss_bytes()
     t0 = time.perf_counter()

@@ -33,6 +33,10 @@ class Codec:
     shapes: Callable[[Shape], tuple[Shape, ...]]
     kinds: tuple[str, ...] = (FLOAT,)
     rows: Callable[[GptOssArch], tuple[int, int]] | None = None
+    # `load` turns each row (dims 0 and 1) of the stored tensors into the same row of the result,
+    # on its own (MXFP4 decode): moving or splitting rows commutes with it, so conversion moves the
+    # stored bytes (a quarter of the bf16 values' size) instead of the loaded values.
+    rowwise: bool = False
 
 
 def _same(shape: Shape) -> tuple[Shape]:
@@ -118,6 +122,18 @@ class Layout:
             return codec.load(reader.read(names[0], r0, r1), dtype)
         return codec.load(*[reader.read(n, start, stop) for n in names], dtype)
 
+    def read_rowwise(self, reader, canonical: str, start: int, stop: int) -> list[torch.Tensor] | None:
+        """Rows [start, stop) of the stored tensors of `canonical`, not loaded, if its codec is
+        row-wise (see `Codec.rowwise`); None if it is not. Pass them, rows moved alike, to `load`."""
+        codec, kw = self._codec(canonical)
+        if not codec.rowwise:
+            return None
+        return [reader.read(s.format(**kw), start, stop) for s in codec.stored]
+
+    def load(self, canonical: str, stored: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        codec, _ = self._codec(canonical)
+        return codec.load(*stored, dtype)
+
     def store(self, canonical: str, chunk: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         codec, kw = self._codec(canonical)
         if codec.store is None:
@@ -151,10 +167,12 @@ HF_MXFP4 = Layout(
     experts_form="mxfp4",
     codecs={
         EXP + "gate_up": Codec(
-            (EXP + "gate_up_proj_blocks", EXP + "gate_up_proj_scales"), _mx_load, mxfp4.encode, _mx_shapes, (UINT8, UINT8)
+            (EXP + "gate_up_proj_blocks", EXP + "gate_up_proj_scales"), _mx_load, mxfp4.encode, _mx_shapes, (UINT8, UINT8),
+            rowwise=True,
         ),
         EXP + "down": Codec(
-            (EXP + "down_proj_blocks", EXP + "down_proj_scales"), _mx_load, mxfp4.encode, _mx_shapes, (UINT8, UINT8)
+            (EXP + "down_proj_blocks", EXP + "down_proj_scales"), _mx_load, mxfp4.encode, _mx_shapes, (UINT8, UINT8),
+            rowwise=True,
         ),
     },
 )
@@ -200,10 +218,12 @@ class _OriginalLayout(Layout):
 
 _orig_codecs = {
     EXP + "gate_up": Codec(
-        (B + "mlp.mlp1_weight.blocks", B + "mlp.mlp1_weight.scales"), _mx_load, None, _mx_shapes, (UINT8, UINT8)
+        (B + "mlp.mlp1_weight.blocks", B + "mlp.mlp1_weight.scales"), _mx_load, None, _mx_shapes, (UINT8, UINT8),
+        rowwise=True,
     ),
     EXP + "down": Codec(
-        (B + "mlp.mlp2_weight.blocks", B + "mlp.mlp2_weight.scales"), _mx_load, None, _mx_shapes, (UINT8, UINT8)
+        (B + "mlp.mlp2_weight.blocks", B + "mlp.mlp2_weight.scales"), _mx_load, None, _mx_shapes, (UINT8, UINT8),
+        rowwise=True,
     ),
 }
 for _part in ("q", "k", "v"):

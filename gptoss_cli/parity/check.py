@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import resource
 from pathlib import Path
 from typing import Callable
 
@@ -12,6 +11,7 @@ from gptoss_cli.errors import CheckpointError, UsageError
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.model.dtypes import torch_dtype as parse_dtype
 from gptoss_cli.parity.report import ParityReport, Thresholds
+from gptoss_cli.resources import peak_rss_bytes
 
 PROMPT_SEED = 20250805  # any fixed number: the default prompt must be the same on every run
 
@@ -138,18 +138,6 @@ def run_parity(
         source.close()
     report.peak_rss_bytes = peak_rss_bytes()
     return report
-
-
-def peak_rss_bytes() -> int:
-    """Peak resident memory of this process. VmHWM where Linux has it: unlike ru_maxrss, it is not
-    inherited from the parent across exec, so a child's number is its own."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 __all__ = ["run_parity", "default_tokens", "default_seq_len", "parse_tokens"]
