@@ -148,6 +148,24 @@ def all_reduce(tensor: torch.Tensor, group: Any, op: Any = None) -> torch.Tensor
     return tensor
 
 
+def group_rank(group: Any) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+# all_gather_into_tensor / reduce_scatter_tensor were renamed *_single in torch 2.13.
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Any, async_op: bool = False) -> Any:
+    """Sum `input` (group size x output.numel() elements) over the group; rank r keeps the r-th part
+    in `output` (which may be that part of `input` itself)."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(output, input, group=group, async_op=async_op)
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, group: Any, async_op: bool = False) -> Any:
+    """Concatenate every rank's `input` into `output` (which may hold this rank's `input` in place)."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(output, input, group=group, async_op=async_op)
+
+
 def broadcast(tensor: torch.Tensor, src_group_rank: int, group: Any) -> torch.Tensor:
     if group is not None and dist.get_world_size(group) > 1:
         dist.broadcast(tensor, src=dist.get_global_rank(group, src_group_rank), group=group)
@@ -161,5 +179,5 @@ def barrier(group: Any = None) -> None:
 
 __all__ = [
     "ParallelState", "init_parallel", "destroy_parallel", "pick_device", "torchrun_env",
-    "all_reduce", "broadcast", "barrier", "group_size",
+    "all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier", "group_size", "group_rank",
 ]

@@ -109,7 +109,8 @@ def recording_optimizer_steps(records: list[dict[str, Any]]):
         return {n: t.detach().clone() for n, t in module.named_checkpoint_slots()}
 
     def step(self, lr):
-        record = {"before": weights(self._module), "grads": named_grads(self._module), "lr_arg": lr}
+        buffers = list(dict.fromkeys(s.buffer for s in self.shards))  # in the same order on every rank
+        record = {"before": weights(self._module), "grads": named_grads(self._module, buffers), "lr_arg": lr}
         record["norm"] = real(self, lr)
         record["after"] = weights(self._module)
         records.append(record)
