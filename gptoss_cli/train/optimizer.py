@@ -238,13 +238,8 @@ class DistributedAdamW:
 
     # --- inspection -----------------------------------------------------------------------
     def owned(self) -> dict[str, tuple[int, int]]:
-        """Parameter name -> [lo, hi) of its flattened elements that this rank steps."""
-        out = {}
-        for s in self.shards:
-            for i in s.params:
-                a, b = s.buffer.offsets[i]
-                out[s.buffer.names[i]] = (max(a, s.lo) - a, min(b, s.hi) - a)
-        return out
+        """Checkpoint name (experts per global id) -> [lo, hi) of its flattened elements this rank steps."""
+        return {key: (lo - base, hi - base) for key, _, _, base, lo, hi in self._entries()}
 
     # --- checkpoint state (per parameter name, layout-free) ---------------------------------
     def _checkpoint_views(self, name: str, param: torch.Tensor) -> list[tuple[str, tuple[int, ...], int]]:
