@@ -91,7 +91,8 @@ def init_parallel(
     """Join the process group (NCCL on CUDA, gloo on CPU) and build the (expert_dp, ep) mesh."""
     dev = device if isinstance(device, torch.device) else pick_device(device)
     env = torchrun_env()
-    world = env["WORLD_SIZE"] if env else 1
+    # A process group joined already (a test harness, a simulation) defines the world.
+    world = dist.get_world_size() if dist.is_initialized() else env["WORLD_SIZE"] if env else 1
     if ep_size < 1 or world % ep_size:
         raise ConfigError(
             f"expert_model_parallel_size={ep_size} does not divide the world size {world}",
@@ -106,9 +107,16 @@ def init_parallel(
         if dev.type == "cuda":
             kwargs["device_id"] = dev
         dist.init_process_group(**kwargs)
+    return state_from_world(ep_size, dev)
+
+
+def state_from_world(ep_size: int, device: torch.device) -> ParallelState:
+    """The (expert_dp, ep) mesh and groups over the already-initialised default process group."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(dev.type, (world // ep_size, ep_size), mesh_dim_names=("expert_dp", "ep"))
+    world, dev = dist.get_world_size(), device
+    mesh = init_device_mesh("cpu" if dev.type == "meta" else dev.type, (world // ep_size, ep_size),
+                            mesh_dim_names=("expert_dp", "ep"))
     rank = dist.get_rank()
     return ParallelState(
         world_size=world,
@@ -178,6 +186,6 @@ def barrier(group: Any = None) -> None:
 
 
 __all__ = [
-    "ParallelState", "init_parallel", "destroy_parallel", "pick_device", "torchrun_env",
+    "ParallelState", "init_parallel", "state_from_world", "destroy_parallel", "pick_device", "torchrun_env",
     "all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier", "group_size", "group_rank",
 ]
