@@ -124,7 +124,7 @@ def test_validate_reports_the_estimate_and_rejects_a_recipe_that_does_not_fit():
 
 
 def test_between_90_and_100_percent_is_a_warning():
-    # gb200_bf16 is about 102.5 GB: on a 110 GB GPU that is 93%
+    # gb200_bf16 is about 106 GB: on a 110 GB GPU that is 96%
     r = load_recipe("gb200_bf16")
     M.GPU_MEMORY_GB["test110"] = 110
     try:
