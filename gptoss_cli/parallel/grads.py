@@ -15,12 +15,14 @@ contiguous, equal shards that may cut through parameters: rank r of the group ow
 bucket is reduced with one collective over its group: a reduce-scatter (sharded: after it, only
 the rank's own shard of the bucket holds the reduced gradient) or an all-reduce (replicated).
 With `overlap_grad_reduce` a bucket's collective starts as soon as the last microbatch's
-backward has produced all its gradients, and `finalize_model_grads` waits for it.
+backward has produced all its gradients (the accumulation hook counts them), and
+`finalize_model_grads` waits for it. Gradients the delayed-wgrad queue adds straight into
+`main_grad` fire no hook: their buckets start in `finalize_model_grads`.
 
 `finalize_model_grads` runs once per step after the last microbatch (the schedule calls it through
 the model's own config, see `get_model_config`): it finishes every bucket's reduction, then
-divides the reduced gradients by the number of tokens in the global batch, the per-token
-normalisation of `gpt-oss-reference.md` section 5.
+divides the reduced gradients by the number of tokens in the global batch (docs/megatron-rules.md,
+"Gradient finalisation").
 """
 
 from __future__ import annotations

@@ -59,18 +59,27 @@ def _teardown_only(exc: BaseException, out_dir: Path, world: int) -> bool:
     return all((out_dir / f"rank{r}.done").is_file() for r in failed)
 
 
-def run_distributed(fn: Callable[..., Any], world: int, out_dir: Path, *args: Any, timeout: float = 120.0) -> list[Any]:
+def run_distributed(fn: Callable[..., Any], world: int, out_dir: Path, *args: Any, timeout: float = 120.0,
+                    preload: tuple[str, ...] | None = None) -> list[Any]:
     """fn(rank, *args) on `world` processes; returns each rank's return value (torch.save-able).
 
     Any worker that raises or exits non-zero fails the call (AssertionError with its traceback),
     unless that provably happened in teardown after every result was saved (`_teardown_only`).
+
+    `preload`: start the workers from a forkserver that imported these modules (torch and the
+    worker's) once, instead of spawning each from scratch: on 2 cores, 8 spawned workers spend
+    about 20 s importing torch, forked ones about 2 s in all.
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     for stale in (*out_dir.glob("rank*.pt"), *out_dir.glob("rank*.err"), *out_dir.glob("rank*.done")):
         stale.unlink()  # a reused folder must not vouch for this run
+    if preload is not None:
+        import multiprocessing
+
+        multiprocessing.set_forkserver_preload(["torch", *preload])  # only until the server has started
     ctx = mp.start_processes(_entry, args=(fn, world, free_port(), str(out_dir), args), nprocs=world,
-                             join=False, start_method="spawn")
+                             join=False, start_method="spawn" if preload is None else "forkserver")
     deadline = time.monotonic() + timeout
     try:
         while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):

@@ -182,7 +182,9 @@ def run_layouts(folder: Path, layouts: list[str], hf: Path, prefix: Path) -> dic
     if world == 1:
         per_rank = [train_layouts(0, plans)]
     else:
-        per_rank = run_distributed(train_layouts, world, folder / "ranks", plans, timeout=600.0)
+        # 4 or 8 workers start from a forkserver (dist_helpers.run_distributed): spawning them costs 10-20 s
+        preload = ("tests.train.reference", "gptoss_cli.train.loop") if world > 2 else None
+        per_rank = run_distributed(train_layouts, world, folder / "ranks", plans, timeout=600.0, preload=preload)
     out: dict[str, dict[str, Any]] = {}
     for i, name in enumerate(layouts):
         rows = [json.loads(line) for line in (folder / name / "metrics.jsonl").read_text().splitlines()]
