@@ -156,9 +156,12 @@ class GradBuffer:
         return self.shards > 1
 
     def zero(self) -> None:
-        self.data.zero_()
         for b in self.buckets:
+            if b.handle is not None:  # a step that failed after starting it: let it land first
+                b.handle.wait()
+                b.handle = None
             b.ready.clear()
+        self.data.zero_()
 
     # --- reduction ---------------------------------------------------------------------------
     def start_grad_sync(self, bucket: Bucket) -> None:
