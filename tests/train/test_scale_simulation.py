@@ -116,3 +116,29 @@ def test_measured_peak_of_a_tiny_recipe_step_is_within_15_percent_of_the_estimat
     state = sum(est.bytes_of(k) for k in ("params", "grads", "optimizer"))
     assert peak > state  # the step really ran
     assert peak == pytest.approx(est.total_bytes, rel=0.15)
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap_grad_reduce", "after-backward"])
+def test_overlap_grad_reduce_issues_every_bucket_during_the_last_backward(overlap, tmp_path, monkeypatch):
+    """Rank 0 of tiny_cpu_ep2 at W=4 (plain schedule, 1 microbatch) on the fake process group: with
+    overlap_grad_reduce every bucket's reduce-scatter is issued during backward, before
+    finalize_model_grads waits for them; without it, none is."""
+    from gptoss_cli.parallel import grads
+    from gptoss_cli.train.loop import TrainJob, run_worker
+    from gptoss_cli.train.simulate import CollectiveRecorder, fake_world
+
+    r = tiny(4, "training.train_iters=1", "checkpoint.dir=null", "checkpoint.save_interval=null",
+             f"logging.run_dir={tmp_path}", f"overlap.overlap_grad_reduce={str(overlap).lower()}")
+    issued_before_finish: list[int] = []
+    real = grads.GradBuffers.finish_grad_sync
+
+    def finish(self):
+        issued_before_finish.append(sum(c.op == "reduce_scatter" for c in rec.calls))
+        return real(self)
+
+    monkeypatch.setattr(grads.GradBuffers, "finish_grad_sync", finish)
+    with fake_world(4, 0), CollectiveRecorder({}) as rec:
+        run_worker(TrainJob.from_recipe(r))
+    reduce_scatters = [c for c in rec.calls if c.op == "reduce_scatter"]
+    assert len(reduce_scatters) > 2 and len(issued_before_finish) == 1
+    assert issued_before_finish[0] == (len(reduce_scatters) if overlap else 0)
