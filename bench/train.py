@@ -9,12 +9,20 @@ Prints tokens/s (median over --repeats of the median step time over --steps meas
 the ratios ours / transformers (target >= 1) and EP=2 / ours single-process.
 
     python bench/train.py --batch 4 --seq 128 --steps 5 --repeats 3 [--dtype fp32] [--json out.json]
+
+`--optimizer` instead times the optimizer's part of a step, finalize_model_grads + step, of the
+distributed optimizer against the one it replaced (whole-parameter shards, torch.optim.AdamW with
+foreach=False, one broadcast per owner; kept below as `BaselineAdamW`) on the same model and
+gradients, at W=1 and at W=2 (2 gloo processes, EP=2), and prints the ratios:
+
+    python bench/train.py --optimizer --arch hidden_size=512,intermediate_size=512,num_local_experts=16,num_experts_per_tok=4
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import socket
 import statistics
@@ -139,6 +147,201 @@ def run_ep2(args: argparse.Namespace) -> float:
     return args.batch * args.seq / statistics.median(step_times)
 
 
+# --- the optimizer before issue 15, kept as the baseline of `--optimizer` ------------------------
+class BaselineAdamW:
+    """Today's optimizer before the distributed one: contiguous runs of WHOLE parameters balanced by
+    size per group, torch.optim.AdamW(foreach=False) on fp32 masters of the owned ones, then one
+    broadcast per owner; its gradients were all-reduced over the group first (`baseline_finalize`)."""
+
+    def __init__(self, model, state, lr: float, weight_decay: float = 0.1):
+        import torch.distributed as dist
+        from torch import nn
+
+        from gptoss_cli.parallel.state import group_size
+        from gptoss_cli.train.optimizer import decays
+
+        self.state, self.groups, self.master, self.param_of = state, [], {}, {}
+        decay, no_decay = [], []
+        for buf, pg in ((model.grad_buffers.dense, state.dp_group), (model.grad_buffers.expert, state.expert_dp_group)):
+            size = group_size(pg)
+            rank = dist.get_rank(pg) if pg is not None else 0
+            sizes = [p.numel() for p in buf.params]
+            total, acc, owners = sum(sizes), 0, []
+            for n in sizes:
+                owners.append(min(size - 1, int((acc + n / 2) * size / total)) if total else 0)
+                acc += n
+            self.groups.append((buf, pg, size, rank, owners))
+            for i, o in enumerate(owners):
+                if o == rank:
+                    m = nn.Parameter(buf.params[i].detach().float().clone())
+                    m.grad = buf.params[i].main_grad
+                    self.master[buf.names[i]], self.param_of[buf.names[i]] = m, buf.params[i]
+                    (decay if decays(buf.names[i]) else no_decay).append(m)
+        groups = [g for g in ({"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0})
+                  if g["params"]]
+        self.inner = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), foreach=False)
+
+    def _owned_sq(self, buf, rank, owners) -> torch.Tensor:
+        sq = torch.zeros(())
+        for i, o in enumerate(owners):
+            if o == rank:
+                sq += buf.params[i].main_grad.float().pow(2).sum()
+        return sq
+
+    def step(self, lr: float) -> float:
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+        from gptoss_cli.parallel.state import all_reduce, broadcast
+
+        (dbuf, dpg, _, drank, downers), (ebuf, epg, _, erank, eowners) = self.groups
+        dense, expert = self._owned_sq(dbuf, drank, downers), self._owned_sq(ebuf, erank, eowners)
+        all_reduce(dense, dpg)
+        all_reduce(expert, epg)
+        all_reduce(expert, self.state.ep_group)
+        norm = math.sqrt(float(dense + expert))
+        coef = 1.0 / (norm + 1e-6)
+        if coef < 1.0:
+            for m in self.master.values():
+                m.grad.mul_(coef)
+        for g in self.inner.param_groups:
+            g["lr"] = lr
+        self.inner.step()
+        with torch.no_grad():
+            for name, m in self.master.items():
+                self.param_of[name].copy_(m)
+            for buf, pg, size, rank, owners in self.groups:
+                for owner in range(size if pg is not None and size > 1 else 0):
+                    params = [buf.params[i] for i, o in enumerate(owners) if o == owner]
+                    if params:
+                        flat = _flatten_dense_tensors([p.data for p in params])
+                        broadcast(flat, owner, pg)
+                        if owner != rank:
+                            for p, new in zip(params, _unflatten_dense_tensors(flat, [p.data for p in params])):
+                                p.data.copy_(new)
+        return norm
+
+
+def baseline_finalize(model, state, num_tokens: torch.Tensor) -> None:
+    """finalize_model_grads before issue 15: all-reduce each whole buffer, then divide by the global tokens."""
+    from gptoss_cli.parallel.state import all_reduce
+
+    all_reduce(model.grad_buffers.dense.data, state.dp_group)
+    all_reduce(model.grad_buffers.expert.data, state.expert_dp_group)
+    total = num_tokens.clone()
+    all_reduce(total, state.dp_group)
+    if total.item() > 0:
+        for buf in model.grad_buffers.buffers():
+            buf.data.div_(total)
+
+
+def optimizer_step_fns(arch, dtype: str, state):
+    """(new, baseline): closures running finalize + optimizer step on two copies of the same model
+    whose gradient buffers hold the same random gradients before every step."""
+    from gptoss_cli.model.dtypes import torch_dtype
+    from gptoss_cli.model.hybrid import HybridModel
+    from gptoss_cli.parallel.grads import GradAccumulatingModel, GradBufferConfig, finalize_model_grads
+    from gptoss_cli.recipe.schema import OptimizerConfig
+    from gptoss_cli.train.optimizer import DistributedAdamW
+
+    offset, n_local = state.local_expert_range(arch.num_local_experts)
+
+    def model(distributed: bool):
+        torch.manual_seed(0)
+        m = HybridModel(arch, expert_offset=offset, num_local_experts=n_local, dtype=torch_dtype(dtype))
+        return GradAccumulatingModel(m, state, GradBufferConfig(use_distributed_optimizer=distributed))
+
+    new, old = model(True), model(False)
+    new_opt = DistributedAdamW(new, state, OptimizerConfig(use_distributed_optimizer=True), lr=1e-4)
+    old_opt = BaselineAdamW(old, state, lr=1e-4)
+    g = torch.Generator().manual_seed(1)
+    grads = {n: torch.randn(p.shape, generator=g) for n, p in new.module.named_parameters()}
+    tokens = torch.tensor(1000.0)
+
+    def fill(m) -> None:
+        m.zero_grad_buffer()
+        for n, p in m.module.named_parameters():
+            p.main_grad.copy_(grads[n])
+
+    def new_step() -> float:
+        fill(new)
+        t0 = time.perf_counter()
+        finalize_model_grads([new], tokens, parallel_state=state)
+        new_opt.step(1e-4)
+        return time.perf_counter() - t0
+
+    def old_step() -> float:
+        fill(old)
+        t0 = time.perf_counter()
+        baseline_finalize(old, state, tokens)
+        old_opt.step(1e-4)
+        return time.perf_counter() - t0
+
+    return new_step, old_step
+
+
+def optimizer_times(arch, dtype: str, state, steps: int, repeats: int, barrier=lambda: None) -> tuple[list, list]:
+    """Per repeat, the median seconds of each optimizer's finalize + step (interleaved repeats)."""
+    new_step, old_step = optimizer_step_fns(arch, dtype, state)
+    new_t, old_t = [], []
+    for _ in range(repeats):
+        for fn, out in ((new_step, new_t), (old_step, old_t)):
+            for _ in range(2):
+                barrier()
+                fn()
+            times = []
+            for _ in range(steps):
+                barrier()
+                times.append(fn())
+            out.append(statistics.median(times))
+    return new_t, old_t
+
+
+def _optimizer_worker(rank: int, world: int, port: int, args: dict, out: str) -> None:
+    import torch.distributed as dist
+
+    from gptoss_cli.parallel.state import init_parallel
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(args["threads"])
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    state = init_parallel(world, "cpu")
+    times = optimizer_times(_arch(args["preset"], args["arch"]), args["dtype"], state, args["steps"], args["repeats"],
+                            barrier=dist.barrier)
+    Path(out, f"rank{rank}.json").write_text(json.dumps(times))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _arch(name: str, overrides: str | None):
+    arch = preset(name)
+    if overrides:
+        arch = arch.replace(**{k: int(v) for k, v in (kv.split("=") for kv in overrides.split(","))})
+    return arch
+
+
+def run_optimizer_bench(args: argparse.Namespace) -> dict:
+    from gptoss_cli.parallel.state import ParallelState
+
+    arch = _arch(args.preset, args.arch)
+    new1, old1 = optimizer_times(arch, args.dtype, ParallelState(), args.steps, args.repeats)
+    result = {"params": sum(p.numel for p in __import__("gptoss_cli.recipe.memory", fromlist=["x"]).parameter_layout(
+                  arch, arch.hybrid_layer_pattern)),
+              "w1_new_s": statistics.median(new1), "w1_baseline_s": statistics.median(old1)}
+    result["w1_ratio_baseline_over_new"] = result["w1_baseline_s"] / result["w1_new_s"]
+    with tempfile.TemporaryDirectory() as out:
+        world = 2
+        cfg = {"preset": args.preset, "arch": args.arch, "dtype": args.dtype, "steps": args.steps,
+               "repeats": args.repeats, "threads": max(1, args.threads // world)}
+        mp.start_processes(_optimizer_worker, args=(world, _free_port(), cfg, out), nprocs=world, start_method="spawn")
+        per_rank = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)]
+    new2 = [max(ts) for ts in zip(*(r[0] for r in per_rank))]  # the slowest rank sets the step
+    old2 = [max(ts) for ts in zip(*(r[1] for r in per_rank))]
+    result.update(w2_new_s=statistics.median(new2), w2_baseline_s=statistics.median(old2))
+    result["w2_ratio_baseline_over_new"] = result["w2_baseline_s"] / result["w2_new_s"]
+    return result
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="tiny")
@@ -150,8 +353,18 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--no-ep", action="store_true", help="skip the 2-process EP=2 measurement")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--optimizer", action="store_true",
+                   help="time finalize + optimizer step, new vs the optimizer it replaced, at W=1 and W=2")
+    p.add_argument("--arch", default=None, help="architecture overrides, e.g. hidden_size=512,num_local_experts=16")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    if args.optimizer:
+        result = run_optimizer_bench(args)
+        for k, v in result.items():
+            print(f"{k:<28}  {v:.4g}" if isinstance(v, float) else f"{k:<28}  {v}")
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=2) + "\n")
+        return
     arch = preset(args.preset)
     tokens = _batch(arch, args.batch, args.seq)
     n_tokens = args.batch * args.seq

@@ -12,6 +12,7 @@ from rich.table import Table
 from gptoss_cli.cli.app import app, check_json_path, console, handle_errors, write_json
 from gptoss_cli.errors import UsageError
 from gptoss_cli.recipe import available_recipes, describe_schema, list_rules, load_and_validate
+from gptoss_cli.recipe.memory import size_text
 from gptoss_cli.recipe.validate import NOTE, TARGETS, ValidationReport
 
 _STYLE = {"error": "bold red", "warning": "yellow", NOTE: "dim"}
@@ -25,8 +26,21 @@ def _fields(fields: dict) -> str:
     return "\n".join(f"{k}={_yaml_value(v)}" for k, v in fields.items())
 
 
+def _memory_row(report: ValidationReport) -> tuple[str, str, str] | None:
+    est = report.memory
+    if est is None:
+        return None
+    who = "[bold]memory.estimate[/]\n[dim]" + escape(f"world {est.world_size}, EP {est.ep_size}, "
+                                                     f"{est.tokens_per_microbatch} tokens/microbatch") + "[/]"
+    lines = [escape(est.summary())]
+    lines += [f"[dim]{escape(it.label)}: {size_text(it.bytes)}[/]" for it in est.items]
+    lines += [escape(n) for n in est.notes]
+    return "[dim]estimate[/]", who, "\n".join(lines)
+
+
 def render_report(report: ValidationReport) -> None:
-    if report.findings:
+    memory = _memory_row(report)
+    if report.findings or memory:
         # Three columns keep long dotted names and fixes readable on an 80-column terminal.
         table = Table(show_lines=True, title=f"{report.recipe} (target {report.target})", title_justify="left")
         table.add_column("severity", no_wrap=True)
@@ -38,6 +52,8 @@ def render_report(report: ValidationReport) -> None:
             who = f"[bold]{escape(f.rule)}[/]" + (f"\n[dim]{escape(_fields(f.fields))}[/]" if f.fields else "")
             what = escape(f.message) + (f"\n[cyan]fix:[/] {escape(f.hint)}" if f.hint else "")
             table.add_row(f"[{_STYLE[sev]}]{sev}[/]", who, what)
+        if memory:
+            table.add_row(*memory)
         console.print(table)
     style = "bold green" if report.ok else "bold red"
     console.print(f"[{style}]{escape(report.verdict)}[/]", soft_wrap=True, highlight=False)

@@ -92,7 +92,8 @@ def init_parallel(
     """Join the process group (NCCL on CUDA, gloo on CPU) and build the (expert_dp, ep) mesh."""
     dev = device if isinstance(device, torch.device) else pick_device(device)
     env = torchrun_env()
-    world = env["WORLD_SIZE"] if env else 1
+    # A process group joined already (a test harness, a simulation) defines the world.
+    world = dist.get_world_size() if dist.is_initialized() else env["WORLD_SIZE"] if env else 1
     if ep_size < 1 or world % ep_size:
         raise ConfigError(
             f"expert_model_parallel_size={ep_size} does not divide the world size {world}",
@@ -107,9 +108,16 @@ def init_parallel(
         if dev.type == "cuda":
             kwargs["device_id"] = dev
         dist.init_process_group(**kwargs)
+    return state_from_world(ep_size, dev)
+
+
+def state_from_world(ep_size: int, device: torch.device) -> ParallelState:
+    """The (expert_dp, ep) mesh and groups over the already-initialised default process group."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(dev.type, (world // ep_size, ep_size), mesh_dim_names=("expert_dp", "ep"))
+    world, dev = dist.get_world_size(), device
+    mesh = init_device_mesh("cpu" if dev.type == "meta" else dev.type, (world // ep_size, ep_size),
+                            mesh_dim_names=("expert_dp", "ep"))
     rank = dist.get_rank()
     return ParallelState(
         world_size=world,
@@ -149,6 +157,24 @@ def all_reduce(tensor: torch.Tensor, group: Any, op: Any = None) -> torch.Tensor
     return tensor
 
 
+def group_rank(group: Any) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+# all_gather_into_tensor / reduce_scatter_tensor were renamed *_single in torch 2.13.
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Any, async_op: bool = False) -> Any:
+    """Sum `input` (group size x output.numel() elements) over the group; rank r keeps the r-th part
+    in `output` (which may be that part of `input` itself)."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(output, input, group=group, async_op=async_op)
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, group: Any, async_op: bool = False) -> Any:
+    """Concatenate every rank's `input` into `output` (which may hold this rank's `input` in place)."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(output, input, group=group, async_op=async_op)
+
+
 def broadcast(tensor: torch.Tensor, src_group_rank: int, group: Any) -> torch.Tensor:
     if group is not None and dist.get_world_size(group) > 1:
         dist.broadcast(tensor, src=dist.get_global_rank(group, src_group_rank), group=group)
@@ -161,6 +187,6 @@ def barrier(group: Any = None) -> None:
 
 
 __all__ = [
-    "ParallelState", "init_parallel", "destroy_parallel", "pick_device", "torchrun_env",
-    "all_reduce", "broadcast", "barrier", "group_size",
+    "ParallelState", "init_parallel", "state_from_world", "destroy_parallel", "pick_device", "torchrun_env",
+    "all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier", "group_size", "group_rank",
 ]

@@ -150,6 +150,10 @@ class OptimizerConfig:
     adam_eps: float = _f(1.0e-8, "AdamW epsilon", min=0.0)
     clip_grad: float = _f(1.0, "global gradient-norm clip (0 = off)", min=0.0)
     use_distributed_optimizer: bool = _f(False, "shard optimizer state over data-parallel ranks")
+    bucket_size: Optional[int] = _f(
+        None, "elements per gradient bucket (one reduce-scatter and one all-gather each); "
+        "null = Megatron's default, max(40M, 1M x DP)", min=1,
+    )
 
 
 @dataclass

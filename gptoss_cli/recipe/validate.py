@@ -15,6 +15,7 @@ from typing import Any, Sequence
 from gptoss_cli.errors import UsageError, ValidationFailed
 from gptoss_cli.recipe.load import Recipe, load_recipe, recipe_from_config
 from gptoss_cli.recipe.environment import installed_torch_version
+from gptoss_cli.recipe.memory import MemoryEstimate, estimate_memory
 from gptoss_cli.recipe.rules import ERROR, RULES, SEMANTIC, UNSUPPORTED, WARNING, Context, Finding, Rule
 from gptoss_cli.recipe.sizes import data_parallel_size, expert_data_parallel_size, resolve_world_size
 from gptoss_cli.recipe.schema import RecipeConfig
@@ -35,6 +36,7 @@ class ValidationReport:
     expert_data_parallel_size: int | None
     findings: list[Finding] = field(default_factory=list)
     skipped: bool = False  # other rules were skipped because field bounds failed
+    memory: MemoryEstimate | None = None  # per-GPU estimate at this layout (recipe/memory.py)
 
     def severity(self, f: Finding) -> str:
         """error / warning, or note for an unsupported-option finding when judging Megatron semantics."""
@@ -91,6 +93,7 @@ class ValidationReport:
             "warnings": len(self.warnings),
             "notes": len(self.notes),
             "findings": [{**f.to_dict(), "counted_as": self.severity(f)} for f in self.findings],
+            "memory": self.memory.to_dict() if self.memory is not None else None,
         }
 
     def raise_for_errors(self) -> None:
@@ -161,6 +164,10 @@ def validate_recipe(
         # Sizes below 1 make the arithmetic rules meaningless; report the bounds first.
         report.skipped = bool(others)
         return report
+    try:
+        report.memory = estimate_memory(cfg, recipe.arch, recipe.pattern, world, ctx.gpu)
+    except Exception:  # the estimate is information; the memory rule reports a failure of it
+        report.memory = None
     for r in others:
         try:
             report.findings.extend(r(cfg, ctx))

@@ -154,10 +154,18 @@ def _all_finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(lo) & torch.isfinite(hi))
 
 
+def _local_parts(t: Any) -> list[torch.Tensor]:
+    """The tensors this rank holds of a state entry: itself, or its local shards when the distributed
+    optimizer saved it as a ShardedTensor (a shard boundary cut through it)."""
+    if isinstance(t, torch.Tensor) and hasattr(t, "local_shards"):
+        return [shard.tensor for shard in t.local_shards()]
+    return [t] if isinstance(t, torch.Tensor) else []
+
+
 def _first_non_finite(tensors: dict[str, Any]) -> tuple[int, str | None]:
     bad, first = 0, None
     for name, t in tensors.items():
-        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() and not _all_finite(t):
+        if any(p.is_floating_point() and p.numel() and not _all_finite(p) for p in _local_parts(t)):
             bad += 1
             first = first or name
     return bad, first

@@ -170,7 +170,8 @@ def _train(job: TrainJob, state: ParallelState, progress: Progress | None, heart
     run_dir = Path(job.run_dir)
     runtime = ModelRuntimeConfig.from_recipe(cfg, job.arch, job.hybrid_layer_pattern)
     provider = HybridModelProvider(runtime, seed=t.seed, weights=ckpt.pretrained)
-    setup = setup_model_and_optimizer(provider, state, cfg.optimizer, t.lr)
+    setup = setup_model_and_optimizer(provider, state, cfg.optimizer, t.lr,
+                                      overlap_grad_reduce=cfg.overlap.overlap_grad_reduce)
     model, optimizer = setup.model, setup.optimizer
     model.train()
     lr_schedule = WarmupCosineLR(t.lr, t.min_lr, t.warmup_iters, t.lr_decay_iters or t.train_iters, t.lr_decay_style)

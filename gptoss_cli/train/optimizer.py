@@ -1,20 +1,32 @@
-"""AdamW with fp32 master weights, optimizer state sharded over data parallel, global-norm clipping,
-and the warmup + cosine learning-rate schedule.
+"""AdamW with fp32 master weights sharded the way Megatron's distributed optimizer shards them,
+global-norm clipping, and the warmup + cosine learning-rate schedule.
 
-Sharding: each reduction group (dense parameters over DP = world, experts over expert-DP) splits
-its ordered parameter list into contiguous runs of whole parameters balanced by size; a rank keeps
-fp32 master copies and AdamW state (torch.optim.AdamW) only for the run it owns, steps them, and
-broadcasts its updated parameters to the group. Our own sharding rather than
-torch's ZeroRedundancyOptimizer, because ZeRO keeps no fp32 master copy of bf16 parameters and
-cannot shard expert parameters over a different group than dense ones. Whole-parameter ownership
-also makes the saved state layout-free: state is saved per parameter name, so a checkpoint
-written at one DP/EP layout loads at another.
+Sharding follows the gradient buffers (gptoss_cli/parallel/grads.py): every bucket is cut into
+equal, contiguous shards, one per rank of its group (dense parameters: DP = world; experts:
+expert-DP), that may cut through parameters. `finalize_model_grads` reduce-scatters a bucket, so
+the rank holds the reduced gradient of its own shard; it keeps the fp32 master copy and both Adam
+moments of exactly that shard as flat tensors, steps them with torch's fused AdamW kernel, writes
+the updated shard into the parameter buffer and all-gathers the bucket: one collective per bucket
+to share the update, whatever the world size. With `use_distributed_optimizer=false` each bucket
+is one shard that every rank holds (gradients all-reduced, state replicated, nothing to gather).
 
-The gradient norm is the true global norm: dense parameters once (they are reduced over DP) and
-every expert once, not once per EP replica (`gpt-oss-reference.md` section 7).
+Weight decay follows what each element's parameter is, read from its name (`decays`), never its
+shape (docs/megatron-rules.md, "Weight decay"), also where a shard cuts a parameter: a shard is
+stepped as runs of whole or partial parameters, one fused call for the decayed runs and one for
+the others. `torch._fused_adamw_` on flat views rather than torch.optim.AdamW: the optimizer class
+steps whole parameters, and constructing any torch.optim.Optimizer imports torch._dynamo (about
+2 s in every training process).
 
-Weight decay follows what a parameter is, read from its name (`decays`), never its shape
-(docs/megatron-rules.md, "Weight decay").
+The gradient norm is the true global norm: every dense parameter and every expert counted exactly
+once, whether the state is sharded (one all-reduce of the shards' squares over the world: dense
+shards partition the dense parameters, expert shards the experts) or replicated (dense locally,
+experts summed over EP only).
+
+The saved state is layout-free: `state_dict()` is keyed by parameter name (stacked experts split
+per GLOBAL expert id), so a checkpoint written at one DP/EP layout and bucket size loads at
+another. A rank that holds a whole parameter's state saves a plain tensor; a rank holding part of
+one saves a torch ShardedTensor whose local shards are the boxes of that flat range (DCP writes
+and reads them by their offsets, so any other cut of the same tensor can be loaded from them).
 """
 
 from __future__ import annotations
@@ -22,20 +34,18 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from gptoss_cli.errors import TrainingError
-from gptoss_cli.parallel.grads import GradAccumulatingModel, GradBuffer
+from gptoss_cli.errors import ConfigError, TrainingError
+from gptoss_cli.parallel.grads import Bucket, GradAccumulatingModel, GradBuffer
+from gptoss_cli.parallel.state import ParallelState, all_gather, all_reduce, group_size
 from gptoss_cli.recipe.schema import OptimizerConfig
-from gptoss_cli.parallel.state import ParallelState, all_reduce, broadcast, group_size
-
 
 _BIAS = re.compile(r"bias\d*")  # `bias`, or `bias{e}` in per-expert checkpoint names
+STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
 
 
 def decays(name: str) -> bool:
@@ -56,32 +66,79 @@ def decays(name: str) -> bool:
     return not (leaf == "weight" and owner.rpartition(".")[2].endswith("norm"))
 
 
-def partition_contiguous(sizes: list[int], parts: int) -> list[int]:
-    """Owner index of each item: contiguous runs with balanced total size (greedy by prefix sum)."""
-    total = sum(sizes)
-    owners, acc = [], 0
-    for s in sizes:
-        # Assign by the midpoint of the item so that runs split near total*k/parts.
-        mid = acc + s / 2
-        owners.append(min(parts - 1, int(mid * parts / total)) if total else 0)
-        acc += s
-    return owners
+def flat_range_boxes(lo: int, hi: int, shape: tuple[int, ...]) -> list[tuple[tuple[int, ...], tuple[int, ...], int, int]]:
+    """The elements [lo, hi) of a row-major tensor of `shape` as boxes: (offsets, sizes, flat_lo,
+    flat_hi) each, in order, covering the range exactly (at most 2 per dimension beyond the first)."""
+    if hi <= lo:
+        return []
+    if len(shape) <= 1:
+        return [((lo,) if shape else (), (hi - lo,) if shape else (), lo, hi)]
+    inner = math.prod(shape[1:])
+    r0, c0 = divmod(lo, inner)
+    r1, c1 = divmod(hi, inner)
+
+    def rows(r: int, a: int, b: int) -> list:
+        return [((r,) + o, (1,) + s, r * inner + fa, r * inner + fb) for o, s, fa, fb in flat_range_boxes(a, b, shape[1:])]
+
+    if r0 == r1:
+        return rows(r0, c0, c1)
+    out = []
+    if c0:
+        out += rows(r0, c0, inner)
+        r0 += 1
+    if r1 > r0:
+        out.append(((r0,) + (0,) * (len(shape) - 1), (r1 - r0,) + tuple(shape[1:]), r0 * inner, r1 * inner))
+    if c1:
+        out += rows(r1, 0, c1)
+    return out
 
 
 @dataclass
-class _ShardedGroup:
-    buffer: GradBuffer
-    group: Any  # process group the parameters are replicated over (None = not sharded)
-    size: int
-    rank: int
-    owners: list[int]
+class _Run:
+    """Elements [lo, hi) of the buffer (inside one shard) that belong to one parameter, or to
+    neighbouring parameters that share the same weight-decay rule."""
 
-    def owned(self) -> list[int]:
-        return [i for i, o in enumerate(self.owners) if o == self.rank]
+    lo: int
+    hi: int
+    decays: bool
+
+
+class _Shard:
+    """This rank's shard of one bucket: fp32 master copy, both Adam moments, and its runs."""
+
+    def __init__(self, bucket: Bucket):
+        self.bucket = bucket
+        self.buffer: GradBuffer = bucket.buffer
+        self.lo, self.hi = bucket.shard_bounds()
+        self.master = bucket.param_shard.detach().to(torch.float32, copy=True)
+        self.exp_avg = torch.zeros_like(self.master)
+        self.exp_avg_sq = torch.zeros_like(self.master)
+        self.params: list[int] = []  # buffer indices of the parameters with elements in the shard
+        runs: list[_Run] = []
+        for i in bucket.params:
+            a, b = self.buffer.offsets[i]
+            a, b = max(a, self.lo), min(b, self.hi)
+            if a >= b:
+                continue
+            self.params.append(i)
+            d = decays(self.buffer.names[i])
+            if runs and runs[-1].hi == a and runs[-1].decays == d:
+                runs[-1].hi = b
+            else:
+                runs.append(_Run(a, b, d))
+        self.runs = runs
+
+    @property
+    def grad(self) -> torch.Tensor:
+        return self.bucket.grad_shard
+
+    def local(self, flat: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """Buffer elements [lo, hi) (inside the shard) of a shard-sized flat tensor."""
+        return flat[lo - self.lo : hi - self.lo]
 
 
 class DistributedAdamW:
-    """AdamW over the model's gradient buffers; state sharded over DP when `distributed`."""
+    """AdamW over the model's gradient buffers; state sharded over each bucket's group when `distributed`."""
 
     def __init__(
         self,
@@ -92,67 +149,51 @@ class DistributedAdamW:
         lr: float,
     ):
         """`config`: the recipe's optimizer section (weight decay, betas, eps, clip, sharding); `lr`:
-        the initial learning rate (each `step(lr)` sets the current one)."""
+        the initial learning rate (each `step(lr)` sets the current one). The shards are the gradient
+        buffers' (`GradBufferConfig.use_distributed_optimizer`), which must agree with `config`."""
         self.state = state
         self.clip_grad = config.clip_grad
-        self.distributed = distributed = config.use_distributed_optimizer
-        weight_decay, betas, eps = config.weight_decay, (config.adam_beta1, config.adam_beta2), config.adam_eps
-        self.groups: list[_ShardedGroup] = []
-        self.master: dict[str, nn.Parameter] = {}  # owned parameter name -> fp32 master
-        self._param_of: dict[str, nn.Parameter] = {}
+        self.distributed = config.use_distributed_optimizer
+        self.lr = lr
+        self.weight_decay, self.eps = config.weight_decay, config.adam_eps
+        self.betas = (config.adam_beta1, config.adam_beta2)
         self._module = model.module
-        decay, no_decay = [], []
-        for buf, pg in ((model.grad_buffers.dense, state.dp_group), (model.grad_buffers.expert, state.expert_dp_group)):
-            size = group_size(pg) if distributed else 1
-            rank = dist.get_rank(pg) if (distributed and pg is not None) else 0
-            owners = partition_contiguous([p.numel() for p in buf.params], size)
-            g = _ShardedGroup(buf, pg if distributed else None, size, rank, owners)
-            self.groups.append(g)
-            for i in g.owned():
-                name, p = buf.names[i], buf.params[i]
-                m = nn.Parameter(p.detach().to(torch.float32).clone())
-                m.grad = p.main_grad  # fp32 view into the gradient buffer
-                self.master[name] = m
-                self._param_of[name] = p
-                (decay if decays(name) else no_decay).append(m)
-        param_groups = [
-            {"params": decay, "weight_decay": weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ]
-        param_groups = [g for g in param_groups if g["params"]]
-        self.inner = (
-            torch.optim.AdamW(param_groups, lr=lr, betas=betas, eps=eps, foreach=False) if param_groups else None
-        )
-        # Create AdamW's state now (it would be created lazily) so checkpoints can load into it in place.
-        if self.inner is not None:
-            for m in self.master.values():
-                self.inner.state[m] = {
-                    "step": torch.tensor(0.0),
-                    "exp_avg": torch.zeros_like(m, memory_format=torch.preserve_format),
-                    "exp_avg_sq": torch.zeros_like(m, memory_format=torch.preserve_format),
-                }
+        buffers = model.grad_buffers
+        for buf in buffers.buffers():
+            if group_size(buf.group) > 1 and buf.sharded != self.distributed:
+                raise ConfigError(
+                    f"optimizer.use_distributed_optimizer={self.distributed} but the gradient buffers are "
+                    f"{'sharded' if buf.sharded else 'replicated'}",
+                    hint="build the model wrapper and the optimizer from the same optimizer config "
+                         "(gptoss_cli.train.setup.setup_model_and_optimizer)",
+                )
+        self.shards = [_Shard(b) for b in buffers.dense.buckets] + [_Shard(b) for b in buffers.expert.buckets]
+        self._dense_shards = len(buffers.dense.buckets)
+        # One step count for every element (all are stepped together), on the parameters' device
+        # as the fused kernel requires.
+        self._step = torch.zeros((), dtype=torch.float32, device=buffers.dense.data.device)
 
     # --- gradient norm and clipping ------------------------------------------------------
-    def _owned_sq(self, g: _ShardedGroup) -> torch.Tensor:
-        sq = torch.zeros((), dtype=torch.float32, device=g.buffer.data.device)
-        for i in g.owned():
-            sq += g.buffer.params[i].main_grad.float().pow(2).sum()
-        return sq
-
     def grad_norm(self) -> float:
         """sqrt(sum of squares) with every dense parameter and every expert counted exactly once."""
-        dense_g, expert_g = self.groups
-        dense = self._owned_sq(dense_g)
-        if dense_g.group is not None:
-            all_reduce(dense, dense_g.group)  # sharded: each rank summed its own run
-        expert = self._owned_sq(expert_g)
-        if expert_g.group is not None:
-            all_reduce(expert, expert_g.group)
-        all_reduce(expert, self.state.ep_group)  # EP ranks hold different experts
-        return math.sqrt(float(dense + expert))
+        dense = torch.zeros((), dtype=torch.float32, device=self._step.device)
+        expert = torch.zeros_like(dense)
+        for k, s in enumerate(self.shards):
+            sq = s.grad.pow(2).sum()  # padding elements are zero
+            (dense if k < self._dense_shards else expert).add_(sq)
+        if self.distributed:
+            # Dense shards partition the dense parameters over the world; expert shards partition
+            # each EP rank's experts over its expert-DP group: one sum over the world counts each once.
+            dense.add_(expert)
+            all_reduce(dense, self.state.dp_group)
+        else:
+            all_reduce(expert, self.state.ep_group)  # replicas hold the same values; EP ranks other experts
+            dense.add_(expert)
+        return math.sqrt(float(dense))
 
     def step(self, lr: float) -> float:
-        """Clip, step the owned masters, write them back into the parameters and share them; returns the grad norm."""
+        """Clip, step the owned master shards, write them into the parameters and all-gather every
+        bucket; returns the gradient norm before clipping."""
         norm = self.grad_norm()
         if not math.isfinite(norm):
             raise TrainingError(
@@ -162,63 +203,107 @@ class DistributedAdamW:
         if self.clip_grad and self.clip_grad > 0:
             coef = self.clip_grad / (norm + 1e-6)
             if coef < 1.0:
-                for m in self.master.values():
-                    m.grad.mul_(coef)
-        if self.inner is not None:
-            for group in self.inner.param_groups:
-                group["lr"] = lr
-            self.inner.step()
-        with torch.no_grad():
-            for name, m in self.master.items():
-                self._param_of[name].copy_(m)
-            for g in self.groups:
-                self._share(g)
+                for s in self.shards:
+                    s.grad.mul_(coef)
+        self.lr = lr
+        self._adamw(lr)
+        self._share()
         return norm
 
-    def _share(self, g: _ShardedGroup) -> None:
-        """Every owner broadcasts its updated parameters (one flat tensor) to the rest of the group."""
-        if g.group is None or g.size == 1:
-            return
-        for owner in range(g.size):
-            params = [g.buffer.params[i] for i, o in enumerate(g.owners) if o == owner]
-            if not params:
-                continue
-            flat = _flatten_dense_tensors([p.data for p in params])
-            broadcast(flat, owner, g.group)
-            if owner != g.rank:
-                for p, new in zip(params, _unflatten_dense_tensors(flat, [p.data for p in params])):
-                    p.data.copy_(new)
+    def _adamw(self, lr: float) -> None:
+        self._step.add_(1)  # torch's AdamW counts the step before its update, too
+        groups: dict[bool, list[list[torch.Tensor]]] = {True: [[], [], [], []], False: [[], [], [], []]}
+        for s in self.shards:
+            flats = (s.master, s.grad, s.exp_avg, s.exp_avg_sq)
+            for run in s.runs:
+                for out, flat in zip(groups[run.decays and self.weight_decay != 0.0], flats):
+                    out.append(s.local(flat, run.lo, run.hi))
+        for decayed, (params, grads, exp_avgs, exp_avg_sqs) in groups.items():
+            if params:
+                torch._fused_adamw_(
+                    params, grads, exp_avgs, exp_avg_sqs, [], [self._step] * len(params), lr=lr,
+                    beta1=self.betas[0], beta2=self.betas[1], weight_decay=self.weight_decay if decayed else 0.0,
+                    eps=self.eps, amsgrad=False, maximize=False,
+                )
+
+    def _share(self) -> None:
+        """Masters -> this rank's shard of the parameter buffer -> one all-gather per sharded bucket."""
+        with torch.no_grad():
+            for s in self.shards:
+                s.bucket.param_shard.copy_(s.master)
+            works = [all_gather(s.bucket.param_data, s.bucket.param_shard, s.buffer.group, async_op=True)
+                     for s in self.shards if s.buffer.sharded]
+            for w in works:
+                w.wait()
+
+    # --- inspection -----------------------------------------------------------------------
+    def owned(self) -> dict[str, tuple[int, int]]:
+        """Checkpoint name (experts per global id) -> [lo, hi) of its flattened elements this rank steps."""
+        return {key: (lo - base, hi - base) for key, _, _, base, lo, hi in self._entries()}
 
     # --- checkpoint state (per parameter name, layout-free) ---------------------------------
-    def _checkpoint_views(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        """(checkpoint name, view) pairs: stacked local experts split into one entry per GLOBAL expert
-        id (as the model's state_dict names them), so the state does not depend on the EP layout."""
+    def _checkpoint_views(self, name: str, param: torch.Tensor) -> list[tuple[str, tuple[int, ...], int]]:
+        """(checkpoint name, shape, first element in the flattened parameter): stacked local experts
+        split into one entry per GLOBAL expert id (as the model's state_dict names them), so the
+        state does not depend on the EP layout."""
         owner_name, _, leaf = name.rpartition(".")
         owner = self._module.get_submodule(owner_name) if owner_name else self._module
         offset, n = getattr(owner, "expert_offset", None), getattr(owner, "num_local_experts", None)
-        if offset is None or n is None or tensor.dim() == 0 or tensor.shape[0] != n:
-            return [(name, tensor)]
-        return [(f"{owner_name}.{leaf}{offset + i}", tensor[i]) for i in range(n)]
+        shape = tuple(param.shape)
+        if offset is None or n is None or not shape or shape[0] != n:
+            return [(name, shape, 0)]
+        per = math.prod(shape[1:])
+        return [(f"{owner_name}.{leaf}{offset + i}", shape[1:], i * per) for i in range(n)]
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """Owned parameters' fp32 master and AdamW state, keyed by checkpoint name (experts per global id)."""
-        out: dict[str, torch.Tensor] = {}
-        for name, m in self.master.items():
-            st = self.inner.state[m]
-            for kind, tensor in (("master", m.data), ("exp_avg", st["exp_avg"]), ("exp_avg_sq", st["exp_avg_sq"])):
-                for key, view in self._checkpoint_views(name, tensor):
-                    out[f"{key}.{kind}"] = view
-            for key, _ in self._checkpoint_views(name, m.data):
-                out[f"{key}.step"] = st["step"]
+    def _entries(self) -> Iterator[tuple[str, _Shard, tuple[int, ...], int, int, int]]:
+        """(checkpoint name, shard, shape, buffer offset of the entry, held [lo, hi) in buffer coordinates)."""
+        for s in self.shards:
+            for i in s.params:
+                start = s.buffer.offsets[i][0]
+                for key, shape, first in self._checkpoint_views(s.buffer.names[i], s.buffer.params[i]):
+                    base = start + first
+                    lo, hi = max(base, s.lo), min(base + math.prod(shape), s.hi)
+                    if lo < hi:
+                        yield key, s, shape, base, lo, hi
+
+    def state_dict(self) -> dict[str, Any]:
+        """fp32 master and AdamW state of the elements this rank steps, keyed by checkpoint name
+        (experts per global id); views into the optimizer's own tensors, so DCP loads in place."""
+        out: dict[str, Any] = {}
+        for key, s, shape, base, lo, hi in self._entries():
+            whole = lo == base and hi == base + math.prod(shape)
+            for kind, flat in zip(STATE_KINDS, (s.master, s.exp_avg, s.exp_avg_sq)):
+                local = s.local(flat, lo, hi)
+                out[f"{key}.{kind}"] = local.view(shape) if whole else self._sharded(s, local, shape, base, lo)
+            out[f"{key}.step"] = self._step
         return out
 
+    def _sharded(self, s: _Shard, local: torch.Tensor, shape: tuple[int, ...], base: int, lo: int) -> Any:
+        """A ShardedTensor of `shape` whose local shards are this rank's boxes of `local` (elements
+        [lo, lo + local.numel()) of the buffer); the global metadata lists every rank's boxes."""
+        from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardMetadata
+        from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+
+        numel = math.prod(shape)
+        metadata, shards = [], []
+        for r in range(s.buffer.shards):
+            r_lo, r_hi = s.bucket.shard_bounds(r)
+            a, b = max(r_lo, base) - base, min(r_hi, base + numel) - base
+            placement = f"rank:{dist.get_global_rank(s.buffer.group, r)}/{local.device}"
+            for offsets, sizes, fa, fb in flat_range_boxes(a, b, shape):
+                md = ShardMetadata(shard_offsets=list(offsets), shard_sizes=list(sizes), placement=placement)
+                metadata.append(md)
+                if r == s.buffer.shard_rank:
+                    start = base + fa - lo
+                    shards.append(Shard(local[start : start + fb - fa].view(sizes), md))
+        props = TensorProperties(dtype=local.dtype, layout=torch.strided, requires_grad=False,
+                                 memory_format=torch.contiguous_format, pin_memory=False)
+        return ShardedTensor._init_from_local_shards_and_global_metadata(
+            shards, ShardedTensorMetadata(metadata, torch.Size(shape), props))
+
     def after_load(self) -> None:
-        """Parameters follow the loaded masters (owners), then every group shares them."""
-        with torch.no_grad():
-            for name, m in self.master.items():
-                self._param_of[name].copy_(m)
-            for g in self.groups:
-                self._share(g)
+        """Parameters follow the loaded masters: every rank writes its shard, every bucket is gathered."""
+        self._share()
 
 
 class WarmupCosineLR:
@@ -253,4 +338,4 @@ class WarmupCosineLR:
                 "decay_iters": self.decay_iters, "style": self.style}
 
 
-__all__ = ["DistributedAdamW", "WarmupCosineLR", "decays", "partition_contiguous"]
+__all__ = ["DistributedAdamW", "WarmupCosineLR", "decays", "flat_range_boxes", "STATE_KINDS"]

@@ -15,7 +15,7 @@ from typing import Any
 from torch import nn
 
 from gptoss_cli.parallel import grads
-from gptoss_cli.parallel.grads import GradAccumulatingModel, get_model_config
+from gptoss_cli.parallel.grads import GradAccumulatingModel, GradBufferConfig, get_model_config
 from gptoss_cli.parallel.state import ParallelState
 from gptoss_cli.recipe.schema import OptimizerConfig
 from gptoss_cli.train.optimizer import DistributedAdamW
@@ -39,11 +39,14 @@ def install_training_callbacks(model: nn.Module, state: ParallelState) -> Any:
     return config
 
 
-def setup_model_and_optimizer(provider: Any, state: ParallelState, optimizer: OptimizerConfig, lr: float) -> TrainingSetup:
-    """provider.provide(state) -> gradient-buffer wrapper -> distributed AdamW (the recipe's optimizer
-    section, initial `lr`) -> callbacks."""
+def setup_model_and_optimizer(provider: Any, state: ParallelState, optimizer: OptimizerConfig, lr: float, *,
+                               overlap_grad_reduce: bool = False) -> TrainingSetup:
+    """provider.provide(state) -> gradient-buffer wrapper (bucketed, sharded as the optimizer is) ->
+    distributed AdamW (the recipe's optimizer section, initial `lr`) -> callbacks."""
     built = provider.provide(state)
-    model = GradAccumulatingModel(built, state)
+    buffers = GradBufferConfig(use_distributed_optimizer=optimizer.use_distributed_optimizer,
+                               overlap_grad_reduce=overlap_grad_reduce, bucket_size=optimizer.bucket_size)
+    model = GradAccumulatingModel(built, state, buffers)
     config = install_training_callbacks(model, state)
     return TrainingSetup(model=model, optimizer=DistributedAdamW(model, state, optimizer, lr=lr), config=config)
 

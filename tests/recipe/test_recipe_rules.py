@@ -92,6 +92,9 @@ CASES = {
         ["overlap.overlap_param_gather=true", "overlap.overlap_grad_reduce=true"]),
     "data.source": (["data.kind=tokens"], "error", ["data.kind=tokens", "data.path=data/tokens"]),
     "checkpoint.settings": (["checkpoint.dir=null"], "error", ["checkpoint.dir=null", "checkpoint.save_interval=null"]),
+    # ~130 GB per GPU: 4M tokens per microbatch of the tiny model's activations and logits
+    "memory.fits": (["system.gpu=h100", "training.seq_length=65536", "training.micro_batch_size=64"], "error",
+                    ["system.gpu=gb300", "training.seq_length=65536", "training.micro_batch_size=64"]),
     "system.backend": (["parallelism.backend=nccl"], "error", ["parallelism.backend=auto"]),
     "unsupported.tensor_parallel": (["parallelism.tensor_model_parallel_size=2"], "error", []),
     "unsupported.pipeline_parallel": (["parallelism.pipeline_model_parallel_size=2", *W4], "error", W4),
@@ -105,7 +108,9 @@ CASES = {
     "unsupported.cuda_graphs": (["cuda_graphs.cuda_graph_impl=local", "system.device=cuda"], "error", []),
     "unsupported.recompute": (
         ["recompute.recompute_granularity=selective", "recompute.recompute_modules=[core_attn]"], "error", []),
-    "unsupported.grad_overlap": (["overlap.overlap_grad_reduce=true"], "error", []),
+    # overlap_grad_reduce is implemented: only overlapping the parameter gather is not
+    "unsupported.param_gather_overlap": (
+        ["overlap.overlap_param_gather=true"], "error", ["overlap.overlap_grad_reduce=true"]),
     "unsupported.checkpoint_format": (["checkpoint.format=torch_dist"], "error", []),
 }
 # Tested with their own context below (a model class, a torch version, what is implemented).

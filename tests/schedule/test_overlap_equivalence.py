@@ -1,4 +1,5 @@
-"""Combined 1F1B with overlap + delayed wgrad equals the plain schedule (gloo, 2 processes, fp32).
+"""Combined 1F1B with overlap + delayed wgrad (and gradient buckets reduced during the last
+backward, overlap_grad_reduce) equals the plain schedule (gloo, 2 processes, fp32).
 
 Both schedules run side by side in the same processes on the same data, and at every step from the
 same weights (the plain run's, copied into the overlap model after each optimizer step); per step

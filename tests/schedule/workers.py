@@ -24,7 +24,11 @@ SEQ = 16
 def build(state: ParallelState, *, overlap: bool, pattern: str, aux: float = 0.01, seed: int = 7):
     runtime = runtime_config(pattern=pattern, aux_loss_coeff=aux, ep_size=state.ep_size,
                              overlap_moe_expert_parallel_comm=overlap, delay_wgrad_compute=overlap)
-    return setup_model_and_optimizer(HybridModelProvider(runtime, seed=seed), state, optimizer_config(clip_grad=1.0), 3e-3)
+    # The overlap run also reduces its gradients in several buckets started during the last
+    # backward (overlap_grad_reduce); the plain run in one bucket after it.
+    opt = optimizer_config(clip_grad=1.0, bucket_size=20_000 if overlap else None)
+    return setup_model_and_optimizer(HybridModelProvider(runtime, seed=seed), state, opt, 3e-3,
+                                     overlap_grad_reduce=overlap)
 
 
 def equivalence_worker(rank: int, ep: int, steps: int, global_batch: int, mbs: int, pattern: str) -> dict[str, Any]:

@@ -47,14 +47,39 @@ BETAS = (0.9, 0.95)
 EPS = 1e-8
 FIXTURE_SEED = 9  # its routing margin is the largest of seeds 0-39 (see ROUTER_DELTA)
 
-# layout name -> (processes, expert_model_parallel_size, use_distributed_optimizer)
-LAYOUTS = {
+# layout name -> (processes, expert_model_parallel_size, use_distributed_optimizer[, options]).
+# options: train-job fields (bucket_size, overlap_grad_reduce, global_batch_size), `steps` (default
+# STEPS) and `resume_from`: the layout whose final checkpoint this one resumes at its own layout,
+# continuing the same trajectory (its records and the reference's are the concatenation).
+BUCKET = 20_000  # elements: the tiny model's buffers split into several buckets (dense: 179k)
+LAYOUTS: dict[str, tuple] = {
     "ep1": (1, 1, True),
     "ep2": (2, 2, True),
     "dp2": (2, 1, True),
     "ep2xedp2": (4, 2, True),
     "ep2xedp2-replicated-opt": (4, 2, False),
+    "ep2xedp2-buckets-overlap": (4, 2, True, {"bucket_size": BUCKET, "overlap_grad_reduce": True}),
+    # the checkpoint of the run above, loaded where every shard boundary moved: EP=1 x expert-DP=4,
+    # buckets of another size, then one more step
+    "ep1xedp4-resumed": (4, 1, True, {"bucket_size": 3 * BUCKET // 2, "steps": 1,
+                                      "resume_from": "ep2xedp2-buckets-overlap"}),
+    # W=8: every rank one sample of a global batch of 8 = the file's 4 samples twice (two epochs per
+    # step), so the mean loss and its gradients are those of the 4-sample batch the reference uses
+    "ep4xedp2-buckets-overlap": (8, 4, True, {"bucket_size": BUCKET, "overlap_grad_reduce": True,
+                                              "global_batch_size": 2 * GLOBAL_BATCH, "steps": 1}),
 }
+
+
+def options(layout: str) -> dict[str, Any]:
+    spec = LAYOUTS[layout]
+    return dict(spec[3]) if len(spec) > 3 else {}
+
+
+def layout_steps(layout: str) -> int:
+    """Optimizer steps of the layout's trajectory (a resumed layout continues its source's)."""
+    opts = options(layout)
+    before = layout_steps(opts["resume_from"]) if "resume_from" in opts else 0
+    return before + opts.get("steps", STEPS)
 
 
 # --- fixture ------------------------------------------------------------------------------------
@@ -88,15 +113,24 @@ def windows(prefix: Path) -> torch.Tensor:
 def plan(layout: str, run_dir: Path, hf: Path, prefix: Path):
     from tests.train.jobs import train_job
 
-    _, ep, distributed_opt = LAYOUTS[layout]
-    return train_job(
-        run_dir, name=f"reference-{layout}",
+    _, ep, distributed_opt = LAYOUTS[layout][:3]
+    opts = options(layout)
+    source = opts.pop("resume_from", None)
+    opts.pop("steps", None)
+    # Every run saves at its end; a resumed run continues in its source's checkpoint folder.
+    ckpt = run_dir.parent / (source or layout) / "ckpt"
+    fields = dict(
         ep_size=ep, device="cpu", params_dtype="fp32", aux_loss_coeff=0.0, seq_length=SEQ, micro_batch_size=1,
-        global_batch_size=GLOBAL_BATCH, train_iters=STEPS, lr=LR, min_lr=LR, warmup_iters=0,
+        global_batch_size=GLOBAL_BATCH, train_iters=layout_steps(layout), lr=LR, min_lr=LR, warmup_iters=0,
         lr_decay_style="constant", weight_decay=WEIGHT_DECAY, adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_eps=EPS,
         clip_grad=CLIP, use_distributed_optimizer=distributed_opt, data_kind="tokens", data_path=str(prefix),
-        pretrained=str(hf), checkpoint_dir=None,
+        pretrained=str(hf), checkpoint_dir=str(ckpt) if (source or _resumed_by_some(layout)) else None,
     )
+    return train_job(run_dir, name=f"reference-{layout}", **{**fields, **opts})
+
+
+def _resumed_by_some(layout: str) -> bool:
+    return any(options(other).get("resume_from") == layout for other in LAYOUTS)
 
 
 # --- gptoss side (runs in the training processes) -------------------------------------------------
@@ -109,9 +143,11 @@ def recording_optimizer_steps(records: list[dict[str, Any]]):
         return {n: t.detach().clone() for n, t in module.named_checkpoint_slots()}
 
     def step(self, lr):
-        record = {"before": weights(self._module), "grads": named_grads(self._module), "lr_arg": lr}
+        buffers = list(dict.fromkeys(s.buffer for s in self.shards))  # in the same order on every rank
+        record = {"before": weights(self._module), "grads": named_grads(self._module, buffers), "lr_arg": lr}
         record["norm"] = real(self, lr)
         record["after"] = weights(self._module)
+        record["owned"] = self.owned()  # which elements of which parameter this rank stepped
         records.append(record)
         return record["norm"]
 
@@ -146,11 +182,19 @@ def run_layouts(folder: Path, layouts: list[str], hf: Path, prefix: Path) -> dic
     if world == 1:
         per_rank = [train_layouts(0, plans)]
     else:
-        per_rank = run_distributed(train_layouts, world, folder / "ranks", plans, timeout=600.0)
-    out = {}
+        # 4 or 8 workers start from a forkserver (dist_helpers.run_distributed): spawning them costs 10-20 s
+        preload = ("tests.train.reference", "gptoss_cli.train.loop") if world > 2 else None
+        per_rank = run_distributed(train_layouts, world, folder / "ranks", plans, timeout=600.0, preload=preload)
+    out: dict[str, dict[str, Any]] = {}
     for i, name in enumerate(layouts):
         rows = [json.loads(line) for line in (folder / name / "metrics.jsonl").read_text().splitlines()]
-        out[name] = {"ranks": [r[i] for r in per_rank], "metrics": rows, "world": world}
+        run = {"ranks": [r[i] for r in per_rank], "metrics": rows, "world": world}
+        source = options(name).get("resume_from")
+        if source is not None:  # one trajectory: the source's steps, then this layout's
+            run["resumed"] = True
+            run["ranks"] = [a + b for a, b in zip(out[source]["ranks"], run["ranks"])]
+            run["metrics"] = out[source]["metrics"] + rows
+        out[name] = run
     return out
 
 
@@ -269,7 +313,7 @@ def reference_steps(hf: Path, prefix: Path, run: dict[str, Any]) -> list[dict[st
             module.register_forward_hook(lambda m, i, o: routers.append((m, i[0].detach(), o[0].detach())))
     k = TINY.num_experts_per_tok
     out = []
-    for t in range(STEPS):
+    for t in range(len(run["ranks"][0])):
         before, before_spread = merge_ranks(run["ranks"], "before", t)
         grads, _ = merge_ranks(run["ranks"], "grads", t)
         after, after_spread = merge_ranks(run["ranks"], "after", t)
@@ -336,8 +380,9 @@ def compute_all(folder: Path, layouts: list[str]) -> dict[str, Any]:
         result[name] = {"metrics": run["metrics"], "world": run["world"],
                         "steps": reference_steps(hf, prefix, run),
                         "lr_args": [r["lr_arg"] for r in run["ranks"][0]],
-                        "norms_returned": [[r["norm"] for r in records] for records in run["ranks"]]}
+                        "norms_returned": [[r["norm"] for r in records] for records in run["ranks"]],
+                        "owned": [[r["owned"] for r in records] for records in run["ranks"]]}
     return result
 
 
-__all__ = ["compute_all", "LAYOUTS", "STEPS", "LR", "CLIP", "WEIGHT_DECAY", "DELTA", "ROUTER_DELTA", "hf_decays"]
+__all__ = ["compute_all", "LAYOUTS", "STEPS", "layout_steps", "LR", "CLIP", "WEIGHT_DECAY", "DELTA", "ROUTER_DELTA", "hf_decays"]

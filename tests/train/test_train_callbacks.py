@@ -47,8 +47,12 @@ def test_finalizer_never_runs_in_forward_only_evaluation(dp2_step):
 def test_distributed_adamw_applies_the_combined_gradient_on_every_shard(dp2_step):
     # Local contributions +1 (rank 0) and -3 (rank 1): the combined gradient is negative, so every
     # one of the 512 zero-initialised parameters increases, on both ranks, whichever rank owns it.
-    owned = [set(r["owned"]) for r in dp2_step]
-    assert owned[0] and owned[1] and owned[0].isdisjoint(owned[1])
+    # Each rank steps its own contiguous shard of the bucket; together they cover every element once.
+    owned = [r["owned"] for r in dp2_step]
+    assert owned[0] and owned[1]
+    for name in set(owned[0]) | set(owned[1]):
+        ranges = sorted(o[name] for o in owned if name in o)
+        assert ranges[0][0] == 0 and ranges[-1][1] == 64 and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
     for r in dp2_step:
         assert r["params"].numel() == 512
         assert bool((r["params"] > 0).all())

@@ -16,7 +16,7 @@ from gptoss_cli.parallel.state import ParallelState
 from gptoss_cli.model.config import preset
 from gptoss_cli.model.hybrid import HybridModel
 from tests.train.jobs import optimizer_config, train_job
-from gptoss_cli.train.optimizer import DistributedAdamW, WarmupCosineLR, decays, partition_contiguous
+from gptoss_cli.train.optimizer import DistributedAdamW, WarmupCosineLR, decays, flat_range_boxes
 
 TINY = preset("tiny")
 
@@ -41,7 +41,7 @@ def test_bf16_parameters_keep_fp32_master_weights():
         model.zero_grad_buffer()
         model(torch.ones(()).to(torch.bfloat16)).backward()
         opt.step(1e-4)
-    master = opt.master["weight"]
+    master = opt.state_dict()["weight.master"]
     assert master.dtype == torch.float32
     assert float(master[0, 0]) == pytest.approx(1.0 - 5e-4, abs=1e-6)  # 5 Adam steps of lr each
     assert torch.equal(model.module.weight, master.to(torch.bfloat16))  # bf16 cannot hold 0.9995: still 1.0
@@ -124,28 +124,34 @@ DECAY_SUFFIXES = (
 )
 
 
-def _groups_by_name(pattern: str, **model_kw) -> tuple[set[str], set[str], set[str]]:
-    """(all parameter names, decayed, not decayed) of DistributedAdamW on a real HybridModel."""
+def _decayed_by_one_step(pattern: str, **model_kw) -> tuple[set[str], set[str], set[str]]:
+    """(all parameter names, decayed, not decayed) after one step of DistributedAdamW with zero
+    gradients on a real HybridModel: Adam's update is then exactly 0, so a parameter changes only
+    by AdamW's decoupled decay, p <- p * (1 - lr * weight_decay), element by element."""
+    lr, wd = 0.25, 0.5
     module = HybridModel(TINY, pattern, **model_kw)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.fill_(1.0)
     opt = DistributedAdamW(GradAccumulatingModel(module, ParallelState()), ParallelState(),
-                           optimizer_config(weight_decay=0.1, clip_grad=0.0, use_distributed_optimizer=False), lr=1e-3)
-    name_of = {id(m): n for n, m in opt.master.items()}
-    by_decay: dict[float, set[str]] = {}
-    for group in opt.inner.param_groups:
-        names = [name_of[id(m)] for m in group["params"]]
-        assert len(set(names)) == len(names)
-        by_decay.setdefault(group["weight_decay"], set()).update(names)
-    assert set(by_decay) == {0.1, 0.0}
-    return {n for n, _ in module.named_parameters()}, by_decay[0.1], by_decay[0.0]
+                           optimizer_config(weight_decay=wd, clip_grad=0.0, use_distributed_optimizer=False), lr=lr)
+    opt.step(lr)
+    decayed, kept = set(), set()
+    for name, p in module.named_parameters():
+        if torch.equal(p, torch.full_like(p, 1.0 - lr * wd)):
+            decayed.add(name)
+        elif torch.equal(p, torch.ones_like(p)):
+            kept.add(name)
+    return {n for n, _ in module.named_parameters()}, decayed, kept
 
 
 @pytest.mark.parametrize("pattern,model_kw", [
     ("*E*E*E", {}),
     ("*E*-[*E]", {"expert_offset": 2, "num_local_experts": 2}),  # a dense MLP layer, an EP slice of experts
 ], ids=["moe", "dense-and-ep-slice"])
-def test_weight_decay_groups_by_parameter_name(pattern, model_kw):
-    names, decayed, kept = _groups_by_name(pattern, **model_kw)
-    assert decayed | kept == names and not decayed & kept  # every parameter in exactly one group
+def test_weight_decay_applies_by_parameter_name(pattern, model_kw):
+    names, decayed, kept = _decayed_by_one_step(pattern, **model_kw)
+    assert decayed | kept == names and not decayed & kept  # every element of every parameter one way
     assert kept == {n for n in names if n.endswith(NO_DECAY_SUFFIXES)}
     assert decayed == {n for n in names if n.endswith(DECAY_SUFFIXES)}
     # the stacked expert biases [E_local, out] are 2-D yet biases: the bug a shape rule had
@@ -165,8 +171,19 @@ def test_decay_rule_equals_megatrons_on_per_expert_checkpoint_tensors():
         assert decays(name) == (not (name.endswith(".bias") or tensor.dim() == 1)), name
 
 
-def test_optimizer_shards_are_contiguous_and_balanced():
-    owners = partition_contiguous([10, 10, 10, 10, 40], 2)
-    assert owners == [0, 0, 0, 0, 1]
-    assert partition_contiguous([1] * 8, 4) == [0, 0, 1, 1, 2, 2, 3, 3]
-    assert owners == sorted(owners)
+def test_a_flat_range_is_cut_into_boxes_that_cover_it_in_order():
+    """How a shard that cuts through a parameter is saved: its flat range of the row-major tensor
+    as boxes (what DCP stores), each box exactly the next contiguous run of the range."""
+    shape = (3, 4, 5)
+    for lo, hi in [(0, 60), (7, 8), (7, 53), (20, 40), (3, 18), (5, 5)]:
+        flat = torch.zeros(60, dtype=torch.long)
+        boxes = flat_range_boxes(lo, hi, shape)
+        assert len(boxes) <= 1 + 2 * (len(shape) - 1)
+        cursor = lo
+        for k, (offsets, sizes, a, b) in enumerate(boxes, start=1):
+            assert a == cursor and b > a
+            flat.view(shape)[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))] = k
+            assert bool((flat[a:b] == k).all()) and int((flat == k).sum()) == b - a
+            cursor = b
+        assert cursor == hi if boxes else lo == hi
+        assert torch.equal(flat > 0, (torch.arange(60) >= lo) & (torch.arange(60) < hi))

@@ -4,7 +4,10 @@ At world 2 the expert-data-parallel group has one rank, so reducing expert gradi
 norm over the expert replicas twice, or not at all, cannot show. Here every expert lives on two
 ranks. The finalised main_grad of every parameter and the pre-clip norm are compared with
 transformers' gradients at the same weights (a gradient defect would not show in the weights:
-AdamW is scale-invariant), with the optimizer state sharded over DP (the default) and replicated.
+AdamW is scale-invariant), and every update with torch's AdamW from the same weights and
+gradients, with the optimizer state sharded (one bucket per buffer; several buckets with the
+reduction overlapped with backward) and replicated; then the sharded run's checkpoint is resumed at
+EP=1 x expert-DP=4 with other buckets, where every shard boundary has moved, for one more step.
 Method and error model: `tests/train/reference.py`. One 4-process launch serves every test here.
 """
 
@@ -15,7 +18,7 @@ import pytest
 from tests.train import reference as R
 from tests.train.dist_helpers import once_per_session
 
-LAYOUTS = ["ep2xedp2", "ep2xedp2-replicated-opt"]
+LAYOUTS = ["ep2xedp2", "ep2xedp2-replicated-opt", "ep2xedp2-buckets-overlap", "ep1xedp4-resumed"]
 
 
 @pytest.fixture(scope="module")
@@ -60,3 +63,41 @@ def test_world4_later_steps_match_transformers_and_torch_adamw(runs):
 def test_world4_expert_and_dense_replicas_stay_identical(runs):
     for layout in LAYOUTS:
         assert all(s["replica_spread"] == 0.0 for s in runs[layout]["steps"]), layout
+
+
+
+def cuts(owned_per_rank: list[dict[str, tuple[int, int]]]) -> dict[str, list[tuple[int, int]]]:
+    """Parameters that a shard boundary cuts: stepped in parts by several ranks, with their ranges."""
+    held: dict[str, list[tuple[int, int]]] = {}
+    for owned in owned_per_rank:
+        for name, rng in owned.items():
+            held.setdefault(name, []).append(rng)
+    return {n: sorted(r) for n, r in held.items() if len(set(r)) > 1}
+
+
+def test_world4_sharded_runs_cut_parameters_and_every_element_is_stepped_once(runs):
+    for layout in ("ep2xedp2", "ep2xedp2-buckets-overlap", "ep1xedp4-resumed"):
+        owned = [steps[-1] for steps in runs[layout]["owned"]]
+        cut = cuts(owned)
+        assert cut, layout  # the premise: shards cut through parameters
+        for name, ranges in cut.items():  # the parts tile the parameter
+            assert ranges[0][0] == 0 and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])), (layout, name)
+    replicated = [steps[0] for steps in runs["ep2xedp2-replicated-opt"]["owned"]]
+    # replicated state: every rank steps whole tensors, the same ones as its expert-DP replica
+    assert not cuts(replicated) and all(lo == 0 for o in replicated for lo, _ in o.values())
+    assert replicated[0] == replicated[2] and replicated[1] == replicated[3] != replicated[0]
+
+
+def test_world4_checkpoint_resumes_where_every_shard_boundary_moved(runs):
+    """Step 4 of the resumed run (EP=1 x expert-DP=4, other buckets) starts from the state the
+    EP=2 run saved after step 3: its update equals torch's AdamW continuing with the moments of
+    steps 1-3 (checked with every step in test_world4_later_steps_match_transformers_and_torch_adamw),
+    which a lost, misplaced or re-initialised piece of master weight or moment would break."""
+    saved = runs["ep2xedp2-buckets-overlap"]
+    resumed = runs["ep1xedp4-resumed"]
+    assert [len(saved["steps"]), len(resumed["steps"])] == [3, 4]
+    before = cuts([steps[-1] for steps in saved["owned"]])
+    after = cuts([steps[-1] for steps in resumed["owned"]])
+    assert before != after and set(before) != set(after)
+    assert rows(resumed)[3]["step"] == 4 and resumed["steps"][3]["update_excess"]
+    assert [m["loss"] for m in rows(resumed)[:3]] == [m["loss"] for m in rows(saved)]

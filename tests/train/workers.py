@@ -205,7 +205,7 @@ def _callbacks_run(rank: int, microbatches: int, install_on_provider: bool = Fal
         schedule(forward_step_func=step_fn, data_iterator=iter(range(microbatches)), model=setup.model,
                  num_microbatches=microbatches, forward_only=True)
         inner = unwrap_model(setup.model)
-        owned = sorted(setup.optimizer.master)
+        owned = setup.optimizer.owned()
         return {
             "train_calls": train_calls, "calls_after_eval": len(calls), "calls": calls,
             "model_id": id(setup.model), "params": torch.cat([w.detach().flatten() for w in inner.weights]),

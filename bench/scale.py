@@ -1,0 +1,162 @@
+"""Scale simulator: what one rank of a recipe holds and which collectives one training step makes,
+at the recipe's world size and EP size, in one process.
+
+The real model of the rank (on the meta device), its bucketed gradient and parameter buffers, the
+distributed optimizer, `finalize_model_grads` and the MoE dispatcher run on torch's fake process
+group; every collective is recorded (gptoss_cli/train/simulate.py says what is real and what is
+simulated). Memory is read from the real buffers and optimizer shards; activations are the
+formula of gptoss_cli/recipe/memory.py, printed with it. `--sweep` repeats the simulation at other
+world sizes to show that the optimizer makes two collectives per bucket whatever W.
+
+    python bench/scale.py --recipe gb200_bf16
+    python bench/scale.py --recipe gpt_oss_20b_pretrain --ranks 0,7 --sweep 8,16,32 --json scale.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+from gptoss_cli.model.pattern import ATTENTION, MLP, MOE
+from gptoss_cli.recipe import load_recipe
+from gptoss_cli.recipe.memory import DTYPE_BYTES, activation_bytes_per_token, estimate_memory, size_text
+from gptoss_cli.recipe.sizes import resolve_world_size
+from gptoss_cli.train.simulate import RankSimulation, simulate_rank
+
+MEMORY_ROWS = [("params", "parameters"), ("grads", "gradients (fp32 main_grad)"),
+               ("optimizer.master", "optimizer: fp32 master"), ("optimizer.exp_avg", "optimizer: exp_avg (fp32)"),
+               ("optimizer.exp_avg_sq", "optimizer: exp_avg_sq (fp32)")]
+
+
+def memory_table(sims: list[RankSimulation], est) -> list[str]:
+    head = f"{'per-rank memory':<34}" + "".join(f"{'rank ' + str(s.rank):>12}" for s in sims) + f"{'estimate':>12}"
+    lines = [head]
+    estimate = {"params": est.bytes_of("params"), "grads": est.bytes_of("grads")}
+    opt = est.bytes_of("optimizer")
+    for kind in ("master", "exp_avg", "exp_avg_sq"):
+        estimate[f"optimizer.{kind}"] = opt / 3
+    for key, label in MEMORY_ROWS:
+        lines.append(f"{label:<34}" + "".join(f"{size_text(s.memory[key]):>12}" for s in sims)
+                     + f"{size_text(estimate[key]):>12}")
+    state = [sum(s.memory.values()) for s in sims]
+    lines.append(f"{'state':<34}" + "".join(f"{size_text(b):>12}" for b in state)
+                 + f"{size_text(sum(estimate.values())):>12}")
+    for it in est.items:
+        if it.key.startswith(("activations", "transient")):
+            lines.append(f"{it.label:<34}" + " " * 12 * len(sims) + f"{size_text(it.bytes):>12}")
+    lines.append(f"{'peak estimate':<34}" + " " * 12 * len(sims) + f"{size_text(est.total_bytes):>12}")
+    if est.capacity_bytes:
+        lines.append(f"  {100 * est.fraction:.0f}% of the {est.gpu.upper()}'s {est.capacity_bytes / 1e9:.0f} GB")
+    return lines
+
+
+def formula_lines(cfg, arch) -> list[str]:
+    b = DTYPE_BYTES[cfg.precision.params_dtype]
+    per = activation_bytes_per_token(arch, b, aux_loss=cfg.moe.aux_loss_coeff > 0)
+    h, i, k, v = arch.hidden_size, arch.intermediate_size, arch.num_experts_per_tok, arch.vocab_size
+    return [
+        f"activations per token (b = {b} B params dtype, h = {h}, I = {i}, k = {k}, V = {v}, "
+        f"{arch.num_attention_heads} q / {arch.num_key_value_heads} kv heads of {arch.head_dim}; "
+        "gptoss_cli/recipe/memory.py):",
+        f"  attention layer  8h + b*h + b*(nh*d' + kv*d' + kv*d + nh*d) + 4*nh + b*nh*d = {per[ATTENTION]:,.0f} B",
+        f"  MoE layer        8h + b*h + k*(b*(4h + 7I) + 16 + b) + 8k + b*k (+ 4E aux) = {per[MOE]:,.0f} B",
+        f"  dense MLP layer  8h + b*h + 7*b*I = {per[MLP]:,.0f} B",
+        f"  head             8h + b*h = {per['head']:,.0f} B;  logits and loss  (b + 12)*V = {per['logits']:,.0f} B",
+    ]
+
+
+def collective_rows(sim: RankSimulation) -> list[dict]:
+    rows: dict[tuple, dict] = {}
+    for phase, c, times in sim.collectives():
+        r = rows.setdefault((phase, c.op, c.group, c.group_size), {
+            "phase": phase, "op": c.op, "group": c.group, "group_size": c.group_size, "calls_per_step": 0,
+            "min_bytes": c.payload_bytes, "max_bytes": c.payload_bytes, "sent_bytes_per_step": 0.0})
+        r["calls_per_step"] += times
+        r["min_bytes"] = min(r["min_bytes"], c.payload_bytes)
+        r["max_bytes"] = max(r["max_bytes"], c.payload_bytes)
+        r["sent_bytes_per_step"] += c.wire_bytes * times
+    return list(rows.values())
+
+
+def collective_table(sim: RankSimulation) -> list[str]:
+    lines = [f"{'phase':<44}{'op':<16}{'group':<16}{'calls/step':>11}{'bytes/call':>22}{'sent/step':>12}"]
+    for r in collective_rows(sim):
+        size = (size_text(r["min_bytes"]) if r["min_bytes"] == r["max_bytes"]
+                else f"{size_text(r['min_bytes'])}-{size_text(r['max_bytes'])}")
+        lines.append(f"{r['phase']:<44}{r['op']:<16}{r['group'] + ' (' + str(r['group_size']) + ')':<16}"
+                     f"{r['calls_per_step']:>11,}{size:>22}{size_text(r['sent_bytes_per_step']):>12}")
+    lines.append(f"{'total':<76}{sim.count():>11,}{'':>22}{size_text(sim.wire_bytes()):>12}")
+    return lines
+
+
+def optimizer_collectives(sim: RankSimulation) -> dict:
+    rs = sim.count("reduce_scatter", "finalize_model_grads")
+    ag = sim.count("all_gather", "optimizer step")
+    ar = sim.count("all_reduce", "optimizer step")
+    sharded = [g for g, size in (("dense", sim.world_size), ("expert", sim.expert_dp_size)) if size > 1]
+    buckets = sum(sim.buckets[g] for g in sharded)
+    return {"world_size": sim.world_size, "buckets": dict(sim.buckets), "reduced_buckets": buckets,
+            "reduce_scatter": rs, "all_gather": ag, "all_reduce": ar,
+            "per_bucket": (rs + ag) / buckets if buckets else 0.0}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--recipe", default="gb200_bf16", help="recipe name or YAML path")
+    p.add_argument("overrides", nargs="*", help="key=value recipe overrides")
+    p.add_argument("--world-size", type=int, default=None, help="default: the recipe's")
+    p.add_argument("--ranks", default=None, help="ranks to simulate, e.g. 0,63 (default: first and last)")
+    p.add_argument("--sweep", default=None, help="also simulate rank 0 at these world sizes, e.g. 64,128,256")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args()
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    cfg, arch = recipe.config, recipe.arch
+    world, _ = resolve_world_size(cfg, args.world_size)
+    ranks = [int(r) for r in args.ranks.split(",")] if args.ranks else sorted({0, world - 1})
+    sims = [simulate_rank(cfg, arch, recipe.pattern, world, r) for r in ranks]
+    est = estimate_memory(cfg, arch, recipe.pattern, world)
+    s0 = sims[0]
+    bucket = cfg.optimizer.bucket_size or "Megatron's default max(40M, 1M x DP)"
+    name = cfg.name or args.recipe
+    print(f"{name}: {cfg.model.preset or 'model'}, world {world} = expert-DP {s0.expert_dp_size} x EP {s0.ep_size}, "
+          f"{cfg.precision.params_dtype}, {'distributed' if cfg.optimizer.use_distributed_optimizer else 'replicated'} "
+          f"optimizer, buckets of {bucket} elements ({s0.buckets['dense']} dense, {s0.buckets['expert']} expert)")
+    print(f"simulated rank(s) {', '.join(map(str, ranks))} on torch's fake process group: meta tensors, the real "
+          "buffers, optimizer, finaliser and dispatcher; balanced routing\n")
+    for line in memory_table(sims, est):
+        print(line)
+    print()
+    for line in formula_lines(cfg, arch):
+        print(line)
+    print(f"\ncollectives per step, rank {s0.rank} ({s0.microbatches} microbatches of {s0.tokens_per_microbatch:,} "
+          f"tokens, {s0.moe_layers} MoE layers; sent = bytes this rank puts on the wire, ring algorithms)")
+    for line in collective_table(s0):
+        print(line)
+    opt = optimizer_collectives(s0)
+    print(f"\noptimizer: {opt['reduce_scatter']} reduce-scatters + {opt['all_gather']} all-gathers for "
+          f"{opt['reduced_buckets']} buckets reduced over a group of more than one rank ({opt['per_bucket']:g} per "
+          f"bucket) + {opt['all_reduce']} all-reduce (gradient norm)")
+    sweep = []
+    if args.sweep:
+        print(f"\n{'world':>6}{'buckets':>10}{'reduce-scatter':>16}{'all-gather':>12}{'all-reduce':>12}{'per bucket':>12}")
+        for w in (int(x) for x in args.sweep.split(",")):
+            o = optimizer_collectives(simulate_rank(cfg, arch, recipe.pattern, w, 0))
+            sweep.append(o)
+            print(f"{w:>6}{o['reduced_buckets']:>10}{o['reduce_scatter']:>16}{o['all_gather']:>12}{o['all_reduce']:>12}"
+                  f"{o['per_bucket']:>12g}")
+    if args.json:
+        args.json.write_text(json.dumps({
+            "recipe": name, "world_size": world, "ranks": [
+                {"rank": s.rank, "memory": s.memory, "buckets": s.buckets} for s in sims],
+            "estimate": est.to_dict() if est else None, "collectives": collective_rows(s0),
+            "collectives_per_step": s0.count(), "sent_bytes_per_step": s0.wire_bytes(),
+            "optimizer": opt, "sweep": sweep,
+        }, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

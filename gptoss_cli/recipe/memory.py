@@ -1,0 +1,295 @@
+"""Per-GPU memory of a recipe at its layout, from formulas: what validate-config and train's pre-flight
+check judge (rule `memory.fits`) and what bench/scale.py prints next to the real buffers.
+
+Pure Python: validation must not need torch. The layout is gptoss train's (DP x EP, no TP/PP/CP):
+
+- Parameters and gradients live in one flat buffer per reduction group (dense: DP = world;
+  experts: expert-DP = world / EP), of the parameters' dtype and of fp32 (`main_grad`), split into
+  buckets of whole parameters, each padded to a multiple of ALIGN x shards elements
+  (gptoss_cli/parallel/grads.py; `buffer_numel` mirrors its layout exactly).
+- The optimizer keeps an fp32 master copy and two fp32 Adam moments (12 bytes per element) of its
+  shard of every bucket: 1/DP of the dense buffer and 1/expert-DP of the expert buffer with
+  `optimizer.use_distributed_optimizer`, all of both without it.
+- Activations per microbatch: what autograd saves for backward, per token, summed over layers
+  (`activation_bytes_per_token`; t = micro_batch_size x seq_length tokens; b = bytes of the
+  params dtype). Attention's core is counted as a fused kernel (q, k, v, output, log-sum-exp), the
+  GPU path; the CPU's math path also saves the attention probabilities. The overlap schedule
+  (combined 1F1B) holds one more layer of another microbatch. FP8 recipes are estimated as if the
+  saved activations were in the params dtype (an upper bound). Recompute is not modelled.
+- Transients: the logits and the loss's fp32 tensors at the start of backward, and the largest
+  parameter's gradient before it is added into its buffer.
+
+Not included: the CUDA context, NCCL and allocator slack; the 90% warning leaves room for them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from gptoss_cli.model.config import GptOssArch
+from gptoss_cli.model.pattern import ATTENTION, MLP, MOE, HybridPattern, parse_pattern
+from gptoss_cli.recipe.schema import RecipeConfig
+
+GB = 1e9
+# Memory of one GPU of each `system.gpu` generation, in GB (10^9 bytes), as the vendors state it.
+GPU_MEMORY_GB = {"h100": 80, "h200": 141, "b200": 180, "gb200": 186, "gb300": 288}
+WARN_FRACTION = 0.9
+ALIGN = 64  # gptoss_cli.parallel.grads.ALIGN: buckets are multiples of ALIGN x shards elements
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+FP32 = 4
+ADAM_STATE_BYTES = 3 * FP32  # fp32 master, exp_avg, exp_avg_sq
+
+
+def default_bucket_size(dp_size: int) -> int:
+    """Megatron's default bucket size in elements: max(40M, 1M x data-parallel size)."""
+    return max(40_000_000, 1_000_000 * dp_size)
+
+
+def size_text(n: float) -> str:
+    """Bytes in GB, MB or KB (powers of 10), or B."""
+    for unit, scale in (("GB", GB), ("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+# --- parameters -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str
+    numel: int
+    expert: bool  # reduced over expert-DP (a slice of the experts), else over DP
+
+
+def parameter_layout(arch: GptOssArch, pattern: HybridPattern | str, num_local_experts: int | None = None
+                     ) -> list[ParamSpec]:
+    """One rank's parameters in `HybridModel.named_parameters()` order, with its `num_local_experts`
+    experts per MoE layer (default: all)."""
+    pattern = parse_pattern(pattern) if isinstance(pattern, str) else pattern
+    h, i, e = arch.hidden_size, arch.intermediate_size, arch.num_local_experts
+    e_loc = e if num_local_experts is None else num_local_experts
+    attn_width = arch.num_attention_heads * arch.head_dim
+    out = [ParamSpec("embedding.word_embeddings.weight", arch.vocab_size * h, False)]
+    for j, symbol in enumerate(pattern.layers):
+        p = f"decoder.layers.{j}."
+        if symbol == ATTENTION:
+            out += [ParamSpec(p + "self_attention.linear_qkv.layer_norm_weight", h, False),
+                    ParamSpec(p + "self_attention.linear_qkv.weight", arch.qkv_rows * h, False),
+                    ParamSpec(p + "self_attention.linear_qkv.bias", arch.qkv_rows, False),
+                    ParamSpec(p + "self_attention.core_attention.softmax_offset", arch.num_attention_heads, False),
+                    ParamSpec(p + "self_attention.linear_proj.weight", h * attn_width, False),
+                    ParamSpec(p + "self_attention.linear_proj.bias", h, False)]
+        elif symbol == MOE:
+            out += [ParamSpec(p + "pre_mlp_layernorm.weight", h, False),
+                    ParamSpec(p + "mlp.router.weight", e * h, False),
+                    ParamSpec(p + "mlp.router.bias", e, False),
+                    ParamSpec(p + "mlp.experts.linear_fc1.weight", e_loc * 2 * i * h, True),
+                    ParamSpec(p + "mlp.experts.linear_fc1.bias", e_loc * 2 * i, True),
+                    ParamSpec(p + "mlp.experts.linear_fc2.weight", e_loc * h * i, True),
+                    ParamSpec(p + "mlp.experts.linear_fc2.bias", e_loc * h, True)]
+        elif symbol == MLP:
+            out += [ParamSpec(p + "pre_mlp_layernorm.weight", h, False),
+                    ParamSpec(p + "mlp.linear_fc1.weight", 2 * i * h, False),
+                    ParamSpec(p + "mlp.linear_fc1.bias", 2 * i, False),
+                    ParamSpec(p + "mlp.linear_fc2.weight", h * i, False),
+                    ParamSpec(p + "mlp.linear_fc2.bias", h, False)]
+    out += [ParamSpec("decoder.final_norm.weight", h, False),
+            ParamSpec("output_layer.weight", arch.vocab_size * h, False)]
+    return out
+
+
+def buffer_numel(numels: list[int], shards: int, bucket_size: int) -> tuple[int, int]:
+    """(elements, buckets) of a gradient buffer holding parameters of these sizes (in model order):
+    reverse order, a bucket closes once it holds >= bucket_size elements, each padded to a
+    multiple of ALIGN x shards (the layout of gptoss_cli/parallel/grads.py's GradBuffer)."""
+    total = buckets = 0
+    current = 0
+    for k, n in enumerate(reversed(numels)):
+        current += n
+        if current >= bucket_size or k == len(numels) - 1:
+            total += -(-current // (ALIGN * shards)) * ALIGN * shards
+            buckets += 1
+            current = 0
+    return total, buckets
+
+
+# --- activations ----------------------------------------------------------------------------------
+def attention_head_dim_padded(head_dim: int) -> int:
+    """q and k carry one extra feature for the sinks, padded to a multiple of 8 (model/attention.py)."""
+    return -(-(head_dim + 1) // 8) * 8
+
+
+def attention_core_bytes_per_token(arch: GptOssArch, b: int) -> float:
+    """What a fused attention kernel saves per token: q (nh x d') and k (kv x d') with the sink
+    feature, v (kv x d) and the output (nh x d) in the params dtype, the fp32 log-sum-exp per head."""
+    nh, kv, d = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
+    dp = attention_head_dim_padded(d)
+    return b * (nh * dp + kv * dp + kv * d + nh * d) + 4 * nh
+
+
+def activation_bytes_per_token(arch: GptOssArch, b: int, aux_loss: bool) -> dict[str, float]:
+    """Bytes autograd saves per token for each layer kind (b = bytes of the params dtype).
+
+    norm (fp32 RMSNorm): the fp32 input and the fp32 normalised input          8h
+    attention (`*`):  norm + qkv GEMM input b*h + fused attention's q (nh x d'), k (kv x d'),
+                      v (kv x d), output (nh x d) in b, log-sum-exp 4*nh; out-projection input
+                      b*nh*d                       (d = head_dim, d' = head_dim + 1 padded to 8)
+    MoE (`E`):        norm + router input b*h + per routed copy (k of them): fc1 input b*h,
+                      fc1 output b*2I, the clamped SwiGLU's saved tensors 5*b*I (clamped gate,
+                      sigmoid, gate*sigmoid, up+1, the activation = fc2 input), fc2 output b*h
+                      (kept for the routing weight) and the weighted rows b*h (index_add keeps
+                      its source), permutation indices 2*8, routing weight b; top-k indices 8k
+                      and weights b*k; with the aux loss the fp32 router probabilities 4E
+    dense MLP (`-`):  norm + fc1 input b*h + fc1 output b*2I + SwiGLU 5*b*I
+    head:             final norm + output-layer input b*h
+    logits and loss:  the logits b*V (held until the microbatch's backward), cross-entropy's fp32
+                      log-probabilities 4V, and at the start of backward their fp32 gradients 2*4V
+    """
+    h, i, v, k, e = arch.hidden_size, arch.intermediate_size, arch.vocab_size, arch.num_experts_per_tok, arch.num_local_experts
+    norm = 8 * h
+    return {
+        ATTENTION: norm + b * h + attention_core_bytes_per_token(arch, b) + b * arch.num_attention_heads * arch.head_dim,
+        MOE: norm + b * h + k * (b * h + 2 * b * i + 5 * b * i + 2 * b * h + 2 * 8 + b) + 8 * k + b * k
+        + (4 * e if aux_loss else 0),
+        MLP: norm + b * h + 2 * b * i + 5 * b * i,
+        "head": norm + b * h,
+        "logits": b * v + 4 * v + 2 * 4 * v,
+    }
+
+
+# --- the estimate ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MemoryItem:
+    key: str
+    label: str
+    bytes: float
+    formula: str
+    knobs: str  # the recipe fields that shrink it
+
+
+@dataclass
+class MemoryEstimate:
+    """Per-GPU memory of one rank (every rank holds the same amounts in this layout)."""
+
+    items: list[MemoryItem]
+    world_size: int
+    ep_size: int
+    dp_size: int
+    expert_dp_size: int
+    tokens_per_microbatch: int
+    buckets: dict[str, int]
+    gpu: str = "auto"
+    capacity_bytes: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total_bytes(self) -> float:
+        return sum(it.bytes for it in self.items)
+
+    def bytes_of(self, prefix: str) -> float:
+        return sum(it.bytes for it in self.items if it.key == prefix or it.key.startswith(prefix + "."))
+
+    @property
+    def fraction(self) -> float | None:
+        return self.total_bytes / self.capacity_bytes if self.capacity_bytes else None
+
+    def biggest(self, n: int = 3) -> list[MemoryItem]:
+        return sorted(self.items, key=lambda it: -it.bytes)[:n]
+
+    def summary(self) -> str:
+        """One line: total, the GPU's share, the biggest items."""
+        cap = (f" of the {self.gpu.upper()}'s {self.capacity_bytes / GB:.0f} GB ({100 * self.fraction:.0f}%)"
+               if self.capacity_bytes else "")
+        top = ", ".join(f"{it.label} {size_text(it.bytes)}" for it in self.biggest(3))
+        return f"{size_text(self.total_bytes)} per GPU{cap}; biggest: {top}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "total_gb": self.total_bytes / GB,
+            "capacity_gb": self.capacity_bytes / GB if self.capacity_bytes else None,
+            "fraction": self.fraction,
+            "gpu": self.gpu,
+            "world_size": self.world_size, "ep_size": self.ep_size, "dp_size": self.dp_size,
+            "expert_dp_size": self.expert_dp_size, "tokens_per_microbatch": self.tokens_per_microbatch,
+            "buckets": dict(self.buckets),
+            "items": [{**asdict(it), "gb": it.bytes / GB} for it in self.items],
+            "notes": list(self.notes),
+        }
+
+
+def estimate_memory(cfg: RecipeConfig, arch: GptOssArch, pattern: HybridPattern | str, world_size: int,
+                    gpu: str | None = None) -> MemoryEstimate | None:
+    """The per-GPU estimate of `cfg` at `world_size`; None when the layout is not DP x EP (TP, PP,
+    CP or ETP above 1: not what gptoss train runs) or the sizes do not divide."""
+    par = cfg.parallelism
+    if (par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.context_parallel_size,
+            par.expert_tensor_parallel_size) != (1, 1, 1, 1):
+        return None
+    ep = par.expert_model_parallel_size
+    if world_size < 1 or ep < 1 or world_size % ep or arch.num_local_experts % ep:
+        return None
+    pattern = parse_pattern(pattern) if isinstance(pattern, str) else pattern
+    b = DTYPE_BYTES[cfg.precision.params_dtype]
+    dp, edp = world_size, world_size // ep
+    opt = cfg.optimizer
+    distributed = opt.use_distributed_optimizer
+    layout = parameter_layout(arch, pattern, arch.num_local_experts // ep)
+    dense_numels = [p.numel for p in layout if not p.expert]
+    expert_numels = [p.numel for p in layout if p.expert]
+    dense_shards, expert_shards = (dp, edp) if distributed else (1, 1)
+    dense_n, dense_buckets = buffer_numel(dense_numels, dense_shards, opt.bucket_size or default_bucket_size(dp))
+    expert_n, expert_buckets = (buffer_numel(expert_numels, expert_shards, opt.bucket_size or default_bucket_size(edp))
+                                if expert_numels else (0, 0))
+    t = cfg.training.micro_batch_size * cfg.training.seq_length
+    per_token = activation_bytes_per_token(arch, b, aux_loss=cfg.moe.aux_loss_coeff > 0)
+    counts = {s: pattern.layers.count(s) for s in (ATTENTION, MOE, MLP)}
+    dtype = cfg.precision.params_dtype
+    ep_knob = "parallelism.expert_model_parallel_size (fewer experts per GPU)"
+    act_knob = "training.micro_batch_size, training.seq_length"
+    shard_knob = ("optimizer.use_distributed_optimizer=true" if not distributed
+                  else "more GPUs (larger data-parallel groups shard it thinner)")
+    items = [
+        MemoryItem("params", f"parameters ({dtype})", b * (dense_n + expert_n),
+                   f"{b} B x ({dense_n:,} dense + {expert_n:,} expert elements, buckets padded)", ep_knob),
+        MemoryItem("grads", "gradients (fp32)", FP32 * (dense_n + expert_n),
+                   f"4 B x ({dense_n:,} + {expert_n:,})", ep_knob),
+        MemoryItem("optimizer.dense", "Adam state, dense (fp32 master, 2 moments)",
+                   ADAM_STATE_BYTES * dense_n / dense_shards, f"12 B x {dense_n:,} / {dense_shards}", shard_knob),
+        MemoryItem("optimizer.expert", "Adam state, experts (fp32 master, 2 moments)",
+                   ADAM_STATE_BYTES * expert_n / expert_shards, f"12 B x {expert_n:,} / {expert_shards}",
+                   f"{ep_knob}; {shard_knob}"),
+    ]
+    names = {ATTENTION: "attention", MOE: "MoE", MLP: "dense MLP"}
+    for s in (ATTENTION, MOE, MLP):
+        if counts[s]:
+            items.append(MemoryItem(f"activations.{names[s].split()[0].lower()}", f"activations, {names[s]} layers",
+                                    counts[s] * t * per_token[s],
+                                    f"{counts[s]} layers x {t:,} tokens x {per_token[s]:,.0f} B", act_knob))
+    items.append(MemoryItem("activations.head", "activations, head", t * per_token["head"],
+                            f"{t:,} tokens x {per_token['head']:,.0f} B", act_knob))
+    items.append(MemoryItem("activations.logits", "logits and loss",
+                            t * per_token["logits"], f"{t:,} tokens x (b + 12) x {arch.vocab_size:,} B", act_knob))
+    if cfg.overlap.overlap_moe_expert_parallel_comm:
+        layer = max(per_token[s] for s in (ATTENTION, MOE, MLP) if counts[s])
+        items.append(MemoryItem("activations.overlap", "activations, 1 layer more (overlap)",
+                                t * layer, f"{t:,} tokens x {layer:,.0f} B",
+                                f"{act_knob}; overlap.overlap_moe_expert_parallel_comm=false"))
+    largest = max(p.numel for p in layout)
+    items.append(MemoryItem("transient.grad", "largest parameter .grad", b * largest,
+                            f"{b} B x {largest:,}", "-"))
+    notes = []
+    if cfg.precision.fp8_recipe != "none":
+        notes.append("FP8: saved activations estimated in the params dtype (an upper bound)")
+    if cfg.recompute.recompute_granularity != "none":
+        notes.append("activation recompute is not modelled (an upper bound)")
+    gpu = gpu or cfg.system.gpu
+    cap = GPU_MEMORY_GB.get(gpu)
+    return MemoryEstimate(items=items, world_size=world_size, ep_size=ep, dp_size=dp, expert_dp_size=edp,
+                          tokens_per_microbatch=t, buckets={"dense": dense_buckets, "expert": expert_buckets},
+                          gpu=gpu, capacity_bytes=cap * GB if cap else None, notes=notes)
+
+
+__all__ = ["GB", "size_text", "GPU_MEMORY_GB", "WARN_FRACTION", "ALIGN", "ParamSpec", "parameter_layout", "buffer_numel",
+           "activation_bytes_per_token", "attention_core_bytes_per_token", "default_bucket_size", "MemoryItem", "MemoryEstimate", "estimate_memory"]

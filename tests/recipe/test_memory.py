@@ -1,0 +1,141 @@
+"""The memory formulas (gptoss_cli/recipe/memory.py) against the real model, buffers and autograd."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gptoss_cli.model.config import preset
+from gptoss_cli.model.hybrid import HybridModel, token_cross_entropy
+from gptoss_cli.model.pattern import ATTENTION, MLP, MOE
+from gptoss_cli.parallel.grads import ALIGN, GradAccumulatingModel, GradBufferConfig, is_expert_param
+from gptoss_cli.parallel.state import ParallelState
+from gptoss_cli.recipe import load_recipe, validate_recipe
+from gptoss_cli.recipe import memory as M
+
+TINY = preset("tiny")
+
+
+@pytest.mark.parametrize("pattern,ep", [("*E*E*E", 1), ("*E*-[*E]", 2)], ids=["moe", "dense-mlp-and-ep-slice"])
+def test_parameter_layout_is_the_models_named_parameters(pattern, ep):
+    n_local = TINY.num_local_experts // ep
+    model = HybridModel(TINY, pattern, expert_offset=0, num_local_experts=n_local, device="meta")
+    want = [(n, p.numel(), is_expert_param(n, p)) for n, p in model.named_parameters()]
+    assert [(p.name, p.numel, p.expert) for p in M.parameter_layout(TINY, pattern, n_local)] == want
+
+
+@pytest.mark.parametrize("name,total", [("gpt_oss_20b", 20.9e9), ("gpt_oss_120b", 116.8e9)])
+def test_parameter_totals_are_the_published_sizes(name, total):
+    # docs/architecture.md, "Sizes": 20.9B and 116.8B parameters in total
+    arch = preset(name)
+    count = sum(p.numel for p in M.parameter_layout(arch, arch.hybrid_layer_pattern))
+    assert round(count / 1e8) == round(total / 1e8)
+
+
+def test_buffer_layout_equals_the_gradient_buffers():
+    model = HybridModel(TINY, device="meta")
+    wrapped = GradAccumulatingModel(model, ParallelState(device=torch.device("meta")), GradBufferConfig(bucket_size=20_000))
+    layout = M.parameter_layout(TINY, TINY.hybrid_layer_pattern)
+    for buf, expert in ((wrapped.grad_buffers.dense, False), (wrapped.grad_buffers.expert, True)):
+        numel, buckets = M.buffer_numel([p.numel for p in layout if p.expert == expert], 1, 20_000)
+        assert (buf.numel, len(buf.buckets)) == (numel, buckets) and len(buf.buckets) > 1
+        assert all(b.numel % ALIGN == 0 for b in buf.buckets)
+    assert M.ALIGN == ALIGN
+
+
+def saved_bytes_per_layer(arch, pattern: str, tokens: int) -> dict[str, int]:
+    """Bytes of the tensors autograd saves for backward during one forward in bf16, by the layer that
+    saved them (parameters excluded, each storage once); attention's core (SDPA) apart: on the CPU
+    it runs the math path, not a fused kernel."""
+    torch.manual_seed(0)
+    model = HybridModel(arch, pattern, dtype=torch.bfloat16).train()
+    model.aux_loss_coef = 0.01
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, tuple[str, int]] = {}
+    label = ["embedding"]
+
+    def enter(name):
+        return lambda *_: label.__setitem__(0, name)
+
+    for j, layer in enumerate(model.decoder.layers):
+        layer.register_forward_pre_hook(enter(f"{j}{pattern[j]}"))
+        if pattern[j] == ATTENTION:
+            core = layer.self_attention.core_attention
+            core.register_forward_pre_hook(enter("core"))
+            core.register_forward_hook(enter(f"{j}{pattern[j]}"))
+    model.decoder.final_norm.register_forward_pre_hook(enter("head"))
+
+    def pack(t):
+        key = t.untyped_storage().data_ptr()
+        if key not in params and key not in seen:
+            seen[key] = (label[0], t.untyped_storage().nbytes())
+        return t
+
+    ids = torch.randint(0, arch.vocab_size, (2, tokens // 2))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(ids)
+        label[0] = "loss"
+        token_cross_entropy(out.logits, ids, reduction="sum")
+    totals: dict[str, int] = {}
+    for lab, nbytes in seen.values():
+        totals[lab] = totals.get(lab, 0) + nbytes
+    return totals
+
+
+def test_activation_formula_equals_what_autograd_saves():
+    """Per layer kind, the formula's bytes per token against the measured saved tensors (2%: the
+    norms' fp32 weight copies and per-token rms are not in the formula; the second attention layer
+    is measured, the first also holds the rotary tables every layer shares). h != I and 8 experts
+    so that every term has its own size."""
+    arch = TINY.replace(hidden_size=128, intermediate_size=192, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=32, num_local_experts=8, num_experts_per_tok=2, num_hidden_layers=2)
+    tokens = 256
+    saved = saved_bytes_per_layer(arch, "*E*-", tokens)
+    per = M.activation_bytes_per_token(arch, 2, aux_loss=True)
+    attention_outside_core = per[ATTENTION] - M.attention_core_bytes_per_token(arch, 2)
+    for key, want in (("1E", per[MOE]), ("3-", per[MLP]), ("2*", attention_outside_core), ("head", per["head"])):
+        assert saved[key] / tokens == pytest.approx(want, rel=0.02), key
+    # cross-entropy keeps the fp32 log-probabilities (4V of the formula's (b + 12)V)
+    assert saved["loss"] / tokens == pytest.approx(4 * arch.vocab_size, rel=0.01)
+
+
+def test_production_recipe_estimates_by_item():
+    """gb200_bf16 (120B, EP=64 on 64 GPUs) in closed form: each rank holds 2 of 128 experts per layer."""
+    r = load_recipe("gb200_bf16")
+    est = M.estimate_memory(r.config, r.arch, r.pattern, 64)
+    arch = r.arch
+    h, i, layers = arch.hidden_size, arch.intermediate_size, arch.num_hidden_layers
+    experts = layers * 2 * (2 * i * h + 2 * i + h * i + h)  # 2 local experts, fc1 and fc2 with biases
+    assert est.bytes_of("params") == pytest.approx(2 * (2_127_589_376 + experts), rel=1e-4)
+    assert est.bytes_of("optimizer.expert") == pytest.approx(12 * experts, rel=1e-4)  # expert-DP 1: not sharded
+    assert est.bytes_of("optimizer.dense") == pytest.approx(12 * 2_127_589_376 / 64, rel=1e-4)
+    assert est.fraction == pytest.approx(est.total_bytes / 186e9)
+
+
+def test_validate_reports_the_estimate_and_rejects_a_recipe_that_does_not_fit():
+    report = validate_recipe(load_recipe("h100_bf16"))
+    (finding,) = [f for f in report.errors if f.rule == "memory.fits"]
+    assert "H100's 80 GB" in finding.message and "activations, MoE layers" in finding.message
+    assert "training.micro_batch_size" in finding.hint and "expert_model_parallel_size" in finding.hint
+    data = report.to_dict()["memory"]
+    assert data["capacity_gb"] == 80 and data["total_gb"] > 80
+    assert {it["key"] for it in data["items"]} >= {"params", "grads", "optimizer.dense", "optimizer.expert",
+                                                    "activations.moe", "activations.logits"}
+
+
+def test_between_90_and_100_percent_is_a_warning():
+    # gb200_bf16 is about 106 GB: on a 110 GB GPU that is 96%
+    r = load_recipe("gb200_bf16")
+    M.GPU_MEMORY_GB["test110"] = 110
+    try:
+        report = validate_recipe(r, gpu="test110")
+    finally:
+        del M.GPU_MEMORY_GB["test110"]
+    (finding,) = [f for f in report.findings if f.rule == "memory.fits"]
+    assert finding.severity == "warning" and report.ok
+
+
+def test_unknown_gpu_gets_the_estimate_but_no_verdict():
+    report = validate_recipe(load_recipe("gpt_oss_120b_pretrain"))  # system.gpu: auto
+    assert report.memory is not None and report.memory.capacity_bytes is None
+    assert not [f for f in report.findings if f.rule == "memory.fits"]
