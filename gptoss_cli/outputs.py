@@ -221,6 +221,19 @@ def check_free_space(dst: Path, needed: int) -> None:
         )
 
 
+def start_folder(dst: Path, needed: int) -> Path:
+    """Check the space for `needed` bytes, then create this process's temporary folder next to DST
+    (where the output is written before `commit` swaps it in); returns it."""
+    check_free_space(dst, needed)
+    tmp = temp_path(dst)
+    try:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+    except OSError as exc:
+        raise file_system_error(exc, "cannot create the output folder") from None
+    return tmp
+
+
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
 

@@ -504,14 +504,7 @@ def convert(
             experts_in = source.layout.experts_form
         plan = [spec for job in jobs for spec in job.outputs]
         total = sum(s.nbytes for s in plan)
-        outputs.check_free_space(dst, total)
-
-        tmp = outputs.temp_path(dst)
-        try:
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            tmp.mkdir()
-        except OSError as exc:
-            raise file_system_error(exc, "cannot create the output folder") from None
+        tmp = outputs.start_folder(dst, total)
         try:
             writer = ShardedWriter(
                 tmp,

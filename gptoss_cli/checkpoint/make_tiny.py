@@ -73,13 +73,7 @@ def make_tiny(
     shapes = canonical_hf_shapes(arch)
     jobs = plan_to_hf(arch, layout, torch_dtype)
     plan = [s for j in jobs for s in j.outputs]
-    outputs.check_free_space(dst, sum(s.nbytes for s in plan))
-    tmp = outputs.temp_path(dst)
-    try:
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        tmp.mkdir()
-    except OSError as exc:
-        raise file_system_error(exc, "cannot create the output folder") from None
+    tmp = outputs.start_folder(dst, sum(s.nbytes for s in plan))
     try:
         writer = ShardedWriter(tmp, plan, max_shard_bytes=max_shard_bytes)
         for unit in units(arch):
