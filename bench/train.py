@@ -9,6 +9,11 @@ Prints tokens/s (median over --repeats of the median step time over --steps meas
 the ratios ours / transformers (target >= 1) and EP=2 / ours single-process.
 
     python bench/train.py --batch 4 --seq 128 --steps 5 --repeats 3 [--dtype fp32] [--json out.json]
+    python bench/train.py --preset wide --batch 2 --seq 512 --no-ep   # hidden 512, 16 experts top-4
+
+`--preset` is a model preset (gptoss_cli/model/config.py) or `wide`: the tiny model widened to
+hidden 512, intermediate 512, 16 experts top-4, 8 query / 2 kv heads of 64, vocabulary 20480
+(61M parameters), where the experts, attention and LM head have realistic shares of the step.
 """
 
 from __future__ import annotations
@@ -27,6 +32,14 @@ import torch
 import torch.multiprocessing as mp
 
 from gptoss_cli.model.config import preset
+
+
+def bench_arch(name: str):
+    if name == "wide":
+        return preset("tiny").replace(hidden_size=512, intermediate_size=512, num_local_experts=16,
+                                      num_experts_per_tok=4, num_attention_heads=8, num_key_value_heads=2,
+                                      head_dim=64, vocab_size=20480, eos_token_id=20479, pad_token_id=20478)
+    return preset(name)
 
 
 def _batch(arch, batch: int, seq: int, seed: int = 0) -> torch.Tensor:
@@ -115,7 +128,7 @@ def _ep_worker(rank: int, world: int, port: int, args: dict, out: str) -> None:
     torch.set_num_threads(args["threads"])
     dist.init_process_group("gloo", rank=rank, world_size=world)
     state = init_parallel(world, "cpu")
-    arch = preset(args["preset"])
+    arch = bench_arch(args["preset"])
     tokens = _batch(arch, args["batch"], args["seq"]).chunk(world)[rank]
     step = ours_step_fn(arch, tokens, args["dtype"], state)
     times = []
@@ -152,7 +165,7 @@ def main() -> None:
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    arch = preset(args.preset)
+    arch = bench_arch(args.preset)
     tokens = _batch(arch, args.batch, args.seq)
     n_tokens = args.batch * args.seq
 
