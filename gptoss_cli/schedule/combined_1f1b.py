@@ -113,6 +113,13 @@ class _Stream:
     def next_kind(self) -> str | None:
         return None if self.done else self.ops[self.i][0]
 
+    def runs_before_comm(self) -> float:
+        """Compute ops before this stream's next all-to-all (inf: it has none left)."""
+        for n, (kind, _) in enumerate(self.ops[self.i:]):
+            if kind == START:
+                return n
+        return float("inf")
+
     def step(self, seq: int = -1) -> None:
         kind, fn = self.ops[self.i]
         fn()
@@ -132,9 +139,10 @@ def run_interleaved(f_ops: list, b_ops: list) -> None:
                 seq += 1
         runnable = [s for s in streams if s.next_kind == RUN]
         if runnable:
-            # Prefer the stream whose partner has communication to hide.
+            # Prefer the stream whose partner has communication to hide; with nothing in flight,
+            # the one that reaches its next all-to-all first, so that the link is busy sooner.
             hiding = [s for s in runnable if any(o.next_kind == FINISH for o in streams if o is not s)]
-            (hiding or runnable)[0].step()
+            (hiding[0] if hiding else min(runnable, key=_Stream.runs_before_comm)).step()
             continue
         waiting = [s for s in streams if s.next_kind == FINISH]
         if waiting:
