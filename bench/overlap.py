@@ -94,7 +94,7 @@ def worker(rank: int, args: dict) -> dict:
                 "comm": None if stats is None else (stats.in_flight_s, stats.blocked_s, len(stats.comms),
                                                     stats.wgrad_gemms)}
 
-    kinds = ["plain", "plan", "overlap"]
+    kinds = ["plain", "overlap"] if args["no_plan"] else ["plain", "plan", "overlap"]
 
     def measure(link: tuple[float, float] | None) -> dict[str, list[dict]]:
         for _ in range(args["warmup"]):
@@ -102,7 +102,7 @@ def worker(rank: int, args: dict) -> dict:
                 step(kind, link)
         rows: dict[str, list[dict]] = {k: [] for k in kinds}
         for r in range(args["rounds"]):
-            order = kinds[r % 3:] + kinds[:r % 3]  # rotate so no schedule always runs first
+            order = kinds[r % len(kinds):] + kinds[:r % len(kinds)]  # no schedule always runs first
             for kind in order:
                 rows[kind].append(step(kind, link))
         return rows
@@ -146,12 +146,13 @@ def main() -> None:
     ap.add_argument("--sweep", default="",
                     help="comma-separated communication/compute ratios: the bandwidth for each is chosen from "
                          "the measured compute time and bytes (e.g. 0.25,0.5,1,2)")
+    ap.add_argument("--no-plan", action="store_true", help="skip the serial-plans control (plain and overlap only)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
     args = {k: getattr(a, k) for k in ("microbatches", "micro_batch", "seq", "hidden", "intermediate", "experts",
                                        "pattern", "rounds", "warmup", "threads", "device", "link_gbps",
-                                       "link_latency_us")}
+                                       "link_latency_us", "no_plan")}
     args["sweep"] = [float(x) for x in a.sweep.split(",") if x.strip()]
     if a.device == "cuda":
         if a.link_gbps or args["sweep"]:
@@ -200,7 +201,7 @@ def _summary(ranks: list[dict], i: int, base: dict | None) -> dict:
         # Each round runs the three schedules back to back: the ratio within a round shares its noise.
         "paired_plain_over_overlap": statistics.median(p / o for p, o in zip(times["plain"], times["overlap"])),
         "plain_over_overlap": med["plain"] / med["overlap"],
-        "plan_over_plain": med["plan"] / med["plain"],
+        "plan_over_plain": med["plan"] / med["plain"] if "plan" in med else None,
     }
     comm = {}
     for k in times:
@@ -240,9 +241,10 @@ def report(ranks: list[dict], args: dict, json_path: Path | None) -> None:
             head = (f"link {r['link_gbps']:.3g} Gbit/s, {r['link_latency_us']:g} us: comm "
                     f"{r['comm']['plain']['modeled_ms_per_step']:.0f} ms/step = {r['comm_over_compute']:.2f} x compute")
         print(f"  {head}")
-        print(f"    median step ms: plain {m['plain']:.0f}  plan {m['plan']:.0f}  overlap {m['overlap']:.0f}   "
+        plan = f"  plan {m['plan']:.0f}" if "plan" in m else ""
+        print(f"    median step ms: plain {m['plain']:.0f}{plan}  overlap {m['overlap']:.0f}   "
               f"plain/overlap {r['plain_over_overlap']:.2f}x (per-round pairs {r['paired_plain_over_overlap']:.2f}x)"
-              f"   plan/plain {r['plan_over_plain']:.2f}")
+              + (f"   plan/plain {r['plan_over_plain']:.2f}" if "plan" in m else ""))
         if r["link_gbps"] is not None:
             for k in ("plain", "overlap"):
                 c = r["comm"][k]

@@ -18,10 +18,22 @@ Routing weights never travel: they are applied on the rank that owns the token.
 call the phases one by one (model/schedule_plan.py) with its own asynchronous all-to-all
 (`start_all_to_all`) between them, so there is one copy of the permutation.
 
-Host synchronisation: counting is a scatter-add (no sync); with EP the split sizes of the token
-all-to-all must be known on the host, which is one `.tolist()` of the exchanged counts per MoE
-layer and microbatch (on CUDA that blocks until the count exchange is done). Without EP there is
-no synchronisation.
+Host synchronisation (counted on CPU by tests/schedule/test_comm_costs.py): counting is a
+scatter-add and every data-dependent size is given (`output_size`), so without EP an MoE layer
+never waits for the device. With EP the split sizes of the token all-to-all must be host integers,
+which is one `.tolist()` of the exchanged counts per MoE layer and microbatch, the budget. Where a
+GPU run still blocks the host:
+  * that `.tolist()`: the host waits for the count exchange and for everything queued before it
+    on the stream (attention, router, permutation), so it cannot queue further kernels meanwhile.
+    In the overlap schedule it sits in the `pre_dispatch` node of one microbatch; the other
+    microbatch's work queued before it keeps the GPU busy, what follows is queued after it;
+  * the per-expert loop of grouped GEMMs (model/grouped_gemm.py: GPUs or dtypes without
+    `torch._grouped_mm`, e.g. fp32 or pre-Hopper) and the FP8 grouped GEMMs (fp8/grouped.py) read
+    the counts once per GEMM, FP8 tensorwise scaling reads each amax (fp8/scaling.py);
+  * once per step, outside the MoE layers: the global token count in `finalize_model_grads`, the
+    gradient norm (clipping, the NaN check) and the logged loss.
+
+`LINK` (model/link.py) is a simulated interconnect for benchmarks; None in training.
 """
 
 from __future__ import annotations
