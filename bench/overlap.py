@@ -38,6 +38,7 @@ import torch  # noqa: E402
 
 def worker(rank: int, args: dict) -> dict:
     from gptoss_cli.model.config import preset
+    from gptoss_cli.model.link import LinkModel, use_link
     from gptoss_cli.parallel.state import init_parallel
     from gptoss_cli.schedule.combined_1f1b import OverlapStats, forward_backward_combined_1f1b
     from gptoss_cli.schedule.plain import forward_backward_no_pipelining
@@ -55,7 +56,8 @@ def worker(rank: int, args: dict) -> dict:
     cfg.precision.params_dtype, cfg.moe.aux_loss_coeff = "fp32", 0.001
     cfg.parallelism.expert_model_parallel_size = 2
     cfg.overlap.overlap_moe_expert_parallel_comm = cfg.overlap.delay_wgrad_compute = True
-    runtime = ModelRuntimeConfig.from_recipe(cfg, arch, arch.hybrid_layer_pattern)
+    pattern = args["pattern"] or arch.hybrid_layer_pattern
+    runtime = ModelRuntimeConfig.from_recipe(cfg, arch, pattern)
     setup = setup_model_and_optimizer(HybridModelProvider(runtime, seed=1), state, cfg.optimizer, cfg.training.lr)
     model = setup.model
     model.train()
@@ -63,40 +65,67 @@ def worker(rank: int, args: dict) -> dict:
     n = args["microbatches"]
     source = MockSource(arch.vocab_size, args["seq"], seed=3)
 
-    def step(kind: str) -> tuple[float, OverlapStats | None]:
+    def step(kind: str, link: tuple[float, float] | None) -> dict:
         # The same global batch every time: position 0 of the data.
         data = DataLoaderState(source, global_batch_size=mb * n * state.dp_size, micro_batch_size=mb,
                                dp_rank=state.dp_rank, dp_size=state.dp_size, device=state.device)
         stats = OverlapStats(sync_timing=state.device.type == "cuda") if kind != "plain" else None
+        # A fresh link per step (an empty queue); without a simulated link one of infinite
+        # bandwidth and no latency still counts the bytes.
+        model_link = LinkModel(*link) if link else LinkModel(float("inf"), 0.0)
         model.zero_grad_buffer()
         torch.distributed.barrier()
         t0 = time.perf_counter()
-        if kind == "plain":
-            forward_backward_no_pipelining(forward_step_func=forward_step, data_iterator=data.step_iterator(),
-                                           model=model, num_microbatches=n)
-        else:
-            forward_backward_combined_1f1b(forward_step_func=forward_step, data_iterator=data.step_iterator(),
-                                           model=model, num_microbatches=n, interleave=kind == "overlap", stats=stats)
+        with use_link(model_link):
+            if kind == "plain":
+                forward_backward_no_pipelining(forward_step_func=forward_step, data_iterator=data.step_iterator(),
+                                               model=model, num_microbatches=n)
+            else:
+                forward_backward_combined_1f1b(forward_step_func=forward_step, data_iterator=data.step_iterator(),
+                                               model=model, num_microbatches=n, interleave=kind == "overlap",
+                                               stats=stats)
         if state.device.type == "cuda":
             torch.cuda.synchronize()
         dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=state.device)
         torch.distributed.all_reduce(dt, op=torch.distributed.ReduceOp.MAX)  # the step ends when both ranks end
-        return float(dt), stats
+        return {"time": float(dt), "modeled": model_link.modeled_s, "blocked": model_link.blocked_s,
+                "bytes": model_link.bytes_moved, "bulk": model_link.counts["bulk"],
+                "control": model_link.counts["control"],
+                "comm": None if stats is None else (stats.in_flight_s, stats.blocked_s, len(stats.comms),
+                                                    stats.wgrad_gemms)}
 
-    kinds = ["plain", "plan", "overlap"]
-    for _ in range(args["warmup"]):
-        for kind in kinds:
-            step(kind)
-    times: dict[str, list[float]] = {k: [] for k in kinds}
-    comm: dict[str, list[tuple[float, float, int, int]]] = {"plan": [], "overlap": []}
-    for r in range(args["rounds"]):
-        order = kinds[r % 3:] + kinds[:r % 3]  # rotate so no schedule always runs first
-        for kind in order:
-            dt, stats = step(kind)
-            times[kind].append(dt)
-            if stats is not None:
-                comm[kind].append((stats.in_flight_s, stats.blocked_s, len(stats.comms), stats.wgrad_gemms))
-    return {"times": times, "comm": comm}
+    kinds = ["plain", "overlap"] if args["no_plan"] else ["plain", "plan", "overlap"]
+
+    def measure(link: tuple[float, float] | None) -> dict[str, list[dict]]:
+        for _ in range(args["warmup"]):
+            for kind in kinds:
+                step(kind, link)
+        rows: dict[str, list[dict]] = {k: [] for k in kinds}
+        for r in range(args["rounds"]):
+            order = kinds[r % len(kinds):] + kinds[:r % len(kinds)]  # no schedule always runs first
+            for kind in order:
+                rows[kind].append(step(kind, link))
+        return rows
+
+    configs = [{"link": None, "rows": measure(None)}]
+    if args["link_gbps"]:
+        configs.append({"link": (args["link_gbps"], args["link_latency_us"]), "target": None})
+    for ratio in args["sweep"]:
+        # Communication = ratio x compute, where compute is the plain step without a simulated link
+        # (gloo's own loopback all-to-alls included). Both ranks use rank 0's link.
+        base = configs[0]["rows"]["plain"]
+        compute = statistics.median(r["time"] for r in base)
+        bulk_bytes = base[0]["bytes"]
+        transfers = base[0]["bulk"] + base[0]["control"]
+        wire = ratio * compute - transfers * args["link_latency_us"] * 1e-6
+        if wire <= 0:
+            raise SystemExit(f"latency alone exceeds {ratio} x compute; lower --link-latency-us")
+        gbps = torch.tensor([bulk_bytes * 8 / wire / 1e9], dtype=torch.float64)
+        torch.distributed.broadcast(gbps, 0)
+        configs.append({"link": (float(gbps), args["link_latency_us"]), "target": ratio})
+    for c in configs[1:]:
+        c["rows"] = measure(c["link"])
+    return {"configs": configs}
 
 
 def main() -> None:
@@ -107,21 +136,33 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--intermediate", type=int, default=256)
     ap.add_argument("--experts", type=int, default=8)
+    ap.add_argument("--pattern", default=None, help="hybrid_layer_pattern (default: the preset's, *E*E*E)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
+    ap.add_argument("--link-gbps", type=float, default=None,
+                    help="simulated link bandwidth, Gbit/s per direction (gptoss_cli/model/link.py)")
+    ap.add_argument("--link-latency-us", type=float, default=10.0, help="simulated link latency, microseconds")
+    ap.add_argument("--sweep", default="",
+                    help="comma-separated communication/compute ratios: the bandwidth for each is chosen from "
+                         "the measured compute time and bytes (e.g. 0.25,0.5,1,2)")
+    ap.add_argument("--no-plan", action="store_true", help="skip the serial-plans control (plain and overlap only)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
     args = {k: getattr(a, k) for k in ("microbatches", "micro_batch", "seq", "hidden", "intermediate", "experts",
-                                       "rounds", "warmup", "threads", "device")}
+                                       "pattern", "rounds", "warmup", "threads", "device", "link_gbps",
+                                       "link_latency_us", "no_plan")}
+    args["sweep"] = [float(x) for x in a.sweep.split(",") if x.strip()]
     if a.device == "cuda":
+        if a.link_gbps or args["sweep"]:
+            raise SystemExit("the link model simulates a network on CPU; on cuda the real one is measured")
         _run_cuda(args)
         return
     from tests.train.dist_helpers import run_distributed
 
     with tempfile.TemporaryDirectory() as tmp:
-        ranks = run_distributed(worker, 2, Path(tmp), args, timeout=1800)
+        ranks = run_distributed(worker, 2, Path(tmp), args, timeout=3600)
     report(ranks, args, a.json)
 
 
@@ -146,50 +187,72 @@ def _cuda_entry(rank: int, args: dict, tmp: str) -> None:  # pragma: no cover - 
     torch.save(worker(rank, args), Path(tmp) / f"rank{rank}.pt")
 
 
-def report(ranks: list[dict], args: dict, json_path: Path | None) -> None:
-    times = ranks[0]["times"]  # max over ranks already
+def _summary(ranks: list[dict], i: int, base: dict | None) -> dict:
+    """One configuration: median step per schedule (max over ranks), ratios, communication and hidden share."""
+    rows = [r["configs"][i]["rows"] for r in ranks]
+    times = {k: [x["time"] for x in rows[0][k]] for k in rows[0]}  # max over ranks already
     med = {k: statistics.median(v) for k, v in times.items()}
-
-    def comm_summary(kind: str) -> dict:
-        rows = [row for r in ranks for row in r["comm"][kind]]
-        flight = sum(r[0] for r in rows)
-        blocked = sum(r[1] for r in rows)
-        return {"in_flight_ms_per_step": 1e3 * flight / len(rows), "blocked_ms_per_step": 1e3 * blocked / len(rows),
-                "hidden_fraction": 1 - blocked / flight if flight else 0.0, "all_to_alls_per_step": rows[0][2],
-                "delayed_wgrad_gemms_per_step": rows[0][3]}
-
-    out = {
-        "config": args,
+    out: dict = {
+        "link_gbps": ranks[0]["configs"][i]["link"][0] if ranks[0]["configs"][i]["link"] else None,
+        "link_latency_us": ranks[0]["configs"][i]["link"][1] if ranks[0]["configs"][i]["link"] else None,
+        "target_ratio": ranks[0]["configs"][i].get("target"),
         "median_step_ms": {k: 1e3 * v for k, v in med.items()},
-        # Under CPU contention from other processes the fastest round is the least disturbed one.
-        "min_step_ms": {k: 1e3 * min(v) for k, v in times.items()},
-        "min_overlap_over_plain": min(times["overlap"]) / min(times["plain"]),
+        "all_step_ms": {k: [1e3 * t for t in v] for k, v in times.items()},
         # Each round runs the three schedules back to back: the ratio within a round shares its noise.
-        "paired_overlap_over_plain": statistics.median(o / p for o, p in zip(times["overlap"], times["plain"])),
-        "paired_overlap_over_plan": statistics.median(o / p for o, p in zip(times["overlap"], times["plan"])),
-        "overlap_over_plain": med["overlap"] / med["plain"],
-        "overlap_over_plan": med["overlap"] / med["plan"],
-        "plan_over_plain": med["plan"] / med["plain"],
-        "comm": {k: comm_summary(k) for k in ("plan", "overlap")},
+        "paired_plain_over_overlap": statistics.median(p / o for p, o in zip(times["plain"], times["overlap"])),
+        "plain_over_overlap": med["plain"] / med["overlap"],
+        "plan_over_plain": med["plan"] / med["plain"] if "plan" in med else None,
     }
+    comm = {}
+    for k in times:
+        modeled = statistics.mean(x["modeled"] for r in rows for x in r[k])
+        blocked = statistics.mean(x["blocked"] for r in rows for x in r[k])
+        comm[k] = {"modeled_ms_per_step": 1e3 * modeled, "blocked_ms_per_step": 1e3 * blocked,
+                   "hidden_by_collectives": (1 - blocked / modeled) if modeled else None,
+                   "all_to_alls_per_step": rows[0][k][0]["bulk"], "count_exchanges_per_step": rows[0][k][0]["control"],
+                   "mbytes_per_step": rows[0][k][0]["bytes"] / 1e6}
+        if base is not None and modeled:
+            # What the link added to the step, against the same schedule without it.
+            exposed = med[k] - base["median_step_s"][k]
+            comm[k]["hidden_by_step_time"] = 1 - exposed / modeled
+    out["comm"] = comm
+    out["median_step_s"] = med
+    if base is not None:
+        out["comm_over_compute"] = comm["plain"]["modeled_ms_per_step"] / base["median_step_ms"]["plain"]
+    return out
+
+
+def report(ranks: list[dict], args: dict, json_path: Path | None) -> None:
+    n = len(ranks[0]["configs"])
+    base = _summary(ranks, 0, None)
+    results = [base] + [_summary(ranks, i, base) for i in range(1, n)]
     print(f"EP=2 on 2 {args['device']} processes (gloo on cpu / nccl on cuda), {args['microbatches']} microbatches "
           f"of {args['micro_batch']}x{args['seq']} tokens, hidden {args['hidden']}, intermediate "
-          f"{args['intermediate']}, {args['experts']} experts, {args['rounds']} rounds")
-    for k in ("plain", "plan", "overlap"):
-        print(f"  {k:8s} median step {out['median_step_ms'][k]:8.1f} ms   (all: "
-              + ", ".join(f"{1e3 * t:.0f}" for t in times[k]) + ")")
-    print(f"  step time overlap / plain = {out['overlap_over_plain']:.3f}   overlap / plan = "
-          f"{out['overlap_over_plan']:.3f}   plan / plain = {out['plan_over_plain']:.3f}   "
-          f"(fastest rounds: overlap / plain = {out['min_overlap_over_plain']:.3f})")
-    print(f"  median of per-round ratios: overlap / plain = {out['paired_overlap_over_plain']:.3f}   "
-          f"overlap / plan = {out['paired_overlap_over_plan']:.3f}")
-    for k in ("plan", "overlap"):
-        c = out["comm"][k]
-        print(f"  {k:8s} all-to-all in flight {c['in_flight_ms_per_step']:.1f} ms/step, blocked in wait "
-              f"{c['blocked_ms_per_step']:.1f} ms/step -> hidden {100 * c['hidden_fraction']:.1f}% "
-              f"({c['all_to_alls_per_step']} all-to-alls, {c['delayed_wgrad_gemms_per_step']} delayed dW GEMMs per step)")
+          f"{args['intermediate']}, {args['experts']} experts, pattern {args['pattern'] or 'preset'}, "
+          f"{args['rounds']} rounds per configuration")
+    c0 = base["comm"]["plain"]
+    print(f"  per step and rank: {c0['all_to_alls_per_step']} token all-to-alls, {c0['count_exchanges_per_step']} "
+          f"count exchanges, {c0['mbytes_per_step']:.2f} MB over the link")
+    for r in results:
+        m = r["median_step_ms"]
+        if r["link_gbps"] is None:
+            head = "no simulated link (compute)"
+        else:
+            head = (f"link {r['link_gbps']:.3g} Gbit/s, {r['link_latency_us']:g} us: comm "
+                    f"{r['comm']['plain']['modeled_ms_per_step']:.0f} ms/step = {r['comm_over_compute']:.2f} x compute")
+        print(f"  {head}")
+        plan = f"  plan {m['plan']:.0f}" if "plan" in m else ""
+        print(f"    median step ms: plain {m['plain']:.0f}{plan}  overlap {m['overlap']:.0f}   "
+              f"plain/overlap {r['plain_over_overlap']:.2f}x (per-round pairs {r['paired_plain_over_overlap']:.2f}x)"
+              + (f"   plan/plain {r['plan_over_plain']:.2f}" if "plan" in m else ""))
+        if r["link_gbps"] is not None:
+            for k in ("plain", "overlap"):
+                c = r["comm"][k]
+                print(f"    {k:8s} hidden: {100 * c['hidden_by_step_time']:5.1f}% by step time, "
+                      f"{100 * c['hidden_by_collectives']:5.1f}% by collectives (blocked "
+                      f"{c['blocked_ms_per_step']:.0f} of {c['modeled_ms_per_step']:.0f} ms)")
     if json_path:
-        json_path.write_text(json.dumps(out, indent=2) + "\n")
+        json_path.write_text(json.dumps({"config": args, "results": results}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections import defaultdict
 from pathlib import Path
 
 from gptoss_cli.model.pattern import ATTENTION, MLP, MOE

@@ -69,11 +69,15 @@ def sink_attention(
     sink_k[..., d] = d**0.5
     k_aug = torch.cat([k, k.new_zeros(b, nkv, s, extra)], dim=-1)
     k_aug = torch.cat([sink_k, k_aug], dim=2)
-    v_aug = torch.cat([v.new_zeros(b, nkv, 1, d), v], dim=2)
+    # v gets the zero sink row and the same head dim as q/k: SDPA's fused kernels (the CPU flash
+    # kernel among them) need one head dim for q, k and v, else it falls back to its math path.
+    # The padded output features are zero and are dropped.
+    v_aug = F.pad(v, (0, extra, 1, 0))
     mask = attention_mask(s, window, q.device)
-    return F.scaled_dot_product_attention(
+    out = F.scaled_dot_product_attention(
         q_aug, k_aug, v_aug, attn_mask=mask, scale=d**-0.5, enable_gqa=nkv != nh
     )
+    return out[..., :d]
 
 
 class LayerNormLinear(nn.Module):

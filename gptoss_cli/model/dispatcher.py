@@ -18,10 +18,22 @@ Routing weights never travel: they are applied on the rank that owns the token.
 call the phases one by one (model/schedule_plan.py) with its own asynchronous all-to-all
 (`start_all_to_all`) between them, so there is one copy of the permutation.
 
-Host synchronisation: counting is a scatter-add (no sync); with EP the split sizes of the token
-all-to-all must be known on the host, which is one `.tolist()` of the exchanged counts per MoE
-layer and microbatch (on CUDA that blocks until the count exchange is done). Without EP there is
-no synchronisation.
+Host synchronisation (counted on CPU by tests/schedule/test_comm_costs.py): counting is a
+scatter-add and every data-dependent size is given (`output_size`), so without EP an MoE layer
+never waits for the device. With EP the split sizes of the token all-to-all must be host integers,
+which is one `.tolist()` of the exchanged counts per MoE layer and microbatch, the budget. Where a
+GPU run still blocks the host:
+  * that `.tolist()`: the host waits for the count exchange and for everything queued before it
+    on the stream (attention, router, permutation), so it cannot queue further kernels meanwhile.
+    In the overlap schedule it sits in the `pre_dispatch` node of one microbatch; the other
+    microbatch's work queued before it keeps the GPU busy, what follows is queued after it;
+  * the per-expert loop of grouped GEMMs (model/grouped_gemm.py: GPUs or dtypes without
+    `torch._grouped_mm`, e.g. fp32 or pre-Hopper) and the FP8 grouped GEMMs (fp8/grouped.py) read
+    the counts once per GEMM, FP8 tensorwise scaling reads each amax (fp8/scaling.py);
+  * once per step, outside the MoE layers: the global token count in `finalize_model_grads`, the
+    gradient norm (clipping, the NaN check) and the logged loss.
+
+`LINK` (model/link.py) is a simulated interconnect for benchmarks; None in training.
 """
 
 from __future__ import annotations
@@ -32,6 +44,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from gptoss_cli.model import link as _link
 
 
 def expert_counts(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -45,6 +59,31 @@ def expert_counts(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
 # The all-to-all, differentiable and asynchronous
 
 
+def _link_deadline(x: torch.Tensor, output_splits: list[int] | None, input_splits: list[int] | None, group: Any,
+                   issued_at: float, queued: bool = True) -> float | None:
+    """When a simulated link (model/link.py) lets this all-to-all complete; None without one."""
+    link = _link.LINK
+    if link is None:
+        return None
+    me, world = dist.get_rank(group), dist.get_world_size(group)
+    row_bytes = x.element_size() * (x[0].numel() if x.dim() > 1 else 1)
+    rows = x.shape[0] if x.dim() else 1
+    sent = (rows - input_splits[me]) if input_splits else rows - rows // world
+    received = (sum(output_splits) - output_splits[me]) if output_splits else rows - rows // world
+    return link.reserve(row_bytes * max(sent, received), issued_at, queued=queued)
+
+
+def _blocking_all_to_all(out: torch.Tensor, x: torch.Tensor, output_splits: list[int] | None,
+                         input_splits: list[int] | None, group: Any, queued: bool = True) -> None:
+    """dist.all_to_all_single that, under a link model, also returns no earlier than the link allows."""
+    issued = time.perf_counter()
+    deadline = _link_deadline(x, output_splits, input_splits, group, issued, queued)
+    dist.all_to_all_single(out, x, output_splits, input_splits, group=group)
+    if deadline is not None:
+        _link.wait_until(deadline)
+        _link.LINK.blocked_s += time.perf_counter() - issued
+
+
 class _AllToAll(torch.autograd.Function):
     """all_to_all_single with split sizes; backward sends the gradients the reverse way."""
 
@@ -53,14 +92,14 @@ class _AllToAll(torch.autograd.Function):
         ctx.group, ctx.output_splits, ctx.input_splits = group, output_splits, input_splits
         x = x.contiguous()
         out = x.new_empty((sum(output_splits),) + tuple(x.shape[1:]))
-        dist.all_to_all_single(out, x, output_splits, input_splits, group=group)
+        _blocking_all_to_all(out, x, output_splits, input_splits, group)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         grad = grad.contiguous()
         out = grad.new_empty((sum(ctx.input_splits),) + tuple(grad.shape[1:]))
-        dist.all_to_all_single(out, grad, ctx.input_splits, ctx.output_splits, group=ctx.group)
+        _blocking_all_to_all(out, grad, ctx.input_splits, ctx.output_splits, ctx.group)
         return out, None, None, None
 
 
@@ -82,8 +121,10 @@ class AsyncAllToAll:
     it in both directions themselves.
     """
 
-    def __init__(self, out: torch.Tensor, work: Any, issued_at: float, sync_timing: bool = False):
+    def __init__(self, out: torch.Tensor, work: Any, issued_at: float, sync_timing: bool = False,
+                 deadline: float | None = None):
         self.out, self.work, self.issued_at, self.sync_timing = out, work, issued_at, sync_timing
+        self.deadline = deadline  # under a simulated link: not complete before this (model/link.py)
         self.issue_returned = time.perf_counter()
         self.wait_started = self.wait_returned = None
 
@@ -93,6 +134,10 @@ class AsyncAllToAll:
             self.work.wait()
             if self.sync_timing and self.out.is_cuda:
                 torch.cuda.current_stream().synchronize()
+        if self.deadline is not None:
+            _link.wait_until(self.deadline)
+            if _link.LINK is not None:
+                _link.LINK.blocked_s += time.perf_counter() - self.wait_started + self.issue_returned - self.issued_at
         self.wait_returned = time.perf_counter()
         return self.out
 
@@ -115,8 +160,9 @@ def start_all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: li
     if group is None or dist.get_world_size(group) == 1:
         out.copy_(x)
         return AsyncAllToAll(out, None, issued)
+    deadline = _link_deadline(x, output_splits, input_splits, group, issued)
     work = dist.all_to_all_single(out, x, output_splits, input_splits, group=group, async_op=True)
-    return AsyncAllToAll(out, work, issued, sync_timing)
+    return AsyncAllToAll(out, work, issued, sync_timing, deadline)
 
 
 # --------------------------------------------------------------------------------------------
@@ -177,7 +223,7 @@ class AllToAllTokenDispatcher:
         send_counts = counts.view(ep, e_loc).contiguous()
         recv_counts = torch.empty_like(send_counts)
         # A few integers, synchronously: row r of recv_counts = rows rank r sends to each of my experts.
-        dist.all_to_all_single(recv_counts, send_counts, group=self.ep_group)
+        _blocking_all_to_all(recv_counts, send_counts, None, None, self.ep_group, queued=False)
         splits = torch.stack([send_counts.sum(1), recv_counts.sum(1)]).tolist()  # the one host sync
         received = int(sum(splits[1]))
         # Received rows are ordered (source rank, local expert); regroup to (local expert, source rank).

@@ -362,8 +362,6 @@ def build_hybrid_schedule_plan(
 
     Without a loss callback (`SchedulePlan.configure`), `post` computes the model's own loss from
     `labels` (`HybridModel.attach_losses`), so a plan can be checked against `model(...)`."""
-    from gptoss_cli.model.hybrid import HybridOutput
-
     ok, reason = plan_support(model.pattern)
     if not ok:
         raise ConfigError(f"hybrid_layer_pattern {model.pattern.text!r}: {reason}",
@@ -412,7 +410,7 @@ def build_hybrid_schedule_plan(
             post_inputs[f"stat_tokens{i}"] = Ref(pre, "stat_tokens")
 
     def post(hidden: torch.Tensor, labels: torch.Tensor | None, **stats: Any) -> dict[str, Any]:
-        out = HybridOutput(logits=model.head(hidden))
+        out = model.output(hidden)
         if collect and moe_nodes:
             out.aux_loss = load_balancing_loss(
                 [RouterStats(stats[f"tokens_per_expert{i}"], stats[f"prob_sum{i}"], stats[f"stat_tokens{i}"])

@@ -16,15 +16,17 @@ Pure Python: validation must not need torch. The layout is gptoss train's (DP x 
   GPU path; the CPU's math path also saves the attention probabilities. The overlap schedule
   (combined 1F1B) holds one more layer of another microbatch. FP8 recipes are estimated as if the
   saved activations were in the params dtype (an upper bound). Recompute is not modelled.
-- Transients: the logits and the loss's fp32 tensors at the start of backward, and the largest
-  parameter's gradient before it is added into its buffer.
+- The LM head and loss run LM_LOSS_CHUNK tokens at a time with their gradients computed in the
+  forward pass (`gptoss_cli.model.hybrid`): one chunk's logits and fp32 loss tensors, the output
+  layer's gradient (an fp32 accumulator, then its params-dtype copy held until backward) and the
+  hidden states' gradient (b*h per token, counted with the head).
+- Transients: the largest parameter's gradient before it is added into its buffer.
 
 Not included: the CUDA context, NCCL and allocator slack; the 90% warning leaves room for them.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -37,6 +39,7 @@ GB = 1e9
 GPU_MEMORY_GB = {"h100": 80, "h200": 141, "b200": 180, "gb200": 186, "gb300": 288}
 WARN_FRACTION = 0.9
 ALIGN = 64  # gptoss_cli.parallel.grads.ALIGN: buckets are multiples of ALIGN x shards elements
+LM_LOSS_CHUNK = 256  # gptoss_cli.model.hybrid.LM_LOSS_CHUNK_TOKENS (recipe/ stays torch-free)
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 FP32 = 4
 ADAM_STATE_BYTES = 3 * FP32  # fp32 master, exp_avg, exp_avg_sq
@@ -143,9 +146,10 @@ def activation_bytes_per_token(arch: GptOssArch, b: int, aux_loss: bool) -> dict
                       its source), permutation indices 2*8, routing weight b; top-k indices 8k
                       and weights b*k; with the aux loss the fp32 router probabilities 4E
     dense MLP (`-`):  norm + fc1 input b*h + fc1 output b*2I + SwiGLU 5*b*I
-    head:             final norm + output-layer input b*h
-    logits and loss:  the logits b*V (held until the microbatch's backward), cross-entropy's fp32
-                      log-probabilities 4V, and at the start of backward their fp32 gradients 2*4V
+    head:             final norm + the gradient of its output b*h, which the chunked loss
+                      computes in the forward pass and holds until backward
+    logits (per token of one chunk, not of the microbatch): the chunk's logits b*V, cross-entropy's
+                      fp32 log-probabilities 4V and the fp32 gradients 2*4V
     """
     h, i, v, k, e = arch.hidden_size, arch.intermediate_size, arch.vocab_size, arch.num_experts_per_tok, arch.num_local_experts
     norm = 8 * h
@@ -155,7 +159,7 @@ def activation_bytes_per_token(arch: GptOssArch, b: int, aux_loss: bool) -> dict
         + (4 * e if aux_loss else 0),
         MLP: norm + b * h + 2 * b * i + 5 * b * i,
         "head": norm + b * h,
-        "logits": b * v + 4 * v + 2 * 4 * v,
+        "logits": b * v + 4 * v + 2 * 4 * v,  # per token of one LM_LOSS_CHUNK chunk
     }
 
 
@@ -269,8 +273,12 @@ def estimate_memory(cfg: RecipeConfig, arch: GptOssArch, pattern: HybridPattern 
                                     f"{counts[s]} layers x {t:,} tokens x {per_token[s]:,.0f} B", act_knob))
     items.append(MemoryItem("activations.head", "activations, head", t * per_token["head"],
                             f"{t:,} tokens x {per_token['head']:,.0f} B", act_knob))
-    items.append(MemoryItem("activations.logits", "logits and loss",
-                            t * per_token["logits"], f"{t:,} tokens x (b + 12) x {arch.vocab_size:,} B", act_knob))
+    chunk = min(t, LM_LOSS_CHUNK)
+    head_n = arch.vocab_size * arch.hidden_size
+    items.append(MemoryItem("activations.logits", "logits and loss (chunked) + output-layer gradient",
+                            chunk * per_token["logits"] + (FP32 + b) * head_n,
+                            f"{chunk:,} tokens x (b + 12) x {arch.vocab_size:,} B + (4 + b) B x {head_n:,}",
+                            "-"))
     if cfg.overlap.overlap_moe_expert_parallel_comm:
         layer = max(per_token[s] for s in (ATTENTION, MOE, MLP) if counts[s])
         items.append(MemoryItem("activations.overlap", "activations, 1 layer more (overlap)",

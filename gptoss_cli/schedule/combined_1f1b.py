@@ -8,12 +8,16 @@ models with `build_schedule_plan` (found on the unwrapped model, like Megatron's
     F(0);  then for i = 1..N-1:  F(i) interleaved with B(i-1);  then B(N-1)
 
 Each microbatch's plan (gptoss_cli/model/schedule_plan.py) is a list of *slots*: the embedding,
-one slot per pattern unit (a layer, or a `[..]` group), the post-process/loss node. Forward slot
-k of microbatch i runs alongside backward slot k of microbatch i-1, i.e. forward layer j with
-backward layer L-1-j. Inside a slot pair, ops are merged so that whenever one microbatch has an
-all-to-all in flight (issued with async_op=True: gloo's threads on CPU, NCCL's stream on GPU)
-the other microbatch computes; a stream waits only when nothing else can run. The merge depends
-only on the plan's structure, so every rank issues its collectives in the same order.
+one slot per pattern unit (a layer, or a `[..]` group), the post-process/loss node. The forward
+of microbatch i (its slots in order) and the backward of microbatch i-1 (its slots in reverse)
+are two op streams merged into one (`run_interleaved`): whenever one microbatch has an all-to-all
+in flight (issued with async_op=True: gloo's threads on CPU, NCCL's stream on GPU) the other
+computes, and a stream waits only when nothing else can run. Both streams advance layer by layer,
+so forward layer j runs alongside backward layer L-1-j, but the merge is not cut at layer
+boundaries: with the `*E` pattern conversion emits, cutting at every symbol would pair each MoE
+layer with an attention layer, leaving one of its two all-to-alls nothing to hide behind. The
+merge depends only on the plan's structure, so every rank issues its collectives in the same
+order.
 
 With `delay_wgrad_compute` the expert GEMMs queue their weight gradients
 (gptoss_cli/model/grouped_gemm.py) and each `dispatch` node runs the queue right after issuing its
@@ -109,6 +113,13 @@ class _Stream:
     def next_kind(self) -> str | None:
         return None if self.done else self.ops[self.i][0]
 
+    def runs_before_comm(self) -> float:
+        """Compute ops before this stream's next all-to-all (inf: it has none left)."""
+        for n, (kind, _) in enumerate(self.ops[self.i:]):
+            if kind == START:
+                return n
+        return float("inf")
+
     def step(self, seq: int = -1) -> None:
         kind, fn = self.ops[self.i]
         fn()
@@ -117,8 +128,8 @@ class _Stream:
 
 
 def run_interleaved(f_ops: list, b_ops: list) -> None:
-    """Run two op streams (one microbatch's forward slot, another's backward slot) so that each
-    stream's communication is in flight while the other computes; deterministic in the ops alone."""
+    """Run two op streams (one microbatch's forward, another's backward) so that each stream's
+    communication is in flight while the other computes; deterministic in the ops alone."""
     streams = [s for s in (_Stream(f_ops), _Stream(b_ops)) if not s.done]
     seq = 0
     while any(not s.done for s in streams):
@@ -128,9 +139,10 @@ def run_interleaved(f_ops: list, b_ops: list) -> None:
                 seq += 1
         runnable = [s for s in streams if s.next_kind == RUN]
         if runnable:
-            # Prefer the stream whose partner has communication to hide.
+            # Prefer the stream whose partner has communication to hide; with nothing in flight,
+            # the one that reaches its next all-to-all first, so that the link is busy sooner.
             hiding = [s for s in runnable if any(o.next_kind == FINISH for o in streams if o is not s)]
-            (hiding or runnable)[0].step()
+            (hiding[0] if hiding else min(runnable, key=_Stream.runs_before_comm)).step()
             continue
         waiting = [s for s in streams if s.next_kind == FINISH]
         if waiting:
@@ -197,24 +209,26 @@ def forward_backward_combined_1f1b(
         def loss_fn(output: Any) -> tuple[torch.Tensor, Any]:
             nonlocal total_tokens
             loss_sum, num_tokens, extra = loss_func(output)
-            total_tokens = total_tokens + num_tokens.detach().float().cpu()
+            total_tokens = total_tokens + num_tokens.detach().float()  # on the device: no host sync
             logs.append({"loss_sum": loss_sum.detach(), "num_tokens": num_tokens.detach(), **extra})
             return (grad_scale(loss_sum) if grad_scale is not None else loss_sum), None
 
         return plan.configure(loss_fn=loss_fn, wgrad_queue=queue, sync_timing=sync_timing)
 
+    def forward_ops(plan: SchedulePlan) -> list:
+        return [op for slot in _slots(plan) for op in _forward_ops(slot)]
+
+    def backward_ops(plan: SchedulePlan) -> list:
+        return [op for slot in reversed(_slots(plan)) for op in _backward_ops(slot)]
+
     def forward(plan: SchedulePlan) -> None:
-        for slot in _slots(plan):
-            run_interleaved(_forward_ops(slot), [])
+        run_interleaved(forward_ops(plan), [])
 
     def backward(plan: SchedulePlan) -> None:
-        for slot in reversed(_slots(plan)):
-            run_interleaved([], _backward_ops(slot))
+        run_interleaved([], backward_ops(plan))
 
     def forward_and_backward(f_plan: SchedulePlan, b_plan: SchedulePlan) -> None:
-        # Forward slot k (layer j) with backward slot k of the previous microbatch (layer L-1-j).
-        for f_slot, b_slot in zip(_slots(f_plan), reversed(_slots(b_plan))):
-            run_interleaved(_forward_ops(f_slot), _backward_ops(b_slot))
+        run_interleaved(forward_ops(f_plan), backward_ops(b_plan))
 
     def record(plan: SchedulePlan) -> None:
         if stats is not None:

@@ -56,7 +56,8 @@ def forward_backward_no_pipelining(
             loss_sum, num_tokens, extra = loss_func(output)
         if not forward_only:
             (grad_scale(loss_sum) if grad_scale is not None else loss_sum).backward()
-        total_tokens = total_tokens + num_tokens.detach().float().cpu()
+        # Stays on the device: reading it back would block the host once per microbatch.
+        total_tokens = total_tokens + num_tokens.detach().float()
         logs.append({"loss_sum": loss_sum.detach(), "num_tokens": num_tokens.detach(), **extra})
 
     with no_sync():

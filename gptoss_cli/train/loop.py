@@ -24,7 +24,7 @@ import torch.distributed as dist
 from gptoss_cli.errors import TrainingError
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.recipe.schema import RecipeConfig
-from gptoss_cli.model.hybrid import IGNORE_INDEX, token_cross_entropy
+from gptoss_cli.model.hybrid import IGNORE_INDEX, lm_loss_sum
 from gptoss_cli.parallel.grads import get_attr_wrapped_model, get_model_config
 from gptoss_cli.parallel.state import ParallelState, barrier, destroy_parallel, init_parallel
 from gptoss_cli.schedule import get_forward_backward_func
@@ -94,7 +94,7 @@ def forward_step(data_iterator: Iterator[Microbatch], model: torch.nn.Module,
 
 def microbatch_loss(labels: torch.Tensor, aux_coeff: float, output: Any) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """(summed token cross-entropy + aux loss scaled by the microbatch's tokens, tokens, logs)."""
-    lm_sum = token_cross_entropy(output.logits, labels, reduction="sum")
+    lm_sum = lm_loss_sum(output, labels)  # chunked over tokens for HybridOutput (model/hybrid.py)
     num_tokens = (labels != IGNORE_INDEX).sum()
     loss_sum = lm_sum
     logs: dict[str, Any] = {"lm_loss_sum": lm_sum.detach()}

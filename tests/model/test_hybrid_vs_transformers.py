@@ -34,12 +34,15 @@ def test_logits_close_to_transformers_bf16(hf_tiny):
     assert (got.argmax(-1) == expected.argmax(-1)).float().mean() > 0.9
 
 
-def test_lm_loss_matches_transformers_loss(hf_tiny):
+@pytest.mark.parametrize("chunk_tokens", [5, 4096], ids=["chunked", "one-chunk"])
+def test_lm_loss_matches_transformers_loss(hf_tiny, chunk_tokens):
     ids = tokens()
     with torch.no_grad():
         expected = hf_tiny(ids, labels=ids).loss  # transformers shifts internally
         labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
-        got = _ours(hf_tiny)(ids, labels=labels).lm_loss
+        model = _ours(hf_tiny)
+        model.loss_chunk_tokens = chunk_tokens
+        got = model(ids, labels=labels).lm_loss
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 

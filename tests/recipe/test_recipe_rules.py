@@ -93,8 +93,8 @@ CASES = {
     "data.source": (["data.kind=tokens"], "error", ["data.kind=tokens", "data.path=data/tokens"]),
     "checkpoint.settings": (["checkpoint.dir=null"], "error", ["checkpoint.dir=null", "checkpoint.save_interval=null"]),
     # ~130 GB per GPU: 4M tokens per microbatch of the tiny model's activations and logits
-    "memory.fits": (["system.gpu=h100", "training.seq_length=65536", "training.micro_batch_size=64"], "error",
-                    ["system.gpu=gb300", "training.seq_length=65536", "training.micro_batch_size=64"]),
+    "memory.fits": (["system.gpu=h100", "training.seq_length=65536", "training.micro_batch_size=128"], "error",
+                    ["system.gpu=gb300", "training.seq_length=65536", "training.micro_batch_size=128"]),
     "system.backend": (["parallelism.backend=nccl"], "error", ["parallelism.backend=auto"]),
     "unsupported.tensor_parallel": (["parallelism.tensor_model_parallel_size=2"], "error", []),
     "unsupported.pipeline_parallel": (["parallelism.pipeline_model_parallel_size=2", *W4], "error", W4),

@@ -33,6 +33,21 @@ def test_comm_of_one_stream_is_in_flight_while_the_other_computes():
                      "F dispatch waited", "F experts"]
 
 
+def test_with_nothing_in_flight_the_stream_nearer_its_all_to_all_computes_first():
+    # The backward reaches its all-to-all after one op, the forward after two: running the backward
+    # first puts communication on the link one op earlier, and the forward's ops then hide it.
+    trace: list[str] = []
+
+    def op(kind, label):
+        return kind, lambda: trace.append(label)
+
+    forward = [op(RUN, "F embed"), op(RUN, "F attn"), op(START, "F dispatch issued"), op(FINISH, "F dispatch waited")]
+    backward = [op(RUN, "B loss"), op(START, "B combine issued"), op(FINISH, "B combine waited"), op(RUN, "B experts")]
+    run_interleaved(forward, backward)
+    assert trace == ["B loss", "B combine issued", "F embed", "F attn", "F dispatch issued", "B combine waited",
+                     "B experts", "F dispatch waited"]
+
+
 # --- the schedule seam and its contract -------------------------------------------------------
 def _setup(overlap: bool, pattern: str = "*E*E*E"):
     return build(ParallelState(), overlap=overlap, pattern=pattern)

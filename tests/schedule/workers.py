@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -63,3 +64,78 @@ def copy_weights(src: torch.nn.Module, dst: torch.nn.Module) -> None:
         dst_params = dict(dst.named_parameters())
         for name, p in src.named_parameters():
             dst_params[name].copy_(p)
+
+
+def count_step_host_syncs(setup: Any, state: ParallelState, microbatches: int, mbs: int = 2) -> dict[str, int]:
+    """Host-sync sites (tests/schedule/host_syncs.py) of one step's forward, backward and gradient
+    finalisation through the setup's schedule, after one uncounted warm-up step."""
+    from tests.schedule.host_syncs import HostSyncCounter
+
+    data = DataLoaderState(RandomTokens(TINY.vocab_size, SEQ, seed=5), global_batch_size=microbatches * mbs * state.dp_size,
+                           micro_batch_size=mbs, dp_rank=state.dp_rank, dp_size=state.dp_size)
+    schedule = get_forward_backward_func(setup.config)
+    for counted in (False, True):
+        setup.model.zero_grad_buffer()
+        counter = HostSyncCounter()
+        with counter if counted else contextlib.nullcontext():
+            schedule(forward_step_func=forward_step, data_iterator=data.step_iterator(), model=setup.model,
+                     num_microbatches=microbatches)
+    return dict(counter.sites)
+
+
+LINK_LATENCY_S = 0.05
+LINK_WIRE_S = 0.05
+SYNC_MICROBATCHES = 2
+
+
+def link_timings(group: Any) -> dict[str, Any]:
+    """Wall and process CPU time of all-to-alls under a simulated link (gptoss_cli/model/link.py):
+    latency only (synchronous, and asynchronous with the wait after it), bandwidth only, two queued
+    asynchronous transfers, and no link."""
+    import time
+
+    import torch.distributed as dist
+
+    from gptoss_cli.model.dispatcher import all_to_all, start_all_to_all
+    from gptoss_cli.model.link import LinkModel, use_link
+
+    x = torch.randn(64, 32)  # 32 rows to the other rank: 4096 bytes
+    splits = [32, 32]
+    off_rank_bytes = 32 * 32 * 4
+    gbps = off_rank_bytes * 8 / LINK_WIRE_S / 1e9  # the 4096 bytes take LINK_WIRE_S on the wire
+
+    def timed(fn):
+        dist.barrier()  # both ranks arrive together: gloo's own wait for a late peer is not measured
+        t0, c0 = time.perf_counter(), time.process_time()
+        fn()
+        return time.perf_counter() - t0, time.process_time() - c0
+
+    def two_async():
+        a = start_all_to_all(x, splits, splits, group)
+        b = start_all_to_all(x, splits, splits, group)
+        a.wait(), b.wait()
+
+    out: dict[str, Any] = {}
+    with use_link(LinkModel(float("inf"), LINK_LATENCY_S * 1e6)) as link:
+        out["latency_sync"] = timed(lambda: all_to_all(x, splits, splits, group))
+        handle = start_all_to_all(x, splits, splits, group)
+        out["async_issue_s"] = handle.issue_returned - handle.issued_at
+        _, cpu = timed(handle.wait)
+        out["latency_async"] = (time.perf_counter() - handle.issued_at, cpu)
+        out["latency_link"] = (link.transfers, link.bytes_moved, link.modeled_s, link.blocked_s)
+    with use_link(LinkModel(gbps, 0.0)):
+        out["wire_sync"] = timed(lambda: all_to_all(x, splits, splits, group))
+    with use_link(LinkModel(gbps, 0.0)):
+        out["wire_two_async"] = timed(two_async)
+    out["no_link"] = timed(lambda: all_to_all(x, splits, splits, group))
+    return out
+
+
+def comm_costs_worker(rank: int) -> dict[str, Any]:
+    """One 2-process launch for the communication-cost tests: the host syncs of a training step at
+    EP=2 (plain and overlap schedules, SYNC_MICROBATCHES microbatches, 3 MoE layers) and the link model's timings."""
+    state = init_parallel(2, "cpu")
+    syncs = {name: count_step_host_syncs(build(state, overlap=overlap, pattern="*E*E*E"), state,
+                                         microbatches=SYNC_MICROBATCHES)
+             for name, overlap in (("plain", False), ("overlap", True))}
+    return {"syncs": syncs, "link": link_timings(state.ep_group)}
