@@ -28,7 +28,9 @@ from gptoss_cli.checkpoint.hybrid_format import FORMAT_NAME, HYBRID_CONFIG, Hybr
 from gptoss_cli.checkpoint.layouts import HF_LAYOUTS, UINT8, Layout
 from gptoss_cli.checkpoint.mapping import VOCAB_PADDED_HYBRID, Unit, hybrid_shapes, identity, units
 from gptoss_cli.checkpoint.safetensors_io import ShardedWriter, TensorSpec
-from gptoss_cli.checkpoint.sources import EXTRA_FILES, HF, HYBRID, check_tensors, open_source
+from gptoss_cli.checkpoint.sources import (
+    EXTRA_FILES, HF, HYBRID, HYBRID_NAMED, TRAINING, check_tensors, open_source,
+)
 from gptoss_cli.errors import CheckpointError, UsageError, file_system_error
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.model.dtypes import torch_dtype
@@ -36,6 +38,8 @@ from gptoss_cli.resources import peak_rss_bytes
 
 OUTPUT_DTYPES = ("bfloat16", "float32", "bf16", "fp32")
 EXPERT_FORMS = ("bf16", "mxfp4")
+TARGETS = (HYBRID, HF)
+PROVENANCE_KEY = "gptoss_provenance"  # HF outputs: in the index's metadata (config.json stays as released)
 
 
 class Progress(Protocol):
@@ -67,6 +71,7 @@ class ConvertResult:
     workers: int = 0
     architecture: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)  # e.g. leftovers of killed runs that were removed
+    provenance: dict = field(default_factory=dict)  # what the output records about its source
 
     @property
     def throughput_bytes_per_s(self) -> float:
@@ -182,6 +187,17 @@ def _experts_to_hybrid(reader, arch: GptOssArch, layout: Layout, unit: Unit, dty
         return [(name, layout.load(unit.hf[0], list(parts), dtype)) for name, parts in zip(names, zip(*moved))], []
     chunk = layout.read(reader, arch, unit.hf[0], dtype, e0, e1)
     return [(name, _cast(t, dtype)) for name, t in zip(names, unit.to_hybrid(arch, [chunk]))], []
+
+
+def _tasks_copy(reader, job: _Job, dtype: torch.dtype, budget: int):
+    """Hybrid names in, the same names out (a training checkpoint becoming a Hybrid one), in row ranges."""
+    for out in job.outputs:
+        for r0, r1 in _row_ranges(out, budget):
+            yield lambda out=out, r0=r0, r1=r1: ([(out.name, _cast(reader.read(out.name, r0, r1), dtype))], [])
+
+
+def _form_of(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}.get(dtype, str(dtype))
 
 
 def _unit_to_hybrid(reader, arch: GptOssArch, layout: Layout, unit: Unit, dtype: torch.dtype):
@@ -454,36 +470,47 @@ def convert(
     dtype: str = "bfloat16",
     revision: str | None = None,
     force: bool = False,
+    to: str | None = None,
+    weights: str | None = None,
     progress: Progress | None = None,
     max_shard_bytes: int = 5 * 1024**3,
     chunk_bytes: int = 32 * 1024**2,
 ) -> ConvertResult:
-    """Convert SRC (HF folder or repo id, OpenAI original/, or Hybrid folder) to the other layout at DST."""
+    """Convert SRC (HF folder or repo id, OpenAI original/, Hybrid folder, or a training checkpoint) at DST.
+
+    `to` is the output layout (hybrid or hf); by default the other one than SRC's, and hybrid for a
+    training checkpoint. `weights` (training checkpoints only): `model` or `master`, see the CLI's help."""
     t0 = time.perf_counter()
     keep_freed_memory()
     torch_dtype = parse_dtype(dtype)
     dst = Path(dst).expanduser()
     if experts is not None and experts not in EXPERT_FORMS:
         raise UsageError(f"--experts {experts!r} is not supported; use bf16 or mxfp4")
+    if to is not None and to not in TARGETS:
+        raise UsageError(f"--to {to!r} is not supported; use {' or '.join(TARGETS)}")
     if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
         raise UsageError(f"max shard size {max_shard_bytes!r} must be a positive number of bytes")
     # First, what killed runs left for DST: a stranded old DST goes back in place before DST is judged.
     notes = outputs.recover(dst)
     outputs.check_destination(dst, force)
 
-    source = open_source(str(src), revision)
+    source = open_source(str(src), revision, weights=weights)
     try:
-        for folder in {source.folder, source.extras_folder}:
+        for folder in {source.folder, source.extras_folder, *source.protected}:
             outputs.check_separate(folder, dst)
         arch = source.arch
-        to_hf = source.kind == HYBRID
+        to_hf = (to == HF) if to is not None else source.kind == HYBRID
+        if to_hf != (source.kind in HYBRID_NAMED) and source.kind != TRAINING:
+            raise UsageError(f"{src}: is already a{'n HF' if to_hf else ' Hybrid'} checkpoint ({source.kind}); "
+                             f"convert writes the other layout", hint="drop --to, or choose the other value")
         if force:
             check_replaceable_output(dst, HF if to_hf else HYBRID)
         source.reader = finite = _NonFiniteCheck(source.reader)
-        if to_hf:
+        if source.kind in HYBRID_NAMED:
             check_tensors(
                 source, {n: (s, "float") for n, s in hybrid_shapes(arch).items()}, padded_rows=VOCAB_PADDED_HYBRID
             )
+        if to_hf:
             out_form = experts or "bf16"
             if out_form == "mxfp4" and (arch.hidden_size % 32 or arch.intermediate_size % 32):
                 raise UsageError(
@@ -498,12 +525,24 @@ def convert(
                 raise UsageError(
                     "--experts applies to HF output only; Hybrid checkpoints store one bf16/fp32 tensor per expert"
                 )
-            check_tensors(source, source.layout.stored_specs(arch))
+            if source.kind != TRAINING:
+                check_tensors(source, source.layout.stored_specs(arch))
             jobs = plan_to_hybrid(arch, torch_dtype)
             out_form = "bf16"
-            experts_in = source.layout.experts_form
+            experts_in = source.layout.experts_form if source.layout else "bf16"
+        if source.kind == TRAINING:
+            experts_in = _form_of(source.reader.dtype(next(u.hybrid[0] for u in units(arch) if u.per_expert)))
         plan = [spec for job in jobs for spec in job.outputs]
         total = sum(s.nbytes for s in plan)
+        provenance = {
+            "source": str(src),
+            "revision": revision,
+            "source_format": source.kind,
+            "experts_form": experts_in,
+            "tool": f"gptoss {__version__}",
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            **source.provenance,
+        }
         tmp = outputs.start_folder(dst, total)
         try:
             writer = ShardedWriter(
@@ -519,12 +558,16 @@ def convert(
             # one torch thread per worker: intra-op thread teams of several workers would contend
             # for the same cores, and a team waits at its barrier for its slowest thread
             torch.set_num_threads(1)
-            pipeline = _Pipeline(finite.wrap_write(writer.write, dst), _worker_count(), clock)
+            # a training checkpoint is read by one DcpReader whose fetch-ahead cache serves one stream
+            workers = 1 if source.kind == TRAINING else _worker_count()
+            pipeline = _Pipeline(finite.wrap_write(writer.write, dst), workers, clock)
             try:
                 for job in jobs:
                     pipeline.next_job()
                     if to_hf:
                         tasks = list(_tasks_to_hf(clock, arch, job, torch_dtype, out_layout, chunk_bytes))
+                    elif source.kind in HYBRID_NAMED:
+                        tasks = list(_tasks_copy(clock, job, torch_dtype, chunk_bytes))
                     else:
                         tasks = list(_tasks_to_hybrid(clock, arch, source.layout, job, torch_dtype, chunk_bytes))
                     for i, task in enumerate(tasks):
@@ -532,21 +575,13 @@ def convert(
                         done = partial(progress.advance, tensors=len(job.outputs)) if progress and last else None
                         pipeline.submit(task, done)
                 pipeline.finish()
-                writer.close()
+                writer.close(index_metadata={PROVENANCE_KEY: provenance} if to_hf else None)
             except BaseException:
                 pipeline.abort()
                 writer.abort()
                 raise
             finally:
                 torch.set_num_threads(threads)
-            provenance = {
-                "source": str(src),
-                "revision": revision,
-                "source_format": source.kind,
-                "experts_form": experts_in,
-                "tool": f"gptoss {__version__}",
-                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            }
             dtype_name = "bfloat16" if torch_dtype == torch.bfloat16 else "float32"
             if to_hf:
                 config = arch.to_hf_config(experts_form=out_form, torch_dtype=dtype_name)
@@ -593,6 +628,7 @@ def convert(
         workers=pipeline.workers,
         architecture=arch.to_dict(),
         notes=notes,
+        provenance=provenance,
     )
 
 

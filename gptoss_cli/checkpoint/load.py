@@ -1,4 +1,4 @@
-"""Filling a built HybridModel from a checkpoint folder: Hybrid, Hugging Face or OpenAI original.
+"""Filling a built HybridModel from a checkpoint folder: Hybrid, Hugging Face, OpenAI original or training (DCP).
 
 Streaming and strict: tensors are read one at a time by name (for HF sources, one mapping-table
 unit at a time, experts in chunks), only the experts the model holds are read, and a missing,
@@ -20,7 +20,8 @@ import torch
 from gptoss_cli.checkpoint.hybrid_format import HYBRID_CONFIG, read_hybrid_config
 from gptoss_cli.checkpoint.mapping import VOCAB_PADDED_HYBRID, is_vocab_padding, units
 from gptoss_cli.checkpoint.safetensors_io import CheckpointReader
-from gptoss_cli.checkpoint.sources import HYBRID, check_tensors, open_source
+from gptoss_cli.checkpoint.sources import HYBRID, TRAINING, check_tensors, open_source
+from gptoss_cli.checkpoint.training_format import MODEL, TRAIN_STATE, looks_like_training_checkpoint
 from gptoss_cli.errors import CheckpointError, ConfigError
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.model.hybrid import HybridModel
@@ -76,25 +77,45 @@ def load_hybrid(model: HybridModel, folder: str | Path, progress: Progress | Non
     if (folder / HYBRID_CONFIG).exists():
         _check_architecture(folder, HYBRID_CONFIG, read_hybrid_config(folder).arch, model)
     with CheckpointReader(folder) as reader:
-        present = set(reader.names())
-        expected = model.checkpoint_names()
-        missing = [n for n in expected if n not in present]
-        unexpected = sorted(present - set(expected))
-        if missing or unexpected:
-            parts = []
-            if missing:
-                parts.append(f"{len(missing)} missing tensors (first: {missing[:3]})")
-            if unexpected:
-                parts.append(f"{len(unexpected)} unexpected tensors (first: {unexpected[:3]})")
-            raise CheckpointError(
-                f"{folder}: does not match the model for pattern {model.pattern.text!r}: " + "; ".join(parts),
-                hint="re-run `gptoss convert`, or check hybrid_config.json against the tensors",
-            )
-        with torch.no_grad():
-            for name, dest in model.named_checkpoint_slots():
-                dest.copy_(read_hybrid_tensor(reader, name, tuple(dest.shape), model.arch))
-                if progress is not None:
-                    progress(name)
+        _fill_by_hybrid_names(model, reader, folder, progress, "re-run `gptoss convert`, or check hybrid_config.json "
+                              "against the tensors")
+
+
+def _fill_by_hybrid_names(model: HybridModel, reader, folder: Path, progress: Progress | None, hint: str) -> None:
+    """Every slot of `model` from the tensor of the same name (only the experts it holds); exactly those names."""
+    present = set(reader.names())
+    expected = model.checkpoint_names()
+    missing = [n for n in expected if n not in present]
+    unexpected = sorted(present - set(expected))
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} missing tensors (first: {missing[:3]})")
+        if unexpected:
+            parts.append(f"{len(unexpected)} unexpected tensors (first: {unexpected[:3]})")
+        raise CheckpointError(
+            f"{folder}: does not match the model for pattern {model.pattern.text!r}: " + "; ".join(parts), hint=hint,
+        )
+    with torch.no_grad():
+        for name, dest in model.named_checkpoint_slots():
+            dest.copy_(read_hybrid_tensor(reader, name, tuple(dest.shape), model.arch))
+            if progress is not None:
+                progress(name)
+
+
+def load_training(model: HybridModel, folder: str | Path, progress: Progress | None = None, *,
+                  weights: str = MODEL) -> None:
+    """Fill every parameter from a `gptoss train` checkpoint (a checkpoint.dir through `latest`, or an
+    iter_* folder), from its model state or its fp32 master weights, reading only the experts held."""
+    source = open_source(str(folder), weights=weights)
+    try:
+        if source.kind != TRAINING:
+            raise CheckpointError(f"{folder}: is a {source.kind} checkpoint, not a training checkpoint")
+        _check_architecture(source.folder, TRAIN_STATE, source.arch, model)
+        _fill_by_hybrid_names(model, source.reader, source.folder, progress,
+                              "build the model from the run's own record (model_from_checkpoint)")
+    finally:
+        source.close()
 
 
 def load_hf(model: HybridModel, folder: str | Path, progress: Progress | None = None) -> None:
@@ -139,15 +160,18 @@ def _copy_checked(dest: torch.Tensor, src: torch.Tensor, name: str, folder: str 
 
 
 def load_weights(model: HybridModel, folder: str | Path, progress: Progress | None = None) -> None:
-    """Fill `model` from a Hybrid, HF or OpenAI-original folder, whichever `folder` holds."""
+    """Fill `model` from a Hybrid, HF, OpenAI-original folder or a training checkpoint, whichever `folder` holds."""
     if (Path(folder) / HYBRID_CONFIG).exists():
         load_hybrid(model, folder, progress)
+    elif looks_like_training_checkpoint(Path(folder)) and not (Path(folder) / "config.json").exists():
+        load_training(model, folder, progress)
     else:
         load_hf(model, folder, progress)
 
 
 def checkpoint_architecture(folder: str | Path) -> tuple[GptOssArch, str | None]:
-    """(architecture, Hybrid layer pattern or None for HF/original) of a checkpoint folder."""
+    """(architecture, Hybrid layer pattern or None for HF/original) of a checkpoint folder (a training
+    checkpoint gives the run's recorded pattern)."""
     source = open_source(str(folder))
     try:
         return source.arch, source.hybrid_layer_pattern
@@ -167,5 +191,5 @@ def model_from_checkpoint(folder: str | Path, *, dtype: torch.dtype = torch.floa
     return model
 
 
-__all__ = ["build_model", "load_hybrid", "load_hf", "load_weights", "model_from_checkpoint", "read_hybrid_tensor",
+__all__ = ["build_model", "load_hybrid", "load_hf", "load_training", "load_weights", "model_from_checkpoint", "read_hybrid_tensor",
            "checkpoint_architecture"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -13,7 +13,12 @@ import torch
 from gptoss_cli.checkpoint.hybrid_format import HYBRID_CONFIG, read_hybrid_config
 from gptoss_cli.checkpoint.layouts import HF_LAYOUTS, OPENAI_ORIGINAL, UINT8, Layout
 from gptoss_cli.checkpoint.mapping import is_vocab_padding
+from gptoss_cli.checkpoint.dcp_io import DcpReader
 from gptoss_cli.checkpoint.safetensors_io import CheckpointReader
+from gptoss_cli.checkpoint.training_format import (
+    LATEST, MASTER, MODEL, OPTIMIZER, TRAIN_STATE, WEIGHT_SOURCES, find_checkpoint_folder,
+    looks_like_training_checkpoint, model_key, optimizer_key, read_training_run,
+)
 from gptoss_cli.errors import CheckpointError, ConfigError, UsageError
 from gptoss_cli.model.config import GptOssArch
 
@@ -32,6 +37,8 @@ _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 HF = "hf"
 ORIGINAL = "openai-original"
 HYBRID = "hybrid"
+TRAINING = "training"  # a `gptoss train` checkpoint (DCP): Hybrid tensor names, read through DcpReader
+HYBRID_NAMED = (HYBRID, TRAINING)  # sources whose tensors carry Hybrid names
 
 
 @dataclass
@@ -44,9 +51,11 @@ class Source:
     folder: Path  # the folder holding the weights
     extras_folder: Path  # where tokenizer files are looked up
     arch: GptOssArch
-    reader: CheckpointReader
+    reader: CheckpointReader  # or a DcpReader (same interface) for training checkpoints
     layout: Layout | None = None  # for HF and original sources
-    hybrid_layer_pattern: str | None = None  # for Hybrid sources
+    hybrid_layer_pattern: str | None = None  # for Hybrid and training sources
+    provenance: dict = field(default_factory=dict)  # what an output records besides SRC (training: run, iteration)
+    protected: tuple[Path, ...] = ()  # more folders an output may not be in (a training run's checkpoint.dir)
 
     def close(self) -> None:
         self.reader.close()
@@ -100,9 +109,13 @@ def _config_error(exc: ConfigError) -> CheckpointError:
     return CheckpointError(exc.message, exc.hint)
 
 
-def open_source(src: str, revision: str | None = None) -> Source:
-    """Resolve SRC, detect HF / OpenAI original / Hybrid, read its config and open its shards."""
+def open_source(src: str, revision: str | None = None, *, weights: str | None = None) -> Source:
+    """Resolve SRC, detect HF / OpenAI original / Hybrid / training checkpoint, read its config and open it.
+
+    `weights` picks what a training checkpoint's tensors are read from (`model` or `master`)."""
     root, revision = resolve(src, revision)
+    if weights is not None and not looks_like_training_checkpoint(root):
+        raise UsageError(f"--weights {weights} applies to training checkpoints only; {src} is not one")
     if (root / HYBRID_CONFIG).exists():
         cfg = read_hybrid_config(root)
         return Source(HYBRID, src, revision, root, root, cfg.arch, CheckpointReader(root),
@@ -127,10 +140,36 @@ def open_source(src: str, revision: str | None = None) -> Source:
         raise CheckpointError(f"{config}: has no model_type; is this a GPT-OSS checkpoint?")
     if (root / "original" / "config.json").exists():
         return _open_original(src, revision, root / "original", root)
+    if looks_like_training_checkpoint(root):
+        return open_training(src, root, weights or MODEL)
     raise CheckpointError(
-        f"{root}: no config.json (HF), original/config.json (OpenAI) or {HYBRID_CONFIG} (Hybrid) found",
+        f"{root}: no config.json (HF), original/config.json (OpenAI), {HYBRID_CONFIG} (Hybrid) or "
+        f"{LATEST} / {TRAIN_STATE} (a training checkpoint) found",
         hint="point SRC at the checkpoint folder",
     )
+
+
+def open_training(src: str, root: Path, weights: str = MODEL) -> Source:
+    """A training checkpoint: a checkpoint.dir (read through `latest`) or one iter_* folder.
+
+    The architecture and layer pattern come from the run record in train_state.json; the tensors
+    are the model state (`weights="model"`) or the optimizer's fp32 master copies (`"master"`),
+    under their Hybrid names. Nothing is written into the checkpoint."""
+    if weights not in WEIGHT_SOURCES:
+        raise UsageError(f"--weights {weights!r} is not one of {' | '.join(WEIGHT_SOURCES)}")
+    folder, ckpt_dir = find_checkpoint_folder(root)
+    run = read_training_run(folder)
+    if weights == MODEL:
+        prefix = f"{MODEL}."
+        reader = DcpReader(folder, model_key, lambda k: k[len(prefix):] if k.startswith(prefix) else None)
+    else:
+        prefix, suffix = f"{OPTIMIZER}.", f".{MASTER}"
+        reader = DcpReader(folder, lambda n: optimizer_key(n, MASTER),
+                           lambda k: k[len(prefix):-len(suffix)] if k.startswith(prefix) and k.endswith(suffix) else None)
+    # Tokenizer files come from the weights the run started from, when that folder is still there.
+    extras = Path(run.pretrained) if run.pretrained and Path(run.pretrained).is_dir() else folder
+    return Source(TRAINING, src, None, folder, extras, run.arch, reader, hybrid_layer_pattern=run.hybrid_layer_pattern,
+                  provenance={**run.provenance(), "weights": weights}, protected=(ckpt_dir,) if ckpt_dir else ())
 
 
 def _open_original(src: str, revision: str | None, folder: Path, extras: Path) -> Source:

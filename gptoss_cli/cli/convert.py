@@ -17,9 +17,17 @@ from gptoss_cli.outputs import check_separate
 @app.command("convert")
 @handle_errors
 def convert_cmd(
-    src: str = typer.Argument(..., help="HF folder or Hugging Face repo id (owner/name), OpenAI original/ folder, or a Hybrid folder."),
+    src: str = typer.Argument(..., help="HF folder or Hugging Face repo id (owner/name), OpenAI original/ folder, a Hybrid "
+                              "folder, or a training checkpoint (a run's checkpoint.dir, read through `latest`, or one "
+                              "iter_* folder)."),
     dst: Path = typer.Argument(..., help="Output folder (written under a temporary name, renamed when complete)."),
+    to: Optional[str] = typer.Option(None, "--to", help="Output layout: hybrid or hf. Default: the other layout than "
+                                     "SRC's; hybrid for a training checkpoint."),
     experts: Optional[str] = typer.Option(None, "--experts", help="Expert form of an HF output: bf16 (default) or mxfp4."),
+    weights: Optional[str] = typer.Option(
+        None, "--weights", help="Training checkpoints only. model (default): the weights the run computed with, in "
+        "its params_dtype, so the export computes what the run's losses measured. master: the optimizer's fp32 master "
+        "copies, which keep the precision that rounding to params_dtype drops (pair with --dtype float32)."),
     dtype: str = typer.Option("bfloat16", "--dtype", help="dtype of non-expert tensors and dequantized experts: bfloat16 or float32."),
     revision: Optional[str] = typer.Option(None, "--revision", help="Hub revision (branch, tag or commit) when SRC is a repo id."),
     force: bool = typer.Option(False, "--force", help="Replace a non-empty DST (only after the new one is complete)."),
@@ -31,10 +39,14 @@ def convert_cmd(
 
     The direction comes from SRC: an HF checkpoint (config.json, model_type gpt_oss; MXFP4 or bf16
     experts) or OpenAI's original/ layout becomes a Hybrid checkpoint (HF block i -> layers 2i, 2i+1);
-    a Hybrid checkpoint (hybrid_config.json) becomes an HF one. Memory stays bounded by one tensor
-    group, so 120B converts on a 24 GiB machine.
+    a Hybrid checkpoint (hybrid_config.json) becomes an HF one. A training checkpoint of `gptoss
+    train` becomes a Hybrid checkpoint, or an HF one with --to hf; its architecture comes from the
+    run it records, and it is only read, never modified. Memory stays bounded by one tensor group,
+    so 120B converts on a 24 GiB machine.
 
     Example: gptoss convert openai/gpt-oss-20b ./gpt-oss-20b-hybrid
+
+    Example: gptoss convert runs/ft/checkpoints ./ft-hf --to hf --experts mxfp4
     """
     check_number("--max-shard-size", max_shard_gb, low=0.0, low_inclusive=False, high=1e6)
     check_json_path(json_path)
@@ -44,7 +56,8 @@ def convert_cmd(
 
     with RichProgress(console, "converting", enabled=not quiet) as progress:
         result = convert(
-            src, dst, experts=experts, dtype=dtype, revision=revision, force=force, progress=progress,
+            src, dst, experts=experts, dtype=dtype, revision=revision, force=force, to=to, weights=weights,
+            progress=progress,
             max_shard_bytes=max(1, int(max_shard_gb * 1e9)),
         )
     for note in [] if quiet else result.notes:
@@ -64,6 +77,9 @@ def convert_cmd(
         ("time", f"{result.seconds:.2f} s ({human_bytes(result.throughput_bytes_per_s)}/s)"),
         ("peak RSS", human_bytes(result.peak_rss_bytes)),
     ]
+    p = result.provenance
+    if "iteration" in p:  # a training checkpoint: which run, which step, which weights
+        rows.insert(2, ("from run", f"{p['run']} at iteration {p['iteration']} ({p['weights']} weights)"))
     for k, v in rows:
         table.add_row(k, Text(v))  # paths are data, not markup
     console.print(table)

@@ -4,7 +4,8 @@ A checkpoint folder `<dir>/iter_0000010/` holds the DCP shards of
   model.*      every parameter under its Hybrid name (experts per global id, so any EP layout reads them),
   optimizer.*  fp32 master weights and AdamW moments per parameter name (from their owners),
   rng.rank{r}  each rank's torch RNG state,
-plus `train_state.json` (step, data position, learning-rate schedule, the layout that wrote it).
+plus `train_state.json` (step, data position, learning-rate schedule, the layout that wrote it, and
+the run record that lets `gptoss convert` rebuild the model: gptoss_cli/checkpoint/training_format.py).
 It is written under a temporary name and renamed when every rank has finished, then `latest`
 (one line: the folder name) is replaced atomically; a run killed mid-save leaves the previous
 checkpoint as the latest. Loading asks DCP only for the keys this rank's layout needs, which is
@@ -20,24 +21,21 @@ naming the tensor or file. `.iter_*.partial` folders of killed runs are removed 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import re
 import shutil
-import warnings
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
-from gptoss_cli.errors import CheckpointError, TrainingError, describe_os_error
+# The on-disk names belong to checkpoint/ (conversion reads these folders without the trainer).
+from gptoss_cli.checkpoint.dcp_io import check_storage_files, dcp_error, quiet_single_process
+from gptoss_cli.checkpoint.training_format import (
+    LATEST, MODEL, OPTIMIZER, PARTIAL_NAME, RNG, TRAIN_STATE, iter_name, latest_checkpoint,
+)
+from gptoss_cli.errors import CheckpointError, TrainingError
 from gptoss_cli.parallel.state import ParallelState, barrier
-
-LATEST = "latest"
-TRAIN_STATE = "train_state.json"
-_ITER_NAME = re.compile(r"^iter_\d+$")
-_PARTIAL_NAME = re.compile(r"^\.(iter_\d+\.partial|latest\.tmp)$")
 
 
 def remove_partial_checkpoints(ckpt_dir: str | Path) -> list[str]:
@@ -50,7 +48,7 @@ def remove_partial_checkpoints(ckpt_dir: str | Path) -> list[str]:
     if not ckpt_dir.is_dir():
         return notes
     for entry in sorted(ckpt_dir.iterdir()):
-        if _PARTIAL_NAME.match(entry.name):
+        if PARTIAL_NAME.match(entry.name):
             size = sum(f.stat().st_size for f in entry.rglob("*") if f.is_file()) if entry.is_dir() else 0
             shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
             notes.append(f"removed {entry} ({size / 1e6:.1f} MB), an incomplete checkpoint of a killed run")
@@ -61,34 +59,11 @@ def _model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
 
 
-@contextlib.contextmanager
-def _quiet_single_process() -> Iterator[None]:
-    """DCP warns that it assumes a single process when torch.distributed is not initialised; that is intended."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
-
-
 def _rng_state(state: ParallelState) -> dict[str, torch.Tensor]:
     rng = {f"rank{state.rank}": torch.get_rng_state()}
     if state.device.type == "cuda":
         rng[f"rank{state.rank}.cuda"] = torch.cuda.get_rng_state()
     return rng
-
-
-def latest_checkpoint(ckpt_dir: str | Path) -> Path | None:
-    """The folder `latest` points at, or None when there is no complete checkpoint."""
-    pointer = Path(ckpt_dir) / LATEST
-    if not pointer.is_file():
-        return None
-    name = pointer.read_text().strip()
-    folder = Path(ckpt_dir) / name
-    if not _ITER_NAME.match(name) or not (folder / TRAIN_STATE).is_file():
-        raise CheckpointError(
-            f"{pointer} points at {name!r}, which is not a complete checkpoint",
-            hint="point `latest` at an iter_* folder that has train_state.json, or delete it to start fresh",
-        )
-    return folder
 
 
 def save_checkpoint(
@@ -102,7 +77,7 @@ def save_checkpoint(
 ) -> Path:
     """Write checkpoint `iter_{step}` atomically and point `latest` at it; returns its folder."""
     ckpt_dir = Path(ckpt_dir)
-    name = f"iter_{step:07d}"
+    name = iter_name(step)
     final = ckpt_dir / name
     tmp = ckpt_dir / f".{name}.partial"
     check_finite_state(ckpt_dir, step, model, optimizer, state)
@@ -114,14 +89,14 @@ def save_checkpoint(
     import torch.distributed.checkpoint as dcp  # lazy: importing DCP costs every worker about a second
 
     payload: dict[str, Any] = {
-        "model": _model_state(model),
-        "optimizer": optimizer.state_dict(),
-        "rng": _rng_state(state),
+        MODEL: _model_state(model),
+        OPTIMIZER: optimizer.state_dict(),
+        RNG: _rng_state(state),
     }
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
-        with _quiet_single_process():
+        with quiet_single_process():
             dcp.save(payload, checkpoint_id=str(tmp))
     except (Exception, CheckpointException) as exc:  # DCP wraps each rank's OSError (a full disk) in one
         latest = (ckpt_dir / LATEST).read_text().strip() if (ckpt_dir / LATEST).is_file() else None
@@ -130,7 +105,7 @@ def save_checkpoint(
         # torch's own message for a full disk can be as cryptic as "unexpected pos 704 vs 598"
         free = shutil.disk_usage(ckpt_dir).free
         raise CheckpointError(
-            f"{tmp}: saving the checkpoint of step {step} failed ({_dcp_error(exc)}; {free / 1e6:.1f} MB free "
+            f"{tmp}: saving the checkpoint of step {step} failed ({dcp_error(exc)}; {free / 1e6:.1f} MB free "
             f"there); `latest` " + (f"still points at {latest}" if latest else "was not created"),
             hint="free space in checkpoint.dir, then resume",
         ) from None
@@ -173,8 +148,8 @@ def _first_non_finite(tensors: dict[str, Any]) -> tuple[int, str | None]:
 
 def check_finite_state(ckpt_dir: Path, step: int, model: torch.nn.Module, optimizer: Any, state: ParallelState) -> None:
     """Every rank checks its parameters and optimizer state; any non-finite tensor stops the save on all ranks."""
-    payload = {**{f"model.{k}": v for k, v in _model_state(model).items()},
-               **{f"optimizer.{k}": v for k, v in optimizer.state_dict().items()}}
+    payload = {**{f"{MODEL}.{k}": v for k, v in _model_state(model).items()},
+               **{f"{OPTIMIZER}.{k}": v for k, v in optimizer.state_dict().items()}}
     bad, first = _first_non_finite(payload)
     counts = torch.tensor([bad, len(payload)], dtype=torch.float64)
     if state.distributed:
@@ -223,19 +198,7 @@ def _check_against_metadata(folder: Path, payload: dict[str, Any], metadata: Any
                     hint="resume with the architecture and precision.params_dtype the checkpoint was trained with, "
                     "or start in a new checkpoint.dir",
                 )
-    sizes: dict[str, int] = {}
-    for index, info in metadata.storage_data.items():
-        path = folder / info.relative_path
-        if info.relative_path not in sizes:
-            sizes[info.relative_path] = path.stat().st_size if path.is_file() else -1
-        have = sizes[info.relative_path]
-        if have < info.offset + info.length:
-            state = "is missing" if have < 0 else f"has {have} bytes"
-            raise CheckpointError(
-                f"{path}: {state}, but tensor {index.fqn} lies at bytes {info.offset}..{info.offset + info.length}; "
-                "the checkpoint is truncated or incomplete",
-                hint="point `latest` at an earlier complete iter_* folder, or start in a new checkpoint.dir",
-            )
+    check_storage_files(folder, metadata)
 
 
 def load_checkpoint(
@@ -253,36 +216,26 @@ def load_checkpoint(
         raise CheckpointError(f"{folder}: cannot read checkpoint ({_first_line(exc)})") from None
     if not isinstance(meta, dict) or not isinstance(meta.get("step"), int):
         raise CheckpointError(f"{folder / TRAIN_STATE}: not a gptoss train state (no integer 'step')")
-    payload: dict[str, Any] = {"model": _model_state(model), "optimizer": optimizer.state_dict()}
+    payload: dict[str, Any] = {MODEL: _model_state(model), OPTIMIZER: optimizer.state_dict()}
     _check_against_metadata(folder, payload, metadata)
     # RNG streams belong to ranks: restored only when the layout is the same (else the seed's).
     same_layout = meta.get("world_size") == state.world_size and meta.get("ep_size") == state.ep_size
     rng = _rng_state(state)
-    if same_layout and all(f"rng.{k}" in saved for k in rng):
-        payload["rng"] = rng
+    if same_layout and all(f"{RNG}.{k}" in saved for k in rng):
+        payload[RNG] = rng
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
-        with _quiet_single_process():
+        with quiet_single_process():
             dcp.load(payload, checkpoint_id=str(folder))
     except (Exception, CheckpointException) as exc:  # DCP wraps every rank's failure in one CheckpointException
-        raise CheckpointError(f"{folder}: cannot load checkpoint ({_dcp_error(exc)})") from None
-    if "rng" in payload:
-        torch.set_rng_state(payload["rng"][f"rank{state.rank}"])
-        if f"rank{state.rank}.cuda" in payload["rng"]:
-            torch.cuda.set_rng_state(payload["rng"][f"rank{state.rank}.cuda"])
+        raise CheckpointError(f"{folder}: cannot load checkpoint ({dcp_error(exc)})") from None
+    if RNG in payload:
+        torch.set_rng_state(payload[RNG][f"rank{state.rank}"])
+        if f"rank{state.rank}.cuda" in payload[RNG]:
+            torch.cuda.set_rng_state(payload[RNG][f"rank{state.rank}.cuda"])
     optimizer.after_load()
     return meta
-
-
-def _dcp_error(exc: BaseException) -> str:
-    """The first rank's own error inside DCP's CheckpointException (whose first line names no file)."""
-    failures = getattr(exc, "failures", None)
-    if isinstance(failures, dict) and failures:
-        rank = min(failures)
-        inner = failures[rank][0] if isinstance(failures[rank], tuple) else failures[rank]
-        return f"rank {rank}: {_dcp_error(inner)}"
-    return describe_os_error(exc) if isinstance(exc, OSError) else _first_line(exc)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from gptoss_cli.checkpoint.training_format import RUN_KEY, run_record
 from gptoss_cli.errors import TrainingError
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.recipe.schema import RecipeConfig
@@ -52,6 +53,12 @@ class TrainJob:
     run_dir: str
     recipe: dict[str, Any] = field(default_factory=dict)  # the resolved recipe as plain data, for the run dir
     heartbeat_dir: str | None = None  # set by the local launcher, whose watchdog reads the beats
+
+    def run_record(self) -> dict[str, Any]:
+        """What every checkpoint of this run records about it (gptoss_cli/checkpoint/training_format.py)."""
+        return run_record(arch=self.arch, hybrid_layer_pattern=self.hybrid_layer_pattern,
+                          params_dtype=self.config.precision.params_dtype, name=self.name, run_dir=self.run_dir,
+                          recipe=self.recipe, pretrained=self.config.checkpoint.pretrained)
 
     @classmethod
     def from_recipe(cls, recipe: Any) -> "TrainJob":
@@ -246,7 +253,7 @@ def _train(job: TrainJob, state: ParallelState, progress: Progress | None, heart
             last_ckpt = save_checkpoint(
                 ckpt.dir, step=done, model=model.module, optimizer=optimizer, state=state,
                 train_state={"consumed_samples": data.consumed_samples, "lr_schedule": lr_schedule.state_dict(),
-                             "name": job.name},
+                             "name": job.name, RUN_KEY: job.run_record()},
             )
             if emit:
                 emit({"kind": "checkpoint", "step": done, "path": str(last_ckpt)})

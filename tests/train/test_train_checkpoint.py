@@ -12,8 +12,8 @@ from gptoss_cli.errors import TrainingError
 from gptoss_cli.train.checkpointing import latest_checkpoint
 from gptoss_cli.train.loop import run_worker
 from tests.tolerances import reassociation_rel
-from tests.train.dist_helpers import once_per_session, run_distributed
-from tests.train.workers import TINY, run_plan_worker, tiny_plan
+from tests.train.dist_helpers import once_per_session
+from tests.train.workers import TINY, ep2_checkpoint_run, tiny_plan
 
 
 class Killed(Exception):
@@ -78,14 +78,9 @@ def test_nan_loss_stops_with_training_error_and_is_never_checkpointed(tmp_path):
     assert not (tmp_path / "c" / "iter_0000002").exists()
 
 
-def _ep2_run(work):
-    plan = tiny_plan(str(work / "run"), ep_size=2, train_iters=3, save_interval=2, checkpoint_dir=str(work / "ckpt"))
-    return work, run_distributed(run_plan_worker, 2, work / "out", plan)
-
-
 @pytest.fixture(scope="module")
 def ep2_checkpoint(tmp_path_factory):
-    return once_per_session(tmp_path_factory, "ep2_checkpoint", _ep2_run)
+    return once_per_session(tmp_path_factory, "ep2_checkpoint", ep2_checkpoint_run)
 
 
 def test_checkpoint_saved_at_ep2_loads_at_ep1(ep2_checkpoint, tmp_path):

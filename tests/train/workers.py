@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -229,6 +230,16 @@ def run_plan_worker(rank: int, plan: Any) -> dict[str, Any]:
 
     result = run_worker(plan)
     return {"losses": result.losses, "result": result}
+
+
+def ep2_checkpoint_run(work: Path) -> tuple[Path, list[dict[str, Any]]]:
+    """3 steps of the tiny model at EP=2 on 2 processes, checkpoints at steps 2 and 3 in work/ckpt.
+    Shared (tests/train/dist_helpers.py: once_per_session, name "ep2_checkpoint") by the resume and
+    the conversion tests."""
+    from tests.train.dist_helpers import run_distributed
+
+    plan = tiny_plan(str(work / "run"), ep_size=2, train_iters=3, save_interval=2, checkpoint_dir=str(work / "ckpt"))
+    return work, run_distributed(run_plan_worker, 2, work / "out", plan)
 
 
 def torchrun_style_worker(rank: int, overrides: list[str]) -> dict[str, Any]:

@@ -1,0 +1,222 @@
+"""Reading a torch.distributed.checkpoint (DCP) folder tensor by tensor, with CheckpointReader's interface.
+
+`DcpReader` serves `names()`, `spec(name)`, `file_of(name)` and `read(name, start, stop)` like
+`safetensors_io.CheckpointReader`, so conversion streams a training checkpoint exactly as it
+streams a Hybrid one. Each read is one `dcp.load` of a state dict that holds only the requested
+keys; DCP then reads only those keys' byte ranges, so memory holds one tensor (or a few experts of
+one stack, fetched together to save per-call overhead), never the state dict. Which DP/EP layout
+saved the checkpoint does not matter: DCP assembles every key from whatever chunks hold it.
+
+DCP's `.metadata` is a pickle. It is unpickled here with an allow-list of DCP's own metadata
+classes (and torch sizes, dtypes, layouts), never with plain `pickle.load`, so a checkpoint from
+elsewhere cannot run code; the tensors themselves are read by DCP with `torch.load(weights_only=True)`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import pickle
+import re
+import threading
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+
+from gptoss_cli.checkpoint.safetensors_io import TensorSpec
+from gptoss_cli.errors import CheckpointError, describe_os_error
+
+METADATA = ".metadata"
+_DCP_METADATA = "torch.distributed.checkpoint.metadata"
+_ALLOWED = {
+    (_DCP_METADATA, n) for n in ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+                                 "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib._local", "PosixPath"),
+    ("pathlib._local", "PurePosixPath"),
+} | {("torch", n) for n in dir(torch) if isinstance(getattr(torch, n, None), torch.dtype)}
+_PER_EXPERT = re.compile(r"^(?P<stem>.*\.mlp\.experts\.linear_fc[12]\.(weight|bias))(?P<e>\d+)$")
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in _ALLOWED:
+            raise pickle.UnpicklingError(f"refusing to load {module}.{name} (not DCP metadata)")
+        return super().find_class(module, name)
+
+
+def read_metadata(folder: str | Path) -> Any:
+    """DCP's Metadata of `folder`, unpickled with the allow-list; CheckpointError if missing or damaged."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    path = Path(folder) / METADATA
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise CheckpointError(f"{folder}: has no {METADATA}; the checkpoint is incomplete",
+                              hint="use a checkpoint that `latest` points at (saves are renamed into place when done)"
+                              ) from None
+    except OSError as exc:
+        raise CheckpointError(describe_os_error(exc, "cannot read the checkpoint metadata")) from None
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+    except Exception as exc:  # truncated or foreign bytes: UnpicklingError, EOFError, ValueError, ...
+        raise CheckpointError(f"{path}: not readable DCP metadata ({_first_line(exc)})",
+                              hint="the checkpoint is damaged; use an earlier iter_* folder") from None
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
+        raise CheckpointError(f"{path}: not DCP metadata (holds a {type(metadata).__name__})")
+    return metadata
+
+
+def check_storage_files(folder: Path, metadata: Any) -> None:
+    """Every shard file holds the byte range the metadata places in it; the first gap is one line."""
+    sizes: dict[str, int] = {}
+    for index, info in (metadata.storage_data or {}).items():
+        path = folder / info.relative_path
+        if info.relative_path not in sizes:
+            sizes[info.relative_path] = path.stat().st_size if path.is_file() else -1
+        have = sizes[info.relative_path]
+        if have < info.offset + info.length:
+            state = "is missing" if have < 0 else f"has {have} bytes"
+            raise CheckpointError(
+                f"{path}: {state}, but tensor {index.fqn} lies at bytes {info.offset}..{info.offset + info.length}; "
+                "the checkpoint is truncated or incomplete",
+                hint="point `latest` at an earlier complete iter_* folder, or start in a new checkpoint.dir",
+            )
+
+
+def dcp_error(exc: BaseException) -> str:
+    """The first rank's own error inside DCP's CheckpointException (whose first line names no file)."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank = min(failures)
+        inner = failures[rank][0] if isinstance(failures[rank], tuple) else failures[rank]
+        return f"rank {rank}: {dcp_error(inner)}"
+    return describe_os_error(exc) if isinstance(exc, OSError) else _first_line(exc)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0][:300]
+
+
+@contextlib.contextmanager
+def quiet_single_process() -> Iterator[None]:
+    """DCP warns that it assumes a single process when torch.distributed is not initialised; that is intended."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+class DcpReader:
+    """One group of a DCP checkpoint's tensors under plain names, read a tensor (or a few experts) at a time.
+
+    `key_of(name)` gives the DCP key of a name and `name_of(key)` the name of a key (None: not in
+    this group); e.g. names are Hybrid tensor names and keys `model.<name>`. `budget_bytes` bounds
+    what one read fetches ahead: consecutive experts of the same stack are loaded together up to it.
+    """
+
+    def __init__(self, folder: str | Path, key_of: Callable[[str], str], name_of: Callable[[str], str | None], *,
+                 budget_bytes: int = 128 * 1024**2):
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        self.folder = Path(folder)
+        self.metadata = read_metadata(self.folder)
+        check_storage_files(self.folder, self.metadata)
+        self._key_of = key_of
+        self.budget_bytes = budget_bytes
+        self._specs: dict[str, TensorSpec] = {}
+        for key, meta in self.metadata.state_dict_metadata.items():
+            name = name_of(key)
+            if name is not None and isinstance(meta, TensorStorageMetadata):
+                self._specs[name] = TensorSpec(name, tuple(meta.size), meta.properties.dtype)
+        self._files = {index.fqn: info.relative_path for index, info in (self.metadata.storage_data or {}).items()}
+        metadata = self.metadata
+
+        class _Reader(FileSystemReader):
+            def read_metadata(self, *args: Any, **kwargs: Any) -> Any:  # the allow-listed copy, read once
+                return metadata
+
+        self._storage = _Reader(str(self.folder))
+        self._cache: dict[str, torch.Tensor] = {}
+        self._lock = threading.Lock()  # read() may be called from conversion's worker threads
+        self.loads = 0  # dcp.load calls made (each one a partial load)
+
+    def __enter__(self) -> "DcpReader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._cache.clear()
+
+    def names(self) -> list[str]:
+        return list(self._specs)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._specs
+
+    def spec(self, name: str) -> TensorSpec:
+        return self._specs[name]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._specs[name].shape
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self._specs[name].dtype
+
+    def file_of(self, name: str) -> Path:
+        return self.folder / self._files.get(self._key_of(name), METADATA)
+
+    def read(self, name: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
+        """Tensor `name`, or rows [start, stop) of it; the tensor read last stays cached for the next rows."""
+        if name not in self._specs:
+            raise CheckpointError(f"{self.folder}: tensor {self._key_of(name)!r} is missing")
+        with self._lock:
+            if name not in self._cache:
+                self._cache = self._load(self._batch(name))
+            t = self._cache[name]
+        if start is None and stop is None or not t.dim():
+            return t
+        return t[start or 0:t.shape[0] if stop is None else stop]
+
+    def _batch(self, name: str) -> list[str]:
+        """`name`, and for an expert tensor the next experts of its stack that fit in the budget."""
+        m = _PER_EXPERT.match(name)
+        if m is None:
+            return [name]
+        out, total, e = [], 0, int(m["e"])
+        while f"{m['stem']}{e}" in self._specs:
+            spec = self._specs[f"{m['stem']}{e}"]
+            if out and total + spec.nbytes > self.budget_bytes:
+                break
+            out.append(spec.name)
+            total += spec.nbytes
+            e += 1
+        return out
+
+    def _load(self, names: list[str]) -> dict[str, torch.Tensor]:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        self._cache = {}  # drop the previous tensors before the next ones are allocated
+        state = {self._key_of(n): torch.empty(self._specs[n].shape, dtype=self._specs[n].dtype) for n in names}
+        try:
+            with quiet_single_process():
+                dcp.load(state, storage_reader=self._storage, no_dist=True)
+        except (Exception, CheckpointException) as exc:  # a damaged shard: torch.load's error inside DCP's wrapper
+            raise CheckpointError(
+                f"{self.file_of(names[0])}: cannot read tensor {self._key_of(names[0])!r} ({dcp_error(exc)})",
+                hint="the checkpoint is damaged; use an earlier iter_* folder",
+            ) from None
+        self.loads += 1
+        return {n: state[self._key_of(n)] for n in names}
+
+
+__all__ = ["DcpReader", "read_metadata", "check_storage_files", "dcp_error", "quiet_single_process", "METADATA"]

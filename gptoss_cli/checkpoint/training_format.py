@@ -1,0 +1,201 @@
+"""The on-disk form of a training checkpoint (what `gptoss train` saves): its names, the run record, finding it.
+
+    <checkpoint.dir>/latest            one line: the name of the newest complete iter_* folder
+    <checkpoint.dir>/iter_0000010/     torch.distributed.checkpoint (DCP) files (.metadata, *.distcp) holding
+        model.<Hybrid name>                      every parameter (experts per global id: any EP layout reads them)
+        optimizer.<Hybrid name>.<kind>           kind: master (fp32), exp_avg, exp_avg_sq, step
+        rng.rank<r>                              each rank's RNG state
+      train_state.json                           step, data position, lr schedule, layout, and `run` (below)
+
+`gptoss_cli/train/checkpointing.py` writes these names and `gptoss convert` reads them; they live
+here so that checkpoint/ needs nothing from train/. The `run` record makes a checkpoint
+self-describing: the architecture and layer pattern it was trained with, the recipe (name and
+resolved settings) and the run. It is written into the folder before the folder is renamed into
+place, so it is as atomic as the rest of the checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gptoss_cli.checkpoint.hybrid_format import check_pattern
+from gptoss_cli.errors import CheckpointError, ConfigError
+from gptoss_cli.model.config import GptOssArch
+
+LATEST = "latest"
+TRAIN_STATE = "train_state.json"
+# Top-level groups of the DCP state dict; DCP flattens {"model": {name: t}} into keys "model.<name>".
+MODEL = "model"
+OPTIMIZER = "optimizer"
+RNG = "rng"
+MASTER = "master"  # the optimizer's fp32 master copy of a parameter
+OPTIMIZER_KINDS = (MASTER, "exp_avg", "exp_avg_sq", "step")
+ITER_NAME = re.compile(r"^iter_\d+$")
+PARTIAL_NAME = re.compile(r"^\.(iter_\d+\.partial|latest\.tmp)$")
+RUN_KEY = "run"
+RUN_RECORD_VERSION = 1
+WEIGHT_SOURCES = (MODEL, MASTER)
+
+
+def iter_name(step: int) -> str:
+    return f"iter_{step:07d}"
+
+
+def model_key(name: str) -> str:
+    return f"{MODEL}.{name}"
+
+
+def optimizer_key(name: str, kind: str) -> str:
+    return f"{OPTIMIZER}.{name}.{kind}"
+
+
+def latest_checkpoint(ckpt_dir: str | Path) -> Path | None:
+    """The folder `latest` points at, or None when there is no `latest` (no complete checkpoint yet)."""
+    pointer = Path(ckpt_dir) / LATEST
+    if not pointer.is_file():
+        return None
+    try:
+        name = pointer.read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{pointer}: cannot read ({getattr(exc, 'strerror', None) or exc})") from None
+    folder = Path(ckpt_dir) / name
+    if not ITER_NAME.match(name) or not (folder / TRAIN_STATE).is_file():
+        raise CheckpointError(
+            f"{pointer} points at {name[:60]!r}, which is not a complete checkpoint",
+            hint="point `latest` at an iter_* folder that has train_state.json, or delete it to start fresh",
+        )
+    return folder
+
+
+def run_record(*, arch: GptOssArch, hybrid_layer_pattern: str, params_dtype: str, name: str, run_dir: str | Path,
+               recipe: dict[str, Any] | None = None, pretrained: str | None = None) -> dict[str, Any]:
+    """What a training checkpoint records about its run (train_state.json's `run`): enough to rebuild
+    the model without the recipe file, and to say where the weights came from."""
+    return {
+        "version": RUN_RECORD_VERSION,
+        "name": name,
+        "run_dir": str(Path(run_dir).expanduser().resolve()),
+        "architecture": arch.to_dict(),
+        "hybrid_layer_pattern": hybrid_layer_pattern,
+        "params_dtype": params_dtype,
+        "pretrained": str(Path(pretrained).expanduser().resolve()) if pretrained else None,
+        # the resolved recipe as plain JSON (anything else shown as text)
+        "recipe": json.loads(json.dumps(recipe or {}, default=str)),
+    }
+
+
+@dataclass(frozen=True)
+class TrainingRun:
+    """One training checkpoint folder and the run that wrote it (from train_state.json)."""
+
+    folder: Path  # the iter_* folder
+    step: int
+    arch: GptOssArch
+    hybrid_layer_pattern: str
+    params_dtype: str
+    name: str
+    run_dir: str
+    pretrained: str | None
+    recipe: dict[str, Any]
+    world_size: int | None
+    ep_size: int | None
+
+    def provenance(self) -> dict[str, Any]:
+        """What an export records about where its weights came from."""
+        return {"run": self.name, "run_dir": self.run_dir, "iteration": self.step, "checkpoint": str(self.folder.resolve()),
+                "recipe": self.recipe.get("name") or self.name, "recipe_config": self.recipe,
+                "saved_at": {"world_size": self.world_size, "expert_model_parallel_size": self.ep_size},
+                "pretrained": self.pretrained}
+
+
+def read_train_state(folder: str | Path) -> dict[str, Any]:
+    """train_state.json of an iter_* folder: a JSON object with an integer `step`."""
+    path = Path(folder) / TRAIN_STATE
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{folder}: has no {TRAIN_STATE}; it is not a complete gptoss training checkpoint",
+                              hint="use an iter_* folder that `latest` pointed at, or the checkpoint.dir") from None
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("step"), int) or isinstance(data.get("step"), bool):
+        raise CheckpointError(f"{path}: not a gptoss train state (no integer 'step')")
+    return data
+
+
+def read_training_run(folder: str | Path) -> TrainingRun:
+    """The run record of a checkpoint folder; a checkpoint saved before runs were recorded is an error."""
+    folder = Path(folder)
+    path = folder / TRAIN_STATE
+    state = read_train_state(folder)
+    run = state.get(RUN_KEY)
+    if run is None:
+        raise CheckpointError(
+            f"{path}: records no model architecture (the checkpoint was saved by an older gptoss), so it cannot "
+            "be converted on its own",
+            hint="resume the run with this gptoss for one more step (training.train_iters=+1) to save a checkpoint "
+            "that records it",
+        )
+    if not isinstance(run, dict) or run.get("version") != RUN_RECORD_VERSION:
+        version = run.get("version") if isinstance(run, dict) else run
+        raise CheckpointError(f"{path}: run record version {version!r} is not supported "
+                              f"(this gptoss reads {RUN_RECORD_VERSION})")
+    try:
+        arch = GptOssArch.from_dict(run["architecture"], source=f"{path} run.architecture")
+        pattern = run["hybrid_layer_pattern"]
+        params_dtype = run["params_dtype"]
+    except KeyError as exc:
+        raise CheckpointError(f"{path}: run record lacks {exc.args[0]!r}") from None
+    except ConfigError as exc:
+        raise CheckpointError(exc.message, exc.hint) from None
+    if not isinstance(pattern, str):
+        raise CheckpointError(f"{path}: run.hybrid_layer_pattern must be a string, got {pattern!r}")
+    check_pattern(pattern, arch, path)
+    recipe = run.get("recipe") if isinstance(run.get("recipe"), dict) else {}
+    ints = {k: state.get(k) if isinstance(state.get(k), int) else None for k in ("world_size", "ep_size")}
+    return TrainingRun(folder=folder, step=state["step"], arch=arch, hybrid_layer_pattern=pattern,
+                       params_dtype=str(params_dtype), name=str(run.get("name") or ""),
+                       run_dir=str(run.get("run_dir") or ""), pretrained=run.get("pretrained"), recipe=recipe,
+                       world_size=ints["world_size"], ep_size=ints["ep_size"])
+
+
+def looks_like_training_checkpoint(path: Path) -> bool:
+    """A checkpoint.dir (a `latest` pointer or iter_* folders) or one iter_* folder (DCP files, train state)."""
+    try:
+        if (path / LATEST).exists() or (path / TRAIN_STATE).exists() or (path / ".metadata").exists():
+            return True
+        return any(ITER_NAME.match(p.name) and p.is_dir() for p in path.iterdir())
+    except OSError:
+        return False
+
+
+def find_checkpoint_folder(path: str | Path) -> tuple[Path, Path | None]:
+    """(the iter_* folder to read, the checkpoint.dir when `path` is one) for a checkpoint.dir or an iter_* folder.
+
+    A checkpoint.dir is read through its `latest` pointer: the newest checkpoint that was complete.
+    """
+    path = Path(path)
+    if (path / TRAIN_STATE).exists() or (path / ".metadata").exists():
+        return path, None
+    folder = latest_checkpoint(path)
+    if folder is None:
+        iters = sorted(p.name for p in path.iterdir() if ITER_NAME.match(p.name) and p.is_dir())
+        raise CheckpointError(
+            f"{path}: has no `{LATEST}` pointer, so no checkpoint in it is known to be complete",
+            hint=f"pass one iter_* folder instead, e.g. {path / iters[-1]}" if iters else
+            "point SRC at a checkpoint.dir of `gptoss train` or at one of its iter_* folders",
+        )
+    return folder, path
+
+
+__all__ = [
+    "LATEST", "TRAIN_STATE", "MODEL", "OPTIMIZER", "RNG", "MASTER", "OPTIMIZER_KINDS", "ITER_NAME", "PARTIAL_NAME",
+    "WEIGHT_SOURCES", "TrainingRun", "iter_name", "model_key", "optimizer_key", "latest_checkpoint", "run_record",
+    "read_train_state", "read_training_run", "looks_like_training_checkpoint", "find_checkpoint_folder",
+]
