@@ -1,1 +1,1 @@
-"""Parallel state: DeviceMesh and process groups, the token dispatcher, gradient buffers and finalisation."""
+"""Parallel state: process groups on a DeviceMesh, gradient buffers and finalisation (dispatcher: model/)."""

@@ -128,6 +128,7 @@ def test_rule_triggered(rule_id):
     assert findings, f"{rule_id} did not fire for {trigger}"
     f = findings[0]
     assert (f.rule, f.severity) == (rule_id, severity)
+    assert severity in RULES[rule_id].severities, "the README's rule table states the wrong severity"
     assert f.message and f.fields
     if severity == "error":
         assert f.hint, "an error must say how to fix it"

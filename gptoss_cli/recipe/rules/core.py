@@ -1,8 +1,10 @@
 """The rule registry's core: findings, the `rule` decorator, the context rules read, shared helpers.
 
-A rule is `fn(cfg, ctx) -> list[Finding]`, registered with `@rule(id, description, kind=..., gate=...)`.
-The registry fills in the rule id and kind, so each function only says what is wrong and how to
-fix it. Two kinds:
+A rule is `fn(cfg, ctx) -> list[Finding]`, registered with
+`@rule(id, description, fix=..., severities=..., kind=..., gate=...)`. The registry fills in the
+rule id and kind, so each function only says what is wrong and how to fix it in the case at hand;
+`fix` (the usual way out, in general terms) and `severities` (what the rule can report) are the
+rule's documentation, rendered into the README by rules/docs.py. Two kinds:
 - "semantic": Megatron's own constraints and the model's capabilities; a recipe that breaks one
   cannot work anywhere (docs/megatron-rules.md).
 - "unsupported" (ids `unsupported.*`, rules/unsupported.py): options `gptoss train` does not
@@ -105,6 +107,8 @@ class Rule:
     description: str
     fn: RuleFn = field(repr=False)
     gate: bool = False  # runs first; its errors stop the other rules
+    fix: str = ""  # the usual fix, in general terms (each finding's hint gives the exact one)
+    severities: tuple[str, ...] = (ERROR,)  # what its findings can be (tests check the triggered ones)
 
     def __call__(self, cfg: RecipeConfig, ctx: Context) -> list[Finding]:
         return [dataclasses.replace(f, rule=self.id, kind=self.kind) for f in (self.fn(cfg, ctx) or [])]
@@ -113,17 +117,22 @@ class Rule:
 RULES: dict[str, Rule] = {}
 
 
-def rule(rule_id: str, description: str, *, kind: str = SEMANTIC, gate: bool = False) -> Callable[[RuleFn], RuleFn]:
+def rule(rule_id: str, description: str, *, fix: str, severities: tuple[str, ...] = (ERROR,),
+         kind: str = SEMANTIC, gate: bool = False) -> Callable[[RuleFn], RuleFn]:
     """Register `fn(cfg, ctx) -> list[Finding]` under `rule_id`; the function stays callable as is."""
 
     def register(fn: RuleFn) -> RuleFn:
-        register_rule(Rule(rule_id, kind, description, fn, gate))
+        register_rule(Rule(rule_id, kind, description, fn, gate, fix, severities))
         return fn
 
     return register
 
 
 def register_rule(r: Rule) -> None:
+    if not r.fix:
+        raise ValueError(f"rule {r.id!r} has no fix: say how a user gets out of it")
+    if not r.severities or set(r.severities) - {ERROR, WARNING}:
+        raise ValueError(f"rule {r.id!r}: severities {r.severities!r} must be error and/or warning")
     if r.id in RULES:
         raise ValueError(f"rule {r.id!r} registered twice")
     RULES[r.id] = r

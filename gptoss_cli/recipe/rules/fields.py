@@ -12,7 +12,8 @@ from gptoss_cli.recipe.schema import RecipeConfig, iter_fields
 _FLOAT32_MAX = 3.4028234663852886e38
 
 
-@rule("field.range", "numbers finite and at or above their minimum (sizes >= 1, rates >= 0, ...)", gate=True)
+@rule("field.range", "numbers finite and at or above their minimum (sizes >= 1, rates >= 0, ...)", gate=True,
+      fix="set the named field to a finite number at or above its minimum")
 def field_range(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     out = []
     for dotted, f in iter_fields():

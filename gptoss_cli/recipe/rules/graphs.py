@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from gptoss_cli.recipe.rules.core import Context, Finding, error, rule, warning
+from gptoss_cli.recipe.rules.core import ERROR, WARNING, Context, Finding, error, rule, warning
 from gptoss_cli.recipe.schema import RecipeConfig
 
 
 # --- CUDA graphs and recompute -------------------------------------------------------------------
-@rule("cuda_graphs.paged_stash_requires_full_iteration", "paged_stash needs cuda_graph_impl=full_iteration")
+@rule("cuda_graphs.paged_stash_requires_full_iteration", "paged_stash needs cuda_graph_impl=full_iteration",
+      fix="cuda_graphs.paged_stash=false, or cuda_graphs.cuda_graph_impl=full_iteration")
 def paged_stash(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     g = cfg.cuda_graphs
     if not g.paged_stash or g.cuda_graph_impl == "full_iteration":
@@ -17,7 +18,8 @@ def paged_stash(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
                   "set cuda_graphs.paged_stash=false, or cuda_graphs.cuda_graph_impl=full_iteration")]
 
 
-@rule("cuda_graphs.requires_cuda", "CUDA graphs need system.device=cuda (or auto)")
+@rule("cuda_graphs.requires_cuda", "CUDA graphs need system.device=cuda (or auto)",
+      fix="cuda_graphs.cuda_graph_impl=none on the CPU")
 def graphs_need_cuda(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     g = cfg.cuda_graphs
     if g.cuda_graph_impl == "none" or cfg.system.device != "cpu":
@@ -26,7 +28,8 @@ def graphs_need_cuda(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
                   "CUDA graphs cannot run on the CPU", "set cuda_graphs.cuda_graph_impl=none")]
 
 
-@rule("cuda_graphs.scope", "cuda_graph_scope applies to cuda_graph_impl=local only")
+@rule("cuda_graphs.scope", "cuda_graph_scope applies to cuda_graph_impl=local only",
+      fix="cuda_graphs.cuda_graph_scope=[] unless cuda_graph_impl=local", severities=(WARNING,))
 def graph_scope(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     g = cfg.cuda_graphs
     if not g.cuda_graph_scope or g.cuda_graph_impl == "local":
@@ -38,7 +41,10 @@ def graph_scope(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
 
 
 @rule("recompute.settings",
-      "full recompute needs method + num_layers; selective takes modules, not method/num_layers")
+      "full recompute needs method + num_layers; selective takes modules, not method/num_layers",
+      fix="full: recompute_method and recompute_num_layers, no modules (a warning); selective: "
+          "recompute_modules, method and num_layers null",
+      severities=(ERROR, WARNING))
 def recompute_settings(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     r = cfg.recompute
     fields = {"recompute.recompute_granularity": r.recompute_granularity}

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from gptoss_cli.recipe.memory import GB, WARN_FRACTION, estimate_memory
-from gptoss_cli.recipe.rules.core import Context, Finding, error, rule, warning
+from gptoss_cli.recipe.rules.core import ERROR, WARNING, Context, Finding, error, rule, warning
 from gptoss_cli.recipe.schema import RecipeConfig
 
 
 @rule("memory.fits", "estimated per-GPU memory (parameters, gradients, optimizer state, activations) fits "
-      f"system.gpu's; a warning above {WARN_FRACTION:.0%}")
+      f"system.gpu's; a warning above {WARN_FRACTION:.0%}",
+      fix="shrink what the message names (training.micro_batch_size, training.seq_length, more EP, the "
+          "distributed optimizer), or a GPU with more memory; above 90% a warning",
+      severities=(ERROR, WARNING))
 def memory_fits(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     est = estimate_memory(cfg, ctx.arch, ctx.pattern, ctx.world_size, ctx.gpu)
     if est is None or est.capacity_bytes is None:  # another layout, or a GPU without a known size

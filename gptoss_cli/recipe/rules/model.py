@@ -9,7 +9,9 @@ from gptoss_cli.recipe.schema import RecipeConfig
 
 # --- the model -------------------------------------------------------------------------------
 @rule("model.pattern_matches_architecture",
-      "hybrid_layer_pattern is one '*E' pair per HF block (attention then MoE), as the weights map")
+      "hybrid_layer_pattern is one '*E' pair per HF block (attention then MoE), as the weights map",
+      fix="model.hybrid_layer_pattern=null (derived from the architecture), or change "
+          "model.architecture.num_hidden_layers")
 def pattern_matches_architecture(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     expected = (ATTENTION, MOE) * ctx.arch.num_hidden_layers
     if ctx.pattern.layers == expected:
@@ -25,7 +27,8 @@ def pattern_matches_architecture(cfg: RecipeConfig, ctx: Context) -> list[Findin
     )]
 
 
-@rule("model.mtp_layers", "mtp_num_layers > 0 needs a model with MTP layers; GPT-OSS has none")
+@rule("model.mtp_layers", "mtp_num_layers > 0 needs a model with MTP layers; GPT-OSS has none",
+      fix="model.mtp_num_layers=0 (or null)")
 def mtp_layers(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     n = cfg.model.mtp_num_layers
     if n is None or n <= 0:
@@ -35,7 +38,8 @@ def mtp_layers(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
                   "set model.mtp_num_layers=0 (or null)")]
 
 
-@rule("model.seq_within_positions", "training.seq_length <= the model's max_position_embeddings")
+@rule("model.seq_within_positions", "training.seq_length <= the model's max_position_embeddings",
+      fix="training.seq_length <= the model's max_position_embeddings")
 def seq_within_positions(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     seq, cap = cfg.training.seq_length, ctx.arch.max_position_embeddings
     if seq <= cap:

@@ -19,7 +19,8 @@ _TURN_OFF = "turn overlap off: overlap.overlap_moe_expert_parallel_comm=false ov
 _OVERLAP_OFF = f"or {_TURN_OFF}"
 
 
-@rule("overlap.requires_expert_parallel", "overlap_moe_expert_parallel_comm needs EP > 1")
+@rule("overlap.requires_expert_parallel", "overlap_moe_expert_parallel_comm needs EP > 1",
+      fix=f"parallelism.expert_model_parallel_size >= 2, {_OVERLAP_OFF}")
 def overlap_requires_ep(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     ep = cfg.parallelism.expert_model_parallel_size
     if not _overlap_on(cfg) or ep > 1:
@@ -29,7 +30,8 @@ def overlap_requires_ep(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
                   f"set parallelism.expert_model_parallel_size >= 2, {_OVERLAP_OFF}")]
 
 
-@rule("overlap.requires_multiple_experts", "overlap_moe_expert_parallel_comm needs more than one expert")
+@rule("overlap.requires_multiple_experts", "overlap_moe_expert_parallel_comm needs more than one expert",
+      fix=_TURN_OFF)
 def overlap_requires_experts(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     n = ctx.arch.num_local_experts
     if not _overlap_on(cfg) or n > 1:
@@ -38,7 +40,8 @@ def overlap_requires_experts(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
                   _TURN_OFF)]
 
 
-@rule("overlap.dispatcher", "overlap_moe_expert_parallel_comm needs the alltoall or flex dispatcher")
+@rule("overlap.dispatcher", "overlap_moe_expert_parallel_comm needs the alltoall or flex dispatcher",
+      fix=f"moe.token_dispatcher_type=alltoall, {_OVERLAP_OFF}")
 def overlap_dispatcher(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     d = cfg.moe.token_dispatcher_type
     if not _overlap_on(cfg) or d in ("alltoall", "flex"):
@@ -48,7 +51,8 @@ def overlap_dispatcher(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
                   f"set moe.token_dispatcher_type=alltoall, {_OVERLAP_OFF}")]
 
 
-@rule("overlap.precision", "overlap_moe_expert_parallel_comm needs bf16 or fp16 parameters")
+@rule("overlap.precision", "overlap_moe_expert_parallel_comm needs bf16 or fp16 parameters",
+      fix=f"precision.params_dtype=bf16, {_OVERLAP_OFF}")
 def overlap_precision(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     dt = cfg.precision.params_dtype
     if not _overlap_on(cfg) or dt in ("bf16", "fp16"):
@@ -58,7 +62,8 @@ def overlap_precision(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
                   f"set precision.params_dtype=bf16, {_OVERLAP_OFF}")]
 
 
-@rule("overlap.recompute", "overlap_moe_expert_parallel_comm forbids full recompute and recompute of 'moe'")
+@rule("overlap.recompute", "overlap_moe_expert_parallel_comm forbids full recompute and recompute of 'moe'",
+      fix=f"recompute.recompute_granularity=none (or selective without 'moe'), {_OVERLAP_OFF}")
 def overlap_recompute(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     r = cfg.recompute
     if not _overlap_on(cfg):
@@ -74,7 +79,8 @@ def overlap_recompute(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     return []
 
 
-@rule("overlap.shared_expert_overlap", "overlap_moe_expert_parallel_comm excludes shared-expert overlap")
+@rule("overlap.shared_expert_overlap", "overlap_moe_expert_parallel_comm excludes shared-expert overlap",
+      fix=f"moe.shared_expert_overlap=false, {_OVERLAP_OFF}")
 def overlap_shared_expert(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     if not _overlap_on(cfg) or not cfg.moe.shared_expert_overlap:
         return []
@@ -83,7 +89,8 @@ def overlap_shared_expert(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
                   f"set moe.shared_expert_overlap=false, {_OVERLAP_OFF}")]
 
 
-@rule("overlap.mtp_num_layers", "overlap_moe_expert_parallel_comm needs mtp_num_layers in (null, 0, 1)")
+@rule("overlap.mtp_num_layers", "overlap_moe_expert_parallel_comm needs mtp_num_layers in (null, 0, 1)",
+      fix=f"model.mtp_num_layers=0, {_OVERLAP_OFF}")
 def overlap_mtp(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     n = cfg.model.mtp_num_layers
     if not _overlap_on(cfg) or n in (None, 0, 1):
@@ -93,7 +100,8 @@ def overlap_mtp(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
                   f"set model.mtp_num_layers=0, {_OVERLAP_OFF}")]
 
 
-@rule("overlap.pipeline_requires_virtual", "overlap_moe_expert_parallel_comm with PP > 1 needs virtual pipeline")
+@rule("overlap.pipeline_requires_virtual", "overlap_moe_expert_parallel_comm with PP > 1 needs virtual pipeline",
+      fix=f"parallelism.virtual_pipeline_model_parallel_size >= 2, or PP=1, {_OVERLAP_OFF}")
 def overlap_pipeline(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     p = cfg.parallelism
     if not _overlap_on(cfg) or p.pipeline_model_parallel_size == 1 or p.virtual_pipeline_model_parallel_size:
@@ -104,7 +112,8 @@ def overlap_pipeline(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
                   f"set parallelism.virtual_pipeline_model_parallel_size >= 2, or PP=1, {_OVERLAP_OFF}")]
 
 
-@rule("overlap.torch_version", "overlap_moe_expert_parallel_comm needs torch >= 2.6")
+@rule("overlap.torch_version", "overlap_moe_expert_parallel_comm needs torch >= 2.6",
+      fix=f"torch 2.6 or newer, {_OVERLAP_OFF}")
 def overlap_torch(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     if not _overlap_on(cfg) or not ctx.torch_version or version_tuple(ctx.torch_version) >= (2, 6):
         return []
@@ -138,7 +147,9 @@ def schedule_plan_support(model_cls: Any, pattern: HybridPattern) -> tuple[bool,
 
 
 @rule("overlap.schedule_plan",
-      "overlap_moe_expert_parallel_comm needs a model class that can build a schedule plan for the pattern")
+      "overlap_moe_expert_parallel_comm needs a model class that can build a schedule plan for the pattern",
+      fix=f"a pattern the model can schedule ('*E' per block as convert writes, grouped '[*E]', '-' layers),"
+          f" {_OVERLAP_OFF}")
 def schedule_plan_capability(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     if not _overlap_on(cfg):
         return []
@@ -158,7 +169,10 @@ def schedule_plan_capability(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
 
 @rule("overlap.cuda_graphs",
       "policy: overlap_moe_expert_parallel_comm needs cuda_graph_impl=none (the Hybrid schedule plan "
-      "cannot run inside CUDA graphs)")
+      "cannot run inside CUDA graphs)",
+      fix="keep overlap, drop graphs: cuda_graphs.cuda_graph_impl=none cuda_graphs.paged_stash=false; or "
+          "keep graphs, drop overlap: overlap.overlap_moe_expert_parallel_comm=false "
+          "overlap.delay_wgrad_compute=false")
 def overlap_cuda_graphs(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     g = cfg.cuda_graphs
     if not _overlap_on(cfg) or g.cuda_graph_impl == "none":
@@ -175,7 +189,8 @@ def overlap_cuda_graphs(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     )]
 
 
-@rule("delay_wgrad.requires_overlap", "delay_wgrad_compute needs overlap_moe_expert_parallel_comm")
+@rule("delay_wgrad.requires_overlap", "delay_wgrad_compute needs overlap_moe_expert_parallel_comm",
+      fix="overlap.delay_wgrad_compute=false, or overlap.overlap_moe_expert_parallel_comm=true")
 def delay_wgrad_requires_overlap(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     if not cfg.overlap.delay_wgrad_compute or _overlap_on(cfg):
         return []

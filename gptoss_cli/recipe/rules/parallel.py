@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import math
 
-from gptoss_cli.recipe.rules.core import Context, Finding, error, rule, short_pattern, warning
+from gptoss_cli.recipe.rules.core import ERROR, WARNING, Context, Finding, error, rule, short_pattern, warning
 from gptoss_cli.recipe.schema import RecipeConfig
 from gptoss_cli.recipe.sizes import data_parallel_size, expert_model_parallel_product, model_parallel_size
 
 
 # --- parallel arithmetic -----------------------------------------------------------------------
 @rule("parallel.world_size_consistent",
-      "world size from --world-size, parallelism.world_size and nodes x gpus_per_node agree")
+      "world size from --world-size, parallelism.world_size and nodes x gpus_per_node agree",
+      fix="make --world-size, parallelism.world_size and nodes x gpus_per_node agree, or drop "
+          "parallelism.world_size; a different --world-size is a warning",
+      severities=(ERROR, WARNING))
 def world_size_consistent(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     p, out = cfg.parallelism, []
     if p.world_size is not None and p.nodes is not None and p.gpus_per_node is not None:
@@ -31,7 +34,8 @@ def world_size_consistent(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     return out
 
 
-@rule("parallel.world_divisible", "world size divisible by TP x PP x CP (the rest is data parallel)")
+@rule("parallel.world_divisible", "world size divisible by TP x PP x CP (the rest is data parallel)",
+      fix="a world size that is a multiple of TP x PP x CP, or smaller model-parallel sizes")
 def world_divisible(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     mp = model_parallel_size(cfg)
     if ctx.world_size % mp == 0:
@@ -46,7 +50,8 @@ def world_divisible(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
 
 
 @rule("parallel.expert_world_divisible",
-      "world size divisible by ETP x EP x PP (the rest is expert data parallel)")
+      "world size divisible by ETP x EP x PP (the rest is expert data parallel)",
+      fix="a world size that is a multiple of ETP x EP x PP, or a smaller expert_model_parallel_size")
 def expert_world_divisible(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     emp = expert_model_parallel_product(cfg)
     if ctx.world_size % emp == 0:
@@ -60,7 +65,8 @@ def expert_world_divisible(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
         f"use a world size that is a multiple of {emp}, or a smaller expert_model_parallel_size")]
 
 
-@rule("parallel.data_parallel_consistent", "an explicit data_parallel_size equals world / (TP x PP x CP)")
+@rule("parallel.data_parallel_consistent", "an explicit data_parallel_size equals world / (TP x PP x CP)",
+      fix="parallelism.data_parallel_size=null (derived), or change the world size")
 def data_parallel_consistent(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     want = cfg.parallelism.data_parallel_size
     dp = data_parallel_size(cfg, ctx.world_size)
@@ -71,7 +77,8 @@ def data_parallel_consistent(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
                   "set parallelism.data_parallel_size=null to derive it, or change the world size")]
 
 
-@rule("parallel.experts_divisible", "num_local_experts divisible by expert_model_parallel_size")
+@rule("parallel.experts_divisible", "num_local_experts divisible by expert_model_parallel_size",
+      fix="an expert_model_parallel_size that divides num_local_experts (32 for 20B, 128 for 120B)")
 def experts_divisible(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     ep, experts = cfg.parallelism.expert_model_parallel_size, ctx.arch.num_local_experts
     if experts % ep == 0:
@@ -81,7 +88,8 @@ def experts_divisible(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
                   f"use an expert_model_parallel_size that divides {experts}")]
 
 
-@rule("parallel.heads_divisible", "attention heads and kv heads divisible by tensor_model_parallel_size")
+@rule("parallel.heads_divisible", "attention heads and kv heads divisible by tensor_model_parallel_size",
+      fix="a tensor_model_parallel_size that divides both head counts")
 def heads_divisible(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     tp, a = cfg.parallelism.tensor_model_parallel_size, ctx.arch
     bad = {k: v for k, v in (("num_attention_heads", a.num_attention_heads),
@@ -93,7 +101,8 @@ def heads_divisible(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
                   f"use a tensor_model_parallel_size that divides {math.gcd(a.num_attention_heads, a.num_key_value_heads)}")]
 
 
-@rule("parallel.batch_divisible", "global_batch_size divisible by micro_batch_size x data parallel size")
+@rule("parallel.batch_divisible", "global_batch_size divisible by micro_batch_size x data parallel size",
+      fix="training.global_batch_size a multiple of micro_batch_size x DP")
 def batch_divisible(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     dp = data_parallel_size(cfg, ctx.world_size)
     if dp is None:
@@ -110,7 +119,8 @@ def batch_divisible(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
 
 
 @rule("parallel.pipeline_layers",
-      "pipeline stages: '|' splits match PP, or layers divide evenly into PP (x VPP) stages")
+      "pipeline stages: '|' splits match PP, or layers divide evenly into PP (x VPP) stages",
+      fix="mark stage boundaries with '|' in model.hybrid_layer_pattern, or change PP/VPP; VPP needs PP > 1")
 def pipeline_layers(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     p, out = cfg.parallelism, []
     pp, vpp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size
@@ -134,7 +144,8 @@ def pipeline_layers(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     return out
 
 
-@rule("parallel.context_parallel_seq", "with CP > 1, seq_length divisible by 2 x CP (load-balanced halves)")
+@rule("parallel.context_parallel_seq", "with CP > 1, seq_length divisible by 2 x CP (load-balanced halves)",
+      fix="training.seq_length a multiple of 2 x CP")
 def context_parallel_seq(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     cp, seq = cfg.parallelism.context_parallel_size, cfg.training.seq_length
     if cp == 1 or seq % (2 * cp) == 0:
@@ -144,7 +155,10 @@ def context_parallel_seq(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
                   f"use a seq_length that is a multiple of {2 * cp}")]
 
 
-@rule("parallel.sequence_parallel", "sequence_parallel needs TP > 1 and seq_length divisible by TP")
+@rule("parallel.sequence_parallel", "sequence_parallel needs TP > 1 and seq_length divisible by TP",
+      fix="with TP=1 (a warning): parallelism.sequence_parallel=false; with TP > 1: a seq_length divisible "
+          "by TP",
+      severities=(ERROR, WARNING))
 def sequence_parallel(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     p, seq = cfg.parallelism, cfg.training.seq_length
     if not p.sequence_parallel:
@@ -160,7 +174,8 @@ def sequence_parallel(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     return []
 
 
-@rule("moe.sequence_parallel_with_tp", "expert parallelism together with TP > 1 requires sequence_parallel")
+@rule("moe.sequence_parallel_with_tp", "expert parallelism together with TP > 1 requires sequence_parallel",
+      fix="parallelism.sequence_parallel=true")
 def moe_sequence_parallel(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     p = cfg.parallelism
     if p.expert_model_parallel_size > 1 and p.tensor_model_parallel_size > 1 and not p.sequence_parallel:
@@ -172,7 +187,8 @@ def moe_sequence_parallel(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     return []
 
 
-@rule("moe.capacity_factor", "capacity_factor, when set, is > 0")
+@rule("moe.capacity_factor", "capacity_factor, when set, is > 0",
+      fix="moe.capacity_factor=null (dropless), or a value > 0")
 def capacity_factor(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     cf = cfg.moe.capacity_factor
     if cf is None or cf > 0:
@@ -181,7 +197,8 @@ def capacity_factor(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
                   "set moe.capacity_factor=null for dropless routing, or a value > 0")]
 
 
-@rule("moe.shared_expert_overlap", "shared_expert_overlap needs shared experts; GPT-OSS has none")
+@rule("moe.shared_expert_overlap", "shared_expert_overlap needs shared experts; GPT-OSS has none",
+      fix="moe.shared_expert_overlap=false")
 def shared_expert_overlap_needs_shared(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     if not cfg.moe.shared_expert_overlap:
         return []

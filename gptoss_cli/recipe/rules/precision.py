@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from gptoss_cli.recipe.environment import BLACKWELL, HOPPER_OR_NEWER
-from gptoss_cli.recipe.rules.core import Context, Finding, error, rule, warning
+from gptoss_cli.recipe.rules.core import ERROR, WARNING, Context, Finding, error, rule, warning
 from gptoss_cli.recipe.schema import RecipeConfig
 
 
 # --- FP8 -----------------------------------------------------------------------------------------
-@rule("fp8.mxfp8_dims", "MXFP8 needs every GEMM dimension divisible by 32 (one scale per 32 values)")
+@rule("fp8.mxfp8_dims", "MXFP8 needs every GEMM dimension divisible by 32 (one scale per 32 values)",
+      fix="precision.fp8_recipe=tensorwise or rowwise, or dimensions divisible by 32")
 def mxfp8_dims(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     if cfg.precision.fp8_recipe != "mxfp8":
         return []
@@ -25,7 +26,10 @@ def mxfp8_dims(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
 
 
 @rule("fp8.native_gpu",
-      "FP8 needs a GPU with native kernels (Hopper+; MXFP8: Blackwell) unless fp8_emulation is set")
+      "FP8 needs a GPU with native kernels (Hopper+; MXFP8: Blackwell) unless fp8_emulation is set",
+      fix="a GPU with native kernels, precision.fp8_emulation=true for numerics-only runs (a warning), or "
+          "precision.fp8_recipe=none; system.gpu=auto is a warning until launch",
+      severities=(ERROR, WARNING))
 def fp8_native_gpu(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     recipe = cfg.precision.fp8_recipe
     if recipe == "none":
@@ -47,7 +51,8 @@ def fp8_native_gpu(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
                   "or precision.fp8_recipe=none")]
 
 
-@rule("fp8.mxfp8_expert_bias", "warn: MXFP8 with GPT-OSS's biased experts has produced NaN in a peer")
+@rule("fp8.mxfp8_expert_bias", "warn: MXFP8 with GPT-OSS's biased experts has produced NaN in a peer",
+      fix="none needed; watch the first steps' loss and grad norm against a bf16 run", severities=(WARNING,))
 def mxfp8_expert_bias(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     if cfg.precision.fp8_recipe != "mxfp8":
         return []

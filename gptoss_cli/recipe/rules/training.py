@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from gptoss_cli.recipe.rules.core import Context, Finding, error, rule, warning
+from gptoss_cli.recipe.rules.core import ERROR, WARNING, Context, Finding, error, rule, warning
 from gptoss_cli.recipe.schema import RecipeConfig
 
 
 # --- training, optimizer, data, checkpoints, system ------------------------------------------------
-@rule("training.lr_schedule", "min_lr <= lr, warmup_iters <= train_iters, lr_decay_iters >= warmup_iters")
+@rule("training.lr_schedule", "min_lr <= lr, warmup_iters <= train_iters, lr_decay_iters >= warmup_iters",
+      fix="training.min_lr <= lr, warmup_iters <= train_iters, lr_decay_iters >= warmup_iters")
 def lr_schedule(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     t, out = cfg.training, []
     if t.min_lr > t.lr:
@@ -25,7 +26,8 @@ def lr_schedule(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     return out
 
 
-@rule("optimizer.betas", "AdamW betas in [0, 1)")
+@rule("optimizer.betas", "AdamW betas in [0, 1)",
+      fix="betas in [0, 1), typically optimizer.adam_beta1=0.9 optimizer.adam_beta2=0.95")
 def adam_betas(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     o = cfg.optimizer
     bad = {f"optimizer.{k}": v for k, v in (("adam_beta1", o.adam_beta1), ("adam_beta2", o.adam_beta2))
@@ -35,7 +37,9 @@ def adam_betas(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     return [error(bad, f"AdamW betas must lie in [0, 1): {bad}", "typical values: adam_beta1=0.9 adam_beta2=0.95")]
 
 
-@rule("optimizer.param_gather", "overlap_param_gather needs the distributed optimizer and overlap_grad_reduce")
+@rule("optimizer.param_gather", "overlap_param_gather needs the distributed optimizer and overlap_grad_reduce",
+      fix="optimizer.use_distributed_optimizer=true overlap.overlap_grad_reduce=true, or "
+          "overlap.overlap_param_gather=false")
 def param_gather(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     o, ov = cfg.optimizer, cfg.overlap
     if not ov.overlap_param_gather or (o.use_distributed_optimizer and ov.overlap_grad_reduce):
@@ -48,7 +52,10 @@ def param_gather(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
                   "or overlap.overlap_param_gather=false")]
 
 
-@rule("data.source", "data.kind=tokens needs data.path; at launch the token files exist and fit the vocabulary")
+@rule("data.source", "data.kind=tokens needs data.path; at launch the token files exist and fit the vocabulary",
+      fix="data.path to a `gptoss prepare-data` output made with the model's tokenizer, or data.kind=mock "
+          "(which ignores data.path: a warning)",
+      severities=(ERROR, WARNING))
 def data_source(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     d = cfg.data
     if d.kind == "mock":
@@ -85,7 +92,9 @@ def data_source(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     return []
 
 
-@rule("checkpoint.settings", "save_interval needs a checkpoint dir; at launch, pretrained weights exist")
+@rule("checkpoint.settings", "save_interval needs a checkpoint dir; at launch, pretrained weights exist",
+      fix="set checkpoint.dir or checkpoint.save_interval=null; checkpoint.pretrained must exist (a `gptoss"
+          " convert` output)")
 def checkpoint_settings(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     c, out = cfg.checkpoint, []
     if c.save_interval is not None and not c.dir:
@@ -106,7 +115,9 @@ def checkpoint_settings(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     return out
 
 
-@rule("system.backend", "the distributed backend suits the device (nccl needs cuda)")
+@rule("system.backend", "the distributed backend suits the device (nccl needs cuda)",
+      fix="parallelism.backend=auto (nccl on CUDA, gloo on the CPU); gloo on GPUs is a warning",
+      severities=(ERROR, WARNING))
 def system_backend(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     dev, be = cfg.system.device, cfg.parallelism.backend
     if dev == "cpu" and be == "nccl":

@@ -108,4 +108,4 @@ def _check(row: Unsupported) -> Callable[[RecipeConfig, Context], list[Finding]]
 
 
 for _row in TABLE:
-    register_rule(Rule(f"unsupported.{_row.id}", UNSUPPORTED, _row.description, _check(_row)))
+    register_rule(Rule(f"unsupported.{_row.id}", UNSUPPORTED, _row.description, _check(_row), fix=_row.fix))
