@@ -122,6 +122,7 @@ def write_token_file(prefix: Path, tokens: Any, vocab_size: int, eos_token_id: i
 def _transformers_available() -> bool:
     """Whether transformers is installed; if so it is imported here, with the load-time warnings of
     optional kernels it probes (torchao's CUDA libraries, pytree registrations) kept out of the demo."""
+    import importlib
     import importlib.util
     import logging
 
@@ -132,7 +133,7 @@ def _transformers_available() -> bool:
     for lg in loggers:
         lg.setLevel(logging.ERROR)
     try:
-        import transformers.integrations.mxfp4  # noqa: F401  (the import that probes the kernels)
+        importlib.import_module("transformers.integrations.mxfp4")  # the import that probes the kernels
     finally:
         for lg, level in zip(loggers, levels):
             lg.setLevel(level)
@@ -155,6 +156,12 @@ class _Runner:
                 res = fn()
             except GptossError as exc:
                 res = StageResult(name, FAILED, str(exc).splitlines()[0])
+            except Exception as exc:  # a bug or a broken install: this stage fails, the demo goes on
+                import traceback
+
+                first = (str(exc).strip().splitlines() or [""])[0]
+                res = StageResult(name, FAILED, f"{type(exc).__name__}: {first}",
+                                  details={"traceback": traceback.format_exc()})
         res.seconds = time.perf_counter() - t0
         self.stages.append(res)
         self.hooks.result(res)
