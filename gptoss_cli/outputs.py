@@ -234,6 +234,20 @@ def start_folder(dst: Path, needed: int) -> Path:
     return tmp
 
 
+@contextlib.contextmanager
+def removed_on_error(tmp: Path, dst: Path):
+    """The body fills `tmp` and commits it to `dst`; if it raises, `tmp` is removed and DST is as
+    it was (an OSError becomes one FileSystemError naming DST)."""
+    try:
+        yield
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise file_system_error(exc, f"writing {dst} failed (nothing was changed at DST)") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
 

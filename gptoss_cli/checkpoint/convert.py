@@ -31,7 +31,7 @@ from gptoss_cli.checkpoint.safetensors_io import ShardedWriter, TensorSpec
 from gptoss_cli.checkpoint.sources import (
     EXTRA_FILES, HF, HYBRID, HYBRID_NAMED, TRAINING, check_tensors, open_source,
 )
-from gptoss_cli.errors import CheckpointError, UsageError, file_system_error
+from gptoss_cli.errors import CheckpointError, UsageError
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.model.dtypes import torch_dtype
 from gptoss_cli.resources import peak_rss_bytes
@@ -544,7 +544,7 @@ def convert(
             **source.provenance,
         }
         tmp = outputs.start_folder(dst, total)
-        try:
+        with outputs.removed_on_error(tmp, dst):
             writer = ShardedWriter(
                 tmp,
                 plan,
@@ -598,12 +598,6 @@ def convert(
                     with outputs.naming(tmp / name):
                         shutil.copyfile(source.extras_folder / name, tmp / name)
             outputs.commit(tmp, dst)
-        except OSError as exc:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise file_system_error(exc, f"writing {dst} failed (nothing was changed at DST)") from None
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
     finally:
         source.close()
 

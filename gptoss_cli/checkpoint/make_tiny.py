@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,7 +13,7 @@ from gptoss_cli.checkpoint.convert import HF, check_replaceable_output, parse_dt
 from gptoss_cli.checkpoint.layouts import HF_LAYOUTS
 from gptoss_cli.checkpoint.mapping import canonical_hf_shapes, units
 from gptoss_cli.checkpoint.safetensors_io import ShardedWriter
-from gptoss_cli.errors import UsageError, file_system_error
+from gptoss_cli.errors import UsageError
 from gptoss_cli.model.config import GptOssArch, preset
 
 
@@ -74,7 +73,7 @@ def make_tiny(
     jobs = plan_to_hf(arch, layout, torch_dtype)
     plan = [s for j in jobs for s in j.outputs]
     tmp = outputs.start_folder(dst, sum(s.nbytes for s in plan))
-    try:
+    with outputs.removed_on_error(tmp, dst):
         writer = ShardedWriter(tmp, plan, max_shard_bytes=max_shard_bytes)
         for unit in units(arch):
             for canonical in unit.hf:
@@ -86,10 +85,4 @@ def make_tiny(
         outputs.write_text(tmp / "config.json",
                            json.dumps(arch.to_hf_config(experts_form=experts, torch_dtype=dtype_name), indent=2) + "\n")
         outputs.commit(tmp, dst)
-    except OSError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise file_system_error(exc, f"writing {dst} failed (nothing was changed at DST)") from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return MakeTinyResult(str(dst), experts, seed, len(plan), writer.bytes_written, arch.to_dict(), notes)
