@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gptoss_cli.errors import ConfigError
-from gptoss_cli.model.attention import attention_mask, sink_attention
+from gptoss_cli.model.attention import SLIDING_QUERY_BLOCK, attention_mask, sink_attention
 from gptoss_cli.model.hybrid import HybridModel, layer_windows
 from gptoss_cli.model.dispatcher import AllToAllTokenDispatcher
 from gptoss_cli.model.grouped_gemm import grouped_linear
@@ -47,11 +47,11 @@ def _naive_sink_attention(q, k, v, sinks, window):
     return torch.softmax(full, dim=-1)[..., :-1] @ v
 
 
-def _sink_inputs(head_dim: int):
+def _sink_inputs(head_dim: int, seq: int = 11):
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(2, 6, 11, head_dim, generator=g, requires_grad=True)
-    k = torch.randn(2, 2, 11, head_dim, generator=g, requires_grad=True)
-    v = torch.randn(2, 2, 11, head_dim, generator=g, requires_grad=True)
+    q = torch.randn(2, 6, seq, head_dim, generator=g, requires_grad=True)
+    k = torch.randn(2, 2, seq, head_dim, generator=g, requires_grad=True)
+    v = torch.randn(2, 2, seq, head_dim, generator=g, requires_grad=True)
     sinks = torch.randn(6, generator=g, requires_grad=True)
     return q, k, v, sinks
 
@@ -71,6 +71,48 @@ def test_sink_attention_and_its_gradients_match_extra_column_softmax(window, hea
     rel = reassociation_rel(max(head_dim, 3 * 12), depth=3)
     names = ("out", "dq", "dk", "dv", "dsinks")
     assert_tensors_close(dict(zip(names, (got, *got_grads))), dict(zip(names, (expected, *exp_grads))), rel)
+
+
+# Longer than two query blocks with a ragged last one; windows below and above the block size.
+LONG_SEQ = 2 * SLIDING_QUERY_BLOCK + 29
+
+
+@pytest.mark.parametrize("window", [5, SLIDING_QUERY_BLOCK + 3])
+def test_sliding_attention_over_several_query_blocks_matches_extra_column_softmax(window):
+    q, k, v, sinks = _sink_inputs(16, LONG_SEQ)
+    got = sink_attention(q, k, v, sinks, window)
+    grad = torch.randn_like(got)
+    got_grads = torch.autograd.grad(got, (q, k, v, sinks), grad)
+    expected = _naive_sink_attention(q, k, v, sinks, window)
+    exp_grads = torch.autograd.grad(expected, (q, k, v, sinks), grad)
+    # As above; the longest sums run over the window + 1 keys, or over the 3 query heads of a kv
+    # head times the queries that see one key (its gradient), at most the window.
+    rel = reassociation_rel(max(16, 3 * (window + 1)), depth=3)
+    names = ("out", "dq", "dk", "dv", "dsinks")
+    assert_tensors_close(dict(zip(names, (got, *got_grads))), dict(zip(names, (expected, *exp_grads))), rel)
+
+
+def test_sliding_attention_scores_only_the_keys_a_query_block_can_see():
+    # A sliding layer's cost must scale with the window, not with the sequence: every SDPA call
+    # gets one block of queries and at most block + window keys (the sink included).
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Shapes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls: list[tuple[int, int]] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__.startswith("_scaled_dot_product") and "backward" not in str(func):
+                self.calls.append((args[0].shape[2], args[1].shape[2]))
+            return func(*args, **(kwargs or {}))
+
+    window = 5
+    q, k, v, sinks = _sink_inputs(64, LONG_SEQ)
+    with Shapes() as seen:
+        sink_attention(q, k, v, sinks, window)
+    assert sum(rows for rows, _ in seen.calls) == LONG_SEQ
+    assert len(seen.calls) == 3 and all(keys <= rows + window for rows, keys in seen.calls), seen.calls
 
 
 def test_sink_attention_runs_a_fused_sdpa_kernel_not_the_math_path():
