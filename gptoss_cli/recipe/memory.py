@@ -147,12 +147,12 @@ def activation_bytes_per_token(arch: GptOssArch, b: int, aux_loss: bool) -> dict
                       up to twice in sliding layers), output (nh x d') in b, log-sum-exp 4*nh;
                       out-projection input b*nh*d  (d = head_dim, d' = head_dim + 1 padded to 8)
     MoE (`E`):        norm + router input b*h + per routed copy (k of them): fc1 input b*h,
-                      fc1 output b*2I, the clamped SwiGLU's saved tensors 5*b*I (clamped gate,
-                      sigmoid, gate*sigmoid, up+1, the activation = fc2 input), fc2 output b*h
+                      fc1 output b*2I (all the clamped SwiGLU saves: its backward recomputes
+                      from it), the activation = fc2 input b*I, fc2 output b*h
                       (kept for the routing weight) and the weighted rows b*h (index_add keeps
                       its source), permutation indices 2*8, routing weight b; top-k indices 8k
                       and weights b*k; with the aux loss the fp32 router probabilities 4E
-    dense MLP (`-`):  norm + fc1 input b*h + fc1 output b*2I + SwiGLU 5*b*I
+    dense MLP (`-`):  norm + fc1 input b*h + fc1 output b*2I + the activation = fc2 input b*I
     head:             final norm + the gradient of its output b*h, which the chunked loss
                       computes in the forward pass and holds until backward
     logits (per token of one chunk, not of the microbatch): the chunk's logits b*V, cross-entropy's
@@ -162,9 +162,9 @@ def activation_bytes_per_token(arch: GptOssArch, b: int, aux_loss: bool) -> dict
     norm = 8 * h
     return {
         ATTENTION: norm + b * h + attention_core_bytes_per_token(arch, b) + b * arch.num_attention_heads * arch.head_dim,
-        MOE: norm + b * h + k * (b * h + 2 * b * i + 5 * b * i + 2 * b * h + 2 * 8 + b) + 8 * k + b * k
+        MOE: norm + b * h + k * (b * h + 2 * b * i + b * i + 2 * b * h + 2 * 8 + b) + 8 * k + b * k
         + (4 * e if aux_loss else 0),
-        MLP: norm + b * h + 2 * b * i + 5 * b * i,
+        MLP: norm + b * h + 2 * b * i + b * i,
         "head": norm + b * h,
         "logits": b * v + 4 * v + 2 * 4 * v,  # per token of one LM_LOSS_CHUNK chunk
     }

@@ -151,6 +151,22 @@ def test_clamped_swiglu_matches_reference_formula():
     torch.testing.assert_close(got, (u + 1) * g * torch.sigmoid(1.702 * g))
 
 
+def test_clamped_swiglu_gradient_equals_autograd_of_the_formula_at_and_beyond_the_clamps():
+    # Gate and up at -limit, +limit (gradient passes, torch.clamp's convention), beyond them (none)
+    # and inside; fp64, so the two differ only by reassociation of a few products.
+    limit, alpha = 7.0, 1.702
+    gate = torch.tensor([-9.0, -7.0, 0.5, 7.0, 8.0, 3.0, 7.0, -2.0], dtype=torch.float64)
+    up = torch.tensor([-9.0, 7.0, 0.25, -7.0, 8.0, -2.0, 9.0, 7.0], dtype=torch.float64)
+    gate_up = torch.cat([gate, up]).view(1, -1).repeat(3, 1).requires_grad_()
+    grad = torch.randn(3, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    (got,) = torch.autograd.grad(clamped_swiglu(gate_up, limit, alpha), gate_up, grad)
+    g, u = gate_up.chunk(2, dim=-1)
+    g, u = g.clamp(max=limit), u.clamp(-limit, limit)
+    (want,) = torch.autograd.grad((u + 1) * g * torch.sigmoid(alpha * g), gate_up, grad)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert (got[:, [4, 8, 12, 14]] == 0).all()  # gate 8 > limit; up -9, 8, 9 outside the bounds
+
+
 def test_grouped_gemm_equals_per_expert_linear_with_an_empty_expert():
     g = torch.Generator().manual_seed(0)
     w = torch.randn(4, 32, 16, generator=g)
