@@ -99,7 +99,16 @@ def sink_attention(
         )
 
     block = max(SLIDING_QUERY_BLOCK, window or 0)
-    if window is None or s <= block:
+    if window is None or window >= s:
+        # Causal without a mask, so SDPA skips the blocks above the diagonal (and on GPUs may pick
+        # the flash kernel, which takes no mask): with one all-zero query row in front, SDPA's
+        # causal rule (query i sees keys 0..i) lets query t see the sink and keys 0..t. That row
+        # sees only the sink, whose value row is zero; it is dropped.
+        out = F.scaled_dot_product_attention(
+            F.pad(q_aug, (0, 0, 1, 0)), torch.cat([sink_k, k_aug], dim=2), F.pad(v_aug, (0, 0, 1, 0)),
+            is_causal=True, scale=d**-0.5, enable_gqa=nkv != nh,
+        )[:, :, 1:]
+    elif s <= block:
         out = attend(slice(0, s), 0, attention_mask(s, window, q.device))
     else:
         outs = []
