@@ -60,9 +60,9 @@ def formula_lines(cfg, arch) -> list[str]:
         f"activations per token (b = {b} B params dtype, h = {h}, I = {i}, k = {k}, V = {v}, "
         f"{arch.num_attention_heads} q / {arch.num_key_value_heads} kv heads of {arch.head_dim}; "
         "gptoss_cli/recipe/memory.py):",
-        f"  attention layer  8h + b*h + b*(nh*d' + kv*d' + kv*d + nh*d) + 4*nh + b*nh*d = {per[ATTENTION]:,.0f} B",
-        f"  MoE layer        8h + b*h + k*(b*(4h + 7I) + 16 + b) + 8k + b*k (+ 4E aux) = {per[MOE]:,.0f} B",
-        f"  dense MLP layer  8h + b*h + 7*b*I = {per[MLP]:,.0f} B",
+        f"  attention layer  8h + b*h + b*(2*nh*d' + c*2*kv*d') + 4*nh + b*nh*d (c <= 2: sliding blocks) = {per[ATTENTION]:,.0f} B",
+        f"  MoE layer        8h + b*h + k*(b*(4h + 3I) + 16 + b) + 8k + b*k (+ 4E aux) = {per[MOE]:,.0f} B",
+        f"  dense MLP layer  8h + b*h + 3*b*I = {per[MLP]:,.0f} B",
         f"  head             8h + b*h = {per['head']:,.0f} B;  logits and loss  (b + 12)*V = {per['logits']:,.0f} B",
     ]
 

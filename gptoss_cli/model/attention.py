@@ -46,6 +46,20 @@ def attention_mask(seq_len: int, window: int | None, device: torch.device) -> to
     return torch.cat([sink, visible], dim=1)
 
 
+@functools.lru_cache(maxsize=64)
+def _window_block_mask(rows: int, keys: int, offset: int, window: int, device: torch.device) -> torch.Tensor:
+    """Boolean [rows, 1 + keys] mask of one query block: sink column, then keys k0 .. k0+keys-1 for
+    queries a .. a+rows-1, offset = a - k0; the visibility rule of `attention_mask`."""
+    q = torch.arange(rows, device=device)[:, None] + offset
+    k = torch.arange(keys, device=device)[None, :]
+    visible = (k <= q) & (k > q - window)
+    return torch.cat([torch.ones(rows, 1, dtype=torch.bool, device=device), visible], dim=1)
+
+
+# Query block of a sliding-window layer: at least this many queries, and at least the window.
+SLIDING_QUERY_BLOCK = 64
+
+
 def sink_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -57,6 +71,10 @@ def sink_attention(
 
     q [B, heads, S, d], k/v [B, kv_heads, S, d], sinks [heads] -> [B, heads, S, d]. Query head h
     reads kv head h // (heads/kv_heads) (SDPA's enable_gqa grouping).
+
+    A sliding-window layer runs SDPA per block of queries on the keys that block can see
+    (the block and the window before it): SDPA's kernels take a mask but still compute every
+    masked score, so one call would cost S x S where S x (block + window) is the work.
     """
     b, nh, s, d = q.shape
     nkv = k.shape[1]
@@ -67,16 +85,38 @@ def sink_attention(
     # sqrt(d) is exact in binary for d = 16, 64 (GPT-OSS), so the sink score is exactly sink_h.
     sink_k = k.new_zeros(b, nkv, 1, d + extra)
     sink_k[..., d] = d**0.5
-    k_aug = torch.cat([k, k.new_zeros(b, nkv, s, extra)], dim=-1)
-    k_aug = torch.cat([sink_k, k_aug], dim=2)
+    k_aug = F.pad(k, (0, extra))
     # v gets the zero sink row and the same head dim as q/k: SDPA's fused kernels (the CPU flash
     # kernel among them) need one head dim for q, k and v, else it falls back to its math path.
     # The padded output features are zero and are dropped.
-    v_aug = F.pad(v, (0, extra, 1, 0))
-    mask = attention_mask(s, window, q.device)
-    out = F.scaled_dot_product_attention(
-        q_aug, k_aug, v_aug, attn_mask=mask, scale=d**-0.5, enable_gqa=nkv != nh
-    )
+    v_aug = F.pad(v, (0, extra))
+
+    def attend(rows: slice, k0: int, mask: torch.Tensor) -> torch.Tensor:
+        keys = torch.cat([sink_k, k_aug[:, :, k0:rows.stop]], dim=2)
+        values = F.pad(v_aug[:, :, k0:rows.stop], (0, 0, 1, 0))
+        return F.scaled_dot_product_attention(
+            q_aug[:, :, rows], keys, values, attn_mask=mask, scale=d**-0.5, enable_gqa=nkv != nh
+        )
+
+    block = max(SLIDING_QUERY_BLOCK, window or 0)
+    if window is None or window >= s:
+        # Causal without a mask, so SDPA skips the blocks above the diagonal (and on GPUs may pick
+        # the flash kernel, which takes no mask): with one all-zero query row in front, SDPA's
+        # causal rule (query i sees keys 0..i) lets query t see the sink and keys 0..t. That row
+        # sees only the sink, whose value row is zero; it is dropped.
+        out = F.scaled_dot_product_attention(
+            F.pad(q_aug, (0, 0, 1, 0)), torch.cat([sink_k, k_aug], dim=2), F.pad(v_aug, (0, 0, 1, 0)),
+            is_causal=True, scale=d**-0.5, enable_gqa=nkv != nh,
+        )[:, :, 1:]
+    elif s <= block:
+        out = attend(slice(0, s), 0, attention_mask(s, window, q.device))
+    else:
+        outs = []
+        for start in range(0, s, block):
+            stop, k0 = min(s, start + block), max(0, start - window + 1)
+            mask = _window_block_mask(stop - start, stop - k0, start - k0, window, q.device)
+            outs.append(attend(slice(start, stop), k0, mask))
+        out = torch.cat(outs, dim=2)
     return out[..., :d]
 
 

@@ -32,9 +32,46 @@ from gptoss_cli.model.grouped_gemm import GroupedGemm, WgradQueue, grouped_linea
 from gptoss_cli.model.norm import RMSNorm
 
 
+class _ClampedSwiGLU(torch.autograd.Function):
+    """The clamped SwiGLU with a hand-written backward that recomputes from the fc1 output.
+
+    Autograd of the composed ops saves four [N, I] intermediates (clamped gate, sigmoid, their
+    product, up + 1) on top of the fc1 output it also keeps, and runs a dozen small kernels in
+    backward; this saves only the fc1 output. Gradients as autograd's: the clamps pass gradient
+    where the input lies inside the bounds, ends included (torch.clamp's convention), and
+    d/dg [g * sigmoid(a*g)] = s * (1 + a*g*(1 - s)) with s = sigmoid(a*g)."""
+
+    @staticmethod
+    def forward(ctx, gate_up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
+        ctx.save_for_backward(gate_up)
+        ctx.limit, ctx.alpha = limit, alpha
+        gate, up = gate_up.chunk(2, dim=-1)
+        gate = gate.clamp(max=limit)
+        glu = torch.sigmoid_(gate * alpha).mul_(gate)
+        return up.clamp(min=-limit, max=limit).add_(1).mul_(glu)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        (gate_up,) = ctx.saved_tensors
+        limit, alpha = ctx.limit, ctx.alpha
+        gate, up = gate_up.chunk(2, dim=-1)
+        grad = torch.empty_like(gate_up)
+        d_gate, d_up = grad.chunk(2, dim=-1)
+        g = gate.clamp(max=limit)
+        s = torch.sigmoid_(g * alpha)
+        torch.mul(g, s, out=d_up).mul_(grad_out).masked_fill_(up.abs() > limit, 0.0)
+        d_glu = up.clamp(min=-limit, max=limit).add_(1).mul_(grad_out)
+        g.mul_(alpha)
+        d_glu_d_gate = torch.addcmul(g, g, s, value=-1.0).add_(1.0).mul_(s)  # s * (1 + a*g*(1 - s))
+        torch.mul(d_glu_d_gate, d_glu, out=d_gate).masked_fill_(gate > limit, 0.0)
+        return grad, None, None
+
+
 def clamped_swiglu(gate_up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
     """GPT-OSS activation on fc1 output `[gate; up]` (docs/architecture.md, "Experts"): gate<=limit, |up|<=limit,
     `(up + 1) * gate * sigmoid(alpha * gate)`."""
+    if torch.is_grad_enabled() and gate_up.requires_grad:
+        return _ClampedSwiGLU.apply(gate_up, limit, alpha)
     gate, up = gate_up.chunk(2, dim=-1)
     gate = gate.clamp(max=limit)
     up = up.clamp(min=-limit, max=limit)

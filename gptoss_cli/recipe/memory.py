@@ -40,6 +40,7 @@ GPU_MEMORY_GB = {"h100": 80, "h200": 141, "b200": 180, "gb200": 186, "gb300": 28
 WARN_FRACTION = 0.9
 ALIGN = 64  # gptoss_cli.parallel.grads.ALIGN: buckets are multiples of ALIGN x shards elements
 LM_LOSS_CHUNK = 256  # gptoss_cli.model.hybrid.LM_LOSS_CHUNK_TOKENS (recipe/ stays torch-free)
+SLIDING_QUERY_BLOCK = 64  # gptoss_cli.model.attention.SLIDING_QUERY_BLOCK
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 FP32 = 4
 ADAM_STATE_BYTES = 3 * FP32  # fp32 master, exp_avg, exp_avg_sq
@@ -125,27 +126,33 @@ def attention_head_dim_padded(head_dim: int) -> int:
 
 
 def attention_core_bytes_per_token(arch: GptOssArch, b: int) -> float:
-    """What a fused attention kernel saves per token: q (nh x d') and k (kv x d') with the sink
-    feature, v (kv x d) and the output (nh x d) in the params dtype, the fp32 log-sum-exp per head."""
+    """What a fused attention kernel saves per token: q, k and v with the sink feature (head dim d'
+    = head_dim + 1 padded to 8) and its d'-wide output in the params dtype, the fp32 log-sum-exp per
+    head. A sliding-window layer runs per query block (model/attention.py) and each block holds its
+    own copy of the keys and values it sees, its block and the window before it: k and v count
+    (block + window) / block times, at most twice; the bound of the worst layer is used for all."""
     nh, kv, d = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
     dp = attention_head_dim_padded(d)
-    return b * (nh * dp + kv * dp + kv * d + nh * d) + 4 * nh
+    copies = 1.0
+    if any(arch.is_sliding(i) for i in range(arch.num_hidden_layers)):
+        copies += arch.sliding_window / max(SLIDING_QUERY_BLOCK, arch.sliding_window)
+    return b * (2 * nh * dp + copies * 2 * kv * dp) + 4 * nh
 
 
 def activation_bytes_per_token(arch: GptOssArch, b: int, aux_loss: bool) -> dict[str, float]:
     """Bytes autograd saves per token for each layer kind (b = bytes of the params dtype).
 
     norm (fp32 RMSNorm): the fp32 input and the fp32 normalised input          8h
-    attention (`*`):  norm + qkv GEMM input b*h + fused attention's q (nh x d'), k (kv x d'),
-                      v (kv x d), output (nh x d) in b, log-sum-exp 4*nh; out-projection input
-                      b*nh*d                       (d = head_dim, d' = head_dim + 1 padded to 8)
+    attention (`*`):  norm + qkv GEMM input b*h + fused attention's q (nh x d'), k and v (kv x d',
+                      up to twice in sliding layers), output (nh x d') in b, log-sum-exp 4*nh;
+                      out-projection input b*nh*d  (d = head_dim, d' = head_dim + 1 padded to 8)
     MoE (`E`):        norm + router input b*h + per routed copy (k of them): fc1 input b*h,
-                      fc1 output b*2I, the clamped SwiGLU's saved tensors 5*b*I (clamped gate,
-                      sigmoid, gate*sigmoid, up+1, the activation = fc2 input), fc2 output b*h
+                      fc1 output b*2I (all the clamped SwiGLU saves: its backward recomputes
+                      from it), the activation = fc2 input b*I, fc2 output b*h
                       (kept for the routing weight) and the weighted rows b*h (index_add keeps
                       its source), permutation indices 2*8, routing weight b; top-k indices 8k
                       and weights b*k; with the aux loss the fp32 router probabilities 4E
-    dense MLP (`-`):  norm + fc1 input b*h + fc1 output b*2I + SwiGLU 5*b*I
+    dense MLP (`-`):  norm + fc1 input b*h + fc1 output b*2I + the activation = fc2 input b*I
     head:             final norm + the gradient of its output b*h, which the chunked loss
                       computes in the forward pass and holds until backward
     logits (per token of one chunk, not of the microbatch): the chunk's logits b*V, cross-entropy's
@@ -155,9 +162,9 @@ def activation_bytes_per_token(arch: GptOssArch, b: int, aux_loss: bool) -> dict
     norm = 8 * h
     return {
         ATTENTION: norm + b * h + attention_core_bytes_per_token(arch, b) + b * arch.num_attention_heads * arch.head_dim,
-        MOE: norm + b * h + k * (b * h + 2 * b * i + 5 * b * i + 2 * b * h + 2 * 8 + b) + 8 * k + b * k
+        MOE: norm + b * h + k * (b * h + 2 * b * i + b * i + 2 * b * h + 2 * 8 + b) + 8 * k + b * k
         + (4 * e if aux_loss else 0),
-        MLP: norm + b * h + 2 * b * i + 5 * b * i,
+        MLP: norm + b * h + 2 * b * i + b * i,
         "head": norm + b * h,
         "logits": b * v + 4 * v + 2 * 4 * v,  # per token of one LM_LOSS_CHUNK chunk
     }

@@ -103,6 +103,17 @@ class _Run:
     decays: bool
 
 
+def _sum_of_squares(flat: torch.Tensor, row: int = 4096) -> torch.Tensor:
+    """sum(flat**2) in fp32 in one pass over the tensor, as accurate as `pow(2).sum()`.
+
+    `pow(2).sum()` writes a temporary as large as the buffer (8% of a CPU step on 61M parameters);
+    one `vector_norm` over tens of millions of elements accumulates with about 0.5% error on CPU.
+    Norms of `row`-element rows, squared and summed pairwise, avoid both."""
+    n = flat.numel() // row * row
+    sq = torch.linalg.vector_norm(flat[:n].view(-1, row), dim=1).square().sum()
+    return sq + torch.linalg.vector_norm(flat[n:]).square() if n < flat.numel() else sq
+
+
 class _Shard:
     """This rank's shard of one bucket: fp32 master copy, both Adam moments, and its runs."""
 
@@ -179,7 +190,7 @@ class DistributedAdamW:
         dense = torch.zeros((), dtype=torch.float32, device=self._step.device)
         expert = torch.zeros_like(dense)
         for k, s in enumerate(self.shards):
-            sq = s.grad.pow(2).sum()  # padding elements are zero
+            sq = _sum_of_squares(s.grad)  # padding elements are zero
             (dense if k < self._dense_shards else expert).add_(sq)
         if self.distributed:
             # Dense shards partition the dense parameters over the world; expert shards partition

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gptoss_cli.errors import ConfigError
-from gptoss_cli.model.attention import attention_mask, sink_attention
+from gptoss_cli.model.attention import SLIDING_QUERY_BLOCK, attention_mask, sink_attention
 from gptoss_cli.model.hybrid import HybridModel, layer_windows
 from gptoss_cli.model.dispatcher import AllToAllTokenDispatcher
 from gptoss_cli.model.grouped_gemm import grouped_linear
@@ -47,11 +47,11 @@ def _naive_sink_attention(q, k, v, sinks, window):
     return torch.softmax(full, dim=-1)[..., :-1] @ v
 
 
-def _sink_inputs(head_dim: int):
+def _sink_inputs(head_dim: int, seq: int = 11):
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(2, 6, 11, head_dim, generator=g, requires_grad=True)
-    k = torch.randn(2, 2, 11, head_dim, generator=g, requires_grad=True)
-    v = torch.randn(2, 2, 11, head_dim, generator=g, requires_grad=True)
+    q = torch.randn(2, 6, seq, head_dim, generator=g, requires_grad=True)
+    k = torch.randn(2, 2, seq, head_dim, generator=g, requires_grad=True)
+    v = torch.randn(2, 2, seq, head_dim, generator=g, requires_grad=True)
     sinks = torch.randn(6, generator=g, requires_grad=True)
     return q, k, v, sinks
 
@@ -71,6 +71,49 @@ def test_sink_attention_and_its_gradients_match_extra_column_softmax(window, hea
     rel = reassociation_rel(max(head_dim, 3 * 12), depth=3)
     names = ("out", "dq", "dk", "dv", "dsinks")
     assert_tensors_close(dict(zip(names, (got, *got_grads))), dict(zip(names, (expected, *exp_grads))), rel)
+
+
+# Longer than two query blocks with a ragged last one; windows below and above the block size,
+# and none (causal through SDPA's own causal rule, one zero query row in front).
+LONG_SEQ = 2 * SLIDING_QUERY_BLOCK + 29
+
+
+@pytest.mark.parametrize("window", [5, SLIDING_QUERY_BLOCK + 3, None])
+def test_long_sequence_attention_matches_extra_column_softmax(window):
+    q, k, v, sinks = _sink_inputs(16, LONG_SEQ)
+    got = sink_attention(q, k, v, sinks, window)
+    grad = torch.randn_like(got)
+    got_grads = torch.autograd.grad(got, (q, k, v, sinks), grad)
+    expected = _naive_sink_attention(q, k, v, sinks, window)
+    exp_grads = torch.autograd.grad(expected, (q, k, v, sinks), grad)
+    # As above; the longest sums run over the window + 1 keys, or over the 3 query heads of a kv
+    # head times the queries that see one key (its gradient), at most the window.
+    rel = reassociation_rel(max(16, 3 * ((window or LONG_SEQ) + 1)), depth=3)
+    names = ("out", "dq", "dk", "dv", "dsinks")
+    assert_tensors_close(dict(zip(names, (got, *got_grads))), dict(zip(names, (expected, *exp_grads))), rel)
+
+
+def test_sliding_attention_scores_only_the_keys_a_query_block_can_see():
+    # A sliding layer's cost must scale with the window, not with the sequence: every SDPA call
+    # gets one block of queries and at most block + window keys (the sink included).
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Shapes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls: list[tuple[int, int]] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__.startswith("_scaled_dot_product") and "backward" not in str(func):
+                self.calls.append((args[0].shape[2], args[1].shape[2]))
+            return func(*args, **(kwargs or {}))
+
+    window = 5
+    q, k, v, sinks = _sink_inputs(64, LONG_SEQ)
+    with Shapes() as seen:
+        sink_attention(q, k, v, sinks, window)
+    assert sum(rows for rows, _ in seen.calls) == LONG_SEQ
+    assert len(seen.calls) == 3 and all(keys <= rows + window for rows, keys in seen.calls), seen.calls
 
 
 def test_sink_attention_runs_a_fused_sdpa_kernel_not_the_math_path():
@@ -107,6 +150,22 @@ def test_clamped_swiglu_matches_reference_formula():
     g = gate.clamp(max=7.0)
     u = up.clamp(-7.0, 7.0)
     torch.testing.assert_close(got, (u + 1) * g * torch.sigmoid(1.702 * g))
+
+
+def test_clamped_swiglu_gradient_equals_autograd_of_the_formula_at_and_beyond_the_clamps():
+    # Gate and up at -limit, +limit (gradient passes, torch.clamp's convention), beyond them (none)
+    # and inside; fp64, so the two differ only by reassociation of a few products.
+    limit, alpha = 7.0, 1.702
+    gate = torch.tensor([-9.0, -7.0, 0.5, 7.0, 8.0, 3.0, 7.0, -2.0], dtype=torch.float64)
+    up = torch.tensor([-9.0, 7.0, 0.25, -7.0, 8.0, -2.0, 9.0, 7.0], dtype=torch.float64)
+    gate_up = torch.cat([gate, up]).view(1, -1).repeat(3, 1).requires_grad_()
+    grad = torch.randn(3, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    (got,) = torch.autograd.grad(clamped_swiglu(gate_up, limit, alpha), gate_up, grad)
+    g, u = gate_up.chunk(2, dim=-1)
+    g, u = g.clamp(max=limit), u.clamp(-limit, limit)
+    (want,) = torch.autograd.grad((u + 1) * g * torch.sigmoid(alpha * g), gate_up, grad)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert (got[:, [4, 8, 12, 14]] == 0).all()  # gate 8 > limit; up -9, 8, 9 outside the bounds
 
 
 def test_grouped_gemm_equals_per_expert_linear_with_an_empty_expert():
