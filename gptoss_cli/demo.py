@@ -203,7 +203,7 @@ def _convert(hooks: DemoHooks, hf: Path, hybrid: Path) -> StageResult:
 
 def _parity(hf: Path, hybrid: Path) -> StageResult:
     if not _transformers_available():
-        return StageResult("parity", SKIPPED, "skipped: install .[parity] (transformers) to compare against it",
+        return StageResult("parity", SKIPPED, "install .[parity] (transformers) to compare against it",
                            figure="-")
     from gptoss_cli.parity.check import run_parity
 
