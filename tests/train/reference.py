@@ -321,6 +321,9 @@ def reference_steps(hf: Path, prefix: Path, run: dict[str, Any]) -> list[dict[st
         step: dict[str, Any] = {"replica_spread": max(before_spread, after_spread)}
         if t == 0:
             step["initial_diff"] = max(float((ours_before[n] - initial[n]).abs().max()) for n in params)
+        else:  # the weights a step starts from are those the step before ended with (across a resume too)
+            step["carried_diff"] = max(float((before[n] - prev_after[n]).abs().max()) for n in before)
+        prev_after = after
         # (a) transformers' loss and gradients at gptoss's weights W_t
         with torch.no_grad():
             for n, p in params.items():

@@ -99,5 +99,8 @@ def test_world4_checkpoint_resumes_where_every_shard_boundary_moved(runs):
     before = cuts([steps[-1] for steps in saved["owned"]])
     after = cuts([steps[-1] for steps in resumed["owned"]])
     assert before != after and set(before) != set(after)
-    assert rows(resumed)[3]["step"] == 4 and resumed["steps"][3]["update_excess"]
-    assert [m["loss"] for m in rows(resumed)[:3]] == [m["loss"] for m in rows(saved)]
+    assert rows(resumed)[3]["step"] == 4
+    # the weights loaded at EP=1 x expert-DP=4 are exactly those the EP=2 run ended with
+    assert resumed["steps"][3]["carried_diff"] == 0.0
+    worst = max(resumed["steps"][3]["update_excess"].values())
+    assert worst <= 1, worst
