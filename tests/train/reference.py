@@ -388,4 +388,29 @@ def compute_all(folder: Path, layouts: list[str]) -> dict[str, Any]:
     return result
 
 
-__all__ = ["compute_all", "LAYOUTS", "STEPS", "layout_steps", "LR", "CLIP", "WEIGHT_DECAY", "DELTA", "ROUTER_DELTA", "hf_decays"]
+def load_runs(tmp_path_factory: Any, name: str, layouts: list[str]) -> dict[str, Any]:
+    """compute_all(layouts) once per test session (tests/train/dist_helpers.py: once_per_session);
+    skips without transformers, the reference."""
+    import pytest
+
+    from tests.train.dist_helpers import once_per_session
+
+    pytest.importorskip("transformers")
+    return once_per_session(tmp_path_factory, name, lambda folder: compute_all(folder, layouts))
+
+
+def rows(run: dict[str, Any]) -> list[dict]:
+    """metrics.jsonl's rows of rank 0, one per step (loss, lr and grad norm are global)."""
+    return [m for m in run["metrics"] if m["rank"] == 0]
+
+
+def cuts(owned_per_rank: list[dict[str, tuple[int, int]]]) -> dict[str, list[tuple[int, int]]]:
+    """Parameters that a shard boundary cuts: stepped in parts by several ranks, with their ranges."""
+    held: dict[str, list[tuple[int, int]]] = {}
+    for owned in owned_per_rank:
+        for name, rng in owned.items():
+            held.setdefault(name, []).append(rng)
+    return {n: sorted(r) for n, r in held.items() if len(set(r)) > 1}
+
+
+__all__ = ["compute_all", "load_runs", "rows", "cuts", "LAYOUTS", "STEPS", "layout_steps", "LR", "CLIP", "WEIGHT_DECAY", "DELTA", "ROUTER_DELTA", "hf_decays"]

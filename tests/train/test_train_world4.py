@@ -16,19 +16,14 @@ from __future__ import annotations
 import pytest
 
 from tests.train import reference as R
-from tests.train.dist_helpers import once_per_session
+from tests.train.reference import cuts, rows
 
 LAYOUTS = ["ep2xedp2", "ep2xedp2-replicated-opt", "ep2xedp2-buckets-overlap", "ep1xedp4-resumed"]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    pytest.importorskip("transformers")
-    return once_per_session(tmp_path_factory, "train_world4", lambda folder: R.compute_all(folder, LAYOUTS))
-
-
-def rows(run) -> list[dict]:
-    return [m for m in run["metrics"] if m["rank"] == 0]
+    return R.load_runs(tmp_path_factory, "train_world4", LAYOUTS)
 
 
 def test_world4_finalised_main_grad_after_step_0_equals_transformers(runs):
@@ -63,16 +58,6 @@ def test_world4_later_steps_match_transformers_and_torch_adamw(runs):
 def test_world4_expert_and_dense_replicas_stay_identical(runs):
     for layout in LAYOUTS:
         assert all(s["replica_spread"] == 0.0 for s in runs[layout]["steps"]), layout
-
-
-
-def cuts(owned_per_rank: list[dict[str, tuple[int, int]]]) -> dict[str, list[tuple[int, int]]]:
-    """Parameters that a shard boundary cuts: stepped in parts by several ranks, with their ranges."""
-    held: dict[str, list[tuple[int, int]]] = {}
-    for owned in owned_per_rank:
-        for name, rng in owned.items():
-            held.setdefault(name, []).append(rng)
-    return {n: sorted(r) for n, r in held.items() if len(set(r)) > 1}
 
 
 def test_world4_sharded_runs_cut_parameters_and_every_element_is_stepped_once(runs):
