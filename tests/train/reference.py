@@ -34,6 +34,7 @@ import torch
 
 from gptoss_cli.model.config import preset
 from gptoss_cli.train.optimizer import DistributedAdamW
+from tests.tolerances import U_FP32
 from tests.train.dist_helpers import named_grads
 
 TINY = preset("tiny")
@@ -276,7 +277,7 @@ def router_logits_gptoss(hybrid_weights: dict[str, torch.Tensor], tokens: torch.
 # over microbatches and ranks. fp32 rounds each operation with relative error U = 2^-24; a sum of n
 # terms taken in another order moves by about sqrt(n)*U of the sum of the magnitudes (random walk),
 # and the D sequential stages of a computation add their errors: DELTA = D * sqrt(n) * U.
-U = 2.0**-24
+U = U_FP32
 # Loss, gradients and the grad norm: forward and backward through 3 blocks of ~10 stages each plus
 # the head, softmax and mean (D = 64); the longest sum is the vocabulary softmax (n = 1024).
 DELTA = 64 * math.sqrt(1024) * U  # 1.2e-4
