@@ -74,10 +74,6 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.01):
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
-def kill_group(proc: subprocess.Popen, sig: int) -> None:
-    os.killpg(proc.pid, sig)
-
-
 @pytest.fixture
 def tmpfs(tmp_path):
     """mount(size, read_only=False) -> a fresh tmpfs folder; skipped where this process may not mount."""

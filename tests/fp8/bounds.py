@@ -25,8 +25,9 @@ import math
 
 import torch
 
+from tests.tolerances import U_FP32
+
 FORMATS = {"e4m3": (448.0, 2.0**-4, 2.0**-10), "e5m2": (57344.0, 2.0**-3, 2.0**-17)}
-U_FP32 = 2.0**-24
 U_OUT = {torch.float32: U_FP32, torch.bfloat16: 2.0**-8}
 
 

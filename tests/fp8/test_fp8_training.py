@@ -17,10 +17,15 @@ the safety factor 4 of tests/tolerances.py, for the loss averaged over the last 
     |L_fp8 - L_bf16| <= 4 (r_g / sqrt(n) (L0 - L_bf16) + r_f^2 L_bf16).
 (About 0.12 here, for runs that drop from 6.9 to 2.6 or 4.8.) Gradients sent to the wrong
 experts, a lost scale or a bias on the wrong rows move the loss by several times that.
+
+The trajectories compare separately trained runs; the same-weights tests below compare the code
+paths directly: every recipe's loss and gradients at the bf16 run's weights of a few steps, against
+the composed GEMM error of tests/fp8/bounds.py (with a negative control: a gradient GEMM off by 2).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import zlib
@@ -47,6 +52,12 @@ RUNS = {  # name -> (overrides of tiny_cpu_ep2_mxfp8, steps)
     "rowwise": (["precision.fp8_recipe=rowwise", *ONE_MICROBATCH], SHORT),
 }
 BIAS_STD = 4.0
+# Steps of the bf16 run whose weights (before that step's update) every recipe is evaluated at: one
+# step from those weights, on the same batch, recording the loss and the finalised gradients.
+SNAPSHOTS = (0, LONG // 2, LONG - 1)
+# The negative control: mxfp8 with every gradient GEMM's output off by a factor 2 (a decode scale
+# off by one power of two, as from rounding the exponent the wrong way), at the middle snapshot.
+BROKEN = "mxfp8-scale-off-by-2"
 
 
 def _large_expert_biases(init):
@@ -64,6 +75,70 @@ def _large_expert_biases(init):
     return wrapped
 
 
+@contextlib.contextmanager
+def _before_each_update(hook):
+    """hook(step index, optimizer) before every DistributedAdamW.step (on every rank)."""
+    from gptoss_cli.train.optimizer import DistributedAdamW
+
+    real, count = DistributedAdamW.step, [0]
+
+    def step(self, lr):
+        hook(count[0], self)
+        count[0] += 1
+        return real(self, lr)
+
+    DistributedAdamW.step = step
+    try:
+        yield
+    finally:
+        DistributedAdamW.step = real
+
+
+def _weights(optimizer) -> dict[str, torch.Tensor]:
+    return {n: t.detach().clone() for n, t in optimizer._module.named_checkpoint_slots()}
+
+
+def _at_weights(rank: int, run_root: Path, snapshots: dict[int, dict[str, torch.Tensor]]) -> dict:
+    """Every recipe's loss and finalised gradients at each snapshot (one step from those weights)."""
+    import gptoss_cli.model.hybrid as hybrid
+    from gptoss_cli.fp8.matmul import Fp8Numerics
+    from gptoss_cli.recipe.load import load_recipe
+    from gptoss_cli.train.loop import TrainJob, run_worker
+    from tests.train.dist_helpers import named_grads
+
+    init, real_matmul = hybrid.init_weights_, Fp8Numerics.matmul
+
+    def off_by_2(self, a, b, *, grad_operand, **kw):
+        out = real_matmul(self, a, b, grad_operand=grad_operand, **kw)
+        return out * 2 if grad_operand is not None else out
+
+    out: dict[int, dict] = {}
+    try:
+        for step, weights in snapshots.items():
+            def copy_in(model, std, seed, weights=weights):
+                with torch.no_grad():
+                    for n, dest in model.named_checkpoint_slots():
+                        dest.copy_(weights[n])
+
+            hybrid.init_weights_ = copy_in
+            names = [*RUNS, BROKEN] if step == SNAPSHOTS[1] else list(RUNS)
+            out[step] = {}
+            for name in names:
+                Fp8Numerics.matmul = off_by_2 if name == BROKEN else real_matmul
+                overrides = RUNS["mxfp8" if name == BROKEN else name][0]
+                run_dir = run_root / f"at{step}-{name}"
+                recipe = load_recipe("tiny_cpu_ep2_mxfp8", [*SMALL, *overrides, "training.train_iters=1",
+                                                            f"logging.run_dir={run_dir}"])
+                grads = {}
+                with _before_each_update(lambda i, opt: grads.update(
+                        named_grads(opt._module, list(dict.fromkeys(s.buffer for s in opt.shards))))):
+                    result = run_worker(TrainJob.from_recipe(recipe))
+                out[step][name] = {"loss": result.losses[0], "grads": grads}
+    finally:
+        hybrid.init_weights_, Fp8Numerics.matmul = init, real_matmul
+    return out
+
+
 def _train_all(rank: int, run_root: str) -> dict:
     import gptoss_cli.model.hybrid as hybrid
     from gptoss_cli.recipe.load import load_recipe
@@ -71,23 +146,32 @@ def _train_all(rank: int, run_root: str) -> dict:
 
     hybrid.init_weights_ = _large_expert_biases(hybrid.init_weights_)
     out = {}
+    snapshots: dict[int, dict[str, torch.Tensor]] = {}
     for name, (overrides, steps) in RUNS.items():
         run_dir = Path(run_root) / name
         recipe = load_recipe("tiny_cpu_ep2_mxfp8", [*SMALL, *overrides, f"training.train_iters={steps}",
                                                     f"logging.run_dir={run_dir}"])
-        result = run_worker(TrainJob.from_recipe(recipe))
+        keep = (lambda i, opt: snapshots.update({i: _weights(opt)}) if i in SNAPSHOTS else None)
+        with _before_each_update(keep) if name == "bf16" else contextlib.nullcontext():
+            result = run_worker(TrainJob.from_recipe(recipe))
         metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         out[name] = {"losses": result.losses, "grad_norms": result.grad_norms, "fp8": result.fp8,
                      "metrics_fp8": [m.get("fp8") for m in metrics],
                      "overlap": recipe.config.overlap.overlap_moe_expert_parallel_comm
                      and recipe.config.overlap.delay_wgrad_compute}
+    out["at_weights"] = _at_weights(rank, Path(run_root), snapshots)
     return out
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     def compute(folder: Path):
-        return run_distributed(_train_all, 2, folder, str(folder / "runs"), timeout=600)[0]
+        ranks = run_distributed(_train_all, 2, folder, str(folder / "runs"), timeout=600)
+        out = ranks[0]
+        for step, by_name in out["at_weights"].items():  # experts live on their own rank: merge the names
+            for name, r in by_name.items():
+                r["grads"] = {**ranks[1]["at_weights"][step][name]["grads"], **r["grads"]}
+        return out
 
     return once_per_session(tmp_path_factory, "fp8-training", compute)
 
@@ -128,3 +212,70 @@ def test_the_run_reports_the_emulated_path_and_its_fp8_gemms(runs, name, kernel)
 
 def test_a_bf16_run_reports_no_fp8(runs):
     assert runs["bf16"]["fp8"] is None and set(runs["bf16"]["metrics_fp8"]) == {None}
+
+
+
+# --- the same weights: each recipe's loss and gradients at the bf16 run's weights -----------------
+# Error model (tests/fp8/bounds.py: an FP8 GEMM errs by a zero-mean relative error of about
+# r = sqrt((u_a^2 + u_b^2) / 3) of its output when its terms have random signs). At the same weights
+# and tokens, the bf16 path differs from an FP8 one only by those GEMM errors (bf16's own rounding,
+# 2^-8 / sqrt(3) per GEMM, is 20x smaller). Loss: the errors are zero-mean, so the loss moves at
+# first order only by a sum of many random-sign terms and, on average, at second order by about
+# r_f^2 x L (as in the margin above); with the safety factor 4 of tests/tolerances.py:
+#     |L_fp8 - L_bf16| <= 4 r_f^2 L_bf16.
+# Gradients: a gradient of the one block (*E) passes through at most N_F = 4 forward FP8 GEMMs (qkv,
+# proj, fc1, fc2: they set the activations and the loss) and N_G = 4 gradient GEMMs (the input
+# gradients of fc2, fc1 and proj, then its own weight gradient); independent relative errors add
+# in quadrature, so the whole gradient (all tensors, Frobenius) errs by about
+#     sqrt(N_F r_f^2 + N_G r_g^2) = 0.19,
+# and the test allows twice that and requires an eighth of r_g (bounds.py's factors): a path that
+# skipped quantisation errs by bf16's 0.002. A gradient GEMM off by a factor 2 errs by 1 or more.
+# The model needs the gradient's terms to have random signs, i.e. a gradient that has not mostly
+# cancelled: on the plateau at the end of the run (loss 2.65, the per-token gradients cancel) every
+# recipe's relative error reaches about 0.5, because the GEMM errors scale with the terms, not with
+# their small sum. So the gradients are compared at the first snapshots, the loss at all of them.
+N_F, N_G = 4, 4
+GRADIENT_SNAPSHOTS = SNAPSHOTS[:2]
+
+
+def _gradient_relative_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    assert set(got) == set(want), sorted(set(got) ^ set(want))[:5]
+    diff = math.sqrt(sum(float((got[n].double() - w.double()).norm()) ** 2 for n, w in want.items()))
+    return diff / math.sqrt(sum(float(w.double().norm()) ** 2 for w in want.values()))
+
+
+def _gradient_model() -> float:
+    r_f, r_g = typical_relative_error("e4m3", "e4m3"), typical_relative_error("e5m2", "e4m3")
+    return math.sqrt(N_F * r_f**2 + N_G * r_g**2)
+
+
+def test_the_bf16_weights_are_recorded_where_the_bf16_run_was(runs):
+    at = runs["at_weights"]
+    assert sorted(at) == sorted(SNAPSHOTS)
+    # one step from the step-0 snapshot is the bf16 run's first step (same weights, same batch)
+    assert at[0]["bf16"]["loss"] == runs["bf16"]["losses"][0]
+    assert len({at[s]["bf16"]["loss"] for s in SNAPSHOTS}) == len(SNAPSHOTS), "the snapshots are not distinct"
+
+
+@pytest.mark.parametrize("name", ["mxfp8", "tensorwise", "rowwise"])
+def test_fp8_loss_at_the_bf16_weights_is_within_the_second_order_model(runs, name):
+    r_f = typical_relative_error("e4m3", "e4m3")
+    for step in SNAPSHOTS:
+        want, got = runs["at_weights"][step]["bf16"]["loss"], runs["at_weights"][step][name]["loss"]
+        assert abs(got - want) <= 4 * r_f**2 * want, f"{name} at step {step}: loss {got:.5f} vs bf16 {want:.5f}"
+
+
+@pytest.mark.parametrize("name", ["mxfp8", "tensorwise", "rowwise"])
+def test_fp8_gradients_at_the_bf16_weights_are_within_the_composed_gemm_error(runs, name):
+    model = _gradient_model()
+    r_g = typical_relative_error("e5m2", "e4m3")
+    for step in GRADIENT_SNAPSHOTS:
+        at = runs["at_weights"][step]
+        rel = _gradient_relative_error(at[name]["grads"], at["bf16"]["grads"])
+        assert r_g / 8 <= rel <= 2 * model, f"{name} at step {step}: gradient relative error {rel:.4f}, model {model:.4f}"
+
+
+def test_the_gradient_check_fails_for_a_gradient_gemm_off_by_a_power_of_two(runs):
+    at = runs["at_weights"][SNAPSHOTS[1]]
+    rel = _gradient_relative_error(at[BROKEN]["grads"], at["bf16"]["grads"])
+    assert rel > 2 * _gradient_model(), f"the broken path's gradients pass the check (relative error {rel:.4f})"

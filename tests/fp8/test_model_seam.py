@@ -13,21 +13,9 @@ from gptoss_cli.model.grouped_gemm import GroupedGemm, WgradQueue
 from gptoss_cli.model.hybrid import HybridModel
 from tests.fp8.bounds import typical_relative_error
 from tests.tolerances import assert_tensors_close, reassociation_rel
+from tests.model.hybrid_helpers import tiny_batch as _batch, tiny_model as _model
 
 TINY = preset("tiny")
-
-
-def _model(pattern: str = "*E*E*E", seed: int = 0) -> HybridModel:
-    torch.manual_seed(seed)
-    model = HybridModel(TINY, pattern)
-    model.aux_loss_coef = 0.01
-    return model.train()
-
-
-def _batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randint(0, TINY.vocab_size, (2, 12), generator=g),
-            torch.randint(0, TINY.vocab_size, (2, 12), generator=g))
 
 
 def _grads(model: HybridModel) -> dict[str, torch.Tensor]:

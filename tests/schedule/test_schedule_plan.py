@@ -10,22 +10,10 @@ from gptoss_cli.model.config import preset
 from gptoss_cli.model.hybrid import HybridModel
 from gptoss_cli.model.schedule_plan import COMM, COMPUTE, CommNode, Ref
 from gptoss_cli.model.grouped_gemm import WgradQueue
+from tests.model.hybrid_helpers import tiny_batch as _batch, tiny_model as _model
 
 TINY = preset("tiny")
 E_NODES = ["pre_dispatch", "dispatch", "experts", "combine"]
-
-
-def _model(pattern: str, aux: float = 0.01, seed: int = 0) -> HybridModel:
-    torch.manual_seed(seed)
-    model = HybridModel(TINY, pattern)
-    model.aux_loss_coef = aux
-    return model.train()
-
-
-def _batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randint(0, TINY.vocab_size, (2, 12), generator=g),
-            torch.randint(0, TINY.vocab_size, (2, 12), generator=g))
 
 
 def _short(node) -> str:

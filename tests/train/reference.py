@@ -34,6 +34,7 @@ import torch
 
 from gptoss_cli.model.config import preset
 from gptoss_cli.train.optimizer import DistributedAdamW
+from tests.tolerances import U_FP32
 from tests.train.dist_helpers import named_grads
 
 TINY = preset("tiny")
@@ -276,7 +277,7 @@ def router_logits_gptoss(hybrid_weights: dict[str, torch.Tensor], tokens: torch.
 # over microbatches and ranks. fp32 rounds each operation with relative error U = 2^-24; a sum of n
 # terms taken in another order moves by about sqrt(n)*U of the sum of the magnitudes (random walk),
 # and the D sequential stages of a computation add their errors: DELTA = D * sqrt(n) * U.
-U = 2.0**-24
+U = U_FP32
 # Loss, gradients and the grad norm: forward and backward through 3 blocks of ~10 stages each plus
 # the head, softmax and mean (D = 64); the longest sum is the vocabulary softmax (n = 1024).
 DELTA = 64 * math.sqrt(1024) * U  # 1.2e-4
@@ -321,6 +322,9 @@ def reference_steps(hf: Path, prefix: Path, run: dict[str, Any]) -> list[dict[st
         step: dict[str, Any] = {"replica_spread": max(before_spread, after_spread)}
         if t == 0:
             step["initial_diff"] = max(float((ours_before[n] - initial[n]).abs().max()) for n in params)
+        else:  # the weights a step starts from are those the step before ended with (across a resume too)
+            step["carried_diff"] = max(float((before[n] - prev_after[n]).abs().max()) for n in before)
+        prev_after = after
         # (a) transformers' loss and gradients at gptoss's weights W_t
         with torch.no_grad():
             for n, p in params.items():
@@ -385,4 +389,29 @@ def compute_all(folder: Path, layouts: list[str]) -> dict[str, Any]:
     return result
 
 
-__all__ = ["compute_all", "LAYOUTS", "STEPS", "layout_steps", "LR", "CLIP", "WEIGHT_DECAY", "DELTA", "ROUTER_DELTA", "hf_decays"]
+def load_runs(tmp_path_factory: Any, name: str, layouts: list[str]) -> dict[str, Any]:
+    """compute_all(layouts) once per test session (tests/train/dist_helpers.py: once_per_session);
+    skips without transformers, the reference."""
+    import pytest
+
+    from tests.train.dist_helpers import once_per_session
+
+    pytest.importorskip("transformers")
+    return once_per_session(tmp_path_factory, name, lambda folder: compute_all(folder, layouts))
+
+
+def rows(run: dict[str, Any]) -> list[dict]:
+    """metrics.jsonl's rows of rank 0, one per step (loss, lr and grad norm are global)."""
+    return [m for m in run["metrics"] if m["rank"] == 0]
+
+
+def cuts(owned_per_rank: list[dict[str, tuple[int, int]]]) -> dict[str, list[tuple[int, int]]]:
+    """Parameters that a shard boundary cuts: stepped in parts by several ranks, with their ranges."""
+    held: dict[str, list[tuple[int, int]]] = {}
+    for owned in owned_per_rank:
+        for name, rng in owned.items():
+            held.setdefault(name, []).append(rng)
+    return {n: sorted(r) for n, r in held.items() if len(set(r)) > 1}
+
+
+__all__ = ["compute_all", "load_runs", "rows", "cuts", "LAYOUTS", "STEPS", "layout_steps", "LR", "CLIP", "WEIGHT_DECAY", "DELTA", "ROUTER_DELTA", "hf_decays"]

@@ -16,20 +16,14 @@ from __future__ import annotations
 import pytest
 
 from tests.train import reference as R
-from tests.train.dist_helpers import once_per_session
+from tests.train.reference import rows
 
 LAYOUTS = ["ep1", "ep2", "dp2"]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    pytest.importorskip("transformers")
-    return once_per_session(tmp_path_factory, "train_reference", lambda folder: R.compute_all(folder, LAYOUTS))
-
-
-def rows(run) -> list[dict]:
-    """metrics.jsonl's rows of rank 0, one per step (loss, lr and grad norm are global)."""
-    return [m for m in run["metrics"] if m["rank"] == 0]
+    return R.load_runs(tmp_path_factory, "train_reference", LAYOUTS)
 
 
 def test_fixture_routes_far_from_ties_and_clips_every_step(runs):

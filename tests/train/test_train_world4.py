@@ -16,19 +16,14 @@ from __future__ import annotations
 import pytest
 
 from tests.train import reference as R
-from tests.train.dist_helpers import once_per_session
+from tests.train.reference import cuts, rows
 
 LAYOUTS = ["ep2xedp2", "ep2xedp2-replicated-opt", "ep2xedp2-buckets-overlap", "ep1xedp4-resumed"]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    pytest.importorskip("transformers")
-    return once_per_session(tmp_path_factory, "train_world4", lambda folder: R.compute_all(folder, LAYOUTS))
-
-
-def rows(run) -> list[dict]:
-    return [m for m in run["metrics"] if m["rank"] == 0]
+    return R.load_runs(tmp_path_factory, "train_world4", LAYOUTS)
 
 
 def test_world4_finalised_main_grad_after_step_0_equals_transformers(runs):
@@ -65,16 +60,6 @@ def test_world4_expert_and_dense_replicas_stay_identical(runs):
         assert all(s["replica_spread"] == 0.0 for s in runs[layout]["steps"]), layout
 
 
-
-def cuts(owned_per_rank: list[dict[str, tuple[int, int]]]) -> dict[str, list[tuple[int, int]]]:
-    """Parameters that a shard boundary cuts: stepped in parts by several ranks, with their ranges."""
-    held: dict[str, list[tuple[int, int]]] = {}
-    for owned in owned_per_rank:
-        for name, rng in owned.items():
-            held.setdefault(name, []).append(rng)
-    return {n: sorted(r) for n, r in held.items() if len(set(r)) > 1}
-
-
 def test_world4_sharded_runs_cut_parameters_and_every_element_is_stepped_once(runs):
     for layout in ("ep2xedp2", "ep2xedp2-buckets-overlap", "ep1xedp4-resumed"):
         owned = [steps[-1] for steps in runs[layout]["owned"]]
@@ -99,5 +84,8 @@ def test_world4_checkpoint_resumes_where_every_shard_boundary_moved(runs):
     before = cuts([steps[-1] for steps in saved["owned"]])
     after = cuts([steps[-1] for steps in resumed["owned"]])
     assert before != after and set(before) != set(after)
-    assert rows(resumed)[3]["step"] == 4 and resumed["steps"][3]["update_excess"]
-    assert [m["loss"] for m in rows(resumed)[:3]] == [m["loss"] for m in rows(saved)]
+    assert rows(resumed)[3]["step"] == 4
+    # the weights loaded at EP=1 x expert-DP=4 are exactly those the EP=2 run ended with
+    assert resumed["steps"][3]["carried_diff"] == 0.0
+    worst = max(resumed["steps"][3]["update_excess"].values())
+    assert worst <= 1, worst

@@ -12,16 +12,14 @@ from __future__ import annotations
 import pytest
 
 from tests.train import reference as R
-from tests.train.dist_helpers import once_per_session
-from tests.train.test_train_world4 import cuts, rows
+from tests.train.reference import cuts, rows
 
 LAYOUT = "ep4xedp2-buckets-overlap"
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    pytest.importorskip("transformers")
-    return once_per_session(tmp_path_factory, "train_world8", lambda folder: R.compute_all(folder, [LAYOUT]))[LAYOUT]
+    return R.load_runs(tmp_path_factory, "train_world8", [LAYOUT])[LAYOUT]
 
 
 def test_world8_finalised_gradients_and_norm_equal_transformers(run):
