@@ -36,34 +36,52 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 
-def worker(rank: int, args: dict) -> dict:
+def add_model_args(ap: argparse.ArgumentParser, microbatches: int, micro_batch: int) -> None:
+    """The benchmarked model's options (shared with bench/overlap_replay.py)."""
+    ap.add_argument("--microbatches", type=int, default=microbatches)
+    ap.add_argument("--micro-batch", type=int, default=micro_batch)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--intermediate", type=int, default=256)
+    ap.add_argument("--experts", type=int, default=8)
+    ap.add_argument("--pattern", default=None, help="hybrid_layer_pattern (default: the preset's, *E*E*E)")
+
+
+def build_model(args: dict, state):
+    """(arch, setup, data source): the tiny model widened by `args`, in train mode, built for the
+    overlap schedule with delayed wgrad at `state`'s EP size, and its mock data."""
     from gptoss_cli.model.config import preset
-    from gptoss_cli.model.link import LinkModel, use_link
-    from gptoss_cli.parallel.state import init_parallel
-    from gptoss_cli.schedule.combined_1f1b import OverlapStats, forward_backward_combined_1f1b
-    from gptoss_cli.schedule.plain import forward_backward_no_pipelining
-    from gptoss_cli.train.data import DataLoaderState, MockSource
-    from gptoss_cli.train.loop import forward_step
     from gptoss_cli.recipe.schema import RecipeConfig
+    from gptoss_cli.train.data import MockSource
     from gptoss_cli.train.provider import HybridModelProvider, ModelRuntimeConfig
     from gptoss_cli.train.setup import setup_model_and_optimizer
 
-    torch.set_num_threads(args["threads"])
-    state = init_parallel(2, args["device"])
     arch = preset("tiny").replace(hidden_size=args["hidden"], intermediate_size=args["intermediate"],
                                   num_local_experts=args["experts"], num_experts_per_tok=2)
     cfg = RecipeConfig()
     cfg.precision.params_dtype, cfg.moe.aux_loss_coeff = "fp32", 0.001
-    cfg.parallelism.expert_model_parallel_size = 2
+    cfg.parallelism.expert_model_parallel_size = state.ep_size
     cfg.overlap.overlap_moe_expert_parallel_comm = cfg.overlap.delay_wgrad_compute = True
-    pattern = args["pattern"] or arch.hybrid_layer_pattern
-    runtime = ModelRuntimeConfig.from_recipe(cfg, arch, pattern)
+    runtime = ModelRuntimeConfig.from_recipe(cfg, arch, args["pattern"] or arch.hybrid_layer_pattern)
     setup = setup_model_and_optimizer(HybridModelProvider(runtime, seed=1), state, cfg.optimizer, cfg.training.lr)
+    setup.model.train()
+    return arch, setup, MockSource(arch.vocab_size, args["seq"], seed=3)
+
+
+def worker(rank: int, args: dict) -> dict:
+    from gptoss_cli.model.link import LinkModel, use_link
+    from gptoss_cli.parallel.state import init_parallel
+    from gptoss_cli.schedule.combined_1f1b import OverlapStats, forward_backward_combined_1f1b
+    from gptoss_cli.schedule.plain import forward_backward_no_pipelining
+    from gptoss_cli.train.data import DataLoaderState
+    from gptoss_cli.train.loop import forward_step
+
+    torch.set_num_threads(args["threads"])
+    state = init_parallel(2, args["device"])
+    arch, setup, source = build_model(args, state)
     model = setup.model
-    model.train()
     mb = args["micro_batch"]
     n = args["microbatches"]
-    source = MockSource(arch.vocab_size, args["seq"], seed=3)
 
     def step(kind: str, link: tuple[float, float] | None) -> dict:
         # The same global batch every time: position 0 of the data.
@@ -130,13 +148,7 @@ def worker(rank: int, args: dict) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--microbatches", type=int, default=8)
-    ap.add_argument("--micro-batch", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--hidden", type=int, default=128)
-    ap.add_argument("--intermediate", type=int, default=256)
-    ap.add_argument("--experts", type=int, default=8)
-    ap.add_argument("--pattern", default=None, help="hybrid_layer_pattern (default: the preset's, *E*E*E)")
+    add_model_args(ap, microbatches=8, micro_batch=4)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")

@@ -43,28 +43,18 @@ import torch  # noqa: E402
 from gptoss_cli.model import grouped_gemm  # noqa: E402
 from gptoss_cli.model.link import LinkModel  # noqa: E402
 from gptoss_cli.schedule import combined_1f1b as c1f1b  # noqa: E402
+from bench.overlap import add_model_args  # noqa: E402
 
 
 def record(args: argparse.Namespace) -> list[tuple[list, list]]:
     """One step's run_interleaved calls: per call, the forward and backward op streams as
     (kind, cpu seconds before the issue, cpu seconds after it) in stream order (median of steps)."""
-    from gptoss_cli.model.config import preset
+    from bench.overlap import build_model
     from gptoss_cli.parallel.state import ParallelState
-    from gptoss_cli.recipe.schema import RecipeConfig
-    from gptoss_cli.train.data import DataLoaderState, MockSource
+    from gptoss_cli.train.data import DataLoaderState
     from gptoss_cli.train.loop import forward_step
-    from gptoss_cli.train.provider import HybridModelProvider, ModelRuntimeConfig
-    from gptoss_cli.train.setup import setup_model_and_optimizer
 
-    arch = preset("tiny").replace(hidden_size=args.hidden, intermediate_size=args.intermediate,
-                                  num_local_experts=args.experts, num_experts_per_tok=2)
-    cfg = RecipeConfig()
-    cfg.precision.params_dtype, cfg.moe.aux_loss_coeff = "fp32", 0.001
-    cfg.overlap.overlap_moe_expert_parallel_comm = cfg.overlap.delay_wgrad_compute = True
-    runtime = ModelRuntimeConfig.from_recipe(cfg, arch, args.pattern or arch.hybrid_layer_pattern)
-    setup = setup_model_and_optimizer(HybridModelProvider(runtime, seed=1), ParallelState(), cfg.optimizer, 1e-3)
-    setup.model.train()
-    source = MockSource(arch.vocab_size, args.seq, seed=3)
+    _, setup, source = build_model(vars(args), ParallelState())  # the optimizer never steps here
 
     after_issue = [0.0]  # CPU time of the delayed wgrad GEMMs run inside the current op
     execute = grouped_gemm.WgradQueue.execute
@@ -151,13 +141,7 @@ def replay(calls: list[tuple[list, list]], wire_s: float) -> tuple[float, float]
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--microbatches", type=int, default=16)
-    ap.add_argument("--micro-batch", type=int, default=2)
-    ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--hidden", type=int, default=128)
-    ap.add_argument("--intermediate", type=int, default=256)
-    ap.add_argument("--experts", type=int, default=8)
-    ap.add_argument("--pattern", default=None)
+    add_model_args(ap, microbatches=16, micro_batch=2)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--ratios", default="0.25,0.5,1,2")
     args = ap.parse_args()
