@@ -31,16 +31,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import socket
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import torch
-import torch.multiprocessing as mp
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # tests/train/dist_helpers.py runs the 2-process measurements
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
 
 from gptoss_cli.model.config import preset
 
@@ -131,42 +132,36 @@ def hf_step_fn(arch, tokens: torch.Tensor, dtype: str):
     return step, getattr(config, "_attn_implementation", None)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _on_two_ranks(worker, cfg: dict) -> list:
+    """worker(rank, cfg) on 2 gloo processes (tests/train/dist_helpers.run_distributed); each rank's result."""
+    from tests.train.dist_helpers import run_distributed
+
+    with tempfile.TemporaryDirectory() as out:
+        return run_distributed(worker, 2, Path(out), cfg, timeout=3600)
 
 
-def _ep_worker(rank: int, world: int, port: int, args: dict, out: str) -> None:
+def _ep_worker(rank: int, args: dict) -> list[float]:
     import torch.distributed as dist
 
     from gptoss_cli.parallel.state import init_parallel
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
     torch.set_num_threads(args["threads"])
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    state = init_parallel(world, "cpu")
+    state = init_parallel(2, "cpu")
     arch = bench_arch(args["preset"])
-    tokens = _batch(arch, args["batch"], args["seq"]).chunk(world)[rank]
+    tokens = _batch(arch, args["batch"], args["seq"]).chunk(2)[rank]
     step = ours_step_fn(arch, tokens, args["dtype"], state)
     times = []
     for _ in range(args["repeats"]):
         dist.barrier()
         times.append(_median_step(step, args["steps"]))
-    Path(out, f"rank{rank}.json").write_text(json.dumps(times))
-    dist.barrier()
-    dist.destroy_process_group()
+    return times
 
 
 def run_ep2(args: argparse.Namespace) -> float:
     """Median global tokens/s at EP=2 on 2 processes (slowest rank's step time)."""
-    with tempfile.TemporaryDirectory() as out:
-        world = 2
-        cfg = {"preset": args.preset, "batch": args.batch, "seq": args.seq, "dtype": args.dtype,
-               "steps": args.steps, "repeats": args.repeats, "threads": max(1, args.threads // world)}
-        mp.start_processes(_ep_worker, args=(world, _free_port(), cfg, out), nprocs=world, start_method="spawn")
-        per_rank = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)]
+    cfg = {"preset": args.preset, "batch": args.batch, "seq": args.seq, "dtype": args.dtype,
+           "steps": args.steps, "repeats": args.repeats, "threads": max(1, args.threads // 2)}
+    per_rank = _on_two_ranks(_ep_worker, cfg)
     step_times = [max(ts) for ts in zip(*per_rank)]
     return args.batch * args.seq / statistics.median(step_times)
 
@@ -320,21 +315,15 @@ def optimizer_times(arch, dtype: str, state, steps: int, repeats: int, barrier=l
     return new_t, old_t
 
 
-def _optimizer_worker(rank: int, world: int, port: int, args: dict, out: str) -> None:
+def _optimizer_worker(rank: int, args: dict) -> tuple[list[float], list[float]]:
     import torch.distributed as dist
 
     from gptoss_cli.parallel.state import init_parallel
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
     torch.set_num_threads(args["threads"])
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    state = init_parallel(world, "cpu")
-    times = optimizer_times(_arch(args["preset"], args["arch"]), args["dtype"], state, args["steps"], args["repeats"],
-                            barrier=dist.barrier)
-    Path(out, f"rank{rank}.json").write_text(json.dumps(times))
-    dist.barrier()
-    dist.destroy_process_group()
+    state = init_parallel(2, "cpu")
+    return optimizer_times(_arch(args["preset"], args["arch"]), args["dtype"], state, args["steps"], args["repeats"],
+                           barrier=dist.barrier)
 
 
 def _arch(name: str, overrides: str | None):
@@ -353,12 +342,9 @@ def run_optimizer_bench(args: argparse.Namespace) -> dict:
                   arch, arch.hybrid_layer_pattern)),
               "w1_new_s": statistics.median(new1), "w1_baseline_s": statistics.median(old1)}
     result["w1_ratio_baseline_over_new"] = result["w1_baseline_s"] / result["w1_new_s"]
-    with tempfile.TemporaryDirectory() as out:
-        world = 2
-        cfg = {"preset": args.preset, "arch": args.arch, "dtype": args.dtype, "steps": args.steps,
-               "repeats": args.repeats, "threads": max(1, args.threads // world)}
-        mp.start_processes(_optimizer_worker, args=(world, _free_port(), cfg, out), nprocs=world, start_method="spawn")
-        per_rank = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)]
+    cfg = {"preset": args.preset, "arch": args.arch, "dtype": args.dtype, "steps": args.steps,
+           "repeats": args.repeats, "threads": max(1, args.threads // 2)}
+    per_rank = _on_two_ranks(_optimizer_worker, cfg)
     new2 = [max(ts) for ts in zip(*(r[0] for r in per_rank))]  # the slowest rank sets the step
     old2 = [max(ts) for ts in zip(*(r[1] for r in per_rank))]
     result.update(w2_new_s=statistics.median(new2), w2_baseline_s=statistics.median(old2))
