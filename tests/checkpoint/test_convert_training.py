@@ -4,7 +4,6 @@ tensors are read, and a bad checkpoint is one line while the checkpoint itself i
 
 from __future__ import annotations
 
-import hashlib
 import json
 import pickle
 import shutil
@@ -19,6 +18,7 @@ from gptoss_cli.checkpoint.load import model_from_checkpoint
 from gptoss_cli.checkpoint.training_format import TRAIN_STATE
 from gptoss_cli.cli import app
 from gptoss_cli.errors import UsageError
+from tests.faults.conftest import digest
 from tests.model.tiny_checkpoints import load_hf_reference
 from tests.tolerances import reassociation_rel
 from tests.train.dist_helpers import once_per_session
@@ -36,11 +36,6 @@ def trained(tmp_path_factory) -> Path:
     parameters; the same run tests/train/test_train_checkpoint.py resumes from."""
     work, _ = once_per_session(tmp_path_factory, "ep2_checkpoint", ep2_checkpoint_run)
     return work / "ckpt"
-
-
-def digest(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def ids(seq: int = 2 * TINY.sliding_window + 8) -> torch.Tensor:

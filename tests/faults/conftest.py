@@ -6,6 +6,7 @@ destination either complete or untouched, and no temporary names left next to it
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import subprocess
@@ -40,6 +41,12 @@ def start(*args: object, cwd: Path | None = None, env: dict | None = None) -> su
     """Start the CLI in its own session (so a signal can go to its whole process group, as Ctrl-C does)."""
     return subprocess.Popen(gptoss_cmd(*args), cwd=cwd, env=env or child_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def digest(folder: Path) -> dict[str, str]:
+    """Every file under `folder` and its content hash: 'nothing lost' means this is unchanged."""
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def lines(text: str) -> list[str]:

@@ -2,24 +2,16 @@
 
 from __future__ import annotations
 
-import hashlib
 import shutil
 from collections import namedtuple
-from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from gptoss_cli.cli import app
-from tests.faults.conftest import assert_one_line, gptoss
+from tests.faults.conftest import assert_one_line, digest, gptoss
 
 runner = CliRunner()
-
-
-def digest(folder: Path) -> dict[str, str]:
-    """Every file under `folder` and its content hash: 'nothing lost' means this is unchanged."""
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def invoke(*args: object):
