@@ -57,11 +57,6 @@ class Fp8Format:
     max: float
     mantissa_bits: int
 
-    @property
-    def unit_roundoff(self) -> float:
-        """Largest relative rounding error of a normal value: 2^-(mantissa bits + 1)."""
-        return 2.0 ** -(self.mantissa_bits + 1)
-
 
 E4M3 = Fp8Format("e4m3", torch.float8_e4m3fn, 448.0, 3)
 E5M2 = Fp8Format("e5m2", torch.float8_e5m2, 57344.0, 2)
