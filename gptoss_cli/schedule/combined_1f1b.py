@@ -103,6 +103,11 @@ class _Stream:
     def __init__(self, ops: list):
         self.ops, self.i = ops, 0
         self.issued_at = -1  # sequence number of the comm in flight, -1 when none
+        # _next_start[i]: index of the first START at or after op i (len(ops) when none), computed
+        # once so that runs_before_comm does not rescan the rest of the stream at every call.
+        self._next_start = [len(ops)] * (len(ops) + 1)
+        for i in range(len(ops) - 1, -1, -1):
+            self._next_start[i] = i if ops[i][0] == START else self._next_start[i + 1]
 
     @property
     def done(self) -> bool:
@@ -114,10 +119,8 @@ class _Stream:
 
     def runs_before_comm(self) -> float:
         """Compute ops before this stream's next all-to-all (inf: it has none left)."""
-        for n, (kind, _) in enumerate(self.ops[self.i:]):
-            if kind == START:
-                return n
-        return float("inf")
+        nxt = self._next_start[min(self.i, len(self.ops))]
+        return float("inf") if nxt == len(self.ops) else nxt - self.i
 
     def step(self, seq: int = -1) -> None:
         kind, fn = self.ops[self.i]
