@@ -198,6 +198,26 @@ def test_mxfp8_quantises_each_experts_tokens_alone_and_pads_them_to_32_where_the
     assert [s[0][1] for s in shapes] == [32, 64, 32]
 
 
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_non_finite_expert_operand_is_an_error_naming_the_first_such_expert_and_operand(recipe):
+    grouped, _ = _grouped(recipe)
+    counts = torch.tensor(COUNTS)
+    n = sum(COUNTS)
+    x, w, dy = torch.randn(n, 64), torch.randn(4, 96, 64), torch.randn(n, 96)
+    w[1] = float("nan")  # expert 1 has no tokens: no GEMM reads its weight, so no error
+    assert torch.isfinite(grouped.fprop(x, w, counts)).all()
+    x[n - 1, 3] = float("nan")  # expert 3's input
+    x[COUNTS[0] + 2, 7] = float("inf")  # expert 2's input comes first
+    with pytest.raises(TrainingError, match=r"linear_fc1 \(local expert 2\) fprop input contains inf"):
+        grouped.fprop(x, w, counts)
+    w[3, 0, 0] = float("inf")
+    dy[n - 1, 0] = float("nan")
+    with pytest.raises(TrainingError, match=r"linear_fc1 \(local expert 3\) dgrad output gradient contains NaN"):
+        grouped.dgrad(dy, w, counts)
+    with pytest.raises(TrainingError, match=r"linear_fc1 \(local expert 2\) wgrad input contains inf"):
+        grouped.wgrad(x, dy, counts)
+
+
 def test_expert_bias_is_added_outside_the_gemm_and_never_to_padding_rows():
     # Large biases, MX padding: the layer's output is the gemm's output plus each real row's own
     # expert bias, and the bias gradient sums exactly the real rows of each expert.
