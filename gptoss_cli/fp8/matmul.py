@@ -59,10 +59,11 @@ class Fp8Numerics:
         return align
 
     def matmul(self, a: torch.Tensor, b: torch.Tensor, *, grad_operand: str | None, where: str,
-               names: tuple[str, str], out_dtype: torch.dtype) -> torch.Tensor:
+               names: tuple[str, str], out_dtype: torch.dtype,
+               checks: list[tuple[torch.Tensor, str]] | None = None) -> torch.Tensor:
         """`a [M, K] @ b [N, K]^T -> [M, N]` in `out_dtype`. `grad_operand` ("a" or "b") is the
         output gradient (quantised in the gradient format); `where` and `names` name the layer, the
-        GEMM and the operands in errors."""
+        GEMM and the operands in errors; `checks` defers the NaN/inf checks (scaling.quantize)."""
         m, n = a.shape[0], b.shape[0]
         if m == 0 or n == 0 or a.shape[1] == 0:
             return a.new_zeros(m, n, dtype=out_dtype)
@@ -72,8 +73,8 @@ class Fp8Numerics:
         b = _pad_rows(b, n_align)
         fa = self.gradient if grad_operand == "a" else self.forward
         fb = self.gradient if grad_operand == "b" else self.forward
-        qa = quantize(a.contiguous(), fa, self.scaling, f"{where} {names[0]}")
-        qb = quantize(b.contiguous(), fb, self.scaling, f"{where} {names[1]}")
+        qa = quantize(a.contiguous(), fa, self.scaling, f"{where} {names[0]}", checks)
+        qb = quantize(b.contiguous(), fb, self.scaling, f"{where} {names[1]}", checks)
         try:
             out = run_kernel(self.kernel, qa, qb, out_dtype)
         except (RuntimeError, ValueError) as exc:  # torch raises either for an unsupported configuration

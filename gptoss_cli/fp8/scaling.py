@@ -31,7 +31,8 @@ axis (gptoss_cli/fp8/matmul.py), with a scale computed from the tensor itself at
 
 NaN or inf in an input is a `TrainingError` naming the layer, the GEMM and the operand (casting
 would turn inf into +-max for e4m3 and hide a NaN inside a block's scale); it costs one host
-synchronisation per quantised operand.
+synchronisation per quantised operand, or one per grouped GEMM, which collects its experts' checks
+(`checks`) and runs them together in order, so the error names the same expert and operand.
 """
 
 from __future__ import annotations
@@ -56,11 +57,6 @@ class Fp8Format:
     dtype: torch.dtype
     max: float
     mantissa_bits: int
-
-    @property
-    def unit_roundoff(self) -> float:
-        """Largest relative rounding error of a normal value: 2^-(mantissa bits + 1)."""
-        return 2.0 ** -(self.mantissa_bits + 1)
 
 
 E4M3 = Fp8Format("e4m3", torch.float8_e4m3fn, 448.0, 3)
@@ -114,22 +110,34 @@ def check_finite(amax: torch.Tensor, where: str) -> None:
         )
 
 
-def quantize(x: torch.Tensor, fmt: Fp8Format, scaling: str, where: str = "FP8 operand") -> Quantized:
+def check_all_finite(checks: list[tuple[torch.Tensor, str]]) -> None:
+    """`check_finite` on each collected (amax, where) in order, with one host synchronisation."""
+    if not checks:
+        return
+    largest = torch.stack([amax for amax, _ in checks]).tolist()
+    for value, (amax, where) in zip(largest, checks):
+        if not math.isfinite(value):
+            check_finite(amax, where)
+
+
+def quantize(x: torch.Tensor, fmt: Fp8Format, scaling: str, where: str = "FP8 operand",
+             checks: list[tuple[torch.Tensor, str]] | None = None) -> Quantized:
     """Quantise a 2-D tensor along its last axis (see the module docstring for the rules).
 
     For mx the last axis must be a multiple of 32 (callers pad the contraction axis with zeros,
-    which changes no product)."""
+    which changes no product). With `checks`, the NaN/inf check is appended there for
+    `check_all_finite` instead of run now."""
     if x.dim() != 2:
         raise ValueError(f"{where}: quantize expects a 2-D tensor, got shape {tuple(x.shape)}")
     x = x.float()
     if scaling == "tensor":
         amax = x.abs().amax() if x.numel() else x.new_zeros(())
-        check_finite(amax, where)
+        _check(amax, where, checks)
         scale = _decode_scale(amax, fmt)
         return Quantized(cast_saturating(x / scale, fmt), scale, scaling, fmt)
     if scaling == "row":
         amax = x.abs().amax(dim=1, keepdim=True) if x.shape[1] else x.new_zeros(x.shape[0], 1)
-        check_finite(amax, where)
+        _check(amax, where, checks)
         scale = _decode_scale(amax, fmt)
         return Quantized(cast_saturating(x / scale, fmt), scale, scaling, fmt)
     if scaling == "mx":
@@ -138,7 +146,7 @@ def quantize(x: torch.Tensor, fmt: Fp8Format, scaling: str, where: str = "FP8 op
             raise ValueError(f"{where}: MX needs the contraction axis padded to a multiple of {MX_BLOCK}, got {k}")
         blocks = x.view(rows, k // MX_BLOCK, MX_BLOCK)
         amax = blocks.abs().amax(dim=-1)
-        check_finite(amax, where)
+        _check(amax, where, checks)
         biased = mx_exponents(amax, fmt)
         # The multiplier that maps a block into range: 2^-e from its bits, or 1 for a block clamped
         # to 2^-127 (whose values are below the format's range anyway).
@@ -147,6 +155,13 @@ def quantize(x: torch.Tensor, fmt: Fp8Format, scaling: str, where: str = "FP8 op
         data = cast_saturating(blocks * rcp.unsqueeze(-1), fmt).view(rows, k)
         return Quantized(data, biased, scaling, fmt)
     raise ValueError(f"unknown FP8 scaling {scaling!r} (one of {', '.join(SCALINGS)})")
+
+
+def _check(amax: torch.Tensor, where: str, checks: list[tuple[torch.Tensor, str]] | None) -> None:
+    if checks is None:
+        check_finite(amax, where)
+    else:  # its largest value only: max propagates NaN, as in check_finite
+        checks.append((amax.max() if amax.numel() else amax.new_zeros(()), where))
 
 
 def _decode_scale(amax: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
@@ -174,4 +189,4 @@ def mx_scale_values(biased: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = ["Fp8Format", "E4M3", "E5M2", "MX_BLOCK", "SCALINGS", "Quantized", "quantize", "cast_saturating",
-           "check_finite", "mx_exponents", "mx_scale_values"]
+           "check_finite", "check_all_finite", "mx_exponents", "mx_scale_values"]

@@ -108,15 +108,13 @@ def sink_attention(
             F.pad(q_aug, (0, 0, 1, 0)), torch.cat([sink_k, k_aug], dim=2), F.pad(v_aug, (0, 0, 1, 0)),
             is_causal=True, scale=d**-0.5, enable_gqa=nkv != nh,
         )[:, :, 1:]
-    elif s <= block:
-        out = attend(slice(0, s), 0, attention_mask(s, window, q.device))
     else:
         outs = []
         for start in range(0, s, block):
             stop, k0 = min(s, start + block), max(0, start - window + 1)
             mask = _window_block_mask(stop - start, stop - k0, start - k0, window, q.device)
             outs.append(attend(slice(start, stop), k0, mask))
-        out = torch.cat(outs, dim=2)
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     return out[..., :d]
 
 

@@ -360,9 +360,6 @@ class HybridModel(nn.Module):
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape[0], -1)
         return self.rotary_pos_emb(position_ids, dtype)
 
-    def head(self, x: torch.Tensor) -> torch.Tensor:
-        return self.output_layer(self.decoder.final_norm(x))
-
     def output(self, x: torch.Tensor) -> HybridOutput:
         """The last decoder layer's output -> HybridOutput with the LM head deferred (see HybridOutput)."""
         return HybridOutput(hidden=self.decoder.final_norm(x), head_weight=self.output_layer.weight,

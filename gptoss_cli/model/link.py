@@ -63,11 +63,6 @@ class LinkModel:
         self.modeled_s += wire + self.latency_us * 1e-6
         return start + wire + self.latency_us * 1e-6
 
-    def reset_counters(self) -> None:
-        self.transfers = self.bytes_moved = 0
-        self.modeled_s = self.blocked_s = 0.0
-        self.counts = {"bulk": 0, "control": 0}
-
 
 LINK: LinkModel | None = None
 

@@ -183,16 +183,15 @@ class CommNode(PlanNode):
 
     def __init__(self, name: str, inputs: dict[str, Any], *, group: Any,
                  post: Callable[..., dict[str, Any]] | None = None, post_inputs: tuple[str, ...] = (),
-                 comm_log: list | None = None, after_backward_start: Callable[[], Any] | None = None,
-                 sync_timing: bool = False, runs_wgrad: bool = False, **kw: Any):
+                 comm_log: list | None = None, runs_wgrad: bool = False, **kw: Any):
         super().__init__(name, inputs, **kw)
         self.runs_wgrad = runs_wgrad
         self.group = group
         self.post = post
         self.post_inputs = post_inputs
         self.comm_log = comm_log
-        self.after_backward_start = after_backward_start
-        self.sync_timing = sync_timing
+        self.after_backward_start: Callable[[], Any] | None = None  # set by SchedulePlan.configure
+        self.sync_timing = False  # set by SchedulePlan.configure
         self._handle = None
         self._x_requires_grad = False
         self._post_outputs: dict[str, Any] | None = None

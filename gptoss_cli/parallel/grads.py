@@ -212,10 +212,6 @@ class GradBuffers:
     def buffers(self) -> Iterable[GradBuffer]:
         return (self.dense, self.expert)
 
-    def buckets(self) -> Iterator[Bucket]:
-        for buf in self.buffers():
-            yield from buf.buckets
-
     def _accumulate(self, param: torch.Tensor) -> None:
         param.main_grad.add_(param.grad)
         param.grad = None

@@ -35,7 +35,6 @@ the model output, so the loss is computed by the caller's own code, once.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -43,11 +42,11 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from gptoss_cli.errors import ConfigError, TrainingError
+from gptoss_cli.errors import ConfigError
 from gptoss_cli.model.grouped_gemm import WgradQueue
 from gptoss_cli.model.schedule_plan import COMM, SchedulePlan
 from gptoss_cli.parallel.grads import get_attr_wrapped_model, get_model_config
-from gptoss_cli.schedule.plain import ForwardStep, forward_backward_no_pipelining
+from gptoss_cli.schedule.plain import ForwardStep, _finalizer, _StepAccounting, forward_backward_no_pipelining
 
 
 @dataclass
@@ -104,6 +103,11 @@ class _Stream:
     def __init__(self, ops: list):
         self.ops, self.i = ops, 0
         self.issued_at = -1  # sequence number of the comm in flight, -1 when none
+        # _next_start[i]: index of the first START at or after op i (len(ops) when none), computed
+        # once so that runs_before_comm does not rescan the rest of the stream at every call.
+        self._next_start = [len(ops)] * (len(ops) + 1)
+        for i in range(len(ops) - 1, -1, -1):
+            self._next_start[i] = i if ops[i][0] == START else self._next_start[i + 1]
 
     @property
     def done(self) -> bool:
@@ -115,10 +119,8 @@ class _Stream:
 
     def runs_before_comm(self) -> float:
         """Compute ops before this stream's next all-to-all (inf: it has none left)."""
-        for n, (kind, _) in enumerate(self.ops[self.i:]):
-            if kind == START:
-                return n
-        return float("inf")
+        nxt = self._next_start[min(self.i, len(self.ops))]
+        return float("inf") if nxt == len(self.ops) else nxt - self.i
 
     def step(self, seq: int = -1) -> None:
         kind, fn = self.ops[self.i]
@@ -176,12 +178,7 @@ def forward_backward_combined_1f1b(
         return forward_backward_no_pipelining(forward_step_func=forward_step_func, data_iterator=data_iterator,
                                               model=model, num_microbatches=num_microbatches, forward_only=True)
     config = get_model_config(model)
-    finalize = getattr(config, "finalize_model_grads_func", None)
-    if finalize is None:
-        raise TrainingError(
-            "the model's config has no finalize_model_grads_func, gradients would not be reduced",
-            hint="install the training callbacks on get_model_config(model), not on the provider's config",
-        )
+    finalize = _finalizer(config)
     try:
         get_attr_wrapped_model(model, "build_schedule_plan")
     except AttributeError:
@@ -196,22 +193,17 @@ def forward_backward_combined_1f1b(
             hint="forward_step_func(data_iterator, model, return_schedule_plan=False) must return "
                  "(model.build_schedule_plan(...), loss_func) when asked",
         )
-    no_sync = getattr(config, "no_sync_func", None) or contextlib.nullcontext
-    grad_scale = getattr(config, "grad_scale_func", None)
+    step = _StepAccounting(config)
     queue = WgradQueue() if getattr(config, "delay_wgrad_compute", False) else None
     sync_timing = bool(stats is not None and stats.sync_timing)
-    logs: list[dict[str, Any]] = []
-    total_tokens = torch.zeros((), dtype=torch.float32)
 
     def new_plan() -> SchedulePlan:
         plan, loss_func = forward_step_func(data_iterator, model, return_schedule_plan=True)
 
         def loss_fn(output: Any) -> tuple[torch.Tensor, Any]:
-            nonlocal total_tokens
             loss_sum, num_tokens, extra = loss_func(output)
-            total_tokens = total_tokens + num_tokens.detach().float()  # on the device: no host sync
-            logs.append({"loss_sum": loss_sum.detach(), "num_tokens": num_tokens.detach(), **extra})
-            return (grad_scale(loss_sum) if grad_scale is not None else loss_sum), None
+            step.record(loss_sum, num_tokens, extra)
+            return step.scaled(loss_sum), None
 
         return plan.configure(loss_fn=loss_fn, wgrad_queue=queue, sync_timing=sync_timing)
 
@@ -236,7 +228,7 @@ def forward_backward_combined_1f1b(
         plan.comm_log.clear()
 
     try:
-        with no_sync():
+        with step.no_sync():
             previous = new_plan()
             forward(previous)
             for _ in range(1, num_microbatches):
@@ -258,8 +250,8 @@ def forward_backward_combined_1f1b(
         queue.finish_step()  # raises if any dW was queued but never run
         if stats is not None:
             stats.wgrad_gemms += queue.executed
-    finalize([model], total_tokens)
-    return logs
+    finalize([model], step.total_tokens)
+    return step.logs
 
 
 __all__ = ["forward_backward_combined_1f1b", "OverlapStats", "run_interleaved"]

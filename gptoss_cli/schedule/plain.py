@@ -27,6 +27,38 @@ LossFunc = Callable[[Any], "tuple[torch.Tensor, torch.Tensor, dict[str, Any]]"]
 ForwardStep = Callable[..., "tuple[Any, LossFunc]"]
 
 
+def _finalizer(config: Any) -> Callable[[list[nn.Module], torch.Tensor], Any]:
+    """The config's `finalize_model_grads_func`; a missing one is an error."""
+    finalize = getattr(config, "finalize_model_grads_func", None)
+    if finalize is None:
+        # Megatron skips a missing finaliser silently; that trains on unreduced gradients.
+        raise TrainingError(
+            "the model's config has no finalize_model_grads_func, gradients would not be reduced",
+            hint="install the training callbacks on get_model_config(model), not on the provider's config",
+        )
+    return finalize
+
+
+class _StepAccounting:
+    """One step's bookkeeping, shared by the schedules: the config's `no_sync_func` and
+    `grad_scale_func`, the tokens of the step (for the finaliser) and one log dict per microbatch."""
+
+    def __init__(self, config: Any):
+        self.no_sync = getattr(config, "no_sync_func", None) or contextlib.nullcontext
+        self.grad_scale = getattr(config, "grad_scale_func", None)
+        self.total_tokens = torch.zeros((), dtype=torch.float32)
+        self.logs: list[dict[str, Any]] = []
+
+    def scaled(self, loss_sum: torch.Tensor) -> torch.Tensor:
+        """The loss to run backward on."""
+        return self.grad_scale(loss_sum) if self.grad_scale is not None else loss_sum
+
+    def record(self, loss_sum: torch.Tensor, num_tokens: torch.Tensor, extra: dict[str, Any]) -> None:
+        # Stays on the device: reading it back would block the host once per microbatch.
+        self.total_tokens = self.total_tokens + num_tokens.detach().float()
+        self.logs.append({"loss_sum": loss_sum.detach(), "num_tokens": num_tokens.detach(), **extra})
+
+
 def forward_backward_no_pipelining(
     *,
     forward_step_func: ForwardStep,
@@ -37,37 +69,25 @@ def forward_backward_no_pipelining(
 ) -> list[dict[str, Any]]:
     """Run `num_microbatches` microbatches; returns one log dict per microbatch (with loss_sum, num_tokens)."""
     config = get_model_config(model)
-    finalize = getattr(config, "finalize_model_grads_func", None)
-    if not forward_only and finalize is None:
-        # Megatron skips a missing finaliser silently; that trains on unreduced gradients.
-        raise TrainingError(
-            "the model's config has no finalize_model_grads_func, gradients would not be reduced",
-            hint="install the training callbacks on get_model_config(model), not on the provider's config",
-        )
-    no_sync = getattr(config, "no_sync_func", None) or contextlib.nullcontext
-    grad_scale = getattr(config, "grad_scale_func", None)
-    total_tokens = torch.zeros((), dtype=torch.float32)
-    logs: list[dict[str, Any]] = []
+    finalize = None if forward_only else _finalizer(config)
+    step = _StepAccounting(config)
 
     def one_microbatch() -> None:
-        nonlocal total_tokens
         with torch.no_grad() if forward_only else contextlib.nullcontext():
             output, loss_func = forward_step_func(data_iterator, model)
             loss_sum, num_tokens, extra = loss_func(output)
         if not forward_only:
-            (grad_scale(loss_sum) if grad_scale is not None else loss_sum).backward()
-        # Stays on the device: reading it back would block the host once per microbatch.
-        total_tokens = total_tokens + num_tokens.detach().float()
-        logs.append({"loss_sum": loss_sum.detach(), "num_tokens": num_tokens.detach(), **extra})
+            step.scaled(loss_sum).backward()
+        step.record(loss_sum, num_tokens, extra)
 
-    with no_sync():
+    with step.no_sync():
         for _ in range(num_microbatches - 1):
             one_microbatch()
     one_microbatch()
 
-    if not forward_only:
-        finalize([model], total_tokens)
-    return logs
+    if finalize is not None:
+        finalize([model], step.total_tokens)
+    return step.logs
 
 
 __all__ = ["forward_backward_no_pipelining"]

@@ -147,31 +147,34 @@ def test_inf_in_an_output_gradient_is_an_error_in_dgrad():
 
 
 # --- grouped: per-expert GEMMs, MX padding, biases outside ------------------------------------------
-def _grouped(recipe: str) -> tuple[Fp8GroupedGemm, Fp8LinearGemm]:
-    gemms = select_gemms(Fp8Settings(recipe, "hybrid", emulation=True), "cpu")
+def _grouped(recipe: str, fmt: str = "hybrid") -> tuple[Fp8GroupedGemm, Fp8LinearGemm]:
+    gemms = select_gemms(Fp8Settings(recipe, fmt, emulation=True), "cpu")
     return gemms.grouped("layers.1.mlp.experts.linear_fc1"), gemms.dense("layers.1.mlp.experts.linear_fc1")
 
 
-COUNTS = [5, 0, 37, 32]  # an empty expert, one group of whole blocks, others padded to 32
+COUNTS = [5, 0, 37, 32]  # an empty expert, one group of whole blocks, others not multiples of 32
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt", ["e4m3", "hybrid"])
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_grouped_gemms_are_each_experts_own_fp8_gemm(recipe):
-    # Tensorwise scales are per expert operand; MX pads each group to 32 rows, which must change
-    # nothing: equal to the dense FP8 gemm on each expert's rows alone, bit for bit.
-    grouped, dense = _grouped(recipe)
+def test_grouped_gemms_are_each_experts_own_fp8_gemm(recipe, fmt, dtype):
+    # Tensorwise scales are per expert operand; MX blocks never straddle two experts: equal to the
+    # dense FP8 gemm on each expert's rows alone, bit for bit.
+    grouped, dense = _grouped(recipe, fmt)
     g = torch.Generator().manual_seed(5)
     counts = torch.tensor(COUNTS)
     n = sum(COUNTS)
     x = torch.randn(n, 64, generator=g) * torch.repeat_interleave(torch.tensor([1e-3, 1.0, 1e3, 1.0]), counts)[:, None]
     w, dy = torch.randn(4, 96, 64, generator=g), torch.randn(n, 96, generator=g)
+    x, w, dy = x.to(dtype), w.to(dtype), dy.to(dtype)
     xs, dys = torch.split(x, COUNTS), torch.split(dy, COUNTS)
     assert torch.equal(grouped.fprop(x, w, counts), torch.cat([dense.fprop(xs[e], w[e]) for e in range(4)]))
     assert torch.equal(grouped.dgrad(dy, w, counts), torch.cat([dense.dgrad(dys[e], w[e]) for e in range(4)]))
     assert torch.equal(grouped.wgrad(x, dy, counts), torch.stack([dense.wgrad(xs[e], dys[e]) for e in range(4)]))
 
 
-def test_mxfp8_pads_token_groups_to_32_and_removes_the_padding(monkeypatch):
+def test_mxfp8_quantises_each_experts_tokens_alone_and_pads_them_to_32_where_they_are_blocked(monkeypatch):
     import gptoss_cli.fp8.matmul as matmul
 
     shapes = []
@@ -187,12 +190,32 @@ def test_mxfp8_pads_token_groups_to_32_and_removes_the_padding(monkeypatch):
     n = sum(COUNTS)
     x, w = torch.randn(n, 64), torch.randn(4, 96, 64)
     assert grouped.fprop(x, w, counts).shape == (n, 96)
-    # fprop: every expert's rows padded to a multiple of 32 (the empty expert runs no GEMM)
-    assert [s[0][0] for s in shapes] == [32, 64, 32]
+    # fprop blocks along the features: each expert's own rows, unpadded (the empty expert runs no GEMM)
+    assert [s[0][0] for s in shapes] == [5, 37, 32]
     shapes.clear()
     grouped.wgrad(x, torch.randn(n, 96), counts)
-    # wgrad contracts over the tokens: the padded group is the contraction axis, whole blocks
+    # wgrad contracts over the tokens: each expert's group padded to whole blocks of 32
     assert [s[0][1] for s in shapes] == [32, 64, 32]
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_non_finite_expert_operand_is_an_error_naming_the_first_such_expert_and_operand(recipe):
+    grouped, _ = _grouped(recipe)
+    counts = torch.tensor(COUNTS)
+    n = sum(COUNTS)
+    x, w, dy = torch.randn(n, 64), torch.randn(4, 96, 64), torch.randn(n, 96)
+    w[1] = float("nan")  # expert 1 has no tokens: no GEMM reads its weight, so no error
+    assert torch.isfinite(grouped.fprop(x, w, counts)).all()
+    x[n - 1, 3] = float("nan")  # expert 3's input
+    x[COUNTS[0] + 2, 7] = float("inf")  # expert 2's input comes first
+    with pytest.raises(TrainingError, match=r"linear_fc1 \(local expert 2\) fprop input contains inf"):
+        grouped.fprop(x, w, counts)
+    w[3, 0, 0] = float("inf")
+    dy[n - 1, 0] = float("nan")
+    with pytest.raises(TrainingError, match=r"linear_fc1 \(local expert 3\) dgrad output gradient contains NaN"):
+        grouped.dgrad(dy, w, counts)
+    with pytest.raises(TrainingError, match=r"linear_fc1 \(local expert 2\) wgrad input contains inf"):
+        grouped.wgrad(x, dy, counts)
 
 
 def test_expert_bias_is_added_outside_the_gemm_and_never_to_padding_rows():
