@@ -26,6 +26,7 @@ import torch
 from gptoss_cli import outputs
 from gptoss_cli.errors import ConfigError, UsageError, file_system_error
 from gptoss_cli.token_format import TOKEN_FORMAT, TOKEN_FORMAT_VERSION, token_dtype_for, token_file_paths
+from gptoss_cli.train.data import TOKEN_DTYPES
 
 BATCH_DOCS = 512
 DECODE_ERRORS = ("strict", "replace")
@@ -174,7 +175,7 @@ def prepare_data(
     vocab_size = tok.get_vocab_size(with_added_tokens=True)
     eos = _eos_id(tok, tok_file, eos_token_id, vocab_size)
     dtype_name = token_dtype_for(vocab_size)
-    dtype = torch.uint16 if dtype_name == "uint16" else torch.uint32
+    dtype = TOKEN_DTYPES[dtype_name]
     bin_path, header_path = token_file_paths(out)
     outputs.check_writable_location(bin_path, "--out")
     for target in (bin_path, header_path):

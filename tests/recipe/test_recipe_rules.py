@@ -355,6 +355,28 @@ def test_token_file_with_a_larger_vocabulary_fails(tmp_path):
     assert findings and "201088" in findings[0].message
 
 
+def test_token_file_with_an_eos_id_past_the_model_vocabulary_fails(tmp_path):
+    prefix = _token_files(tmp_path, 1003)
+    header = json.loads(prefix.with_suffix(".json").read_text())
+    prefix.with_suffix(".json").write_text(json.dumps({**header, "eos_token_id": 1003}))
+    findings = run_rule("data.source", ["data.kind=tokens", f"data.path={prefix}"], check_paths=True)
+    assert findings and "eos_token_id 1003 is outside the model's vocabulary" in findings[0].message
+
+
+def test_token_file_shorter_than_its_header_announces_fails(tmp_path):
+    prefix = _token_files(tmp_path, 1003)
+    prefix.with_suffix(".bin").write_bytes(b"\0" * 62)  # 31 uint16 tokens, the header says 32
+    findings = run_rule("data.source", ["data.kind=tokens", f"data.path={prefix}"], check_paths=True)
+    assert findings and "62 bytes do not hold the 32 uint16 tokens" in findings[0].message
+
+
+def test_missing_token_bin_fails_at_launch(tmp_path):
+    prefix = _token_files(tmp_path, 1003)
+    prefix.with_suffix(".bin").unlink()
+    findings = run_rule("data.source", ["data.kind=tokens", f"data.path={prefix}"], check_paths=True)
+    assert findings and f"token file {prefix.with_suffix('.bin')} not found" in findings[0].message
+
+
 def test_missing_pretrained_weights_fail_at_launch(tmp_path):
     over = [f"checkpoint.pretrained={tmp_path / 'nope'}"]
     assert run_rule("checkpoint.settings", over) == []

@@ -70,25 +70,15 @@ def data_source(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
         return []
     # Only at launch (train): the files are on the training machine, not necessarily here.
     from gptoss_cli.errors import GptossError  # noqa: PLC0415
-    from gptoss_cli.token_format import read_token_header, token_file_paths  # noqa: PLC0415
+    from gptoss_cli.token_format import check_token_files  # noqa: PLC0415
 
     try:
-        bin_path, _ = token_file_paths(d.path)
-        header = read_token_header(d.path)
-        bin_exists = bin_path.is_file()
+        check_token_files(d.path, ctx.arch.vocab_size)
     except GptossError as exc:
         return [error({"data.path": d.path}, exc.message, exc.hint or "create the files with `gptoss prepare-data`")]
     except (OSError, ValueError) as exc:  # unreadable, or a name the file system cannot hold
         return [error({"data.path": d.path}, f"token files for {d.path!r} cannot be read: {exc}",
                       "create the files with `gptoss prepare-data`")]
-    if not bin_exists:
-        return [error({"data.path": d.path}, f"token file {bin_path} does not exist",
-                      "create it with `gptoss prepare-data`")]
-    vocab = header.get("vocab_size")
-    if isinstance(vocab, int) and vocab > ctx.arch.vocab_size:
-        return [error({"data.path": d.path, "header vocab_size": vocab, "model vocab_size": ctx.arch.vocab_size},
-                      f"the token file was made with a {vocab}-token vocabulary, the model has {ctx.arch.vocab_size}",
-                      "tokenize with the model's tokenizer")]
     return []
 
 
