@@ -16,9 +16,11 @@ checks the files at launch, which must not need torch.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
+from gptoss_cli import outputs
 from gptoss_cli.errors import ConfigError
 
 TOKEN_FORMAT = "gptoss-tokens"
@@ -38,6 +40,24 @@ def token_file_paths(path: str | Path) -> tuple[Path, Path]:
     if p.suffix in (".bin", ".json"):
         p = p.with_suffix("")
     return p.with_suffix(".bin"), p.with_suffix(".json")
+
+
+def write_token_header(json_path: str | Path, *, dtype: str, num_tokens: int, num_documents: int, vocab_size: int,
+                       eos_token_id: int | None, tokenizer: str | None, sources: list[str]) -> dict[str, Any]:
+    """Write the header of a token file atomically (a temporary name, then a rename); returns it."""
+    json_path = Path(json_path)
+    header = {
+        "format": TOKEN_FORMAT, "version": TOKEN_FORMAT_VERSION, "dtype": dtype, "num_tokens": num_tokens,
+        "num_documents": num_documents, "vocab_size": vocab_size, "eos_token_id": eos_token_id,
+        "tokenizer": tokenizer, "sources": list(sources),
+    }
+    tmp = outputs.temp_path(json_path, outputs.TMP)
+    try:
+        outputs.write_text(tmp, json.dumps(header, indent=2) + "\n")
+        os.replace(tmp, json_path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return header
 
 
 def read_token_header(path: str | Path) -> dict[str, Any]:
@@ -99,4 +119,4 @@ def check_token_files(path: str | Path, vocab_size: int | None) -> tuple[Path, P
 
 
 __all__ = ["TOKEN_FORMAT", "TOKEN_FORMAT_VERSION", "TOKEN_ITEMSIZE", "token_dtype_for", "token_file_paths",
-           "read_token_header", "check_header_fits_model", "check_token_files"]
+           "write_token_header", "read_token_header", "check_header_fits_model", "check_token_files"]
