@@ -130,6 +130,7 @@ def test_rule_triggered(rule_id):
     assert (f.rule, f.severity) == (rule_id, severity)
     assert severity in RULES[rule_id].severities, "the README's rule table states the wrong severity"
     assert f.message and f.fields
+    assert isinstance(f.hint, str), "the registry fills a missing hint with the rule's fix"
     if severity == "error":
         assert f.hint, "an error must say how to fix it"
 
@@ -297,6 +298,18 @@ def test_virtual_pipeline_needs_pipeline():
 def test_fp8_emulation_turns_the_gpu_error_into_a_warning():
     findings = run_rule("fp8.native_gpu", [*MX, "precision.fp8_emulation=true"])
     assert [f.severity for f in findings] == ["warning"]
+
+
+def test_a_finding_without_its_own_hint_shows_the_rules_fix():
+    (finding,) = run_rule("moe.capacity_factor", ["moe.capacity_factor=0"])
+    assert finding.hint == RULES["moe.capacity_factor"].fix
+    assert finding.hint == "set moe.capacity_factor=null for dropless routing, or a value > 0"
+
+
+def test_an_explicitly_empty_hint_stays_empty():
+    # fp8 emulation is a choice the user made: the warning has nothing to fix
+    (finding,) = run_rule("fp8.native_gpu", [*MX, "precision.fp8_emulation=true"])
+    assert finding.hint == ""
 
 
 def test_fp8_unknown_gpu_is_a_warning_until_launch():

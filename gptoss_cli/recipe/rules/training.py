@@ -38,8 +38,8 @@ def adam_betas(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
 
 
 @rule("optimizer.param_gather", "overlap_param_gather needs the distributed optimizer and overlap_grad_reduce",
-      fix="optimizer.use_distributed_optimizer=true overlap.overlap_grad_reduce=true, or "
-          "overlap.overlap_param_gather=false")
+      fix="set optimizer.use_distributed_optimizer=true overlap.overlap_grad_reduce=true, "
+          "or overlap.overlap_param_gather=false")
 def param_gather(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     o, ov = cfg.optimizer, cfg.overlap
     if not ov.overlap_param_gather or (o.use_distributed_optimizer and ov.overlap_grad_reduce):
@@ -47,9 +47,7 @@ def param_gather(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     return [error({"overlap.overlap_param_gather": True, "optimizer.use_distributed_optimizer": o.use_distributed_optimizer,
                    "overlap.overlap_grad_reduce": ov.overlap_grad_reduce},
                   "overlap_param_gather overlaps the distributed optimizer's all-gather and needs "
-                  "use_distributed_optimizer and overlap_grad_reduce",
-                  "set optimizer.use_distributed_optimizer=true overlap.overlap_grad_reduce=true, "
-                  "or overlap.overlap_param_gather=false")]
+                  "use_distributed_optimizer and overlap_grad_reduce")]
 
 
 @rule("data.source", "data.kind=tokens needs data.path; at launch the token files exist and fit the vocabulary",
