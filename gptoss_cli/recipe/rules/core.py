@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterable
 
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.model.pattern import HybridPattern
+from gptoss_cli.recipe.memory import MemoryEstimate, estimate_memory
 from gptoss_cli.recipe.schema import RecipeConfig
 
 ERROR = "error"
@@ -90,11 +91,27 @@ class Context:
     torch_version: str = ""
     check_paths: bool = False  # train sets this: data and checkpoint paths must exist here
     model_class: Any = LAZY
+    _memory: tuple[RecipeConfig, MemoryEstimate | None, Exception | None] | None = field(
+        default=None, init=False, repr=False, compare=False)
 
     def resolved_model_class(self) -> Any:
         if self.model_class is LAZY:
             self.model_class = default_model_class()
         return self.model_class
+
+    def memory_estimate(self, cfg: RecipeConfig) -> MemoryEstimate | None:
+        """estimate_memory of `cfg` in this context, computed once: validate's report and the memory
+        rule read the same object. A failure is raised again on every call (the rule reports it)."""
+        cached = self._memory
+        if cached is None or cached[0] is not cfg:
+            try:
+                cached = (cfg, estimate_memory(cfg, self.arch, self.pattern, self.world_size, self.gpu), None)
+            except Exception as exc:  # kept for the next caller too, raised below
+                cached = (cfg, None, exc)
+            self._memory = cached
+        if cached[2] is not None:
+            raise cached[2]
+        return cached[1]
 
 
 
