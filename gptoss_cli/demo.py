@@ -106,17 +106,14 @@ def write_token_file(prefix: Path, tokens: Any, vocab_size: int, eos_token_id: i
     """The token format of `gptoss prepare-data` (gptoss_cli/token_format.py), one document."""
     import torch
 
-    from gptoss_cli.token_format import TOKEN_FORMAT, TOKEN_FORMAT_VERSION, token_dtype_for, token_file_paths
+    from gptoss_cli.token_format import token_dtype_for, token_file_paths, write_token_header
 
     dtype = token_dtype_for(vocab_size)
     bin_path, json_path = token_file_paths(prefix)
     bin_path.parent.mkdir(parents=True, exist_ok=True)
     bin_path.write_bytes(tokens.to(torch.int32).numpy().astype(dtype).tobytes())
-    json_path.write_text(json.dumps({
-        "format": TOKEN_FORMAT, "version": TOKEN_FORMAT_VERSION, "dtype": dtype, "num_tokens": int(tokens.numel()),
-        "num_documents": 1, "vocab_size": vocab_size, "eos_token_id": eos_token_id, "tokenizer": None,
-        "sources": ["gptoss demo: a permutation cycle"],
-    }, indent=2) + "\n")
+    write_token_header(json_path, dtype=dtype, num_tokens=int(tokens.numel()), num_documents=1, vocab_size=vocab_size,
+                       eos_token_id=eos_token_id, tokenizer=None, sources=["gptoss demo: a permutation cycle"])
 
 
 def _transformers_available() -> bool:

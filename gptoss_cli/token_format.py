@@ -16,9 +16,11 @@ checks the files at launch, which must not need torch.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
+from gptoss_cli import outputs
 from gptoss_cli.errors import ConfigError
 
 TOKEN_FORMAT = "gptoss-tokens"
@@ -38,6 +40,24 @@ def token_file_paths(path: str | Path) -> tuple[Path, Path]:
     if p.suffix in (".bin", ".json"):
         p = p.with_suffix("")
     return p.with_suffix(".bin"), p.with_suffix(".json")
+
+
+def write_token_header(json_path: str | Path, *, dtype: str, num_tokens: int, num_documents: int, vocab_size: int,
+                       eos_token_id: int | None, tokenizer: str | None, sources: list[str]) -> dict[str, Any]:
+    """Write the header of a token file atomically (a temporary name, then a rename); returns it."""
+    json_path = Path(json_path)
+    header = {
+        "format": TOKEN_FORMAT, "version": TOKEN_FORMAT_VERSION, "dtype": dtype, "num_tokens": num_tokens,
+        "num_documents": num_documents, "vocab_size": vocab_size, "eos_token_id": eos_token_id,
+        "tokenizer": tokenizer, "sources": list(sources),
+    }
+    tmp = outputs.temp_path(json_path, outputs.TMP)
+    try:
+        outputs.write_text(tmp, json.dumps(header, indent=2) + "\n")
+        os.replace(tmp, json_path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return header
 
 
 def read_token_header(path: str | Path) -> dict[str, Any]:
@@ -73,5 +93,30 @@ def check_header_fits_model(header: dict[str, Any], json_path: Path, vocab_size:
                           hint="re-create the files with `gptoss prepare-data` and the model's tokenizer")
 
 
+def check_token_files(path: str | Path, vocab_size: int | None) -> tuple[Path, Path, dict[str, Any], int]:
+    """(bin path, header path, header, number of tokens) of a token file whose header is valid, whose
+    .bin exists and holds exactly the announced tokens, and (when `vocab_size` is given) whose
+    vocabulary and EOS id fit the model; ConfigError naming the file otherwise.
+
+    The one check of the files, shared by the launch-time recipe rule and the training data loader.
+    """
+    bin_path, json_path = token_file_paths(path)
+    header = read_token_header(path)
+    if not bin_path.is_file():
+        raise ConfigError(f"token file {bin_path} not found", hint="create it with `gptoss prepare-data`")
+    itemsize = TOKEN_ITEMSIZE[header["dtype"]]
+    size = bin_path.stat().st_size
+    num_tokens = size // itemsize
+    if size % itemsize or num_tokens != header.get("num_tokens", num_tokens):
+        raise ConfigError(
+            f"{bin_path}: {size} bytes do not hold the {header.get('num_tokens')} {header['dtype']} tokens "
+            f"that {json_path.name} announces",
+            hint="re-create the files with `gptoss prepare-data`",
+        )
+    if vocab_size is not None:
+        check_header_fits_model(header, json_path, vocab_size)
+    return bin_path, json_path, header, num_tokens
+
+
 __all__ = ["TOKEN_FORMAT", "TOKEN_FORMAT_VERSION", "TOKEN_ITEMSIZE", "token_dtype_for", "token_file_paths",
-           "read_token_header", "check_header_fits_model"]
+           "write_token_header", "read_token_header", "check_header_fits_model", "check_token_files"]

@@ -35,17 +35,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gptoss_cli.buckets import ALIGN, default_bucket_size
 from gptoss_cli.errors import ConfigError, TrainingError
 from gptoss_cli.parallel.state import ParallelState, all_reduce, group_rank, group_size, reduce_scatter
-
-# Every bucket is a multiple of ALIGN x shards elements, so every shard starts 256-byte aligned in
-# the fp32 gradient buffer (and 128-byte aligned in a bf16 parameter buffer).
-ALIGN = 64
-
-
-def default_bucket_size(dp_size: int) -> int:
-    """Megatron's default bucket size in elements: max(40M, 1M x data-parallel size)."""
-    return max(40_000_000, 1_000_000 * dp_size)
 
 
 @dataclass(frozen=True)

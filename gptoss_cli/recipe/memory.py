@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from gptoss_cli.buckets import ALIGN, default_bucket_size
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.model.pattern import ATTENTION, MLP, MOE, HybridPattern, parse_pattern
 from gptoss_cli.recipe.schema import RecipeConfig
@@ -38,17 +39,11 @@ GB = 1e9
 # Memory of one GPU of each `system.gpu` generation, in GB (10^9 bytes), as the vendors state it.
 GPU_MEMORY_GB = {"h100": 80, "h200": 141, "b200": 180, "gb200": 186, "gb300": 288}
 WARN_FRACTION = 0.9
-ALIGN = 64  # gptoss_cli.parallel.grads.ALIGN: buckets are multiples of ALIGN x shards elements
 LM_LOSS_CHUNK = 256  # gptoss_cli.model.hybrid.LM_LOSS_CHUNK_TOKENS (recipe/ stays torch-free)
 SLIDING_QUERY_BLOCK = 64  # gptoss_cli.model.attention.SLIDING_QUERY_BLOCK
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 FP32 = 4
 ADAM_STATE_BYTES = 3 * FP32  # fp32 master, exp_avg, exp_avg_sq
-
-
-def default_bucket_size(dp_size: int) -> int:
-    """Megatron's default bucket size in elements: max(40M, 1M x data-parallel size)."""
-    return max(40_000_000, 1_000_000 * dp_size)
 
 
 def size_text(n: float) -> str:

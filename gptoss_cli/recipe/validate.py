@@ -15,7 +15,7 @@ from typing import Any, Sequence
 from gptoss_cli.errors import UsageError, ValidationFailed
 from gptoss_cli.recipe.load import Recipe, load_recipe, recipe_from_config
 from gptoss_cli.recipe.environment import installed_torch_version
-from gptoss_cli.recipe.memory import MemoryEstimate, estimate_memory
+from gptoss_cli.recipe.memory import MemoryEstimate
 from gptoss_cli.recipe.rules import ERROR, RULES, SEMANTIC, UNSUPPORTED, WARNING, Context, Finding, Rule
 from gptoss_cli.recipe.sizes import data_parallel_size, expert_data_parallel_size, resolve_world_size
 from gptoss_cli.recipe.schema import RecipeConfig
@@ -165,7 +165,7 @@ def validate_recipe(
         report.skipped = bool(others)
         return report
     try:
-        report.memory = estimate_memory(cfg, recipe.arch, recipe.pattern, world, ctx.gpu)
+        report.memory = ctx.memory_estimate(cfg)  # computed once: the memory rule reads the same
     except Exception:  # the estimate is information; the memory rule reports a failure of it
         report.memory = None
     for r in others:

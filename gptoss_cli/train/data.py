@@ -19,7 +19,7 @@ from typing import Any, Iterator
 import torch
 
 from gptoss_cli.errors import ConfigError
-from gptoss_cli.token_format import check_header_fits_model, read_token_header, token_file_paths
+from gptoss_cli.token_format import check_token_files
 
 # The format's dtype names as torch dtypes (gptoss_cli/token_format.py).
 TOKEN_DTYPES = {"uint16": torch.uint16, "uint32": torch.uint32, "int32": torch.int32, "int64": torch.int64}
@@ -57,22 +57,11 @@ class TokenFileSource:
     """Windows of S+1 tokens from a memory-mapped token file (see the module docstring)."""
 
     def __init__(self, path: str | Path, seq_length: int, seed: int, vocab_size: int | None = None):
-        bin_path, json_path = token_file_paths(path)
-        header = read_token_header(path)
-        if not bin_path.is_file():
-            raise ConfigError(f"token file {bin_path} not found", hint="create it with `gptoss prepare-data`")
+        bin_path, _, header, num_tokens = check_token_files(path, vocab_size)
         dtype = TOKEN_DTYPES[header["dtype"]]
-        itemsize = dtype.itemsize
-        size = bin_path.stat().st_size
-        if size % itemsize or size // itemsize != header.get("num_tokens", size // itemsize):
-            raise ConfigError(
-                f"{bin_path}: {size} bytes do not hold the {header.get('num_tokens')} {header['dtype']} tokens "
-                f"that {json_path.name} announces",
-                hint="re-create the files with `gptoss prepare-data`",
-            )
         # Memory-mapped, copy-on-write (shared=False): pages are read on demand, the file is never written.
         # The file is little-endian; every platform torch supports for training is too.
-        self.tokens = torch.from_file(str(bin_path), shared=False, size=size // itemsize, dtype=dtype)
+        self.tokens = torch.from_file(str(bin_path), shared=False, size=num_tokens, dtype=dtype)
         self.seq_length = seq_length
         self.seed = seed
         self.num_samples = (len(self.tokens) - 1) // seq_length
@@ -81,8 +70,6 @@ class TokenFileSource:
                 f"{bin_path}: {len(self.tokens)} tokens are fewer than one sample of seq_length+1={seq_length + 1}",
                 hint="use more text or a smaller training.seq_length",
             )
-        if vocab_size is not None:
-            check_header_fits_model(header, json_path, vocab_size)
         self.bin_path, self.vocab_size = bin_path, vocab_size
         self._perm_epoch = -1
         self._perm: torch.Tensor | None = None

@@ -27,7 +27,7 @@ from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.recipe.schema import RecipeConfig
 from gptoss_cli.model.hybrid import IGNORE_INDEX, lm_loss_sum
 from gptoss_cli.parallel.grads import get_attr_wrapped_model, get_model_config
-from gptoss_cli.parallel.state import ParallelState, barrier, destroy_parallel, init_parallel
+from gptoss_cli.parallel.state import ParallelState, all_gather, barrier, destroy_parallel, init_parallel
 from gptoss_cli.schedule import get_forward_backward_func
 from gptoss_cli.train.checkpointing import latest_checkpoint, load_checkpoint, save_checkpoint
 from gptoss_cli.train.data import DataLoaderState, Microbatch, build_source
@@ -133,8 +133,7 @@ class MetricsWriter:
         row = torch.tensor(local, dtype=torch.float64, device=self.state.device)
         if self.state.distributed:
             rows = torch.empty(self.state.world_size * len(local), dtype=torch.float64, device=self.state.device)
-            # all_gather_into_tensor was renamed all_gather_single in torch 2.13
-            (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(rows, row)
+            all_gather(rows, row, dist.group.WORLD)  # one row per rank of the world, in rank order
             rows = rows.view(self.state.world_size, len(local))
         else:
             rows = row[None]

@@ -25,7 +25,8 @@ import torch
 
 from gptoss_cli import outputs
 from gptoss_cli.errors import ConfigError, UsageError, file_system_error
-from gptoss_cli.token_format import TOKEN_FORMAT, TOKEN_FORMAT_VERSION, token_dtype_for, token_file_paths
+from gptoss_cli.token_format import token_dtype_for, token_file_paths, write_token_header
+from gptoss_cli.train.data import TOKEN_DTYPES
 
 BATCH_DOCS = 512
 DECODE_ERRORS = ("strict", "replace")
@@ -174,7 +175,7 @@ def prepare_data(
     vocab_size = tok.get_vocab_size(with_added_tokens=True)
     eos = _eos_id(tok, tok_file, eos_token_id, vocab_size)
     dtype_name = token_dtype_for(vocab_size)
-    dtype = torch.uint16 if dtype_name == "uint16" else torch.uint32
+    dtype = TOKEN_DTYPES[dtype_name]
     bin_path, header_path = token_file_paths(out)
     outputs.check_writable_location(bin_path, "--out")
     for target in (bin_path, header_path):
@@ -224,17 +225,9 @@ def prepare_data(
     finally:
         if tmp.exists():
             tmp.unlink()
-    header = {
-        "format": TOKEN_FORMAT, "version": TOKEN_FORMAT_VERSION, "dtype": dtype_name, "num_tokens": num_tokens,
-        "num_documents": num_docs, "vocab_size": vocab_size, "eos_token_id": eos, "tokenizer": str(tok_file),
-        "sources": [str(p) for p in inputs],
-    }
-    header_tmp = outputs.temp_path(header_path, outputs.TMP)
-    try:
-        header_tmp.write_text(json.dumps(header, indent=2) + "\n")
-        os.replace(header_tmp, header_path)
-    finally:
-        header_tmp.unlink(missing_ok=True)
+    write_token_header(header_path, dtype=dtype_name, num_tokens=num_tokens, num_documents=num_docs,
+                       vocab_size=vocab_size, eos_token_id=eos, tokenizer=str(tok_file),
+                       sources=[str(p) for p in inputs])
     return PrepareResult(str(bin_path), str(header_path), num_tokens, num_docs, dtype_name, vocab_size, eos,
                          [str(p) for p in inputs])
 

@@ -65,6 +65,18 @@ class ModelRuntimeConfig:
         return torch_dtype(self.params_dtype)
 
 
+def dispatcher_factory(num_experts: int, state: ParallelState) -> Callable[[int, Any], AllToAllTokenDispatcher] | None:
+    """The model's `token_dispatcher_factory` for this rank: an all-to-all dispatcher over the EP group
+    per MoE layer, or None without expert parallelism (every expert is local)."""
+    if state.ep_size == 1:
+        return None
+
+    def factory(_j: int, _layer: Any) -> AllToAllTokenDispatcher:
+        return AllToAllTokenDispatcher(num_experts, state.ep_size, state.ep_rank, state.ep_group)
+
+    return factory
+
+
 class HybridModelProvider:
     """Builds the HybridModel slice of one rank. `provide(state)` returns the model with `.config` set."""
 
@@ -80,12 +92,9 @@ class HybridModelProvider:
         cfg = self.config
         arch = cfg.arch
         offset, n_local = state.local_expert_range(arch.num_local_experts)
-        factory = None
-        if state.ep_size > 1:
-            def factory(_j: int, _layer: Any) -> AllToAllTokenDispatcher:
-                return AllToAllTokenDispatcher(arch.num_local_experts, state.ep_size, state.ep_rank, state.ep_group)
         model = build_model(arch, cfg.hybrid_layer_pattern, device=state.device, dtype=cfg.torch_dtype,
-                            expert_offset=offset, num_local_experts=n_local, token_dispatcher_factory=factory)
+                            expert_offset=offset, num_local_experts=n_local,
+                            token_dispatcher_factory=dispatcher_factory(arch.num_local_experts, state))
         # The aux loss follows the recipe (moe.aux_loss_coeff), not the checkpoint's config.json.
         model.aux_loss_coef = cfg.aux_loss_coeff
         if self.weights is None:
@@ -102,4 +111,4 @@ class HybridModelProvider:
         return model
 
 
-__all__ = ["ModelRuntimeConfig", "HybridModelProvider"]
+__all__ = ["ModelRuntimeConfig", "HybridModelProvider", "dispatcher_factory"]

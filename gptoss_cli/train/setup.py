@@ -43,12 +43,20 @@ def setup_model_and_optimizer(provider: Any, state: ParallelState, optimizer: Op
                                overlap_grad_reduce: bool = False) -> TrainingSetup:
     """provider.provide(state) -> gradient-buffer wrapper (bucketed, sharded as the optimizer is) ->
     distributed AdamW (the recipe's optimizer section, initial `lr`) -> callbacks."""
-    built = provider.provide(state)
+    model, adamw = wrap_model_and_optimizer(provider.provide(state), state, optimizer, lr,
+                                            overlap_grad_reduce=overlap_grad_reduce)
+    config = install_training_callbacks(model, state)
+    return TrainingSetup(model=model, optimizer=adamw, config=config)
+
+
+def wrap_model_and_optimizer(built: nn.Module, state: ParallelState, optimizer: OptimizerConfig, lr: float, *,
+                             overlap_grad_reduce: bool = False) -> tuple[GradAccumulatingModel, DistributedAdamW]:
+    """A built model in its gradient buffers (bucketed, sharded as the optimizer is) and the distributed
+    AdamW over them: what training builds and train/simulate.py measures, from one recipe mapping."""
     buffers = GradBufferConfig(use_distributed_optimizer=optimizer.use_distributed_optimizer,
                                overlap_grad_reduce=overlap_grad_reduce, bucket_size=optimizer.bucket_size)
     model = GradAccumulatingModel(built, state, buffers)
-    config = install_training_callbacks(model, state)
-    return TrainingSetup(model=model, optimizer=DistributedAdamW(model, state, optimizer, lr=lr), config=config)
+    return model, DistributedAdamW(model, state, optimizer, lr=lr)
 
 
-__all__ = ["TrainingSetup", "install_training_callbacks", "setup_model_and_optimizer"]
+__all__ = ["TrainingSetup", "install_training_callbacks", "setup_model_and_optimizer", "wrap_model_and_optimizer"]

@@ -208,11 +208,11 @@ def balanced_routing(tokens: int, top_k: int, num_experts: int) -> torch.Tensor:
 def simulate_rank(cfg: RecipeConfig, arch: GptOssArch, pattern: HybridPattern | str, world_size: int,
                   rank: int = 0, *, device: str = "meta", lr: float | None = None) -> RankSimulation:
     """Rank `rank` of `cfg` at `world_size` (DP x EP): its state and one step's collectives."""
-    from gptoss_cli.model.dispatcher import AllToAllTokenDispatcher
     from gptoss_cli.model.hybrid import HybridModel
-    from gptoss_cli.parallel.grads import GradAccumulatingModel, GradBufferConfig, finalize_model_grads
+    from gptoss_cli.parallel.grads import finalize_model_grads
     from gptoss_cli.parallel.state import all_gather, state_from_world
-    from gptoss_cli.train.optimizer import DistributedAdamW
+    from gptoss_cli.train.provider import dispatcher_factory
+    from gptoss_cli.train.setup import wrap_model_and_optimizer
 
     pattern = parse_pattern(pattern) if isinstance(pattern, str) else pattern
     ep = cfg.parallelism.expert_model_parallel_size
@@ -227,16 +227,11 @@ def simulate_rank(cfg: RecipeConfig, arch: GptOssArch, pattern: HybridPattern | 
         for name, group in (("dp", state.dp_group), ("ep", state.ep_group), ("expert_dp", state.expert_dp_group)):
             names[id(group)] = f"{names[id(group)]}={name}" if id(group) in names else name  # one group, two roles
         offset, n_local = state.local_expert_range(arch.num_local_experts)
-
-        def dispatcher(_j: int, _layer: Any) -> AllToAllTokenDispatcher:
-            return AllToAllTokenDispatcher(arch.num_local_experts, state.ep_size, state.ep_rank, state.ep_group)
-
+        dispatcher = dispatcher_factory(arch.num_local_experts, state)  # None when EP = 1
         model = HybridModel(arch, pattern, expert_offset=offset, num_local_experts=n_local,
-                            token_dispatcher_factory=dispatcher if ep > 1 else None, device=device, dtype=dtype)
-        wrapped = GradAccumulatingModel(model, state, GradBufferConfig(
-            use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
-            overlap_grad_reduce=cfg.overlap.overlap_grad_reduce, bucket_size=cfg.optimizer.bucket_size))
-        optimizer = DistributedAdamW(wrapped, state, cfg.optimizer, lr=t.lr if lr is None else lr)
+                            token_dispatcher_factory=dispatcher, device=device, dtype=dtype)
+        wrapped, optimizer = wrap_model_and_optimizer(model, state, cfg.optimizer, t.lr if lr is None else lr,
+                                                      overlap_grad_reduce=cfg.overlap.overlap_grad_reduce)
         buffers = wrapped.grad_buffers
         memory = {
             "params": sum(_nbytes(b.param_data) for b in buffers.buffers()),
@@ -256,7 +251,7 @@ def simulate_rank(cfg: RecipeConfig, arch: GptOssArch, pattern: HybridPattern | 
                           "expert": [b.numel for b in buffers.expert.buckets]},
         )
         with CollectiveRecorder(names) as rec:
-            if ep > 1 and moe_layers:
+            if dispatcher is not None and moe_layers:
                 d = dispatcher(0, None)
                 g = torch.Generator().manual_seed(0)
                 hidden = torch.randn(tokens, arch.hidden_size, generator=g).to(dtype).requires_grad_()

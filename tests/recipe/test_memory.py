@@ -150,3 +150,31 @@ def test_unknown_gpu_gets_the_estimate_but_no_verdict():
     report = validate_recipe(load_recipe("gpt_oss_120b_pretrain"))  # system.gpu: auto
     assert report.memory is not None and report.memory.capacity_bytes is None
     assert not [f for f in report.findings if f.rule == "memory.fits"]
+
+
+def test_validation_estimates_once_and_reports_the_object_the_rule_judged(monkeypatch):
+    from gptoss_cli.recipe.rules import core
+
+    seen = []
+
+    def counting(*args, **kwargs):
+        seen.append(M.estimate_memory(*args, **kwargs))
+        return seen[-1]
+
+    monkeypatch.setattr(core, "estimate_memory", counting)
+    report = validate_recipe(load_recipe("h100_bf16"))
+    assert len(seen) == 1 and report.memory is seen[0]
+    assert [f.rule for f in report.errors if f.rule == "memory.fits"] == ["memory.fits"]
+
+
+def test_a_failing_estimate_leaves_no_memory_and_surfaces_as_the_rules_crash(monkeypatch):
+    from gptoss_cli.recipe.rules import core
+
+    def broken(*args, **kwargs):
+        raise ZeroDivisionError("division by zero")
+
+    monkeypatch.setattr(core, "estimate_memory", broken)
+    report = validate_recipe(load_recipe("h100_bf16"))
+    assert report.memory is None
+    (finding,) = [f for f in report.findings if f.rule == "memory.fits"]
+    assert finding.message == "rule crashed: ZeroDivisionError: division by zero"

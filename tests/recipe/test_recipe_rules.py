@@ -130,6 +130,7 @@ def test_rule_triggered(rule_id):
     assert (f.rule, f.severity) == (rule_id, severity)
     assert severity in RULES[rule_id].severities, "the README's rule table states the wrong severity"
     assert f.message and f.fields
+    assert isinstance(f.hint, str), "the registry fills a missing hint with the rule's fix"
     if severity == "error":
         assert f.hint, "an error must say how to fix it"
 
@@ -299,6 +300,18 @@ def test_fp8_emulation_turns_the_gpu_error_into_a_warning():
     assert [f.severity for f in findings] == ["warning"]
 
 
+def test_a_finding_without_its_own_hint_shows_the_rules_fix():
+    (finding,) = run_rule("moe.capacity_factor", ["moe.capacity_factor=0"])
+    assert finding.hint == RULES["moe.capacity_factor"].fix
+    assert finding.hint == "set moe.capacity_factor=null for dropless routing, or a value > 0"
+
+
+def test_an_explicitly_empty_hint_stays_empty():
+    # fp8 emulation is a choice the user made: the warning has nothing to fix
+    (finding,) = run_rule("fp8.native_gpu", [*MX, "precision.fp8_emulation=true"])
+    assert finding.hint == ""
+
+
 def test_fp8_unknown_gpu_is_a_warning_until_launch():
     findings = run_rule("fp8.native_gpu", [*MX, "system.device=cuda", "system.gpu=auto"])
     assert [f.severity for f in findings] == ["warning"]
@@ -353,6 +366,28 @@ def test_token_file_with_a_larger_vocabulary_fails(tmp_path):
     prefix = _token_files(tmp_path, 201088)
     findings = run_rule("data.source", ["data.kind=tokens", f"data.path={prefix}"], check_paths=True)
     assert findings and "201088" in findings[0].message
+
+
+def test_token_file_with_an_eos_id_past_the_model_vocabulary_fails(tmp_path):
+    prefix = _token_files(tmp_path, 1003)
+    header = json.loads(prefix.with_suffix(".json").read_text())
+    prefix.with_suffix(".json").write_text(json.dumps({**header, "eos_token_id": 1003}))
+    findings = run_rule("data.source", ["data.kind=tokens", f"data.path={prefix}"], check_paths=True)
+    assert findings and "eos_token_id 1003 is outside the model's vocabulary" in findings[0].message
+
+
+def test_token_file_shorter_than_its_header_announces_fails(tmp_path):
+    prefix = _token_files(tmp_path, 1003)
+    prefix.with_suffix(".bin").write_bytes(b"\0" * 62)  # 31 uint16 tokens, the header says 32
+    findings = run_rule("data.source", ["data.kind=tokens", f"data.path={prefix}"], check_paths=True)
+    assert findings and "62 bytes do not hold the 32 uint16 tokens" in findings[0].message
+
+
+def test_missing_token_bin_fails_at_launch(tmp_path):
+    prefix = _token_files(tmp_path, 1003)
+    prefix.with_suffix(".bin").unlink()
+    findings = run_rule("data.source", ["data.kind=tokens", f"data.path={prefix}"], check_paths=True)
+    assert findings and f"token file {prefix.with_suffix('.bin')} not found" in findings[0].message
 
 
 def test_missing_pretrained_weights_fail_at_launch(tmp_path):

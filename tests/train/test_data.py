@@ -224,3 +224,22 @@ def test_text_key_errors_name_the_file_line_and_key_and_write_nothing(second_lin
     (line,) = result.output.strip().splitlines()
     assert message in line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["docs.jsonl", "tok"]
+
+
+def test_token_header_is_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
+    from gptoss_cli import token_format
+
+    json_path = tmp_path / "t.json"
+    fields = dict(dtype="uint16", num_tokens=9, num_documents=2, vocab_size=50, eos_token_id=49, tokenizer=None,
+                  sources=["a.txt"])
+    token_format.write_token_header(json_path, **fields)
+    before = json_path.read_text()
+    assert read_token_header(json_path) == {"format": "gptoss-tokens", "version": 1, **fields}
+
+    def killed_before_the_rename(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(token_format.os, "replace", killed_before_the_rename)
+    with pytest.raises(OSError):
+        token_format.write_token_header(json_path, **{**fields, "num_tokens": 10})
+    assert json_path.read_text() == before and [p.name for p in tmp_path.iterdir()] == ["t.json"]

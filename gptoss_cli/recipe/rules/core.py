@@ -3,8 +3,9 @@
 A rule is `fn(cfg, ctx) -> list[Finding]`, registered with
 `@rule(id, description, fix=..., severities=..., kind=..., gate=...)`. The registry fills in the
 rule id and kind, so each function only says what is wrong and how to fix it in the case at hand;
-`fix` (the usual way out, in general terms) and `severities` (what the rule can report) are the
-rule's documentation, rendered into the README by rules/docs.py. Two kinds:
+`fix` (the usual way out) and `severities` (what the rule can report) are the rule's
+documentation, rendered into the README by rules/docs.py; a finding created without a hint shows
+the rule's `fix`, so a rule whose one way out is always the same writes it once. Two kinds:
 - "semantic": Megatron's own constraints and the model's capabilities; a recipe that breaks one
   cannot work anywhere (docs/megatron-rules.md).
 - "unsupported" (ids `unsupported.*`, rules/unsupported.py): options `gptoss train` does not
@@ -21,6 +22,7 @@ from typing import Any, Callable, Iterable
 
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.model.pattern import HybridPattern
+from gptoss_cli.recipe.memory import MemoryEstimate, estimate_memory
 from gptoss_cli.recipe.schema import RecipeConfig
 
 ERROR = "error"
@@ -44,18 +46,19 @@ class Finding:
     severity: str  # "error" | "warning"
     fields: dict[str, Any]
     message: str
-    hint: str = ""
+    hint: str | None = ""  # None (error()/warning() without a hint): the rule's `fix`, filled in by Rule
     kind: str = SEMANTIC  # "semantic" | "unsupported"
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
-def error(fields: dict[str, Any], message: str, hint: str = "") -> Finding:
+def error(fields: dict[str, Any], message: str, hint: str | None = None) -> Finding:
+    """An error finding; without a hint it shows the rule's `fix` (write the exact fix there once)."""
     return Finding(rule="", severity=ERROR, fields=fields, message=message, hint=hint)
 
 
-def warning(fields: dict[str, Any], message: str, hint: str = "") -> Finding:
+def warning(fields: dict[str, Any], message: str, hint: str | None = None) -> Finding:
     return Finding(rule="", severity=WARNING, fields=fields, message=message, hint=hint)
 
 # --- context ---------------------------------------------------------------------------------
@@ -88,11 +91,27 @@ class Context:
     torch_version: str = ""
     check_paths: bool = False  # train sets this: data and checkpoint paths must exist here
     model_class: Any = LAZY
+    _memory: tuple[RecipeConfig, MemoryEstimate | None, Exception | None] | None = field(
+        default=None, init=False, repr=False, compare=False)
 
     def resolved_model_class(self) -> Any:
         if self.model_class is LAZY:
             self.model_class = default_model_class()
         return self.model_class
+
+    def memory_estimate(self, cfg: RecipeConfig) -> MemoryEstimate | None:
+        """estimate_memory of `cfg` in this context, computed once: validate's report and the memory
+        rule read the same object. A failure is raised again on every call (the rule reports it)."""
+        cached = self._memory
+        if cached is None or cached[0] is not cfg:
+            try:
+                cached = (cfg, estimate_memory(cfg, self.arch, self.pattern, self.world_size, self.gpu), None)
+            except Exception as exc:  # kept for the next caller too, raised below
+                cached = (cfg, None, exc)
+            self._memory = cached
+        if cached[2] is not None:
+            raise cached[2]
+        return cached[1]
 
 
 
@@ -107,11 +126,12 @@ class Rule:
     description: str
     fn: RuleFn = field(repr=False)
     gate: bool = False  # runs first; its errors stop the other rules
-    fix: str = ""  # the usual fix, in general terms (each finding's hint gives the exact one)
+    fix: str = ""  # the usual fix, in general terms; the hint of a finding created without one
     severities: tuple[str, ...] = (ERROR,)  # what its findings can be (tests check the triggered ones)
 
     def __call__(self, cfg: RecipeConfig, ctx: Context) -> list[Finding]:
-        return [dataclasses.replace(f, rule=self.id, kind=self.kind) for f in (self.fn(cfg, ctx) or [])]
+        return [dataclasses.replace(f, rule=self.id, kind=self.kind, hint=self.fix if f.hint is None else f.hint)
+                for f in (self.fn(cfg, ctx) or [])]
 
 
 RULES: dict[str, Rule] = {}

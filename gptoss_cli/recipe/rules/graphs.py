@@ -8,14 +8,13 @@ from gptoss_cli.recipe.schema import RecipeConfig
 
 # --- CUDA graphs and recompute -------------------------------------------------------------------
 @rule("cuda_graphs.paged_stash_requires_full_iteration", "paged_stash needs cuda_graph_impl=full_iteration",
-      fix="cuda_graphs.paged_stash=false, or cuda_graphs.cuda_graph_impl=full_iteration")
+      fix="set cuda_graphs.paged_stash=false, or cuda_graphs.cuda_graph_impl=full_iteration")
 def paged_stash(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     g = cfg.cuda_graphs
     if not g.paged_stash or g.cuda_graph_impl == "full_iteration":
         return []
     return [error({"cuda_graphs.paged_stash": True, "cuda_graphs.cuda_graph_impl": g.cuda_graph_impl},
-                  "the paged activation stash exists only for full-iteration CUDA graphs",
-                  "set cuda_graphs.paged_stash=false, or cuda_graphs.cuda_graph_impl=full_iteration")]
+                  "the paged activation stash exists only for full-iteration CUDA graphs")]
 
 
 @rule("cuda_graphs.requires_cuda", "CUDA graphs need system.device=cuda (or auto)",

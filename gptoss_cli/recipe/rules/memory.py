@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gptoss_cli.recipe.memory import GB, WARN_FRACTION, estimate_memory
+from gptoss_cli.recipe.memory import GB, WARN_FRACTION
 from gptoss_cli.recipe.rules.core import ERROR, WARNING, Context, Finding, error, rule, warning
 from gptoss_cli.recipe.schema import RecipeConfig
 
@@ -13,7 +13,7 @@ from gptoss_cli.recipe.schema import RecipeConfig
           "distributed optimizer), or a GPU with more memory; above 90% a warning",
       severities=(ERROR, WARNING))
 def memory_fits(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
-    est = estimate_memory(cfg, ctx.arch, ctx.pattern, ctx.world_size, ctx.gpu)
+    est = ctx.memory_estimate(cfg)
     if est is None or est.capacity_bytes is None:  # another layout, or a GPU without a known size
         return []
     fraction = est.fraction

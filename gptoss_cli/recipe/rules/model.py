@@ -10,7 +10,7 @@ from gptoss_cli.recipe.schema import RecipeConfig
 # --- the model -------------------------------------------------------------------------------
 @rule("model.pattern_matches_architecture",
       "hybrid_layer_pattern is one '*E' pair per HF block (attention then MoE), as the weights map",
-      fix="model.hybrid_layer_pattern=null (derived from the architecture), or change "
+      fix="set model.hybrid_layer_pattern=null (derived from the architecture) or change "
           "model.architecture.num_hidden_layers")
 def pattern_matches_architecture(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     expected = (ATTENTION, MOE) * ctx.arch.num_hidden_layers
@@ -22,20 +22,17 @@ def pattern_matches_architecture(cfg: RecipeConfig, ctx: Context) -> list[Findin
         f"pattern has layers {short_pattern(''.join(ctx.pattern.layers))} but GPT-OSS with "
         f"{ctx.arch.num_hidden_layers} blocks needs '*E' x {ctx.arch.num_hidden_layers} "
         "(HF block i -> attention layer 2i, MoE layer 2i+1)",
-        "set model.hybrid_layer_pattern=null (derived from the architecture) or change "
-        "model.architecture.num_hidden_layers",
     )]
 
 
 @rule("model.mtp_layers", "mtp_num_layers > 0 needs a model with MTP layers; GPT-OSS has none",
-      fix="model.mtp_num_layers=0 (or null)")
+      fix="set model.mtp_num_layers=0 (or null)")
 def mtp_layers(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     n = cfg.model.mtp_num_layers
     if n is None or n <= 0:
         return []
     return [error({"model.mtp_num_layers": n},
-                  f"mtp_num_layers={n} asks for multi-token-prediction layers, which GPT-OSS does not have",
-                  "set model.mtp_num_layers=0 (or null)")]
+                  f"mtp_num_layers={n} asks for multi-token-prediction layers, which GPT-OSS does not have")]
 
 
 @rule("model.seq_within_positions", "training.seq_length <= the model's max_position_embeddings",

@@ -20,14 +20,13 @@ _OVERLAP_OFF = f"or {_TURN_OFF}"
 
 
 @rule("overlap.requires_expert_parallel", "overlap_moe_expert_parallel_comm needs EP > 1",
-      fix=f"parallelism.expert_model_parallel_size >= 2, {_OVERLAP_OFF}")
+      fix=f"set parallelism.expert_model_parallel_size >= 2, {_OVERLAP_OFF}")
 def overlap_requires_ep(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     ep = cfg.parallelism.expert_model_parallel_size
     if not _overlap_on(cfg) or ep > 1:
         return []
     return [error({**_OVERLAP_FIELD, "parallelism.expert_model_parallel_size": ep},
-                  "EP all-to-all overlap needs expert parallelism, but EP=1 (there is no all-to-all to hide)",
-                  f"set parallelism.expert_model_parallel_size >= 2, {_OVERLAP_OFF}")]
+                  "EP all-to-all overlap needs expert parallelism, but EP=1 (there is no all-to-all to hide)")]
 
 
 @rule("overlap.requires_multiple_experts", "overlap_moe_expert_parallel_comm needs more than one expert",
@@ -36,30 +35,27 @@ def overlap_requires_experts(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     n = ctx.arch.num_local_experts
     if not _overlap_on(cfg) or n > 1:
         return []
-    return [error({**_OVERLAP_FIELD, "num_local_experts": n}, "EP overlap needs more than one expert",
-                  _TURN_OFF)]
+    return [error({**_OVERLAP_FIELD, "num_local_experts": n}, "EP overlap needs more than one expert")]
 
 
 @rule("overlap.dispatcher", "overlap_moe_expert_parallel_comm needs the alltoall or flex dispatcher",
-      fix=f"moe.token_dispatcher_type=alltoall, {_OVERLAP_OFF}")
+      fix=f"set moe.token_dispatcher_type=alltoall, {_OVERLAP_OFF}")
 def overlap_dispatcher(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     d = cfg.moe.token_dispatcher_type
     if not _overlap_on(cfg) or d in ("alltoall", "flex"):
         return []
     return [error({**_OVERLAP_FIELD, "moe.token_dispatcher_type": d},
-                  f"EP overlap works with the alltoall or flex dispatcher, not {d!r}",
-                  f"set moe.token_dispatcher_type=alltoall, {_OVERLAP_OFF}")]
+                  f"EP overlap works with the alltoall or flex dispatcher, not {d!r}")]
 
 
 @rule("overlap.precision", "overlap_moe_expert_parallel_comm needs bf16 or fp16 parameters",
-      fix=f"precision.params_dtype=bf16, {_OVERLAP_OFF}")
+      fix=f"set precision.params_dtype=bf16, {_OVERLAP_OFF}")
 def overlap_precision(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     dt = cfg.precision.params_dtype
     if not _overlap_on(cfg) or dt in ("bf16", "fp16"):
         return []
     return [error({**_OVERLAP_FIELD, "precision.params_dtype": dt},
-                  f"EP overlap needs bf16 or fp16, but params_dtype={dt}",
-                  f"set precision.params_dtype=bf16, {_OVERLAP_OFF}")]
+                  f"EP overlap needs bf16 or fp16, but params_dtype={dt}")]
 
 
 @rule("overlap.recompute", "overlap_moe_expert_parallel_comm forbids full recompute and recompute of 'moe'",
@@ -80,36 +76,33 @@ def overlap_recompute(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
 
 
 @rule("overlap.shared_expert_overlap", "overlap_moe_expert_parallel_comm excludes shared-expert overlap",
-      fix=f"moe.shared_expert_overlap=false, {_OVERLAP_OFF}")
+      fix=f"set moe.shared_expert_overlap=false, {_OVERLAP_OFF}")
 def overlap_shared_expert(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     if not _overlap_on(cfg) or not cfg.moe.shared_expert_overlap:
         return []
     return [error({**_OVERLAP_FIELD, "moe.shared_expert_overlap": True},
-                  "EP overlap and shared-expert overlap cannot both be on",
-                  f"set moe.shared_expert_overlap=false, {_OVERLAP_OFF}")]
+                  "EP overlap and shared-expert overlap cannot both be on")]
 
 
 @rule("overlap.mtp_num_layers", "overlap_moe_expert_parallel_comm needs mtp_num_layers in (null, 0, 1)",
-      fix=f"model.mtp_num_layers=0, {_OVERLAP_OFF}")
+      fix=f"set model.mtp_num_layers=0, {_OVERLAP_OFF}")
 def overlap_mtp(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     n = cfg.model.mtp_num_layers
     if not _overlap_on(cfg) or n in (None, 0, 1):
         return []
     return [error({**_OVERLAP_FIELD, "model.mtp_num_layers": n},
-                  f"EP overlap supports at most one MTP layer, got mtp_num_layers={n}",
-                  f"set model.mtp_num_layers=0, {_OVERLAP_OFF}")]
+                  f"EP overlap supports at most one MTP layer, got mtp_num_layers={n}")]
 
 
 @rule("overlap.pipeline_requires_virtual", "overlap_moe_expert_parallel_comm with PP > 1 needs virtual pipeline",
-      fix=f"parallelism.virtual_pipeline_model_parallel_size >= 2, or PP=1, {_OVERLAP_OFF}")
+      fix=f"set parallelism.virtual_pipeline_model_parallel_size >= 2, or PP=1, {_OVERLAP_OFF}")
 def overlap_pipeline(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     p = cfg.parallelism
     if not _overlap_on(cfg) or p.pipeline_model_parallel_size == 1 or p.virtual_pipeline_model_parallel_size:
         return []
     return [error({**_OVERLAP_FIELD, "parallelism.pipeline_model_parallel_size": p.pipeline_model_parallel_size,
                    "parallelism.virtual_pipeline_model_parallel_size": None},
-                  "EP overlap with pipeline parallelism needs the interleaved (virtual) pipeline schedule",
-                  f"set parallelism.virtual_pipeline_model_parallel_size >= 2, or PP=1, {_OVERLAP_OFF}")]
+                  "EP overlap with pipeline parallelism needs the interleaved (virtual) pipeline schedule")]
 
 
 @rule("overlap.torch_version", "overlap_moe_expert_parallel_comm needs torch >= 2.6",
@@ -170,8 +163,8 @@ def schedule_plan_capability(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
 @rule("overlap.cuda_graphs",
       "policy: overlap_moe_expert_parallel_comm needs cuda_graph_impl=none (the Hybrid schedule plan "
       "cannot run inside CUDA graphs)",
-      fix="keep overlap, drop graphs: cuda_graphs.cuda_graph_impl=none cuda_graphs.paged_stash=false; or "
-          "keep graphs, drop overlap: overlap.overlap_moe_expert_parallel_comm=false "
+      fix="either keep overlap and drop graphs: cuda_graphs.cuda_graph_impl=none cuda_graphs.paged_stash=false; "
+          "or keep graphs and drop overlap: overlap.overlap_moe_expert_parallel_comm=false "
           "overlap.delay_wgrad_compute=false")
 def overlap_cuda_graphs(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     g = cfg.cuda_graphs
@@ -183,17 +176,13 @@ def overlap_cuda_graphs(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
         {**_OVERLAP_FIELD, "cuda_graphs.cuda_graph_impl": g.cuda_graph_impl, "cuda_graphs.paged_stash": g.paged_stash},
         f"EP overlap with cuda_graph_impl={g.cuda_graph_impl!r} is not a validated configuration: the "
         "Hybrid overlap schedule plan requires cuda_graph_impl='none'",
-        "either keep overlap and drop graphs: cuda_graphs.cuda_graph_impl=none cuda_graphs.paged_stash=false; "
-        "or keep graphs and drop overlap: overlap.overlap_moe_expert_parallel_comm=false "
-        "overlap.delay_wgrad_compute=false",
     )]
 
 
 @rule("delay_wgrad.requires_overlap", "delay_wgrad_compute needs overlap_moe_expert_parallel_comm",
-      fix="overlap.delay_wgrad_compute=false, or overlap.overlap_moe_expert_parallel_comm=true")
+      fix="set overlap.delay_wgrad_compute=false, or turn on overlap.overlap_moe_expert_parallel_comm")
 def delay_wgrad_requires_overlap(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     if not cfg.overlap.delay_wgrad_compute or _overlap_on(cfg):
         return []
     return [error({"overlap.delay_wgrad_compute": True, "overlap.overlap_moe_expert_parallel_comm": False},
-                  "delayed weight gradients are computed only by the overlap schedule; without it they are lost",
-                  "set overlap.delay_wgrad_compute=false, or turn on overlap.overlap_moe_expert_parallel_comm")]
+                  "delayed weight gradients are computed only by the overlap schedule; without it they are lost")]

@@ -66,15 +66,14 @@ def expert_world_divisible(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
 
 
 @rule("parallel.data_parallel_consistent", "an explicit data_parallel_size equals world / (TP x PP x CP)",
-      fix="parallelism.data_parallel_size=null (derived), or change the world size")
+      fix="set parallelism.data_parallel_size=null to derive it, or change the world size")
 def data_parallel_consistent(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     want = cfg.parallelism.data_parallel_size
     dp = data_parallel_size(cfg, ctx.world_size)
     if want is None or dp is None or want == dp:
         return []
     return [error({"parallelism.data_parallel_size": want, "world_size": ctx.world_size},
-                  f"data_parallel_size={want} but world size {ctx.world_size} / (TP x PP x CP) = {dp}",
-                  "set parallelism.data_parallel_size=null to derive it, or change the world size")]
+                  f"data_parallel_size={want} but world size {ctx.world_size} / (TP x PP x CP) = {dp}")]
 
 
 @rule("parallel.experts_divisible", "num_local_experts divisible by expert_model_parallel_size",
@@ -175,32 +174,29 @@ def sequence_parallel(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
 
 
 @rule("moe.sequence_parallel_with_tp", "expert parallelism together with TP > 1 requires sequence_parallel",
-      fix="parallelism.sequence_parallel=true")
+      fix="set parallelism.sequence_parallel=true")
 def moe_sequence_parallel(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     p = cfg.parallelism
     if p.expert_model_parallel_size > 1 and p.tensor_model_parallel_size > 1 and not p.sequence_parallel:
         return [error({"parallelism.expert_model_parallel_size": p.expert_model_parallel_size,
                        "parallelism.tensor_model_parallel_size": p.tensor_model_parallel_size,
                        "parallelism.sequence_parallel": False},
-                      "MoE with EP > 1 and TP > 1 needs sequence parallelism (Megatron's requirement)",
-                      "set parallelism.sequence_parallel=true")]
+                      "MoE with EP > 1 and TP > 1 needs sequence parallelism (Megatron's requirement)")]
     return []
 
 
 @rule("moe.capacity_factor", "capacity_factor, when set, is > 0",
-      fix="moe.capacity_factor=null (dropless), or a value > 0")
+      fix="set moe.capacity_factor=null for dropless routing, or a value > 0")
 def capacity_factor(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     cf = cfg.moe.capacity_factor
     if cf is None or cf > 0:
         return []
-    return [error({"moe.capacity_factor": cf}, f"capacity_factor={cf} would drop every token",
-                  "set moe.capacity_factor=null for dropless routing, or a value > 0")]
+    return [error({"moe.capacity_factor": cf}, f"capacity_factor={cf} would drop every token")]
 
 
 @rule("moe.shared_expert_overlap", "shared_expert_overlap needs shared experts; GPT-OSS has none",
-      fix="moe.shared_expert_overlap=false")
+      fix="set moe.shared_expert_overlap=false")
 def shared_expert_overlap_needs_shared(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     if not cfg.moe.shared_expert_overlap:
         return []
-    return [error({"moe.shared_expert_overlap": True}, "GPT-OSS has no shared experts to overlap",
-                  "set moe.shared_expert_overlap=false")]
+    return [error({"moe.shared_expert_overlap": True}, "GPT-OSS has no shared experts to overlap")]

@@ -9,7 +9,7 @@ from gptoss_cli.recipe.schema import RecipeConfig
 
 # --- FP8 -----------------------------------------------------------------------------------------
 @rule("fp8.mxfp8_dims", "MXFP8 needs every GEMM dimension divisible by 32 (one scale per 32 values)",
-      fix="precision.fp8_recipe=tensorwise or rowwise, or dimensions divisible by 32")
+      fix="use precision.fp8_recipe=tensorwise or rowwise, or dimensions divisible by 32")
 def mxfp8_dims(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     if cfg.precision.fp8_recipe != "mxfp8":
         return []
@@ -21,8 +21,7 @@ def mxfp8_dims(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
         return []
     return [error({"precision.fp8_recipe": "mxfp8", **bad},
                   f"MXFP8 scales blocks of 32 values, but {', '.join(f'{k}={v}' for k, v in bad.items())} "
-                  "is not a multiple of 32",
-                  "use precision.fp8_recipe=tensorwise or rowwise, or dimensions divisible by 32")]
+                  "is not a multiple of 32")]
 
 
 @rule("fp8.native_gpu",

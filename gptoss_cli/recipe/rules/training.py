@@ -38,8 +38,8 @@ def adam_betas(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
 
 
 @rule("optimizer.param_gather", "overlap_param_gather needs the distributed optimizer and overlap_grad_reduce",
-      fix="optimizer.use_distributed_optimizer=true overlap.overlap_grad_reduce=true, or "
-          "overlap.overlap_param_gather=false")
+      fix="set optimizer.use_distributed_optimizer=true overlap.overlap_grad_reduce=true, "
+          "or overlap.overlap_param_gather=false")
 def param_gather(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     o, ov = cfg.optimizer, cfg.overlap
     if not ov.overlap_param_gather or (o.use_distributed_optimizer and ov.overlap_grad_reduce):
@@ -47,9 +47,7 @@ def param_gather(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     return [error({"overlap.overlap_param_gather": True, "optimizer.use_distributed_optimizer": o.use_distributed_optimizer,
                    "overlap.overlap_grad_reduce": ov.overlap_grad_reduce},
                   "overlap_param_gather overlaps the distributed optimizer's all-gather and needs "
-                  "use_distributed_optimizer and overlap_grad_reduce",
-                  "set optimizer.use_distributed_optimizer=true overlap.overlap_grad_reduce=true, "
-                  "or overlap.overlap_param_gather=false")]
+                  "use_distributed_optimizer and overlap_grad_reduce")]
 
 
 @rule("data.source", "data.kind=tokens needs data.path; at launch the token files exist and fit the vocabulary",
@@ -70,25 +68,15 @@ def data_source(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
         return []
     # Only at launch (train): the files are on the training machine, not necessarily here.
     from gptoss_cli.errors import GptossError  # noqa: PLC0415
-    from gptoss_cli.token_format import read_token_header, token_file_paths  # noqa: PLC0415
+    from gptoss_cli.token_format import check_token_files  # noqa: PLC0415
 
     try:
-        bin_path, _ = token_file_paths(d.path)
-        header = read_token_header(d.path)
-        bin_exists = bin_path.is_file()
+        check_token_files(d.path, ctx.arch.vocab_size)
     except GptossError as exc:
         return [error({"data.path": d.path}, exc.message, exc.hint or "create the files with `gptoss prepare-data`")]
     except (OSError, ValueError) as exc:  # unreadable, or a name the file system cannot hold
         return [error({"data.path": d.path}, f"token files for {d.path!r} cannot be read: {exc}",
                       "create the files with `gptoss prepare-data`")]
-    if not bin_exists:
-        return [error({"data.path": d.path}, f"token file {bin_path} does not exist",
-                      "create it with `gptoss prepare-data`")]
-    vocab = header.get("vocab_size")
-    if isinstance(vocab, int) and vocab > ctx.arch.vocab_size:
-        return [error({"data.path": d.path, "header vocab_size": vocab, "model vocab_size": ctx.arch.vocab_size},
-                      f"the token file was made with a {vocab}-token vocabulary, the model has {ctx.arch.vocab_size}",
-                      "tokenize with the model's tokenizer")]
     return []
 
 
