@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from gptoss_cli.cli import app
 from gptoss_cli.checkpoint.safetensors_io import CheckpointReader
-from tests.faults.conftest import assert_one_line, child_env, gptoss, leftovers, start, wait_for
+from tests.faults.conftest import assert_one_line, child_env, leftovers, start, wait_for
 from tests.faults.test_paths import digest
 
 

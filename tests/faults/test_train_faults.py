@@ -16,7 +16,7 @@ import pytest
 from typer.testing import CliRunner
 
 from gptoss_cli.cli import app
-from tests.faults.conftest import TRAIN_FAST, assert_one_line, child_env, gptoss, leftovers, start, wait_for
+from tests.faults.conftest import TRAIN_FAST, assert_one_line, child_env, leftovers, start, wait_for
 
 runner = CliRunner()
 TIMEOUT_S = 3  # system.heartbeat_timeout_s for the stopped-rank test

@@ -4,7 +4,6 @@ and the memory estimate against the measured peak of a real training step of the
 from __future__ import annotations
 
 import pytest
-import torch
 
 from gptoss_cli.model.hybrid import HybridModel
 from gptoss_cli.parallel.grads import ALIGN
