@@ -30,9 +30,11 @@ from typing import Any
 import torch
 
 # The on-disk names belong to checkpoint/ (conversion reads these folders without the trainer).
-from gptoss_cli.checkpoint.dcp_io import check_storage_files, dcp_error, quiet_single_process
+from gptoss_cli.checkpoint.dcp_io import (
+    check_storage_files, dcp_error, quiet_single_process, read_metadata, storage_reader,
+)
 from gptoss_cli.checkpoint.training_format import (
-    LATEST, MODEL, OPTIMIZER, PARTIAL_NAME, RNG, TRAIN_STATE, iter_name, latest_checkpoint,
+    LATEST, MODEL, OPTIMIZER, PARTIAL_NAME, RNG, TRAIN_STATE, iter_name, latest_checkpoint, read_train_state,
 )
 from gptoss_cli.errors import CheckpointError, TrainingError
 from gptoss_cli.parallel.state import ParallelState, barrier
@@ -208,14 +210,10 @@ def load_checkpoint(
     import torch.distributed.checkpoint as dcp
 
     folder = Path(folder)
-    try:
-        meta = json.loads((folder / TRAIN_STATE).read_text())
-        metadata = dcp.FileSystemReader(str(folder)).read_metadata()
-        saved = metadata.state_dict_metadata
-    except Exception as exc:  # OSError, bad JSON, or an unpickling error from a damaged .metadata
-        raise CheckpointError(f"{folder}: cannot read checkpoint ({_first_line(exc)})") from None
-    if not isinstance(meta, dict) or not isinstance(meta.get("step"), int):
-        raise CheckpointError(f"{folder / TRAIN_STATE}: not a gptoss train state (no integer 'step')")
+    meta = read_train_state(folder)
+    # .metadata is a pickle: read once with dcp_io's allow-list, and handed to DCP by the storage reader
+    metadata = read_metadata(folder)
+    saved = metadata.state_dict_metadata
     payload: dict[str, Any] = {MODEL: _model_state(model), OPTIMIZER: optimizer.state_dict()}
     _check_against_metadata(folder, payload, metadata)
     # RNG streams belong to ranks: restored only when the layout is the same (else the seed's).
@@ -227,7 +225,7 @@ def load_checkpoint(
 
     try:
         with quiet_single_process():
-            dcp.load(payload, checkpoint_id=str(folder))
+            dcp.load(payload, storage_reader=storage_reader(folder, metadata))
     except (Exception, CheckpointException) as exc:  # DCP wraps every rank's failure in one CheckpointException
         raise CheckpointError(f"{folder}: cannot load checkpoint ({dcp_error(exc)})") from None
     if RNG in payload:
@@ -236,11 +234,6 @@ def load_checkpoint(
             torch.cuda.set_rng_state(payload[RNG][f"rank{state.rank}.cuda"])
     optimizer.after_load()
     return meta
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0][:300]
 
 
 __all__ = ["remove_partial_checkpoints", "check_finite_state", "save_checkpoint", "load_checkpoint", "latest_checkpoint", "LATEST", "TRAIN_STATE"]
