@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from gptoss_cli.checkpoint.hybrid_format import HYBRID_CONFIG, read_hybrid_config
-from gptoss_cli.checkpoint.mapping import VOCAB_PADDED_HYBRID, is_vocab_padding, units
+from gptoss_cli.checkpoint.mapping import VOCAB_PADDED_HYBRID, check_vocab_padding, units
 from gptoss_cli.checkpoint.safetensors_io import CheckpointReader
 from gptoss_cli.checkpoint.sources import HYBRID, TRAINING, check_tensors, open_source
 from gptoss_cli.checkpoint.training_format import MODEL, TRAIN_STATE, looks_like_training_checkpoint
@@ -46,12 +46,8 @@ def read_hybrid_tensor(reader: CheckpointReader, name: str, shape: tuple[int, ..
     that padding (`is_vocab_padding`), never real tokens cut by a too-small vocab_size."""
     stored = tuple(reader.shape(name))
     if name in VOCAB_PADDED_HYBRID and stored[1:] == tuple(shape[1:]) and stored[0] >= shape[0]:
-        if arch is not None and not is_vocab_padding(stored[0], arch):
-            raise CheckpointError(
-                f"{reader.file_of(name)}: tensor {name} has {stored[0]} rows but vocab_size is {shape[0]}; extra "
-                "rows are allowed only as Megatron's padding to the next multiple of 128 x TP",
-                hint="fix vocab_size in hybrid_config.json: cutting the rows would drop real tokens",
-            )
+        if arch is not None:
+            check_vocab_padding(stored[0], arch, reader.file_of(name), name)
         return reader.read(name, 0, shape[0])
     if stored != tuple(shape):
         raise CheckpointError(
