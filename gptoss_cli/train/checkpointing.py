@@ -82,7 +82,12 @@ def save_checkpoint(
     name = iter_name(step)
     final = ckpt_dir / name
     tmp = ckpt_dir / f".{name}.partial"
-    check_finite_state(ckpt_dir, step, model, optimizer, state)
+    payload: dict[str, Any] = {
+        MODEL: _model_state(model),
+        OPTIMIZER: optimizer.state_dict(),
+        RNG: _rng_state(state),
+    }
+    check_finite_state(ckpt_dir, step, payload[MODEL], payload[OPTIMIZER], state)
     if state.rank == 0:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
         if tmp.exists():
@@ -90,11 +95,6 @@ def save_checkpoint(
     barrier()
     import torch.distributed.checkpoint as dcp  # lazy: importing DCP costs every worker about a second
 
-    payload: dict[str, Any] = {
-        MODEL: _model_state(model),
-        OPTIMIZER: optimizer.state_dict(),
-        RNG: _rng_state(state),
-    }
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
@@ -148,10 +148,12 @@ def _first_non_finite(tensors: dict[str, Any]) -> tuple[int, str | None]:
     return bad, first
 
 
-def check_finite_state(ckpt_dir: Path, step: int, model: torch.nn.Module, optimizer: Any, state: ParallelState) -> None:
-    """Every rank checks its parameters and optimizer state; any non-finite tensor stops the save on all ranks."""
-    payload = {**{f"{MODEL}.{k}": v for k, v in _model_state(model).items()},
-               **{f"{OPTIMIZER}.{k}": v for k, v in optimizer.state_dict().items()}}
+def check_finite_state(ckpt_dir: Path, step: int, model_state: dict[str, Any], optimizer_state: dict[str, Any],
+                       state: ParallelState) -> None:
+    """Every rank checks its parameters and optimizer state (the state dicts about to be saved); any
+    non-finite tensor stops the save on all ranks."""
+    payload = {**{f"{MODEL}.{k}": v for k, v in model_state.items()},
+               **{f"{OPTIMIZER}.{k}": v for k, v in optimizer_state.items()}}
     bad, first = _first_non_finite(payload)
     counts = torch.tensor([bad, len(payload)], dtype=torch.float64)
     if state.distributed:
