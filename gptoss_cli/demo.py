@@ -266,15 +266,13 @@ def _export(hooks: DemoHooks, checkpoints: Path, export: Path) -> StageResult:
     import torch
 
     from gptoss_cli.checkpoint.convert import convert
-    from gptoss_cli.checkpoint.load import build_model, checkpoint_architecture, load_hf, load_training
+    from gptoss_cli.checkpoint.load import model_from_checkpoint
 
     with hooks.convert_progress("exporting") as progress:
         res = convert(str(checkpoints), export, to="hf", experts="mxfp4", dtype="float32", progress=progress)
-    arch, pattern = checkpoint_architecture(export)
-    trained = build_model(arch, pattern, dtype=torch.float32)
-    load_training(trained, checkpoints)
-    exported = build_model(arch, pattern, dtype=torch.float32)
-    load_hf(exported, export)
+    trained = model_from_checkpoint(checkpoints)  # the run's own record: architecture and layer pattern
+    exported = model_from_checkpoint(export)
+    arch = exported.arch
     prompt = learnable_tokens(arch, PROMPT_TOKENS).view(1, -1)  # the start of the training data
     with torch.no_grad():
         ours = trained(prompt).logits[0]
