@@ -53,6 +53,13 @@ def optimizer_key(name: str, kind: str) -> str:
     return f"{OPTIMIZER}.{name}.{kind}"
 
 
+def latest_name(ckpt_dir: str | Path) -> str | None:
+    """What `latest` says, unchecked (None when there is no `latest`): for messages that a failed save
+    left it alone."""
+    pointer = Path(ckpt_dir) / LATEST
+    return pointer.read_text().strip() if pointer.is_file() else None
+
+
 def latest_checkpoint(ckpt_dir: str | Path) -> Path | None:
     """The folder `latest` points at, or None when there is no `latest` (no complete checkpoint yet)."""
     pointer = Path(ckpt_dir) / LATEST
@@ -196,6 +203,7 @@ def find_checkpoint_folder(path: str | Path) -> tuple[Path, Path | None]:
 
 __all__ = [
     "LATEST", "TRAIN_STATE", "MODEL", "OPTIMIZER", "RNG", "MASTER", "OPTIMIZER_KINDS", "ITER_NAME", "PARTIAL_NAME",
-    "WEIGHT_SOURCES", "TrainingRun", "iter_name", "model_key", "optimizer_key", "latest_checkpoint", "run_record",
+    "WEIGHT_SOURCES", "TrainingRun", "iter_name", "model_key", "optimizer_key", "latest_name", "latest_checkpoint",
+    "run_record",
     "read_train_state", "read_training_run", "looks_like_training_checkpoint", "find_checkpoint_folder",
 ]

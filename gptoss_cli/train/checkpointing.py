@@ -34,7 +34,8 @@ from gptoss_cli.checkpoint.dcp_io import (
     check_storage_files, dcp_error, quiet_single_process, read_metadata, storage_reader,
 )
 from gptoss_cli.checkpoint.training_format import (
-    LATEST, MODEL, OPTIMIZER, PARTIAL_NAME, RNG, TRAIN_STATE, iter_name, latest_checkpoint, read_train_state,
+    LATEST, MODEL, OPTIMIZER, PARTIAL_NAME, RNG, TRAIN_STATE, iter_name, latest_checkpoint, latest_name,
+    read_train_state,
 )
 from gptoss_cli.errors import CheckpointError, TrainingError
 from gptoss_cli.parallel.state import ParallelState, barrier
@@ -101,7 +102,7 @@ def save_checkpoint(
         with quiet_single_process():
             dcp.save(payload, checkpoint_id=str(tmp))
     except (Exception, CheckpointException) as exc:  # DCP wraps each rank's OSError (a full disk) in one
-        latest = (ckpt_dir / LATEST).read_text().strip() if (ckpt_dir / LATEST).is_file() else None
+        latest = latest_name(ckpt_dir)
         if state.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         # torch's own message for a full disk can be as cryptic as "unexpected pos 704 vs 598"
@@ -167,7 +168,7 @@ def check_finite_state(ckpt_dir: Path, step: int, model_state: dict[str, Any], o
             dist.all_gather_object(names, first)
             first = next(n for n in names if n)
     if int(counts[0]):
-        latest = (ckpt_dir / LATEST).read_text().strip() if (ckpt_dir / LATEST).is_file() else None
+        latest = latest_name(ckpt_dir)
         raise TrainingError(
             f"after step {step}, {int(counts[0])} of {int(counts[1])} parameter and optimizer tensors are not finite "
             f"(first: {first}); this state was not saved and `latest` "
