@@ -33,6 +33,7 @@ import torch
 from gptoss_cli.checkpoint.dcp_io import (
     check_storage_files, dcp_error, quiet_single_process, read_metadata, storage_reader,
 )
+from gptoss_cli.checkpoint.finite import all_finite
 from gptoss_cli.checkpoint.training_format import (
     LATEST, MODEL, OPTIMIZER, PARTIAL_NAME, RNG, TRAIN_STATE, iter_name, latest_checkpoint, latest_name,
     read_train_state,
@@ -127,11 +128,6 @@ def save_checkpoint(
     return final
 
 
-def _all_finite(t: torch.Tensor) -> bool:
-    lo, hi = torch.aminmax(t)  # NaN propagates, +-inf shows; no mask tensor (isfinite().all() is ~35x slower)
-    return bool(torch.isfinite(lo) & torch.isfinite(hi))
-
-
 def _local_parts(t: Any) -> list[torch.Tensor]:
     """The tensors this rank holds of a state entry: itself, or its local shards when the distributed
     optimizer saved it as a ShardedTensor (a shard boundary cut through it)."""
@@ -143,7 +139,7 @@ def _local_parts(t: Any) -> list[torch.Tensor]:
 def _first_non_finite(tensors: dict[str, Any]) -> tuple[int, str | None]:
     bad, first = 0, None
     for name, t in tensors.items():
-        if any(p.is_floating_point() and p.numel() and not _all_finite(p) for p in _local_parts(t)):
+        if not all(all_finite(p) for p in _local_parts(t)):
             bad += 1
             first = first or name
     return bad, first
