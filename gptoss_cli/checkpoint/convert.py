@@ -486,6 +486,8 @@ def convert(
                              f"convert writes the other layout", hint="drop --to, or choose the other value")
         if force:
             check_replaceable_output(dst, HF if to_hf else HYBRID)
+        # asked of the reader itself, before it is wrapped: a DcpReader serves one stream of reads
+        concurrent_reads = getattr(source.reader, "concurrent_reads", True)
         source.reader = finite = _NonFiniteCheck(source.reader)
         if source.kind in HYBRID_NAMED:
             check_tensors(
@@ -539,8 +541,7 @@ def convert(
             # one torch thread per worker: intra-op thread teams of several workers would contend
             # for the same cores, and a team waits at its barrier for its slowest thread
             torch.set_num_threads(1)
-            # a training checkpoint is read by one DcpReader whose fetch-ahead cache serves one stream
-            workers = 1 if source.kind == TRAINING else _worker_count()
+            workers = _worker_count() if concurrent_reads else 1
             pipeline = _Pipeline(finite.wrap_write(writer.write, dst), workers, clock)
             try:
                 for job in jobs:

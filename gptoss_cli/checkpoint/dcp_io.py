@@ -18,7 +18,6 @@ import contextlib
 import io
 import pickle
 import re
-import threading
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -131,7 +130,12 @@ class DcpReader:
     `key_of(name)` gives the DCP key of a name and `name_of(key)` the name of a key (None: not in
     this group); e.g. names are Hybrid tensor names and keys `model.<name>`. `budget_bytes` bounds
     what one read fetches ahead: consecutive experts of the same stack are loaded together up to it.
+
+    Reads are not thread-safe: the fetch-ahead cache serves one stream of reads, so `concurrent_reads`
+    tells conversion to read it from one thread (readers without the attribute allow several).
     """
+
+    concurrent_reads = False
 
     def __init__(self, folder: str | Path, key_of: Callable[[str], str], name_of: Callable[[str], str | None], *,
                  budget_bytes: int = 128 * 1024**2):
@@ -150,7 +154,6 @@ class DcpReader:
         self._files = {index.fqn: info.relative_path for index, info in (self.metadata.storage_data or {}).items()}
         self._storage = storage_reader(self.folder, self.metadata)
         self._cache: dict[str, torch.Tensor] = {}
-        self._lock = threading.Lock()  # read() may be called from conversion's worker threads
         self.loads = 0  # dcp.load calls made (each one a partial load)
 
     def __enter__(self) -> "DcpReader":
@@ -184,10 +187,9 @@ class DcpReader:
         """Tensor `name`, or rows [start, stop) of it; the tensor read last stays cached for the next rows."""
         if name not in self._specs:
             raise CheckpointError(f"{self.folder}: tensor {self._key_of(name)!r} is missing")
-        with self._lock:
-            if name not in self._cache:
-                self._cache = self._load(self._batch(name))
-            t = self._cache[name]
+        if name not in self._cache:
+            self._cache = self._load(self._batch(name))
+        t = self._cache[name]
         if start is None and stop is None or not t.dim():
             return t
         return t[start or 0:t.shape[0] if stop is None else stop]
