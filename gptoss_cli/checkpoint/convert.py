@@ -34,7 +34,7 @@ from gptoss_cli.checkpoint.sources import (
 )
 from gptoss_cli.errors import CheckpointError, UsageError
 from gptoss_cli.model.config import GptOssArch
-from gptoss_cli.model.dtypes import torch_dtype
+from gptoss_cli.model.dtypes import dtype_name, short_dtype_name, torch_dtype
 from gptoss_cli.resources import peak_rss_bytes
 
 OUTPUT_DTYPES = ("bfloat16", "float32", "bf16", "fp32")
@@ -195,10 +195,6 @@ def _tasks_copy(reader, job: _Job, dtype: torch.dtype, budget: int):
     for out in job.outputs:
         for r0, r1 in _row_ranges(out, budget):
             yield lambda out=out, r0=r0, r1=r1: ([(out.name, _cast(reader.read(out.name, r0, r1), dtype))], [])
-
-
-def _form_of(dtype: torch.dtype) -> str:
-    return {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}.get(dtype, str(dtype))
 
 
 def _unit_to_hybrid(reader, arch: GptOssArch, layout: Layout, unit: Unit, dtype: torch.dtype):
@@ -514,7 +510,7 @@ def convert(
             out_form = "bf16"
             experts_in = source.layout.experts_form if source.layout else "bf16"
         if source.kind == TRAINING:
-            experts_in = _form_of(source.reader.dtype(next(u.hybrid[0] for u in units(arch) if u.per_expert)))
+            experts_in = short_dtype_name(source.reader.dtype(next(u.hybrid[0] for u in units(arch) if u.per_expert)))
         plan = [spec for job in jobs for spec in job.outputs]
         total = sum(s.nbytes for s in plan)
         provenance = {
@@ -564,15 +560,15 @@ def convert(
                 raise
             finally:
                 torch.set_num_threads(threads)
-            dtype_name = "bfloat16" if torch_dtype == torch.bfloat16 else "float32"
             if to_hf:
-                config = arch.to_hf_config(experts_form=out_form, torch_dtype=dtype_name)
+                config = arch.to_hf_config(experts_form=out_form, torch_dtype=dtype_name(torch_dtype))
                 outputs.write_text(tmp / "config.json", json.dumps(config, indent=2) + "\n")
             else:
                 write_hybrid_config(
                     tmp,
                     HybridCheckpointConfig(
-                        arch=arch, hybrid_layer_pattern=arch.hybrid_layer_pattern, dtype=dtype_name, provenance=provenance
+                        arch=arch, hybrid_layer_pattern=arch.hybrid_layer_pattern, dtype=dtype_name(torch_dtype),
+                        provenance=provenance
                     ),
                 )
             for name in EXTRA_FILES:
@@ -591,7 +587,7 @@ def convert(
         source_format=source.kind,
         experts_in=experts_in,
         experts_out=out_form,
-        dtype="bfloat16" if torch_dtype == torch.bfloat16 else "float32",
+        dtype=dtype_name(torch_dtype),
         num_tensors=len(plan),
         bytes_written=writer.bytes_written,
         num_shards=len(writer.file_names),

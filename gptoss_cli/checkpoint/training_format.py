@@ -33,7 +33,6 @@ MODEL = "model"
 OPTIMIZER = "optimizer"
 RNG = "rng"
 MASTER = "master"  # the optimizer's fp32 master copy of a parameter
-OPTIMIZER_KINDS = (MASTER, "exp_avg", "exp_avg_sq", "step")
 ITER_NAME = re.compile(r"^iter_\d+$")
 PARTIAL_NAME = re.compile(r"^\.(iter_\d+\.partial|latest\.tmp)$")
 RUN_KEY = "run"
@@ -202,7 +201,7 @@ def find_checkpoint_folder(path: str | Path) -> tuple[Path, Path | None]:
 
 
 __all__ = [
-    "LATEST", "TRAIN_STATE", "MODEL", "OPTIMIZER", "RNG", "MASTER", "OPTIMIZER_KINDS", "ITER_NAME", "PARTIAL_NAME",
+    "LATEST", "TRAIN_STATE", "MODEL", "OPTIMIZER", "RNG", "MASTER", "ITER_NAME", "PARTIAL_NAME",
     "WEIGHT_SOURCES", "TrainingRun", "iter_name", "model_key", "optimizer_key", "latest_name", "latest_checkpoint",
     "run_record",
     "read_train_state", "read_training_run", "looks_like_training_checkpoint", "find_checkpoint_folder",
