@@ -117,20 +117,23 @@ def write_token_file(prefix: Path, tokens: Any, vocab_size: int, eos_token_id: i
 
 
 def _transformers_available() -> bool:
-    """Whether transformers is installed; if so it is imported here, with the load-time warnings of
-    optional kernels it probes (torchao's CUDA libraries, pytree registrations) kept out of the demo."""
+    """Whether transformers (with its GPT-OSS model) is installed, as parity-check requires it; if so
+    it is imported here, with the load-time warnings of optional kernels it probes (torchao's CUDA
+    libraries, pytree registrations) kept out of the demo."""
     import importlib
-    import importlib.util
     import logging
 
-    if importlib.util.find_spec("transformers") is None:
-        return False
+    from gptoss_cli.parity.check import require_transformers
+
     loggers = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
         lg.setLevel(logging.ERROR)
     try:
+        require_transformers()
         importlib.import_module("transformers.integrations.mxfp4")  # the import that probes the kernels
+    except UsageError:  # not installed: the stages that need it are skipped
+        return False
     finally:
         for lg, level in zip(loggers, levels):
             lg.setLevel(level)
@@ -263,15 +266,13 @@ def _export(hooks: DemoHooks, checkpoints: Path, export: Path) -> StageResult:
     import torch
 
     from gptoss_cli.checkpoint.convert import convert
-    from gptoss_cli.checkpoint.load import build_model, checkpoint_architecture, load_hf, load_training
+    from gptoss_cli.checkpoint.load import model_from_checkpoint
 
     with hooks.convert_progress("exporting") as progress:
         res = convert(str(checkpoints), export, to="hf", experts="mxfp4", dtype="float32", progress=progress)
-    arch, pattern = checkpoint_architecture(export)
-    trained = build_model(arch, pattern, dtype=torch.float32)
-    load_training(trained, checkpoints)
-    exported = build_model(arch, pattern, dtype=torch.float32)
-    load_hf(exported, export)
+    trained = model_from_checkpoint(checkpoints)  # the run's own record: architecture and layer pattern
+    exported = model_from_checkpoint(export)
+    arch = exported.arch
     prompt = learnable_tokens(arch, PROMPT_TOKENS).view(1, -1)  # the start of the training data
     with torch.no_grad():
         ours = trained(prompt).logits[0]
@@ -303,18 +304,10 @@ def _export(hooks: DemoHooks, checkpoints: Path, export: Path) -> StageResult:
 def _transformers_logits(folder: Path, prompt: "Any") -> "Any":
     """transformers' own loading of an MXFP4 export (dequantised on CPU), quietly, fp32."""
     import torch
-    import transformers
-    from transformers.utils import logging as hf_logging
 
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    try:
-        model = transformers.GptOssForCausalLM.from_pretrained(
-            folder, dtype=torch.float32, quantization_config=transformers.Mxfp4Config(dequantize=True)).eval()
-    finally:
-        hf_logging.set_verbosity(verbosity)
-        hf_logging.enable_progress_bar()
+    from gptoss_cli.parity.reference import load_transformers_model
+
+    model = load_transformers_model(folder, torch.float32)
     with torch.no_grad():
         return model(prompt).logits[0]
 

@@ -15,12 +15,10 @@ is repaired by `recover`, which puts the old folder back.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import os
 import re
 import shutil
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -253,6 +251,8 @@ _AT_FDCWD = -100
 
 
 def _renameat2():
+    import ctypes  # lazy, like socket below: only a replacing commit needs it, not every CLI start
+
     try:
         fn = ctypes.CDLL(None, use_errno=True).renameat2
     except (OSError, AttributeError):  # not glibc >= 2.28 (or not Linux)
@@ -269,6 +269,8 @@ def exchange(a: Path, b: Path) -> bool:
         return False
     if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
         return True
+    import ctypes
+
     err = ctypes.get_errno()
     if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):  # file system without it
         return False
@@ -329,6 +331,8 @@ class FolderLock:
                              hint="wait for it to finish, or give this run its own folder") from None
         try:
             os.ftruncate(fd, 0)
+            import socket
+
             os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
         except OSError as exc:
             os.close(fd)

@@ -24,6 +24,7 @@ import torch
 
 from gptoss_cli import __version__, outputs
 from gptoss_cli.checkpoint import mxfp4
+from gptoss_cli.checkpoint.finite import all_finite
 from gptoss_cli.checkpoint.hybrid_format import FORMAT_NAME, HYBRID_CONFIG, HybridCheckpointConfig, write_hybrid_config
 from gptoss_cli.checkpoint.layouts import HF_LAYOUTS, UINT8, Layout
 from gptoss_cli.checkpoint.mapping import VOCAB_PADDED_HYBRID, Unit, hybrid_shapes, identity, units
@@ -33,7 +34,7 @@ from gptoss_cli.checkpoint.sources import (
 )
 from gptoss_cli.errors import CheckpointError, UsageError
 from gptoss_cli.model.config import GptOssArch
-from gptoss_cli.model.dtypes import torch_dtype
+from gptoss_cli.model.dtypes import dtype_name, short_dtype_name, torch_dtype
 from gptoss_cli.resources import peak_rss_bytes
 
 OUTPUT_DTYPES = ("bfloat16", "float32", "bf16", "fp32")
@@ -194,10 +195,6 @@ def _tasks_copy(reader, job: _Job, dtype: torch.dtype, budget: int):
     for out in job.outputs:
         for r0, r1 in _row_ranges(out, budget):
             yield lambda out=out, r0=r0, r1=r1: ([(out.name, _cast(reader.read(out.name, r0, r1), dtype))], [])
-
-
-def _form_of(dtype: torch.dtype) -> str:
-    return {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}.get(dtype, str(dtype))
 
 
 def _unit_to_hybrid(reader, arch: GptOssArch, layout: Layout, unit: Unit, dtype: torch.dtype):
@@ -428,28 +425,8 @@ class _NonFiniteCheck:
         return checked
 
 
-def _all_finite(t: torch.Tensor) -> bool:
-    # min/max propagate NaN and show +-inf, in one vectorised pass without a mask tensor: about 35x
-    # faster than isfinite().all(), which made the check cost more than the conversion itself.
-    if not t.is_floating_point() or t.numel() == 0:
-        return True
-    lo, hi = torch.aminmax(_memory_order(t))
-    return bool(torch.isfinite(lo) & torch.isfinite(hi))
-
-
-def _memory_order(t: torch.Tensor) -> torch.Tensor:
-    """A 1-D view of `t`'s elements in memory order when they fill a dense block (a transposed or
-    permuted transform output); reducing a strided view directly is about 18x slower."""
-    expected = 1
-    for stride, size in sorted(zip(t.stride(), t.shape)):
-        if size != 1 and stride != expected:
-            return t
-        expected *= size
-    return t.as_strided((t.numel(),), (1,))
-
-
 def _check_finite(t: torch.Tensor, name: str, what: str, row0: int) -> None:
-    if _all_finite(t):
+    if all_finite(t):
         return
     bad = ~torch.isfinite(t)
     index = [int(i) for i in bad.nonzero()[0]]
@@ -505,6 +482,8 @@ def convert(
                              f"convert writes the other layout", hint="drop --to, or choose the other value")
         if force:
             check_replaceable_output(dst, HF if to_hf else HYBRID)
+        # asked of the reader itself, before it is wrapped: a DcpReader serves one stream of reads
+        concurrent_reads = getattr(source.reader, "concurrent_reads", True)
         source.reader = finite = _NonFiniteCheck(source.reader)
         if source.kind in HYBRID_NAMED:
             check_tensors(
@@ -531,7 +510,7 @@ def convert(
             out_form = "bf16"
             experts_in = source.layout.experts_form if source.layout else "bf16"
         if source.kind == TRAINING:
-            experts_in = _form_of(source.reader.dtype(next(u.hybrid[0] for u in units(arch) if u.per_expert)))
+            experts_in = short_dtype_name(source.reader.dtype(next(u.hybrid[0] for u in units(arch) if u.per_expert)))
         plan = [spec for job in jobs for spec in job.outputs]
         total = sum(s.nbytes for s in plan)
         provenance = {
@@ -558,8 +537,7 @@ def convert(
             # one torch thread per worker: intra-op thread teams of several workers would contend
             # for the same cores, and a team waits at its barrier for its slowest thread
             torch.set_num_threads(1)
-            # a training checkpoint is read by one DcpReader whose fetch-ahead cache serves one stream
-            workers = 1 if source.kind == TRAINING else _worker_count()
+            workers = _worker_count() if concurrent_reads else 1
             pipeline = _Pipeline(finite.wrap_write(writer.write, dst), workers, clock)
             try:
                 for job in jobs:
@@ -582,15 +560,15 @@ def convert(
                 raise
             finally:
                 torch.set_num_threads(threads)
-            dtype_name = "bfloat16" if torch_dtype == torch.bfloat16 else "float32"
             if to_hf:
-                config = arch.to_hf_config(experts_form=out_form, torch_dtype=dtype_name)
+                config = arch.to_hf_config(experts_form=out_form, torch_dtype=dtype_name(torch_dtype))
                 outputs.write_text(tmp / "config.json", json.dumps(config, indent=2) + "\n")
             else:
                 write_hybrid_config(
                     tmp,
                     HybridCheckpointConfig(
-                        arch=arch, hybrid_layer_pattern=arch.hybrid_layer_pattern, dtype=dtype_name, provenance=provenance
+                        arch=arch, hybrid_layer_pattern=arch.hybrid_layer_pattern, dtype=dtype_name(torch_dtype),
+                        provenance=provenance
                     ),
                 )
             for name in EXTRA_FILES:
@@ -609,7 +587,7 @@ def convert(
         source_format=source.kind,
         experts_in=experts_in,
         experts_out=out_form,
-        dtype="bfloat16" if torch_dtype == torch.bfloat16 else "float32",
+        dtype=dtype_name(torch_dtype),
         num_tensors=len(plan),
         bytes_written=writer.bytes_written,
         num_shards=len(writer.file_names),

@@ -18,7 +18,6 @@ import contextlib
 import io
 import pickle
 import re
-import threading
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -65,7 +64,7 @@ def read_metadata(folder: str | Path) -> Any:
     try:
         metadata = _MetadataUnpickler(io.BytesIO(data)).load()
     except Exception as exc:  # truncated or foreign bytes: UnpicklingError, EOFError, ValueError, ...
-        raise CheckpointError(f"{path}: not readable DCP metadata ({_first_line(exc)})",
+        raise CheckpointError(f"{path}: not readable DCP metadata ({first_line(exc)})",
                               hint="the checkpoint is damaged; use an earlier iter_* folder") from None
     if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
         raise CheckpointError(f"{path}: not DCP metadata (holds a {type(metadata).__name__})")
@@ -96,10 +95,11 @@ def dcp_error(exc: BaseException) -> str:
         rank = min(failures)
         inner = failures[rank][0] if isinstance(failures[rank], tuple) else failures[rank]
         return f"rank {rank}: {dcp_error(inner)}"
-    return describe_os_error(exc) if isinstance(exc, OSError) else _first_line(exc)
+    return describe_os_error(exc) if isinstance(exc, OSError) else first_line(exc)
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (at most 300 characters), or its type's name when it has none."""
     text = str(exc).strip() or type(exc).__name__
     return text.splitlines()[0][:300]
 
@@ -112,17 +112,33 @@ def quiet_single_process() -> Iterator[None]:
         yield
 
 
+def storage_reader(folder: str | Path, metadata: Any) -> Any:
+    """A DCP FileSystemReader of `folder` that hands DCP `metadata` (read with the allow-list by
+    `read_metadata`) instead of unpickling `.metadata` again with plain pickle."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class _Reader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:  # the allow-listed copy, read once
+            return metadata
+
+    return _Reader(str(folder))
+
+
 class DcpReader:
     """One group of a DCP checkpoint's tensors under plain names, read a tensor (or a few experts) at a time.
 
     `key_of(name)` gives the DCP key of a name and `name_of(key)` the name of a key (None: not in
     this group); e.g. names are Hybrid tensor names and keys `model.<name>`. `budget_bytes` bounds
     what one read fetches ahead: consecutive experts of the same stack are loaded together up to it.
+
+    Reads are not thread-safe: the fetch-ahead cache serves one stream of reads, so `concurrent_reads`
+    tells conversion to read it from one thread (readers without the attribute allow several).
     """
+
+    concurrent_reads = False
 
     def __init__(self, folder: str | Path, key_of: Callable[[str], str], name_of: Callable[[str], str | None], *,
                  budget_bytes: int = 128 * 1024**2):
-        from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
         self.folder = Path(folder)
@@ -136,15 +152,8 @@ class DcpReader:
             if name is not None and isinstance(meta, TensorStorageMetadata):
                 self._specs[name] = TensorSpec(name, tuple(meta.size), meta.properties.dtype)
         self._files = {index.fqn: info.relative_path for index, info in (self.metadata.storage_data or {}).items()}
-        metadata = self.metadata
-
-        class _Reader(FileSystemReader):
-            def read_metadata(self, *args: Any, **kwargs: Any) -> Any:  # the allow-listed copy, read once
-                return metadata
-
-        self._storage = _Reader(str(self.folder))
+        self._storage = storage_reader(self.folder, self.metadata)
         self._cache: dict[str, torch.Tensor] = {}
-        self._lock = threading.Lock()  # read() may be called from conversion's worker threads
         self.loads = 0  # dcp.load calls made (each one a partial load)
 
     def __enter__(self) -> "DcpReader":
@@ -178,10 +187,9 @@ class DcpReader:
         """Tensor `name`, or rows [start, stop) of it; the tensor read last stays cached for the next rows."""
         if name not in self._specs:
             raise CheckpointError(f"{self.folder}: tensor {self._key_of(name)!r} is missing")
-        with self._lock:
-            if name not in self._cache:
-                self._cache = self._load(self._batch(name))
-            t = self._cache[name]
+        if name not in self._cache:
+            self._cache = self._load(self._batch(name))
+        t = self._cache[name]
         if start is None and stop is None or not t.dim():
             return t
         return t[start or 0:t.shape[0] if stop is None else stop]
@@ -219,4 +227,5 @@ class DcpReader:
         return {n: state[self._key_of(n)] for n in names}
 
 
-__all__ = ["DcpReader", "read_metadata", "check_storage_files", "dcp_error", "quiet_single_process", "METADATA"]
+__all__ = ["DcpReader", "read_metadata", "storage_reader", "check_storage_files", "dcp_error", "first_line",
+           "quiet_single_process", "METADATA"]

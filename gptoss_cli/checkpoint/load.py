@@ -18,16 +18,17 @@ from typing import Callable
 import torch
 
 from gptoss_cli.checkpoint.hybrid_format import HYBRID_CONFIG, read_hybrid_config
-from gptoss_cli.checkpoint.mapping import VOCAB_PADDED_HYBRID, is_vocab_padding, units
+from gptoss_cli.checkpoint.mapping import VOCAB_PADDED_HYBRID, check_vocab_padding, units
 from gptoss_cli.checkpoint.safetensors_io import CheckpointReader
-from gptoss_cli.checkpoint.sources import HYBRID, TRAINING, check_tensors, open_source
-from gptoss_cli.checkpoint.training_format import MODEL, TRAIN_STATE, looks_like_training_checkpoint
+from gptoss_cli.checkpoint.sources import HYBRID, HYBRID_NAMED, TRAINING, Source, check_tensors, open_source
+from gptoss_cli.checkpoint.training_format import MODEL, TRAIN_STATE
 from gptoss_cli.errors import CheckpointError, ConfigError
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.model.hybrid import HybridModel
 
 Progress = Callable[[str], None]
 EXPERT_CHUNK = 8  # experts read per chunk from an HF stack
+_HYBRID_HINT = "re-run `gptoss convert`, or check hybrid_config.json against the tensors"
 
 
 def build_model(arch: GptOssArch, pattern: str | None = None, *, device: str | torch.device = "cpu",
@@ -46,12 +47,8 @@ def read_hybrid_tensor(reader: CheckpointReader, name: str, shape: tuple[int, ..
     that padding (`is_vocab_padding`), never real tokens cut by a too-small vocab_size."""
     stored = tuple(reader.shape(name))
     if name in VOCAB_PADDED_HYBRID and stored[1:] == tuple(shape[1:]) and stored[0] >= shape[0]:
-        if arch is not None and not is_vocab_padding(stored[0], arch):
-            raise CheckpointError(
-                f"{reader.file_of(name)}: tensor {name} has {stored[0]} rows but vocab_size is {shape[0]}; extra "
-                "rows are allowed only as Megatron's padding to the next multiple of 128 x TP",
-                hint="fix vocab_size in hybrid_config.json: cutting the rows would drop real tokens",
-            )
+        if arch is not None:
+            check_vocab_padding(stored[0], arch, reader.file_of(name), name)
         return reader.read(name, 0, shape[0])
     if stored != tuple(shape):
         raise CheckpointError(
@@ -77,8 +74,7 @@ def load_hybrid(model: HybridModel, folder: str | Path, progress: Progress | Non
     if (folder / HYBRID_CONFIG).exists():
         _check_architecture(folder, HYBRID_CONFIG, read_hybrid_config(folder).arch, model)
     with CheckpointReader(folder) as reader:
-        _fill_by_hybrid_names(model, reader, folder, progress, "re-run `gptoss convert`, or check hybrid_config.json "
-                              "against the tensors")
+        _fill_by_hybrid_names(model, reader, folder, progress, _HYBRID_HINT)
 
 
 def _fill_by_hybrid_names(model: HybridModel, reader, folder: Path, progress: Progress | None, hint: str) -> None:
@@ -111,46 +107,61 @@ def load_training(model: HybridModel, folder: str | Path, progress: Progress | N
     try:
         if source.kind != TRAINING:
             raise CheckpointError(f"{folder}: is a {source.kind} checkpoint, not a training checkpoint")
-        _check_architecture(source.folder, TRAIN_STATE, source.arch, model)
-        _fill_by_hybrid_names(model, source.reader, source.folder, progress,
-                              "build the model from the run's own record (model_from_checkpoint)")
+        _fill_from_training(model, source, progress)
     finally:
         source.close()
+
+
+def _fill_from_training(model: HybridModel, source: Source, progress: Progress | None) -> None:
+    _check_architecture(source.folder, TRAIN_STATE, source.arch, model)
+    _fill_by_hybrid_names(model, source.reader, source.folder, progress,
+                          "build the model from the run's own record (model_from_checkpoint)")
 
 
 def load_hf(model: HybridModel, folder: str | Path, progress: Progress | None = None) -> None:
     """Fill every parameter from an HF GPT-OSS folder (bf16 or MXFP4 experts) or OpenAI's original/
     layout through the mapping table, one unit at a time (experts in chunks, only those held)."""
+    _check_hf_pattern(model)
+    source = open_source(str(folder))
+    try:
+        if source.kind in HYBRID_NAMED:
+            raise CheckpointError(f"{folder}: is a {'Hybrid' if source.kind == HYBRID else source.kind} checkpoint, "
+                                  "not a Hugging Face one")
+        _fill_from_hf(model, source, progress)
+    finally:
+        source.close()
+
+
+def _check_hf_pattern(model: HybridModel) -> None:
     if model.pattern.layers != tuple(model.arch.hybrid_layer_pattern):
         raise ConfigError(
             f"an HF checkpoint maps onto the pattern {model.arch.hybrid_layer_pattern!r}, not {model.pattern.text!r}"
         )
-    source = open_source(str(folder))
-    try:
-        if source.kind == HYBRID:
-            raise CheckpointError(f"{folder}: is a Hybrid checkpoint, not a Hugging Face one")
-        _check_architecture(Path(folder), "config.json", source.arch, model)
-        check_tensors(source, source.layout.stored_specs(model.arch))
-        slots = dict(model.named_checkpoint_slots(all_experts=True))
-        dtype = model.output_layer.weight.dtype
-        with torch.no_grad():
-            for unit in units(model.arch):
-                if unit.per_expert:
-                    held = [e for e, n in enumerate(unit.hybrid) if slots[n] is not None]
-                    lo, hi = (held[0], held[-1] + 1) if held else (0, 0)
-                    for e0 in range(lo, hi, EXPERT_CHUNK):
-                        e1 = min(hi, e0 + EXPERT_CHUNK)
-                        stack = source.layout.read(source.reader, model.arch, unit.hf[0], dtype, e0, e1)
-                        for name, t in zip(unit.hybrid[e0:e1], unit.to_hybrid(model.arch, [stack])):
-                            _copy_checked(slots[name], t, name, folder)
-                    continue
-                ins = [source.layout.read(source.reader, model.arch, n, dtype) for n in unit.hf]
-                for name, t in zip(unit.hybrid, unit.to_hybrid(model.arch, ins)):
-                    _copy_checked(slots[name], t, name, folder)
-                if progress is not None:
-                    progress(", ".join(unit.hf))
-    finally:
-        source.close()
+
+
+def _fill_from_hf(model: HybridModel, source: Source, progress: Progress | None) -> None:
+    _check_hf_pattern(model)
+    folder = source.folder
+    _check_architecture(folder, "config.json", source.arch, model)
+    check_tensors(source, source.layout.stored_specs(model.arch))
+    slots = dict(model.named_checkpoint_slots(all_experts=True))
+    dtype = model.output_layer.weight.dtype
+    with torch.no_grad():
+        for unit in units(model.arch):
+            if unit.per_expert:
+                held = [e for e, n in enumerate(unit.hybrid) if slots[n] is not None]
+                lo, hi = (held[0], held[-1] + 1) if held else (0, 0)
+                for e0 in range(lo, hi, EXPERT_CHUNK):
+                    e1 = min(hi, e0 + EXPERT_CHUNK)
+                    stack = source.layout.read(source.reader, model.arch, unit.hf[0], dtype, e0, e1)
+                    for name, t in zip(unit.hybrid[e0:e1], unit.to_hybrid(model.arch, [stack])):
+                        _copy_checked(slots[name], t, name, folder)
+                continue
+            ins = [source.layout.read(source.reader, model.arch, n, dtype) for n in unit.hf]
+            for name, t in zip(unit.hybrid, unit.to_hybrid(model.arch, ins)):
+                _copy_checked(slots[name], t, name, folder)
+            if progress is not None:
+                progress(", ".join(unit.hf))
 
 
 def _copy_checked(dest: torch.Tensor, src: torch.Tensor, name: str, folder: str | Path) -> None:
@@ -159,14 +170,25 @@ def _copy_checked(dest: torch.Tensor, src: torch.Tensor, name: str, folder: str 
     dest.copy_(src)
 
 
+def _fill_from_source(model: HybridModel, source: Source, progress: Progress | None) -> None:
+    """Fill `model` from an opened source of any kind."""
+    if source.kind == HYBRID:
+        _check_architecture(source.folder, HYBRID_CONFIG, source.arch, model)
+        _fill_by_hybrid_names(model, source.reader, source.folder, progress,
+                              _HYBRID_HINT)
+    elif source.kind == TRAINING:
+        _fill_from_training(model, source, progress)
+    else:
+        _fill_from_hf(model, source, progress)
+
+
 def load_weights(model: HybridModel, folder: str | Path, progress: Progress | None = None) -> None:
     """Fill `model` from a Hybrid, HF, OpenAI-original folder or a training checkpoint, whichever `folder` holds."""
-    if (Path(folder) / HYBRID_CONFIG).exists():
-        load_hybrid(model, folder, progress)
-    elif looks_like_training_checkpoint(Path(folder)) and not (Path(folder) / "config.json").exists():
-        load_training(model, folder, progress)
-    else:
-        load_hf(model, folder, progress)
+    source = open_source(str(folder))
+    try:
+        _fill_from_source(model, source, progress)
+    finally:
+        source.close()
 
 
 def checkpoint_architecture(folder: str | Path) -> tuple[GptOssArch, str | None]:
@@ -182,12 +204,16 @@ def checkpoint_architecture(folder: str | Path) -> tuple[GptOssArch, str | None]
 def model_from_checkpoint(folder: str | Path, *, dtype: torch.dtype = torch.float32,
                           device: str | torch.device = "cpu", progress: Progress | None = None,
                           **kwargs) -> HybridModel:
-    """Build a HybridModel from a folder's own config (hybrid_config.json, or config.json) and load it.
+    """Build a HybridModel from a folder's own config (hybrid_config.json, config.json, or a training
+    run's record) and load it; the folder is opened once.
 
     kwargs go to HybridModel (expert_offset, num_local_experts, token_dispatcher_factory)."""
-    arch, pattern = checkpoint_architecture(folder)
-    model = build_model(arch, pattern, device=device, dtype=dtype, **kwargs)
-    load_weights(model, folder, progress)
+    source = open_source(str(folder))
+    try:
+        model = build_model(source.arch, source.hybrid_layer_pattern, device=device, dtype=dtype, **kwargs)
+        _fill_from_source(model, source, progress)
+    finally:
+        source.close()
     return model
 
 

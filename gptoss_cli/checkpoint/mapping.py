@@ -18,6 +18,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from gptoss_cli.errors import CheckpointError
 from gptoss_cli.model.config import GptOssArch
 
 Tensors = Sequence[torch.Tensor]
@@ -165,6 +166,19 @@ def is_vocab_padding(rows: int, arch: GptOssArch) -> bool:
         if arch.num_attention_heads % tp == 0 and -(-vocab // m) * m == rows:
             return True
     return False
+
+
+def check_vocab_padding(rows: int, arch: GptOssArch, file: object, name: str) -> None:
+    """CheckpointError unless the `rows` stored rows of vocabulary tensor `name` (in `file`) are
+    vocab_size or Megatron's padding of it (`is_vocab_padding`)."""
+    if is_vocab_padding(rows, arch):
+        return
+    raise CheckpointError(
+        f"{file}: tensor {name!r} has {rows} rows but vocab_size is {arch.vocab_size}; extra rows are allowed only "
+        f"as Megatron's padding to the next multiple of 128 x TP (TP dividing "
+        f"num_attention_heads={arch.num_attention_heads})",
+        hint="fix vocab_size in the config: cutting the rows would drop real tokens",
+    )
 
 
 def canonical_hf_shapes(arch: GptOssArch) -> dict[str, tuple[int, ...]]:

@@ -12,7 +12,7 @@ import torch
 
 from gptoss_cli.checkpoint.hybrid_format import HYBRID_CONFIG, read_hybrid_config
 from gptoss_cli.checkpoint.layouts import HF_LAYOUTS, OPENAI_ORIGINAL, UINT8, Layout
-from gptoss_cli.checkpoint.mapping import is_vocab_padding
+from gptoss_cli.checkpoint.mapping import check_vocab_padding
 from gptoss_cli.checkpoint.dcp_io import DcpReader
 from gptoss_cli.checkpoint.safetensors_io import CheckpointReader
 from gptoss_cli.checkpoint.training_format import (
@@ -217,13 +217,8 @@ def check_tensors(source: Source, expected: dict[str, tuple[tuple[int, ...], str
     for name, (shape, kind) in expected.items():
         spec = source.reader.spec(name)
         padded = name in padded_rows and spec.shape[1:] == shape[1:] and len(shape) >= 1
-        if padded and spec.shape[0] > shape[0] and not is_vocab_padding(spec.shape[0], source.arch):
-            raise CheckpointError(
-                f"{source.reader.file_of(name)}: tensor {name!r} has {spec.shape[0]} rows but vocab_size is "
-                f"{shape[0]}; extra rows are allowed only as Megatron's padding to the next multiple of 128 x TP "
-                f"(TP dividing num_attention_heads={source.arch.num_attention_heads})",
-                hint="fix vocab_size in the config: cutting the rows would drop real tokens",
-            )
+        if padded and spec.shape[0] > shape[0]:
+            check_vocab_padding(spec.shape[0], source.arch, source.reader.file_of(name), name)
         ok_shape = spec.shape == shape or (padded and spec.shape[0] > shape[0])
         if not ok_shape:
             raise CheckpointError(

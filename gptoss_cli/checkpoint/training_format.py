@@ -33,7 +33,6 @@ MODEL = "model"
 OPTIMIZER = "optimizer"
 RNG = "rng"
 MASTER = "master"  # the optimizer's fp32 master copy of a parameter
-OPTIMIZER_KINDS = (MASTER, "exp_avg", "exp_avg_sq", "step")
 ITER_NAME = re.compile(r"^iter_\d+$")
 PARTIAL_NAME = re.compile(r"^\.(iter_\d+\.partial|latest\.tmp)$")
 RUN_KEY = "run"
@@ -51,6 +50,13 @@ def model_key(name: str) -> str:
 
 def optimizer_key(name: str, kind: str) -> str:
     return f"{OPTIMIZER}.{name}.{kind}"
+
+
+def latest_name(ckpt_dir: str | Path) -> str | None:
+    """What `latest` says, unchecked (None when there is no `latest`): for messages that a failed save
+    left it alone."""
+    pointer = Path(ckpt_dir) / LATEST
+    return pointer.read_text().strip() if pointer.is_file() else None
 
 
 def latest_checkpoint(ckpt_dir: str | Path) -> Path | None:
@@ -195,7 +201,8 @@ def find_checkpoint_folder(path: str | Path) -> tuple[Path, Path | None]:
 
 
 __all__ = [
-    "LATEST", "TRAIN_STATE", "MODEL", "OPTIMIZER", "RNG", "MASTER", "OPTIMIZER_KINDS", "ITER_NAME", "PARTIAL_NAME",
-    "WEIGHT_SOURCES", "TrainingRun", "iter_name", "model_key", "optimizer_key", "latest_checkpoint", "run_record",
+    "LATEST", "TRAIN_STATE", "MODEL", "OPTIMIZER", "RNG", "MASTER", "ITER_NAME", "PARTIAL_NAME",
+    "WEIGHT_SOURCES", "TrainingRun", "iter_name", "model_key", "optimizer_key", "latest_name", "latest_checkpoint",
+    "run_record",
     "read_train_state", "read_training_run", "looks_like_training_checkpoint", "find_checkpoint_folder",
 ]

@@ -14,6 +14,7 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
+from gptoss_cli import outputs
 from gptoss_cli.errors import FileSystemError, GptossError, Terminated, UsageError, describe_os_error
 
 app = typer.Typer(
@@ -93,13 +94,7 @@ def check_json_path(path: Path | None) -> None:
     path = Path(path)
     if path.is_dir():
         raise UsageError(f"--json {path}: is a folder", hint="give a file name")
-    parent = path.parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    if not parent.is_dir():
-        raise UsageError(f"--json {path}: {parent} is not a folder")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise FileSystemError(f"--json {path}: {parent} is not writable")
+    outputs.check_writable_location(path, "--json")
 
 
 def write_json(path: Path, payload: Any, done: str | None = None) -> None:
@@ -109,7 +104,7 @@ def write_json(path: Path, payload: Any, done: str | None = None) -> None:
     if that work had been lost.
     """
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = outputs.temp_path(path, outputs.TMP)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp.write_text(json.dumps(payload, indent=2, default=str) + "\n")
@@ -121,6 +116,11 @@ def write_json(path: Path, payload: Any, done: str | None = None) -> None:
             pass
         prefix = f"{done}, but " if done else ""
         raise FileSystemError(f"{prefix}the JSON summary could not be written: {describe_os_error(exc)}") from None
+
+
+def print_note(note: str) -> None:
+    """One yellow-labelled `note: ` line on stderr (what a command cleaned up or assumed)."""
+    err_console.print(Text("note: ", style="yellow") + Text(note), highlight=False, soft_wrap=True)
 
 
 def _terminate(signum: int, frame: Any) -> None:

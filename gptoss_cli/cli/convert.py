@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from gptoss_cli.cli.app import app, check_json_path, check_number, console, err_console, handle_errors, write_json
+from gptoss_cli.cli.app import app, check_json_path, check_number, console, handle_errors, print_note, write_json
 from gptoss_cli.cli.render import RichProgress, human_bytes
 from gptoss_cli.outputs import check_separate
 
@@ -61,7 +61,7 @@ def convert_cmd(
             max_shard_bytes=max(1, int(max_shard_gb * 1e9)),
         )
     for note in [] if quiet else result.notes:
-        err_console.print(Text("note: ", style="yellow") + Text(note), highlight=False, soft_wrap=True)
+        print_note(note)
     if json_path:
         write_json(json_path, result.to_json(), done=f"converted to {result.destination}")
     if quiet:

@@ -9,7 +9,7 @@ import typer
 
 from rich.text import Text
 
-from gptoss_cli.cli.app import app, check_json_path, console, err_console, handle_errors, write_json
+from gptoss_cli.cli.app import app, check_json_path, console, handle_errors, print_note, write_json
 from gptoss_cli.cli.render import human_bytes
 
 
@@ -35,7 +35,7 @@ def make_tiny_cmd(
 
     result = make_tiny(dst, experts=experts, seed=seed, dtype=dtype, force=force)
     for note in result.notes:
-        err_console.print(Text("note: ", style="yellow") + Text(note), highlight=False, soft_wrap=True)
+        print_note(note)
     if json_path:
         write_json(json_path, result.to_json(), done=f"wrote {result.destination}")
     console.print(

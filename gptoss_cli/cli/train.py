@@ -12,9 +12,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
-from rich.text import Text
 
-from gptoss_cli.cli.app import app, check_json_path, console, err_console, handle_errors, write_json
+from gptoss_cli.cli.app import app, check_json_path, console, handle_errors, print_note, write_json
 
 
 class TrainProgressBar:
@@ -123,7 +122,7 @@ def train_cmd(
         return
     if not quiet:
         for note in result.notes:
-            err_console.print(Text("note: ", style="yellow") + Text(note), highlight=False, soft_wrap=True)
+            print_note(note)
         render_result(result)
     if json_path:
         write_json(json_path, dataclasses.asdict(result), done=f"training finished at step {result.final_step}")

@@ -26,4 +26,9 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-__all__ = ["DTYPES", "torch_dtype", "dtype_name"]
+def short_dtype_name(dtype: torch.dtype) -> str:
+    """The short name (fp32, bf16, fp16) recipes and expert forms use; str(dtype) for any other dtype."""
+    return next((k for k, v in DTYPES.items() if v == dtype and k != dtype_name(v)), str(dtype))
+
+
+__all__ = ["DTYPES", "torch_dtype", "dtype_name", "short_dtype_name"]

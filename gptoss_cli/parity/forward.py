@@ -125,7 +125,7 @@ class Ours:
             for name, dest in checkpoint_slots(module, prefix):
                 if name not in self.reader:
                     raise CheckpointError(f"{self.reader.folder}: tensor {name} is missing")
-                dest.copy_(read_hybrid_tensor(self.reader, name, tuple(dest.shape)))
+                dest.copy_(read_hybrid_tensor(self.reader, name, tuple(dest.shape), self.arch))
         return module.eval()
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:

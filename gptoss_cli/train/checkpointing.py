@@ -30,9 +30,13 @@ from typing import Any
 import torch
 
 # The on-disk names belong to checkpoint/ (conversion reads these folders without the trainer).
-from gptoss_cli.checkpoint.dcp_io import check_storage_files, dcp_error, quiet_single_process
+from gptoss_cli.checkpoint.dcp_io import (
+    check_storage_files, dcp_error, quiet_single_process, read_metadata, storage_reader,
+)
+from gptoss_cli.checkpoint.finite import all_finite
 from gptoss_cli.checkpoint.training_format import (
-    LATEST, MODEL, OPTIMIZER, PARTIAL_NAME, RNG, TRAIN_STATE, iter_name, latest_checkpoint,
+    LATEST, MODEL, OPTIMIZER, PARTIAL_NAME, RNG, TRAIN_STATE, iter_name, latest_checkpoint, latest_name,
+    read_train_state,
 )
 from gptoss_cli.errors import CheckpointError, TrainingError
 from gptoss_cli.parallel.state import ParallelState, barrier
@@ -80,7 +84,12 @@ def save_checkpoint(
     name = iter_name(step)
     final = ckpt_dir / name
     tmp = ckpt_dir / f".{name}.partial"
-    check_finite_state(ckpt_dir, step, model, optimizer, state)
+    payload: dict[str, Any] = {
+        MODEL: _model_state(model),
+        OPTIMIZER: optimizer.state_dict(),
+        RNG: _rng_state(state),
+    }
+    check_finite_state(ckpt_dir, step, payload[MODEL], payload[OPTIMIZER], state)
     if state.rank == 0:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
         if tmp.exists():
@@ -88,18 +97,13 @@ def save_checkpoint(
     barrier()
     import torch.distributed.checkpoint as dcp  # lazy: importing DCP costs every worker about a second
 
-    payload: dict[str, Any] = {
-        MODEL: _model_state(model),
-        OPTIMIZER: optimizer.state_dict(),
-        RNG: _rng_state(state),
-    }
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
         with quiet_single_process():
             dcp.save(payload, checkpoint_id=str(tmp))
     except (Exception, CheckpointException) as exc:  # DCP wraps each rank's OSError (a full disk) in one
-        latest = (ckpt_dir / LATEST).read_text().strip() if (ckpt_dir / LATEST).is_file() else None
+        latest = latest_name(ckpt_dir)
         if state.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         # torch's own message for a full disk can be as cryptic as "unexpected pos 704 vs 598"
@@ -124,11 +128,6 @@ def save_checkpoint(
     return final
 
 
-def _all_finite(t: torch.Tensor) -> bool:
-    lo, hi = torch.aminmax(t)  # NaN propagates, +-inf shows; no mask tensor (isfinite().all() is ~35x slower)
-    return bool(torch.isfinite(lo) & torch.isfinite(hi))
-
-
 def _local_parts(t: Any) -> list[torch.Tensor]:
     """The tensors this rank holds of a state entry: itself, or its local shards when the distributed
     optimizer saved it as a ShardedTensor (a shard boundary cut through it)."""
@@ -140,16 +139,18 @@ def _local_parts(t: Any) -> list[torch.Tensor]:
 def _first_non_finite(tensors: dict[str, Any]) -> tuple[int, str | None]:
     bad, first = 0, None
     for name, t in tensors.items():
-        if any(p.is_floating_point() and p.numel() and not _all_finite(p) for p in _local_parts(t)):
+        if not all(all_finite(p) for p in _local_parts(t)):
             bad += 1
             first = first or name
     return bad, first
 
 
-def check_finite_state(ckpt_dir: Path, step: int, model: torch.nn.Module, optimizer: Any, state: ParallelState) -> None:
-    """Every rank checks its parameters and optimizer state; any non-finite tensor stops the save on all ranks."""
-    payload = {**{f"{MODEL}.{k}": v for k, v in _model_state(model).items()},
-               **{f"{OPTIMIZER}.{k}": v for k, v in optimizer.state_dict().items()}}
+def check_finite_state(ckpt_dir: Path, step: int, model_state: dict[str, Any], optimizer_state: dict[str, Any],
+                       state: ParallelState) -> None:
+    """Every rank checks its parameters and optimizer state (the state dicts about to be saved); any
+    non-finite tensor stops the save on all ranks."""
+    payload = {**{f"{MODEL}.{k}": v for k, v in model_state.items()},
+               **{f"{OPTIMIZER}.{k}": v for k, v in optimizer_state.items()}}
     bad, first = _first_non_finite(payload)
     counts = torch.tensor([bad, len(payload)], dtype=torch.float64)
     if state.distributed:
@@ -163,7 +164,7 @@ def check_finite_state(ckpt_dir: Path, step: int, model: torch.nn.Module, optimi
             dist.all_gather_object(names, first)
             first = next(n for n in names if n)
     if int(counts[0]):
-        latest = (ckpt_dir / LATEST).read_text().strip() if (ckpt_dir / LATEST).is_file() else None
+        latest = latest_name(ckpt_dir)
         raise TrainingError(
             f"after step {step}, {int(counts[0])} of {int(counts[1])} parameter and optimizer tensors are not finite "
             f"(first: {first}); this state was not saved and `latest` "
@@ -208,14 +209,10 @@ def load_checkpoint(
     import torch.distributed.checkpoint as dcp
 
     folder = Path(folder)
-    try:
-        meta = json.loads((folder / TRAIN_STATE).read_text())
-        metadata = dcp.FileSystemReader(str(folder)).read_metadata()
-        saved = metadata.state_dict_metadata
-    except Exception as exc:  # OSError, bad JSON, or an unpickling error from a damaged .metadata
-        raise CheckpointError(f"{folder}: cannot read checkpoint ({_first_line(exc)})") from None
-    if not isinstance(meta, dict) or not isinstance(meta.get("step"), int):
-        raise CheckpointError(f"{folder / TRAIN_STATE}: not a gptoss train state (no integer 'step')")
+    meta = read_train_state(folder)
+    # .metadata is a pickle: read once with dcp_io's allow-list, and handed to DCP by the storage reader
+    metadata = read_metadata(folder)
+    saved = metadata.state_dict_metadata
     payload: dict[str, Any] = {MODEL: _model_state(model), OPTIMIZER: optimizer.state_dict()}
     _check_against_metadata(folder, payload, metadata)
     # RNG streams belong to ranks: restored only when the layout is the same (else the seed's).
@@ -227,7 +224,7 @@ def load_checkpoint(
 
     try:
         with quiet_single_process():
-            dcp.load(payload, checkpoint_id=str(folder))
+            dcp.load(payload, storage_reader=storage_reader(folder, metadata))
     except (Exception, CheckpointException) as exc:  # DCP wraps every rank's failure in one CheckpointException
         raise CheckpointError(f"{folder}: cannot load checkpoint ({dcp_error(exc)})") from None
     if RNG in payload:
@@ -236,11 +233,6 @@ def load_checkpoint(
             torch.cuda.set_rng_state(payload[RNG][f"rank{state.rank}.cuda"])
     optimizer.after_load()
     return meta
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0][:300]
 
 
 __all__ = ["remove_partial_checkpoints", "check_finite_state", "save_checkpoint", "load_checkpoint", "latest_checkpoint", "LATEST", "TRAIN_STATE"]

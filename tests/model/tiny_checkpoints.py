@@ -53,14 +53,9 @@ def write_hf_checkpoint(folder: Path, experts: str = "bf16", seed: int = 0) -> P
 
 def load_hf_reference(folder: Path):
     """transformers' own loading (it dequantizes MXFP4 itself on CPU), eager attention, fp32."""
-    import transformers
+    from gptoss_cli.parity.reference import load_transformers_model
 
-    kw = {}
-    if "quantization_config" in json.loads((Path(folder) / "config.json").read_text()):
-        kw["quantization_config"] = transformers.Mxfp4Config(dequantize=True)
-    return transformers.GptOssForCausalLM.from_pretrained(
-        folder, attn_implementation="eager", dtype=torch.float32, **kw
-    ).eval()
+    return load_transformers_model(folder, torch.float32, attn_implementation="eager")
 
 
 def write_converted_pair(root: Path, experts: str = "bf16", seed: int = 0) -> tuple[Path, Path]:
