@@ -17,7 +17,6 @@ renders (gptoss_cli/cli/demo.py).
 
 from __future__ import annotations
 
-import json
 import shutil
 import time
 from dataclasses import asdict, dataclass, field

@@ -14,10 +14,10 @@ import torch
 from typer.testing import CliRunner
 
 from gptoss_cli.checkpoint.convert import PROVENANCE_KEY, convert
-from gptoss_cli.checkpoint.load import model_from_checkpoint
+from gptoss_cli.checkpoint.load import build_model, load_hf, model_from_checkpoint
 from gptoss_cli.checkpoint.training_format import TRAIN_STATE
 from gptoss_cli.cli import app
-from gptoss_cli.errors import UsageError
+from gptoss_cli.errors import CheckpointError, UsageError
 from tests.faults.conftest import digest
 from tests.model.tiny_checkpoints import load_hf_reference
 from tests.tolerances import reassociation_rel
@@ -61,6 +61,7 @@ def test_hf_export_of_a_training_checkpoint_computes_what_our_model_computes(tra
     assert provenance["run"] == "ckpt" and provenance["weights"] == "model"
     assert provenance["saved_at"]["expert_model_parallel_size"] == 2
     assert result.provenance == provenance
+    assert result.workers == 1  # the DCP reader serves one stream (DcpReader.concurrent_reads)
     assert digest(trained) == before  # read only: nothing added, nothing changed
 
 
@@ -228,6 +229,28 @@ def test_metadata_that_would_run_code_is_refused_unexecuted(copy_of, tmp_path):
     code, out = invoke("convert", src, tmp_path / "out")
     assert code == 2 and "not readable DCP metadata" in out and "refusing to load pathlib" in out, out
     assert not marker.exists()
+
+
+def test_resume_reads_metadata_through_the_allow_list_and_refuses_code_unexecuted(copy_of, tmp_path):
+    """`gptoss train`'s resume reads the same .metadata pickle: it must not run it either (it is
+    refused before any model state is touched, so no model is needed here)."""
+    from gptoss_cli.train.checkpointing import load_checkpoint
+
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (Path.touch, (marker,))
+
+    src = copy_of(lambda d: (d / "iter_0000003" / ".metadata").write_bytes(pickle.dumps(Payload())))
+    with pytest.raises(CheckpointError, match="not readable DCP metadata.*refusing to load pathlib"):
+        load_checkpoint(src / "iter_0000003", model=None, optimizer=None, state=None)
+    assert not marker.exists()
+
+
+def test_loading_a_training_checkpoint_as_hf_is_a_checkpoint_error(trained):
+    with pytest.raises(CheckpointError, match="is a training checkpoint, not a Hugging Face one"):
+        load_hf(build_model(TINY), trained)
 
 
 def test_dst_inside_the_checkpoint_dir_is_refused(trained, tmp_path):

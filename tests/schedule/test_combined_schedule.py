@@ -143,3 +143,18 @@ def test_schedule_that_skips_the_queued_wgrad_fails_instead_of_losing_gradients(
     with pytest.raises(TrainingError, match="never run"):
         forward_backward_combined_1f1b(forward_step_func=forward_step, data_iterator=_data().step_iterator(),
                                        model=setup.model, num_microbatches=2)
+
+
+def test_a_stream_counts_the_ops_before_its_next_all_to_all_at_every_position():
+    """The merge's ordering rule reads this count (the stream nearer its next all-to-all computes
+    first); expected values counted by hand, FINISH ops count like compute ops."""
+    from gptoss_cli.schedule.combined_1f1b import _Stream
+
+    kinds = [RUN, RUN, START, FINISH, RUN, START, RUN]
+    stream = _Stream([(k, lambda: None) for k in kinds])
+    seen = []
+    while not stream.done:
+        seen.append(stream.runs_before_comm())
+        stream.step()
+    assert seen == [2, 1, 0, 2, 1, 0, float("inf")]
+    assert stream.runs_before_comm() == float("inf")
