@@ -23,8 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from gptoss_cli.fp8.linear import Fp8Stats
-from gptoss_cli.fp8.matmul import Fp8Numerics
+from gptoss_cli.fp8.linear import Fp8Gemms
 from gptoss_cli.fp8.scaling import check_all_finite
 from gptoss_cli.model.grouped_gemm import GroupedGemm, _loop
 
@@ -47,18 +46,8 @@ def _checked_once(run):
     return out
 
 
-class Fp8GroupedGemm(GroupedGemm):
+class Fp8GroupedGemm(Fp8Gemms, GroupedGemm):
     """fprop / dgrad / wgrad of one grouped expert layer (`layer` names it in errors)."""
-
-    name = "fp8"
-
-    def __init__(self, numerics: Fp8Numerics, layer: str, stats: Fp8Stats | None = None):
-        self.numerics = numerics
-        self.layer = layer
-        self.stats = stats if stats is not None else Fp8Stats()
-
-    def __repr__(self) -> str:
-        return f"Fp8GroupedGemm({self.layer!r}, {self.numerics.scaling}, {self.numerics.kernel})"
 
     def fprop(self, x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         counts = tokens_per_expert.tolist()

@@ -37,8 +37,8 @@ class Fp8Stats:
         return sum(self.gemms.values())
 
 
-class Fp8LinearGemm:
-    """fprop / dgrad / wgrad of one linear layer (`layer` names it in errors)."""
+class Fp8Gemms:
+    """What every FP8 GEMM seam holds: the numerics, the layer's name for errors, the GEMM counts."""
 
     name = "fp8"
 
@@ -48,7 +48,11 @@ class Fp8LinearGemm:
         self.stats = stats if stats is not None else Fp8Stats()
 
     def __repr__(self) -> str:
-        return f"Fp8LinearGemm({self.layer!r}, {self.numerics.scaling}, {self.numerics.kernel})"
+        return f"{type(self).__name__}({self.layer!r}, {self.numerics.scaling}, {self.numerics.kernel})"
+
+
+class Fp8LinearGemm(Fp8Gemms):
+    """fprop / dgrad / wgrad of one linear layer (`layer` names it in errors)."""
 
     def fprop(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         self.stats.count("fprop")
