@@ -118,6 +118,66 @@ def sink_attention(
     return out[..., :d]
 
 
+def document_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sinks: torch.Tensor,
+    window: int | None,
+    cu_seqlens: tuple[int, ...] | None,
+) -> torch.Tensor:
+    """`sink_attention` within documents: no query sees a key of another document.
+
+    cu_seqlens: document start offsets into the flattened [B*S] token stream, 0 .. B*S, that include
+    every row start (b*S) (flash-attn's varlen convention; `document_offsets` builds them). Each
+    document runs `sink_attention` alone, so its sinks and sliding window apply within it; None =
+    one document per row.
+    """
+    if cu_seqlens is None:
+        return sink_attention(q, k, v, sinks, window)
+    b, nh, s, d = q.shape
+    nkv = k.shape[1]
+    if cu_seqlens[0] != 0 or cu_seqlens[-1] != b * s:
+        raise ValueError(f"cu_seqlens must run from 0 to batch x seq = {b * s}, got {cu_seqlens[0]} .. {cu_seqlens[-1]}")
+    # [B, h, S, d] -> [h, B*S, d]: one token stream, documents are slices of it.
+    flat_q = q.transpose(0, 1).reshape(nh, b * s, d)
+    flat_k = k.transpose(0, 1).reshape(nkv, b * s, d)
+    flat_v = v.transpose(0, 1).reshape(nkv, b * s, d)
+    outs = []
+    for start, stop in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+        if start // s != (stop - 1) // s:
+            raise ValueError(f"document [{start}, {stop}) crosses a row boundary (rows of {s} tokens)")
+        outs.append(sink_attention(flat_q[None, :, start:stop], flat_k[None, :, start:stop],
+                                   flat_v[None, :, start:stop], sinks, window)[0])
+    return torch.cat(outs, dim=1).view(nh, b, s, d).transpose(0, 1)
+
+
+def document_offsets(seqlens: list[list[int]], seq_len: int) -> tuple[int, ...]:
+    """cu_seqlens of `document_attention` from each row's document lengths (a row's lengths summing
+    to less than seq_len leave the rest of the row as one more segment, its padding)."""
+    offsets = [0]
+    for row, lengths in enumerate(seqlens):
+        for n in lengths:
+            if n < 1:
+                raise ValueError(f"row {row}: document length {n} < 1")
+            offsets.append(offsets[-1] + n)
+        end = (row + 1) * seq_len
+        if offsets[-1] > end:
+            raise ValueError(f"row {row}: documents of {sum(lengths)} tokens exceed the row of {seq_len}")
+        if offsets[-1] < end:
+            offsets.append(end)
+    return tuple(offsets)
+
+
+def document_positions(cu_seqlens: tuple[int, ...], batch: int, seq_len: int, device=None) -> torch.Tensor:
+    """position_ids [B, S] that restart at 0 at every offset of cu_seqlens."""
+    idx = torch.arange(batch * seq_len)
+    starts = torch.tensor(cu_seqlens[:-1])
+    lengths = torch.tensor(cu_seqlens[1:]) - starts
+    pos = idx - torch.repeat_interleave(starts, lengths)
+    return pos.view(batch, seq_len).to(device)
+
+
 class LayerNormLinear(nn.Module):
     """RMSNorm fused with a linear projection: Megatron's `linear_qkv` with `layer_norm_weight`.
 
@@ -144,8 +204,9 @@ class CoreAttention(nn.Module):
         self.window = window
         self.softmax_offset = nn.Parameter(torch.zeros(num_heads, device=device, dtype=dtype))
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return sink_attention(q, k, v, self.softmax_offset, self.window)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                cu_seqlens: tuple[int, ...] | None = None) -> torch.Tensor:
+        return document_attention(q, k, v, self.softmax_offset, self.window, cu_seqlens)
 
     def extra_repr(self) -> str:
         return f"window={self.window}"
@@ -163,8 +224,10 @@ class SelfAttention(nn.Module):
             arch.num_attention_heads * arch.head_dim, arch.hidden_size, bias=True, device=device, dtype=dtype
         )
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [B, S, H] (un-normalised: the norm is fused into linear_qkv) -> attention output [B, S, H]."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cu_seqlens: tuple[int, ...] | None = None) -> torch.Tensor:
+        """x [B, S, H] (un-normalised: the norm is fused into linear_qkv) -> attention output [B, S, H];
+        cu_seqlens: packed documents (see `document_attention`), None = one per row."""
         b, s, _ = x.shape
         r = self.num_heads // self.num_kv_heads
         qkv = self.linear_qkv(x).view(b, s, self.num_kv_heads, r + 2, self.head_dim)
@@ -173,7 +236,7 @@ class SelfAttention(nn.Module):
         v = qkv[:, :, :, r + 1].transpose(1, 2)
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
-        out = self.core_attention(q, k, v)
+        out = self.core_attention(q, k, v, cu_seqlens)
         return self.linear_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
 
 
@@ -186,5 +249,6 @@ class AttentionLayer(nn.Module):
         super().__init__()
         self.self_attention = SelfAttention(arch, window, device, dtype)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return x + self.self_attention(x, cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cu_seqlens: tuple[int, ...] | None = None) -> torch.Tensor:
+        return x + self.self_attention(x, cos, sin, cu_seqlens)

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gptoss_cli.errors import ConfigError
-from gptoss_cli.model.attention import AttentionLayer, LayerNormLinear
+from gptoss_cli.model.attention import AttentionLayer, LayerNormLinear, document_positions
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.model.dense_gemm import DenseGemm, Linear
 from gptoss_cli.model.dispatcher import AllToAllTokenDispatcher
@@ -191,8 +191,9 @@ def build_layer(
     raise ConfigError(f"layer symbol {symbol!r} cannot be built", hint="use '*', 'E' or '-'")
 
 
-def run_layer(layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return layer(x, cos, sin) if isinstance(layer, AttentionLayer) else layer(x)
+def run_layer(layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              cu_seqlens: tuple[int, ...] | None = None) -> torch.Tensor:
+    return layer(x, cos, sin, cu_seqlens) if isinstance(layer, AttentionLayer) else layer(x)
 
 
 def init_weights_(model: "HybridModel", std: float, seed: int) -> None:
@@ -324,12 +325,13 @@ class HybridModel(nn.Module):
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
+        cu_seqlens: tuple[int, ...] | None = None,
     ):
         """One microbatch's combined-1F1B schedule plan: nodes per layer with detached inputs
         (gptoss_cli/model/schedule_plan.py); the schedule configures it (`SchedulePlan.configure`)."""
         from gptoss_cli.model.schedule_plan import build_hybrid_schedule_plan
 
-        return build_hybrid_schedule_plan(self, input_ids, position_ids, labels)
+        return build_hybrid_schedule_plan(self, input_ids, position_ids, labels, cu_seqlens)
 
     # --- structure helpers ----------------------------------------------------------------
     def moe_layers(self) -> Iterator[tuple[int, MoELayer]]:
@@ -355,8 +357,13 @@ class HybridModel(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embedding.word_embeddings(input_ids)
 
-    def rope(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, dtype: torch.dtype):
-        if position_ids is None:
+    def rope(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, dtype: torch.dtype,
+             cu_seqlens: tuple[int, ...] | None = None):
+        """cos/sin of `position_ids`; by default positions count from 0 in every row, or in every
+        document of `cu_seqlens` (packed documents)."""
+        if position_ids is None and cu_seqlens is not None:
+            position_ids = document_positions(cu_seqlens, *input_ids.shape, device=input_ids.device)
+        elif position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape[0], -1)
         return self.rotary_pos_emb(position_ids, dtype)
 
@@ -370,17 +377,22 @@ class HybridModel(nn.Module):
         input_ids: torch.Tensor,
         labels: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        cu_seqlens: tuple[int, ...] | None = None,
     ) -> HybridOutput:
         """input_ids [B, S]; labels [B, S] are the targets of each position, ALREADY shifted
-        (Megatron convention: labels[t] = input_ids[t+1]), -100 to ignore."""
+        (Megatron convention: labels[t] = input_ids[t+1]), -100 to ignore.
+
+        cu_seqlens: packed documents, as start offsets into the flattened [B*S] tokens including
+        every row start (model/attention.py, `document_attention`): attention stays within each
+        document and positions restart at 0 in each (unless position_ids are given)."""
         collect = self.training and self.aux_loss_coef > 0
         for _, layer in self.moe_layers():
             layer.collect_router_stats = collect
             layer.router_stats = None
         x = self.embed(input_ids)
-        cos, sin = self.rope(input_ids, position_ids, x.dtype)
+        cos, sin = self.rope(input_ids, position_ids, x.dtype, cu_seqlens)
         for layer in self.decoder.layers:
-            x = run_layer(layer, x, cos, sin)
+            x = run_layer(layer, x, cos, sin, cu_seqlens)
         out = self.output(x)
         if collect:
             stats = [layer.router_stats for _, layer in self.moe_layers() if layer.router_stats is not None]

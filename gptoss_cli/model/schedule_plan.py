@@ -356,6 +356,7 @@ def build_hybrid_schedule_plan(
     input_ids: torch.Tensor,
     position_ids: torch.Tensor | None = None,
     labels: torch.Tensor | None = None,
+    cu_seqlens: tuple[int, ...] | None = None,
 ) -> SchedulePlan:
     """The plan of one microbatch for a HybridModel (see the module docstring). Nothing runs yet.
 
@@ -369,7 +370,7 @@ def build_hybrid_schedule_plan(
 
     def embedding(input_ids: torch.Tensor, position_ids: torch.Tensor | None) -> dict[str, Any]:
         x = model.embed(input_ids)
-        cos, sin = model.rope(input_ids, position_ids, x.dtype)
+        cos, sin = model.rope(input_ids, position_ids, x.dtype, cu_seqlens)
         return {"hidden": x, "cos": cos, "sin": sin}
 
     emb = ComputeNode("embedding", embedding, {"input_ids": input_ids, "position_ids": position_ids})
@@ -383,7 +384,7 @@ def build_hybrid_schedule_plan(
             if isinstance(layer, AttentionLayer):
                 node = ComputeNode(
                     f"decoder.layers.{j}.attention",
-                    lambda x, cos, sin, _l=layer: {"hidden": _l(x, cos, sin)},
+                    lambda x, cos, sin, _l=layer: {"hidden": _l(x, cos, sin, cu_seqlens)},
                     {"x": hidden, "cos": Ref(emb, "cos"), "sin": Ref(emb, "sin")}, layer=j, symbol=ATTENTION,
                 )
                 unit.append(node)
