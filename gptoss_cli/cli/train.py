@@ -81,6 +81,10 @@ def render_result(result: Any) -> None:
         f = result.fp8
         table.add_row("fp8", f"{f['recipe']} {f['format']}: {f['path']} ({f['kernel']}) on {f['device']}, "
                              f"{f['gemms']} FP8 GEMMs on rank 0")
+    if result.packing:
+        p = result.packing
+        table.add_row("packing", f"{p['efficiency']:.1%} of {p['rows']} rows of {p['seq_length']} tokens hold "
+                                 "documents (the rest is padding)")
     table.add_row("run folder", escape(str(result.run_dir)) + " (metrics.jsonl)")
     if result.resumed_from:
         table.add_row("resumed from", escape(result.resumed_from))

@@ -82,6 +82,8 @@ class TrainResult:
     world_size: int
     ep_size: int
     fp8: dict[str, Any] | None = None  # recipe, format, path (native/emulated), kernel, FP8 GEMMs run (rank 0)
+    # packed documents (a version-2 token file): real tokens / row positions, and the number of rows
+    packing: dict[str, Any] | None = None
     notes: list[str] = field(default_factory=list)  # e.g. leftovers of killed runs that were removed
 
 
@@ -95,8 +97,8 @@ def forward_step(data_iterator: Iterator[Microbatch], model: torch.nn.Module,
     mb = next(data_iterator)
     loss_func = functools.partial(microbatch_loss, mb.labels, get_model_config(model).aux_loss_coeff)
     if return_schedule_plan:
-        return get_attr_wrapped_model(model, "build_schedule_plan")(mb.tokens), loss_func
-    return model(mb.tokens), loss_func
+        return get_attr_wrapped_model(model, "build_schedule_plan")(mb.tokens, **mb.model_inputs()), loss_func
+    return model(mb.tokens, **mb.model_inputs()), loss_func
 
 
 def microbatch_loss(labels: torch.Tensor, aux_coeff: float, output: Any) -> tuple[torch.Tensor, torch.Tensor, dict]:
@@ -183,6 +185,8 @@ def _train(job: TrainJob, state: ParallelState, progress: Progress | None, heart
     lr_schedule = WarmupCosineLR(t.lr, t.min_lr, t.warmup_iters, t.lr_decay_iters or t.train_iters, t.lr_decay_style)
     source = build_source(cfg.data.kind, path=cfg.data.path, seq_length=t.seq_length, seed=t.seed,
                           vocab_size=job.arch.vocab_size)
+    packing = ({"efficiency": source.efficiency, "rows": source.num_samples, "seq_length": t.seq_length}
+               if getattr(source, "documents", False) else None)
     data = DataLoaderState(source, global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size,
                            dp_rank=state.dp_rank, dp_size=state.dp_size, device=state.device)
 
@@ -203,7 +207,8 @@ def _train(job: TrainJob, state: ParallelState, progress: Progress | None, heart
     emit = progress if (progress is not None and state.rank == 0) else None
     if emit:
         emit({"kind": "start", "start_step": start_step, "train_iters": t.train_iters, "world_size": state.world_size,
-              "ep_size": state.ep_size, "resumed_from": resumed_from, "fp8": fp8.describe() if fp8 else None})
+              "ep_size": state.ep_size, "resumed_from": resumed_from, "fp8": fp8.describe() if fp8 else None,
+              "packing": packing})
 
     losses: list[float] = []
     norms: list[float] = []
@@ -262,7 +267,7 @@ def _train(job: TrainJob, state: ParallelState, progress: Progress | None, heart
         steps=len(losses), final_step=max(start_step, t.train_iters), losses=losses, grad_norms=norms,
         tokens_per_s=(tokens_total / time_total) if time_total else 0.0, run_dir=str(run_dir),
         checkpoint=str(last_ckpt) if last_ckpt else None, resumed_from=resumed_from,
-        world_size=state.world_size, ep_size=state.ep_size, fp8=fp8.summary() if fp8 else None,
+        world_size=state.world_size, ep_size=state.ep_size, fp8=fp8.summary() if fp8 else None, packing=packing,
     )
     if emit:
         emit({"kind": "end", **asdict(result)})

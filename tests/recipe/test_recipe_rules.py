@@ -114,7 +114,8 @@ CASES = {
     "unsupported.checkpoint_format": (["checkpoint.format=torch_dist"], "error", []),
 }
 # Tested with their own context below (a model class, a torch version, what is implemented).
-SPECIAL = {"overlap.schedule_plan", "overlap.torch_version", "unsupported.fp8"}
+SPECIAL = {"overlap.schedule_plan", "overlap.torch_version", "unsupported.fp8",
+           "data.documents_fit"}  # with a token file: tests/train/test_sft_training.py
 
 
 def test_every_registered_rule_has_a_test_case():
