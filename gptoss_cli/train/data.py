@@ -113,7 +113,10 @@ class TokenFileSource(_EpochOrder):
         self.bin_path, self.vocab_size = bin_path, vocab_size
 
     def sample(self, index: int) -> torch.Tensor:
-        j = self.sample_at(index)
+        return self.window(self.sample_at(index))
+
+    def window(self, j: int) -> torch.Tensor:
+        """Window j of the file (not shuffled): tokens[j*S : j*S + S + 1]."""
         window = self.tokens[j * self.seq_length : j * self.seq_length + self.seq_length + 1].to(torch.int64)
         _check_ids(window, self.vocab_size, self.bin_path, j * self.seq_length)
         return window

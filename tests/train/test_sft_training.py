@@ -10,6 +10,7 @@ both sides compute every token's loss from the same weights; the order of the su
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -118,11 +119,18 @@ def test_one_step_loss_and_gradients_equal_each_document_alone(sft_file):
 def test_train_on_a_v2_file_end_to_end(sft_file, tmp_path):
     prefix, _, _ = sft_file
     job = train_job(tmp_path / "run", data_kind="tokens", data_path=str(prefix), seq_length=S, global_batch_size=6,
-                    micro_batch_size=2, train_iters=3, lr=3e-3)
+                    micro_batch_size=2, train_iters=3, lr=3e-3, checkpoint_dir=str(tmp_path / "ckpt"))
     result = run_worker(job)
     assert result.packing == {"efficiency": pytest.approx(sum(LENGTHS) / (6 * S)), "rows": 6, "seq_length": S}
     assert all(torch.isfinite(torch.tensor(result.losses)))
     assert result.losses[-1] < result.losses[0]  # the same 6 rows every step: the loss falls
+    # `gptoss eval` reads the run's checkpoint and scores the same trained tokens
+    out = CliRunner().invoke(app, ["eval", str(tmp_path / "ckpt"), "--data", str(prefix), "--seq-length", str(S),
+                                   "--json", str(tmp_path / "e.json"), "--quiet"])
+    assert out.exit_code == 0, out.output
+    got = json.loads((tmp_path / "e.json").read_text())
+    assert got["loss_tokens"] == sum(int(m[1:].sum()) for m in sft_file[2])
+    assert 0 < got["loss"] < result.losses[0]
 
 
 def test_train_cli_refuses_a_v2_file_whose_documents_do_not_fit(sft_file, tmp_path):
