@@ -39,3 +39,27 @@ def write_sft_file(prefix: Path, docs: list[torch.Tensor], masks: list[torch.Ten
                            "num_loss_tokens": int(sum(int(m.sum()) for m in masks)) if masks is not None else 0,
                            "max_document_length": max(len(d) for d in docs), "num_dropped": 0, "rendering": {}})
     return prefix
+
+
+def packed_step_worker(rank: int, prefix: str, ep: int, overlap: bool, seq: int, global_batch: int) -> dict:
+    """One rank's loss sum, trained tokens and finalised gradients of one global batch of packed rows
+    (micro-batches of 1 row), through the plain schedule or combined 1F1B with EP overlap."""
+    from gptoss_cli.model.config import preset
+    from gptoss_cli.parallel.state import init_parallel
+    from gptoss_cli.schedule import get_forward_backward_func
+    from gptoss_cli.train.data import DataLoaderState, PackedDocumentSource
+    from gptoss_cli.train.loop import forward_step
+    from tests.schedule.workers import build
+    from tests.train.dist_helpers import named_grads
+
+    tiny = preset("tiny")
+    state = init_parallel(ep, "cpu")
+    setup = build(state, overlap=overlap, pattern=tiny.hybrid_layer_pattern, aux=0.0, seed=11)
+    source = PackedDocumentSource(prefix, seq, 0, tiny.vocab_size)
+    data = DataLoaderState(source, global_batch_size=global_batch, micro_batch_size=1, dp_rank=state.dp_rank,
+                           dp_size=state.dp_size)
+    schedule = get_forward_backward_func(setup.config)
+    logs = schedule(forward_step_func=forward_step, data_iterator=data.step_iterator(), model=setup.model,
+                    num_microbatches=data.num_microbatches)
+    return {"loss_sum": float(sum(l["lm_loss_sum"] for l in logs)), "tokens": float(sum(l["num_tokens"] for l in logs)),
+            "grads": named_grads(setup.model), "schedule": schedule.__name__}

@@ -20,15 +20,15 @@ from gptoss_cli.cli import app
 from gptoss_cli.errors import ConfigError
 from gptoss_cli.model.hybrid import IGNORE_INDEX, checkpoint_slots
 from gptoss_cli.parallel.grads import unwrap_model
-from gptoss_cli.parallel.state import init_parallel
+from gptoss_cli.parallel.state import ParallelState, init_parallel
 from gptoss_cli.schedule import get_forward_backward_func
 from gptoss_cli.train.data import DataLoaderState, PackedDocumentSource, build_source
 from gptoss_cli.train.loop import forward_step, run_worker
 from tests.tolerances import assert_tensors_close, reassociation_rel
-from tests.train.dist_helpers import named_grads
+from tests.schedule.workers import build as build_overlap
+from tests.train.dist_helpers import named_grads, run_distributed
 from tests.train.jobs import TINY, train_job
-from tests.train.sft_files import sft_documents, write_sft_file
-from tests.train.workers import build
+from tests.train.sft_files import packed_step_worker, sft_documents, write_sft_file
 
 S = 32
 LENGTHS = [5, 30, 12, 19, 2, 9, 17, 26, 8, 3, 20, 25]  # 176 tokens: 6 rows of 32
@@ -83,25 +83,12 @@ def test_document_longer_than_seq_length_is_a_config_error(sft_file):
         PackedDocumentSource(prefix, 16, 0, TINY.vocab_size)
 
 
-def test_one_step_loss_and_gradients_equal_each_document_alone(sft_file):
-    """The real schedule over a global batch of packed rows (2 microbatches of 2 rows): the loss and
-    every finalised gradient equal the per-document reference's sum over trained tokens / their number."""
-    prefix, docs, masks = sft_file
-    state = init_parallel(1, "cpu")
-    setup = build(state, aux=0.0, seed=11)
-    source = PackedDocumentSource(prefix, S, 0, TINY.vocab_size)
-    rows = source.num_samples
-    assert rows == 6, rows
+def per_document_reference(docs, masks) -> tuple[dict[str, torch.Tensor], int]:
+    """Loss (sum over the trained tokens / their number) and its gradients, every document run alone
+    through a plain HybridModel with the weights the training setup starts from (seed 11, aux off)."""
+    setup = build_overlap(ParallelState(), overlap=False, pattern=TINY.hybrid_layer_pattern, aux=0.0, seed=11)
     reference = copy.deepcopy(unwrap_model(setup.model)).train()
-    data = DataLoaderState(source, global_batch_size=rows, micro_batch_size=2, dp_rank=0, dp_size=1)
-    schedule = get_forward_backward_func(setup.config)
-    logs = schedule(forward_step_func=forward_step, data_iterator=data.step_iterator(), model=setup.model,
-                    num_microbatches=data.num_microbatches)
-    got_tokens = float(sum(l["num_tokens"] for l in logs))
-    got = {"loss": torch.tensor(float(sum(l["lm_loss_sum"] for l in logs)) / got_tokens), **named_grads(setup.model)}
-
     trained = sum(int(m[1:].sum()) for m in masks)
-    assert got_tokens == trained
     total = torch.zeros(())
     for doc, mask in zip(docs, masks):
         total = total + reference(doc[None]).lm_loss_sum(_alone_labels(doc, mask)[None])
@@ -109,11 +96,51 @@ def test_one_step_loss_and_gradients_equal_each_document_alone(sft_file):
     with torch.no_grad():
         for p in reference.parameters():
             p.copy_(p.grad)
-    want = {"loss": total.detach() / trained,
-            **{name: t.detach().clone() for name, t in checkpoint_slots(reference)}}
-    rel = reassociation_rel(max(S * rows, TINY.hidden_size, TINY.intermediate_size),
-                            depth=2 * (len(reference.decoder.layers) + 2))
-    assert_tensors_close(got, want, rel)
+    return {"loss": total.detach() / trained, **{n: t.detach().clone() for n, t in checkpoint_slots(reference)}}, trained
+
+
+# A gradient element sums over every token of the global batch (6 rows), through the layers twice.
+REL = reassociation_rel(max(6 * S, TINY.hidden_size, TINY.intermediate_size), depth=2 * (2 * TINY.num_hidden_layers + 2))
+
+
+def test_one_step_loss_and_gradients_equal_each_document_alone(sft_file):
+    """The real schedule over a global batch of packed rows (3 microbatches of 2 rows): the loss and
+    every finalised gradient equal the per-document reference's sum over trained tokens / their number."""
+    prefix, docs, masks = sft_file
+    state = init_parallel(1, "cpu")
+    setup = build_overlap(state, overlap=False, pattern=TINY.hybrid_layer_pattern, aux=0.0, seed=11)
+    source = PackedDocumentSource(prefix, S, 0, TINY.vocab_size)
+    assert source.num_samples == 6
+    data = DataLoaderState(source, global_batch_size=6, micro_batch_size=2, dp_rank=0, dp_size=1)
+    schedule = get_forward_backward_func(setup.config)
+    logs = schedule(forward_step_func=forward_step, data_iterator=data.step_iterator(), model=setup.model,
+                    num_microbatches=data.num_microbatches)
+    got_tokens = float(sum(l["num_tokens"] for l in logs))
+    got = {"loss": torch.tensor(float(sum(l["lm_loss_sum"] for l in logs)) / got_tokens), **named_grads(setup.model)}
+    want, trained = per_document_reference(docs, masks)
+    assert got_tokens == trained
+    assert_tensors_close(got, want, REL)
+
+
+@pytest.mark.parametrize("ep, overlap", [(1, False), (2, True)], ids=["dp2", "ep2-overlap"])
+def test_two_ranks_loss_and_gradients_equal_each_document_alone(sft_file, tmp_path, ep, overlap):
+    """World 2: DP=2 (plain schedule), or EP=2 with combined 1F1B + delayed wgrad (the schedule plan
+    takes the document boundaries). The ranks hold different numbers of trained tokens; the loss is
+    still the global sum / the global count, and every gradient equals the per-document reference."""
+    prefix, docs, masks = sft_file
+    ranks = run_distributed(packed_step_worker, 2, tmp_path, str(prefix), ep, overlap, S, 6)
+    want, trained = per_document_reference(docs, masks)
+    assert sum(r["tokens"] for r in ranks) == trained
+    assert ranks[0]["tokens"] != ranks[1]["tokens"]  # uneven: a division by the local count would show
+    loss = sum(r["loss_sum"] for r in ranks) / trained
+    assert abs(loss - float(want["loss"])) <= REL * float(want["loss"])
+    if overlap:
+        assert {r["schedule"] for r in ranks} == {"forward_backward_combined_1f1b"}, ranks[0]["schedule"]
+    seen = set()
+    for r in ranks:
+        seen |= set(r["grads"])
+        assert_tensors_close(r["grads"], {k: want[k] for k in r["grads"]}, REL)
+    assert seen == set(want) - {"loss"}
 
 
 def test_train_on_a_v2_file_end_to_end(sft_file, tmp_path):
