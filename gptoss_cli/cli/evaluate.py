@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -26,7 +27,10 @@ def render(result) -> None:
             f"({result.packing_efficiency:.1%} real tokens)" if result.documents is not None
             else f"{result.rows:,} windows of {result.seq_length} tokens (every next token)")
     table.add_row("data", f"{escape(result.data)}: {what}")
-    table.add_row("model", f"{escape(result.checkpoint)} ({result.dtype} on {result.device})")
+    where = f"{result.dtype} on {result.device}"
+    if result.world_size > 1:
+        where += f", {result.world_size} processes, EP {result.expert_parallel}"
+    table.add_row("model", f"{escape(result.checkpoint)} ({where})")
     console.print(table)
 
 
@@ -42,6 +46,9 @@ def eval_cmd(
     dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16"),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda"),
     micro_batch_size: int = typer.Option(1, "--micro-batch-size", min=1, max=1 << 16, help="rows per forward pass"),
+    expert_parallel: int = typer.Option(
+        1, "--expert-parallel", min=1, max=1 << 16,
+        help="under torchrun: split the experts over this many ranks (training's EP), for models that do not fit one device"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar and no table"),
     json_path: Optional[Path] = typer.Option(None, "--json", help="also write the result (with per-document figures) as JSON"),
 ) -> None:
@@ -49,11 +56,14 @@ def eval_cmd(
 
     A version-2 file (prepare-data --format harmony) counts the tokens its loss mask marks, documents
     packed whole with per-document attention; a version-1 file counts every next-token prediction of
-    training's windows. One process: the model must fit on one device.
+    training's windows. A model that does not fit one device runs under torchrun with
+    --expert-parallel N (the experts split over N ranks, as in training).
 
     Exit 0, or 2 on bad input (a file, option or checkpoint that cannot be used).
 
     Example: gptoss eval runs/sft/checkpoints --data data/chat_val --seq-length 4096 --json eval.json
+
+    Example: torchrun --nproc-per-node 8 -m gptoss_cli eval ckpt/gpt-oss-120b-hybrid --data data/chat_val --expert-parallel 8
     """
     check_json_path(json_path)
     from gptoss_cli.model.dtypes import torch_dtype
@@ -65,8 +75,10 @@ def eval_cmd(
     with progress:
         task = progress.add_task("eval", total=None)
         result = evaluate(checkpoint, data, seq_length=seq_length, dtype=torch_dt, device=device,
-                          micro_batch_size=micro_batch_size,
+                          micro_batch_size=micro_batch_size, expert_parallel=expert_parallel,
                           progress=lambda done, total: progress.update(task, completed=done, total=total))
+    if os.environ.get("RANK", "0") != "0":  # under torchrun only rank 0 reports
+        return
     if not quiet:
         render(result)
     if json_path is not None:

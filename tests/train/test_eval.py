@@ -106,3 +106,34 @@ def test_bad_files_are_one_line_exit_2(checkpoints, tmp_path):
     assert result.exit_code == 2 and "val.mask not found" in result.output, result.output
     result = _eval(tmp_path, "--data", prefix)
     assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+
+
+def eval_worker(rank: int, checkpoint: str, prefix: str, ep: int) -> dict:
+    from gptoss_cli.train.evaluate import evaluate
+
+    return evaluate(checkpoint, prefix, seq_length=40, device="cpu", expert_parallel=ep).to_json()  # 3 rows
+
+
+@pytest.mark.parametrize("ep", [1, 2], ids=["dp2", "ep2"])
+def test_eval_on_two_ranks_equals_transformers_on_each_document_alone(checkpoints, reference, tmp_path, ep):
+    """Two processes share the rows (and with EP=2 the experts, through the all-to-all): the 7
+    documents pack into an odd number of rows, so one rank runs a padding row in the last round."""
+    from tests.train.dist_helpers import run_distributed
+
+    docs, masks = sft_documents(LENGTHS, VOCAB, seed=5)
+    prefix = write_sft_file(tmp_path / "val", docs, masks, VOCAB)
+    ranks = run_distributed(eval_worker, 2, tmp_path, str(checkpoints[1]), str(prefix), ep)
+    assert ranks[0] == ranks[1]
+    got = ranks[0]
+    assert got["rows"] % 2 == 1 and (got["world_size"], got["expert_parallel"]) == (2, ep)
+    want = [_doc_loss(reference, d, m) for d, m in zip(docs, masks)]
+    for entry, (s, c) in zip(got["documents"], want):
+        assert entry["loss_tokens"] == c and entry["loss_sum"] == pytest.approx(s, rel=1e-5)
+    assert got["loss"] == pytest.approx(sum(s for s, _ in want) / sum(c for _, c in want), rel=1e-5)
+
+
+def test_expert_parallel_without_torchrun_is_one_line_exit_2(checkpoints, tmp_path):
+    docs, masks = sft_documents(LENGTHS, VOCAB, seed=5)
+    prefix = write_sft_file(tmp_path / "val", docs, masks, VOCAB)
+    result = _eval(checkpoints[1], "--data", prefix, "--expert-parallel", 2)
+    assert result.exit_code == 2 and "torchrun --nproc-per-node 2" in result.output, result.output
