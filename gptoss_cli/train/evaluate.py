@@ -86,7 +86,7 @@ def _score_rows(model: Any, source: Any, js: list[int], packed: bool, device: to
                 for r in range(len(js))]
     row_data = [source.row(j) for j in js]
     mb = packed_microbatch(row_data, device)
-    out = model(mb.tokens, position_ids=mb.position_ids, cu_seqlens=mb.cu_seqlens)
+    out = model(mb.tokens, **mb.model_inputs())
     hidden = out.hidden.reshape(-1, out.hidden.shape[-1])
     labels = mb.labels.reshape(-1)
     scores = []
