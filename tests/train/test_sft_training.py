@@ -182,3 +182,18 @@ def test_train_cli_refuses_a_v2_file_whose_mask_is_missing(sft_file, tmp_path):
     assert result.exit_code == 1, result.output
     assert "data.source" in result.output and "sft.mask not found" in result.output
     assert "Traceback" not in result.output
+
+
+def test_train_cli_summary_and_json_report_the_packing(sft_file, tmp_path):
+    prefix, _, _ = sft_file
+    result = CliRunner().invoke(app, ["train", "--recipe", "tiny_cpu_ep2", "--nproc-per-node", "1",
+                                      "parallelism.expert_model_parallel_size=1", "data.kind=tokens",
+                                      f"data.path={prefix}", f"training.seq_length={S}", "training.train_iters=1",
+                                      "training.warmup_iters=0", "training.global_batch_size=2",
+                                      f"logging.run_dir={tmp_path / 'r'}", f"checkpoint.dir={tmp_path / 'c'}",
+                                      "--json", str(tmp_path / "t.json")])
+    assert result.exit_code == 0, result.output
+    efficiency = sum(LENGTHS) / (6 * S)
+    assert f"{efficiency:.1%} of 6 rows of {S} tokens" in result.output
+    assert json.loads((tmp_path / "t.json").read_text())["packing"] == {
+        "efficiency": pytest.approx(efficiency), "rows": 6, "seq_length": S}
