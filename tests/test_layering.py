@@ -26,6 +26,7 @@ FORBIDDEN = {
     "fp8": ("train", "cli", "checkpoint", "recipe", "parallel", "schedule"),
     "train": ("cli",),
     "parity": ("cli", "train"),
+    "generate": ("cli", "train", "schedule"),
 }
 
 
