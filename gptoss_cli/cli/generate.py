@@ -24,36 +24,50 @@ def _short(text: str, width: int = 60) -> str:
 def generate_cmd(
     checkpoint: str = typer.Argument(..., help="HF, OpenAI-original or Hybrid folder, HF repo id, or a `gptoss train` "
                                                "checkpoint.dir / iter_* folder."),
-    prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="the prompt text"),
-    prompts: Optional[Path] = typer.Option(None, "--prompts", help='JSONL file, one {"prompt": "..."} per line, '
-                                                                   "generated as one batch"),
-    raw: bool = typer.Option(False, "--raw", help="plain-text prompt, no chat rendering"),
+    prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="one user turn (with --raw: the plain-text prompt)"),
+    messages: Optional[Path] = typer.Option(None, "--messages", help="a JSON file with one conversation, in the form "
+                                                                     "the SFT data takes ({\"messages\": [...]})"),
+    prompts: Optional[Path] = typer.Option(None, "--prompts", help='JSONL file, one {"prompt": "..."} or conversation '
+                                                                   "per line, generated as one batch"),
+    system: Optional[str] = typer.Option(None, "--system", help="with --prompt: the system message's model identity"),
+    developer: Optional[str] = typer.Option(None, "--developer", help="with --prompt: developer instructions"),
+    reasoning_effort: Optional[str] = typer.Option(None, "--reasoning-effort", help="with --prompt: low, medium "
+                                                                                    "(harmony's default) or high"),
+    raw: bool = typer.Option(False, "--raw", help="plain-text prompt, no harmony rendering"),
+    show_analysis: bool = typer.Option(False, "--show-analysis", help="also show the analysis (and other non-final "
+                                                                      "channels) on stderr"),
     tokenizer: Optional[Path] = typer.Option(None, "--tokenizer", "-t",
                                              help="tokenizer.json or a folder holding it (default: the checkpoint's)"),
-    max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", help="most new tokens per prompt"),
+    max_new_tokens: int = typer.Option(512, "--max-new-tokens", "-n", help="most new tokens per prompt"),
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy (default); else sample"),
     top_p: float = typer.Option(1.0, "--top-p", help="nucleus sampling: keep the most likely tokens up to this mass"),
     seed: int = typer.Option(0, "--seed", help="seed of the sampler"),
     device: Optional[str] = typer.Option(None, "--device", help="torch device (default: cuda if available, else cpu)"),
     dtype: str = typer.Option("auto", "--dtype", help="auto (bfloat16 on GPUs, float32 on CPUs), float32 or bfloat16"),
-    json_path: Optional[Path] = typer.Option(None, "--json", help="also write prompts, ids, texts, stop reasons, tokens/s"),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="also write prompt and output ids, text per channel, "
+                                                                  "stop reasons, tokens/s"),
 ) -> None:
-    """Generate a reply from CHECKPOINT, streaming tokens as they come; stops at a stop token or --max-new-tokens.
+    """Talk to CHECKPOINT in the harmony format, streaming the final channel; stops at <|return|> or <|call|>.
 
-    Example: gptoss generate /ckpt/gpt-oss-20b --raw --prompt "The capital of France is" -n 32
+    Examples: gptoss generate /ckpt/gpt-oss-20b -p "What is 2+2?" --reasoning-effort low;
+    gptoss generate /runs/sft/checkpoints --messages chat.json --show-analysis --json reply.json;
+    gptoss generate /ckpt/gpt-oss-20b --raw -p "The capital of France is" -n 16
     """
     from gptoss_cli.generate.decode import Sampling
     from gptoss_cli.generate.session import (
-        RAW_STOP_TOKENS, default_device, load_model, load_tokenizer, open_checkpoint, read_prompts_file,
-        resolve_dtype, run_generation, stop_token_ids,
+        HARMONY_STOP_TOKENS, RAW_STOP_TOKENS, RawReplies, default_device, load_model, load_tokenizer, open_checkpoint,
+        raw_prompt, read_prompts_file, resolve_dtype, run_generation, stop_token_ids,
     )
 
-    if (prompt is None) == (prompts is None):
-        raise UsageError("give exactly one of --prompt TEXT or --prompts FILE.jsonl")
+    if sum(x is not None for x in (prompt, messages, prompts)) != 1:
+        raise UsageError("give exactly one of --prompt TEXT, --messages FILE.json or --prompts FILE.jsonl")
     if prompt is not None and not prompt:
         raise UsageError("--prompt is empty")
-    if not raw:
-        raise UsageError("only plain-text prompts are supported so far", hint="pass --raw")
+    if raw and (messages is not None or show_analysis):
+        raise UsageError("--raw takes a plain-text --prompt or --prompts, not --messages or --show-analysis")
+    if (raw or prompt is None and prompts is None) and any(x is not None for x in (system, developer, reasoning_effort)):
+        raise UsageError("--system, --developer and --reasoning-effort go with a harmony --prompt or --prompts; "
+                         "write them into the conversation of --messages")
     if max_new_tokens < 1 or max_new_tokens > 1 << 20:
         raise UsageError(f"--max-new-tokens {max_new_tokens} must be in [1, {1 << 20}]")
     check_number("--temperature", temperature, low=0.0, high=100.0)
@@ -61,48 +75,80 @@ def generate_cmd(
     if not 0 <= seed < 1 << 63:
         raise UsageError(f"--seed {seed} must be in [0, 2**63)")
     check_json_path(json_path)
-    texts = [prompt] if prompt is not None else [p["prompt"] for p in read_prompts_file(prompts)]
+    device = device or default_device()
+    torch_dtype = resolve_dtype(dtype, device)
 
     ckpt = open_checkpoint(checkpoint, tokenizer)
     tok = load_tokenizer(ckpt.tokenizer_file, ckpt.arch.vocab_size)
-    device = device or default_device()
-    torch_dtype = resolve_dtype(dtype, device)
+    if raw:
+        replies = RawReplies(tok, stop_token_ids(tok, RAW_STOP_TOKENS))
+        stop_ids = sorted(replies.stops)
+        if prompt is not None:
+            items = [raw_prompt(tok, prompt)]
+        else:
+            items = []
+            for where, obj in read_prompts_file(prompts):
+                if "prompt" not in obj:
+                    raise UsageError(f"{where}: --raw takes {{\"prompt\": ...}} lines, not conversations")
+                items.append(raw_prompt(tok, obj["prompt"]))
+    else:
+        from gptoss_cli.generate.chat import (
+            HarmonyReplies, harmony_prompt, harmony_tokenizer, prompt_conversation, read_conversation_file,
+        )
+
+        htok = harmony_tokenizer(tok, str(ckpt.tokenizer_file))
+        replies = HarmonyReplies(htok, show_analysis)
+        stop_ids = stop_token_ids(tok, HARMONY_STOP_TOKENS)
+        options = dict(system=system, developer=developer, reasoning_effort=reasoning_effort)
+        if prompt is not None:
+            items = [harmony_prompt(htok, prompt_conversation(prompt, **options), "--prompt")]
+        elif messages is not None:
+            items = [harmony_prompt(htok, read_conversation_file(messages), f"--messages {messages}")]
+        else:
+            items = [harmony_prompt(htok, prompt_conversation(obj["prompt"], **options) if "prompt" in obj else obj, where)
+                     for where, obj in read_prompts_file(prompts)]
+
     with err_console.status(f"generate: loading {escape(checkpoint)}") as status:
         model = load_model(ckpt, torch_dtype, device, progress=lambda name: status.update(f"generate: loading {escape(name)}"))
-    stop_ids = stop_token_ids(tok, RAW_STOP_TOKENS)
     sampling = Sampling(temperature=temperature, top_p=top_p, seed=seed)
 
-    single = len(texts) == 1
-
-    def stream(row: int, text: str) -> None:
+    def write_out(text: str) -> None:
         sys.stdout.write(text)
         sys.stdout.flush()
 
-    replies = run_generation(model, tok, texts, max_new_tokens=max_new_tokens, stop_ids=stop_ids, sampling=sampling,
-                             on_text=stream if single else None)
-    if single:
-        sys.stdout.write("\n")
-        sys.stdout.flush()
-        r = replies[0]
+    def write_err(text: str) -> None:
+        sys.stderr.write(text)
+        sys.stderr.flush()
+
+    results = run_generation(model, tok, items, replies, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
+                             sampling=sampling, write_out=write_out, write_err=write_err)
+    if len(results) == 1:
+        r = results[0]
+        write_out("\n")
+        if not raw and not r.text:
+            has = ", ".join(r.extra.get("channels", {})) or "nothing"
+            calls = [m["recipient"] for m in r.extra.get("reply_messages", []) if m["recipient"]]
+            note = f"a call to {calls[-1]}" if calls else f"no final-channel answer (the reply holds: {has})"
+            err_console.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
         err_console.print(f"[dim]{escape(r.stop_text())}; {len(r.generation.output_ids)} new tokens, "
                           f"{r.tokens_per_s:.1f} tokens/s[/]", highlight=False)
     else:
-        table = Table(title=f"generate: {len(replies)} prompts in one batch", title_justify="left")
+        table = Table(title=f"generate: {len(results)} prompts in one batch", title_justify="left")
         for col in ("#", "prompt", "reply", "new tokens", "stop"):
             table.add_column(col, justify="right" if col in ("#", "new tokens") else "left")
-        for i, r in enumerate(replies):
+        for i, r in enumerate(results):
             table.add_row(str(i), escape(_short(r.prompt, 30)), escape(_short(r.text)),
                           str(len(r.generation.output_ids)), escape(r.stop_text()))
         console.print(table)
-        err_console.print(f"[dim]{sum(len(r.generation.output_ids) for r in replies)} new tokens, "
-                          f"{sum(len(r.generation.output_ids) for r in replies) / replies[0].seconds:.1f} tokens/s "
-                          f"over the batch[/]", highlight=False)
+        total = sum(len(r.generation.output_ids) for r in results)
+        err_console.print(f"[dim]{total} new tokens, {total / max(results[0].seconds, 1e-9):.1f} tokens/s over the batch[/]",
+                          highlight=False)
     if json_path is not None:
         payload = {
-            "checkpoint": checkpoint, "kind": ckpt.kind, "tokenizer": str(ckpt.tokenizer_file), "mode": "raw",
-            "device": device, "dtype": str(torch_dtype).removeprefix("torch."),
+            "checkpoint": checkpoint, "kind": ckpt.kind, "tokenizer": str(ckpt.tokenizer_file),
+            "mode": "raw" if raw else "harmony", "device": device, "dtype": str(torch_dtype).removeprefix("torch."),
             "sampling": {"temperature": temperature, "top_p": top_p, "seed": seed, "greedy": sampling.greedy},
             "max_new_tokens": max_new_tokens, "stop_token_ids": stop_ids,
-            "replies": [r.to_json() for r in replies],
+            "replies": [r.to_json() for r in results],
         }
         write_json(json_path, payload, done="generated")

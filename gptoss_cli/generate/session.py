@@ -151,29 +151,32 @@ class TextStream:
         return new
 
 
-def read_prompts_file(path: Path) -> list[dict[str, Any]]:
-    """A JSONL file of prompts, one JSON object per non-empty line, each with a string "prompt"."""
+def read_prompts_file(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    """A JSONL file of prompts: ("FILE:LINE", object) per non-empty line, each object a {"prompt": "..."}
+    or a conversation ({"messages": [...]}, checked when it is rendered)."""
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"--prompts {path}: no such file")
     out = []
     with path.open("rb") as fh:
         for lineno, raw in enumerate(fh, 1):
+            where = f"{path}:{lineno}"
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
-                raise UsageError(f"{path}:{lineno}: invalid UTF-8 ({exc.reason})") from None
+                raise UsageError(f"{where}: invalid UTF-8 ({exc.reason})") from None
             if not line.strip():
                 continue
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise UsageError(f"{path}:{lineno}: not a JSON object ({exc.msg})") from None
-            if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
-                raise UsageError(f"{path}:{lineno}: no string field 'prompt'", hint='write one {"prompt": "..."} per line')
-            if not obj["prompt"]:
-                raise UsageError(f"{path}:{lineno}: the prompt is empty")
-            out.append(obj)
+                raise UsageError(f"{where}: not a JSON object ({exc.msg})") from None
+            if not isinstance(obj, dict) or not (isinstance(obj.get("prompt"), str) or "messages" in obj):
+                raise UsageError(f"{where}: neither a string field 'prompt' nor a conversation ('messages')",
+                                 hint='write one {"prompt": "..."} or {"messages": [...]} per line')
+            if obj.get("prompt") == "":
+                raise UsageError(f"{where}: the prompt is empty")
+            out.append((where, obj))
     if not out:
         raise UsageError(f"--prompts {path}: holds no prompts")
     return out
@@ -210,34 +213,65 @@ class Reply:
                 "new_tokens": len(g.output_ids), "tokens_per_s": round(self.tokens_per_s, 3), **self.extra}
 
 
-def run_generation(model, tok, prompts: Sequence[str], *, max_new_tokens: int, stop_ids: Sequence[int],
-                   sampling: Sampling, on_text: Callable[[int, str], None] | None = None) -> list[Reply]:
-    """Tokenize plain-text prompts, generate them as one batch, decode the replies.
+@dataclass
+class Prompt:
+    """One prompt to continue: how it is shown (`label`), its token ids, and for --json what it was made from."""
 
-    `on_text(row, text)` receives each row's new text as it becomes complete (for streaming)."""
-    encoded = [tok.encode(p, add_special_tokens=False).ids for p in prompts]
-    for p, ids in zip(prompts, encoded):
-        if not ids:
-            raise UsageError(f"the prompt {p!r} encodes to no tokens")
-    streams = [TextStream(tok) for _ in prompts]
-    stops = set(stop_ids)
+    label: str
+    ids: list[int]
+    source: dict[str, Any] = field(default_factory=dict)
 
-    def on_token(row: int, token_id: int) -> None:
-        if on_text is not None and token_id not in stops:
-            text = streams[row].push(token_id)
-            if text:
-                on_text(row, text)
 
-    t0 = time.perf_counter()
-    gens = generate_ids(model, encoded, max_new_tokens=max_new_tokens, stop_ids=stop_ids, sampling=sampling,
-                        on_token=on_token)
-    seconds = time.perf_counter() - t0
-    replies = []
-    for prompt, g in zip(prompts, gens):
+def raw_prompt(tok, text: str) -> Prompt:
+    """A plain-text prompt, tokenized as is (no special tokens added)."""
+    ids = tok.encode(text, add_special_tokens=False).ids
+    if not ids:
+        raise UsageError(f"the prompt {text!r} encodes to no tokens")
+    return Prompt(text, ids, {"prompt": text})
+
+
+class RawReplies:
+    """--raw: the reply is the decoded text of the new tokens (the stop token left out)."""
+
+    def __init__(self, tok, stop_ids: Sequence[int]):
+        self.tok, self.stops = tok, set(stop_ids)
+
+    def streamer(self, write_out: Callable[[str], None], write_err: Callable[[str], None]) -> Callable[[int], None]:
+        stream = TextStream(self.tok)
+
+        def push(token_id: int) -> None:
+            if token_id not in self.stops:
+                text = stream.push(token_id)
+                if text:
+                    write_out(text)
+
+        return push
+
+    def describe(self, g: Generation) -> tuple[str, dict[str, Any]]:
         body = g.output_ids[:-1] if g.stop_reason == STOP_TOKEN else g.output_ids
+        return self.tok.decode(body, skip_special_tokens=False), {}
+
+
+def run_generation(model, tok, prompts: Sequence[Prompt], replies, *, max_new_tokens: int, stop_ids: Sequence[int],
+                   sampling: Sampling, write_out: Callable[[str], None] | None = None,
+                   write_err: Callable[[str], None] | None = None) -> list[Reply]:
+    """Generate `prompts` as one batch and decode each reply with `replies` (RawReplies or HarmonyReplies).
+
+    With `write_out`, a single prompt's reply streams as its tokens come (`write_err` takes what is
+    not the answer itself, e.g. the analysis channel)."""
+    push = None
+    if write_out is not None and len(prompts) == 1:
+        push = replies.streamer(write_out, write_err or (lambda text: None))
+    t0 = time.perf_counter()
+    gens = generate_ids(model, [p.ids for p in prompts], max_new_tokens=max_new_tokens, stop_ids=stop_ids,
+                        sampling=sampling, on_token=(lambda row, t: push(t)) if push is not None else None)
+    seconds = time.perf_counter() - t0
+    out = []
+    for prompt, g in zip(prompts, gens):
+        text, extra = replies.describe(g)
         stop = tok.id_to_token(g.stop_token) if g.stop_token is not None else None
-        replies.append(Reply(prompt, g, tok.decode(body, skip_special_tokens=False), seconds, stop))
-    return replies
+        out.append(Reply(prompt.label, g, text, seconds, stop, {**prompt.source, **extra}))
+    return out
 
 
 def load_model(ckpt: Checkpoint, dtype: torch.dtype, device: str, progress: Callable[[str], None] | None = None):

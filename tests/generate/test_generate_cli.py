@@ -134,7 +134,7 @@ def test_bad_input_is_one_line_exit_2(pair, no_tokenizer, args, needles):
 
 @pytest.mark.parametrize("content, needle", [
     ("not json\n", ":1: not a JSON object"),
-    ('{"text": "w1"}\n', ":1: no string field 'prompt'"),
+    ('{"text": "w1"}\n', ":1: neither a string field 'prompt' nor a conversation"),
     ('{"prompt": "w1"}\n{"prompt": ""}\n', ":2: the prompt is empty"),
     ("\n\n", "holds no prompts"),
 ])
