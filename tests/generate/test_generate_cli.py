@@ -152,3 +152,26 @@ def test_a_model_too_big_for_the_device_says_what_fits_where(monkeypatch, pair):
     result = run(pair[1], "--raw", "-p", "w1", "--device", "cpu")
     assert_one_line((result.exit_code, result.stderr), 2, "parameters take", "cpu has 1.0 KB free",
                     "expert-parallel generation")
+
+
+def test_a_training_checkpoint_generates_what_its_hf_export_generates_in_transformers(tmp_path_factory, tmp_path):
+    """A `gptoss train` checkpoint.dir (EP=2 run, read through `latest`): no tokenizer.json of its own, so
+    --tokenizer; the reply equals transformers' greedy generate on `gptoss convert`'s HF export."""
+    from gptoss_cli.checkpoint.convert import convert
+    from tests.train.dist_helpers import once_per_session
+    from tests.train.workers import ep2_checkpoint_run
+
+    work, _ = once_per_session(tmp_path_factory, "ep2_checkpoint", ep2_checkpoint_run)
+    ckpt = work / "ckpt"
+    no_tok = run(ckpt, "--raw", "-p", "w1", "--device", "cpu")
+    assert_one_line((no_tok.exit_code, no_tok.stderr), 2, "no tokenizer.json in", "--tokenizer")
+    write_word_tokenizer(tmp_path)
+    out = tmp_path / "gen.json"
+    result = run(ckpt, "--raw", "-p", "w7 w8 w9", "-n", 10, "--tokenizer", tmp_path, "--json", out, "--device", "cpu")
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert data["kind"] == "training"
+    export = tmp_path / "hf"
+    convert(str(ckpt), export, to="hf", dtype="float32")
+    (reply,) = data["replies"]
+    assert reply["output_ids"] == hf_greedy(load_hf_reference(export), reply["prompt_ids"], 10, {1000, 1001, 1002})
