@@ -8,6 +8,7 @@ from typing import Optional
 
 import typer
 from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from gptoss_cli.cli.app import app, check_json_path, check_number, console, err_console, handle_errors, write_json
@@ -120,8 +121,14 @@ def generate_cmd(
         sys.stderr.write(text)
         sys.stderr.flush()
 
-    results = run_generation(model, tok, items, replies, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
-                             sampling=sampling, write_out=write_out, write_err=write_err)
+    bar = Progress(TextColumn("[bold]generating"), BarColumn(), MofNCompleteColumn(), TextColumn("prompts"),
+                   TimeElapsedColumn(), console=err_console, transient=True,
+                   disable=len(items) == 1 or not err_console.is_terminal)
+    with bar:
+        task = bar.add_task("generating", total=len(items))
+        results = run_generation(model, tok, items, replies, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
+                                 sampling=sampling, write_out=write_out, write_err=write_err,
+                                 on_done=lambda row: bar.advance(task))
     if len(results) == 1:
         r = results[0]
         write_out("\n")

@@ -254,17 +254,27 @@ class RawReplies:
 
 def run_generation(model, tok, prompts: Sequence[Prompt], replies, *, max_new_tokens: int, stop_ids: Sequence[int],
                    sampling: Sampling, write_out: Callable[[str], None] | None = None,
-                   write_err: Callable[[str], None] | None = None) -> list[Reply]:
+                   write_err: Callable[[str], None] | None = None,
+                   on_done: Callable[[int], None] | None = None) -> list[Reply]:
     """Generate `prompts` as one batch and decode each reply with `replies` (RawReplies or HarmonyReplies).
 
     With `write_out`, a single prompt's reply streams as its tokens come (`write_err` takes what is
-    not the answer itself, e.g. the analysis channel)."""
+    not the answer itself, e.g. the analysis channel). `on_done(row)` is called when a row finishes."""
     push = None
     if write_out is not None and len(prompts) == 1:
         push = replies.streamer(write_out, write_err or (lambda text: None))
+    stops, counts = set(stop_ids), [0] * len(prompts)
+
+    def on_token(row: int, token_id: int) -> None:
+        if push is not None:
+            push(token_id)
+        counts[row] += 1
+        if on_done is not None and (token_id in stops or counts[row] == max_new_tokens):
+            on_done(row)
+
     t0 = time.perf_counter()
     gens = generate_ids(model, [p.ids for p in prompts], max_new_tokens=max_new_tokens, stop_ids=stop_ids,
-                        sampling=sampling, on_token=(lambda row, t: push(t)) if push is not None else None)
+                        sampling=sampling, on_token=on_token)
     seconds = time.perf_counter() - t0
     out = []
     for prompt, g in zip(prompts, gens):
