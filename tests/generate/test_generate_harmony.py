@@ -60,7 +60,8 @@ def test_prompt_equals_harmonys_completion_render_and_reply_equals_transformers(
         Message.from_role_and_content(Role.USER, "What is 2+2? Réponds 🤖"),
     ])
     assert reply["prompt_ids"] == harmony.render_conversation_for_completion(conv, Role.ASSISTANT)
-    assert data["mode"] == "harmony" and data["stop_token_ids"] == [RETURN, CALL]
+    assert data["mode"] == "harmony"
+    assert data["stop_token_ids"] == harmony.stop_tokens_for_assistant_actions() == [RETURN, CALL]
     assert reply["output_ids"] == hf_greedy_until_stop(reference, reply["prompt_ids"], 12)
 
 
