@@ -7,7 +7,7 @@ import torch
 
 from gptoss_cli.generate.decode import MAX_NEW_TOKENS, STOP_TOKEN, Sampling, choose, generate_ids, top_p_filter
 from gptoss_cli.model.hybrid import HybridModel
-from tests.model.conftest import TINY, tokens, transformers
+from tests.model.conftest import TINY, tokens
 
 
 def _model() -> HybridModel:

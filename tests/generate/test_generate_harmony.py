@@ -8,7 +8,6 @@ import json
 import shutil
 
 import pytest
-import torch
 from typer.testing import CliRunner
 
 from gptoss_cli.cli import app
