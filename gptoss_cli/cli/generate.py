@@ -54,10 +54,10 @@ def generate_cmd(
     gptoss generate /runs/sft/checkpoints --messages chat.json --show-analysis --json reply.json;
     gptoss generate /ckpt/gpt-oss-20b --raw -p "The capital of France is" -n 16
     """
+    from gptoss_cli.generate.chat import prepare_prompts
     from gptoss_cli.generate.decode import Sampling
     from gptoss_cli.generate.session import (
-        HARMONY_STOP_TOKENS, RAW_STOP_TOKENS, RawReplies, default_device, load_model, load_tokenizer, open_checkpoint,
-        raw_prompt, read_prompts_file, resolve_dtype, run_generation, stop_token_ids,
+        default_device, load_model, load_tokenizer, open_checkpoint, resolve_dtype, run_generation,
     )
 
     if sum(x is not None for x in (prompt, messages, prompts)) != 1:
@@ -81,33 +81,10 @@ def generate_cmd(
 
     ckpt = open_checkpoint(checkpoint, tokenizer)
     tok = load_tokenizer(ckpt.tokenizer_file, ckpt.arch.vocab_size)
-    if raw:
-        replies = RawReplies(tok, stop_token_ids(tok, RAW_STOP_TOKENS))
-        stop_ids = sorted(replies.stops)
-        if prompt is not None:
-            items = [raw_prompt(tok, prompt)]
-        else:
-            items = []
-            for where, obj in read_prompts_file(prompts):
-                if "prompt" not in obj:
-                    raise UsageError(f"{where}: --raw takes {{\"prompt\": ...}} lines, not conversations")
-                items.append(raw_prompt(tok, obj["prompt"]))
-    else:
-        from gptoss_cli.generate.chat import (
-            HarmonyReplies, harmony_prompt, harmony_tokenizer, prompt_conversation, read_conversation_file,
-        )
-
-        htok = harmony_tokenizer(tok, str(ckpt.tokenizer_file))
-        replies = HarmonyReplies(htok, show_analysis)
-        stop_ids = stop_token_ids(tok, HARMONY_STOP_TOKENS)
-        options = dict(system=system, developer=developer, reasoning_effort=reasoning_effort)
-        if prompt is not None:
-            items = [harmony_prompt(htok, prompt_conversation(prompt, **options), "--prompt")]
-        elif messages is not None:
-            items = [harmony_prompt(htok, read_conversation_file(messages), f"--messages {messages}")]
-        else:
-            items = [harmony_prompt(htok, prompt_conversation(obj["prompt"], **options) if "prompt" in obj else obj, where)
-                     for where, obj in read_prompts_file(prompts)]
+    items, replies, stop_ids = prepare_prompts(
+        tok, str(ckpt.tokenizer_file), raw=raw, prompt=prompt, messages=messages, prompts=prompts, system=system,
+        developer=developer, reasoning_effort=reasoning_effort, show_analysis=show_analysis,
+    )
 
     with err_console.status(f"generate: loading {escape(checkpoint)}") as status:
         model = load_model(ckpt, torch_dtype, device, progress=lambda name: status.update(f"generate: loading {escape(name)}"))

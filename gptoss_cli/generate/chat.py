@@ -1,5 +1,5 @@
-"""Harmony prompts and replies for `gptoss generate`: a conversation rendered by the SFT renderer up to
-`<|start|>assistant`, and the generated tokens split into channels (final printed, analysis on request).
+"""Prompts and replies for `gptoss generate`: harmony (a conversation rendered by the SFT renderer up to
+`<|start|>assistant`, the generated tokens split into channels, final printed, analysis on request) or --raw.
 
 The rendering and parsing are gptoss_cli/data/harmony.py's (`render_prompt`, `parse_completion`),
 the same code `prepare-data --format harmony` trains on.
@@ -17,7 +17,10 @@ from gptoss_cli.data.harmony import (
 )
 from gptoss_cli.errors import UsageError
 from gptoss_cli.generate.decode import Generation
-from gptoss_cli.generate.session import Prompt, TextStream
+from gptoss_cli.generate.session import (
+    HARMONY_STOP_TOKENS, RAW_STOP_TOKENS, Prompt, RawReplies, TextStream, raw_prompt, read_prompts_file,
+    stop_token_ids,
+)
 
 FINAL = "final"
 
@@ -27,7 +30,8 @@ def harmony_tokenizer(tok, source: str) -> HarmonyTokenizer:
     try:
         return HarmonyTokenizer(tok, source)
     except ConversationError as exc:
-        raise UsageError(str(exc), hint="pass --raw for a plain-text prompt, or --tokenizer with the GPT-OSS tokenizer.json") from None
+        raise UsageError(str(exc), hint="pass --raw for a plain-text prompt, "
+                                        "or --tokenizer with the GPT-OSS tokenizer.json") from None
 
 
 def prompt_conversation(text: str, *, system: str | None = None, developer: str | None = None,
@@ -71,7 +75,8 @@ def harmony_prompt(htok: HarmonyTokenizer, conv: Any, where: str) -> Prompt:
     try:
         messages = parse_conversation(conv)
     except ConversationError as exc:
-        raise UsageError(f"{where}: {exc}", hint="a conversation is {\"messages\": [{\"role\": ..., \"content\": ...}]}") from None
+        raise UsageError(f"{where}: {exc}",
+                         hint='a conversation is {"messages": [{"role": ..., "content": ...}]}') from None
     return Prompt(_label(conv), render_prompt(messages, htok), {"messages": conv["messages"]})
 
 
@@ -132,3 +137,31 @@ class HarmonyReplies:
             text = "".join(p for p in m.content if isinstance(p, str))
             channels[key] = channels[key] + "\n" + text if key in channels else text
         return channels.get(FINAL, ""), {"channels": channels, "reply_messages": [_message_json(m) for m in messages]}
+
+
+def prepare_prompts(tok, tokenizer_file: str, *, raw: bool, prompt: str | None = None, messages: Path | None = None,
+                    prompts: Path | None = None, system: str | None = None, developer: str | None = None,
+                    reasoning_effort: str | None = None, show_analysis: bool = False):
+    """(prompts, reply decoder, stop token ids) for exactly one of `prompt`, `messages` (a conversation
+    file) or `prompts` (a JSONL file); `raw` renders nothing (plain text, no conversations)."""
+    if raw:
+        replies: Any = RawReplies(tok, stop_token_ids(tok, RAW_STOP_TOKENS))
+        if prompt is not None:
+            return [raw_prompt(tok, prompt)], replies, sorted(replies.stops)
+        items = []
+        for where, obj in read_prompts_file(prompts):
+            if "prompt" not in obj:
+                raise UsageError(f"{where}: --raw takes {{\"prompt\": ...}} lines, not conversations")
+            items.append(raw_prompt(tok, obj["prompt"]))
+        return items, replies, sorted(replies.stops)
+    htok = harmony_tokenizer(tok, tokenizer_file)
+    replies = HarmonyReplies(htok, show_analysis)
+    options = dict(system=system, developer=developer, reasoning_effort=reasoning_effort)
+    if prompt is not None:
+        items = [harmony_prompt(htok, prompt_conversation(prompt, **options), "--prompt")]
+    elif messages is not None:
+        items = [harmony_prompt(htok, read_conversation_file(messages), f"--messages {messages}")]
+    else:
+        items = [harmony_prompt(htok, prompt_conversation(obj["prompt"], **options) if "prompt" in obj else obj, where)
+                 for where, obj in read_prompts_file(prompts)]
+    return items, replies, stop_token_ids(tok, HARMONY_STOP_TOKENS)

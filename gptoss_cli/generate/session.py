@@ -54,12 +54,14 @@ def open_checkpoint(path: str, tokenizer: str | Path | None = None) -> Checkpoin
         file = Path(tokenizer)
         file = file / TOKENIZER_FILE if file.is_dir() else file
         if not file.is_file():
-            raise UsageError(f"--tokenizer {tokenizer}: {file} not found", hint="pass a tokenizer.json or a folder holding one")
+            raise UsageError(f"--tokenizer {tokenizer}: {file} not found",
+                             hint="pass a tokenizer.json or a folder holding one")
     else:
         file = Path(extras) / TOKENIZER_FILE
         if not file.is_file():
             raise UsageError(f"{path}: no {TOKENIZER_FILE} in {extras}",
-                             hint="pass --tokenizer with the model's tokenizer.json (or the folder of the original checkpoint)")
+                             hint="pass --tokenizer with the model's tokenizer.json "
+                                  "(or the folder of the original checkpoint)")
     return Checkpoint(str(path), kind, arch, pattern, file)
 
 

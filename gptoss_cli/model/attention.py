@@ -183,7 +183,8 @@ class SelfAttention(nn.Module):
         r = self.num_heads // self.num_kv_heads
         qkv = self.linear_qkv(x).view(b, s, self.num_kv_heads, r + 2, self.head_dim)
         q = qkv[:, :, :, :r].reshape(b, s, self.num_heads, self.head_dim).transpose(1, 2)
-        return apply_rotary(q, cos, sin), apply_rotary(qkv[:, :, :, r].transpose(1, 2), cos, sin), qkv[:, :, :, r + 1].transpose(1, 2)
+        k = qkv[:, :, :, r].transpose(1, 2)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), qkv[:, :, :, r + 1].transpose(1, 2)
 
     def project_out(self, out: torch.Tensor) -> torch.Tensor:
         """Attention output per head [B, heads, S, d] -> [B, S, H] (as forward)."""

@@ -137,6 +137,7 @@ def test_bad_input_is_one_line_exit_2(pair, no_tokenizer, args, needles):
     ('{"text": "w1"}\n', ":1: neither a string field 'prompt' nor a conversation"),
     ('{"prompt": "w1"}\n{"prompt": ""}\n', ":2: the prompt is empty"),
     ("\n\n", "holds no prompts"),
+    ('{"prompt": "w1"}\n{"messages": [{"role": "user", "content": "w1"}]}\n', ":2: --raw takes"),
 ])
 def test_a_bad_prompts_file_is_one_line_exit_2(pair, tmp_path, content, needle):
     file = tmp_path / "p.jsonl"
