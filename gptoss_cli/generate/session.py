@@ -102,20 +102,32 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
 
 
 def device_memory(device: str) -> tuple[int, str]:
-    """(bytes available on `device`, its description): free accelerator memory, or the host's RAM."""
+    """(bytes available on `device`, its description): free accelerator memory, or the host's available RAM."""
     dev = torch.device(device)
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise UsageError(f"--device {device}: CUDA is not available here", hint="use --device cpu")
         free, _total = torch.cuda.mem_get_info(dev)
         return free, f"{device} ({torch.cuda.get_device_name(dev)}) has {size_text(free)} free"
+    have = host_available_memory()
+    return have, f"{device} has {size_text(have)} of available host memory"
+
+
+def host_available_memory() -> int:
+    """The host's available memory (Linux MemAvailable: free plus reclaimable caches), else its total RAM."""
     import os
 
     try:
-        total = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
-        return 1 << 62, device
-    return total, f"{device} has {size_text(total)} of free host memory"
+        return 1 << 62
 
 
 def check_fits(arch: GptOssArch, pattern: str | None, dtype: torch.dtype, device: str) -> int:
