@@ -149,7 +149,10 @@ def check_fits(arch: GptOssArch, pattern: str | None, dtype: torch.dtype, device
 
 class TextStream:
     """Decodes a growing list of ids to text incrementally: `push(id)` returns the new text that is
-    complete (a multi-byte character split over tokens is held back until its last byte arrives)."""
+    complete (a multi-byte character split over tokens is held back until its last byte arrives).
+
+    The ids of the current line are decoded together (a decoder may join tokens, e.g. with spaces);
+    at a newline they are dropped, so the work per token stays the length of a line."""
 
     def __init__(self, tok):
         self.tok = tok
@@ -162,6 +165,8 @@ class TextStream:
         if text.endswith("\ufffd") or not text.startswith(self.printed):
             return ""
         new, self.printed = text[len(self.printed):], text
+        if text.endswith("\n"):
+            self.ids, self.printed = [], ""
         return new
 
 

@@ -158,3 +158,18 @@ def test_a_tokenizer_without_harmonys_tokens_points_to_raw(checkpoint, tmp_path)
     write_word_tokenizer(tmp_path, vocab_size=1003)
     result = run(checkpoint, "-p", "hi", "--tokenizer", tmp_path / "tokenizer.json")
     assert_one_line((result.exit_code, result.stderr), 2, "no <|start|> token", "--raw")
+
+
+def test_streamed_text_is_the_decoded_text_with_multibyte_characters_split_over_tokens(gpt_oss_tokenizer_file):
+    from tokenizers import Tokenizer
+
+    from gptoss_cli.generate.session import TextStream
+
+    tok = Tokenizer.from_file(str(gpt_oss_tokenizer_file))
+    text = "Réponds 🤖 — 日本語も\n\n  line two 👩‍👩‍👧 fin.\nend ✓"
+    ids = tok.encode(text, add_special_tokens=False).ids
+    stream = TextStream(tok)
+    pieces = [stream.push(t) for t in ids]
+    assert "".join(pieces) == tok.decode(ids) == text
+    assert not any("\ufffd" in p for p in pieces)
+    assert any(p == "" for p in pieces)  # some character spans tokens, held back until complete
