@@ -105,7 +105,7 @@ def write_token_header(json_path: str | Path, *, dtype: str, num_tokens: int, nu
         "tokenizer": tokenizer, "sources": list(sources),
     }
     if documents is not None:
-        unknown = sorted(set(documents) - set(DOCUMENT_FIELDS))
+        unknown = sorted(set(documents) - set(DOCUMENT_FIELDS[1:]))
         if unknown:
             raise ValueError(f"unknown version-2 header fields {unknown}")
         header.update(version=DOCUMENTS_FORMAT_VERSION, documents=True, **documents)

@@ -325,8 +325,8 @@ def _developer_text(c: dict[str, Any]) -> str:
     return "\n\n".join(["# Instructions", c["instructions"]]) if c["instructions"] is not None else ""
 
 
-def _message_pieces(m: Message, end: str | None = None) -> list[int | str]:
-    """The message as formatting-token names (str keys of SPECIAL_TOKENS, wrapped in a 1-tuple) and text."""
+def _message_pieces(m: Message, end: str | None = None) -> list[Any]:
+    """The message as text pieces (str) and formatting tokens (1-tuples of a SPECIAL_TOKENS key), in order."""
     pieces: list[Any] = [("start",), m.name if m.role == "tool" else m.role]
     if m.role != "tool" and m.name is not None:
         pieces.append(f":{m.name}")

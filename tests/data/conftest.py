@@ -1,6 +1,6 @@
 """Fixtures for the conversation tests: the real GPT-OSS tokenizer and openai_harmony, both offline.
 
-The tokenizer.json is built once (about a minute: transformers' TikTokenConverter on o200k_base) and
+The tokenizer.json is built once (about half a minute: transformers' TikTokenConverter on o200k_base) and
 cached in pytest's cache folder (.pytest_cache/d/gpt-oss-tokenizer); delete that folder to rebuild it.
 """
 

@@ -51,7 +51,7 @@ def harmony_encoding(folder: Path):
 
 def gpt_oss_tokenizer_json(folder: Path) -> Path:
     """folder/tokenizer.json: the GPT-OSS tokenizer (o200k_base + harmony's special tokens, names as harmony
-    decodes them), converted by transformers' TikTokenConverter; built once (about a minute), then cached."""
+    decodes them), converted by transformers' TikTokenConverter; built once (about half a minute), then cached."""
     target = folder / "tokenizer.json"
     if target.is_file():
         return target

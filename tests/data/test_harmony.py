@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gptoss_cli.data.harmony import (
     ConversationError, HarmonyTokenizer, parse_completion, parse_conversation, render_for_training, render_prompt,
@@ -14,7 +16,7 @@ from gptoss_cli.data.harmony import (
 
 h = pytest.importorskip("openai_harmony")
 Role, Message, SystemContent, DeveloperContent, Author = h.Role, h.Message, h.SystemContent, h.DeveloperContent, h.Author
-RETURN, END = 200002, 200007
+RETURN, END, CALL = 200002, 200007, 200012
 
 
 def msg(role, text, channel=None, **kw):
@@ -56,6 +58,11 @@ CONVERSATIONS = {
         Message.from_author_and_content(Author.new(Role.TOOL, "functions.get_weather"), '{"temp": 21}')
         .with_channel("commentary").with_recipient("assistant"),
         msg(Role.ASSISTANT, "It is mild.", "analysis"), msg(Role.ASSISTANT, "21 °C in Tokyo.", "final"),
+    ],
+    "ends-with-a-call": [
+        msg(Role.USER, "Hi"), msg(Role.ASSISTANT, "Hello", "final"), msg(Role.USER, "Run ls"),
+        msg(Role.ASSISTANT, "Use the shell.", "analysis"),
+        msg(Role.ASSISTANT, '{"cmd": "ls -la"}', "commentary", recipient="functions.shell", content_type="json"),
     ],
 }
 
@@ -112,7 +119,26 @@ def test_rendering_and_mask_match_openai_harmony(name, analysis, train_on, harmo
     ids, mask = expected(harmony, messages, analysis, train_on)
     assert got.ids == ids, (harmony.decode(got.ids), harmony.decode(ids))
     assert got.mask == mask
-    assert got.mask[0] == 0 and got.ids[-1] == RETURN and got.mask[-1] == 1
+    assert got.mask[0] == 0 and got.ids[-1] == (CALL if name == "ends-with-a-call" else RETURN) and got.mask[-1] == 1
+
+
+TEXT = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=40) | st.sampled_from(
+    ["", " ", "\n\n", "  \t x", "日本語", "🤖👩‍👩‍👧", "<|end|>", "don't", "1234567", "```py\nx = 1\n```"])
+
+
+@settings(max_examples=60, deadline=None)
+@given(texts=st.lists(TEXT, min_size=9, max_size=9), turns_=st.integers(1, 3), thinking=st.lists(st.booleans(),
+       min_size=3, max_size=3), analysis=st.sampled_from(["keep", "drop"]), train_on=st.sampled_from(["last", "all"]))
+def test_random_text_renders_as_harmony_does(texts, turns_, thinking, analysis, train_on, harmony, harmony_tok):
+    """Any Unicode (whitespace runs, emoji, CJK, special-token text) in any message: harmony's ids and masks."""
+    messages = [msg(Role.SYSTEM, SystemContent.new())]
+    for k in range(turns_):
+        messages.append(msg(Role.USER, texts[3 * k]))
+        if thinking[k]:
+            messages.append(msg(Role.ASSISTANT, texts[3 * k + 1], "analysis"))
+        messages.append(msg(Role.ASSISTANT, texts[3 * k + 2], "final"))
+    got = render_for_training(parse_conversation(as_json(messages)), harmony_tok, analysis=analysis, train_on=train_on)
+    assert (got.ids, got.mask) == expected(harmony, messages, analysis, train_on)
 
 
 @pytest.mark.parametrize("name", ["one-turn", "unicode-code-emoji"])

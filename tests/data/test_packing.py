@@ -67,3 +67,13 @@ def test_packing_efficiency_is_at_least_97_percent_on_a_realistic_mix():
 def test_efficiency_counts_real_tokens_over_row_positions():
     assert packing_efficiency([3, 5, 2, 4, 1], [[1, 4], [2, 3], [0]], 6) == 15 / 18
     assert packing_efficiency([], [], 6) == 0.0
+
+
+def test_packing_the_renderer_and_the_token_format_do_not_need_torch():
+    """The launch rule and prepare-data's report use them on machines without the trainer's stack."""
+    import subprocess
+    import sys
+
+    code = ("import sys, gptoss_cli.data.packing, gptoss_cli.data.harmony, gptoss_cli.token_format; "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
