@@ -27,6 +27,7 @@ FORBIDDEN = {
     "fp8": ("train", "cli", "checkpoint", "recipe", "parallel", "schedule"),
     "train": ("cli",),
     "parity": ("cli", "train"),
+    "generate": ("cli", "train", "schedule"),
     "data": ("cli", "train", "model", "checkpoint", "parallel", "schedule", "fp8", "recipe", "parity"),
 }
 

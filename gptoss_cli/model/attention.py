@@ -239,6 +239,21 @@ class SelfAttention(nn.Module):
         out = self.core_attention(q, k, v, cu_seqlens)
         return self.linear_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
 
+    # --- the pieces of forward, for incremental decoding (model/kv_cache.py) ----------------
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [B, S, H] -> q [B, heads, S, d], k and v [B, kv_heads, S, d], q and k rotated (as forward)."""
+        b, s, _ = x.shape
+        r = self.num_heads // self.num_kv_heads
+        qkv = self.linear_qkv(x).view(b, s, self.num_kv_heads, r + 2, self.head_dim)
+        q = qkv[:, :, :, :r].reshape(b, s, self.num_heads, self.head_dim).transpose(1, 2)
+        k = qkv[:, :, :, r].transpose(1, 2)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), qkv[:, :, :, r + 1].transpose(1, 2)
+
+    def project_out(self, out: torch.Tensor) -> torch.Tensor:
+        """Attention output per head [B, heads, S, d] -> [B, S, H] (as forward)."""
+        b, _, s, _ = out.shape
+        return self.linear_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
+
 
 class AttentionLayer(nn.Module):
     """A `*` layer of the Hybrid stack: x + Attn(RMSNorm(x))."""
