@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gptoss_cli.model.config import GptOssArch
+from gptoss_cli.model.context_parallel import head_range, heads_to_seq, seq_to_heads
 from gptoss_cli.model.dense_gemm import DenseGemm, Linear, linear
 from gptoss_cli.model.norm import rms_norm
 from gptoss_cli.model.rope import apply_rotary
@@ -205,14 +206,20 @@ class CoreAttention(nn.Module):
         self.softmax_offset = nn.Parameter(torch.zeros(num_heads, device=device, dtype=dtype))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                cu_seqlens: tuple[int, ...] | None = None) -> torch.Tensor:
-        return document_attention(q, k, v, self.softmax_offset, self.window, cu_seqlens)
+                cu_seqlens: tuple[int, ...] | None = None, heads: slice | None = None) -> torch.Tensor:
+        """`heads`: the query heads q holds (context parallel: this rank's chunk), default all."""
+        sinks = self.softmax_offset if heads is None else self.softmax_offset[heads]
+        return document_attention(q, k, v, sinks, self.window, cu_seqlens)
 
     def extra_repr(self) -> str:
         return f"window={self.window}"
 
 
 class SelfAttention(nn.Module):
+    # Context parallel (model/context_parallel.py): the group whose ranks hold slices of the same
+    # sequences; q, k, v go from sequence slices to head slices around core attention. None: off.
+    cp_group = None
+
     def __init__(self, arch: GptOssArch, window: int | None, device=None, dtype=None):
         super().__init__()
         self.num_heads = arch.num_attention_heads
@@ -227,7 +234,10 @@ class SelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cu_seqlens: tuple[int, ...] | None = None) -> torch.Tensor:
         """x [B, S, H] (un-normalised: the norm is fused into linear_qkv) -> attention output [B, S, H];
-        cu_seqlens: packed documents (see `document_attention`), None = one per row."""
+        cu_seqlens: packed documents (see `document_attention`), None = one per row.
+
+        Under context parallel, x, cos and sin are this rank's slice of S/CP positions of every row
+        and cu_seqlens are those of the FULL rows: attention runs on whole rows for this rank's heads."""
         b, s, _ = x.shape
         r = self.num_heads // self.num_kv_heads
         qkv = self.linear_qkv(x).view(b, s, self.num_kv_heads, r + 2, self.head_dim)
@@ -236,7 +246,12 @@ class SelfAttention(nn.Module):
         v = qkv[:, :, :, r + 1].transpose(1, 2)
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
-        out = self.core_attention(q, k, v, cu_seqlens)
+        if self.cp_group is not None:
+            q, k, v = (seq_to_heads(t, self.cp_group) for t in (q, k, v))
+            out = heads_to_seq(self.core_attention(q, k, v, cu_seqlens, head_range(self.num_heads, self.cp_group)),
+                               self.cp_group)
+        else:
+            out = self.core_attention(q, k, v, cu_seqlens)
         return self.linear_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
 
     # --- the pieces of forward, for incremental decoding (model/kv_cache.py) ----------------

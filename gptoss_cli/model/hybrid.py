@@ -26,6 +26,7 @@ from torch import nn
 from gptoss_cli.errors import ConfigError
 from gptoss_cli.model.attention import AttentionLayer, LayerNormLinear, document_positions
 from gptoss_cli.model.config import GptOssArch
+from gptoss_cli.model.context_parallel import cp_size_of, local_positions, slice_sequence
 from gptoss_cli.model.dense_gemm import DenseGemm, Linear
 from gptoss_cli.model.dispatcher import AllToAllTokenDispatcher
 from gptoss_cli.model.grouped_gemm import GroupedGemm
@@ -343,6 +344,17 @@ class HybridModel(nn.Module):
         for j, layer in self.moe_layers():
             layer.token_dispatcher = factory(j, layer)
 
+    def set_context_parallel(self, group) -> None:
+        """Context parallel over `group` (model/context_parallel.py; None: off): from now on forward
+        takes this rank's slice of every row (input_ids, labels, position_ids [B, S/CP]) and the
+        cu_seqlens of the full rows; every attention layer trades sequence for heads around attention."""
+        self.cp_group = group if cp_size_of(group) > 1 else None
+        for layer in self.decoder.layers:
+            if isinstance(layer, AttentionLayer):
+                layer.self_attention.cp_group = self.cp_group
+
+    cp_group = None
+
     def set_gemms(self, *, dense: Callable[[str], DenseGemm] | None = None,
                   grouped: Callable[[str], GroupedGemm] | None = None) -> list[str]:
         """The numerics of the attention projections and expert GEMMs; see `set_gemms`."""
@@ -361,7 +373,14 @@ class HybridModel(nn.Module):
              cu_seqlens: tuple[int, ...] | None = None):
         """cos/sin of `position_ids`; by default positions count from 0 in every row, or in every
         document of `cu_seqlens` (packed documents)."""
-        if position_ids is None and cu_seqlens is not None:
+        cp = cp_size_of(self.cp_group)
+        if position_ids is None and cp > 1:
+            # input_ids is this rank's slice: positions of the full rows, then the slice.
+            b, s = input_ids.shape
+            position_ids = (local_positions(b, s, self.cp_group, input_ids.device) if cu_seqlens is None else
+                            slice_sequence(document_positions(cu_seqlens, b, s * cp, device=input_ids.device),
+                                           cp, torch.distributed.get_rank(self.cp_group)))
+        elif position_ids is None and cu_seqlens is not None:
             position_ids = document_positions(cu_seqlens, *input_ids.shape, device=input_ids.device)
         elif position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape[0], -1)

@@ -1,4 +1,4 @@
-"""Process groups for data parallel x expert parallel, built on a torch DeviceMesh.
+"""Process groups for data parallel x context parallel x expert parallel, built on torch DeviceMeshes.
 
 Layout (Megatron's, docs/megatron-rules.md, "Token dispatcher and expert data parallel"): EP is
 carved out of data parallel, so
@@ -6,6 +6,11 @@ dense parameters are replicated over every rank (their data-parallel group is th
 and experts are split over the `ep` mesh dimension; the ranks holding the same experts form the
 expert-data-parallel group of size world / EP. Ranks of one EP group are consecutive, so on a
 multi-GPU node the all-to-all stays inside the node.
+
+Context parallel (CP, docs/context-parallel.md) splits every sequence over `cp_size` consecutive
+ranks; ranks of one CP group read the same microbatches, so the data-parallel size of the data is
+world / CP. Dense parameters stay replicated over the whole world, so their gradients are reduced
+over DP x CP; EP is carved out of the same world and may span the CP ranks (Megatron allows it).
 
 A single process without torch.distributed gets a `ParallelState` whose groups are None; every
 collective helper in this package is a no-op then, so the same code trains on one CPU.
@@ -39,14 +44,28 @@ class ParallelState:
     dp_group: Any = None  # dense parameters: the whole world
     ep_group: Any = None
     expert_dp_group: Any = None
+    cp_size: int = 1
+    cp_rank: int = 0
+    cp_group: Any = None  # the ranks that hold slices of the same sequences (None: CP = 1)
 
     @property
     def dp_size(self) -> int:
+        """The group dense gradients are reduced over: the world (DP x CP)."""
         return self.world_size
 
     @property
     def dp_rank(self) -> int:
         return self.rank
+
+    @property
+    def data_parallel_size(self) -> int:
+        """How many different microbatch streams the world reads: world / CP."""
+        return self.world_size // self.cp_size
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """Which stream this rank reads: the ranks of one CP group are consecutive and share it."""
+        return self.rank // self.cp_size
 
     @property
     def distributed(self) -> bool:
@@ -87,9 +106,10 @@ def pick_device(device: str = "auto") -> torch.device:
 
 
 def init_parallel(
-    ep_size: int = 1, device: str | torch.device = "auto", backend: str = "auto", timeout_s: float = 600.0
+    ep_size: int = 1, device: str | torch.device = "auto", backend: str = "auto", timeout_s: float = 600.0,
+    cp_size: int = 1,
 ) -> ParallelState:
-    """Join the process group (NCCL on CUDA, gloo on CPU) and build the (expert_dp, ep) mesh."""
+    """Join the process group (NCCL on CUDA, gloo on CPU) and build the (expert_dp, ep) and (dp, cp) meshes."""
     dev = device if isinstance(device, torch.device) else pick_device(device)
     env = torchrun_env()
     # A process group joined already (a test harness, a simulation) defines the world.
@@ -98,6 +118,11 @@ def init_parallel(
         raise ConfigError(
             f"expert_model_parallel_size={ep_size} does not divide the world size {world}",
             hint="use a world size that is a multiple of the EP size",
+        )
+    if cp_size < 1 or world % cp_size:
+        raise ConfigError(
+            f"context_parallel_size={cp_size} does not divide the world size {world}",
+            hint="use a world size that is a multiple of the CP size",
         )
     if world == 1:
         return ParallelState(ep_size=ep_size, device=dev) if ep_size == 1 else _single_rank_error(ep_size)
@@ -108,17 +133,22 @@ def init_parallel(
         if dev.type == "cuda":
             kwargs["device_id"] = dev
         dist.init_process_group(**kwargs)
-    return state_from_world(ep_size, dev)
+    return state_from_world(ep_size, dev, cp_size)
 
 
-def state_from_world(ep_size: int, device: torch.device) -> ParallelState:
-    """The (expert_dp, ep) mesh and groups over the already-initialised default process group."""
+def state_from_world(ep_size: int, device: torch.device, cp_size: int = 1) -> ParallelState:
+    """The (expert_dp, ep) mesh, the (dp, cp) mesh when CP > 1, and their groups over the
+    already-initialised default process group."""
     from torch.distributed.device_mesh import init_device_mesh
 
     world, dev = dist.get_world_size(), device
-    mesh = init_device_mesh("cpu" if dev.type == "meta" else dev.type, (world // ep_size, ep_size),
-                            mesh_dim_names=("expert_dp", "ep"))
+    mesh_device = "cpu" if dev.type == "meta" else dev.type
+    mesh = init_device_mesh(mesh_device, (world // ep_size, ep_size), mesh_dim_names=("expert_dp", "ep"))
     rank = dist.get_rank()
+    cp_group, cp_rank = None, 0
+    if cp_size > 1:
+        cp_mesh = init_device_mesh(mesh_device, (world // cp_size, cp_size), mesh_dim_names=("dp", "cp"))
+        cp_group, cp_rank = cp_mesh.get_group("cp"), cp_mesh["cp"].get_local_rank()
     return ParallelState(
         world_size=world,
         rank=rank,
@@ -131,6 +161,9 @@ def state_from_world(ep_size: int, device: torch.device) -> ParallelState:
         dp_group=dist.group.WORLD,
         ep_group=mesh.get_group("ep"),
         expert_dp_group=mesh.get_group("expert_dp"),
+        cp_size=cp_size,
+        cp_rank=cp_rank,
+        cp_group=cp_group,
     )
 
 

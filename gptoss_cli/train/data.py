@@ -11,6 +11,11 @@ step; DP rank r takes the contiguous slice [c + r*G/dp, c + (r+1)*G/dp) in micro
 `micro_batch_size`. The union over ranks is the same whatever the DP size, which is what makes a
 DP=2 run equal a DP=1 run with gradient accumulation. The position (consumed samples) is saved in
 the checkpoint.
+
+Context parallel (docs/context-parallel.md): the CP ranks of one group read the same microbatches
+(`dp_rank`/`dp_size` are then the data-parallel rank and size, world / CP) and each keeps its
+contiguous slice of S/CP positions of every row; positions and document boundaries are computed on
+the full rows first, so per-document attention (after the all-to-all, on full rows) stays exact.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import torch
 from gptoss_cli.data.packing import pack_documents, packing_efficiency
 from gptoss_cli.errors import ConfigError
 from gptoss_cli.model.attention import document_offsets, document_positions
+from gptoss_cli.model.context_parallel import slice_sequence
 from gptoss_cli.model.hybrid import IGNORE_INDEX
 from gptoss_cli.token_format import INDEX_DTYPE, check_token_files, document_file_paths, has_documents, read_token_header
 
@@ -197,16 +203,29 @@ class Microbatch:
 
     def model_inputs(self) -> dict:
         """Keyword arguments of the model's forward (and schedule plan) besides the tokens."""
-        if self.cu_seqlens is None:
+        if self.cu_seqlens is None and self.position_ids is None:
             return {}
         return {"position_ids": self.position_ids, "cu_seqlens": self.cu_seqlens}
+
+    def context_slice(self, cp_size: int, cp_rank: int) -> "Microbatch":
+        """CP rank `cp_rank`'s contiguous slice of every row: tokens, labels and positions (of the
+        full rows) sliced; cu_seqlens stay those of the full rows (attention runs on full rows)."""
+        if cp_size == 1:
+            return self
+        b, s = self.tokens.shape
+        positions = self.position_ids
+        if positions is None:
+            positions = torch.arange(s, device=self.tokens.device).expand(b, -1)
+        return Microbatch(tokens=slice_sequence(self.tokens, cp_size, cp_rank),
+                          labels=slice_sequence(self.labels, cp_size, cp_rank),
+                          position_ids=slice_sequence(positions, cp_size, cp_rank), cu_seqlens=self.cu_seqlens)
 
 
 class DataLoaderState:
     """This rank's microbatches of each global batch; `consumed_samples` is the resumable position."""
 
     def __init__(self, source: Any, *, global_batch_size: int, micro_batch_size: int, dp_rank: int, dp_size: int,
-                 consumed_samples: int = 0, device: torch.device | None = None):
+                 consumed_samples: int = 0, device: torch.device | None = None, cp_size: int = 1, cp_rank: int = 0):
         if global_batch_size % (micro_batch_size * dp_size):
             raise ConfigError(
                 f"training.global_batch_size={global_batch_size} is not a multiple of micro_batch_size x "
@@ -220,6 +239,7 @@ class DataLoaderState:
         self.num_microbatches = global_batch_size // (micro_batch_size * dp_size)
         self.consumed_samples = consumed_samples
         self.device = device or torch.device("cpu")
+        self.cp_size, self.cp_rank = cp_size, cp_rank
 
     def step_iterator(self) -> Iterator[Microbatch]:
         """The microbatches of the next global batch for this rank; advances the position."""
@@ -228,6 +248,10 @@ class DataLoaderState:
         return self._iter(base)
 
     def _iter(self, base: int) -> Iterator[Microbatch]:
+        for mb in self._full_rows(base):
+            yield mb.context_slice(self.cp_size, self.cp_rank)
+
+    def _full_rows(self, base: int) -> Iterator[Microbatch]:
         for m in range(self.num_microbatches):
             rows = [self.source.sample(base + m * self.micro_batch_size + j) for j in range(self.micro_batch_size)]
             if isinstance(rows[0], PackedRow):

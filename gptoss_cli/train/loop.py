@@ -161,7 +161,8 @@ def run_worker(job: TrainJob, progress: Progress | None = None) -> TrainResult:
     self_watch = job.heartbeat_dir is None and int(os.environ.get("WORLD_SIZE", "1")) > 1
     heartbeat = Heartbeat(rank, cfg.system.heartbeat_timeout_s, job.heartbeat_dir, self_watch=self_watch).start()
     try:
-        state = init_parallel(cfg.parallelism.expert_model_parallel_size, cfg.system.device, cfg.parallelism.backend)
+        state = init_parallel(cfg.parallelism.expert_model_parallel_size, cfg.system.device, cfg.parallelism.backend,
+                              cp_size=cfg.parallelism.context_parallel_size)
         try:
             return _train(job, state, progress, heartbeat)
         finally:
@@ -188,7 +189,8 @@ def _train(job: TrainJob, state: ParallelState, progress: Progress | None, heart
     packing = ({"efficiency": source.efficiency, "rows": source.num_samples, "seq_length": t.seq_length}
                if getattr(source, "documents", False) else None)
     data = DataLoaderState(source, global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size,
-                           dp_rank=state.dp_rank, dp_size=state.dp_size, device=state.device)
+                           dp_rank=state.data_parallel_rank, dp_size=state.data_parallel_size, device=state.device,
+                           cp_size=state.cp_size, cp_rank=state.cp_rank)
 
     start_step, resumed_from = 0, None
     if ckpt.dir and ckpt.resume:

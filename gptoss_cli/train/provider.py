@@ -95,6 +95,8 @@ class HybridModelProvider:
         model = build_model(arch, cfg.hybrid_layer_pattern, device=state.device, dtype=cfg.torch_dtype,
                             expert_offset=offset, num_local_experts=n_local,
                             token_dispatcher_factory=dispatcher_factory(arch.num_local_experts, state))
+        if state.cp_size > 1:
+            model.set_context_parallel(state.cp_group)  # each rank holds S/CP positions of every row
         # The aux loss follows the recipe (moe.aux_loss_coeff), not the checkpoint's config.json.
         model.aux_loss_coef = cfg.aux_loss_coeff
         if self.weights is None:

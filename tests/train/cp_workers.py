@@ -1,0 +1,77 @@
+"""Per-rank bodies of the context-parallel tests (importable by spawned processes)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from gptoss_cli.model.hybrid import IGNORE_INDEX
+from gptoss_cli.parallel.state import ParallelState, init_parallel
+from gptoss_cli.schedule import get_forward_backward_func
+from gptoss_cli.train.data import DataLoaderState, PackedRow
+from gptoss_cli.train.loop import forward_step
+from gptoss_cli.train.provider import HybridModelProvider
+from gptoss_cli.train.setup import setup_model_and_optimizer
+from tests.train.dist_helpers import named_grads
+from tests.train.jobs import optimizer_config, runtime_config
+from tests.train.workers import TINY, RandomTokens
+
+# 24 positions: at CP=2 each rank holds 12, and the tiny model's sliding window of 8 crosses the
+# slice boundary (queries 12..18 see keys before 12).
+SEQ = 24
+GLOBAL_BATCH, MBS = 4, 2
+# Per sample index (mod 4): document lengths of a packed row; several documents cross position 12,
+# and rows with fewer than SEQ tokens end in padding.
+DOC_LENGTHS = ([5, 9, 7], [11, 13], [24], [3, 10, 4, 6])
+
+
+class PackedRandomDocuments:
+    """Packed rows of random documents (the shape of train/data.py's PackedDocumentSource's rows)."""
+
+    documents = True
+
+    def __init__(self, vocab: int, seq: int, seed: int = 0):
+        self.vocab, self.seq, self.seed = vocab, seq, seed
+
+    def sample(self, index: int) -> PackedRow:
+        g = torch.Generator().manual_seed(self.seed * 7919 + index)
+        lengths = DOC_LENGTHS[index % len(DOC_LENGTHS)]
+        tokens = torch.zeros(self.seq, dtype=torch.int64)
+        labels = torch.full((self.seq,), IGNORE_INDEX, dtype=torch.int64)
+        at = 0
+        for n in lengths:
+            doc = torch.randint(0, self.vocab, (n,), generator=g)
+            tokens[at:at + n] = doc
+            labels[at:at + n - 1] = doc[1:]
+            at += n
+        return PackedRow(tokens, labels, list(lengths))
+
+
+def cp_step(state: ParallelState, packed: bool, seed: int = 7) -> dict[str, Any]:
+    """One global batch forward+backward through the real schedule at this state's CP x EP layout:
+    the summed loss, token count and finalised gradients (sinks included)."""
+    provider = HybridModelProvider(runtime_config(aux_loss_coeff=0.0, ep_size=state.ep_size), seed=seed)
+    setup = setup_model_and_optimizer(provider, state, optimizer_config(clip_grad=1.0), 1e-3)
+    source = PackedRandomDocuments(TINY.vocab_size, SEQ) if packed else RandomTokens(TINY.vocab_size, SEQ, seed=5)
+    data = DataLoaderState(source, global_batch_size=GLOBAL_BATCH, micro_batch_size=MBS,
+                           dp_rank=state.data_parallel_rank, dp_size=state.data_parallel_size,
+                           cp_size=state.cp_size, cp_rank=state.cp_rank)
+    schedule = get_forward_backward_func(setup.config)
+    logs = schedule(forward_step_func=forward_step, data_iterator=data.step_iterator(), model=setup.model,
+                    num_microbatches=data.num_microbatches)
+    return {"loss_sum": float(sum(l["lm_loss_sum"] for l in logs)),
+            "tokens": float(sum(l["num_tokens"] for l in logs)),
+            "grads": named_grads(setup.model), "grad_norm": setup.optimizer.grad_norm()}
+
+
+# (cp, ep, packed) layouts the 2-process worker runs, one after another in the same process group
+LAYOUTS = ((2, 1, False), (2, 1, True), (2, 2, False), (2, 2, True))
+
+
+def cp_worker(rank: int, layouts: tuple = LAYOUTS) -> dict[tuple, dict[str, Any]]:
+    out = {}
+    for cp, ep, packed in layouts:
+        state = init_parallel(ep, "cpu", cp_size=cp)
+        out[(cp, ep, packed)] = cp_step(state, packed)
+    return out
