@@ -18,6 +18,7 @@ TINY = preset("tiny")
 
 FIELDS = {
     "ep_size": "parallelism.expert_model_parallel_size", "backend": "parallelism.backend",
+    "cp_size": "parallelism.context_parallel_size",
     "device": "system.device", "heartbeat_timeout_s": "system.heartbeat_timeout_s",
     "params_dtype": "precision.params_dtype", "fp8_recipe": "precision.fp8_recipe",
     "fp8_format": "precision.fp8_format", "fp8_emulation": "precision.fp8_emulation",

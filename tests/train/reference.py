@@ -68,6 +68,10 @@ LAYOUTS: dict[str, tuple] = {
     # step), so the mean loss and its gradients are those of the 4-sample batch the reference uses
     "ep4xedp2-buckets-overlap": (8, 4, True, {"bucket_size": BUCKET, "overlap_grad_reduce": True,
                                               "global_batch_size": 2 * GLOBAL_BATCH, "steps": 1}),
+    # context parallel: both ranks read the same samples, each its half of every row (8 of 16
+    # positions: the sliding window of 8 crosses the cut), alone and with EP=2 over the same ranks
+    "cp2": (2, 1, True, {"cp_size": 2}),
+    "cp2xep2": (2, 2, True, {"cp_size": 2}),
 }
 
 
