@@ -227,11 +227,15 @@ class MemoryEstimate:
 
 def estimate_memory(cfg: RecipeConfig, arch: GptOssArch, pattern: HybridPattern | str, world_size: int,
                     gpu: str | None = None) -> MemoryEstimate | None:
-    """The per-GPU estimate of `cfg` at `world_size`; None when the layout is not DP x EP (TP, PP,
-    CP or ETP above 1: not what gptoss train runs) or the sizes do not divide."""
+    """The per-GPU estimate of `cfg` at `world_size`; None when the layout is not DP x CP x EP (TP, PP
+    or ETP above 1: not what gptoss train runs) or the sizes do not divide. Under context parallel a
+    rank holds S/CP positions of every row (attention: all S positions of h/CP heads, the same bytes)."""
     par = cfg.parallelism
-    if (par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.context_parallel_size,
-            par.expert_tensor_parallel_size) != (1, 1, 1, 1):
+    if (par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
+            par.expert_tensor_parallel_size) != (1, 1, 1):
+        return None
+    cp = par.context_parallel_size
+    if world_size % cp or cfg.training.seq_length % cp:
         return None
     ep = par.expert_model_parallel_size
     if world_size < 1 or ep < 1 or world_size % ep or arch.num_local_experts % ep:
@@ -248,12 +252,12 @@ def estimate_memory(cfg: RecipeConfig, arch: GptOssArch, pattern: HybridPattern 
     dense_n, dense_buckets = buffer_numel(dense_numels, dense_shards, opt.bucket_size or default_bucket_size(dp))
     expert_n, expert_buckets = (buffer_numel(expert_numels, expert_shards, opt.bucket_size or default_bucket_size(edp))
                                 if expert_numels else (0, 0))
-    t = cfg.training.micro_batch_size * cfg.training.seq_length
+    t = cfg.training.micro_batch_size * cfg.training.seq_length // cp  # this rank's tokens of a microbatch
     per_token = activation_bytes_per_token(arch, b, aux_loss=cfg.moe.aux_loss_coeff > 0)
     counts = {s: pattern.layers.count(s) for s in (ATTENTION, MOE, MLP)}
     dtype = cfg.precision.params_dtype
     ep_knob = "parallelism.expert_model_parallel_size (fewer experts per GPU)"
-    act_knob = "training.micro_batch_size, training.seq_length"
+    act_knob = "training.micro_batch_size, training.seq_length, parallelism.context_parallel_size"
     shard_knob = ("optimizer.use_distributed_optimizer=true" if not distributed
                   else "more GPUs (larger data-parallel groups shard it thinner)")
     items = [

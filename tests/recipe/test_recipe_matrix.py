@@ -24,6 +24,7 @@ VERDICTS = {
     "gpt_oss_120b_finetune": (set(), set()),
     "gpt_oss_20b_sft": (set(), set()),
     "gpt_oss_120b_sft": (set(), set()),
+    "gpt_oss_20b_sft_32k": (set(), set()),  # context parallel 8
     "h100_bf16": ({"memory.fits"}, {"memory.fits"}),  # 120B at 4096 tokens does not fit 80 GB
     "tiny_cpu_ep2": (set(), set()),
     "tiny_cpu_ep2_overlap": (set(), set()),

@@ -40,8 +40,13 @@ CASES = {
     "parallel.pipeline_layers": (
         ["parallelism.pipeline_model_parallel_size=4", "parallelism.world_size=8"], "error",
         ["parallelism.pipeline_model_parallel_size=2", *W4]),
+    "parallel.context_parallel_heads": (
+        ["parallelism.context_parallel_size=4", *W4], "error", ["parallelism.context_parallel_size=2", *W4]),
+    "parallel.context_parallel_combinations": (
+        ["parallelism.context_parallel_size=2", *W4, "moe.aux_loss_coeff=0.01"], "error",
+        ["parallelism.context_parallel_size=2", *W4, "moe.aux_loss_coeff=0"]),
     "parallel.context_parallel_seq": (
-        ["parallelism.context_parallel_size=2", *W4, "training.seq_length=30"], "error",
+        ["parallelism.context_parallel_size=2", *W4, "training.seq_length=31"], "error",
         ["parallelism.context_parallel_size=2", *W4, "training.seq_length=32"]),
     "parallel.sequence_parallel": (["parallelism.sequence_parallel=true"], "warning", []),
     "moe.sequence_parallel_with_tp": (
@@ -98,7 +103,6 @@ CASES = {
     "system.backend": (["parallelism.backend=nccl"], "error", ["parallelism.backend=auto"]),
     "unsupported.tensor_parallel": (["parallelism.tensor_model_parallel_size=2"], "error", []),
     "unsupported.pipeline_parallel": (["parallelism.pipeline_model_parallel_size=2", *W4], "error", W4),
-    "unsupported.context_parallel": (["parallelism.context_parallel_size=2", *W4], "error", W4),
     "unsupported.expert_tensor_parallel": (["parallelism.expert_tensor_parallel_size=2", *W4], "error", W4),
     "unsupported.megatron_fsdp": (["parallelism.use_megatron_fsdp=true"], "error", []),
     "unsupported.token_dispatcher": (["moe.token_dispatcher_type=flex"], "error", []),

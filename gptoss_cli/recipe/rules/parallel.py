@@ -143,15 +143,58 @@ def pipeline_layers(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     return out
 
 
-@rule("parallel.context_parallel_seq", "with CP > 1, seq_length divisible by 2 x CP (load-balanced halves)",
-      fix="training.seq_length a multiple of 2 x CP")
+@rule("parallel.context_parallel_seq",
+      "with CP > 1, seq_length divisible by CP (one contiguous slice per rank); by 2 x CP for Megatron's "
+      "load-balanced ring attention (a warning)",
+      fix="training.seq_length a multiple of CP (of 2 x CP for Megatron)", severities=(ERROR, WARNING))
 def context_parallel_seq(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     cp, seq = cfg.parallelism.context_parallel_size, cfg.training.seq_length
+    fields = {"parallelism.context_parallel_size": cp, "training.seq_length": seq}
     if cp == 1 or seq % (2 * cp) == 0:
         return []
-    return [error({"parallelism.context_parallel_size": cp, "training.seq_length": seq},
-                  f"seq_length={seq} is not divisible by 2 x CP = {2 * cp}",
-                  f"use a seq_length that is a multiple of {2 * cp}")]
+    if seq % cp:
+        return [error(fields, f"seq_length={seq} is not divisible by CP={cp}: every CP rank holds an equal "
+                              f"slice of each sequence", f"use a seq_length that is a multiple of {cp}")]
+    return [warning(fields, f"seq_length={seq} is not divisible by 2 x CP = {2 * cp}: fine for gptoss's all-to-all "
+                            "CP, but Megatron's load-balanced ring attention cuts each sequence into 2 x CP chunks",
+                    f"for a Megatron run use a seq_length that is a multiple of {2 * cp}")]
+
+
+@rule("parallel.context_parallel_heads",
+      "with CP > 1, attention heads and kv heads divisible by CP (all-to-all CP gives each rank whole "
+      "kv heads, so CP <= kv heads: 8 for GPT-OSS)",
+      fix="a context_parallel_size that divides both head counts")
+def context_parallel_heads(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
+    cp, a = cfg.parallelism.context_parallel_size, ctx.arch
+    bad = {k: v for k, v in (("num_attention_heads", a.num_attention_heads),
+                             ("num_key_value_heads", a.num_key_value_heads)) if v % cp}
+    if cp == 1 or not bad:
+        return []
+    return [error({"parallelism.context_parallel_size": cp, **bad},
+                  f"CP={cp} does not divide {', '.join(f'{k}={v}' for k, v in bad.items())}: all-to-all "
+                  "(Ulysses) context parallelism gives each rank whole heads (ring attention, which would "
+                  "allow more, is not implemented)",
+                  f"use a context_parallel_size that divides {math.gcd(a.num_attention_heads, a.num_key_value_heads)}")]
+
+
+@rule("parallel.context_parallel_combinations",
+      "CP > 1 does not combine yet with the load-balancing aux loss or the EP A2A overlap schedule",
+      fix="with CP > 1: moe.aux_loss_coeff=0 and overlap.overlap_moe_expert_parallel_comm=false")
+def context_parallel_combinations(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
+    cp = cfg.parallelism.context_parallel_size
+    if cp == 1:
+        return []
+    out = []
+    if cfg.moe.aux_loss_coeff > 0:
+        out.append(error({"parallelism.context_parallel_size": cp, "moe.aux_loss_coeff": cfg.moe.aux_loss_coeff},
+                         "the load-balancing aux loss under CP would be computed from each rank's slice of the "
+                         "sequence, not from the whole sequence (not implemented)",
+                         "set moe.aux_loss_coeff=0 (or context_parallel_size=1)"))
+    if cfg.overlap.overlap_moe_expert_parallel_comm:
+        out.append(error({"parallelism.context_parallel_size": cp, "overlap.overlap_moe_expert_parallel_comm": True},
+                         "the combined-1F1B EP A2A overlap schedule is not verified with CP's attention all-to-all",
+                         "set overlap.overlap_moe_expert_parallel_comm=false (or context_parallel_size=1)"))
+    return out
 
 
 @rule("parallel.sequence_parallel", "sequence_parallel needs TP > 1 and seq_length divisible by TP",

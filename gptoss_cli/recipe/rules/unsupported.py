@@ -41,10 +41,6 @@ TABLE: tuple[Unsupported, ...] = (
         lambda c: "pipeline parallelism",
         "set parallelism.pipeline_model_parallel_size=1, virtual size null, no '|' in the pattern"),
     Unsupported(
-        "context_parallel", "context parallelism", ("parallelism.context_parallel_size",),
-        lambda c, x: c.parallelism.context_parallel_size == 1,
-        lambda c: "context parallelism", "set parallelism.context_parallel_size=1"),
-    Unsupported(
         "expert_tensor_parallel", "expert tensor parallelism", ("parallelism.expert_tensor_parallel_size",),
         lambda c, x: c.parallelism.expert_tensor_parallel_size == 1,
         lambda c: "expert tensor parallelism", "set parallelism.expert_tensor_parallel_size=1"),
