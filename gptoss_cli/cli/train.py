@@ -42,6 +42,8 @@ class TrainProgressBar:
         if kind == "start":
             self._console = Console()
             where = f"world {event['world_size']}, EP {event['ep_size']}"
+            if event.get("cp_size", 1) > 1:
+                where += f", CP {event['cp_size']}"
             if event.get("fp8"):
                 where += f", fp8 {event['fp8']}"
             self._console.print(f"training on {where}", highlight=False)

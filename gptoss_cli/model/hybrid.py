@@ -270,6 +270,8 @@ class HybridModel(nn.Module):
     `set_token_dispatchers`) with an expert-parallel dispatcher.
     """
 
+    cp_group = None  # context parallel (set_context_parallel); None: every rank holds whole rows
+
     def __init__(
         self,
         arch: GptOssArch,
@@ -352,8 +354,6 @@ class HybridModel(nn.Module):
         for layer in self.decoder.layers:
             if isinstance(layer, AttentionLayer):
                 layer.self_attention.cp_group = self.cp_group
-
-    cp_group = None
 
     def set_gemms(self, *, dense: Callable[[str], DenseGemm] | None = None,
                   grouped: Callable[[str], GroupedGemm] | None = None) -> list[str]:

@@ -209,7 +209,7 @@ def _train(job: TrainJob, state: ParallelState, progress: Progress | None, heart
     emit = progress if (progress is not None and state.rank == 0) else None
     if emit:
         emit({"kind": "start", "start_step": start_step, "train_iters": t.train_iters, "world_size": state.world_size,
-              "ep_size": state.ep_size, "resumed_from": resumed_from, "fp8": fp8.describe() if fp8 else None,
+              "ep_size": state.ep_size, "cp_size": state.cp_size, "resumed_from": resumed_from, "fp8": fp8.describe() if fp8 else None,
               "packing": packing})
 
     losses: list[float] = []
