@@ -20,20 +20,13 @@ GRAD_REL = reassociation_rel(GLOBAL_BATCH * SEQ, DEPTH)  # a weight gradient sum
 LOSS_REL = reassociation_rel(max(TINY.hidden_size, GLOBAL_BATCH * SEQ), DEPTH)
 
 
-def _run(folder):
+def _against_cp1(folder, world, layouts, **kwargs):
+    """(CP=1 reference in this process for rows and packed rows, each rank's results of `layouts`)."""
     reference = {packed: cp_step(ParallelState(), packed) for packed in (False, True)}
-    ranks = run_distributed(cp_worker, 2, folder, LAYOUTS, timeout=300)
-    return reference, ranks
+    return reference, run_distributed(cp_worker, world, folder, layouts, **kwargs)
 
 
-@pytest.fixture(scope="module")
-def cp2_vs_cp1(tmp_path_factory):
-    return once_per_session(tmp_path_factory, "cp2_vs_cp1", _run)
-
-
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: f"cp{l[0]}-ep{l[1]}-{'packed' if l[2] else 'rows'}")
-def test_cp2_loss_and_tokens_equal_cp1(cp2_vs_cp1, layout):
-    ref, ranks = cp2_vs_cp1
+def assert_loss_and_tokens_equal(ref, ranks, layout):
     want = ref[layout[2]]
     tokens = sum(r[layout]["tokens"] for r in ranks)
     assert tokens == want["tokens"]
@@ -41,19 +34,36 @@ def test_cp2_loss_and_tokens_equal_cp1(cp2_vs_cp1, layout):
     assert loss == pytest.approx(want["loss_sum"] / want["tokens"], rel=LOSS_REL)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: f"cp{l[0]}-ep{l[1]}-{'packed' if l[2] else 'rows'}")
-def test_cp2_every_gradient_equals_cp1_on_every_rank(cp2_vs_cp1, layout):
-    ref, ranks = cp2_vs_cp1
+def assert_every_gradient_equal(ref, ranks, layout):
+    """Every rank's finalised gradients (experts: those it holds) equal CP=1's; every expert held."""
     want = ref[layout[2]]["grads"]
-    sinks = [n for n in want if n.endswith("softmax_offset")]
-    assert len(sinks) == TINY.num_hidden_layers and all(want[n].abs().min() > 0 for n in sinks)
     for rank, r in enumerate(ranks):
         got = r[layout]["grads"]
-        held = {n: want[n] for n in got}  # EP: a rank holds the gradients of its own experts
-        assert len(got) == len(want) or layout[1] > 1
-        assert_tensors_close(got, held, GRAD_REL, context=f"rank {rank} {layout}")
-    if layout[1] > 1:  # every expert held by some rank
-        assert set().union(*(r[layout]["grads"] for r in ranks)) == set(want)
+        assert layout[1] > 1 or len(got) == len(want)
+        assert_tensors_close(got, {n: want[n] for n in got}, GRAD_REL, context=f"rank {rank} {layout}")
+    assert set().union(*(r[layout]["grads"] for r in ranks)) == set(want)
+
+
+def layout_id(layout) -> str:
+    return f"cp{layout[0]}-ep{layout[1]}-{'packed' if layout[2] else 'rows'}"
+
+
+@pytest.fixture(scope="module")
+def cp2_vs_cp1(tmp_path_factory):
+    return once_per_session(tmp_path_factory, "cp2_vs_cp1", lambda f: _against_cp1(f, 2, LAYOUTS, timeout=300))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=layout_id)
+def test_cp2_loss_and_tokens_equal_cp1(cp2_vs_cp1, layout):
+    assert_loss_and_tokens_equal(*cp2_vs_cp1, layout)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=layout_id)
+def test_cp2_every_gradient_equals_cp1_on_every_rank(cp2_vs_cp1, layout):
+    ref, ranks = cp2_vs_cp1
+    sinks = [n for n in ref[layout[2]]["grads"] if n.endswith("softmax_offset")]
+    assert len(sinks) == TINY.num_hidden_layers and all(ref[layout[2]]["grads"][n].abs().min() > 0 for n in sinks)
+    assert_every_gradient_equal(ref, ranks, layout)
 
 
 # World 4 = DP 2 x CP 2: two CP groups (ranks 0-1, 2-3) read different halves of the global batch;
@@ -61,27 +71,13 @@ def test_cp2_every_gradient_equals_cp1_on_every_rank(cp2_vs_cp1, layout):
 LAYOUTS_W4 = ((2, 2, True), (2, 4, False))
 
 
-def _run_w4(folder):
-    reference = {packed: cp_step(ParallelState(), packed) for packed in (False, True)}
-    ranks = run_distributed(cp_worker, 4, folder, LAYOUTS_W4, timeout=400,
-                            preload=("tests.train.cp_workers", "gptoss_cli.train.loop"))
-    return reference, ranks
-
-
 @pytest.fixture(scope="module")
 def dp2_cp2_vs_cp1(tmp_path_factory):
-    return once_per_session(tmp_path_factory, "dp2_cp2_vs_cp1", _run_w4)
+    return once_per_session(tmp_path_factory, "dp2_cp2_vs_cp1", lambda f: _against_cp1(
+        f, 4, LAYOUTS_W4, timeout=400, preload=("tests.train.cp_workers", "gptoss_cli.train.loop")))
 
 
-@pytest.mark.parametrize("layout", LAYOUTS_W4, ids=lambda l: f"dp2-cp{l[0]}-ep{l[1]}-{'packed' if l[2] else 'rows'}")
+@pytest.mark.parametrize("layout", LAYOUTS_W4, ids=lambda l: "dp2-" + layout_id(l))
 def test_dp2_x_cp2_loss_and_every_gradient_equal_cp1(dp2_cp2_vs_cp1, layout):
-    ref, ranks = dp2_cp2_vs_cp1
-    want = ref[layout[2]]
-    tokens = sum(r[layout]["tokens"] for r in ranks)
-    assert tokens == want["tokens"]
-    assert sum(r[layout]["loss_sum"] for r in ranks) / tokens == pytest.approx(
-        want["loss_sum"] / want["tokens"], rel=LOSS_REL)
-    for rank, r in enumerate(ranks):
-        got = r[layout]["grads"]
-        assert_tensors_close(got, {n: want["grads"][n] for n in got}, GRAD_REL, context=f"rank {rank} {layout}")
-    assert set().union(*(r[layout]["grads"] for r in ranks)) == set(want["grads"])
+    assert_loss_and_tokens_equal(*dp2_cp2_vs_cp1, layout)
+    assert_every_gradient_equal(*dp2_cp2_vs_cp1, layout)
