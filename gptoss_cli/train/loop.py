@@ -34,7 +34,7 @@ from gptoss_cli.schedule import get_forward_backward_func
 from gptoss_cli.train.checkpointing import latest_checkpoint, load_checkpoint, save_checkpoint
 from gptoss_cli.train.data import DataLoaderState, Microbatch, build_source
 from gptoss_cli.train.heartbeat import Heartbeat
-from gptoss_cli.train.loggers import open_loggers
+from gptoss_cli.train.loggers import Loggers, open_loggers
 from gptoss_cli.train.optimizer import WarmupCosineLR
 from gptoss_cli.train.provider import HybridModelProvider, ModelRuntimeConfig
 from gptoss_cli.train.setup import setup_model_and_optimizer
@@ -182,7 +182,13 @@ def run_worker(job: TrainJob, progress: Progress | None = None) -> TrainResult:
     try:
         state = init_parallel(cfg.parallelism.expert_model_parallel_size, cfg.system.device, cfg.parallelism.backend)
         try:
-            return _train(job, state, progress, heartbeat)
+            # TensorBoard / W&B on rank 0 (train/loggers.py); their packages were checked before launch.
+            loggers = open_loggers(cfg.logging, Path(job.run_dir), job.name, job.recipe) if state.rank == 0 else None
+            try:
+                return _train(job, state, progress, heartbeat, loggers)
+            finally:
+                if loggers is not None:
+                    loggers.close()
         finally:
             if owns_group:
                 destroy_parallel()
@@ -190,7 +196,8 @@ def run_worker(job: TrainJob, progress: Progress | None = None) -> TrainResult:
         heartbeat.stop()
 
 
-def _train(job: TrainJob, state: ParallelState, progress: Progress | None, heartbeat: Heartbeat) -> TrainResult:
+def _train(job: TrainJob, state: ParallelState, progress: Progress | None, heartbeat: Heartbeat,
+           loggers: Loggers | None = None) -> TrainResult:
     cfg = job.config
     t, ckpt = cfg.training, cfg.checkpoint
     _seed_all(t.seed)
@@ -220,8 +227,6 @@ def _train(job: TrainJob, state: ParallelState, progress: Progress | None, heart
         (run_dir / "recipe.json").write_text(json.dumps(job.recipe, indent=2, default=str) + "\n")
     metrics = MetricsWriter(run_dir, state)
     totals_layout = StepTotals([j for j, _ in model.module.moe_layers()], job.arch.num_local_experts)
-    # TensorBoard / W&B on rank 0 (train/loggers.py); their packages were checked before launch.
-    loggers = open_loggers(cfg.logging, run_dir, job.name, job.recipe) if state.rank == 0 else None
     schedule = get_forward_backward_func(setup.config)
     fp8 = setup.config.fp8_gemms  # the FP8 gemms the provider selected: which path runs, what ran
     emit = progress if (progress is not None and state.rank == 0) else None
@@ -233,65 +238,61 @@ def _train(job: TrainJob, state: ParallelState, progress: Progress | None, heart
     norms: list[float] = []
     tokens_total, time_total = 0.0, 0.0
     last_ckpt = None
-    try:
-        for step in range(start_step, t.train_iters):
-            heartbeat.progress(step + 1, "step")
-            t0 = time.perf_counter()
-            model.zero_grad_buffer()
-            logs = schedule(forward_step_func=forward_step, data_iterator=heartbeat.beating(data.step_iterator(), step + 1),
-                            model=model, num_microbatches=data.num_microbatches, forward_only=False)
-            local = totals_layout.vector(logs, state.device)
-            totals = local.clone()
-            if state.distributed:
-                dist.all_reduce(totals, group=state.dp_group)  # one small collective for every step total
-            local_values, values = torch.stack([local, totals]).tolist()  # the step's one host sync
-            reduced = totals_layout.scalars(values)
-            loss = reduced["lm_loss_sum"] / reduced["num_tokens"] if reduced["num_tokens"] else math.nan
-            if not math.isfinite(loss):
-                raise TrainingError(
-                    f"loss is {loss} at step {step + 1}; stopping before the optimizer step (no checkpoint of this state)",
-                    hint="lower training.lr, enable optimizer.clip_grad, or check the data",
-                )
-            lr = lr_schedule.lr_at(step)
-            grad_norm = optimizer.step(lr)
-            if state.device.type == "cuda":
-                torch.cuda.synchronize()
-            dt = time.perf_counter() - t0
-            tokens = reduced["num_tokens"]
-            if step > start_step or t.train_iters - start_step == 1:  # the first step warms up: not in the average
-                tokens_total += tokens
-                time_total += dt
-            losses.append(loss)
-            norms.append(grad_norm)
-            done = step + 1
-            common = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens / dt,
-                      "step_time_s": dt, "consumed_samples": data.consumed_samples}
-            if cfg.moe.aux_loss_coeff > 0:
-                common["aux_loss"] = reduced["aux_loss_sum"] / reduced["num_tokens"]
-            if cfg.moe.z_loss_coeff > 0:
-                common["z_loss"] = reduced["z_loss_sum"] / reduced["num_tokens"]
-            if fp8 is not None:
-                common["fp8"] = fp8.summary()
-            router = totals_layout.router_record(values)
-            records = metrics.write(done, common, [local_values[0], local_values[1], dt], rank0=router)
-            if loggers is not None:
-                loggers.log(done, records)
-            if emit and (done % cfg.logging.log_interval == 0 or done == t.train_iters):
-                emit({"kind": "step", "step": done, **common})
-            if ckpt.dir and (
-                done == t.train_iters or (ckpt.save_interval and done % ckpt.save_interval == 0)
-            ):
-                heartbeat.progress(done, "checkpoint save", watched=False)  # disks may be slow; a stopped rank still shows
-                last_ckpt = save_checkpoint(
-                    ckpt.dir, step=done, model=model.module, optimizer=optimizer, state=state,
-                    train_state={"consumed_samples": data.consumed_samples, "lr_schedule": lr_schedule.state_dict(),
-                                 "name": job.name, RUN_KEY: job.run_record()},
-                )
-                if emit:
-                    emit({"kind": "checkpoint", "step": done, "path": str(last_ckpt)})
-    finally:
+    for step in range(start_step, t.train_iters):
+        heartbeat.progress(step + 1, "step")
+        t0 = time.perf_counter()
+        model.zero_grad_buffer()
+        logs = schedule(forward_step_func=forward_step, data_iterator=heartbeat.beating(data.step_iterator(), step + 1),
+                        model=model, num_microbatches=data.num_microbatches, forward_only=False)
+        local = totals_layout.vector(logs, state.device)
+        totals = local.clone()
+        if state.distributed:
+            dist.all_reduce(totals, group=state.dp_group)  # one small collective for every step total
+        local_values, values = torch.stack([local, totals]).tolist()  # the step's one host sync
+        reduced = totals_layout.scalars(values)
+        loss = reduced["lm_loss_sum"] / reduced["num_tokens"] if reduced["num_tokens"] else math.nan
+        if not math.isfinite(loss):
+            raise TrainingError(
+                f"loss is {loss} at step {step + 1}; stopping before the optimizer step (no checkpoint of this state)",
+                hint="lower training.lr, enable optimizer.clip_grad, or check the data",
+            )
+        lr = lr_schedule.lr_at(step)
+        grad_norm = optimizer.step(lr)
+        if state.device.type == "cuda":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        tokens = reduced["num_tokens"]
+        if step > start_step or t.train_iters - start_step == 1:  # the first step warms up: not in the average
+            tokens_total += tokens
+            time_total += dt
+        losses.append(loss)
+        norms.append(grad_norm)
+        done = step + 1
+        common = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens / dt,
+                  "step_time_s": dt, "consumed_samples": data.consumed_samples}
+        if cfg.moe.aux_loss_coeff > 0:
+            common["aux_loss"] = reduced["aux_loss_sum"] / reduced["num_tokens"]
+        if cfg.moe.z_loss_coeff > 0:
+            common["z_loss"] = reduced["z_loss_sum"] / reduced["num_tokens"]
+        if fp8 is not None:
+            common["fp8"] = fp8.summary()
+        router = totals_layout.router_record(values)
+        records = metrics.write(done, common, [local_values[0], local_values[1], dt], rank0=router)
         if loggers is not None:
-            loggers.close()
+            loggers.log(done, records)
+        if emit and (done % cfg.logging.log_interval == 0 or done == t.train_iters):
+            emit({"kind": "step", "step": done, **common})
+        if ckpt.dir and (
+            done == t.train_iters or (ckpt.save_interval and done % ckpt.save_interval == 0)
+        ):
+            heartbeat.progress(done, "checkpoint save", watched=False)  # disks may be slow; a stopped rank still shows
+            last_ckpt = save_checkpoint(
+                ckpt.dir, step=done, model=model.module, optimizer=optimizer, state=state,
+                train_state={"consumed_samples": data.consumed_samples, "lr_schedule": lr_schedule.state_dict(),
+                             "name": job.name, RUN_KEY: job.run_record()},
+            )
+            if emit:
+                emit({"kind": "checkpoint", "step": done, "path": str(last_ckpt)})
     heartbeat.progress(t.train_iters, "finishing", watched=False)
     barrier()
     result = TrainResult(

@@ -21,7 +21,8 @@ from gptoss_cli.errors import UsageError, file_system_error, require_extra
 METRICS = "metrics.jsonl"
 # Per-step curves drawn when the records carry them (mfu / tflops_per_gpu come from i23's FLOPs accounting).
 CURVES = (("loss", "loss"), ("lr", "learning rate"), ("grad_norm", "gradient norm"),
-          ("tokens_per_s", "tokens/s"), ("mfu", "MFU"), ("aux_loss", "aux loss"), ("z_loss", "router z-loss"))
+          ("tokens_per_s", "tokens/s"), ("mfu", "MFU"), ("tflops_per_gpu", "TFLOP/s per GPU"),
+          ("aux_loss", "aux loss"), ("z_loss", "router z-loss"))
 
 
 @dataclass
