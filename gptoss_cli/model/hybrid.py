@@ -384,7 +384,7 @@ class HybridModel(nn.Module):
         stats: list[RouterStats] = []
         for layer in self.decoder.layers:
             if want is not None and isinstance(layer, MoELayer):
-                x, got = layer.forward_with_stats(x, want)
+                x, got = layer(x, want)  # through __call__: the layer's hooks run
                 stats.append(got)
             else:
                 x = run_layer(layer, x, cos, sin)

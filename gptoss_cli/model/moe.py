@@ -334,16 +334,14 @@ class MoELayer(nn.Module):
         out = self.token_dispatcher.combine(expert_output, ctx)
         return residual + out.view_as(residual)
 
-    def forward_with_stats(self, x: torch.Tensor, stats: RouterStatsRequest | None
-                           ) -> tuple[torch.Tensor, RouterStats | None]:
-        """The layer's output and, when `stats` asks, its routing statistics."""
+    def forward(self, x: torch.Tensor, stats: RouterStatsRequest | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, RouterStats]:
+        """The layer's output; with `stats`, (output, the routing's statistics)."""
         hidden, probs, indices, got = self.pre_dispatch(x, stats)
         expert_input, tokens_per_expert, ctx = self.dispatch(hidden, probs, indices)
         expert_output = self.experts(expert_input, tokens_per_expert)
-        return self.combine(expert_output, ctx, x), got
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_with_stats(x, None)[0]
+        out = self.combine(expert_output, ctx, x)
+        return out if stats is None else (out, got)
 
 
 class DenseMLPLayer(nn.Module):
