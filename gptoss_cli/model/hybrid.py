@@ -29,7 +29,8 @@ from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.model.dense_gemm import DenseGemm, Linear
 from gptoss_cli.model.dispatcher import AllToAllTokenDispatcher
 from gptoss_cli.model.grouped_gemm import GroupedGemm
-from gptoss_cli.model.moe import DenseMLPLayer, ExpertLinear, MoELayer, load_balancing_loss
+from gptoss_cli.model.moe import (DenseMLPLayer, ExpertLinear, MoELayer, RouterStats, RouterStatsRequest,
+                                   load_balancing_loss, router_table, router_z_loss)
 from gptoss_cli.model.norm import RMSNorm
 from gptoss_cli.model.pattern import ATTENTION, MLP, MOE, HybridPattern, parse_pattern
 from gptoss_cli.model.rope import YarnRotaryEmbedding
@@ -119,6 +120,9 @@ class HybridOutput:
         self.loss: torch.Tensor | None = None
         self.lm_loss: torch.Tensor | None = None  # mean token cross-entropy over labels != -100
         self.aux_loss: torch.Tensor | None = None  # unscaled load-balancing loss, when collected
+        self.z_loss: torch.Tensor | None = None  # unscaled router z-loss, when collected
+        # float64 [MoE layers, E + 2] routing telemetry in training (model/moe.py, `router_table`)
+        self.router_table: torch.Tensor | None = None
 
     @property
     def logits(self) -> torch.Tensor:
@@ -284,6 +288,7 @@ class HybridModel(nn.Module):
         self.arch = arch
         self.pattern = check_pattern(arch, pattern or arch.hybrid_layer_pattern)
         self.aux_loss_coef = arch.router_aux_loss_coef
+        self.z_loss_coef = 0.0  # Megatron's moe_z_loss_coeff; HF GPT-OSS has none
         self.loss_chunk_tokens = LM_LOSS_CHUNK_TOKENS
         windows = layer_windows(arch, self.pattern)
         self.embedding = nn.Module()
@@ -385,26 +390,45 @@ class HybridModel(nn.Module):
         cu_seqlens: packed documents, as start offsets into the flattened [B*S] tokens including
         every row start (model/attention.py, `document_attention`): attention stays within each
         document and positions restart at 0 in each (unless position_ids are given)."""
-        collect = self.training and self.aux_loss_coef > 0
-        for _, layer in self.moe_layers():
-            layer.collect_router_stats = collect
-            layer.router_stats = None
+        want = self.router_stats_request()
         x = self.embed(input_ids)
         cos, sin = self.rope(input_ids, position_ids, x.dtype, cu_seqlens)
+        stats: list[RouterStats] = []
         for layer in self.decoder.layers:
-            x = run_layer(layer, x, cos, sin, cu_seqlens)
+            if want is not None and isinstance(layer, MoELayer):
+                x, got = layer(x, want)  # through __call__: the layer's hooks run
+                stats.append(got)
+            else:
+                x = run_layer(layer, x, cos, sin, cu_seqlens)
         out = self.output(x)
-        if collect:
-            stats = [layer.router_stats for _, layer in self.moe_layers() if layer.router_stats is not None]
-            if stats:
-                out.aux_loss = load_balancing_loss(stats, self.arch.num_local_experts)
+        self.attach_router_stats(out, stats)
         return self.attach_losses(out, labels)
 
+    def router_stats_request(self) -> RouterStatsRequest | None:
+        """What the MoE layers return in a forward: in training, the telemetry and the terms of
+        the router losses that are on; nothing in eval."""
+        if not self.training:
+            return None
+        return RouterStatsRequest(aux_loss=self.aux_loss_coef > 0, z_loss=self.z_loss_coef > 0)
+
+    def attach_router_stats(self, out: HybridOutput, stats: list[RouterStats]) -> None:
+        """The MoE layers' statistics -> out.router_table, and out.aux_loss / out.z_loss when on."""
+        if not stats:
+            return
+        out.router_table = router_table(stats)
+        if self.aux_loss_coef > 0:
+            out.aux_loss = load_balancing_loss(stats, self.arch.num_local_experts)
+        if self.z_loss_coef > 0:
+            out.z_loss = router_z_loss(stats)
+
     def attach_losses(self, out: HybridOutput, labels: torch.Tensor | None) -> HybridOutput:
-        """HF's convention: loss = mean token cross-entropy + aux_loss_coef * aux loss."""
+        """HF's convention: loss = mean token cross-entropy + aux_loss_coef * aux loss
+        (+ z_loss_coef * z-loss, Megatron's, when on)."""
         if labels is not None:
             out.lm_loss = out.lm_loss_sum(labels) / (labels != IGNORE_INDEX).sum()
             out.loss = out.lm_loss if out.aux_loss is None else out.lm_loss + self.aux_loss_coef * out.aux_loss
+            if out.z_loss is not None:
+                out.loss = out.loss + self.z_loss_coef * out.z_loss
         return out
 
     # --- checkpoint names -----------------------------------------------------------------

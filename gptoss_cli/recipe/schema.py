@@ -75,6 +75,8 @@ class MoEConfig:
     token_dispatcher_type: str = _f("alltoall", "token dispatcher", choices=("alltoall", "flex", "allgather"))
     capacity_factor: Optional[float] = _f(None, "expert capacity factor; null = dropless", min=0.0)
     aux_loss_coeff: float = _f(0.0, "load-balancing aux loss coefficient (0 = off)", min=0.0)
+    z_loss_coeff: float = _f(0.0, "router z-loss coefficient, Megatron's moe_z_loss_coeff (0 = off)", min=0.0)
+    freeze_router: bool = _f(False, "keep the router weights and biases fixed (fine-tunes that must not move routing)")
     router_dtype: Optional[str] = _f(
         None, "dtype of the router GEMM and softmax; null = the params dtype", choices=(None, "fp32", "fp64"),
     )
@@ -177,6 +179,10 @@ class CheckpointConfig:
 class LoggingConfig:
     log_interval: int = _f(1, "print metrics every N steps", min=1)
     run_dir: Optional[str] = _f(None, "folder for metrics.jsonl and the resolved recipe; null = runs/<recipe name>")
+    tensorboard: bool = _f(False, "also write TensorBoard event files to <run_dir>/tensorboard (extra .[tensorboard])")
+    wandb_project: Optional[str] = _f(None, "also log to this Weights & Biases project (extra .[wandb]); null = off")
+    wandb_mode: str = _f("online", "Weights & Biases mode; offline writes <run_dir>/wandb without a network",
+                         choices=("online", "offline"))
 
 
 @dataclass

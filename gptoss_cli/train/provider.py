@@ -43,6 +43,8 @@ class ModelRuntimeConfig:
     expert_model_parallel_size: int
     overlap_moe_expert_parallel_comm: bool
     delay_wgrad_compute: bool
+    z_loss_coeff: float = 0.0
+    freeze_router: bool = False
     # Set at run time: the FP8 gemms the provider selected (which path runs, GEMM counts), and the
     # training callbacks, installed by setup on the model's own copy of this config.
     fp8_gemms: Any = None
@@ -58,6 +60,7 @@ class ModelRuntimeConfig:
             expert_model_parallel_size=cfg.parallelism.expert_model_parallel_size,
             overlap_moe_expert_parallel_comm=cfg.overlap.overlap_moe_expert_parallel_comm,
             delay_wgrad_compute=cfg.overlap.delay_wgrad_compute,
+            z_loss_coeff=cfg.moe.z_loss_coeff, freeze_router=cfg.moe.freeze_router,
         )
 
     @property
@@ -97,10 +100,16 @@ class HybridModelProvider:
                             token_dispatcher_factory=dispatcher_factory(arch.num_local_experts, state))
         # The aux loss follows the recipe (moe.aux_loss_coeff), not the checkpoint's config.json.
         model.aux_loss_coef = cfg.aux_loss_coeff
+        model.z_loss_coef = cfg.z_loss_coeff
         if self.weights is None:
             init_weights_(model, arch.initializer_range, self.seed)
         else:
             load_weights(model, self.weights)
+        if cfg.freeze_router:
+            # Frozen parameters get no gradient buffer and no optimizer state (parallel/grads.py
+            # keeps only parameters that require grad), so AdamW and weight decay never move them.
+            for _, layer in model.moe_layers():
+                layer.mlp.router.requires_grad_(False)
         gemms = None
         if cfg.fp8.enabled:
             gemms = select_gemms(cfg.fp8, state.device)  # ConfigError: no native kernel, no emulation

@@ -49,6 +49,7 @@ CASES = {
         ["parallelism.tensor_model_parallel_size=2", *W4, "parallelism.sequence_parallel=true"]),
     "moe.capacity_factor": (["moe.capacity_factor=0"], "error", ["moe.capacity_factor=1.25"]),
     "moe.shared_expert_overlap": (["moe.shared_expert_overlap=true"], "error", []),
+    "moe.router_loss_scale": (["moe.aux_loss_coeff=0.9"], "warning", ["moe.aux_loss_coeff=0.01", "moe.z_loss_coeff=1e-3"]),
     "overlap.requires_expert_parallel": (
         [*OVERLAP, "parallelism.expert_model_parallel_size=1"], "error", OVERLAP),
     "overlap.requires_multiple_experts": (
@@ -405,3 +406,13 @@ def test_gpu_generation_from_device_name(name, gpu):
     from gptoss_cli.recipe.environment import gpu_from_device_name
 
     assert gpu_from_device_name(name) == gpu
+
+
+def test_router_loss_scale_names_the_threshold_and_the_frozen_router():
+    """0.1 warns (just above the threshold), 0.1 itself does not; a frozen router with a router loss warns."""
+    assert run_rule("moe.router_loss_scale", ["moe.aux_loss_coeff=0.1"]) == []
+    (f,) = run_rule("moe.router_loss_scale", ["moe.aux_loss_coeff=0.11"])
+    assert f.fields == {"moe.aux_loss_coeff": 0.11} and "top_k=2" in f.message
+    (f,) = run_rule("moe.router_loss_scale", ["moe.freeze_router=true", "moe.aux_loss_coeff=0", "moe.z_loss_coeff=1e-3"])
+    assert f.fields["moe.freeze_router"] is True and "frozen" in f.message
+    assert run_rule("moe.router_loss_scale", ["moe.freeze_router=true", "moe.aux_loss_coeff=0"]) == []
