@@ -27,6 +27,7 @@ from torch import nn
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.model.dense_gemm import DenseGemm, Linear, linear
 from gptoss_cli.model.norm import rms_norm
+from gptoss_cli.model.recompute import checkpointed, without_output
 from gptoss_cli.model.rope import apply_rotary
 
 
@@ -121,9 +122,11 @@ def sink_attention(
 class LayerNormLinear(nn.Module):
     """RMSNorm fused with a linear projection: Megatron's `linear_qkv` with `layer_norm_weight`.
 
-    The norm stays in high precision; the projection's GEMMs are `gemm`'s (model/dense_gemm.py)."""
+    The norm stays in high precision; the projection's GEMMs are `gemm`'s (model/dense_gemm.py).
+    With `recompute_norm` the norm's output is not kept for backward (model/recompute.py, layernorm)."""
 
     gemm: DenseGemm | None = None
+    recompute_norm = False
 
     def __init__(self, in_features: int, out_features: int, eps: float, device=None, dtype=None):
         super().__init__()
@@ -133,11 +136,19 @@ class LayerNormLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(rms_norm(x, self.layer_norm_weight, self.eps), self.weight, self.bias, gemm=self.gemm)
+        if self.recompute_norm:
+            return without_output(rms_norm, (x, self.layer_norm_weight, self.eps), self._project)
+        return self._project(rms_norm(x, self.layer_norm_weight, self.eps))
+
+    def _project(self, normed: torch.Tensor) -> torch.Tensor:
+        return linear(normed, self.weight, self.bias, gemm=self.gemm)
 
 
 class CoreAttention(nn.Module):
-    """Holds the sinks (`softmax_offset`, one logit per query head) and the window of this layer."""
+    """Holds the sinks (`softmax_offset`, one logit per query head) and the window of this layer.
+    With `recompute` only q, k and v are kept for backward (model/recompute.py, core_attn)."""
+
+    recompute = False
 
     def __init__(self, num_heads: int, window: int | None, device=None, dtype=None):
         super().__init__()
@@ -145,6 +156,8 @@ class CoreAttention(nn.Module):
         self.softmax_offset = nn.Parameter(torch.zeros(num_heads, device=device, dtype=dtype))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.recompute:
+            return checkpointed(sink_attention, q, k, v, self.softmax_offset, self.window)
         return sink_attention(q, k, v, self.softmax_offset, self.window)
 
     def extra_repr(self) -> str:

@@ -32,6 +32,7 @@ from gptoss_cli.model.grouped_gemm import GroupedGemm
 from gptoss_cli.model.moe import DenseMLPLayer, ExpertLinear, MoELayer, load_balancing_loss
 from gptoss_cli.model.norm import RMSNorm
 from gptoss_cli.model.pattern import ATTENTION, MLP, MOE, HybridPattern, parse_pattern
+from gptoss_cli.model.recompute import RecomputePlan, checkpointed
 from gptoss_cli.model.rope import YarnRotaryEmbedding
 
 IGNORE_INDEX = -100
@@ -284,6 +285,7 @@ class HybridModel(nn.Module):
         self.pattern = check_pattern(arch, pattern or arch.hybrid_layer_pattern)
         self.aux_loss_coef = arch.router_aux_loss_coef
         self.loss_chunk_tokens = LM_LOSS_CHUNK_TOKENS
+        self.recompute = RecomputePlan()  # set_recompute
         windows = layer_windows(arch, self.pattern)
         self.embedding = nn.Module()
         # Given weight: nn.Embedding's own normal_ init imports torch._dynamo on the meta device (about
@@ -341,6 +343,31 @@ class HybridModel(nn.Module):
         for j, layer in self.moe_layers():
             layer.token_dispatcher = factory(j, layer)
 
+    def set_recompute(self, plan: RecomputePlan | None) -> None:
+        """What backward recomputes instead of keeping (model/recompute.py). Selective pieces are
+        flags on the layers; a layer inside a full unit keeps none (the unit recomputes it whole),
+        and a piece inside a recomputed piece is dropped (`moe` covers `moe_act`, `mlp` covers the
+        `-` layer's norm): checkpoints do not nest."""
+        plan = plan or RecomputePlan()
+        for s, e in plan.full_units:
+            if not 0 <= s < e <= len(self.decoder.layers):
+                raise ConfigError(f"recompute unit of layers [{s}, {e}) is outside the model's "
+                                  f"{len(self.decoder.layers)} layers")
+        self.recompute = plan
+        pieces = plan.layer_pieces(self.pattern.layers)
+        for j, layer in enumerate(self.decoder.layers):
+            mods = set() if "layer" in pieces[j] else pieces[j]
+            if isinstance(layer, AttentionLayer):
+                layer.self_attention.linear_qkv.recompute_norm = "layernorm" in mods
+                layer.self_attention.core_attention.recompute = "core_attn" in mods
+            elif isinstance(layer, MoELayer):
+                layer.recompute_norm = "layernorm" in mods
+                layer.mlp.experts.recompute_mlp = "moe" in mods
+                layer.mlp.experts.recompute_act = "moe_act" in mods and "moe" not in mods
+            elif isinstance(layer, DenseMLPLayer):
+                layer.recompute_mlp = "mlp" in mods
+                layer.recompute_norm = "layernorm" in mods and "mlp" not in mods
+
     def set_gemms(self, *, dense: Callable[[str], DenseGemm] | None = None,
                   grouped: Callable[[str], GroupedGemm] | None = None) -> list[str]:
         """The numerics of the attention projections and expert GEMMs; see `set_gemms`."""
@@ -379,14 +406,26 @@ class HybridModel(nn.Module):
             layer.router_stats = None
         x = self.embed(input_ids)
         cos, sin = self.rope(input_ids, position_ids, x.dtype)
-        for layer in self.decoder.layers:
-            x = run_layer(layer, x, cos, sin)
+        units = dict(self.recompute.full_units)
+        j = 0
+        while j < len(self.decoder.layers):
+            if j in units:  # full recompute: the unit keeps only its input
+                x = checkpointed(self._run_layers, j, units[j], x, cos, sin)
+                j = units[j]
+            else:
+                x = run_layer(self.decoder.layers[j], x, cos, sin)
+                j += 1
         out = self.output(x)
         if collect:
             stats = [layer.router_stats for _, layer in self.moe_layers() if layer.router_stats is not None]
             if stats:
                 out.aux_loss = load_balancing_loss(stats, self.arch.num_local_experts)
         return self.attach_losses(out, labels)
+
+    def _run_layers(self, start: int, end: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        for layer in self.decoder.layers[start:end]:
+            x = run_layer(layer, x, cos, sin)
+        return x
 
     def attach_losses(self, out: HybridOutput, labels: torch.Tensor | None) -> HybridOutput:
         """HF's convention: loss = mean token cross-entropy + aux_loss_coef * aux loss."""
