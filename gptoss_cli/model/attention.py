@@ -146,7 +146,8 @@ class LayerNormLinear(nn.Module):
 
 class CoreAttention(nn.Module):
     """Holds the sinks (`softmax_offset`, one logit per query head) and the window of this layer.
-    With `recompute` only q, k and v are kept for backward (model/recompute.py, core_attn)."""
+    With `recompute` its layer keeps only the QKV projection's output for backward and recomputes
+    the rotary embedding and the core from it (model/recompute.py, core_attn)."""
 
     recompute = False
 
@@ -156,8 +157,6 @@ class CoreAttention(nn.Module):
         self.softmax_offset = nn.Parameter(torch.zeros(num_heads, device=device, dtype=dtype))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        if self.recompute:
-            return checkpointed(sink_attention, q, k, v, self.softmax_offset, self.window)
         return sink_attention(q, k, v, self.softmax_offset, self.window)
 
     def extra_repr(self) -> str:
@@ -179,15 +178,23 @@ class SelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [B, S, H] (un-normalised: the norm is fused into linear_qkv) -> attention output [B, S, H]."""
         b, s, _ = x.shape
+        qkv = self.linear_qkv(x)
+        # core_attn recompute: v is a view of qkv, so keeping q, k, v would keep qkv and the rotated
+        # q and k; keeping qkv alone and recomputing the rotation is the smaller choice.
+        out = checkpointed(self._core, qkv, cos, sin) if self.core_attention.recompute else self._core(qkv, cos, sin)
+        return self.linear_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
+
+    def _core(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """QKV output [B, S, rows] -> rotary embedding -> the core: [B, heads, S, head_dim]."""
+        b, s, _ = qkv.shape
         r = self.num_heads // self.num_kv_heads
-        qkv = self.linear_qkv(x).view(b, s, self.num_kv_heads, r + 2, self.head_dim)
+        qkv = qkv.view(b, s, self.num_kv_heads, r + 2, self.head_dim)
         q = qkv[:, :, :, :r].reshape(b, s, self.num_heads, self.head_dim).transpose(1, 2)
         k = qkv[:, :, :, r].transpose(1, 2)
         v = qkv[:, :, :, r + 1].transpose(1, 2)
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
-        out = self.core_attention(q, k, v)
-        return self.linear_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
+        return self.core_attention(q, k, v)
 
 
 class AttentionLayer(nn.Module):

@@ -308,10 +308,12 @@ def estimate_memory(cfg: RecipeConfig, arch: GptOssArch, pattern: HybridPattern 
     if plan.full_units:
         units = len(plan.full_units)
         largest = max(sum(plain[pattern.layers[j]] for j in range(s, e)) for s, e in plan.full_units)
-        items.append(MemoryItem("activations.recompute", "activations, full recompute (unit inputs + 1 unit)",
-                                t * (units * b * arch.hidden_size + largest),
-                                f"{t:,} tokens x ({units} units x {b * arch.hidden_size:,} B + {largest:,.0f} B)",
-                                f"{act_knob}; recompute.recompute_num_layers"))
+        items.append(MemoryItem("activations.recompute_inputs", "activations, full recompute unit inputs",
+                                t * units * b * arch.hidden_size,
+                                f"{units} units x {t:,} tokens x {b * arch.hidden_size:,} B", act_knob))
+        items.append(MemoryItem("activations.recompute_unit", "activations, 1 unit recomputed in backward",
+                                t * largest, f"{t:,} tokens x {largest:,.0f} B",
+                                f"{act_knob}; smaller recompute.recompute_num_layers (uniform)"))
     items.append(MemoryItem("activations.head", "activations, head", t * per_token["head"],
                             f"{t:,} tokens x {per_token['head']:,.0f} B", act_knob))
     chunk = min(t, LM_LOSS_CHUNK)
