@@ -4,7 +4,8 @@ check judge (rule `memory.fits`) and what bench/scale.py prints next to the real
 Pure Python: validation must not need torch. The layout is gptoss train's (DP x EP, no TP/PP/CP):
 
 - Parameters and gradients live in one flat buffer per reduction group (dense: DP = world;
-  experts: expert-DP = world / EP), of the parameters' dtype and of fp32 (`main_grad`), split into
+  experts: expert-DP = world / EP), of the parameters' dtype and of fp32 (`main_grad`; the params
+  dtype with `optimizer.grad_reduce_in_fp32=false`), split into
   buckets of whole parameters, each padded to a multiple of ALIGN x shards elements
   (gptoss_cli/parallel/grads.py; `buffer_numel` mirrors its layout exactly).
 - The optimizer keeps an fp32 master copy and two fp32 Adam moments (12 bytes per element) of its
@@ -284,6 +285,7 @@ def estimate_memory(cfg: RecipeConfig, arch: GptOssArch, pattern: HybridPattern 
     in_units = {j for s, e in plan.full_units for j in range(s, e)}
     counts = {s: sum(1 for j, x in enumerate(pattern.layers) if x == s and j not in in_units) for s in (ATTENTION, MOE, MLP)}
     dtype = cfg.precision.params_dtype
+    grad_b = FP32 if opt.grad_reduce_in_fp32 else b  # main_grad's dtype (gptoss_cli/parallel/grads.py)
     ep_knob = "parallelism.expert_model_parallel_size (fewer experts per GPU)"
     act_knob = "training.micro_batch_size, training.seq_length"
     shard_knob = ("optimizer.use_distributed_optimizer=true" if not distributed
@@ -291,8 +293,9 @@ def estimate_memory(cfg: RecipeConfig, arch: GptOssArch, pattern: HybridPattern 
     items = [
         MemoryItem("params", f"parameters ({dtype})", b * (dense_n + expert_n),
                    f"{b} B x ({dense_n:,} dense + {expert_n:,} expert elements, buckets padded)", ep_knob),
-        MemoryItem("grads", "gradients (fp32)", FP32 * (dense_n + expert_n),
-                   f"4 B x ({dense_n:,} + {expert_n:,})", ep_knob),
+        MemoryItem("grads", f"gradients ({'fp32' if grad_b == FP32 else dtype})", grad_b * (dense_n + expert_n),
+                   f"{grad_b} B x ({dense_n:,} + {expert_n:,})",
+                   ep_knob + ("; optimizer.grad_reduce_in_fp32=false" if grad_b > b else "")),
         MemoryItem("optimizer.dense", "Adam state, dense (fp32 master, 2 moments)",
                    ADAM_STATE_BYTES * dense_n / dense_shards, f"12 B x {dense_n:,} / {dense_shards}", shard_knob),
         MemoryItem("optimizer.expert", "Adam state, experts (fp32 master, 2 moments)",

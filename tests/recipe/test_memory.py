@@ -121,8 +121,20 @@ def test_production_recipe_estimates_by_item():
     assert est.fraction == pytest.approx(est.total_bytes / 186e9)
 
 
-def test_validate_reports_the_estimate_and_rejects_a_recipe_that_does_not_fit():
+NO_RECOMPUTE = ["recompute.recompute_granularity=none", "recompute.recompute_modules=[]"]
+
+
+def test_h100_bf16_fits_by_its_own_estimate_and_would_not_without_recompute():
     report = validate_recipe(load_recipe("h100_bf16"))
+    assert report.ok and not [f for f in report.findings if f.rule == "memory.fits"]
+    assert report.memory.fraction < M.WARN_FRACTION
+    plain = load_recipe("h100_bf16", NO_RECOMPUTE)
+    without = M.estimate_memory(plain.config, plain.arch, plain.pattern, 64)
+    assert without.total_bytes > 80e9 > report.memory.total_bytes
+
+
+def test_validate_reports_the_estimate_and_rejects_a_recipe_that_does_not_fit():
+    report = validate_recipe(load_recipe("h100_bf16", NO_RECOMPUTE))
     (finding,) = [f for f in report.errors if f.rule == "memory.fits"]
     assert "H100's 80 GB" in finding.message and "activations, MoE layers" in finding.message
     assert "training.micro_batch_size" in finding.hint and "expert_model_parallel_size" in finding.hint
@@ -162,7 +174,7 @@ def test_validation_estimates_once_and_reports_the_object_the_rule_judged(monkey
         return seen[-1]
 
     monkeypatch.setattr(core, "estimate_memory", counting)
-    report = validate_recipe(load_recipe("h100_bf16"))
+    report = validate_recipe(load_recipe("h100_bf16", NO_RECOMPUTE))
     assert len(seen) == 1 and report.memory is seen[0]
     assert [f.rule for f in report.errors if f.rule == "memory.fits"] == ["memory.fits"]
 
@@ -174,7 +186,7 @@ def test_a_failing_estimate_leaves_no_memory_and_surfaces_as_the_rules_crash(mon
         raise ZeroDivisionError("division by zero")
 
     monkeypatch.setattr(core, "estimate_memory", broken)
-    report = validate_recipe(load_recipe("h100_bf16"))
+    report = validate_recipe(load_recipe("h100_bf16", NO_RECOMPUTE))
     assert report.memory is None
     (finding,) = [f for f in report.findings if f.rule == "memory.fits"]
     assert finding.message == "rule crashed: ZeroDivisionError: division by zero"
