@@ -25,7 +25,7 @@ from gptoss_cli.checkpoint.training_format import RUN_KEY, run_record
 from gptoss_cli.errors import TrainingError
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.recipe.environment import gpu_from_device_name
-from gptoss_cli.recipe.flops import model_flops_per_token, peak_tflops, throughput
+from gptoss_cli.recipe.flops import model_flops_per_token, peak_tflops, recompute_flops_per_token, throughput
 from gptoss_cli.recipe.schema import RecipeConfig
 from gptoss_cli.model.hybrid import IGNORE_INDEX, lm_loss_sum
 from gptoss_cli.parallel.grads import get_attr_wrapped_model, get_model_config
@@ -219,6 +219,9 @@ def _train(job: TrainJob, state: ParallelState, progress: Progress | None, heart
     fp8 = setup.config.fp8_gemms  # the FP8 gemms the provider selected: which path runs, what ran
     emit = progress if (progress is not None and state.rank == 0) else None
     flops_per_token = model_flops_per_token(job.arch, t.seq_length, job.hybrid_layer_pattern)
+    # recompute's repeated forward work: hardware FLOPs, reported apart from the model's
+    hardware_flops = flops_per_token + recompute_flops_per_token(
+        job.arch, t.seq_length, job.hybrid_layer_pattern, runtime.recompute.layer_pieces(model.module.pattern.layers))
     peak = run_peak_tflops(cfg, state.device)
     step_tokens = t.global_batch_size * t.seq_length  # every token of the step runs through the model
     if emit:
@@ -262,7 +265,8 @@ def _train(job: TrainJob, state: ParallelState, progress: Progress | None, heart
         tflops, mfu = throughput(flops_per_token, step_tokens / dt, state.world_size, peak)
         common = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens / dt,
                   "step_time_s": dt, "consumed_samples": data.consumed_samples,
-                  "model_flops_per_token": flops_per_token, "tflops_per_gpu": tflops, "mfu": mfu}
+                  "model_flops_per_token": flops_per_token, "tflops_per_gpu": tflops, "mfu": mfu,
+                  "hardware_tflops_per_gpu": tflops * hardware_flops / flops_per_token}
         if fp8 is not None:
             common["fp8"] = fp8.summary()
         metrics.write(done, common, [float(local[0]), float(local[1]), dt])

@@ -95,3 +95,15 @@ def test_validate_config_json_carries_model_flops_per_token(tmp_path):
     assert result.exit_code == 0, result.output
     assert json.loads(out.read_text())["model_flops_per_token"] == 32_710_473_216
     assert "32.71 GFLOP" in result.output
+
+
+def test_validate_reports_recompute_work_as_hardware_flops_apart():
+    from gptoss_cli.recipe import load_and_validate
+
+    _, plain = load_and_validate("h100_bf16")  # moe_act + layernorm: elementwise, no FLOPs counted
+    assert plain.to_dict()["hardware_flops_per_token"] == plain.to_dict()["model_flops_per_token"]
+    _, moe = load_and_validate("h100_bf16", ["recompute.recompute_modules=[moe,layernorm]"])
+    # the experts' forward again: 36 MoE layers x 4 experts x 2 x (fc1 2880 x 5760 + fc2 2880 x 2880)
+    extra = 36 * 4 * 2 * 3 * 2880 * 2880
+    assert moe.to_dict()["hardware_flops_per_token"] == moe.to_dict()["model_flops_per_token"] + extra
+    assert moe.to_dict()["model_flops_per_token"] == 32_710_473_216

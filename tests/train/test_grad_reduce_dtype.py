@@ -59,7 +59,7 @@ def test_bf16_gradient_buffers_sum_with_bf16_rounding_and_step_like_torch_adamw(
 
 
 def test_the_estimate_halves_the_gradient_buffer():
-    full = load_recipe("h100_bf16")
+    full = load_recipe("h100_bf16", ["optimizer.grad_reduce_in_fp32=true"])
     half = load_recipe("h100_bf16", ["optimizer.grad_reduce_in_fp32=false"])
     a = M.estimate_memory(full.config, full.arch, full.pattern, 64)
     b = M.estimate_memory(half.config, half.arch, half.pattern, 64)
