@@ -60,3 +60,28 @@ def test_full_recompute_in_the_plain_schedule_repeats_the_layers(tmp_path):
         assert block["sink_attention"] == none["sink_attention"] // 3 * 5
         # full recompute of an E layer repeats its all-to-alls (docs/recompute.md)
         assert uni["all_to_all"] > none["all_to_all"] and block["all_to_all"] > none["all_to_all"]
+
+
+def test_bad_recompute_settings_exit_1_before_any_process_starts(tmp_path):
+    from typer.testing import CliRunner
+
+    from gptoss_cli.cli import app
+
+    full = ["recompute.recompute_granularity=full", "recompute.recompute_method=block"]
+    cases = [
+        ([*full, "recompute.recompute_num_layers=7"], "recompute.layers"),  # tiny has 6 hybrid layers
+        ([*full, "recompute.recompute_num_layers=1", "overlap.overlap_moe_expert_parallel_comm=true",
+          "overlap.delay_wgrad_compute=true"], "overlap.recompute"),  # full repeats the all-to-all
+        (["recompute.recompute_granularity=selective"], "recompute.settings"),  # no modules: nothing to do
+    ]
+    for overrides, rule in cases:
+        result = CliRunner().invoke(app, ["train", "--recipe", "tiny_cpu_ep2", *overrides,
+                                          f"logging.run_dir={tmp_path}", "checkpoint.dir=null",
+                                          "checkpoint.save_interval=null"])
+        assert result.exit_code == 1, (rule, result.output)
+        assert rule in result.output and "Traceback" not in result.output
+        assert not (tmp_path / "metrics.jsonl").exists()
+    # an unknown module is a malformed recipe: one line naming the field and the value, exit 2
+    result = CliRunner().invoke(app, ["validate-config", "tiny_cpu_ep2", "recompute.recompute_granularity=selective",
+                                      "recompute.recompute_modules=[attention]"])
+    assert result.exit_code == 2 and "recompute.recompute_modules" in result.output and "attention" in result.output
