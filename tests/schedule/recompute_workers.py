@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator
 
-import torch
 import torch.distributed as dist
 
 import gptoss_cli.model.attention as attention

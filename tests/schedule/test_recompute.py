@@ -9,7 +9,6 @@ backward that reads it is the same computation."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from tests.schedule.recompute_workers import recompute_worker
