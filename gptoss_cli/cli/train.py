@@ -63,9 +63,8 @@ class TrainProgressBar:
                                                      metrics="")
         elif kind == "step":
             text = (f"loss {event['loss']:.4f} lr {event['lr']:.1e} gnorm {event['grad_norm']:.3f} "
-                    f"{event['tokens_per_s']:.0f} tok/s {event['step_time_s'] * 1000:.0f} ms/step")
-            if isinstance(event.get("mfu"), (int, float)):  # a fraction of peak (the step's FLOPs accounting)
-                text += f" MFU {event['mfu'] * 100:.1f}%"
+                    f"{event['tokens_per_s']:.0f} tok/s {event['step_time_s'] * 1000:.0f} ms/step "
+                    f"{flops_text(event['tflops_per_gpu'], event['mfu'])}")
             eta = self._eta(event["step"])
             if eta is not None:
                 text += f" ETA {eta}"
@@ -93,6 +92,11 @@ class TrainProgressBar:
         return f"{hours}:{minutes:02d}:{seconds:02d}"
 
 
+def flops_text(tflops: float, mfu: float | None) -> str:
+    """Model TFLOP/s per GPU, and MFU where the GPU's peak is known (docs/flops.md)."""
+    return f"{tflops:.3g} TFLOP/s/GPU" + (f" MFU {100 * mfu:.1f}%" if mfu is not None else "")
+
+
 def render_result(result: Any) -> None:
     table = Table(title="training", title_justify="left", show_header=False)
     table.add_column("", style="bold")
@@ -101,6 +105,9 @@ def render_result(result: Any) -> None:
     if result.losses:
         table.add_row("loss", f"{result.losses[0]:.4f} -> {result.losses[-1]:.4f}")
     table.add_row("tokens/s", f"{result.tokens_per_s:.0f} (world {result.world_size}, EP {result.ep_size})")
+    table.add_row("model FLOPs", f"{flops_text(result.tflops_per_gpu, result.mfu)} "
+                                 f"({result.model_flops_per_token / 1e9:.3g} GFLOP per token"
+                                 + (f", peak {result.peak_tflops:.0f} TFLOP/s)" if result.peak_tflops else ", no known peak here)"))
     if result.fp8:
         f = result.fp8
         table.add_row("fp8", f"{f['recipe']} {f['format']}: {f['path']} ({f['kernel']}) on {f['device']}, "

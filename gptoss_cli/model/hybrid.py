@@ -33,6 +33,7 @@ from gptoss_cli.model.moe import (DenseMLPLayer, ExpertLinear, MoELayer, RouterS
                                    load_balancing_loss, router_table, router_z_loss)
 from gptoss_cli.model.norm import RMSNorm
 from gptoss_cli.model.pattern import ATTENTION, MLP, MOE, HybridPattern, parse_pattern
+from gptoss_cli.model.recompute import RecomputePlan, checkpointed
 from gptoss_cli.model.rope import YarnRotaryEmbedding
 
 IGNORE_INDEX = -100
@@ -290,6 +291,7 @@ class HybridModel(nn.Module):
         self.aux_loss_coef = arch.router_aux_loss_coef
         self.z_loss_coef = 0.0  # Megatron's moe_z_loss_coeff; HF GPT-OSS has none
         self.loss_chunk_tokens = LM_LOSS_CHUNK_TOKENS
+        self.recompute = RecomputePlan()  # set_recompute
         windows = layer_windows(arch, self.pattern)
         self.embedding = nn.Module()
         # Given weight: nn.Embedding's own normal_ init imports torch._dynamo on the meta device (about
@@ -348,6 +350,31 @@ class HybridModel(nn.Module):
         for j, layer in self.moe_layers():
             layer.token_dispatcher = factory(j, layer)
 
+    def set_recompute(self, plan: RecomputePlan | None) -> None:
+        """What backward recomputes instead of keeping (model/recompute.py). Selective pieces are
+        flags on the layers; a layer inside a full unit keeps none (the unit recomputes it whole),
+        and a piece inside a recomputed piece is dropped (`moe` covers `moe_act`, `mlp` covers the
+        `-` layer's norm): checkpoints do not nest."""
+        plan = plan or RecomputePlan()
+        for s, e in plan.full_units:
+            if not 0 <= s < e <= len(self.decoder.layers):
+                raise ConfigError(f"recompute unit of layers [{s}, {e}) is outside the model's "
+                                  f"{len(self.decoder.layers)} layers")
+        self.recompute = plan
+        pieces = plan.layer_pieces(self.pattern.layers)
+        for j, layer in enumerate(self.decoder.layers):
+            mods = set() if "layer" in pieces[j] else pieces[j]
+            if isinstance(layer, AttentionLayer):
+                layer.self_attention.linear_qkv.recompute_norm = "layernorm" in mods
+                layer.self_attention.core_attention.recompute = "core_attn" in mods
+            elif isinstance(layer, MoELayer):
+                layer.recompute_norm = "layernorm" in mods
+                layer.mlp.experts.recompute_mlp = "moe" in mods
+                layer.mlp.experts.recompute_act = "moe_act" in mods and "moe" not in mods
+            elif isinstance(layer, DenseMLPLayer):
+                layer.recompute_mlp = "mlp" in mods
+                layer.recompute_norm = "layernorm" in mods and "mlp" not in mods
+
     def set_gemms(self, *, dense: Callable[[str], DenseGemm] | None = None,
                   grouped: Callable[[str], GroupedGemm] | None = None) -> list[str]:
         """The numerics of the attention projections and expert GEMMs; see `set_gemms`."""
@@ -394,12 +421,16 @@ class HybridModel(nn.Module):
         x = self.embed(input_ids)
         cos, sin = self.rope(input_ids, position_ids, x.dtype, cu_seqlens)
         stats: list[RouterStats] = []
-        for layer in self.decoder.layers:
-            if want is not None and isinstance(layer, MoELayer):
-                x, got = layer(x, want)  # through __call__: the layer's hooks run
-                stats.append(got)
+        units = dict(self.recompute.full_units)
+        j = 0
+        while j < len(self.decoder.layers):
+            end = units.get(j, j + 1)
+            if j in units:  # full recompute: the unit keeps only its input
+                x, got = checkpointed(self._run_layers, j, end, x, cos, sin, cu_seqlens, want)
             else:
-                x = run_layer(layer, x, cos, sin, cu_seqlens)
+                x, got = self._run_layers(j, end, x, cos, sin, cu_seqlens, want)
+            stats.extend(got)
+            j = end
         out = self.output(x)
         self.attach_router_stats(out, stats)
         return self.attach_losses(out, labels)
@@ -420,6 +451,19 @@ class HybridModel(nn.Module):
             out.aux_loss = load_balancing_loss(stats, self.arch.num_local_experts)
         if self.z_loss_coef > 0:
             out.z_loss = router_z_loss(stats)
+
+    def _run_layers(self, start: int, end: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    cu_seqlens: tuple[int, ...] | None = None, want: RouterStatsRequest | None = None
+                    ) -> tuple[torch.Tensor, list[RouterStats]]:
+        """Layers [start, end) -> (x, the MoE layers' routing statistics when `want` asks for them)."""
+        stats: list[RouterStats] = []
+        for layer in self.decoder.layers[start:end]:
+            if want is not None and isinstance(layer, MoELayer):
+                x, got = layer(x, want)  # through __call__: the layer's hooks run
+                stats.append(got)
+            else:
+                x = run_layer(layer, x, cos, sin, cu_seqlens)
+        return x, stats
 
     def attach_losses(self, out: HybridOutput, labels: torch.Tensor | None) -> HybridOutput:
         """HF's convention: loss = mean token cross-entropy + aux_loss_coef * aux loss

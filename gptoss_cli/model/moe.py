@@ -17,6 +17,7 @@ global-id names of the Hybrid checkpoint (`linear_fc1.weight{e}` ...), see `Expe
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +31,7 @@ from gptoss_cli.model.dispatcher import AllToAllTokenDispatcher, expert_counts
 from gptoss_cli.model.dense_gemm import Linear
 from gptoss_cli.model.grouped_gemm import GroupedGemm, WgradQueue, grouped_linear
 from gptoss_cli.model.norm import RMSNorm
+from gptoss_cli.model.recompute import checkpointed, discard_saved, without_output
 
 
 class _ClampedSwiGLU(torch.autograd.Function):
@@ -171,7 +173,14 @@ class ExpertLinear(nn.Module):
 
 
 class GroupedExperts(nn.Module):
-    """The local experts: fc1 `[2I, H]` with rows `[gate; up]`, clamped SwiGLU, fc2 `[H, I]`."""
+    """The local experts: fc1 `[2I, H]` with rows `[gate; up]`, clamped SwiGLU, fc2 `[H, I]`.
+
+    Recompute (model/recompute.py): `recompute_act` drops the activation's output (fc2's input)
+    and rebuilds it from the fc1 output in backward (moe_act); `recompute_mlp` keeps only the
+    experts' input and re-runs fc1, the activation and fc2 in backward (moe)."""
+
+    recompute_act = False
+    recompute_mlp = False
 
     def __init__(self, arch: GptOssArch, num_local_experts: int, expert_offset: int, device=None, dtype=None):
         super().__init__()
@@ -186,12 +195,20 @@ class GroupedExperts(nn.Module):
         """expert_input [N, H] sorted by local expert, counts [E_local] -> fc2 output [N, H] (with bias,
         before the routing weight). With `wgrad_queue` the weight gradients wait in the queue
         (delayed wgrad); `name` (the layer's parameter prefix) names them in errors."""
+        if self.recompute_mlp:
+            return checkpointed(self._mlp, expert_input, tokens_per_expert, wgrad_queue, name, False)
+        return self._mlp(expert_input, tokens_per_expert, wgrad_queue, name, self.recompute_act)
+
+    def _mlp(self, expert_input: torch.Tensor, tokens_per_expert: torch.Tensor, wgrad_queue: WgradQueue | None,
+             name: str, discard_act: bool) -> torch.Tensor:
         fc1, fc2 = self.linear_fc1, self.linear_fc2
         gate_up = grouped_linear(expert_input, fc1.weight, fc1.bias, tokens_per_expert, gemm=fc1.gemm,
                                  wgrad_queue=wgrad_queue, name=f"{name}.linear_fc1")
         act = clamped_swiglu(gate_up, self.limit, self.alpha)
-        return grouped_linear(act, fc2.weight, fc2.bias, tokens_per_expert, gemm=fc2.gemm,
-                              wgrad_queue=wgrad_queue, name=f"{name}.linear_fc2")
+        with discard_saved(act, lambda: clamped_swiglu(gate_up, self.limit, self.alpha)) if discard_act \
+                else contextlib.nullcontext():
+            return grouped_linear(act, fc2.weight, fc2.bias, tokens_per_expert, gemm=fc2.gemm,
+                                  wgrad_queue=wgrad_queue, name=f"{name}.linear_fc2")
 
 
 class MoEMLP(nn.Module):
@@ -271,6 +288,7 @@ class MoELayer(nn.Module):
     """An `E` layer of the Hybrid stack: x + MoE(RMSNorm(x))."""
 
     symbol = "E"
+    recompute_norm = False  # the pre-MLP norm's output is not kept for backward (model/recompute.py)
 
     def __init__(
         self,
@@ -309,10 +327,16 @@ class MoELayer(nn.Module):
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, RouterStats | None]:
         """x [B, S, H] -> (normalised tokens [T, H], probs [T, k], global expert indices [T, k],
         the routing's statistics when `stats` asks for them, else None)."""
-        hidden = self.pre_mlp_layernorm(x).reshape(-1, x.shape[-1])
-        routed = self.mlp.router(hidden)
+        if self.recompute_norm:
+            hidden, routed = without_output(self.pre_mlp_layernorm, (x,), self._route)
+        else:
+            hidden, routed = self._route(self.pre_mlp_layernorm(x))
         got = None if stats is None else router_stats(routed.logits, routed.indices, self.num_experts, stats)
         return hidden, routed.probs, routed.indices, got
+
+    def _route(self, normed: torch.Tensor) -> tuple[torch.Tensor, RouterOutput]:
+        hidden = normed.reshape(-1, normed.shape[-1])
+        return hidden, self.mlp.router(hidden)
 
     def dispatcher(self) -> AllToAllTokenDispatcher:
         """The layer's token dispatcher; a layer holding a slice of the experts needs an EP one."""
@@ -353,6 +377,8 @@ class DenseMLPLayer(nn.Module):
     """
 
     symbol = "-"
+    recompute_norm = False  # the norm's output is not kept for backward (model/recompute.py, layernorm)
+    recompute_mlp = False  # only the layer's input is kept; backward re-runs norm and MLP (mlp)
 
     def __init__(self, arch: GptOssArch, device=None, dtype=None):
         super().__init__()
@@ -365,5 +391,13 @@ class DenseMLPLayer(nn.Module):
         self.mlp.linear_fc2 = Linear(i, h, bias=True, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        act = clamped_swiglu(self.mlp.linear_fc1(self.pre_mlp_layernorm(x)), self.limit, self.alpha)
-        return x + self.mlp.linear_fc2(act)
+        if self.recompute_mlp:
+            return x + checkpointed(self._mlp, x)
+        return x + self._mlp(x)
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        if self.recompute_norm:
+            gate_up = without_output(self.pre_mlp_layernorm, (x,), self.mlp.linear_fc1)
+        else:
+            gate_up = self.mlp.linear_fc1(self.pre_mlp_layernorm(x))
+        return self.mlp.linear_fc2(clamped_swiglu(gate_up, self.limit, self.alpha))

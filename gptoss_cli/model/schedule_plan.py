@@ -368,6 +368,10 @@ def build_hybrid_schedule_plan(
     if not ok:
         raise ConfigError(f"hybrid_layer_pattern {model.pattern.text!r}: {reason}",
                           hint="turn overlap off: overlap.overlap_moe_expert_parallel_comm=false")
+    if getattr(model, "recompute", None) is not None and model.recompute.full_units:
+        raise ConfigError("full activation recompute cannot run in the overlap schedule (its nodes back-propagate "
+                          "alone; a full unit would repeat the all-to-all nodes)",
+                          hint="use recompute.recompute_granularity=selective, or turn overlap off")
     want = model.router_stats_request()
 
     def embedding(input_ids: torch.Tensor, position_ids: torch.Tensor | None) -> dict[str, Any]:

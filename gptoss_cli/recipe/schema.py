@@ -119,12 +119,14 @@ class CudaGraphConfig:
 
 @dataclass
 class RecomputeConfig:
-    recompute_granularity: str = _f("none", "activation recompute", choices=("none", "full", "selective"))
+    recompute_granularity: str = _f("none", "activation recompute (docs/recompute.md)",
+                                    choices=("none", "full", "selective"))
     recompute_method: Optional[str] = _f(None, "full recompute method", choices=("uniform", "block", None))
-    recompute_num_layers: Optional[int] = _f(None, "layers per recompute unit (uniform) or recomputed layers (block)",
-                                             min=1)
+    recompute_num_layers: Optional[int] = _f(
+        None, "hybrid layers (2 per HF block) per recompute unit (uniform) or recomputed from the first (block)", min=1)
     recompute_modules: List[str] = _f(
-        help="selective recompute modules", factory=list,
+        help="selective recompute pieces: attention core, experts' activation, norms, dense MLP, experts' MLP "
+             "(not its all-to-all)", factory=list,
         choices=("core_attn", "moe_act", "layernorm", "mlp", "moe"),
     )
 
@@ -152,6 +154,9 @@ class OptimizerConfig:
     adam_eps: float = _f(1.0e-8, "AdamW epsilon", min=0.0)
     clip_grad: float = _f(1.0, "global gradient-norm clip (0 = off)", min=0.0)
     use_distributed_optimizer: bool = _f(False, "shard optimizer state over data-parallel ranks")
+    grad_reduce_in_fp32: bool = _f(
+        True, "accumulate and reduce gradients in fp32 (false: in the params dtype, half the gradient buffer for bf16)",
+    )
     bucket_size: Optional[int] = _f(
         None, "elements per gradient bucket (one reduce-scatter and one all-gather each); "
         "null = Megatron's default, max(40M, 1M x DP)", min=1,

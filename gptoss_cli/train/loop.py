@@ -26,6 +26,8 @@ import torch.distributed as dist
 from gptoss_cli.checkpoint.training_format import RUN_KEY, run_record
 from gptoss_cli.errors import TrainingError
 from gptoss_cli.model.config import GptOssArch
+from gptoss_cli.recipe.environment import gpu_from_device_name
+from gptoss_cli.recipe.flops import model_flops_per_token, peak_tflops, recompute_flops_per_token, throughput
 from gptoss_cli.recipe.schema import RecipeConfig
 from gptoss_cli.model.hybrid import IGNORE_INDEX, lm_loss_sum
 from gptoss_cli.parallel.grads import get_attr_wrapped_model, get_model_config
@@ -88,6 +90,10 @@ class TrainResult:
     fp8: dict[str, Any] | None = None  # recipe, format, path (native/emulated), kernel, FP8 GEMMs run (rank 0)
     # packed documents (a version-2 token file): real tokens / row positions, and the number of rows
     packing: dict[str, Any] | None = None
+    model_flops_per_token: float = 0.0  # training FLOPs per token (gptoss_cli/recipe/flops.py)
+    tflops_per_gpu: float = 0.0  # model TFLOP/s per GPU over the timed steps (the first step excluded)
+    mfu: float | None = None  # tflops_per_gpu / the GPU's dense peak; None when the peak is unknown
+    peak_tflops: float | None = None  # the peak used (bf16 or FP8 by precision.fp8_recipe, per system.gpu)
     notes: list[str] = field(default_factory=list)  # e.g. leftovers of killed runs that were removed
 
 
@@ -198,6 +204,17 @@ def run_worker(job: TrainJob, progress: Progress | None = None) -> TrainResult:
         heartbeat.stop()
 
 
+def run_peak_tflops(cfg: RecipeConfig, device: torch.device) -> float | None:
+    """The dense peak MFU is measured against: system.gpu's (detected on CUDA when auto), at the FP8
+    rate when an FP8 recipe is on; None on CPUs and unknown GPUs."""
+    gpu = cfg.system.gpu
+    if device.type != "cuda":
+        return None
+    if gpu == "auto":
+        gpu = gpu_from_device_name(torch.cuda.get_device_name(device))
+    return peak_tflops(gpu, cfg.precision.fp8_recipe != "none")
+
+
 def _train(job: TrainJob, state: ParallelState, progress: Progress | None, heartbeat: Heartbeat,
            loggers: Loggers | None = None) -> TrainResult:
     cfg = job.config
@@ -234,6 +251,12 @@ def _train(job: TrainJob, state: ParallelState, progress: Progress | None, heart
     schedule = get_forward_backward_func(setup.config)
     fp8 = setup.config.fp8_gemms  # the FP8 gemms the provider selected: which path runs, what ran
     emit = progress if (progress is not None and state.rank == 0) else None
+    flops_per_token = model_flops_per_token(job.arch, t.seq_length, job.hybrid_layer_pattern)
+    # recompute's repeated forward work: hardware FLOPs, reported apart from the model's
+    hardware_flops = flops_per_token + recompute_flops_per_token(
+        job.arch, t.seq_length, job.hybrid_layer_pattern, runtime.recompute.layer_pieces(model.module.pattern.layers))
+    peak = run_peak_tflops(cfg, state.device)
+    step_tokens = t.global_batch_size * t.seq_length  # every token of the step runs through the model
     if emit:
         emit({"kind": "start", "start_step": start_step, "train_iters": t.train_iters, "world_size": state.world_size,
               "ep_size": state.ep_size, "resumed_from": resumed_from, "fp8": fp8.describe() if fp8 else None,
@@ -241,7 +264,7 @@ def _train(job: TrainJob, state: ParallelState, progress: Progress | None, heart
 
     losses: list[float] = []
     norms: list[float] = []
-    tokens_total, time_total = 0.0, 0.0
+    tokens_total, time_total, timed_steps = 0.0, 0.0, 0
     last_ckpt = None
     for step in range(start_step, t.train_iters):
         heartbeat.progress(step + 1, "step")
@@ -270,11 +293,15 @@ def _train(job: TrainJob, state: ParallelState, progress: Progress | None, heart
         if step > start_step or t.train_iters - start_step == 1:  # the first step warms up: not in the average
             tokens_total += tokens
             time_total += dt
+            timed_steps += 1
         losses.append(loss)
         norms.append(grad_norm)
         done = step + 1
+        tflops, mfu = throughput(flops_per_token, step_tokens / dt, state.world_size, peak)
         common = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens / dt,
-                  "step_time_s": dt, "consumed_samples": data.consumed_samples}
+                  "step_time_s": dt, "consumed_samples": data.consumed_samples,
+                  "model_flops_per_token": flops_per_token, "tflops_per_gpu": tflops, "mfu": mfu,
+                  "hardware_tflops_per_gpu": tflops * hardware_flops / flops_per_token}
         if cfg.moe.aux_loss_coeff > 0:
             common["aux_loss"] = reduced["aux_loss_sum"] / reduced["num_tokens"]
         if cfg.moe.z_loss_coeff > 0:
@@ -300,11 +327,14 @@ def _train(job: TrainJob, state: ParallelState, progress: Progress | None, heart
                 emit({"kind": "checkpoint", "step": done, "path": str(last_ckpt)})
     heartbeat.progress(t.train_iters, "finishing", watched=False)
     barrier()
+    tflops, mfu = throughput(flops_per_token, step_tokens * timed_steps / time_total if time_total else 0.0,
+                             state.world_size, peak)
     result = TrainResult(
         steps=len(losses), final_step=max(start_step, t.train_iters), losses=losses, grad_norms=norms,
         tokens_per_s=(tokens_total / time_total) if time_total else 0.0, run_dir=str(run_dir),
         checkpoint=str(last_ckpt) if last_ckpt else None, resumed_from=resumed_from,
         world_size=state.world_size, ep_size=state.ep_size, fp8=fp8.summary() if fp8 else None, packing=packing,
+        model_flops_per_token=flops_per_token, tflops_per_gpu=tflops, mfu=mfu if time_total else None, peak_tflops=peak,
     )
     if emit:
         emit({"kind": "end", **asdict(result)})

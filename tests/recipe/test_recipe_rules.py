@@ -82,6 +82,10 @@ CASES = {
     "recompute.settings": (
         ["recompute.recompute_granularity=full"], "error",
         ["recompute.recompute_granularity=full", "recompute.recompute_method=block", "recompute.recompute_num_layers=2"]),
+    "recompute.layers": (
+        ["recompute.recompute_granularity=full", "recompute.recompute_method=block", "recompute.recompute_num_layers=7"],
+        "error",
+        ["recompute.recompute_granularity=full", "recompute.recompute_method=block", "recompute.recompute_num_layers=6"]),
     "fp8.mxfp8_dims": ([*MX, "model.architecture.hidden_size=48"], "error", MX),
     "fp8.native_gpu": ([*MX, "system.device=cuda", "system.gpu=h100"], "error",
                        [*MX, "system.device=cuda", "system.gpu=gb200"]),
@@ -107,8 +111,6 @@ CASES = {
     "unsupported.router_dtype": (["moe.router_dtype=fp32"], "error", ["moe.router_dtype=null"]),
     "unsupported.fp16": (["precision.params_dtype=fp16"], "error", ["precision.params_dtype=bf16"]),
     "unsupported.cuda_graphs": (["cuda_graphs.cuda_graph_impl=local", "system.device=cuda"], "error", []),
-    "unsupported.recompute": (
-        ["recompute.recompute_granularity=selective", "recompute.recompute_modules=[core_attn]"], "error", []),
     # overlap_grad_reduce is implemented: only overlapping the parameter gather is not
     "unsupported.param_gather_overlap": (
         ["overlap.overlap_param_gather=true"], "error", ["overlap.overlap_grad_reduce=true"]),
@@ -275,6 +277,15 @@ def test_overlap_forbids_recomputing_moe():
     findings = run_rule("overlap.recompute", [*OVERLAP, "recompute.recompute_granularity=selective",
                                                "recompute.recompute_modules=[core_attn,moe]"])
     assert findings and "moe" in findings[0].message
+
+
+def test_selective_modules_without_a_layer_warn():
+    # tiny is *E*E*E: no dense `-` layer for `mlp` to recompute
+    (finding,) = run_rule("recompute.layers", ["recompute.recompute_granularity=selective",
+                                               "recompute.recompute_modules=[mlp,moe_act]"])
+    assert finding.severity == "warning" and "['mlp']" in finding.message
+    assert run_rule("recompute.layers", ["recompute.recompute_granularity=selective",
+                                         "recompute.recompute_modules=[mlp]", "model.hybrid_layer_pattern=*E*-*E"]) == []
 
 
 def test_overlap_accepts_mtp_null_and_zero():
