@@ -38,11 +38,24 @@ _ALLOWED = {
     ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib._local", "PosixPath"),
     ("pathlib._local", "PurePosixPath"),
 } | {("torch", n) for n in dir(torch) if isinstance(getattr(torch, n, None), torch.dtype)}
+
+# Megatron-core's writer (0.15) pickled its Metadata subclass and save plan under these names; they load
+# as our own inert stand-ins (plain data, no Megatron code), never by importing megatron.
+_MCORE = "megatron.core.dist_checkpointing.strategies.torch"
+_MEGATRON_STAND_INS = ("MCoreMetadata", "MCoreSavePlan")
+
+
+def _megatron_stand_in(name: str) -> type:
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    return type(name, (Metadata,) if name == "MCoreMetadata" else (), {"__module__": __name__})
 _PER_EXPERT = re.compile(r"^(?P<stem>.*\.mlp\.experts\.linear_fc[12]\.(weight|bias))(?P<e>\d+)$")
 
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
+        if module == _MCORE and name in _MEGATRON_STAND_INS:
+            return _megatron_stand_in(name)
         if (module, name) not in _ALLOWED:
             raise pickle.UnpicklingError(f"refusing to load {module}.{name} (not DCP metadata)")
         return super().find_class(module, name)

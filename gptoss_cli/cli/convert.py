@@ -21,8 +21,9 @@ def convert_cmd(
                               "folder, or a training checkpoint (a run's checkpoint.dir, read through `latest`, or one "
                               "iter_* folder)."),
     dst: Path = typer.Argument(..., help="Output folder (written under a temporary name, renamed when complete)."),
-    to: Optional[str] = typer.Option(None, "--to", help="Output layout: hybrid or hf. Default: the other layout than "
-                                     "SRC's; hybrid for a training checkpoint."),
+    to: Optional[str] = typer.Option(None, "--to", help="Output layout: hybrid, hf or megatron (a Megatron-LM "
+                                     "torch_dist checkpoint). Default: the other layout than SRC's; hybrid for a "
+                                     "training or Megatron checkpoint."),
     experts: Optional[str] = typer.Option(None, "--experts", help="Expert form of an HF output: bf16 (default) or mxfp4."),
     weights: Optional[str] = typer.Option(
         None, "--weights", help="Training checkpoints only. model (default): the weights the run computed with, in "
@@ -31,6 +32,9 @@ def convert_cmd(
     dtype: str = typer.Option("bfloat16", "--dtype", help="dtype of non-expert tensors and dequantized experts: bfloat16 or float32."),
     revision: Optional[str] = typer.Option(None, "--revision", help="Hub revision (branch, tag or commit) when SRC is a repo id."),
     force: bool = typer.Option(False, "--force", help="Replace a non-empty DST (only after the new one is complete)."),
+    vocab_multiple: Optional[int] = typer.Option(
+        None, "--vocab-multiple", help="--to megatron only: pad the embedding and output rows to a multiple of this "
+        "(Megatron's --make-vocab-size-divisible-by; default 128)."),
     max_shard_gb: float = typer.Option(5.0, "--max-shard-size", help="Maximum output shard size in GB."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Also write a machine-readable summary to this file."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar and no table."),
@@ -47,6 +51,8 @@ def convert_cmd(
     Example: gptoss convert openai/gpt-oss-20b ./gpt-oss-20b-hybrid
 
     Example: gptoss convert runs/ft/checkpoints ./ft-hf --to hf --experts mxfp4
+
+    Example: gptoss convert openai/gpt-oss-20b ./gpt-oss-20b-megatron --to megatron
     """
     check_number("--max-shard-size", max_shard_gb, low=0.0, low_inclusive=False, high=1e6)
     check_json_path(json_path)
@@ -57,7 +63,7 @@ def convert_cmd(
     with RichProgress(console, "converting", enabled=not quiet) as progress:
         result = convert(
             src, dst, experts=experts, dtype=dtype, revision=revision, force=force, to=to, weights=weights,
-            progress=progress,
+            progress=progress, vocab_multiple=vocab_multiple,
             max_shard_bytes=max(1, int(max_shard_gb * 1e9)),
         )
     for note in [] if quiet else result.notes:
