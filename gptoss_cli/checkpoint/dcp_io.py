@@ -34,6 +34,8 @@ _ALLOWED = {
                                  "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")
 } | {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    # megatron-core (0.16) also records every rank's save plan in the Metadata (`all_local_plans`)
+    *(("torch.distributed.checkpoint.planner", n) for n in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData")),
     ("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
     ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib._local", "PosixPath"),
     ("pathlib._local", "PurePosixPath"),

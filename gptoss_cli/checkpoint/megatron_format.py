@@ -11,10 +11,12 @@ A Megatron checkpoint folder (docs/megatron-checkpoints.md):
         __<rank>_<n>.distcp  the chunks, each a torch.save'd tensor (or raw bytes for objects)
 
 Keys are the sharded keys of Megatron's TE layer specs, which equal our Hybrid names except for
-the experts: Megatron stores one `[E, ...]` tensor per layer and weight (`...mlp.experts.linear_fc1.weight`),
-each expert a chunk at offset e of axis 0, with the gate and up halves of fc1 as two chunks (the
-swiglu split), the same for SequentialMLP and TEGroupedMLP; or, with `singleton_local_shards`, one
-key per expert (`...mlp.experts.<e>.linear_fc1.weight_w` / `_v`, `...linear_fc2.weight`). TE
+the experts: Megatron stores one `[E, ...]` tensor per layer and weight
+(`...mlp.experts.experts.linear_fc1.weight`, the MoE layer's `experts` module adding its own
+`experts.`), each expert a chunk at offset e of axis 0, with the gate and up halves of fc1 as two
+chunks (the swiglu split), the same for SequentialMLP and TEGroupedMLP; or, with
+`singleton_local_shards`, one key per expert (`...mlp.experts.experts.<e>.linear_fc1.weight_w` /
+`_v`, `...linear_fc2.weight`). TE
 modules also carry `_extra_state` objects, which a strict load expects; we write empty ones and
 never unpickle the ones we read. The embedding and output rows are padded to a multiple of
 `make_vocab_size_divisible_by`.
@@ -68,7 +70,7 @@ def padded_vocab(vocab: int, multiple: int) -> int:
 class ExpertSlot:
     """Where one Hybrid per-expert tensor lives in the stacked Megatron layout."""
 
-    key: str  # the stacked key, e.g. decoder.layers.1.mlp.experts.linear_fc1.weight
+    key: str  # the stacked key, e.g. decoder.layers.1.mlp.experts.experts.linear_fc1.weight
     expert: int
     num_experts: int
     glu: bool  # fc1: stored as two chunks (gate half, up half) along the first per-expert axis
@@ -78,7 +80,7 @@ def expert_slot(name: str, arch: GptOssArch) -> ExpertSlot | None:
     m = _HYBRID_EXPERT.match(name)
     if m is None:
         return None
-    return ExpertSlot(f"{m['layer']}.{m['mod']}.{m['kind']}", int(m["e"]), arch.num_local_experts,
+    return ExpertSlot(f"{m['layer']}.experts.{m['mod']}.{m['kind']}", int(m["e"]), arch.num_local_experts,
                       m["mod"] == "linear_fc1")
 
 
@@ -87,7 +89,7 @@ def singleton_keys(name: str) -> list[str] | None:
     m = _HYBRID_EXPERT.match(name)
     if m is None:
         return None
-    base = f"{m['layer']}.{m['e']}.{m['mod']}.{m['kind']}"
+    base = f"{m['layer']}.experts.{m['e']}.{m['mod']}.{m['kind']}"
     return [f"{base}_w", f"{base}_v"] if m["mod"] == "linear_fc1" else [base]
 
 
@@ -103,7 +105,7 @@ def extra_state_keys(arch: GptOssArch) -> list[str]:
             keys.append(f"decoder.layers.{a}.self_attention.{mod}._extra_state/shard_0_1")
         keys.append(f"decoder.layers.{m}.pre_mlp_layernorm._extra_state/shard_0_1")
         for mod in ("linear_fc1", "linear_fc2"):
-            keys.extend(f"decoder.layers.{m}.mlp.experts.{mod}._extra_state/shard_{e}_{arch.num_local_experts}"
+            keys.extend(f"decoder.layers.{m}.mlp.experts.experts.{mod}._extra_state/shard_{e}_{arch.num_local_experts}"
                         for e in range(arch.num_local_experts))
     keys.append("decoder.final_norm._extra_state/shard_0_1")
     return keys
