@@ -328,3 +328,14 @@ def test_force_replaces_a_previous_megatron_output_only(hf_bf16, megatron_out, t
     (dst / "notes.txt").write_text("mine")
     r, out = run_convert(hf_bf16, dst, "--to", "megatron", "--force")
     assert r.exit_code == 2 and "notes.txt" in out
+
+
+def test_tracker_naming_an_iteration_folder(megatron_out, hf_bf16, tmp_path):
+    src = tmp_path / "run"
+    shutil.copytree(megatron_out / "release", src / "iter_0000042")
+    (src / "latest_checkpointed_iteration.txt").write_text("42\n")
+    convert(str(src), tmp_path / "hf", to="hf", dtype="float32")
+    assert_same_tensors(hf_tensors(tmp_path / "hf"), hf_tensors(hf_bf16))
+    (src / "latest_checkpointed_iteration.txt").write_text("43\n")
+    r, out = run_convert(src, tmp_path / "o", "--to", "hf")
+    assert_clean_failure(r, out, "iter_0000043, which does not exist", dst=tmp_path / "o")
