@@ -51,6 +51,13 @@ def hf_config(folder: Path) -> dict:
     return json.loads((folder / "config.json").read_text())
 
 
+def assert_same_architecture(a: Path, b: Path) -> None:
+    """The HF configs of two folders describe the same network (layer types, window, rope, sizes, ...)."""
+    from gptoss_cli.model.config import GptOssArch
+
+    assert GptOssArch.from_hf_config(hf_config(a)).differences(GptOssArch.from_hf_config(hf_config(b))) == []
+
+
 def worker(*args: str) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "tests.checkpoint.megatron_worker", *args], cwd=ROOT, env=env,
@@ -165,6 +172,7 @@ def test_vocab_multiple_option_pads_to_it(hf_bf16, tmp_path):
 def test_hf_to_megatron_to_hf_is_bit_identical(megatron_out, hf_bf16, tmp_path):
     convert(str(megatron_out), tmp_path / "hf", to="hf", dtype="float32")
     assert_same_tensors(hf_tensors(tmp_path / "hf"), hf_tensors(hf_bf16))
+    assert_same_architecture(tmp_path / "hf", hf_bf16)
 
 
 def test_mxfp4_source_round_trips_through_megatron_as_through_hybrid(hf_mxfp4, hybrid_from_mxfp4, tmp_path):
@@ -227,6 +235,7 @@ def test_what_megatron_core_saves_converts_back_to_the_same_hf_weights(ep, singl
     assert result.provenance["expert_layout"] == ("singleton" if singleton else "stacked")
     assert result.provenance["megatron_iteration"] == 7
     assert_same_tensors(hf_tensors(tmp_path / "hf"), hf_tensors(hf_bf16))
+    assert_same_architecture(tmp_path / "hf", hf_bf16)  # from the args megatron-core saved
 
 
 # --- bad input ---------------------------------------------------------------------------
