@@ -139,7 +139,37 @@ def storage_reader(folder: str | Path, metadata: Any) -> Any:
     return _Reader(str(folder))
 
 
-class DcpReader:
+class SpecReader:
+    """What a reader of named tensors answers from its `_specs` ({name: TensorSpec}) alone; a context manager."""
+
+    _specs: dict[str, TensorSpec]
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        pass
+
+    def names(self) -> list[str]:
+        return list(self._specs)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._specs
+
+    def spec(self, name: str) -> TensorSpec:
+        return self._specs[name]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._specs[name].shape
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self._specs[name].dtype
+
+
+class DcpReader(SpecReader):
     """One group of a DCP checkpoint's tensors under plain names, read a tensor (or a few experts) at a time.
 
     `key_of(name)` gives the DCP key of a name and `name_of(key)` the name of a key (None: not in
@@ -171,29 +201,8 @@ class DcpReader:
         self._cache: dict[str, torch.Tensor] = {}
         self.loads = 0  # dcp.load calls made (each one a partial load)
 
-    def __enter__(self) -> "DcpReader":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def close(self) -> None:
         self._cache.clear()
-
-    def names(self) -> list[str]:
-        return list(self._specs)
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._specs
-
-    def spec(self, name: str) -> TensorSpec:
-        return self._specs[name]
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self._specs[name].shape
-
-    def dtype(self, name: str) -> torch.dtype:
-        return self._specs[name].dtype
 
     def file_of(self, name: str) -> Path:
         return self.folder / self._files.get(self._key_of(name), METADATA)
@@ -242,5 +251,5 @@ class DcpReader:
         return {n: state[self._key_of(n)] for n in names}
 
 
-__all__ = ["DcpReader", "read_metadata", "storage_reader", "check_storage_files", "dcp_error", "first_line",
+__all__ = ["DcpReader", "SpecReader", "read_metadata", "storage_reader", "check_storage_files", "dcp_error", "first_line",
            "quiet_single_process", "METADATA"]

@@ -38,7 +38,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from gptoss_cli import outputs
-from gptoss_cli.checkpoint.dcp_io import METADATA, check_storage_files, first_line, read_metadata
+from gptoss_cli.checkpoint.dcp_io import METADATA, SpecReader, check_storage_files, first_line, read_metadata
 from gptoss_cli.checkpoint.mapping import VOCAB_PADDED_HYBRID, hybrid_shapes
 from gptoss_cli.checkpoint.safetensors_io import TensorSpec
 from gptoss_cli.errors import CheckpointError, ConfigError, UsageError
@@ -356,7 +356,7 @@ def read_megatron_checkpoint(root: Path) -> MegatronCheckpoint:
 
 
 # --- reading the tensors -----------------------------------------------------------------
-class MegatronReader:
+class MegatronReader(SpecReader):
     """A Megatron torch_dist checkpoint's model weights under Hybrid names, read chunk by chunk.
 
     Works for any DP/EP layout at TP=PP=1 and both expert layouts: a Hybrid tensor (or rows of it)
@@ -419,29 +419,8 @@ class MegatronReader:
                     raise CheckpointError(f"{self.folder / METADATA}: {key!r} has global shape {list(stored)}, "
                                           f"expected {list(want)} for the architecture in {COMMON}")
 
-    def __enter__(self) -> "MegatronReader":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def close(self) -> None:
         self._cache = None
-
-    def names(self) -> list[str]:
-        return list(self._specs)
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._specs
-
-    def spec(self, name: str) -> TensorSpec:
-        return self._specs[name]
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self._specs[name].shape
-
-    def dtype(self, name: str) -> torch.dtype:
-        return self._specs[name].dtype
 
     def file_of(self, name: str) -> Path:
         key = self._sources[name][0][0] if name in self._sources else name
