@@ -368,56 +368,46 @@ class MegatronReader(SpecReader):
     concurrent_reads = False  # the last chunk read is cached for the next rows
 
     def __init__(self, folder: Path, arch: GptOssArch):
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
         self.folder = Path(folder)
         self.arch = arch
         self.metadata = read_metadata(self.folder)
         check_storage_files(self.folder, self.metadata)
         md = self.metadata.state_dict_metadata
         self._storage = {(i.fqn, tuple(i.offset or ())): info for i, info in (self.metadata.storage_data or {}).items()}
-        # name -> list of (key, the name's region in the key: per-axis (start, size)), and the spec
-        self._sources: dict[str, list[tuple[str, tuple[tuple[int, int], ...]]]] = {}
+        # name -> its sources: (key, leading offsets in the key (the expert), the rows of the name it holds)
+        self._sources: dict[str, list[tuple[str, tuple[int, ...], int, int]]] = {}
         self._specs: dict[str, TensorSpec] = {}
         self.layout = None
         for name, shape in hybrid_shapes(arch).items():
             slot = expert_slot(name, arch)
             if slot is not None and slot.key in md:
                 self.layout = self.layout or "stacked"
-                region = ((slot.expert, 1), *((0, s) for s in shape))
-                self._sources[name] = [(slot.key, region)]
-                meta = md[slot.key]
+                self._sources[name] = [(slot.key, (slot.expert,), 0, shape[0])]
             elif slot is not None and all(k in md for k in singleton_keys(name)):
                 self.layout = self.layout or "singleton"
                 keys = singleton_keys(name)
-                half = shape[0] // len(keys)
-                self._sources[name] = [(k, ((0, half), *((0, s) for s in shape[1:]))) for k in keys]
-                meta = md[keys[0]]
+                rows = shape[0] // len(keys)  # fc1: the gate half (_w), then the up half (_v)
+                self._sources[name] = [(k, (), i * rows, rows) for i, k in enumerate(keys)]
             elif name in md:
-                self._sources[name] = [(name, tuple((0, s) for s in shape))]
-                meta = md[name]
+                self._sources[name] = [(name, (), 0, shape[0])]
             else:
                 continue
-            if not isinstance(meta, TensorStorageMetadata):
-                raise CheckpointError(f"{self.folder / METADATA}: {self._sources[name][0][0]!r} is not a tensor entry")
-            self._specs[name] = TensorSpec(name, tuple(shape), meta.properties.dtype)
-        self._check_shapes(md)
+            for key, lead, _, rows in self._sources[name]:
+                self._check_entry(md, name, key, (*([arch.num_local_experts] if lead else []), rows, *shape[1:]))
+            self._specs[name] = TensorSpec(name, tuple(shape), md[self._sources[name][0][0]].properties.dtype)
         self._cache: tuple[Any, torch.Tensor] | None = None
 
-    def _check_shapes(self, md: dict) -> None:
-        """Stored global shapes must be what the architecture makes of each key (vocabulary rows padded)."""
-        for name, sources in self._sources.items():
-            for key, region in sources:
-                stored = tuple(md[key].size)
-                want = tuple(start + size for start, size in region)
-                if key != name and expert_slot(name, self.arch) and self.layout == "stacked":
-                    want = (self.arch.num_local_experts, *want[1:])
-                ok = stored == want
-                if name in VOCAB_PADDED_HYBRID:
-                    ok = stored[1:] == want[1:] and stored[0] >= want[0]
-                if not ok:
-                    raise CheckpointError(f"{self.folder / METADATA}: {key!r} has global shape {list(stored)}, "
-                                          f"expected {list(want)} for the architecture in {COMMON}")
+    def _check_entry(self, md: dict, name: str, key: str, want: tuple[int, ...]) -> None:
+        """`key` is a tensor of the global shape the architecture gives it (vocabulary rows may be padded)."""
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        if not isinstance(md[key], TensorStorageMetadata):
+            raise CheckpointError(f"{self.folder / METADATA}: {key!r} is not a tensor entry")
+        stored = tuple(md[key].size)
+        ok = stored == want or (name in VOCAB_PADDED_HYBRID and stored[1:] == want[1:] and stored[0] >= want[0])
+        if not ok:
+            raise CheckpointError(f"{self.folder / METADATA}: {key!r} has global shape {list(stored)}, "
+                                  f"expected {list(want)} for the architecture in {COMMON}")
 
     def close(self) -> None:
         self._cache = None
@@ -433,28 +423,14 @@ class MegatronReader(SpecReader):
         """Tensor `name`, or rows [start, stop) of it."""
         if name not in self._specs:
             raise CheckpointError(f"{self.folder}: tensor {name!r} is missing")
-        spec = self._specs[name]
-        r0 = start or 0
-        r1 = spec.shape[0] if stop is None else stop
-        out = torch.empty((r1 - r0, *spec.shape[1:]) if spec.shape else (), dtype=spec.dtype)
-        row = 0  # the first row of the current source within the name
-        for key, region in self._sources[name]:
-            # the source's rows in name coordinates: [row, row + rows); its region's axis of rows
-            axis = 1 if (len(region) == len(spec.shape) + 1) else 0
-            rows = region[axis][1] if spec.shape else 1
-            lo, hi = max(r0, row), min(r1, row + rows)
-            if lo < hi or not spec.shape:
-                want = list(region)
-                if spec.shape:
-                    want[axis] = (region[axis][0] + lo - row, hi - lo)
-                piece = self._assemble(key, tuple(want))
-                if axis:
-                    piece = piece.reshape(piece.shape[1:])
-                if spec.shape:
-                    out[lo - r0:hi - r0] = piece
-                else:
-                    out = piece.reshape(())
-            row += rows
+        shape = self._specs[name].shape
+        r0, r1 = start or 0, shape[0] if stop is None else stop
+        out = torch.empty((r1 - r0, *shape[1:]), dtype=self._specs[name].dtype)
+        for key, lead, row0, rows in self._sources[name]:
+            lo, hi = max(r0, row0), min(r1, row0 + rows)
+            if lo < hi:
+                region = (*((x, 1) for x in lead), (lo - row0, hi - lo), *((0, n) for n in shape[1:]))
+                out[lo - r0:hi - r0] = self._assemble(key, region).reshape(hi - lo, *shape[1:])
         return out
 
     def _assemble(self, key: str, region: tuple[tuple[int, int], ...]) -> torch.Tensor:
@@ -493,8 +469,7 @@ class MegatronReader(SpecReader):
         self._cache = None
         try:
             with open(path, "rb") as f:
-                f.seek(info.offset)
-                data = torch.load(io.BytesIO(f.read(info.length)), map_location="cpu", weights_only=True)
+                data = torch.load(_Window(f, info.offset, info.length), map_location="cpu", weights_only=True)
         except OSError as exc:
             raise CheckpointError(f"{path}: cannot read ({exc.strerror or exc})") from None
         except Exception as exc:
@@ -506,6 +481,37 @@ class MegatronReader(SpecReader):
                                   f"the metadata says {list(sizes)}")
         self._cache = ((key, offsets), data)
         return data
+
+
+class _Window(io.RawIOBase):
+    """Bytes [offset, offset + length) of an open file as a seekable file of their own, so that
+    torch.load reads one chunk in place instead of from a copy of its bytes."""
+
+    def __init__(self, f, offset: int, length: int):
+        self._f, self._offset, self._length, self._pos = f, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
+        self._pos = max(0, min(self._length, base + pos))
+        return self._pos
+
+    def readinto(self, buffer) -> int:
+        n = min(len(buffer), self._length - self._pos)
+        if n <= 0:
+            return 0
+        self._f.seek(self._offset + self._pos)
+        got = self._f.readinto(memoryview(buffer)[:n])
+        self._pos += got
+        return got
 
 
 # --- writing -----------------------------------------------------------------------------
@@ -569,8 +575,8 @@ class MegatronWriter:
         self._storage.append((key, offsets, self.file_names[-1], start, length))
         self.bytes_written += length
         self.io_seconds += time.perf_counter() - t0
-        if self.on_bytes:
-            self.on_bytes(length)
+        if self.on_bytes and not isinstance(payload, bytes):  # the planned tensor bytes, as the progress total
+            self.on_bytes(nbytes)
 
     def _tensor(self, key: str, global_shape: tuple[int, ...], offsets: tuple[int, ...], data: torch.Tensor) -> None:
         self._global.setdefault(key, global_shape)
