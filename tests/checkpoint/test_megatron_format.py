@@ -348,3 +348,22 @@ def test_tracker_naming_an_iteration_folder(megatron_out, hf_bf16, tmp_path):
     (src / "latest_checkpointed_iteration.txt").write_text("43\n")
     r, out = run_convert(src, tmp_path / "o", "--to", "hf")
     assert_clean_failure(r, out, "iter_0000043, which does not exist", dst=tmp_path / "o")
+
+
+def test_an_expert_parallel_rank_reads_only_its_experts(megatron_out, hf_bf16, monkeypatch):
+    """checkpoint.pretrained at EP=2: rank 1's model (experts 2..3) gets the HF weights of exactly those."""
+    from gptoss_cli.checkpoint import megatron_format
+    from gptoss_cli.checkpoint.load import build_model, checkpoint_architecture, load_weights
+
+    arch, _ = checkpoint_architecture(megatron_out)
+    read = []
+    real = megatron_format.MegatronReader.read
+    monkeypatch.setattr(megatron_format.MegatronReader, "read",
+                        lambda self, name, *a: read.append(name) or real(self, name, *a))
+    a = build_model(arch, expert_offset=2, num_local_experts=2)
+    load_weights(a, megatron_out)
+    b = build_model(arch, expert_offset=2, num_local_experts=2)
+    load_weights(b, hf_bf16)
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sorted(sa) == sorted(sb) and all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert not [n for n in read if n.endswith(("weight0", "weight1", "bias0", "bias1"))]
