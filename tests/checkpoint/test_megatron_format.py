@@ -367,3 +367,12 @@ def test_an_expert_parallel_rank_reads_only_its_experts(megatron_out, hf_bf16, m
     sa, sb = a.state_dict(), b.state_dict()
     assert sorted(sa) == sorted(sb) and all(torch.equal(sa[k], sb[k]) for k in sa)
     assert not [n for n in read if n.endswith(("weight0", "weight1", "bias0", "bias1"))]
+
+
+def test_recipe_model_checkpoint_reads_the_architecture_from_megatron_args(megatron_out, hf_bf16):
+    from gptoss_cli.model.config import GptOssArch
+    from gptoss_cli.recipe.load import architecture_from_checkpoint
+
+    arch, pattern = architecture_from_checkpoint(megatron_out)
+    assert arch.differences(GptOssArch.from_hf_config(hf_config(hf_bf16))) == []
+    assert pattern == "*E" * arch.num_hidden_layers
