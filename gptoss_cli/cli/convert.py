@@ -18,8 +18,8 @@ from gptoss_cli.outputs import check_separate
 @handle_errors
 def convert_cmd(
     src: str = typer.Argument(..., help="HF folder or Hugging Face repo id (owner/name), OpenAI original/ folder, a Hybrid "
-                              "folder, or a training checkpoint (a run's checkpoint.dir, read through `latest`, or one "
-                              "iter_* folder)."),
+                              "folder, a training checkpoint (a run's checkpoint.dir, read through `latest`, or one "
+                              "iter_* folder), or a Megatron-LM torch_dist checkpoint (its dir or one iteration folder)."),
     dst: Path = typer.Argument(..., help="Output folder (written under a temporary name, renamed when complete)."),
     to: Optional[str] = typer.Option(None, "--to", help="Output layout: hybrid, hf or megatron (a Megatron-LM "
                                      "torch_dist checkpoint). Default: the other layout than SRC's; hybrid for a "
@@ -39,13 +39,15 @@ def convert_cmd(
     json_path: Optional[Path] = typer.Option(None, "--json", help="Also write a machine-readable summary to this file."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar and no table."),
 ) -> None:
-    """Convert a GPT-OSS checkpoint between Hugging Face and Megatron Hybrid (*E) layouts.
+    """Convert a GPT-OSS checkpoint between Hugging Face, Megatron Hybrid (*E) and Megatron-LM torch_dist layouts.
 
     The direction comes from SRC: an HF checkpoint (config.json, model_type gpt_oss; MXFP4 or bf16
     experts) or OpenAI's original/ layout becomes a Hybrid checkpoint (HF block i -> layers 2i, 2i+1);
     a Hybrid checkpoint (hybrid_config.json) becomes an HF one. A training checkpoint of `gptoss
     train` becomes a Hybrid checkpoint, or an HF one with --to hf; its architecture comes from the
-    run it records, and it is only read, never modified. Memory stays bounded by one tensor group,
+    run it records, and it is only read, never modified. --to megatron writes a torch_dist checkpoint
+    Megatron-LM loads (docs/megatron-checkpoints.md); a Megatron torch_dist checkpoint saved at TP=1
+    and PP=1 is itself a SRC (Hybrid by default, or --to hf / megatron). Memory stays bounded by one tensor group,
     so 120B converts on a 24 GiB machine.
 
     Example: gptoss convert openai/gpt-oss-20b ./gpt-oss-20b-hybrid
