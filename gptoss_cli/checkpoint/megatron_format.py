@@ -175,6 +175,13 @@ def arch_from_args(args: Any, source: Path) -> GptOssArch:
     """The GptOssArch a Megatron checkpoint's `args` describe; CheckpointError naming the field otherwise.
 
     Fields Megatron does not record (token ids, swiglu alpha when not ours) keep GPT-OSS's values."""
+    try:
+        return _arch_from_args(args, source)
+    except (TypeError, ValueError, IndexError, KeyError, AttributeError) as exc:  # e.g. a field of the wrong type
+        raise CheckpointError(f"{source}: args describe no valid GPT-OSS architecture ({first_line(exc)})") from None
+
+
+def _arch_from_args(args: Any, source: Path) -> GptOssArch:
     if not isinstance(args, argparse.Namespace):
         raise CheckpointError(f"{source}: 'args' is a {type(args).__name__}, not Megatron-LM's argparse.Namespace")
     for name in ("num_layers", "hidden_size", "num_attention_heads", "num_experts"):
@@ -322,7 +329,6 @@ class MegatronCheckpoint:
     args: argparse.Namespace
     iteration: int
     arch: GptOssArch
-    provenance: dict
 
 
 def read_megatron_checkpoint(root: Path) -> MegatronCheckpoint:
@@ -350,9 +356,7 @@ def read_megatron_checkpoint(root: Path) -> MegatronCheckpoint:
                 hint="re-save from Megatron-LM with --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1")
     arch = arch_from_args(args, where)
     iteration = common.get("iteration", 0)
-    provenance = common.get("gptoss_provenance")
-    return MegatronCheckpoint(folder, args, iteration if isinstance(iteration, int) else 0, arch,
-                              provenance if isinstance(provenance, dict) else {})
+    return MegatronCheckpoint(folder, args, iteration if isinstance(iteration, int) else 0, arch)
 
 
 # --- reading the tensors -----------------------------------------------------------------

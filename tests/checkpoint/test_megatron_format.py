@@ -376,3 +376,11 @@ def test_recipe_model_checkpoint_reads_the_architecture_from_megatron_args(megat
     arch, pattern = architecture_from_checkpoint(megatron_out)
     assert arch.differences(GptOssArch.from_hf_config(hf_config(hf_bf16))) == []
     assert pattern == "*E" * arch.num_hidden_layers
+
+
+@pytest.mark.parametrize("field,value", [("window_size", _RunsCode(Path("/nonexistent/x"))), ("norm_epsilon", "tiny"),
+                                         ("hybrid_override_pattern", "*-*-"), ("num_experts", None)])
+def test_args_that_describe_no_gpt_oss_model_are_one_line(field, value, mg_copy, tmp_path):
+    _rewrite_common(mg_copy, lambda c: setattr(c["args"], field, value))
+    r, out = run_convert(mg_copy, tmp_path / "o", "--to", "hf")
+    assert_clean_failure(r, out, "common.pt", dst=tmp_path / "o")
