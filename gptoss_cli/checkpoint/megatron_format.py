@@ -598,9 +598,11 @@ class MegatronWriter:
             rows = self.padded_rows if name in VOCAB_PADDED_HYBRID else (spec.shape[0] if spec.shape else 0)
             shape = (rows, *spec.shape[1:]) if spec.shape else ()
             self._tensor(name, shape, (row, *(0,) * (len(shape) - 1)) if shape else (), chunk)
-            if name in VOCAB_PADDED_HYBRID and self._rows[name] == spec.shape[0] and rows > spec.shape[0]:
-                pad = torch.zeros((rows - spec.shape[0], *spec.shape[1:]), dtype=chunk.dtype)
-                self._tensor(name, shape, (spec.shape[0], *(0,) * (len(shape) - 1)), pad)
+            if name in VOCAB_PADDED_HYBRID and self._rows[name] == spec.shape[0]:
+                # zero rows up to the padded size, in pieces no larger than the last real one (streaming)
+                for r in range(spec.shape[0], rows, max(1, n)):
+                    pad = torch.zeros((min(rows, r + max(1, n)) - r, *spec.shape[1:]), dtype=chunk.dtype)
+                    self._tensor(name, shape, (r, *(0,) * (len(shape) - 1)), pad)
             return
         shape = (slot.num_experts, *spec.shape)
         cuts = [row, row + n]

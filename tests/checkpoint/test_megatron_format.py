@@ -384,3 +384,27 @@ def test_args_that_describe_no_gpt_oss_model_are_one_line(field, value, mg_copy,
     _rewrite_common(mg_copy, lambda c: setattr(c["args"], field, value))
     r, out = run_convert(mg_copy, tmp_path / "o", "--to", "hf")
     assert_clean_failure(r, out, "common.pt", dst=tmp_path / "o")
+
+
+def test_streams_in_chunks_both_ways(hf_bf16, tmp_path, monkeypatch):
+    """With a 4 KiB chunk budget the embedding (and its padding) is written as row chunks of at most that
+    size, and reading back never loads a stored chunk bigger than one expert half, one row range or the
+    largest tensor group convert holds anyway."""
+    from gptoss_cli.checkpoint import megatron_format
+
+    budget = 4096
+    convert(str(hf_bf16), tmp_path / "mg", to="megatron", dtype="float32", chunk_bytes=budget)
+    md = read_metadata(tmp_path / "mg" / "release").state_dict_metadata
+    emb = md["embedding.word_embeddings.weight"]
+    H = emb.size[1]
+    assert len(emb.chunks) > 10 and max(c.sizes[0] * H * 4 for c in emb.chunks) <= max(budget, H * 4)
+    loaded = []
+    real = megatron_format.MegatronReader._chunk
+    monkeypatch.setattr(megatron_format.MegatronReader, "_chunk",
+                        lambda self, k, o, s: loaded.append(torch.Size(s).numel() * 4) or real(self, k, o, s))
+    convert(str(tmp_path / "mg"), tmp_path / "hf", to="hf", dtype="float32", chunk_bytes=budget)
+    assert_same_tensors(hf_tensors(tmp_path / "hf"), hf_tensors(hf_bf16))
+    cfg = hf_config(hf_bf16)
+    qkv_rows = (cfg["num_attention_heads"] + 2 * cfg["num_key_value_heads"]) * cfg["head_dim"]
+    # a row range, an expert half, or one tensor group that convert holds whole anyway (the fused qkv)
+    assert max(loaded) <= max(budget, cfg["intermediate_size"] * cfg["hidden_size"] * 4, qkv_rows * cfg["hidden_size"] * 4)
