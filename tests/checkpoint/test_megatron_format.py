@@ -408,3 +408,22 @@ def test_streams_in_chunks_both_ways(hf_bf16, tmp_path, monkeypatch):
     qkv_rows = (cfg["num_attention_heads"] + 2 * cfg["num_key_value_heads"]) * cfg["head_dim"]
     # a row range, an expert half, or one tensor group that convert holds whole anyway (the fused qkv)
     assert max(loaded) <= max(budget, cfg["intermediate_size"] * cfg["hidden_size"] * 4, qkv_rows * cfg["hidden_size"] * 4)
+
+
+def test_metadata_pickled_as_megatron_core_015_mcore_metadata_is_read_without_megatron(mg_copy, hf_bf16, tmp_path):
+    """megatron-core 0.15 pickled its own MCoreMetadata class into .metadata; it loads as an inert stand-in."""
+    strategies = pytest.importorskip("megatron.core.dist_checkpointing.strategies.torch")
+    folder = mg_copy / "release"
+    md = read_metadata(folder)
+    old = strategies.MCoreMetadata()
+    old.__dict__.update(vars(md), mcore_data={"some.key": {"nd_reformulated_orig_global_shape": None}})
+    blob = pickle.dumps(old)
+    assert b"MCoreMetadata" in blob and b"megatron.core" in blob
+    (folder / ".metadata").write_bytes(blob)
+    removed = {m: sys.modules.pop(m) for m in [m for m in sys.modules if m.startswith("megatron")]}
+    try:  # the read imports nothing of megatron
+        convert(str(mg_copy), tmp_path / "hf", to="hf", dtype="float32")
+        assert not [m for m in sys.modules if m.startswith("megatron")]
+    finally:
+        sys.modules.update(removed)
+    assert_same_tensors(hf_tensors(tmp_path / "hf"), hf_tensors(hf_bf16))
