@@ -51,6 +51,8 @@ def _megatron_stand_in(name: str) -> type:
     from torch.distributed.checkpoint.metadata import Metadata
 
     return type(name, (Metadata,) if name == "MCoreMetadata" else (), {"__module__": __name__})
+
+
 _PER_EXPERT = re.compile(r"^(?P<stem>.*\.mlp\.experts\.linear_fc[12]\.(weight|bias))(?P<e>\d+)$")
 
 
