@@ -108,16 +108,17 @@ def _expert_params(hf: dict, block: int, e: int) -> dict[str, torch.Tensor]:
             "linear_fc2.bias": hf[p + "down_proj_bias"][e]}
 
 
-def _sharded_dict(ps, cfg: dict, padded_vocab: int, tensors: dict[str, torch.Tensor] | None, ep_rank: int, ep: int,
-                  singleton: bool, hf: dict | None):
+def _sharded_dict(ps, cfg: dict, tensors: dict[str, torch.Tensor], ep_rank: int, ep: int, singleton: bool,
+                  hf: dict | None):
+    """Megatron's sharded state dict: `tensors` as plain ShardedTensors, the TE extra states, and per MoE
+    layer the sharded state dict of a real SequentialMLP (its experts from `hf` when given)."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
     E, H, I = cfg["num_local_experts"], cfg["hidden_size"], cfg["intermediate_size"]
     local = E // ep
     meta = {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True), "singleton_local_shards": singleton}
     sd, modules = {}, {}
-    plain = tensors if tensors is not None else None
-    for name, t in (plain or {}).items():
+    for name, t in tensors.items():
         sd[name] = ShardedTensor.from_rank_offsets(name, t, replica_id=(0, 0, ep_rank))
     for key, shape, offset in _te_extra_states(cfg["num_hidden_layers"]):
         sd[key] = ShardedObject(key, None, shape, offset, replica_id=(0, 0, ep_rank))
@@ -135,7 +136,6 @@ def _sharded_dict(ps, cfg: dict, padded_vocab: int, tensors: dict[str, torch.Ten
 
 def load(ckpt: str, out: str) -> None:
     from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
     from megatron.core.dist_checkpointing.validation import StrictHandling
     from safetensors.torch import save_file
 
@@ -149,7 +149,7 @@ def load(ckpt: str, out: str) -> None:
     metadata = dist_checkpointing.load_tensors_metadata(ckpt)  # megatron's reading of the shapes
     plain = {k: torch.empty(tuple(v.global_shape), dtype=v.dtype) for k, v in metadata.items()
              if ".mlp.experts." not in k}
-    sd, _ = _sharded_dict(ps, cfg, args.padded_vocab_size, plain, 0, 1, False, None)
+    sd, _ = _sharded_dict(ps, cfg, plain, 0, 1, False, None)
     state = dist_checkpointing.load(sd, ckpt, strict=StrictHandling.RAISE_ALL)
     flat = {k: v.contiguous() for k, v in state.items() if isinstance(v, torch.Tensor)}
     save_file(flat, out)
@@ -181,7 +181,7 @@ def _save_rank(rank: int, hf_dir: str, out: str, ep: int, singleton: bool) -> No
         hf.update(load_file(f))
     padded = -(-cfg["vocab_size"] // 128) * 128
     plain = _plain_tensors(hf, cfg, padded)
-    sd, _ = _sharded_dict(ps, cfg, padded, plain, rank, ep, singleton, hf)
+    sd, _ = _sharded_dict(ps, cfg, plain, rank, ep, singleton, hf)
     # what a training save holds besides the model: optimizer state and each rank's RNG state
     sd["optimizer.state.exp_avg.decoder.final_norm.weight"] = ShardedTensor.from_rank_offsets(
         "optimizer.state.exp_avg.decoder.final_norm.weight", torch.ones(cfg["hidden_size"]), replica_id=(0, 0, rank))
