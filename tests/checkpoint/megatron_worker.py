@@ -1,9 +1,10 @@
 """megatron-core as an independent reference for Megatron checkpoints, run on CPU with gloo in its own processes.
 
-    python -m tests.checkpoint.megatron_worker load CKPT_ITER_DIR OUT.safetensors
+    python -m tests.checkpoint.megatron_worker load CKPT_ITER_DIR OUT.safetensors [INPUT.safetensors]
         megatron-core's dist_checkpointing.load reads CKPT strictly (StrictHandling.RAISE_ALL: no key
         missing, none unexpected) into a sharded state dict whose expert part comes from real
-        SequentialMLP modules; every loaded tensor is written to OUT under its state-dict name.
+        SequentialMLP modules; every loaded tensor is written to OUT under its state-dict name, and
+        with INPUT (a tensor "x" [T, H]) each expert's output on it as `expert_out.<block>.<e>`.
     python -m tests.checkpoint.megatron_worker save HF_DIR OUT_DIR EP SINGLETON
         megatron-core's dist_checkpointing.save writes the HF checkpoint's weights as a torch_dist
         checkpoint from EP gloo ranks (each holding its experts in SequentialMLP modules), with
@@ -41,7 +42,9 @@ def _init(rank: int, world: int, port: int, ep: int = 1):
     return ps
 
 
-def _experts(hidden: int, ffn: int, num_local: int):
+def _experts(hidden: int, ffn: int, num_local: int, args=None):
+    """megatron-core's SequentialMLP of local MLP experts; with `args`, GPT-OSS's activation as Megatron-LM
+    configures it from them (quick_gelu gate, clamp, +1 on the linear half), computed unfused."""
     import torch.nn.functional as F
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -49,10 +52,15 @@ def _experts(hidden: int, ffn: int, num_local: int):
     from megatron.core.transformer.moe.experts import SequentialMLP
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+    gptoss = dict(activation_func=F.silu) if args is None else dict(activation_func=quick_gelu, glu_linear_offset=1.0,
+                                          activation_func_clamp_value=args.activation_func_clamp_value,
+                                          bias_activation_fusion=False)
     cfg = TransformerConfig(num_layers=2, hidden_size=hidden, num_attention_heads=1, ffn_hidden_size=ffn,
                             moe_ffn_hidden_size=ffn, num_moe_experts=num_local, gated_linear_unit=True,
-                            activation_func=F.silu, add_bias_linear=True, use_cpu_initialization=True,
-                            params_dtype=torch.float32)
+                            add_bias_linear=True, use_cpu_initialization=True,
+                            params_dtype=torch.float32, **gptoss)
     return SequentialMLP(num_local, cfg, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
                          pg_collection=ProcessGroupCollection.use_mpu_process_groups())
 
@@ -109,7 +117,7 @@ def _expert_params(hf: dict, block: int, e: int) -> dict[str, torch.Tensor]:
 
 
 def _sharded_dict(ps, cfg: dict, tensors: dict[str, torch.Tensor], ep_rank: int, ep: int, singleton: bool,
-                  hf: dict | None):
+                  hf: dict | None, args=None):
     """Megatron's sharded state dict: `tensors` as plain ShardedTensors, the TE extra states, and per MoE
     layer the sharded state dict of a real SequentialMLP (its experts from `hf` when given)."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
@@ -123,7 +131,7 @@ def _sharded_dict(ps, cfg: dict, tensors: dict[str, torch.Tensor], ep_rank: int,
     for key, shape, offset in _te_extra_states(cfg["num_hidden_layers"]):
         sd[key] = ShardedObject(key, None, shape, offset, replica_id=(0, 0, ep_rank))
     for b in range(cfg["num_hidden_layers"]):
-        mlp = _experts(H, I, local)
+        mlp = _experts(H, I, local, args)
         if hf is not None:
             with torch.no_grad():
                 for le, expert in enumerate(mlp.local_experts):
@@ -134,7 +142,7 @@ def _sharded_dict(ps, cfg: dict, tensors: dict[str, torch.Tensor], ep_rank: int,
     return sd, modules
 
 
-def load(ckpt: str, out: str) -> None:
+def load(ckpt: str, out: str, inputs: str | None = None) -> None:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
     from safetensors.torch import save_file
@@ -149,9 +157,20 @@ def load(ckpt: str, out: str) -> None:
     metadata = dist_checkpointing.load_tensors_metadata(ckpt)  # megatron's reading of the shapes
     plain = {k: torch.empty(tuple(v.global_shape), dtype=v.dtype) for k, v in metadata.items()
              if ".mlp.experts." not in k}
-    sd, _ = _sharded_dict(ps, cfg, plain, 0, 1, False, None)
+    sd, modules = _sharded_dict(ps, cfg, plain, 0, 1, False, None, args)
     state = dist_checkpointing.load(sd, ckpt, strict=StrictHandling.RAISE_ALL)
     flat = {k: v.contiguous() for k, v in state.items() if isinstance(v, torch.Tensor)}
+    if inputs is not None:  # megatron-core's experts compute on the loaded weights
+        from safetensors.torch import load_file
+
+        x = load_file(inputs)["x"]
+        for b, mlp in modules.items():
+            prefix = f"decoder.layers.{2 * b + 1}.mlp.experts."
+            mlp.load_state_dict({k[len(prefix):]: v for k, v in flat.items() if k.startswith(prefix)}, strict=False)
+            with torch.no_grad():
+                for e, expert in enumerate(mlp.local_experts):
+                    y, bias = expert(x)
+                    flat[f"expert_out.{b}.{e}"] = (y + bias if bias is not None else y).contiguous()
     save_file(flat, out)
     Path(out + ".json").write_text(json.dumps({"args": {k: v for k, v in vars(args).items()
                                                           if isinstance(v, (int, float, str, bool, list, tuple))
@@ -223,6 +242,6 @@ def save(hf_dir: str, out: str, ep: int, singleton: bool) -> None:
 if __name__ == "__main__":
     torch.set_num_threads(1)
     if sys.argv[1] == "load":
-        load(sys.argv[2], sys.argv[3])
+        load(sys.argv[2], sys.argv[3], *sys.argv[4:5])
     else:
         save(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5] == "1")

@@ -427,3 +427,30 @@ def test_metadata_pickled_as_megatron_core_015_mcore_metadata_is_read_without_me
     finally:
         sys.modules.update(removed)
     assert_same_tensors(hf_tensors(tmp_path / "hf"), hf_tensors(hf_bf16))
+
+
+def test_megatron_core_experts_compute_transformers_expert_outputs(megatron_out, hf_bf16, tmp_path):
+    """megatron-core's MLP experts, configured from our args as Megatron-LM configures GPT-OSS (quick_gelu
+    gate, clamp, +1 on the linear half) and loaded from our checkpoint, give transformers' per-expert
+    outputs: the gate/up order and orientation of fc1/fc2 are what Megatron computes with."""
+    pytest.importorskip("megatron.core")
+    from safetensors.torch import save_file
+
+    from tests.model.tiny_checkpoints import load_hf_reference
+    from tests.tolerances import reassociation_rel
+
+    cfg = hf_config(hf_bf16)
+    H, I, E = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_local_experts"]
+    x = torch.randn(12, H, generator=torch.Generator().manual_seed(3)) * 2  # big enough to reach the clamp
+    save_file({"x": x}, str(tmp_path / "x.safetensors"))
+    out = tmp_path / "loaded.safetensors"
+    worker("load", str(megatron_out / "release"), str(out), str(tmp_path / "x.safetensors"))
+    got = load_file(out)
+    model = load_hf_reference(hf_bf16)
+    rel = reassociation_rel(max(H, I), depth=2)
+    with torch.no_grad():
+        for b, layer in enumerate(model.model.layers):
+            for e in range(E):
+                want = layer.mlp.experts(x, torch.full((x.shape[0], 1), e), torch.ones(x.shape[0], 1))
+                err = (got[f"expert_out.{b}.{e}"] - want).abs().max().item()
+                assert err <= rel * want.abs().max().item(), (b, e, err)
