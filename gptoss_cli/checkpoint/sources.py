@@ -14,6 +14,7 @@ from gptoss_cli.checkpoint.hybrid_format import HYBRID_CONFIG, read_hybrid_confi
 from gptoss_cli.checkpoint.layouts import HF_LAYOUTS, OPENAI_ORIGINAL, UINT8, Layout
 from gptoss_cli.checkpoint.mapping import check_vocab_padding
 from gptoss_cli.checkpoint.dcp_io import DcpReader
+from gptoss_cli.checkpoint.megatron_format import MegatronReader, is_megatron_checkpoint, read_megatron_checkpoint
 from gptoss_cli.checkpoint.safetensors_io import CheckpointReader
 from gptoss_cli.checkpoint.training_format import (
     LATEST, MASTER, MODEL, OPTIMIZER, TRAIN_STATE, WEIGHT_SOURCES, find_checkpoint_folder,
@@ -38,7 +39,8 @@ HF = "hf"
 ORIGINAL = "openai-original"
 HYBRID = "hybrid"
 TRAINING = "training"  # a `gptoss train` checkpoint (DCP): Hybrid tensor names, read through DcpReader
-HYBRID_NAMED = (HYBRID, TRAINING)  # sources whose tensors carry Hybrid names
+MEGATRON = "megatron"  # a Megatron-LM torch_dist checkpoint, read under Hybrid names through MegatronReader
+HYBRID_NAMED = (HYBRID, TRAINING, MEGATRON)  # sources whose tensors carry Hybrid names
 
 
 @dataclass
@@ -140,11 +142,15 @@ def open_source(src: str, revision: str | None = None, *, weights: str | None = 
         raise CheckpointError(f"{config}: has no model_type; is this a GPT-OSS checkpoint?")
     if (root / "original" / "config.json").exists():
         return _open_original(src, revision, root / "original", root)
+    if is_megatron_checkpoint(root):
+        if weights is not None:
+            raise UsageError(f"--weights {weights} applies to gptoss training checkpoints only; {src} is a Megatron one")
+        return open_megatron(src, root)
     if looks_like_training_checkpoint(root):
         return open_training(src, root, weights or MODEL)
     raise CheckpointError(
-        f"{root}: no config.json (HF), original/config.json (OpenAI), {HYBRID_CONFIG} (Hybrid) or "
-        f"{LATEST} / {TRAIN_STATE} (a training checkpoint) found",
+        f"{root}: no config.json (HF), original/config.json (OpenAI), {HYBRID_CONFIG} (Hybrid), "
+        f"{LATEST} / {TRAIN_STATE} (a training checkpoint) or latest_checkpointed_iteration.txt (Megatron) found",
         hint="point SRC at the checkpoint folder",
     )
 
@@ -170,6 +176,18 @@ def open_training(src: str, root: Path, weights: str = MODEL) -> Source:
     extras = Path(run.pretrained) if run.pretrained and Path(run.pretrained).is_dir() else folder
     return Source(TRAINING, src, None, folder, extras, run.arch, reader, hybrid_layer_pattern=run.hybrid_layer_pattern,
                   provenance={**run.provenance(), "weights": weights}, protected=(ckpt_dir,) if ckpt_dir else ())
+
+
+def open_megatron(src: str, root: Path) -> Source:
+    """A Megatron-LM torch_dist checkpoint (its dir, read through the tracker file, or one iteration
+    folder): the architecture from common.pt's args, the model weights under Hybrid names."""
+    ckpt = read_megatron_checkpoint(root)
+    reader = MegatronReader(ckpt.folder, ckpt.arch)
+    provenance = {"megatron_iteration": ckpt.iteration, "checkpoint": str(ckpt.folder.resolve()),
+                  "expert_layout": reader.layout}
+    return Source(MEGATRON, src, None, ckpt.folder, ckpt.folder, ckpt.arch, reader,
+                  hybrid_layer_pattern=ckpt.arch.hybrid_layer_pattern, provenance=provenance,
+                  protected=(root,) if root != ckpt.folder else ())
 
 
 def _open_original(src: str, revision: str | None, folder: Path, extras: Path) -> Source:

@@ -28,6 +28,7 @@ from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.model.context_parallel import head_range, heads_to_seq, seq_to_heads
 from gptoss_cli.model.dense_gemm import DenseGemm, Linear, linear
 from gptoss_cli.model.norm import rms_norm
+from gptoss_cli.model.recompute import checkpointed, without_output
 from gptoss_cli.model.rope import apply_rotary
 
 
@@ -182,9 +183,11 @@ def document_positions(cu_seqlens: tuple[int, ...], batch: int, seq_len: int, de
 class LayerNormLinear(nn.Module):
     """RMSNorm fused with a linear projection: Megatron's `linear_qkv` with `layer_norm_weight`.
 
-    The norm stays in high precision; the projection's GEMMs are `gemm`'s (model/dense_gemm.py)."""
+    The norm stays in high precision; the projection's GEMMs are `gemm`'s (model/dense_gemm.py).
+    With `recompute_norm` the norm's output is not kept for backward (model/recompute.py, layernorm)."""
 
     gemm: DenseGemm | None = None
+    recompute_norm = False
 
     def __init__(self, in_features: int, out_features: int, eps: float, device=None, dtype=None):
         super().__init__()
@@ -194,11 +197,20 @@ class LayerNormLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(rms_norm(x, self.layer_norm_weight, self.eps), self.weight, self.bias, gemm=self.gemm)
+        if self.recompute_norm:
+            return without_output(rms_norm, (x, self.layer_norm_weight, self.eps), self._project)
+        return self._project(rms_norm(x, self.layer_norm_weight, self.eps))
+
+    def _project(self, normed: torch.Tensor) -> torch.Tensor:
+        return linear(normed, self.weight, self.bias, gemm=self.gemm)
 
 
 class CoreAttention(nn.Module):
-    """Holds the sinks (`softmax_offset`, one logit per query head) and the window of this layer."""
+    """Holds the sinks (`softmax_offset`, one logit per query head) and the window of this layer.
+    With `recompute` its layer keeps only the QKV projection's output for backward and recomputes
+    the rotary embedding and the core from it (model/recompute.py, core_attn)."""
+
+    recompute = False
 
     def __init__(self, num_heads: int, window: int | None, device=None, dtype=None):
         super().__init__()
@@ -238,31 +250,39 @@ class SelfAttention(nn.Module):
 
         Under context parallel, x, cos and sin are this rank's slice of S/CP positions of every row
         and cu_seqlens are those of the FULL rows: attention runs on whole rows for this rank's heads."""
-        b, s, _ = x.shape
+        qkv = self.linear_qkv(x)
+        # core_attn recompute: v is a view of qkv, so keeping q, k, v would keep qkv and the rotated
+        # q and k; keeping qkv alone and recomputing the rotation is the smaller choice.
+        out = (checkpointed(self._core, qkv, cos, sin, cu_seqlens) if self.core_attention.recompute
+               else self._core(qkv, cos, sin, cu_seqlens))
+        return self.project_out(out)
+
+    def _core(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              cu_seqlens: tuple[int, ...] | None = None) -> torch.Tensor:
+        """QKV output [B, S, rows] -> rotary embedding -> the core: [B, heads, S, head_dim]."""
+        q, k, v = self._split_rotate(qkv, cos, sin)
+        if self.cp_group is None:
+            return self.core_attention(q, k, v, cu_seqlens)
+        # context parallel: sequence slices -> head slices, attention on whole rows, and back
+        q, k, v = (seq_to_heads(t, self.cp_group) for t in (q, k, v))
+        out = self.core_attention(q, k, v, cu_seqlens, head_range(self.num_heads, self.cp_group))
+        return heads_to_seq(out, self.cp_group)
+
+    def _split_rotate(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """QKV output [B, S, rows] (rows grouped by kv head) -> q [B, heads, S, d] and k
+        [B, kv_heads, S, d] rotated, v [B, kv_heads, S, d]."""
+        b, s, _ = qkv.shape
         r = self.num_heads // self.num_kv_heads
-        qkv = self.linear_qkv(x).view(b, s, self.num_kv_heads, r + 2, self.head_dim)
+        qkv = qkv.view(b, s, self.num_kv_heads, r + 2, self.head_dim)
         q = qkv[:, :, :, :r].reshape(b, s, self.num_heads, self.head_dim).transpose(1, 2)
         k = qkv[:, :, :, r].transpose(1, 2)
         v = qkv[:, :, :, r + 1].transpose(1, 2)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
-        if self.cp_group is not None:
-            q, k, v = (seq_to_heads(t, self.cp_group) for t in (q, k, v))
-            out = heads_to_seq(self.core_attention(q, k, v, cu_seqlens, head_range(self.num_heads, self.cp_group)),
-                               self.cp_group)
-        else:
-            out = self.core_attention(q, k, v, cu_seqlens)
-        return self.linear_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
     # --- the pieces of forward, for incremental decoding (model/kv_cache.py) ----------------
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [B, S, H] -> q [B, heads, S, d], k and v [B, kv_heads, S, d], q and k rotated (as forward)."""
-        b, s, _ = x.shape
-        r = self.num_heads // self.num_kv_heads
-        qkv = self.linear_qkv(x).view(b, s, self.num_kv_heads, r + 2, self.head_dim)
-        q = qkv[:, :, :, :r].reshape(b, s, self.num_heads, self.head_dim).transpose(1, 2)
-        k = qkv[:, :, :, r].transpose(1, 2)
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), qkv[:, :, :, r + 1].transpose(1, 2)
+        return self._split_rotate(self.linear_qkv(x), cos, sin)
 
     def project_out(self, out: torch.Tensor) -> torch.Tensor:
         """Attention output per head [B, heads, S, d] -> [B, S, H] (as forward)."""

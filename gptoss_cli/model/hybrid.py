@@ -30,9 +30,11 @@ from gptoss_cli.model.context_parallel import cp_size_of, local_positions, slice
 from gptoss_cli.model.dense_gemm import DenseGemm, Linear
 from gptoss_cli.model.dispatcher import AllToAllTokenDispatcher
 from gptoss_cli.model.grouped_gemm import GroupedGemm
-from gptoss_cli.model.moe import DenseMLPLayer, ExpertLinear, MoELayer, load_balancing_loss
+from gptoss_cli.model.moe import (DenseMLPLayer, ExpertLinear, MoELayer, RouterStats, RouterStatsRequest,
+                                   load_balancing_loss, router_table, router_z_loss)
 from gptoss_cli.model.norm import RMSNorm
 from gptoss_cli.model.pattern import ATTENTION, MLP, MOE, HybridPattern, parse_pattern
+from gptoss_cli.model.recompute import RecomputePlan, checkpointed
 from gptoss_cli.model.rope import YarnRotaryEmbedding
 
 IGNORE_INDEX = -100
@@ -120,6 +122,9 @@ class HybridOutput:
         self.loss: torch.Tensor | None = None
         self.lm_loss: torch.Tensor | None = None  # mean token cross-entropy over labels != -100
         self.aux_loss: torch.Tensor | None = None  # unscaled load-balancing loss, when collected
+        self.z_loss: torch.Tensor | None = None  # unscaled router z-loss, when collected
+        # float64 [MoE layers, E + 2] routing telemetry in training (model/moe.py, `router_table`)
+        self.router_table: torch.Tensor | None = None
 
     @property
     def logits(self) -> torch.Tensor:
@@ -287,7 +292,9 @@ class HybridModel(nn.Module):
         self.arch = arch
         self.pattern = check_pattern(arch, pattern or arch.hybrid_layer_pattern)
         self.aux_loss_coef = arch.router_aux_loss_coef
+        self.z_loss_coef = 0.0  # Megatron's moe_z_loss_coeff; HF GPT-OSS has none
         self.loss_chunk_tokens = LM_LOSS_CHUNK_TOKENS
+        self.recompute = RecomputePlan()  # set_recompute
         windows = layer_windows(arch, self.pattern)
         self.embedding = nn.Module()
         # Given weight: nn.Embedding's own normal_ init imports torch._dynamo on the meta device (about
@@ -355,6 +362,31 @@ class HybridModel(nn.Module):
             if isinstance(layer, AttentionLayer):
                 layer.self_attention.cp_group = self.cp_group
 
+    def set_recompute(self, plan: RecomputePlan | None) -> None:
+        """What backward recomputes instead of keeping (model/recompute.py). Selective pieces are
+        flags on the layers; a layer inside a full unit keeps none (the unit recomputes it whole),
+        and a piece inside a recomputed piece is dropped (`moe` covers `moe_act`, `mlp` covers the
+        `-` layer's norm): checkpoints do not nest."""
+        plan = plan or RecomputePlan()
+        for s, e in plan.full_units:
+            if not 0 <= s < e <= len(self.decoder.layers):
+                raise ConfigError(f"recompute unit of layers [{s}, {e}) is outside the model's "
+                                  f"{len(self.decoder.layers)} layers")
+        self.recompute = plan
+        pieces = plan.layer_pieces(self.pattern.layers)
+        for j, layer in enumerate(self.decoder.layers):
+            mods = set() if "layer" in pieces[j] else pieces[j]
+            if isinstance(layer, AttentionLayer):
+                layer.self_attention.linear_qkv.recompute_norm = "layernorm" in mods
+                layer.self_attention.core_attention.recompute = "core_attn" in mods
+            elif isinstance(layer, MoELayer):
+                layer.recompute_norm = "layernorm" in mods
+                layer.mlp.experts.recompute_mlp = "moe" in mods
+                layer.mlp.experts.recompute_act = "moe_act" in mods and "moe" not in mods
+            elif isinstance(layer, DenseMLPLayer):
+                layer.recompute_mlp = "mlp" in mods
+                layer.recompute_norm = "layernorm" in mods and "mlp" not in mods
+
     def set_gemms(self, *, dense: Callable[[str], DenseGemm] | None = None,
                   grouped: Callable[[str], GroupedGemm] | None = None) -> list[str]:
         """The numerics of the attention projections and expert GEMMs; see `set_gemms`."""
@@ -404,26 +436,62 @@ class HybridModel(nn.Module):
         cu_seqlens: packed documents, as start offsets into the flattened [B*S] tokens including
         every row start (model/attention.py, `document_attention`): attention stays within each
         document and positions restart at 0 in each (unless position_ids are given)."""
-        collect = self.training and self.aux_loss_coef > 0
-        for _, layer in self.moe_layers():
-            layer.collect_router_stats = collect
-            layer.router_stats = None
+        want = self.router_stats_request()
         x = self.embed(input_ids)
         cos, sin = self.rope(input_ids, position_ids, x.dtype, cu_seqlens)
-        for layer in self.decoder.layers:
-            x = run_layer(layer, x, cos, sin, cu_seqlens)
+        stats: list[RouterStats] = []
+        units = dict(self.recompute.full_units)
+        j = 0
+        while j < len(self.decoder.layers):
+            end = units.get(j, j + 1)
+            if j in units:  # full recompute: the unit keeps only its input
+                x, got = checkpointed(self._run_layers, j, end, x, cos, sin, cu_seqlens, want)
+            else:
+                x, got = self._run_layers(j, end, x, cos, sin, cu_seqlens, want)
+            stats.extend(got)
+            j = end
         out = self.output(x)
-        if collect:
-            stats = [layer.router_stats for _, layer in self.moe_layers() if layer.router_stats is not None]
-            if stats:
-                out.aux_loss = load_balancing_loss(stats, self.arch.num_local_experts)
+        self.attach_router_stats(out, stats)
         return self.attach_losses(out, labels)
 
+    def router_stats_request(self) -> RouterStatsRequest | None:
+        """What the MoE layers return in a forward: in training, the telemetry and the terms of
+        the router losses that are on; nothing in eval."""
+        if not self.training:
+            return None
+        return RouterStatsRequest(aux_loss=self.aux_loss_coef > 0, z_loss=self.z_loss_coef > 0)
+
+    def attach_router_stats(self, out: HybridOutput, stats: list[RouterStats]) -> None:
+        """The MoE layers' statistics -> out.router_table, and out.aux_loss / out.z_loss when on."""
+        if not stats:
+            return
+        out.router_table = router_table(stats)
+        if self.aux_loss_coef > 0:
+            out.aux_loss = load_balancing_loss(stats, self.arch.num_local_experts)
+        if self.z_loss_coef > 0:
+            out.z_loss = router_z_loss(stats)
+
+    def _run_layers(self, start: int, end: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    cu_seqlens: tuple[int, ...] | None = None, want: RouterStatsRequest | None = None
+                    ) -> tuple[torch.Tensor, list[RouterStats]]:
+        """Layers [start, end) -> (x, the MoE layers' routing statistics when `want` asks for them)."""
+        stats: list[RouterStats] = []
+        for layer in self.decoder.layers[start:end]:
+            if want is not None and isinstance(layer, MoELayer):
+                x, got = layer(x, want)  # through __call__: the layer's hooks run
+                stats.append(got)
+            else:
+                x = run_layer(layer, x, cos, sin, cu_seqlens)
+        return x, stats
+
     def attach_losses(self, out: HybridOutput, labels: torch.Tensor | None) -> HybridOutput:
-        """HF's convention: loss = mean token cross-entropy + aux_loss_coef * aux loss."""
+        """HF's convention: loss = mean token cross-entropy + aux_loss_coef * aux loss
+        (+ z_loss_coef * z-loss, Megatron's, when on)."""
         if labels is not None:
             out.lm_loss = out.lm_loss_sum(labels) / (labels != IGNORE_INDEX).sum()
             out.loss = out.lm_loss if out.aux_loss is None else out.lm_loss + self.aux_loss_coef * out.aux_loss
+            if out.z_loss is not None:
+                out.loss = out.loss + self.z_loss_coef * out.z_loss
         return out
 
     # --- checkpoint names -----------------------------------------------------------------

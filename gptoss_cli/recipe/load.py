@@ -316,8 +316,15 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def architecture_from_checkpoint(checkpoint: str | Path) -> tuple[GptOssArch, str | None]:
-    """(architecture, stored pattern or None) from a gptoss convert output or an HF checkpoint folder."""
+    """(architecture, stored pattern or None) from a gptoss convert output, an HF checkpoint folder or a
+    Megatron-LM torch_dist checkpoint (its common.pt args)."""
     path = Path(checkpoint).expanduser()
+    if _is(path, "dir") and not (path / "hybrid_config.json").is_file() and not (path / "config.json").is_file():
+        from gptoss_cli.checkpoint import megatron_format  # noqa: PLC0415 (torch only when needed)
+
+        if megatron_format.is_megatron_checkpoint(path):  # a Megatron-LM torch_dist checkpoint: its args
+            arch = megatron_format.read_megatron_checkpoint(path).arch
+            return arch, arch.hybrid_layer_pattern
     if _is(path, "dir"):
         for name in ("hybrid_config.json", "config.json"):
             if (path / name).is_file():

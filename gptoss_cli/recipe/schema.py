@@ -75,6 +75,8 @@ class MoEConfig:
     token_dispatcher_type: str = _f("alltoall", "token dispatcher", choices=("alltoall", "flex", "allgather"))
     capacity_factor: Optional[float] = _f(None, "expert capacity factor; null = dropless", min=0.0)
     aux_loss_coeff: float = _f(0.0, "load-balancing aux loss coefficient (0 = off)", min=0.0)
+    z_loss_coeff: float = _f(0.0, "router z-loss coefficient, Megatron's moe_z_loss_coeff (0 = off)", min=0.0)
+    freeze_router: bool = _f(False, "keep the router weights and biases fixed (fine-tunes that must not move routing)")
     router_dtype: Optional[str] = _f(
         None, "dtype of the router GEMM and softmax; null = the params dtype", choices=(None, "fp32", "fp64"),
     )
@@ -117,12 +119,14 @@ class CudaGraphConfig:
 
 @dataclass
 class RecomputeConfig:
-    recompute_granularity: str = _f("none", "activation recompute", choices=("none", "full", "selective"))
+    recompute_granularity: str = _f("none", "activation recompute (docs/recompute.md)",
+                                    choices=("none", "full", "selective"))
     recompute_method: Optional[str] = _f(None, "full recompute method", choices=("uniform", "block", None))
-    recompute_num_layers: Optional[int] = _f(None, "layers per recompute unit (uniform) or recomputed layers (block)",
-                                             min=1)
+    recompute_num_layers: Optional[int] = _f(
+        None, "hybrid layers (2 per HF block) per recompute unit (uniform) or recomputed from the first (block)", min=1)
     recompute_modules: List[str] = _f(
-        help="selective recompute modules", factory=list,
+        help="selective recompute pieces: attention core, experts' activation, norms, dense MLP, experts' MLP "
+             "(not its all-to-all)", factory=list,
         choices=("core_attn", "moe_act", "layernorm", "mlp", "moe"),
     )
 
@@ -150,6 +154,9 @@ class OptimizerConfig:
     adam_eps: float = _f(1.0e-8, "AdamW epsilon", min=0.0)
     clip_grad: float = _f(1.0, "global gradient-norm clip (0 = off)", min=0.0)
     use_distributed_optimizer: bool = _f(False, "shard optimizer state over data-parallel ranks")
+    grad_reduce_in_fp32: bool = _f(
+        True, "accumulate and reduce gradients in fp32 (false: in the params dtype, half the gradient buffer for bf16)",
+    )
     bucket_size: Optional[int] = _f(
         None, "elements per gradient bucket (one reduce-scatter and one all-gather each); "
         "null = Megatron's default, max(40M, 1M x DP)", min=1,
@@ -177,6 +184,10 @@ class CheckpointConfig:
 class LoggingConfig:
     log_interval: int = _f(1, "print metrics every N steps", min=1)
     run_dir: Optional[str] = _f(None, "folder for metrics.jsonl and the resolved recipe; null = runs/<recipe name>")
+    tensorboard: bool = _f(False, "also write TensorBoard event files to <run_dir>/tensorboard (extra .[tensorboard])")
+    wandb_project: Optional[str] = _f(None, "also log to this Weights & Biases project (extra .[wandb]); null = off")
+    wandb_mode: str = _f("online", "Weights & Biases mode; offline writes <run_dir>/wandb without a network",
+                         choices=("online", "offline"))
 
 
 @dataclass

@@ -15,7 +15,8 @@ from typing import Any, Sequence
 from gptoss_cli.errors import UsageError, ValidationFailed
 from gptoss_cli.recipe.load import Recipe, load_recipe, recipe_from_config
 from gptoss_cli.recipe.environment import installed_torch_version
-from gptoss_cli.recipe.memory import MemoryEstimate
+from gptoss_cli.recipe.flops import FlopCount, count_flops, recompute_flops_per_token
+from gptoss_cli.recipe.memory import MemoryEstimate, recompute_plan
 from gptoss_cli.recipe.rules import ERROR, RULES, SEMANTIC, UNSUPPORTED, WARNING, Context, Finding, Rule
 from gptoss_cli.recipe.sizes import data_parallel_size, expert_data_parallel_size, resolve_world_size
 from gptoss_cli.recipe.schema import RecipeConfig
@@ -37,6 +38,8 @@ class ValidationReport:
     findings: list[Finding] = field(default_factory=list)
     skipped: bool = False  # other rules were skipped because field bounds failed
     memory: MemoryEstimate | None = None  # per-GPU estimate at this layout (recipe/memory.py)
+    flops: FlopCount | None = None  # model FLOPs per token at training.seq_length (recipe/flops.py)
+    hardware_flops_per_token: float | None = None  # + what the recipe's recompute repeats
 
     def severity(self, f: Finding) -> str:
         """error / warning, or note for an unsupported-option finding when judging Megatron semantics."""
@@ -94,6 +97,8 @@ class ValidationReport:
             "notes": len(self.notes),
             "findings": [{**f.to_dict(), "counted_as": self.severity(f)} for f in self.findings],
             "memory": self.memory.to_dict() if self.memory is not None else None,
+            "model_flops_per_token": self.flops.model_flops_per_token if self.flops is not None else None,
+            "hardware_flops_per_token": self.hardware_flops_per_token,
         }
 
     def raise_for_errors(self) -> None:
@@ -155,6 +160,14 @@ def validate_recipe(
         data_parallel_size=data_parallel_size(cfg, world) if world > 0 else None,
         expert_data_parallel_size=expert_data_parallel_size(cfg, world) if world > 0 else None,
     )
+    if cfg.training.seq_length >= 1:
+        report.flops = count_flops(recipe.arch, cfg.training.seq_length, recipe.pattern)
+        try:
+            pieces = recompute_plan(cfg, recipe.pattern).layer_pieces(recipe.pattern.layers)
+        except ValueError:  # incomplete recompute settings: rule recompute.settings reports them
+            pieces = {}
+        report.hardware_flops_per_token = report.flops.model_flops_per_token + recompute_flops_per_token(
+            recipe.arch, cfg.training.seq_length, recipe.pattern, pieces)
     selected = list(rules) if rules is not None else list(RULES.values())
     bounds = [r for r in selected if r.gate]
     others = [r for r in selected if not r.gate]

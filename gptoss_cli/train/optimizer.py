@@ -190,7 +190,7 @@ class DistributedAdamW:
         dense = torch.zeros((), dtype=torch.float32, device=self._step.device)
         expert = torch.zeros_like(dense)
         for k, s in enumerate(self.shards):
-            sq = _sum_of_squares(s.grad)  # padding elements are zero
+            sq = _sum_of_squares(s.grad.float())  # padding elements are zero; bf16 grads summed in fp32
             (dense if k < self._dense_shards else expert).add_(sq)
         if self.distributed:
             # Dense shards partition the dense parameters over the world; expert shards partition
@@ -225,7 +225,8 @@ class DistributedAdamW:
         self._step.add_(1)  # torch's AdamW counts the step before its update, too
         groups: dict[bool, list[list[torch.Tensor]]] = {True: [[], [], [], []], False: [[], [], [], []]}
         for s in self.shards:
-            flats = (s.master, s.grad, s.exp_avg, s.exp_avg_sq)
+            # bf16 gradient buffers (optimizer.grad_reduce_in_fp32=false): the fused step takes fp32
+            flats = (s.master, s.grad if s.grad.dtype == torch.float32 else s.grad.float(), s.exp_avg, s.exp_avg_sq)
             for run in s.runs:
                 for out, flat in zip(groups[run.decays and self.weight_decay != 0.0], flats):
                     out.append(s.local(flat, run.lo, run.hi))

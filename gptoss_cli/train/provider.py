@@ -25,6 +25,9 @@ from torch import nn
 from gptoss_cli.fp8 import Fp8Settings, select_gemms
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.model.dtypes import torch_dtype
+from gptoss_cli.model.pattern import parse_pattern
+from gptoss_cli.model.recompute_plan import RecomputePlan
+from gptoss_cli.recipe.memory import recompute_plan
 from gptoss_cli.recipe.schema import RecipeConfig
 from gptoss_cli.model.dispatcher import AllToAllTokenDispatcher
 from gptoss_cli.parallel.state import ParallelState
@@ -43,6 +46,9 @@ class ModelRuntimeConfig:
     expert_model_parallel_size: int
     overlap_moe_expert_parallel_comm: bool
     delay_wgrad_compute: bool
+    z_loss_coeff: float = 0.0
+    freeze_router: bool = False
+    recompute: RecomputePlan = RecomputePlan()  # what backward recomputes (model/recompute.py)
     # Set at run time: the FP8 gemms the provider selected (which path runs, GEMM counts), and the
     # training callbacks, installed by setup on the model's own copy of this config.
     fp8_gemms: Any = None
@@ -58,6 +64,8 @@ class ModelRuntimeConfig:
             expert_model_parallel_size=cfg.parallelism.expert_model_parallel_size,
             overlap_moe_expert_parallel_comm=cfg.overlap.overlap_moe_expert_parallel_comm,
             delay_wgrad_compute=cfg.overlap.delay_wgrad_compute,
+            z_loss_coeff=cfg.moe.z_loss_coeff, freeze_router=cfg.moe.freeze_router,
+            recompute=recompute_plan(cfg, parse_pattern(hybrid_layer_pattern)),
         )
 
     @property
@@ -99,10 +107,17 @@ class HybridModelProvider:
             model.set_context_parallel(state.cp_group)  # each rank holds S/CP positions of every row
         # The aux loss follows the recipe (moe.aux_loss_coeff), not the checkpoint's config.json.
         model.aux_loss_coef = cfg.aux_loss_coeff
+        model.z_loss_coef = cfg.z_loss_coeff
+        model.set_recompute(cfg.recompute)
         if self.weights is None:
             init_weights_(model, arch.initializer_range, self.seed)
         else:
             load_weights(model, self.weights)
+        if cfg.freeze_router:
+            # Frozen parameters get no gradient buffer and no optimizer state (parallel/grads.py
+            # keeps only parameters that require grad), so AdamW and weight decay never move them.
+            for _, layer in model.moe_layers():
+                layer.mlp.router.requires_grad_(False)
         gemms = None
         if cfg.fp8.enabled:
             gemms = select_gemms(cfg.fp8, state.device)  # ConfigError: no native kernel, no emulation

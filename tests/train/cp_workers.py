@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from gptoss_cli.model.attention import CoreAttention
 from gptoss_cli.model.hybrid import IGNORE_INDEX
 from gptoss_cli.parallel.state import ParallelState, init_parallel
 from gptoss_cli.schedule import get_forward_backward_func
@@ -48,11 +49,15 @@ class PackedRandomDocuments:
         return PackedRow(tokens, labels, list(lengths))
 
 
-def cp_step(state: ParallelState, packed: bool, seed: int = 7) -> dict[str, Any]:
+def cp_step(state: ParallelState, packed: bool, seed: int = 7, recompute: str | None = None) -> dict[str, Any]:
     """One global batch forward+backward through the real schedule at this state's CP x EP layout:
-    the summed loss, token count and finalised gradients (sinks included)."""
-    provider = HybridModelProvider(runtime_config(aux_loss_coeff=0.0, ep_size=state.ep_size), seed=seed)
+    the summed loss, token count and finalised gradients (sinks included). `recompute`: a selective
+    recompute module (e.g. core_attn: backward re-runs attention, its all-to-alls included)."""
+    extra = {"recompute_granularity": "selective", "recompute_modules": [recompute]} if recompute else {}
+    provider = HybridModelProvider(runtime_config(aux_loss_coeff=0.0, ep_size=state.ep_size, **extra), seed=seed)
     setup = setup_model_and_optimizer(provider, state, optimizer_config(clip_grad=1.0), 1e-3)
+    if recompute == "core_attn":  # the premise: backward does re-run attention
+        assert all(m.recompute for m in setup.model.modules() if isinstance(m, CoreAttention))
     source = PackedRandomDocuments(TINY.vocab_size, SEQ) if packed else RandomTokens(TINY.vocab_size, SEQ, seed=5)
     data = DataLoaderState(source, global_batch_size=GLOBAL_BATCH, micro_batch_size=MBS,
                            dp_rank=state.data_parallel_rank, dp_size=state.data_parallel_size,
@@ -65,13 +70,15 @@ def cp_step(state: ParallelState, packed: bool, seed: int = 7) -> dict[str, Any]
             "grads": named_grads(setup.model), "grad_norm": setup.optimizer.grad_norm()}
 
 
-# (cp, ep, packed) layouts the 2-process worker runs, one after another in the same process group
-LAYOUTS = ((2, 1, False), (2, 1, True), (2, 2, False), (2, 2, True))
+# (cp, ep, packed[, recompute module]) layouts the 2-process worker runs, one after another in the
+# same process group
+LAYOUTS = ((2, 1, False), (2, 1, True), (2, 2, False), (2, 2, True), (2, 2, True, "core_attn"))
 
 
 def cp_worker(rank: int, layouts: tuple = LAYOUTS) -> dict[tuple, dict[str, Any]]:
     out = {}
-    for cp, ep, packed in layouts:
+    for layout in layouts:
+        cp, ep, packed, *recompute = layout
         state = init_parallel(ep, "cpu", cp_size=cp)
-        out[(cp, ep, packed)] = cp_step(state, packed)
+        out[layout] = cp_step(state, packed, recompute=recompute[0] if recompute else None)
     return out

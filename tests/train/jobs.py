@@ -33,6 +33,8 @@ FIELDS = {
     "adam_eps": "optimizer.adam_eps", "clip_grad": "optimizer.clip_grad",
     "use_distributed_optimizer": "optimizer.use_distributed_optimizer", "bucket_size": "optimizer.bucket_size",
     "overlap_grad_reduce": "overlap.overlap_grad_reduce",
+    "recompute_granularity": "recompute.recompute_granularity", "recompute_modules": "recompute.recompute_modules",
+    "recompute_method": "recompute.recompute_method", "recompute_num_layers": "recompute.recompute_num_layers",
     "data_kind": "data.kind", "data_path": "data.path",
     "checkpoint_dir": "checkpoint.dir", "save_interval": "checkpoint.save_interval", "resume": "checkpoint.resume",
     "pretrained": "checkpoint.pretrained", "log_interval": "logging.log_interval",

@@ -3,7 +3,8 @@
 The loss, the token count and every finalised gradient (the sinks' included) at CP=2 equal those of
 CP=1 from the same weights and tokens, with the sliding window crossing the slice boundary, with
 packed documents crossing it, and with EP=2 over the same two ranks; and on 4 processes, DP=2 x CP=2
-with EP=2 inside each CP group or EP=4 over all. Only the order of sums differs (tests/tolerances.py).
+with EP=2 inside each CP group or EP=4 over all; and with core-attention recompute (backward re-runs
+the all-to-alls). Only the order of sums differs (tests/tolerances.py).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def assert_every_gradient_equal(ref, ranks, layout):
 
 
 def layout_id(layout) -> str:
-    return f"cp{layout[0]}-ep{layout[1]}-{'packed' if layout[2] else 'rows'}"
+    return f"cp{layout[0]}-ep{layout[1]}-{'packed' if layout[2] else 'rows'}" + "".join(f"-{x}" for x in layout[3:])
 
 
 @pytest.fixture(scope="module")
