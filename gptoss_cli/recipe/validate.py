@@ -18,7 +18,7 @@ from gptoss_cli.recipe.environment import installed_torch_version
 from gptoss_cli.recipe.memory import MemoryEstimate
 from gptoss_cli.recipe.rules import ERROR, RULES, SEMANTIC, UNSUPPORTED, WARNING, Context, Finding, Rule
 from gptoss_cli.recipe.sizes import data_parallel_size, expert_data_parallel_size, resolve_world_size
-from gptoss_cli.recipe.schema import RecipeConfig
+from gptoss_cli.recipe.schema import INT32_MAX, RecipeConfig
 
 TARGETS = ("gptoss", "megatron")
 NOTE = "note"
@@ -127,8 +127,9 @@ def validate_recipe(
     """
     if target not in TARGETS:
         raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
-    if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1):
-        raise UsageError(f"world size {world_size!r} must be a positive integer")
+    if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int)
+                                   or not 1 <= world_size <= INT32_MAX):
+        raise UsageError(f"world size {world_size!r} must be an integer in [1, {INT32_MAX}]")
     if isinstance(recipe, RecipeConfig):
         recipe = recipe_from_config(recipe)
     cfg = recipe.config
