@@ -22,6 +22,7 @@ from typing import Any
 
 from gptoss_cli import outputs
 from gptoss_cli.errors import ConfigError
+from gptoss_cli.json_input import parse_json
 
 TOKEN_FORMAT = "gptoss-tokens"
 TOKEN_FORMAT_VERSION = 1
@@ -66,9 +67,11 @@ def read_token_header(path: str | Path) -> dict[str, Any]:
     if not json_path.is_file():
         raise ConfigError(f"token file header {json_path} not found", hint="create the files with `gptoss prepare-data`")
     try:
-        header = json.loads(json_path.read_text())
+        header = parse_json(json_path.read_text())
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{json_path}: not JSON ({exc.msg} at line {exc.lineno})") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{json_path}: not JSON (not UTF-8: {exc.reason})") from None
     if not isinstance(header, dict) or header.get("format") != TOKEN_FORMAT or header.get("dtype") not in TOKEN_ITEMSIZE:
         got = header if not isinstance(header, dict) else {k: header.get(k) for k in ("format", "dtype")}
         raise ConfigError(f"{json_path}: not a gptoss token header ({got})",

@@ -25,6 +25,7 @@ import torch
 
 from gptoss_cli import outputs
 from gptoss_cli.errors import ConfigError, UsageError, file_system_error
+from gptoss_cli.json_input import parse_json
 from gptoss_cli.token_format import token_dtype_for, token_file_paths, write_token_header
 from gptoss_cli.train.data import TOKEN_DTYPES
 
@@ -69,9 +70,10 @@ def _configured_eos(tokenizer: Any, tok_file: Path, eos_token_id: int | None) ->
     config = tok_file.parent / "config.json"
     if config.is_file():
         try:
-            eos = json.loads(config.read_text()).get("eos_token_id")
-        except json.JSONDecodeError:
-            eos = None
+            data = parse_json(config.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            data = None
+        eos = data.get("eos_token_id") if isinstance(data, dict) else None
         if isinstance(eos, list) and eos:
             eos = eos[0]
         if eos is not None:
@@ -112,7 +114,7 @@ def _documents(path: Path, text_key: str, errors: str = "strict") -> Iterator[tu
                     yield "", len(raw)
                     continue
                 try:
-                    obj = json.loads(line)
+                    obj = parse_json(line)
                 except json.JSONDecodeError as exc:
                     raise UsageError(f"{path}:{lineno}: not a JSON object ({exc.msg})") from None
                 if not isinstance(obj, dict) or not isinstance(obj.get(text_key), str):
