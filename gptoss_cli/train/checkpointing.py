@@ -31,7 +31,7 @@ import torch
 
 # The on-disk names belong to checkpoint/ (conversion reads these folders without the trainer).
 from gptoss_cli.checkpoint.dcp_io import (
-    check_storage_files, dcp_error, quiet_single_process, read_metadata, storage_reader,
+    check_storage_files, dcp_error, interruption, quiet_single_process, read_metadata, storage_reader,
 )
 from gptoss_cli.checkpoint.finite import all_finite
 from gptoss_cli.checkpoint.training_format import (
@@ -106,6 +106,9 @@ def save_checkpoint(
         latest = latest_name(ckpt_dir)
         if state.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
+        stop = interruption(exc)  # Ctrl-C or SIGTERM inside DCP is not a failed save: exit 130 / 143
+        if stop is not None:
+            raise stop from None
         # torch's own message for a full disk can be as cryptic as "unexpected pos 704 vs 598"
         free = shutil.disk_usage(ckpt_dir).free
         raise CheckpointError(
@@ -226,6 +229,9 @@ def load_checkpoint(
         with quiet_single_process():
             dcp.load(payload, storage_reader=storage_reader(folder, metadata))
     except (Exception, CheckpointException) as exc:  # DCP wraps every rank's failure in one CheckpointException
+        stop = interruption(exc)
+        if stop is not None:
+            raise stop from None
         raise CheckpointError(f"{folder}: cannot load checkpoint ({dcp_error(exc)})") from None
     if RNG in payload:
         torch.set_rng_state(payload[RNG][f"rank{state.rank}"])
