@@ -179,6 +179,7 @@ def prepare_data(
     dtype_name = token_dtype_for(vocab_size)
     dtype = TOKEN_DTYPES[dtype_name]
     bin_path, header_path = token_file_paths(out)
+    _check_not_overwritten(out, (bin_path, header_path), [*map(Path, inputs), tok_file])
     outputs.check_writable_location(bin_path, "--out")
     for target in (bin_path, header_path):
         if target.is_dir():
@@ -232,6 +233,19 @@ def prepare_data(
                        sources=[str(p) for p in inputs])
     return PrepareResult(str(bin_path), str(header_path), num_tokens, num_docs, dtype_name, vocab_size, eos,
                          [str(p) for p in inputs])
+
+
+def _check_not_overwritten(out: Path, targets: tuple[Path, ...], sources: list[Path]) -> None:
+    """--out may not name a file the command reads (OUT.bin / OUT.json being an input or the tokenizer)."""
+    for target in targets:
+        for source in sources:
+            try:
+                same = target.resolve() == source.resolve() or (target.exists() and os.path.samefile(target, source))
+            except OSError:
+                continue
+            if same:
+                raise UsageError(f"--out {out} would overwrite {source}, which this command reads",
+                                 hint="choose another --out prefix")
 
 
 def _to_bytes(ids: list[int], dtype: torch.dtype) -> bytes:
