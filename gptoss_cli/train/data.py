@@ -84,8 +84,11 @@ class TokenFileSource:
         window = self.tokens[j * self.seq_length : j * self.seq_length + self.seq_length + 1].to(torch.int64)
         # The header can lie (a foreign or hand-edited file): an id past the embedding would otherwise
         # surface as "IndexError: index out of range in self" deep inside the model.
-        if self.vocab_size is not None and int(window.max()) >= self.vocab_size:
-            k = int((window >= self.vocab_size).nonzero()[0])
+        # int32 / int64 files can also hold negative ids, which index the embedding from its end or crash.
+        high = self.vocab_size
+        if int(window.min()) < 0 or (high is not None and int(window.max()) >= high):
+            outside = (window < 0) | (window >= high) if high is not None else window < 0
+            k = int(outside.nonzero()[0])
             raise ConfigError(
                 f"{self.bin_path}: token id {int(window[k])} at token {j * self.seq_length + k} is outside the "
                 f"model's vocabulary ({self.vocab_size})",
