@@ -16,7 +16,6 @@ checks the files at launch, which must not need torch.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -52,12 +51,7 @@ def write_token_header(json_path: str | Path, *, dtype: str, num_tokens: int, nu
         "num_documents": num_documents, "vocab_size": vocab_size, "eos_token_id": eos_token_id,
         "tokenizer": tokenizer, "sources": list(sources),
     }
-    tmp = outputs.temp_path(json_path, outputs.TMP)
-    try:
-        outputs.write_text(tmp, json.dumps(header, indent=2) + "\n")
-        os.replace(tmp, json_path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    outputs.replace_text(json_path, json.dumps(header, indent=2) + "\n")
     return header
 
 

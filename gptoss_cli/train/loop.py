@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from gptoss_cli import outputs
 from gptoss_cli.checkpoint.training_format import RUN_KEY, run_record
 from gptoss_cli.errors import TrainingError
 from gptoss_cli.model.config import GptOssArch
@@ -139,7 +140,7 @@ class MetricsWriter:
             rows = row[None]
         if self.state.rank != 0:
             return
-        with self.path.open("a") as fh:
+        with outputs.naming(self.path), self.path.open("a") as fh:  # a full disk names the file
             for r, values in enumerate(rows.tolist()):
                 local_d = dict(zip(self.FIELDS, values))
                 local_loss = local_d["lm_loss_sum"] / max(local_d["num_tokens"], 1)
@@ -196,7 +197,7 @@ def _train(job: TrainJob, state: ParallelState, progress: Progress | None, heart
             resumed_from = str(folder)
     if state.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "recipe.json").write_text(json.dumps(job.recipe, indent=2, default=str) + "\n")
+        outputs.replace_text(run_dir / "recipe.json", json.dumps(job.recipe, indent=2, default=str) + "\n")
     metrics = MetricsWriter(run_dir, state)
     schedule = get_forward_backward_func(setup.config)
     fp8 = setup.config.fp8_gemms  # the FP8 gemms the provider selected: which path runs, what ran
