@@ -160,7 +160,9 @@ def run_worker(job: TrainJob, progress: Progress | None = None) -> TrainResult:
     self_watch = job.heartbeat_dir is None and int(os.environ.get("WORLD_SIZE", "1")) > 1
     heartbeat = Heartbeat(rank, cfg.system.heartbeat_timeout_s, job.heartbeat_dir, self_watch=self_watch).start()
     try:
-        state = init_parallel(cfg.parallelism.expert_model_parallel_size, cfg.system.device, cfg.parallelism.backend)
+        # Under torchrun a peer that never starts would hold this rank in the rendezvous for 10 minutes.
+        state = init_parallel(cfg.parallelism.expert_model_parallel_size, cfg.system.device, cfg.parallelism.backend,
+                              join_timeout_s=cfg.system.heartbeat_timeout_s if self_watch else None)
         try:
             return _train(job, state, progress, heartbeat)
         finally:
