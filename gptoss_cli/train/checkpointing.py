@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from gptoss_cli import outputs
+
 # The on-disk names belong to checkpoint/ (conversion reads these folders without the trainer).
 from gptoss_cli.checkpoint.dcp_io import (
     check_storage_files, dcp_error, interruption, quiet_single_process, read_metadata, storage_reader,
@@ -120,12 +122,12 @@ def save_checkpoint(
     if state.rank == 0:
         meta = dict(train_state)
         meta.update(step=step, world_size=state.world_size, ep_size=state.ep_size)
-        (tmp / TRAIN_STATE).write_text(json.dumps(meta, indent=2) + "\n")
+        outputs.write_text(tmp / TRAIN_STATE, json.dumps(meta, indent=2) + "\n")  # a full disk names the file
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
         pointer_tmp = ckpt_dir / f".{LATEST}.tmp"
-        pointer_tmp.write_text(name + "\n")
+        outputs.write_text(pointer_tmp, name + "\n")
         os.replace(pointer_tmp, ckpt_dir / LATEST)
     barrier()
     return final
