@@ -37,6 +37,7 @@ from gptoss_cli.errors import CheckpointError, UsageError
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.model.dtypes import dtype_name, short_dtype_name, torch_dtype
 from gptoss_cli.resources import peak_rss_bytes
+from gptoss_cli.json_input import parse_json
 
 OUTPUT_DTYPES = ("bfloat16", "float32", "bf16", "fp32")
 EXPERT_FORMS = ("bf16", "mxfp4")
@@ -363,14 +364,14 @@ class _Pipeline:
 # --- the command -------------------------------------------------------------------------
 def _is_gptoss_hybrid(config: Path) -> bool:
     try:
-        return json.loads(config.read_text()).get("format") == FORMAT_NAME
+        return parse_json(config.read_text()).get("format") == FORMAT_NAME
     except (OSError, ValueError, AttributeError):
         return False
 
 
 def _is_gpt_oss_hf(config: Path) -> bool:
     try:
-        return json.loads(config.read_text()).get("model_type") == "gpt_oss"
+        return parse_json(config.read_text()).get("model_type") == "gpt_oss"
     except (OSError, ValueError, AttributeError):
         return False
 

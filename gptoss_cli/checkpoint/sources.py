@@ -22,6 +22,7 @@ from gptoss_cli.checkpoint.training_format import (
 )
 from gptoss_cli.errors import CheckpointError, ConfigError, UsageError
 from gptoss_cli.model.config import GptOssArch
+from gptoss_cli.json_input import parse_json
 
 # Files copied alongside the weights in both directions.
 EXTRA_FILES = (
@@ -99,7 +100,7 @@ def resolve(src: str, revision: str | None = None) -> tuple[Path, str | None]:
 
 def _load_json(path: Path) -> dict:
     try:
-        data = json.loads(path.read_text())
+        data = parse_json(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
     if not isinstance(data, dict):

@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from gptoss_cli import outputs
 from gptoss_cli.checkpoint.training_format import RUN_KEY, run_record
 from gptoss_cli.errors import TrainingError
 from gptoss_cli.model.config import GptOssArch
@@ -172,7 +173,7 @@ class MetricsWriter:
             records.append({"step": step, "rank": r, **common, "rank_loss": local_loss,
                             "rank_tokens": int(local_d["num_tokens"]), "rank_step_time_s": local_d["step_time_s"],
                             **((rank0 or {}) if r == 0 else {})})
-        with self.path.open("a") as fh:
+        with outputs.naming(self.path), self.path.open("a") as fh:  # a full disk names the file
             fh.write("".join(json.dumps(record) + "\n" for record in records))
         return records
 
@@ -188,7 +189,9 @@ def run_worker(job: TrainJob, progress: Progress | None = None) -> TrainResult:
     self_watch = job.heartbeat_dir is None and int(os.environ.get("WORLD_SIZE", "1")) > 1
     heartbeat = Heartbeat(rank, cfg.system.heartbeat_timeout_s, job.heartbeat_dir, self_watch=self_watch).start()
     try:
-        state = init_parallel(cfg.parallelism.expert_model_parallel_size, cfg.system.device, cfg.parallelism.backend)
+        # Under torchrun a peer that never starts would hold this rank in the rendezvous for 10 minutes.
+        state = init_parallel(cfg.parallelism.expert_model_parallel_size, cfg.system.device, cfg.parallelism.backend,
+                              join_timeout_s=cfg.system.heartbeat_timeout_s if self_watch else None)
         try:
             # TensorBoard / W&B on rank 0 (train/loggers.py); their packages were checked before launch.
             loggers = open_loggers(cfg.logging, Path(job.run_dir), job.name, job.recipe) if state.rank == 0 else None
@@ -245,7 +248,7 @@ def _train(job: TrainJob, state: ParallelState, progress: Progress | None, heart
             resumed_from = str(folder)
     if state.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "recipe.json").write_text(json.dumps(job.recipe, indent=2, default=str) + "\n")
+        outputs.replace_text(run_dir / "recipe.json", json.dumps(job.recipe, indent=2, default=str) + "\n")
     metrics = MetricsWriter(run_dir, state)
     totals_layout = StepTotals([j for j, _ in model.module.moe_layers()], job.arch.num_local_experts)
     schedule = get_forward_backward_func(setup.config)
