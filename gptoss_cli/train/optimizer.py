@@ -217,17 +217,20 @@ class DistributedAdamW:
                 f"gradient norm is {norm}; stopping before the optimizer step (no checkpoint of this state)",
                 hint="lower lr, enable clip_grad, or check the data for bad tokens",
             )
+        unscale = None
         if self.clip_grad and self.clip_grad > 0:
             coef = self.clip_grad / (norm + 1e-6)
             if coef < 1.0:
-                for s in self.shards:
-                    s.grad.mul_(coef)
+                # The fused kernel divides each gradient by this as it reads it and writes the
+                # clipped gradient back: clipping without a pass of its own over the buffers.
+                unscale = torch.full((), 1.0 / coef, dtype=torch.float32, device=self._step.device)
         self.lr = lr
-        self._adamw(lr)
+        self._adamw(lr, unscale)
         self._share()
         return norm
 
-    def _adamw(self, lr: float) -> None:
+    def _adamw(self, lr: float, unscale: torch.Tensor | None = None) -> None:
+        """One fused AdamW update of every run; gradients are divided by `unscale` first (the clip)."""
         self._step.add_(1)  # torch's AdamW counts the step before its update, too
         groups: dict[bool, list[list[torch.Tensor]]] = {True: [[], [], [], []], False: [[], [], [], []]}
         for s in self.shards:
@@ -240,7 +243,7 @@ class DistributedAdamW:
                 torch._fused_adamw_(
                     params, grads, exp_avgs, exp_avg_sqs, [], [self._step] * len(params), lr=lr,
                     beta1=self.betas[0], beta2=self.betas[1], weight_decay=self.weight_decay if decayed else 0.0,
-                    eps=self.eps, amsgrad=False, maximize=False,
+                    eps=self.eps, amsgrad=False, maximize=False, grad_scale=unscale,
                 )
 
     def _share(self) -> None:
