@@ -18,7 +18,8 @@ waiting. Prints tokens/s from the median step time, the ratio ours / transformer
 (median of that repeat's steps; the spread is their min-max), and the share of the GEMM peak:
 model FLOPs per step (`model_flops_per_step`: 6 x matmul parameters touched per token x tokens,
 plus the attention scores and their products over the visible keys) divided by the step time and
-by the fp32 `torch.mm` rate of this CPU measured in the same run (`gemm_peak_gflops`).
+by the fp32 `torch.mm` rate of this CPU measured between the repeats of the same run
+(`gemm_peak_gflops`, the median, with its min-max).
 
     python bench/train.py --batch 4 --seq 128 --steps 5 --repeats 3 [--dtype fp32] [--json out.json]
     python bench/train.py --preset wide --batch 2 --seq 512     # hidden 512, 16 experts top-4
@@ -190,17 +191,18 @@ def model_flops_per_step(arch, batch: int, seq: int) -> float:
     return 3.0 * (2 * matmul * batch * seq + attention)
 
 
-def gemm_peak_gflops(rounds: int = 5, n: int = 1024) -> float:
-    """fp32 (or the bench dtype's) `torch.mm` rate of this CPU at the current thread count, by CLOCK."""
+def gemm_rates(rounds: int = 3, n: int = 1024) -> list[float]:
+    """GFLOP/s of `rounds` fp32 `torch.mm` calls (n x n by n x n) at the current thread count, by CLOCK:
+    the GEMM peak of this CPU, measured between the steps so the same machine state prices both."""
     a, b = torch.randn(n, n), torch.randn(n, n)
     out = torch.empty(n, n)
     torch.mm(a, b, out=out)
-    times = []
+    rates = []
     for _ in range(rounds):
         t0 = CLOCK()
         torch.mm(a, b, out=out)
-        times.append(CLOCK() - t0)
-    return 2 * n**3 / statistics.median(times) / 1e9
+        rates.append(2 * n**3 / (CLOCK() - t0) / 1e9)
+    return rates
 
 
 def _on_two_ranks(worker, cfg: dict) -> list:
@@ -441,8 +443,9 @@ def run_step_bench(args: argparse.Namespace) -> dict:
                          f"(relative {loss_rel:.2g}); the two sides do not compute the same step")
     ours()
     hf()  # warm-up
-    ours_t, hf_t, per_repeat = [], [], []
+    ours_t, hf_t, per_repeat, rates = [], [], [], []
     for r in range(args.repeats):
+        rates += gemm_rates()
         o_r, h_r = [], []
         for i in range(args.steps):
             pair = ((ours, o_r), (hf, h_r)) if (r * args.steps + i) % 2 == 0 else ((hf, h_r), (ours, o_r))
@@ -455,7 +458,7 @@ def run_step_bench(args: argparse.Namespace) -> dict:
         per_repeat.append(statistics.median(h_r) / statistics.median(o_r))
     ours_s, hf_s = statistics.median(ours_t), statistics.median(hf_t)
     flops = model_flops_per_step(arch, args.batch, args.seq)
-    peak = gemm_peak_gflops()
+    peak = statistics.median(rates)
     return {
         "preset": args.preset, "arch": args.arch or "", "batch": args.batch, "seq": args.seq, "dtype": args.dtype,
         "threads": args.threads, "clock": args.clock, "tokens_per_step": n_tokens,
@@ -467,7 +470,7 @@ def run_step_bench(args: argparse.Namespace) -> dict:
         "ratio_per_repeat": per_repeat,
         "ratio_min": min(per_repeat), "ratio_max": max(per_repeat),
         "ours_optimizer_share": statistics.median(ours.optimizer_times) / ours_s,
-        "model_flops_per_step": flops, "gemm_peak_gflops": peak,
+        "model_flops_per_step": flops, "gemm_peak_gflops": peak, "gemm_peak_gflops_min_max": [min(rates), max(rates)],
         "ours_share_of_gemm_peak": flops / ours_s / 1e9 / peak,
         "transformers_share_of_gemm_peak": flops / hf_s / 1e9 / peak,
         "transformers_attn_implementation": peer.config._attn_implementation,
