@@ -39,11 +39,12 @@ from pathlib import Path
 import torch
 
 from gptoss_cli.checkpoint import mxfp4
-from gptoss_cli.checkpoint.convert import _worker_count, keep_freed_memory, plan_to_hf
+from gptoss_cli.checkpoint.convert import _worker_count, plan_to_hf
 from gptoss_cli.checkpoint.layouts import HF_MXFP4
 from gptoss_cli.checkpoint.mapping import units
 from gptoss_cli.checkpoint.safetensors_io import ShardedWriter
 from gptoss_cli.model.config import preset
+from gptoss_cli.resources import keep_freed_memory
 
 
 # --- the decode before issue 16, the baseline of the micro-benchmark -----------------------

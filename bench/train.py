@@ -427,6 +427,12 @@ def run_optimizer_bench(args: argparse.Namespace) -> dict:
 
 def run_step_bench(args: argparse.Namespace) -> dict:
     """Ours vs transformers, steps alternating, from the same weights on the same batch."""
+    from gptoss_cli.resources import keep_freed_memory
+
+    if not args.default_malloc:
+        # As `gptoss train` does on the CPU. One process: transformers' steps get it too, so the
+        # ratio does not count it; --default-malloc shows what it is worth.
+        keep_freed_memory()
     arch = _arch(args.preset, args.arch)
     tokens = _batch(arch, args.batch, args.seq)
     n_tokens = args.batch * args.seq
@@ -461,7 +467,8 @@ def run_step_bench(args: argparse.Namespace) -> dict:
     peak = statistics.median(rates)
     return {
         "preset": args.preset, "arch": args.arch or "", "batch": args.batch, "seq": args.seq, "dtype": args.dtype,
-        "threads": args.threads, "clock": args.clock, "tokens_per_step": n_tokens,
+        "threads": args.threads, "clock": args.clock, "malloc": "default" if args.default_malloc else "keep freed",
+        "tokens_per_step": n_tokens,
         "first_loss_ours": first_ours, "first_loss_transformers": first_hf, "first_loss_rel_diff": loss_rel,
         "ours_step_s": ours_s, "transformers_step_s": hf_s,
         "ours_tokens_per_s": n_tokens / ours_s, "transformers_tokens_per_s": n_tokens / hf_s,
@@ -490,6 +497,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--clock", default="cpu", choices=("wall", "cpu"),
                    help="time steps by this process's CPU time (default; one thread) or by wall clock")
+    p.add_argument("--default-malloc", action="store_true",
+                   help="leave glibc's allocator at its defaults (gptoss train keeps freed memory on the CPU)")
     p.add_argument("--no-ep", action="store_true", help="skip the 2-process EP=2 measurement (wall clock only)")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--optimizer", action="store_true",

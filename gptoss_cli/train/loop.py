@@ -25,6 +25,7 @@ from gptoss_cli.checkpoint.training_format import RUN_KEY, run_record
 from gptoss_cli.errors import TrainingError
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.recipe.schema import RecipeConfig
+from gptoss_cli.resources import keep_freed_memory
 from gptoss_cli.model.hybrid import IGNORE_INDEX, lm_loss_sum
 from gptoss_cli.parallel.grads import get_attr_wrapped_model, get_model_config
 from gptoss_cli.parallel.state import ParallelState, all_gather, barrier, destroy_parallel, init_parallel
@@ -160,6 +161,10 @@ def run_worker(job: TrainJob, progress: Progress | None = None) -> TrainResult:
     heartbeat = Heartbeat(rank, cfg.system.heartbeat_timeout_s, job.heartbeat_dir, self_watch=self_watch).start()
     try:
         state = init_parallel(cfg.parallelism.expert_model_parallel_size, cfg.system.device, cfg.parallelism.backend)
+        if state.device.type == "cpu":
+            # The step frees and reallocates the same activations every step: keep them in the
+            # heap instead of paying page faults for fresh mappings each time (resources.py).
+            keep_freed_memory()
         try:
             return _train(job, state, progress, heartbeat)
         finally:
