@@ -133,14 +133,20 @@ def ours_step_fn(arch, tokens: torch.Tensor, dtype: str, state=None, microbatche
 
 
 def hf_model(arch, dtype: str):
-    """transformers' GptOssForCausalLM at its default attention and expert implementations."""
+    """transformers' GptOssForCausalLM at its default attention and expert implementations, with
+    the tests' random weights (tests/model/conftest.py `randomize_`: sinks, norms, biases and router
+    at scales where each matters), so that the loss is far from log(vocab) and the first-step
+    check below can tell two different computations apart."""
     from transformers import GptOssConfig, GptOssForCausalLM
+
+    from tests.model.conftest import randomize_
 
     hf_cfg = arch.to_hf_config()
     hf_cfg.update(output_router_logits=False)
     hf_cfg.pop("torch_dtype", None)
     torch.manual_seed(0)
     model = GptOssForCausalLM(GptOssConfig(**hf_cfg))
+    randomize_(model, seed=0)
     return model.to({"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]).train()
 
 
