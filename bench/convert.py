@@ -3,7 +3,8 @@
 For 1, 2 and 4 blocks (MXFP4 experts, hidden = intermediate = 2880, 128 experts, 64/8 heads,
 vocab 201088) it converts HF -> Hybrid in a fresh process and prints:
   * throughput ratio: output bytes/s of the conversion divided by bytes/s of a plain file copy of
-    the same output (copy + sync), timed in the same run (median over --repeats); like convert's
+    the same output (copy + fsync of the copy; convert's time includes fsync of its outputs),
+    timed in the same run (median over --repeats); like convert's
     source, the copy's source is in the page cache (read once, untimed, before each file's copy);
   * peak RSS of the converting process (must stay flat as blocks are added);
   * the rate of each stage, measured inside the same conversions, so that a reader sees which one
@@ -163,6 +164,17 @@ def read_through(path: Path, chunk: int = 64 << 20) -> None:
             pass
 
 
+def fsync_files(paths) -> None:
+    """Flush these files' data to disk (not the whole system's, as `sync` would: on a shared host
+    other jobs' dirty pages would land in whichever timing ran the sync)."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
 def plain_copy_seconds(folder: Path, dst: Path) -> float:
     """Copy the output folder file by file (copy + sync timed), deleting each copy before the next
     so that the baseline needs one shard of extra disk, not a second model.
@@ -177,7 +189,7 @@ def plain_copy_seconds(folder: Path, dst: Path) -> float:
         read_through(f)
         t0 = time.perf_counter()
         shutil.copyfile(f, dst / f.name)
-        subprocess.run(["sync"], check=False)
+        fsync_files([dst / f.name])
         total += time.perf_counter() - t0
         (dst / f.name).unlink()
     return total
@@ -214,7 +226,7 @@ def main() -> None:
             subprocess.run(["sync"], check=False)  # start both timings with no dirty pages pending
             summary = convert_in_subprocess(src, dst)
             t0 = time.perf_counter()
-            subprocess.run(["sync"], check=False)
+            fsync_files(sorted(dst.iterdir()))
             sync_s = time.perf_counter() - t0
             # time inside convert() (not the interpreter start-up) plus flushing its output to disk
             seconds = summary["seconds"] + sync_s
