@@ -55,6 +55,7 @@ if str(ROOT) not in sys.path:  # tests/train/dist_helpers.py runs the 2-process 
 import torch  # noqa: E402
 
 from gptoss_cli.model.config import preset
+from gptoss_cli.recipe.flops import model_flops_per_token
 
 
 def bench_arch(name: str):
@@ -182,19 +183,9 @@ def hf_step_fn(model, tokens: torch.Tensor):
 
 
 def model_flops_per_step(arch, batch: int, seq: int) -> float:
-    """Training FLOPs of one step (forward + backward = 3 x forward): 2 per multiply-add of every
-    weight matrix a token meets (QKV, output projection, router, top-k experts' fc1 and fc2, LM
-    head) and of the attention scores and their weighted sum over the keys each query sees."""
-    h, i, hd = arch.hidden_size, arch.intermediate_size, arch.head_dim
-    nh, nkv, k = arch.num_attention_heads, arch.num_key_value_heads, arch.num_experts_per_tok
-    per_layer = h * (nh + 2 * nkv) * hd + nh * hd * h + h * arch.num_local_experts + k * (h * 2 * i + i * h)
-    matmul = arch.num_hidden_layers * per_layer + h * arch.vocab_size
-    keys = 0  # visible (query, key) pairs per sequence, summed over the layers
-    for block in range(arch.num_hidden_layers):
-        w = arch.sliding_window if arch.is_sliding(block) else seq
-        keys += sum(min(q + 1, w) for q in range(seq))
-    attention = 2 * 2 * nh * hd * keys * batch  # QK^T and PV
-    return 3.0 * (2 * matmul * batch * seq + attention)
+    """Training FLOPs of one step: the project's one count (gptoss_cli/recipe/flops.py, docs/flops.md)
+    per token, times the step's tokens."""
+    return model_flops_per_token(arch, seq, arch.hybrid_layer_pattern) * batch * seq
 
 
 def gemm_rates(rounds: int = 3, n: int = 1024) -> list[float]:
