@@ -58,7 +58,8 @@ class TrainJob:
         """What every checkpoint of this run records about it (gptoss_cli/checkpoint/training_format.py)."""
         return run_record(arch=self.arch, hybrid_layer_pattern=self.hybrid_layer_pattern,
                           params_dtype=self.config.precision.params_dtype, name=self.name, run_dir=self.run_dir,
-                          recipe=self.recipe, pretrained=self.config.checkpoint.pretrained)
+                          recipe=self.recipe, pretrained=self.config.checkpoint.pretrained,
+                          qat=self.config.precision.qat)
 
     @classmethod
     def from_recipe(cls, recipe: Any) -> "TrainJob":

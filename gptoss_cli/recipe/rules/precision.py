@@ -62,3 +62,38 @@ def mxfp8_expert_bias(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
                     "(scale saturation in the backward re-quantization)",
                     "watch the first steps' loss and grad norm; compare against a bf16 run (gptoss rounds MX "
                     "scales up, so a block maximum never saturates, and adds expert biases outside the GEMM)")]
+
+
+# --- MXFP4 QAT (docs/qat.md) ---------------------------------------------------------------------
+@rule("qat.mxfp4_dims", "MXFP4 QAT needs hidden_size and intermediate_size divisible by 32 (one scale per 32 values)",
+      fix="precision.qat=none, or a model whose hidden_size and intermediate_size are multiples of 32")
+def qat_mxfp4_dims(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
+    if cfg.precision.qat != "mxfp4":
+        return []
+    a = ctx.arch
+    bad = {k: v for k, v in {"hidden_size": a.hidden_size, "intermediate_size": a.intermediate_size}.items() if v % 32}
+    if not bad:
+        return []
+    return [error({"precision.qat": "mxfp4", **bad},
+                  f"MXFP4 scales blocks of 32 values along each expert GEMM's input, but "
+                  f"{', '.join(f'{k}={v}' for k, v in bad.items())} is not a multiple of 32")]
+
+
+@rule("qat.combination", "MXFP4 QAT runs with bf16/fp32 parameters and with fp8_recipe none or mxfp8",
+      fix="precision.params_dtype=bf16 or fp32; precision.fp8_recipe=mxfp8 (the rounded weights enter the MXFP8 "
+          "GEMM unchanged) or none")
+def qat_combination(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
+    p = cfg.precision
+    if p.qat != "mxfp4":
+        return []
+    found = []
+    if p.params_dtype == "fp16":
+        found.append(error({"precision.qat": "mxfp4", "precision.params_dtype": "fp16"},
+                           "MXFP4 values span 2**-128 to 6 * 2**127; fp16 parameters cannot hold the rounded "
+                           "weights exactly, so the forward would not compute with what the export writes"))
+    if p.fp8_recipe in ("tensorwise", "rowwise"):
+        found.append(error({"precision.qat": "mxfp4", "precision.fp8_recipe": p.fp8_recipe},
+                           f"{p.fp8_recipe} FP8 re-rounds the MXFP4 weights with one scale per "
+                           f"{'tensor' if p.fp8_recipe == 'tensorwise' else 'row'}, so the GEMM would not use "
+                           "the weights the MXFP4 export writes"))
+    return found
