@@ -85,6 +85,7 @@ class TrainResult:
     fp8: dict[str, Any] | None = None  # recipe, format, path (native/emulated), kernel, FP8 GEMMs run (rank 0)
     # packed documents (a version-2 token file): real tokens / row positions, and the number of rows
     packing: dict[str, Any] | None = None
+    qat: str = "none"  # precision.qat: "mxfp4" when the experts computed with MXFP4-rounded weights (docs/qat.md)
     notes: list[str] = field(default_factory=list)  # e.g. leftovers of killed runs that were removed
 
 
@@ -209,7 +210,7 @@ def _train(job: TrainJob, state: ParallelState, progress: Progress | None, heart
     if emit:
         emit({"kind": "start", "start_step": start_step, "train_iters": t.train_iters, "world_size": state.world_size,
               "ep_size": state.ep_size, "resumed_from": resumed_from, "fp8": fp8.describe() if fp8 else None,
-              "packing": packing})
+              "packing": packing, "qat": cfg.precision.qat})
 
     losses: list[float] = []
     norms: list[float] = []
@@ -269,6 +270,7 @@ def _train(job: TrainJob, state: ParallelState, progress: Progress | None, heart
         tokens_per_s=(tokens_total / time_total) if time_total else 0.0, run_dir=str(run_dir),
         checkpoint=str(last_ckpt) if last_ckpt else None, resumed_from=resumed_from,
         world_size=state.world_size, ep_size=state.ep_size, fp8=fp8.summary() if fp8 else None, packing=packing,
+        qat=cfg.precision.qat,
     )
     if emit:
         emit({"kind": "end", **asdict(result)})

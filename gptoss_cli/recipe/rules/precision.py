@@ -79,21 +79,13 @@ def qat_mxfp4_dims(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
                   f"{', '.join(f'{k}={v}' for k, v in bad.items())} is not a multiple of 32")]
 
 
-@rule("qat.combination", "MXFP4 QAT runs with bf16/fp32 parameters and with fp8_recipe none or mxfp8",
-      fix="precision.params_dtype=bf16 or fp32; precision.fp8_recipe=mxfp8 (the rounded weights enter the MXFP8 "
-          "GEMM unchanged) or none")
-def qat_combination(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
+@rule("qat.fp8_recipe", "MXFP4 QAT runs with fp8_recipe none (bf16/fp32 GEMMs) or mxfp8, not tensorwise or rowwise",
+      fix="precision.fp8_recipe=mxfp8 (the rounded weights enter the MXFP8 forward GEMM unchanged) or none")
+def qat_fp8_recipe(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     p = cfg.precision
-    if p.qat != "mxfp4":
+    if p.qat != "mxfp4" or p.fp8_recipe not in ("tensorwise", "rowwise"):
         return []
-    found = []
-    if p.params_dtype == "fp16":
-        found.append(error({"precision.qat": "mxfp4", "precision.params_dtype": "fp16"},
-                           "MXFP4 values span 2**-128 to 6 * 2**127; fp16 parameters cannot hold the rounded "
-                           "weights exactly, so the forward would not compute with what the export writes"))
-    if p.fp8_recipe in ("tensorwise", "rowwise"):
-        found.append(error({"precision.qat": "mxfp4", "precision.fp8_recipe": p.fp8_recipe},
-                           f"{p.fp8_recipe} FP8 re-rounds the MXFP4 weights with one scale per "
-                           f"{'tensor' if p.fp8_recipe == 'tensorwise' else 'row'}, so the GEMM would not use "
-                           "the weights the MXFP4 export writes"))
-    return found
+    per = "tensor" if p.fp8_recipe == "tensorwise" else "row"
+    return [error({"precision.qat": "mxfp4", "precision.fp8_recipe": p.fp8_recipe},
+                  f"{p.fp8_recipe} FP8 re-rounds the MXFP4 weights with one scale per {per}, so the forward "
+                  "would not compute with the weights the MXFP4 export writes")]
