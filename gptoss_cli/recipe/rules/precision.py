@@ -16,12 +16,16 @@ def mxfp8_dims(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     a = ctx.arch
     dims = {"hidden_size": a.hidden_size, "intermediate_size": a.intermediate_size,
             "num_attention_heads x head_dim": a.num_attention_heads * a.head_dim, "qkv rows": a.qkv_rows}
+    return _blocks_of_32({"precision.fp8_recipe": "mxfp8"}, dims, "MXFP8 scales blocks of 32 values")
+
+
+def _blocks_of_32(setting: dict[str, str], dims: dict[str, int], what: str) -> list[Finding]:
+    """One error naming every dimension in `dims` that is not a multiple of 32 (none: no finding)."""
     bad = {k: v for k, v in dims.items() if v % 32}
     if not bad:
         return []
-    return [error({"precision.fp8_recipe": "mxfp8", **bad},
-                  f"MXFP8 scales blocks of 32 values, but {', '.join(f'{k}={v}' for k, v in bad.items())} "
-                  "is not a multiple of 32")]
+    return [error({**setting, **bad}, f"{what}, but {', '.join(f'{k}={v}' for k, v in bad.items())} "
+                                      "is not a multiple of 32")]
 
 
 @rule("fp8.native_gpu",
@@ -71,12 +75,8 @@ def qat_mxfp4_dims(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     if cfg.precision.qat != "mxfp4":
         return []
     a = ctx.arch
-    bad = {k: v for k, v in {"hidden_size": a.hidden_size, "intermediate_size": a.intermediate_size}.items() if v % 32}
-    if not bad:
-        return []
-    return [error({"precision.qat": "mxfp4", **bad},
-                  f"MXFP4 scales blocks of 32 values along each expert GEMM's input, but "
-                  f"{', '.join(f'{k}={v}' for k, v in bad.items())} is not a multiple of 32")]
+    return _blocks_of_32({"precision.qat": "mxfp4"}, {"hidden_size": a.hidden_size, "intermediate_size": a.intermediate_size},
+                         "MXFP4 scales blocks of 32 values along each expert GEMM's input")
 
 
 @rule("qat.fp8_recipe", "MXFP4 QAT runs with fp8_recipe none (bf16/fp32 GEMMs) or mxfp8, not tensorwise or rowwise",
