@@ -11,6 +11,8 @@ nothing of. Three runs per seed, the same data and steps:
   ptq   the same weights, exported to MXFP4 (every expert weight rounded as `convert --experts
         mxfp4` writes it; tests/train/test_qat.py proves the export equals this rounding bit for bit)
   qat   precision.qat=mxfp4, exported the same way (which equals its own training forward)
+  full-then-qat  the full run's weights after steps - qat_steps steps, then QAT for the rest
+        (ModelOpt's SFT -> QAT workflow; fresh Adam moments), exported the same way
 
 Held-out loss (mean token cross-entropy on windows the runs never saw) of each, and two gaps:
 
@@ -24,7 +26,7 @@ ratio < 1/3. QAT's export gap is zero by construction (the forward is the export
 gap says whether training with rounded weights also ends better than rounding afterwards, which
 in this tiny setting depends on the steps and the learning rate (see docs/qat.md).
 
-    python bench/qat.py                      # 3 seeds x 120 steps, about 2-3 minutes on 2 CPU cores
+    python bench/qat.py                      # 3 seeds x 120 steps, about 5 minutes on 2 CPU cores
     python bench/qat.py --seeds 5 --steps 200
 """
 
@@ -80,35 +82,50 @@ class MarkovTokens:
 
 
 class Mxfp4BaseProvider(HybridModelProvider):
-    """The seeded model with its experts on the MXFP4 grid, as GPT-OSS is released; rounded before
-    the optimizer copies its master weights."""
+    """The seeded model with its experts on the MXFP4 grid, as GPT-OSS is released (or, with `start`,
+    the weights of an earlier run); set before the optimizer copies its master weights."""
+
+    def __init__(self, *args, start: dict | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.start = start
 
     def provide(self, state):
         model = super().provide(state)
         with torch.no_grad():
+            if self.start is not None:
+                model.load_state_dict(self.start)
+                return model
             for m in model.modules():
                 if isinstance(m, ExpertLinear):
                     m.weight.copy_(rounded_weight(m.weight))
         return model
 
 
-def fine_tune(seed: int, qat: str, steps: int, lr: float, seq: int, batch: int):
+def fine_tune(seed: int, qat: str, steps: int, lr: float, seq: int, batch: int, *, start: dict | None = None,
+              first_step: int = 0, snapshot_at: int | None = None):
+    """The trained model (and, with `snapshot_at`, a copy of its weights after that many steps).
+    `start`/`first_step` continue an earlier run: its weights, its data position and lr schedule
+    (the Adam moments start afresh)."""
     cfg = RecipeConfig()
     cfg.precision.params_dtype, cfg.precision.qat = "fp32", qat
     cfg.moe.aux_loss_coeff = 0.01
     cfg.optimizer.weight_decay, cfg.optimizer.clip_grad = 0.0, 1.0
     runtime = ModelRuntimeConfig.from_recipe(cfg, ARCH, ARCH.hybrid_layer_pattern)
-    setup = setup_model_and_optimizer(Mxfp4BaseProvider(runtime, seed=seed), ParallelState(), cfg.optimizer, lr)
+    provider = Mxfp4BaseProvider(runtime, seed=seed, start=start)
+    setup = setup_model_and_optimizer(provider, ParallelState(), cfg.optimizer, lr)
     data = DataLoaderState(MarkovTokens(ARCH.vocab_size, seq, chain_seed=seed), global_batch_size=batch,
-                           micro_batch_size=batch, dp_rank=0, dp_size=1)
+                           micro_batch_size=batch, dp_rank=0, dp_size=1, consumed_samples=first_step * batch)
     schedule = get_forward_backward_func(setup.config)
-    for step in range(steps):
+    snapshot = None
+    for step in range(first_step, first_step + steps):
+        if step == snapshot_at:
+            snapshot = {k: v.detach().clone() for k, v in unwrap_model(setup.model).state_dict().items()}
         setup.model.zero_grad_buffer()
         schedule(forward_step_func=forward_step, data_iterator=data.step_iterator(), model=setup.model,
                  num_microbatches=data.num_microbatches)
         warm = min(1.0, (step + 1) / 10)
         setup.optimizer.step(lr * warm)
-    return unwrap_model(setup.model)
+    return unwrap_model(setup.model), snapshot
 
 
 @torch.no_grad()
@@ -134,6 +151,7 @@ def main() -> None:
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--steps", type=int, default=120)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--qat-steps", type=int, default=40, help="QAT steps of the full-then-QAT run (of --steps)")
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--eval-rows", type=int, default=64)
@@ -144,22 +162,29 @@ def main() -> None:
     rows = []
     for seed in range(args.seeds):
         r: dict[str, float] = {}
-        full = fine_tune(seed, "none", args.steps, args.lr, args.seq, args.batch)
+        split = args.steps - args.qat_steps
+        full, snap = fine_tune(seed, "none", args.steps, args.lr, args.seq, args.batch, snapshot_at=split)
         r["full"] = held_out_loss(full, seed, args.seq, args.eval_rows)
         export_mxfp4(full)
         r["ptq"] = held_out_loss(full, seed, args.seq, args.eval_rows)
-        qat = fine_tune(seed, "mxfp4", args.steps, args.lr, args.seq, args.batch)
+        qat, _ = fine_tune(seed, "mxfp4", args.steps, args.lr, args.seq, args.batch)
         r["qat_trained"] = held_out_loss(qat, seed, args.seq, args.eval_rows)  # its own (rounded) forward
         export_mxfp4(qat)
         r["qat"] = held_out_loss(qat, seed, args.seq, args.eval_rows)
+        # SFT then QAT (ModelOpt's workflow): the full run's weights after `split` steps, QAT for the rest
+        after, _ = fine_tune(seed, "mxfp4", args.qat_steps, args.lr, args.seq, args.batch, start=snap, first_step=split)
+        export_mxfp4(after)
+        r["after"] = held_out_loss(after, seed, args.seq, args.eval_rows)
+        r["after_gap"] = r["after"] - r["full"]
         r["ptq_gap"] = r["ptq"] - r["full"]  # PTQ's export gap and quality gap are the same number
         r["qat_export_gap"], r["qat_quality_gap"] = r["qat"] - r["qat_trained"], r["qat"] - r["full"]
         r["export_ratio"] = r["qat_export_gap"] / r["ptq_gap"] if r["ptq_gap"] > 0 else float("nan")
         r["quality_ratio"] = r["qat_quality_gap"] / r["ptq_gap"] if r["ptq_gap"] > 0 else float("nan")
         rows.append(r)
+        r["after_ratio"] = r["after_gap"] / r["ptq_gap"] if r["ptq_gap"] > 0 else float("nan")
         print(f"seed {seed}: loss full {r['full']:.4f}  ptq {r['ptq']:.4f}  qat trained {r['qat_trained']:.4f} "
-              f"qat export {r['qat']:.4f}", flush=True)
-    base = held_out_loss(fine_tune(0, "none", 0, args.lr, args.seq, args.batch), 0, args.seq, args.eval_rows)
+              f"qat export {r['qat']:.4f}  full-then-qat export {r['after']:.4f}", flush=True)
+    base = held_out_loss(fine_tune(0, "none", 0, args.lr, args.seq, args.batch)[0], 0, args.seq, args.eval_rows)
 
     def med(key: str, fmt: str = "+.4f") -> str:
         vals = [r[key] for r in rows]
@@ -174,6 +199,8 @@ def main() -> None:
     print(f"  QAT quality gap (export - full)                {med('qat_quality_gap')}")
     print(f"  export-gap ratio QAT / PTQ                     {med('export_ratio', '.3f')}   goal < 0.333")
     print(f"  quality-gap ratio QAT / PTQ                    {med('quality_ratio', '.3f')}")
+    print(f"  full then QAT ({args.qat_steps} steps): gap (export - full)  {med('after_gap')}")
+    print(f"  quality-gap ratio full-then-QAT / PTQ          {med('after_ratio', '.3f')}")
 
 
 if __name__ == "__main__":
