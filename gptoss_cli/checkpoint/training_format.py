@@ -80,7 +80,7 @@ def latest_checkpoint(ckpt_dir: str | Path) -> Path | None:
 
 
 def run_record(*, arch: GptOssArch, hybrid_layer_pattern: str, params_dtype: str, name: str, run_dir: str | Path,
-               recipe: dict[str, Any] | None = None, pretrained: str | None = None) -> dict[str, Any]:
+               recipe: dict[str, Any] | None = None, pretrained: str | None = None, qat: str = "none") -> dict[str, Any]:
     """What a training checkpoint records about its run (train_state.json's `run`): enough to rebuild
     the model without the recipe file, and to say where the weights came from."""
     return {
@@ -90,6 +90,9 @@ def run_record(*, arch: GptOssArch, hybrid_layer_pattern: str, params_dtype: str
         "architecture": arch.to_dict(),
         "hybrid_layer_pattern": hybrid_layer_pattern,
         "params_dtype": params_dtype,
+        # precision.qat: "mxfp4" means the forward computed the experts with MXFP4-rounded weights, so
+        # convert and eval round them too (docs/qat.md); absent in records older than QAT: "none"
+        "qat": qat,
         "pretrained": str(Path(pretrained).expanduser().resolve()) if pretrained else None,
         # the resolved recipe as plain JSON (anything else shown as text)
         "recipe": json.loads(json.dumps(recipe or {}, default=str)),
@@ -111,13 +114,14 @@ class TrainingRun:
     recipe: dict[str, Any]
     world_size: int | None
     ep_size: int | None
+    qat: str = "none"  # precision.qat of the run: "mxfp4" when the forward used MXFP4-rounded expert weights
 
     def provenance(self) -> dict[str, Any]:
         """What an export records about where its weights came from."""
         return {"run": self.name, "run_dir": self.run_dir, "iteration": self.step, "checkpoint": str(self.folder.resolve()),
                 "recipe": self.recipe.get("name") or self.name, "recipe_config": self.recipe,
                 "saved_at": {"world_size": self.world_size, "expert_model_parallel_size": self.ep_size},
-                "pretrained": self.pretrained}
+                "pretrained": self.pretrained, "qat": self.qat}
 
 
 def read_train_state(folder: str | Path) -> dict[str, Any]:
@@ -208,7 +212,14 @@ def read_training_run(folder: str | Path) -> TrainingRun:
     return TrainingRun(folder=folder, step=state["step"], arch=arch, hybrid_layer_pattern=pattern,
                        params_dtype=str(params_dtype), name=str(run.get("name") or ""),
                        run_dir=str(run.get("run_dir") or ""), pretrained=run.get("pretrained"), recipe=recipe,
-                       world_size=ints["world_size"], ep_size=ints["ep_size"])
+                       world_size=ints["world_size"], ep_size=ints["ep_size"], qat=_qat_of(run, path))
+
+
+def _qat_of(run: dict[str, Any], path: Path) -> str:
+    qat = run.get("qat", "none")
+    if qat not in ("none", "mxfp4"):
+        raise CheckpointError(f"{path}: run.qat {qat!r} is not one this gptoss knows (none or mxfp4)")
+    return qat
 
 
 def looks_like_training_checkpoint(path: Path) -> bool:

@@ -121,6 +121,8 @@ class PrecisionConfig:
         False, "allow FP8 to be emulated (quantize-dequantize) where native kernels are unavailable; "
         "numerics only, no speed-up",
     )
+    qat: str = _f("none", "quantisation-aware training: mxfp4 computes the experts with their weights rounded "
+                  "as `convert --experts mxfp4` writes them (straight-through gradient)", choices=("none", "mxfp4"))
 
 
 @dataclass

@@ -66,7 +66,8 @@ class TrainJob:
         """What every checkpoint of this run records about it (gptoss_cli/checkpoint/training_format.py)."""
         return run_record(arch=self.arch, hybrid_layer_pattern=self.hybrid_layer_pattern,
                           params_dtype=self.config.precision.params_dtype, name=self.name, run_dir=self.run_dir,
-                          recipe=self.recipe, pretrained=self.config.checkpoint.pretrained)
+                          recipe=self.recipe, pretrained=self.config.checkpoint.pretrained,
+                          qat=self.config.precision.qat)
 
     @classmethod
     def from_recipe(cls, recipe: Any) -> "TrainJob":
@@ -96,6 +97,7 @@ class TrainResult:
     tflops_per_gpu: float = 0.0  # model TFLOP/s per GPU over the timed steps (the first step excluded)
     mfu: float | None = None  # tflops_per_gpu / the GPU's dense peak; None when the peak is unknown
     peak_tflops: float | None = None  # the peak used (bf16 or FP8 by precision.fp8_recipe, per system.gpu)
+    qat: str = "none"  # precision.qat: "mxfp4" when the experts computed with MXFP4-rounded weights (docs/qat.md)
     notes: list[str] = field(default_factory=list)  # e.g. leftovers of killed runs that were removed
 
 
@@ -268,7 +270,7 @@ def _train(job: TrainJob, state: ParallelState, progress: Progress | None, heart
     if emit:
         emit({"kind": "start", "start_step": start_step, "train_iters": t.train_iters, "world_size": state.world_size,
               "ep_size": state.ep_size, "resumed_from": resumed_from, "fp8": fp8.describe() if fp8 else None,
-              "packing": packing})
+              "packing": packing, "qat": cfg.precision.qat})
 
     losses: list[float] = []
     norms: list[float] = []
@@ -343,6 +345,7 @@ def _train(job: TrainJob, state: ParallelState, progress: Progress | None, heart
         checkpoint=str(last_ckpt) if last_ckpt else None, resumed_from=resumed_from,
         world_size=state.world_size, ep_size=state.ep_size, fp8=fp8.summary() if fp8 else None, packing=packing,
         model_flops_per_token=flops_per_token, tflops_per_gpu=tflops, mfu=mfu if time_total else None, peak_tflops=peak,
+        qat=cfg.precision.qat,
     )
     if emit:
         emit({"kind": "end", **asdict(result)})
