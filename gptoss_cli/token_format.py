@@ -29,7 +29,6 @@ checks the files at launch, which must not need torch.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -37,6 +36,7 @@ import numpy as np
 
 from gptoss_cli import outputs
 from gptoss_cli.errors import ConfigError
+from gptoss_cli.json_input import parse_json
 
 TOKEN_FORMAT = "gptoss-tokens"
 TOKEN_FORMAT_VERSION = 1  # plain token streams (what plain `prepare-data` writes)
@@ -74,14 +74,7 @@ def document_file_paths(path: str | Path) -> tuple[Path, Path]:
 
 def write_atomically(path: str | Path, data: bytes | np.ndarray) -> None:
     """Write bytes (or an array's raw bytes) under a temporary name, then rename into place."""
-    path = Path(path)
-    tmp = outputs.temp_path(path, outputs.TMP)
-    try:
-        with outputs.naming(tmp), tmp.open("wb") as fh:
-            fh.write(data.tobytes() if isinstance(data, np.ndarray) else data)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    outputs.replace_bytes(Path(path), data.tobytes() if isinstance(data, np.ndarray) else data)
 
 
 def write_document_index(path: str | Path, offsets: Sequence[int] | np.ndarray) -> None:
@@ -119,9 +112,11 @@ def read_token_header(path: str | Path) -> dict[str, Any]:
     if not json_path.is_file():
         raise ConfigError(f"token file header {json_path} not found", hint="create the files with `gptoss prepare-data`")
     try:
-        header = json.loads(json_path.read_text())
+        header = parse_json(json_path.read_text())
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{json_path}: not JSON ({exc.msg} at line {exc.lineno})") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{json_path}: not JSON (not UTF-8: {exc.reason})") from None
     if not isinstance(header, dict) or header.get("format") != TOKEN_FORMAT or header.get("dtype") not in TOKEN_ITEMSIZE:
         got = header if not isinstance(header, dict) else {k: header.get(k) for k in ("format", "dtype")}
         raise ConfigError(f"{json_path}: not a gptoss token header ({got})",

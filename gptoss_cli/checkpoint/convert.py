@@ -36,7 +36,8 @@ from gptoss_cli.checkpoint.sources import (
 from gptoss_cli.errors import CheckpointError, UsageError
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.model.dtypes import dtype_name, short_dtype_name, torch_dtype
-from gptoss_cli.resources import peak_rss_bytes
+from gptoss_cli.resources import keep_freed_memory, peak_rss_bytes
+from gptoss_cli.json_input import parse_json
 
 OUTPUT_DTYPES = ("bfloat16", "float32", "bf16", "fp32")
 EXPERT_FORMS = ("bf16", "mxfp4")
@@ -88,23 +89,6 @@ class ConvertResult:
 def parse_dtype(name: str) -> torch.dtype:
     """The --dtype of non-expert tensors and dequantised experts."""
     return torch_dtype(name, "--dtype", allowed=OUTPUT_DTYPES)
-
-
-def keep_freed_memory() -> None:
-    """Ask glibc to keep freed chunk buffers for reuse instead of unmapping them.
-
-    Streaming allocates and frees a buffer of the same size for every chunk; by default glibc
-    returns each large buffer to the OS and the next one page-faults in afresh, which measured
-    as most of the decode time. Peak memory is unchanged: it is still one chunk's worth.
-    """
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 1 << 30)  # M_MMAP_THRESHOLD: serve chunk-sized buffers from the heap
-        libc.mallopt(-1, 1 << 31)  # M_TRIM_THRESHOLD: do not hand freed heap back right away
-    except (OSError, AttributeError):  # not glibc: nothing to tune
-        pass
 
 
 # --- planning ----------------------------------------------------------------------------
@@ -363,14 +347,14 @@ class _Pipeline:
 # --- the command -------------------------------------------------------------------------
 def _is_gptoss_hybrid(config: Path) -> bool:
     try:
-        return json.loads(config.read_text()).get("format") == FORMAT_NAME
+        return parse_json(config.read_text()).get("format") == FORMAT_NAME
     except (OSError, ValueError, AttributeError):
         return False
 
 
 def _is_gpt_oss_hf(config: Path) -> bool:
     try:
-        return json.loads(config.read_text()).get("model_type") == "gpt_oss"
+        return parse_json(config.read_text()).get("model_type") == "gpt_oss"
     except (OSError, ValueError, AttributeError):
         return False
 

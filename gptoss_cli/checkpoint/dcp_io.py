@@ -115,6 +115,20 @@ def dcp_error(exc: BaseException) -> str:
     return describe_os_error(exc) if isinstance(exc, OSError) else first_line(exc)
 
 
+def interruption(exc: BaseException) -> BaseException | None:
+    """The KeyboardInterrupt or Terminated (SIGTERM) a rank got inside DCP, which wraps every BaseException
+    of a rank into its CheckpointException; None when the failure was something else."""
+    from gptoss_cli.errors import Terminated  # noqa: PLC0415
+
+    if isinstance(exc, (KeyboardInterrupt, Terminated)):
+        return exc
+    for failure in (getattr(exc, "failures", None) or {}).values():
+        found = interruption(failure[0] if isinstance(failure, tuple) else failure)
+        if found is not None:
+            return found
+    return None
+
+
 def first_line(exc: BaseException) -> str:
     """The first line of an exception's message (at most 300 characters), or its type's name when it has none."""
     text = str(exc).strip() or type(exc).__name__

@@ -22,6 +22,8 @@ from gptoss_cli.checkpoint.training_format import (
 )
 from gptoss_cli.errors import CheckpointError, ConfigError, UsageError
 from gptoss_cli.model.config import GptOssArch
+from gptoss_cli.json_input import parse_json
+from gptoss_cli.model.mxfp4 import round_to_mxfp4
 
 # Files copied alongside the weights in both directions.
 EXTRA_FILES = (
@@ -99,7 +101,7 @@ def resolve(src: str, revision: str | None = None) -> tuple[Path, str | None]:
 
 def _load_json(path: Path) -> dict:
     try:
-        data = json.loads(path.read_text())
+        data = parse_json(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
     if not isinstance(data, dict):
@@ -172,6 +174,8 @@ def open_training(src: str, root: Path, weights: str = MODEL) -> Source:
         prefix, suffix = f"{OPTIMIZER}.", f".{MASTER}"
         reader = DcpReader(folder, lambda n: optimizer_key(n, MASTER),
                            lambda k: k[len(prefix):-len(suffix)] if k.startswith(prefix) and k.endswith(suffix) else None)
+    if run.qat == "mxfp4":
+        reader = Mxfp4QatReader(reader)
     # Tokenizer files come from the weights the run started from, when that folder is still there.
     extras = Path(run.pretrained) if run.pretrained and Path(run.pretrained).is_dir() else folder
     return Source(TRAINING, src, None, folder, extras, run.arch, reader, hybrid_layer_pattern=run.hybrid_layer_pattern,
@@ -188,6 +192,28 @@ def open_megatron(src: str, root: Path) -> Source:
     return Source(MEGATRON, src, None, ckpt.folder, ckpt.folder, ckpt.arch, reader,
                   hybrid_layer_pattern=ckpt.arch.hybrid_layer_pattern, provenance=provenance,
                   protected=(root,) if root != ckpt.folder else ())
+
+
+# A per-expert weight under its Hybrid name: decoder.layers.<i>.mlp.experts.linear_fc<1|2>.weight<e>
+_EXPERT_WEIGHT = re.compile(r"\.mlp\.experts\.linear_fc[12]\.weight\d+$")
+
+
+class Mxfp4QatReader:
+    """A training checkpoint of a `precision.qat=mxfp4` run, read as its forward computed: every expert
+    weight rounded to MXFP4 along its input axis (`round_to_mxfp4`, the export's own codec), every
+    other tensor as stored. Rows are rounded independently, so row-range reads round the same."""
+
+    def __init__(self, reader):
+        self._reader = reader
+
+    def __getattr__(self, name):
+        return getattr(self._reader, name)
+
+    def read(self, name: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
+        t = self._reader.read(name, start, stop)
+        if not _EXPERT_WEIGHT.search(name) or not t.is_floating_point() or not torch.isfinite(t).all():
+            return t  # non-finite weights are left for the finite checks to name
+        return round_to_mxfp4(t)
 
 
 def _open_original(src: str, revision: str | None, folder: Path, extras: Path) -> Source:

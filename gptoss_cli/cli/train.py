@@ -52,6 +52,8 @@ class TrainProgressBar:
                 where += f", CP {event['cp_size']}"
             if event.get("fp8"):
                 where += f", fp8 {event['fp8']}"
+            if event.get("qat", "none") != "none":
+                where += f", QAT {event['qat']} (experts)"
             self._console.print(f"training on {where}", highlight=False)
             if event.get("resumed_from"):
                 self._console.print(f"resuming from [bold]{escape(event['resumed_from'])}[/] at step {event['start_step']}")
@@ -114,6 +116,9 @@ def render_result(result: Any) -> None:
         f = result.fp8
         table.add_row("fp8", f"{f['recipe']} {f['format']}: {f['path']} ({f['kernel']}) on {f['device']}, "
                              f"{f['gemms']} FP8 GEMMs on rank 0")
+    if result.qat != "none":
+        table.add_row("qat", f"{result.qat}: expert GEMMs used MXFP4-rounded weights (straight-through gradient); "
+                             "convert --experts mxfp4 writes exactly those")
     if result.packing:
         p = result.packing
         table.add_row("packing", f"{p['efficiency']:.1%} of {p['rows']} rows of {p['seq_length']} tokens hold "

@@ -25,6 +25,7 @@ from gptoss_cli.errors import ConfigError, GptossError
 from gptoss_cli.model.config import PRESETS, GptOssArch
 from gptoss_cli.model.pattern import HybridPattern, parse_pattern
 from gptoss_cli.recipe.schema import RecipeConfig, iter_fields
+from gptoss_cli.json_input import parse_json
 
 
 
@@ -305,7 +306,7 @@ def _first_line(exc: BaseException) -> str:
 # --- the model the recipe describes ---------------------------------------------------------
 def _read_json(path: Path) -> dict[str, Any]:
     try:
-        data = json.loads(path.read_text())
+        data = parse_json(path.read_text())
     except OSError as exc:
         raise ConfigError(f"model.checkpoint: cannot read {path}: {exc.strerror or exc}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:

@@ -50,6 +50,8 @@ SLIDING_QUERY_BLOCK = 64  # gptoss_cli.model.attention.SLIDING_QUERY_BLOCK
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 FP32 = 4
 ADAM_STATE_BYTES = 3 * FP32  # fp32 master, exp_avg, exp_avg_sq
+# fp32 parameters are their own master weights (train/optimizer.py): only the two moments
+ADAM_MOMENT_BYTES = 2 * FP32
 
 
 def size_text(n: float) -> str:
@@ -294,16 +296,18 @@ def estimate_memory(cfg: RecipeConfig, arch: GptOssArch, pattern: HybridPattern 
     act_knob = "training.micro_batch_size, training.seq_length, parallelism.context_parallel_size"
     shard_knob = ("optimizer.use_distributed_optimizer=true" if not distributed
                   else "more GPUs (larger data-parallel groups shard it thinner)")
+    adam_b = ADAM_MOMENT_BYTES if b == FP32 else ADAM_STATE_BYTES
+    adam_what = "2 moments; fp32 parameters are their own master" if b == FP32 else "fp32 master, 2 moments"
     items = [
         MemoryItem("params", f"parameters ({dtype})", b * (dense_n + expert_n),
                    f"{b} B x ({dense_n:,} dense + {expert_n:,} expert elements, buckets padded)", ep_knob),
         MemoryItem("grads", f"gradients ({'fp32' if grad_b == FP32 else dtype})", grad_b * (dense_n + expert_n),
                    f"{grad_b} B x ({dense_n:,} + {expert_n:,})",
                    ep_knob + ("; optimizer.grad_reduce_in_fp32=false" if grad_b > b else "")),
-        MemoryItem("optimizer.dense", "Adam state, dense (fp32 master, 2 moments)",
-                   ADAM_STATE_BYTES * dense_n / dense_shards, f"12 B x {dense_n:,} / {dense_shards}", shard_knob),
-        MemoryItem("optimizer.expert", "Adam state, experts (fp32 master, 2 moments)",
-                   ADAM_STATE_BYTES * expert_n / expert_shards, f"12 B x {expert_n:,} / {expert_shards}",
+        MemoryItem("optimizer.dense", f"Adam state, dense ({adam_what})",
+                   adam_b * dense_n / dense_shards, f"{adam_b} B x {dense_n:,} / {dense_shards}", shard_knob),
+        MemoryItem("optimizer.expert", f"Adam state, experts ({adam_what})",
+                   adam_b * expert_n / expert_shards, f"{adam_b} B x {expert_n:,} / {expert_shards}",
                    f"{ep_knob}; {shard_knob}"),
     ]
     names = {ATTENTION: "attention", MOE: "MoE", MLP: "dense MLP"}

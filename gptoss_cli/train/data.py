@@ -87,9 +87,13 @@ class _EpochOrder:
 def _check_ids(ids: torch.Tensor, vocab_size: int | None, bin_path: Path, first: int) -> None:
     """Token ids must lie inside the model's vocabulary: the header can lie (a foreign or hand-edited
     file), and an id past the embedding would otherwise surface as "IndexError: index out of range in
-    self" deep inside the model. `first`: the file position of ids[0], for the message."""
-    if vocab_size is not None and ids.numel() and int(ids.max()) >= vocab_size:
-        k = int((ids >= vocab_size).nonzero()[0])
+    self" deep inside the model; int32 / int64 files can also hold negative ids, which would index
+    the embedding from its end or crash. `first`: the file position of ids[0], for the message."""
+    if not ids.numel():
+        return
+    if int(ids.min()) < 0 or (vocab_size is not None and int(ids.max()) >= vocab_size):
+        outside = (ids < 0) | (ids >= vocab_size) if vocab_size is not None else ids < 0
+        k = int(outside.nonzero()[0])
         raise ConfigError(
             f"{bin_path}: token id {int(ids[k])} at token {first + k} is outside the model's vocabulary ({vocab_size})",
             hint="tokenize with the model's own tokenizer (gptoss prepare-data)",

@@ -23,12 +23,14 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from gptoss_cli import outputs
 from gptoss_cli.checkpoint.training_format import RUN_KEY, run_record
 from gptoss_cli.errors import TrainingError
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.recipe.environment import gpu_from_device_name
 from gptoss_cli.recipe.flops import model_flops_per_token, peak_tflops, recompute_flops_per_token, throughput
 from gptoss_cli.recipe.schema import RecipeConfig
+from gptoss_cli.resources import keep_freed_memory
 from gptoss_cli.model.hybrid import IGNORE_INDEX, lm_loss_sum
 from gptoss_cli.parallel.grads import get_attr_wrapped_model, get_model_config
 from gptoss_cli.parallel.state import ParallelState, all_gather, barrier, destroy_parallel, init_parallel
@@ -64,7 +66,8 @@ class TrainJob:
         """What every checkpoint of this run records about it (gptoss_cli/checkpoint/training_format.py)."""
         return run_record(arch=self.arch, hybrid_layer_pattern=self.hybrid_layer_pattern,
                           params_dtype=self.config.precision.params_dtype, name=self.name, run_dir=self.run_dir,
-                          recipe=self.recipe, pretrained=self.config.checkpoint.pretrained)
+                          recipe=self.recipe, pretrained=self.config.checkpoint.pretrained,
+                          qat=self.config.precision.qat)
 
     @classmethod
     def from_recipe(cls, recipe: Any) -> "TrainJob":
@@ -94,6 +97,7 @@ class TrainResult:
     tflops_per_gpu: float = 0.0  # model TFLOP/s per GPU over the timed steps (the first step excluded)
     mfu: float | None = None  # tflops_per_gpu / the GPU's dense peak; None when the peak is unknown
     peak_tflops: float | None = None  # the peak used (bf16 or FP8 by precision.fp8_recipe, per system.gpu)
+    qat: str = "none"  # precision.qat: "mxfp4" when the experts computed with MXFP4-rounded weights (docs/qat.md)
     notes: list[str] = field(default_factory=list)  # e.g. leftovers of killed runs that were removed
 
 
@@ -172,7 +176,7 @@ class MetricsWriter:
             records.append({"step": step, "rank": r, **common, "rank_loss": local_loss,
                             "rank_tokens": int(local_d["num_tokens"]), "rank_step_time_s": local_d["step_time_s"],
                             **((rank0 or {}) if r == 0 else {})})
-        with self.path.open("a") as fh:
+        with outputs.naming(self.path), self.path.open("a") as fh:  # a full disk names the file
             fh.write("".join(json.dumps(record) + "\n" for record in records))
         return records
 
@@ -188,8 +192,14 @@ def run_worker(job: TrainJob, progress: Progress | None = None) -> TrainResult:
     self_watch = job.heartbeat_dir is None and int(os.environ.get("WORLD_SIZE", "1")) > 1
     heartbeat = Heartbeat(rank, cfg.system.heartbeat_timeout_s, job.heartbeat_dir, self_watch=self_watch).start()
     try:
+        # Under torchrun a peer that never starts would hold this rank in the rendezvous for 10 minutes.
         state = init_parallel(cfg.parallelism.expert_model_parallel_size, cfg.system.device, cfg.parallelism.backend,
+                              join_timeout_s=cfg.system.heartbeat_timeout_s if self_watch else None,
                               cp_size=cfg.parallelism.context_parallel_size)
+        if state.device.type == "cpu":
+            # The step frees and reallocates the same activations every step: keep them in the
+            # heap instead of paying page faults for fresh mappings each time (resources.py).
+            keep_freed_memory()
         try:
             # TensorBoard / W&B on rank 0 (train/loggers.py); their packages were checked before launch.
             loggers = open_loggers(cfg.logging, Path(job.run_dir), job.name, job.recipe) if state.rank == 0 else None
@@ -247,7 +257,7 @@ def _train(job: TrainJob, state: ParallelState, progress: Progress | None, heart
             resumed_from = str(folder)
     if state.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "recipe.json").write_text(json.dumps(job.recipe, indent=2, default=str) + "\n")
+        outputs.replace_text(run_dir / "recipe.json", json.dumps(job.recipe, indent=2, default=str) + "\n")
     metrics = MetricsWriter(run_dir, state)
     totals_layout = StepTotals([j for j, _ in model.module.moe_layers()], job.arch.num_local_experts)
     schedule = get_forward_backward_func(setup.config)
@@ -262,7 +272,7 @@ def _train(job: TrainJob, state: ParallelState, progress: Progress | None, heart
     if emit:
         emit({"kind": "start", "start_step": start_step, "train_iters": t.train_iters, "world_size": state.world_size,
               "ep_size": state.ep_size, "cp_size": state.cp_size, "resumed_from": resumed_from, "fp8": fp8.describe() if fp8 else None,
-              "packing": packing})
+              "packing": packing, "qat": cfg.precision.qat})
 
     losses: list[float] = []
     norms: list[float] = []
@@ -337,6 +347,7 @@ def _train(job: TrainJob, state: ParallelState, progress: Progress | None, heart
         checkpoint=str(last_ckpt) if last_ckpt else None, resumed_from=resumed_from,
         world_size=state.world_size, ep_size=state.ep_size, fp8=fp8.summary() if fp8 else None, packing=packing,
         model_flops_per_token=flops_per_token, tflops_per_gpu=tflops, mfu=mfu if time_total else None, peak_tflops=peak,
+        qat=cfg.precision.qat,
     )
     if emit:
         emit({"kind": "end", **asdict(result)})

@@ -101,7 +101,7 @@ def prepare_conversations(
     dtype = TOKEN_DTYPES[dtype_name]
     bin_path, header_path = token_file_paths(out)
     idx_path, mask_path = document_file_paths(out)
-    prepare_outputs(out, [bin_path, idx_path, mask_path, header_path])
+    prepare_outputs(out, [bin_path, idx_path, mask_path, header_path], [*map(Path, inputs), tok_file])
     tmp_bin, tmp_mask = outputs.temp_path(bin_path, outputs.TMP), outputs.temp_path(mask_path, outputs.TMP)
     total_bytes = sum(Path(p).stat().st_size for p in inputs)
     done_bytes = 0

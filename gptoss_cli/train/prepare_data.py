@@ -25,6 +25,7 @@ import torch
 
 from gptoss_cli import outputs
 from gptoss_cli.errors import ConfigError, UsageError, file_system_error
+from gptoss_cli.json_input import parse_json
 from gptoss_cli.token_format import token_dtype_for, token_file_paths, write_token_header
 from gptoss_cli.train.data import TOKEN_DTYPES
 
@@ -69,9 +70,10 @@ def _configured_eos(tokenizer: Any, tok_file: Path, eos_token_id: int | None) ->
     config = tok_file.parent / "config.json"
     if config.is_file():
         try:
-            eos = json.loads(config.read_text()).get("eos_token_id")
-        except json.JSONDecodeError:
-            eos = None
+            data = parse_json(config.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            data = None
+        eos = data.get("eos_token_id") if isinstance(data, dict) else None
         if isinstance(eos, list) and eos:
             eos = eos[0]
         if eos is not None:
@@ -112,7 +114,7 @@ def _documents(path: Path, text_key: str, errors: str = "strict") -> Iterator[tu
                     yield "", len(raw)
                     continue
                 try:
-                    obj = json.loads(line)
+                    obj = parse_json(line)
                 except json.JSONDecodeError as exc:
                     raise UsageError(f"{path}:{lineno}: not a JSON object ({exc.msg})") from None
                 if not isinstance(obj, dict) or not isinstance(obj.get(text_key), str):
@@ -162,8 +164,10 @@ def load_tokenizer(tokenizer: Path) -> tuple[Any, Path]:
         raise UsageError(f"{tok_file}: not a tokenizers tokenizer.json ({str(exc).splitlines()[0]})") from None
 
 
-def prepare_outputs(out: Path, targets: list[Path]) -> None:
-    """The output files can be written: no folder in their place, leftovers of killed runs removed, the folder made."""
+def prepare_outputs(out: Path, targets: list[Path], sources: list[Path]) -> None:
+    """The output files can be written: none of them is a file the command reads (`sources`), no
+    folder in their place, leftovers of killed runs removed, the folder made."""
+    _check_not_overwritten(out, tuple(targets), sources)
     outputs.check_writable_location(targets[0], "--out")
     for target in targets:
         if target.is_dir():
@@ -200,7 +204,7 @@ def prepare_data(
     dtype_name = token_dtype_for(vocab_size)
     dtype = TOKEN_DTYPES[dtype_name]
     bin_path, header_path = token_file_paths(out)
-    prepare_outputs(out, [bin_path, header_path])
+    prepare_outputs(out, [bin_path, header_path], [*map(Path, inputs), tok_file])
     tmp = outputs.temp_path(bin_path, outputs.TMP)
     total_bytes = sum(Path(p).stat().st_size for p in inputs)
     done_bytes = num_tokens = num_docs = 0
@@ -245,6 +249,19 @@ def prepare_data(
                        sources=[str(p) for p in inputs])
     return PrepareResult(str(bin_path), str(header_path), num_tokens, num_docs, dtype_name, vocab_size, eos,
                          [str(p) for p in inputs])
+
+
+def _check_not_overwritten(out: Path, targets: tuple[Path, ...], sources: list[Path]) -> None:
+    """--out may not name a file the command reads (OUT.bin / OUT.json being an input or the tokenizer)."""
+    for target in targets:
+        for source in sources:
+            try:
+                same = target.resolve() == source.resolve() or (target.exists() and os.path.samefile(target, source))
+            except OSError:
+                continue
+            if same:
+                raise UsageError(f"--out {out} would overwrite {source}, which this command reads",
+                                 hint="choose another --out prefix")
 
 
 def to_bytes(ids: list[int], dtype: torch.dtype) -> bytes:

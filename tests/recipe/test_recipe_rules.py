@@ -95,6 +95,10 @@ CASES = {
     "fp8.native_gpu": ([*MX, "system.device=cuda", "system.gpu=h100"], "error",
                        [*MX, "system.device=cuda", "system.gpu=gb200"]),
     "fp8.mxfp8_expert_bias": (MX, "warning", ["precision.fp8_recipe=tensorwise"]),
+    "qat.mxfp4_dims": (["precision.qat=mxfp4", "model.architecture.intermediate_size=48"], "error",
+                       ["precision.qat=mxfp4"]),
+    "qat.fp8_recipe": (["precision.qat=mxfp4", "precision.fp8_recipe=rowwise", "precision.fp8_emulation=true"], "error",
+                       ["precision.qat=mxfp4", *MX, "precision.fp8_emulation=true"]),
     "training.lr_schedule": (["training.min_lr=0.01"], "error", ["training.min_lr=0.001"]),
     "optimizer.betas": (["optimizer.adam_beta2=1.0"], "error", ["optimizer.adam_beta2=0.999"]),
     "optimizer.param_gather": (

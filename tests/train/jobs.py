@@ -21,7 +21,7 @@ FIELDS = {
     "cp_size": "parallelism.context_parallel_size",
     "device": "system.device", "heartbeat_timeout_s": "system.heartbeat_timeout_s",
     "params_dtype": "precision.params_dtype", "fp8_recipe": "precision.fp8_recipe",
-    "fp8_format": "precision.fp8_format", "fp8_emulation": "precision.fp8_emulation",
+    "fp8_format": "precision.fp8_format", "fp8_emulation": "precision.fp8_emulation", "qat": "precision.qat",
     "aux_loss_coeff": "moe.aux_loss_coeff",
     "overlap_moe_expert_parallel_comm": "overlap.overlap_moe_expert_parallel_comm",
     "delay_wgrad_compute": "overlap.delay_wgrad_compute",
