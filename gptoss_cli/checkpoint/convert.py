@@ -458,8 +458,9 @@ def convert(
     if vocab_multiple is not None and to != MEGATRON:
         raise UsageError("--vocab-multiple applies to --to megatron only")
     if vocab_multiple is not None and (isinstance(vocab_multiple, bool) or not isinstance(vocab_multiple, int)
-                                       or not 1 <= vocab_multiple <= 1 << 20):
-        raise UsageError(f"--vocab-multiple {vocab_multiple!r} must be an integer from 1 to {1 << 20}")
+                                       or not 1 <= vocab_multiple <= 1 << 16):
+        # Megatron pads to make-vocab-size-divisible-by x TP (128 x 512 at most); each padding row is written
+        raise UsageError(f"--vocab-multiple {vocab_multiple!r} must be an integer from 1 to {1 << 16}")
     if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
         raise UsageError(f"max shard size {max_shard_bytes!r} must be a positive number of bytes")
     # First, what killed runs left for DST: a stranded old DST goes back in place before DST is judged.

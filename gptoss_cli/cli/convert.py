@@ -33,8 +33,9 @@ def convert_cmd(
     revision: Optional[str] = typer.Option(None, "--revision", help="Hub revision (branch, tag or commit) when SRC is a repo id."),
     force: bool = typer.Option(False, "--force", help="Replace a non-empty DST (only after the new one is complete)."),
     vocab_multiple: Optional[int] = typer.Option(
-        None, "--vocab-multiple", help="--to megatron only: pad the embedding and output rows to a multiple of this "
-        "(Megatron's --make-vocab-size-divisible-by; default 128)."),
+        None, "--vocab-multiple", min=1, max=1 << 16,
+        help="--to megatron only: pad the embedding and output rows to a multiple of this "
+        "(Megatron's --make-vocab-size-divisible-by; default 128; at most 65536)."),
     max_shard_gb: float = typer.Option(5.0, "--max-shard-size", help="Maximum output shard size in GB."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Also write a machine-readable summary to this file."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar and no table."),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 from typing import Optional
@@ -13,6 +14,10 @@ from rich.table import Table
 
 from gptoss_cli.cli.app import app, check_json_path, check_number, console, err_console, handle_errors, write_json
 from gptoss_cli.errors import UsageError
+
+
+MIN_TEMPERATURE = 1e-6  # far from fp32 overflow of logits / temperature, far below any useful temperature
+MAX_TEMPERATURE = 100.0
 
 
 def _short(text: str, width: int = 60) -> str:
@@ -40,7 +45,7 @@ def generate_cmd(
     tokenizer: Optional[Path] = typer.Option(None, "--tokenizer", "-t",
                                              help="tokenizer.json or a folder holding it (default: the checkpoint's)"),
     max_new_tokens: int = typer.Option(512, "--max-new-tokens", "-n", help="most new tokens per prompt"),
-    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy (default); else sample"),
+    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy (default); else sample (1e-6 to 100)"),
     top_p: float = typer.Option(1.0, "--top-p", help="nucleus sampling: keep the most likely tokens up to this mass"),
     seed: int = typer.Option(0, "--seed", help="seed of the sampler"),
     device: Optional[str] = typer.Option(None, "--device", help="torch device (default: cuda if available, else cpu)"),
@@ -71,7 +76,10 @@ def generate_cmd(
                          "write them into the conversation of --messages")
     if max_new_tokens < 1 or max_new_tokens > 1 << 20:
         raise UsageError(f"--max-new-tokens {max_new_tokens} must be in [1, {1 << 20}]")
-    check_number("--temperature", temperature, low=0.0, high=100.0)
+    # logits / temperature is fp32: below ~1e-38 it overflows to inf and the softmax turns NaN
+    if temperature != 0.0 and not (math.isfinite(temperature) and MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE):
+        raise UsageError(f"--temperature {temperature!r} must be 0 (greedy) or a finite number in "
+                         f"[{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]")
     check_number("--top-p", top_p, low=0.0, high=1.0, low_inclusive=False)
     if not 0 <= seed < 1 << 63:
         raise UsageError(f"--seed {seed} must be in [0, 2**63)")

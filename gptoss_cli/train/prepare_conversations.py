@@ -49,6 +49,9 @@ class PrepareConversationsResult:
     sources: list[str] = field(default_factory=list)
 
 
+INT32_MAX = 2**31 - 1  # training.seq_length's bound (recipe/schema.py): a row is a tensor dimension
+
+
 def _check_options(analysis: str, train_on: str, max_length: int | None, truncate: bool, seq_length: int | None,
                    errors: str) -> int | None:
     if analysis not in ANALYSIS_MODES:
@@ -58,8 +61,8 @@ def _check_options(analysis: str, train_on: str, max_length: int | None, truncat
     if errors not in DECODE_ERRORS:
         raise UsageError(f"--errors {errors!r} is not one of {', '.join(DECODE_ERRORS)}")
     for name, value in (("--max-length", max_length), ("--seq-length", seq_length)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 2):
-            raise UsageError(f"{name} {value!r} must be at least 2 tokens")
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 2 <= value <= INT32_MAX):
+            raise UsageError(f"{name} {value!r} must be at least 2 tokens and at most {INT32_MAX}")
     if max_length is None:
         max_length = seq_length  # a conversation longer than a row could never be trained whole
     if seq_length is not None and max_length > seq_length:

@@ -31,6 +31,23 @@ CASES = {
     ("prepare-data", "--eos-id"): (["IN", "--out", "OUT", "--tokenizer", "TOK"], str(10**30),
                                    f"--eos-id {10**30} is outside the vocabulary"),
     ("demo", "--steps"): ([], "10001", "Invalid value for '--steps'"),
+    ("convert", "--vocab-multiple"): (["SRC", "DST", "--to", "megatron"], str((1 << 16) + 1),
+                                      "Invalid value for '--vocab-multiple'"),
+    ("eval", "--seq-length"): (["CKPT", "--data", "DATA"], str((1 << 24) + 1), "Invalid value for '--seq-length'"),
+    ("eval", "--micro-batch-size"): (["CKPT", "--data", "DATA"], str((1 << 16) + 1),
+                                     "Invalid value for '--micro-batch-size'"),
+    ("eval", "--expert-parallel"): (["CKPT", "--data", "DATA"], str((1 << 16) + 1),
+                                    "Invalid value for '--expert-parallel'"),
+    ("generate", "--max-new-tokens"): (["CKPT", "-p", "hi"], str((1 << 20) + 1),
+                                       f"--max-new-tokens {(1 << 20) + 1} must be in [1, {1 << 20}]"),
+    ("generate", "--seed"): (["CKPT", "-p", "hi"], str(2**63), f"--seed {2**63} must be in [0, 2**63)"),
+    ("generate", "--temperature"): (["CKPT", "-p", "hi"], "1e-300",
+                                    "--temperature 1e-300 must be 0 (greedy) or a finite number in [1e-06, 100]"),
+    ("generate", "--top-p"): (["CKPT", "-p", "hi"], "1.5", "--top-p 1.5 must be a finite number in (0, 1]"),
+    ("prepare-data", "--max-length"): (["IN", "--out", "OUT", "--tokenizer", "TOK", "--format", "harmony"],
+                                       str(I32 + 1), f"--max-length {I32 + 1} must be at least 2 tokens and at most"),
+    ("prepare-data", "--seq-length"): (["IN", "--out", "OUT", "--tokenizer", "TOK", "--format", "harmony"],
+                                       str(I32 + 1), f"--seq-length {I32 + 1} must be at least 2 tokens and at most"),
 }
 
 

@@ -65,3 +65,12 @@ def test_sampling_draws_from_the_filtered_distribution():
     assert set(draws.tolist()) == set(torch.nonzero(p).flatten().tolist())
     # 4000 draws: a frequency is within 5 standard deviations (sqrt(p(1-p)/n) <= 0.008) of p
     assert (freq - p).abs().max() < 0.04
+
+
+def test_the_smallest_top_p_the_cli_accepts_keeps_the_most_likely_token():
+    """--top-p is in (0, 1]: even 1e-300 (0 in fp32) keeps one token, so sampling never sees all zeros."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    s = Sampling(temperature=1.0, top_p=1e-300, seed=0)
+    assert torch.equal(top_p_filter(torch.softmax(logits, dim=-1), s.top_p) > 0,
+                       torch.tensor([[True, False, False, False]]))
+    assert choose(logits, s, torch.Generator().manual_seed(0)).tolist() == [0]
