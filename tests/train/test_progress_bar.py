@@ -5,7 +5,9 @@ from __future__ import annotations
 import gptoss_cli.cli.train as train_cli
 from gptoss_cli.cli.train import TrainProgressBar
 
-STEP = {"kind": "step", "loss": 2.0, "lr": 1e-4, "grad_norm": 1.0, "tokens_per_s": 100.0, "step_time_s": 0.5}
+# the step event as train/loop.py emits it: mfu is None where the GPU's peak is unknown (a CPU)
+STEP = {"kind": "step", "loss": 2.0, "lr": 1e-4, "grad_norm": 1.0, "tokens_per_s": 100.0, "step_time_s": 0.5,
+        "tflops_per_gpu": 0.5, "mfu": None}
 
 
 def test_progress_lines_show_eta_and_mfu(monkeypatch, capsys):
