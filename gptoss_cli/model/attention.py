@@ -133,7 +133,10 @@ class LayerNormLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(rms_norm(x, self.layer_norm_weight, self.eps), self.weight, self.bias, gemm=self.gemm)
+        h = rms_norm(x, self.layer_norm_weight, self.eps)
+        y = linear(h, self.weight, self.bias, gemm=self.gemm)
+        adapter = getattr(self, "adapter", None)  # LoRA (model/lora.py), on the normalised input
+        return y if adapter is None else y + adapter(h)
 
 
 class CoreAttention(nn.Module):

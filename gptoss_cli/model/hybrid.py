@@ -29,7 +29,7 @@ from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.model.dense_gemm import DenseGemm, Linear
 from gptoss_cli.model.dispatcher import AllToAllTokenDispatcher
 from gptoss_cli.model.grouped_gemm import GroupedGemm
-from gptoss_cli.model.moe import DenseMLPLayer, ExpertLinear, MoELayer, load_balancing_loss
+from gptoss_cli.model.moe import DenseMLPLayer, ExpertLinear, MoELayer, PerExpertParams, load_balancing_loss
 from gptoss_cli.model.norm import RMSNorm
 from gptoss_cli.model.pattern import ATTENTION, MLP, MOE, HybridPattern, parse_pattern
 from gptoss_cli.model.rope import YarnRotaryEmbedding
@@ -219,7 +219,7 @@ def checkpoint_slots(
     """(checkpoint name, destination tensor) for every parameter of `module` (a model or one layer,
     names prefixed by `prefix`). Expert names map to a row of their stacked parameter; with
     all_experts, names of experts this module does not hold come with None."""
-    owners = {name: m for name, m in module.named_modules() if isinstance(m, ExpertLinear)}
+    owners = {name: m for name, m in module.named_modules() if isinstance(m, PerExpertParams)}
     for name, param in module.named_parameters():
         owner_name, _, leaf = name.rpartition(".")
         owner = owners.get(owner_name)
