@@ -66,7 +66,9 @@ class _ChunkedLMLoss(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_h = torch.empty_like(hidden) if want_grad else None
         # dW adds up over chunks: in fp32, then cast once (as a single GEMM would round once).
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_grad else None
+        # A frozen output layer (LoRA) gets no gradient: its V x H accumulator is never allocated.
+        want_w = want_grad and weight.requires_grad
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
         for start in range(0, hidden.shape[0], chunk):
             h = hidden[start:start + chunk]
             logits = F.linear(h, weight)
@@ -79,11 +81,13 @@ class _ChunkedLMLoss(torch.autograd.Function):
                 (dlogits,) = torch.autograd.grad(loss, logits)
             total += loss.detach()
             torch.mm(dlogits, weight, out=grad_h[start:start + chunk])
+            if grad_w is None:
+                continue
             if grad_w.dtype == dlogits.dtype:
                 grad_w.addmm_(dlogits.t(), h)
             else:
                 grad_w += dlogits.t() @ h
-        ctx.grads = (grad_h, grad_w.to(weight.dtype) if want_grad else None)
+        ctx.grads = (grad_h, grad_w.to(weight.dtype) if grad_w is not None else None)
         return total
 
     @staticmethod
@@ -92,7 +96,8 @@ class _ChunkedLMLoss(torch.autograd.Function):
         ctx.grads = None
         if grad_h is None:
             raise RuntimeError("the chunked LM loss was computed without gradients (no_grad) and cannot back-propagate")
-        return grad_h * grad_out.to(grad_h.dtype), grad_w * grad_out.to(grad_w.dtype), None, None, None
+        grad_w = None if grad_w is None else grad_w * grad_out.to(grad_w.dtype)
+        return grad_h * grad_out.to(grad_h.dtype), grad_w, None, None, None
 
 
 def chunked_lm_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
