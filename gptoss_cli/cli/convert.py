@@ -21,8 +21,10 @@ def convert_cmd(
                               "folder, or a training checkpoint (a run's checkpoint.dir, read through `latest`, or one "
                               "iter_* folder)."),
     dst: Path = typer.Argument(..., help="Output folder (written under a temporary name, renamed when complete)."),
-    to: Optional[str] = typer.Option(None, "--to", help="Output layout: hybrid or hf. Default: the other layout than "
-                                     "SRC's; hybrid for a training checkpoint."),
+    to: Optional[str] = typer.Option(None, "--to", help="Output layout: hybrid or hf (a LoRA training checkpoint: its "
+                                     "base with the adapters merged in), or peft (a LoRA run's adapters as a PEFT "
+                                     "adapter, docs/lora.md). Default: the other layout than SRC's; hybrid for a "
+                                     "training checkpoint."),
     experts: Optional[str] = typer.Option(None, "--experts", help="Expert form of an HF output: bf16 (default) or mxfp4."),
     weights: Optional[str] = typer.Option(
         None, "--weights", help="Training checkpoints only. model (default): the weights the run computed with, in "

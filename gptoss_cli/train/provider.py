@@ -8,7 +8,8 @@ it builds keeps its own deep copy as `model.config`, which is the object the sch
 With `precision.fp8_recipe` set, the attention projections and expert GEMMs get FP8 gemms
 (gptoss_cli/fp8/recipe.py, `select_gemms`) for this rank's device.
 
-Weights come from one of: a seed (every tensor drawn from a generator seeded by the seed and the
+With a `lora` section the base is frozen and adapters are added after the weights are loaded
+(gptoss_cli/model/lora.py). Weights come from one of: a seed (every tensor drawn from a generator seeded by the seed and the
 tensor's checkpoint name, so any EP layout gets the same initial model), a Hybrid checkpoint
 (each rank reads only its own experts' tensors) or a Hugging Face checkpoint (mapped on the fly).
 """
@@ -24,6 +25,7 @@ from torch import nn
 
 from gptoss_cli.fp8 import Fp8Settings, select_gemms
 from gptoss_cli.model.config import GptOssArch
+from gptoss_cli.model.lora import LoraSettings, attach_lora
 from gptoss_cli.model.dtypes import torch_dtype
 from gptoss_cli.recipe.schema import RecipeConfig
 from gptoss_cli.model.dispatcher import AllToAllTokenDispatcher
@@ -43,6 +45,7 @@ class ModelRuntimeConfig:
     expert_model_parallel_size: int
     overlap_moe_expert_parallel_comm: bool
     delay_wgrad_compute: bool
+    lora: LoraSettings | None = None  # LoRA: the provider freezes the base and adds adapters (model/lora.py)
     # Set at run time: the FP8 gemms the provider selected (which path runs, GEMM counts), and the
     # training callbacks, installed by setup on the model's own copy of this config.
     fp8_gemms: Any = None
@@ -58,11 +61,21 @@ class ModelRuntimeConfig:
             expert_model_parallel_size=cfg.parallelism.expert_model_parallel_size,
             overlap_moe_expert_parallel_comm=cfg.overlap.overlap_moe_expert_parallel_comm,
             delay_wgrad_compute=cfg.overlap.delay_wgrad_compute,
+            lora=lora_settings(cfg),
         )
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return torch_dtype(self.params_dtype)
+
+
+def lora_settings(cfg: RecipeConfig) -> LoraSettings | None:
+    """The recipe's `lora` section as the model's settings; None when lora.rank is 0 (full fine-tuning)."""
+    lo = cfg.lora
+    if lo.rank == 0:
+        return None
+    return LoraSettings(rank=lo.rank, alpha=float(lo.alpha), dropout=float(lo.dropout),
+                        target_modules=tuple(lo.target_modules)).check()
 
 
 def dispatcher_factory(num_experts: int, state: ParallelState) -> Callable[[int, Any], AllToAllTokenDispatcher] | None:
@@ -101,6 +114,8 @@ class HybridModelProvider:
             init_weights_(model, arch.initializer_range, self.seed)
         else:
             load_weights(model, self.weights)
+        if cfg.lora is not None:  # after the weights: the base is frozen as loaded, adapters start at B = 0
+            attach_lora(model, cfg.lora, seed=self.seed)
         gemms = None
         if cfg.fp8.enabled:
             gemms = select_gemms(cfg.fp8, state.device)  # ConfigError: no native kernel, no emulation
@@ -111,4 +126,4 @@ class HybridModelProvider:
         return model
 
 
-__all__ = ["ModelRuntimeConfig", "HybridModelProvider", "dispatcher_factory"]
+__all__ = ["ModelRuntimeConfig", "HybridModelProvider", "dispatcher_factory", "lora_settings"]
