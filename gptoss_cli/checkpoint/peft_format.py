@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from gptoss_cli.checkpoint.mapping import split_qkv
+from gptoss_cli.checkpoint.mapping import interleave_experts, split_qkv
 from gptoss_cli.model.config import GptOssArch
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -33,14 +33,6 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 ATTENTION_MODULES = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",)}
 EXPERT_PARAMETERS = {"linear_fc1": "mlp.experts.gate_up_proj", "linear_fc2": "mlp.experts.down_proj"}
-
-
-def _interleave_rows(b: torch.Tensor) -> torch.Tensor:
-    """[gate; up] rows -> gate/up alternating (gate j = row 2j), HF's gate_up_proj column order."""
-    half = b.shape[0] // 2
-    out = torch.empty_like(b)
-    out[0::2], out[1::2] = b[:half], b[half:]
-    return out
 
 
 def peft_tensors(arch: GptOssArch, adapters: dict[str, torch.Tensor], target_modules: tuple[str, ...]) -> dict[str, torch.Tensor]:
@@ -68,8 +60,8 @@ def peft_tensors(arch: GptOssArch, adapters: dict[str, torch.Tensor], target_mod
                 continue
             a = torch.stack([adapters[f"{experts}.{ours}.adapter.linear_in.weight{e}"] for e in range(num_experts)])
             b = torch.stack([adapters[f"{experts}.{ours}.adapter.linear_out.weight{e}"] for e in range(num_experts)])
-            if ours == "linear_fc1":
-                b = torch.stack([_interleave_rows(be) for be in b])
+            if ours == "linear_fc1":  # [gate; up] rows -> alternating, as HF's gate_up_proj columns
+                b = interleave_experts(arch, b.unbind(0))
             e, rank, fan_in = a.shape
             key = f"{hf}.mlp.experts." + ("base_layer." if nested and ours == "linear_fc1" else "")
             out[key + "lora_A.weight"] = a.reshape(e * rank, fan_in).contiguous()
