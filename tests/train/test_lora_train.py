@@ -9,14 +9,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
 from gptoss_cli.checkpoint.convert import convert
 from gptoss_cli.checkpoint.dcp_io import read_metadata
 from gptoss_cli.checkpoint.load import checkpoint_architecture, model_from_checkpoint
 from gptoss_cli.checkpoint.sources import open_source
 from gptoss_cli.checkpoint.training_format import TRAIN_STATE, latest_checkpoint
-from gptoss_cli.errors import CheckpointError, UsageError
+from gptoss_cli.cli import app
+from gptoss_cli.errors import CheckpointError
 from gptoss_cli.train.loop import run_worker
+from tests.checkpoint.test_convert_errors import assert_clean_failure, run_convert
 from tests.model.tiny_checkpoints import load_hf_reference, rewrite_hybrid, write_converted_pair
 from tests.tolerances import reassociation_rel
 from tests.train.jobs import train_job
@@ -114,7 +117,8 @@ def test_peft_export_and_merged_export_compute_the_trained_model(base, trained, 
     logits of our model loaded from the training checkpoint (the adapters merged in fp32)."""
     hf, _, _ = base
     run, _ = trained
-    convert(str(run / "ckpt"), tmp_path / "adapter", to="peft")
+    cli = CliRunner().invoke(app, ["convert", str(run / "ckpt"), str(tmp_path / "adapter"), "--to", "peft"])
+    assert cli.exit_code == 0 and "training -> peft" in cli.output, cli.output
     convert(str(run / "ckpt"), tmp_path / "merged", to="hf", dtype="float32")
     assert {p.name for p in (tmp_path / "adapter").iterdir()} == {"adapter_config.json", "adapter_model.safetensors"}
     ours = model_from_checkpoint(run / "ckpt").eval()
@@ -136,9 +140,9 @@ def test_peft_export_of_a_full_fine_tune_is_a_one_line_error(base, tmp_path):
     _, hybrid, arch = base
     run_worker(train_job(tmp_path / "run", arch=arch, pretrained=str(hybrid), train_iters=1, seq_length=16,
                          global_batch_size=1, checkpoint_dir=str(tmp_path / "ckpt")))
-    with pytest.raises(UsageError, match=r"--to peft exports the LoRA adapters .* a full fine-tune"):
-        convert(str(tmp_path / "ckpt"), tmp_path / "adapter", to="peft")
-    assert not (tmp_path / "adapter").exists()
+    result, output = run_convert(tmp_path / "ckpt", tmp_path / "adapter", "--to", "peft")
+    assert_clean_failure(result, output, "--to peft exports the LoRA adapters", "a full fine-tune",
+                         dst=tmp_path / "adapter")
 
 
 def test_another_base_is_refused_by_resume_and_export(base, tmp_path):
@@ -159,5 +163,5 @@ def test_another_base_is_refused_by_resume_and_export(base, tmp_path):
     with pytest.raises(CheckpointError, match=r"sha256 .*\(a different base\)"):
         run_worker(_job(tmp_path, copy, arch, iters=2))
     for to in ("peft", "hf", "hybrid"):
-        with pytest.raises(CheckpointError, match=r"sha256 .*\(a different base\)"):
-            convert(str(tmp_path / "ckpt"), tmp_path / f"out-{to}", to=to)
+        result, output = run_convert(tmp_path / "ckpt", tmp_path / f"out-{to}", "--to", to)
+        assert_clean_failure(result, output, "sha256", "(a different base)", dst=tmp_path / f"out-{to}")
