@@ -3,7 +3,9 @@
 For 1, 2 and 4 blocks (MXFP4 experts, hidden = intermediate = 2880, 128 experts, 64/8 heads,
 vocab 201088) it converts HF -> Hybrid in a fresh process and prints:
   * throughput ratio: output bytes/s of the conversion divided by bytes/s of a plain file copy of
-    the same output (copy + sync), timed in the same run (median over --repeats);
+    the same output (copy + fsync of the copy; convert's time includes fsync of its outputs),
+    timed in the same run (median over --repeats); like convert's
+    source, the copy's source is in the page cache (read once, untimed, before each file's copy);
   * peak RSS of the converting process (must stay flat as blocks are added);
   * the rate of each stage, measured inside the same conversions, so that a reader sees which one
     bounds the run on their machine: read GB/s and decode GB/s per worker thread (source bytes
@@ -38,11 +40,12 @@ from pathlib import Path
 import torch
 
 from gptoss_cli.checkpoint import mxfp4
-from gptoss_cli.checkpoint.convert import _worker_count, keep_freed_memory, plan_to_hf
+from gptoss_cli.checkpoint.convert import _worker_count, plan_to_hf
 from gptoss_cli.checkpoint.layouts import HF_MXFP4
 from gptoss_cli.checkpoint.mapping import units
 from gptoss_cli.checkpoint.safetensors_io import ShardedWriter
 from gptoss_cli.model.config import preset
+from gptoss_cli.resources import keep_freed_memory
 
 
 # --- the decode before issue 16, the baseline of the micro-benchmark -----------------------
@@ -153,16 +156,40 @@ def convert_in_subprocess(src: Path, dst: Path) -> dict:
     return json.loads(summary.read_text())
 
 
+def read_through(path: Path, chunk: int = 64 << 20) -> None:
+    """Read a file once so that its pages are in the page cache."""
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(chunk)
+        while f.readinto(buf):
+            pass
+
+
+def fsync_files(paths) -> None:
+    """Flush these files' data to disk (not the whole system's, as `sync` would: on a shared host
+    other jobs' dirty pages would land in whichever timing ran the sync)."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
 def plain_copy_seconds(folder: Path, dst: Path) -> float:
     """Copy the output folder file by file (copy + sync timed), deleting each copy before the next
-    so that the baseline needs one shard of extra disk, not a second model."""
+    so that the baseline needs one shard of extra disk, not a second model.
+
+    Each file is read once before its copy is timed: convert reads a source that is in the page
+    cache (just written by `write_synthetic`), so the copy gets a cached source too, not one that
+    writing and syncing may have pushed out of memory."""
     dst.mkdir()
     total = 0.0
     for f in sorted(folder.iterdir()):
         subprocess.run(["sync"], check=False)
+        read_through(f)
         t0 = time.perf_counter()
         shutil.copyfile(f, dst / f.name)
-        subprocess.run(["sync"], check=False)
+        fsync_files([dst / f.name])
         total += time.perf_counter() - t0
         (dst / f.name).unlink()
     return total
@@ -199,7 +226,7 @@ def main() -> None:
             subprocess.run(["sync"], check=False)  # start both timings with no dirty pages pending
             summary = convert_in_subprocess(src, dst)
             t0 = time.perf_counter()
-            subprocess.run(["sync"], check=False)
+            fsync_files(sorted(dst.iterdir()))
             sync_s = time.perf_counter() - t0
             # time inside convert() (not the interpreter start-up) plus flushing its output to disk
             seconds = summary["seconds"] + sync_s

@@ -1,14 +1,29 @@
 """Benchmark `gptoss train`'s training step: ours vs transformers' GptOssForCausalLM, and EP=2 on 2 processes.
 
-In one run, on the same architecture (the `tiny` preset by default) and the same batch:
+In one run, on the same architecture (the `tiny` preset by default), the same initial weights and
+the same batch:
   * ours, single process: HybridModel + gradient buffers + finalize_model_grads + sharded AdamW
     through the plain schedule, one optimizer step per measured step;
-  * transformers' GptOssForCausalLM: forward with labels, backward, torch AdamW step;
-  * ours at EP=2 on 2 gloo processes (each process takes half of the same global batch).
-Prints tokens/s (median over --repeats of the median step time over --steps measured steps) and
-the ratios ours / transformers (target >= 1) and EP=2 / ours single-process.
+  * transformers' GptOssForCausalLM at the settings a user would pick for speed: its default
+    attention and expert implementations (printed), `torch.optim.AdamW(fused=True)`,
+    `clip_grad_norm_(foreach=True)`, the same lr, betas, eps, weight decay (0) and clip as ours;
+    its weights are ours, re-arranged by the test-local HF <-> Hybrid mapping
+    (tests/model/conftest.py), so the first step's losses must agree (checked, printed);
+  * ours at EP=2 on 2 gloo processes (each process takes half of the same global batch; wall
+    clock only, so only with `--clock wall`).
+Steps alternate between the two implementations (ours, transformers, transformers, ours, ...), so
+load on a shared machine hits both alike. By default each step is timed by this process's CPU
+time on one thread (`--clock cpu --threads 1`): on a shared host that measures the work, not the
+waiting. Prints tokens/s from the median step time, the ratio ours / transformers per repeat
+(median of that repeat's steps; the spread is their min-max), and the share of the GEMM peak:
+model FLOPs per step (`model_flops_per_step`: 6 x matmul parameters touched per token x tokens,
+plus the attention scores and their products over the visible keys) divided by the step time and
+by the fp32 `torch.mm` rate of this CPU measured between the repeats of the same run
+(`gemm_peak_gflops`, the median, with its min-max).
 
     python bench/train.py --batch 4 --seq 128 --steps 5 --repeats 3 [--dtype fp32] [--json out.json]
+    python bench/train.py --preset wide --batch 2 --seq 512     # hidden 512, 16 experts top-4
+    python bench/train.py --arch hidden_size=512,intermediate_size=512,num_local_experts=16,num_experts_per_tok=4 --batch 2 --seq 512
 
 `--optimizer` instead times the optimizer's part of a step, finalize_model_grads + step, of the
 distributed optimizer against the one it replaced (whole-parameter shards, torch.optim.AdamW with
@@ -16,10 +31,6 @@ foreach=False, one broadcast per owner; kept below as `BaselineAdamW`) on the sa
 gradients, at W=1 and at W=2 (2 gloo processes, EP=2), and prints the ratios:
 
     python bench/train.py --optimizer --arch hidden_size=512,intermediate_size=512,num_local_experts=16,num_experts_per_tok=4
-
-The step benchmark on the wide model:
-
-    python bench/train.py --preset wide --batch 2 --seq 512 --no-ep   # hidden 512, 16 experts top-4
 
 `--preset` is a model preset (gptoss_cli/model/config.py) or `wide`: the tiny model widened to
 hidden 512, intermediate 512, 16 experts top-4, 8 query / 2 kv heads of 64, vocabulary 20480
@@ -44,6 +55,7 @@ if str(ROOT) not in sys.path:  # tests/train/dist_helpers.py runs the 2-process 
 import torch  # noqa: E402
 
 from gptoss_cli.model.config import preset
+from gptoss_cli.recipe.flops import model_flops_per_token
 
 
 def bench_arch(name: str):
@@ -75,61 +87,119 @@ def _median_step(step, steps: int, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
-def ours_step_fn(arch, tokens: torch.Tensor, dtype: str, state=None, microbatches: int = 1):
-    """A closure running one full training step of ours on `tokens` (this rank's share)."""
+def _recipe(dtype: str, ep_size: int = 1):
+    from gptoss_cli.recipe.schema import RecipeConfig
+
+    recipe = RecipeConfig()
+    recipe.precision.params_dtype, recipe.moe.aux_loss_coeff = dtype, 0.0
+    recipe.parallelism.expert_model_parallel_size = ep_size
+    recipe.optimizer.weight_decay, recipe.optimizer.use_distributed_optimizer = 0.0, True
+    return recipe
+
+
+def ours_step_fn(arch, tokens: torch.Tensor, dtype: str, state=None, microbatches: int = 1,
+                 weights: dict[str, torch.Tensor] | None = None):
+    """A closure running one full training step of ours on `tokens` (this rank's share); it returns
+    the step's mean token loss. `weights`: a Hybrid state dict to start from (default: seed 0's init)."""
     from gptoss_cli.parallel.state import ParallelState
     from gptoss_cli.schedule import get_forward_backward_func
     from gptoss_cli.train.data import Microbatch
     from gptoss_cli.train.loop import forward_step
-    from gptoss_cli.recipe.schema import RecipeConfig
     from gptoss_cli.train.provider import HybridModelProvider, ModelRuntimeConfig
-    from gptoss_cli.train.setup import setup_model_and_optimizer
+    from gptoss_cli.train.setup import install_training_callbacks, wrap_model_and_optimizer
 
     state = state or ParallelState()
-    recipe = RecipeConfig()
-    recipe.precision.params_dtype, recipe.moe.aux_loss_coeff = dtype, 0.0
-    recipe.parallelism.expert_model_parallel_size = state.ep_size
-    recipe.optimizer.weight_decay, recipe.optimizer.use_distributed_optimizer = 0.0, True
+    recipe = _recipe(dtype, state.ep_size)
     cfg = ModelRuntimeConfig.from_recipe(recipe, arch, arch.hybrid_layer_pattern)
-    setup = setup_model_and_optimizer(HybridModelProvider(cfg, seed=0), state, recipe.optimizer, 1e-4)
-    schedule = get_forward_backward_func(setup.config)
+    built = HybridModelProvider(cfg, seed=0).provide(state)
+    if weights is not None:  # before the buffers and the optimizer's state are built from the parameters
+        built.load_state_dict(weights, strict=True)
+    model, optimizer = wrap_model_and_optimizer(built, state, recipe.optimizer, 1e-4)
+    config = install_training_callbacks(model, state)
+    schedule = get_forward_backward_func(config)
     mbs = [Microbatch(tokens=t[:, :-1].contiguous(), labels=t[:, 1:].contiguous())
            for t in tokens.chunk(microbatches)]
 
-    def step() -> None:
-        setup.model.zero_grad_buffer()
-        schedule(forward_step_func=forward_step, data_iterator=iter(mbs), model=setup.model,
-                 num_microbatches=len(mbs))
+    def step() -> float:
+        model.zero_grad_buffer()
+        logs = schedule(forward_step_func=forward_step, data_iterator=iter(mbs), model=model,
+                        num_microbatches=len(mbs))
         t0 = CLOCK()
-        setup.optimizer.step(1e-4)
+        optimizer.step(1e-4)
         step.optimizer_times.append(CLOCK() - t0)
+        return float(sum(log["loss_sum"] for log in logs) / sum(log["num_tokens"] for log in logs))
 
     step.optimizer_times = []
     return step
 
 
-def hf_step_fn(arch, tokens: torch.Tensor, dtype: str):
+def hf_model(arch, dtype: str):
+    """transformers' GptOssForCausalLM at its default attention and expert implementations, with
+    the tests' random weights (tests/model/conftest.py `randomize_`: sinks, norms, biases and router
+    at scales where each matters), so that the loss is far from log(vocab) and the first-step
+    check below can tell two different computations apart."""
     from transformers import GptOssConfig, GptOssForCausalLM
 
-    hf_cfg = arch.to_hf_config()
-    hf_cfg.update(output_router_logits=False, torch_dtype=None)
-    hf_cfg.pop("torch_dtype", None)
-    config = GptOssConfig(**hf_cfg)
-    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
-    model = GptOssForCausalLM(config).to(torch_dtype)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), foreach=False)
-    inputs = tokens[:, :-1].contiguous()
+    from tests.model.conftest import randomize_
 
-    def step() -> None:
-        # transformers shifts the labels itself: the same S input tokens as ours go through the model.
-        out = model(input_ids=inputs, labels=inputs)
+    hf_cfg = arch.to_hf_config()
+    hf_cfg.update(output_router_logits=False)
+    hf_cfg.pop("torch_dtype", None)
+    torch.manual_seed(0)
+    model = GptOssForCausalLM(GptOssConfig(**hf_cfg))
+    randomize_(model, seed=0)
+    return model.to({"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]).train()
+
+
+def hybrid_weights(arch, model) -> dict[str, torch.Tensor]:
+    """The Hybrid state dict of an HF model, by the test-local re-arrangement (independent of convert)."""
+    from tests.model.conftest import hf_to_hybrid_state_dict
+
+    if arch.hybrid_layer_pattern != "*E" * arch.num_hidden_layers:
+        raise SystemExit(f"bench: the HF -> Hybrid re-arrangement expects the pattern '*E' x layers, "
+                         f"not {arch.hybrid_layer_pattern!r}")
+    return hf_to_hybrid_state_dict(model.state_dict(), arch.num_hidden_layers, arch.num_attention_heads,
+                                   arch.num_key_value_heads, arch.head_dim)
+
+
+def hf_step_fn(model, tokens: torch.Tensor):
+    """One training step of transformers' model with fused AdamW at ours' optimizer settings; returns the loss."""
+    opt_cfg = _recipe("fp32").optimizer
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(opt_cfg.adam_beta1, opt_cfg.adam_beta2),
+                            eps=opt_cfg.adam_eps, weight_decay=opt_cfg.weight_decay, fused=True)
+    # The same S input tokens and S targets as ours (transformers would otherwise shift the labels
+    # itself and score only S - 1 positions).
+    inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+    def step() -> float:
+        out = model(input_ids=inputs, labels=targets, shift_labels=targets)
         out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), opt_cfg.clip_grad, foreach=True)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        return float(out.loss.detach())
 
-    return step, getattr(config, "_attn_implementation", None)
+    return step
+
+
+def model_flops_per_step(arch, batch: int, seq: int) -> float:
+    """Training FLOPs of one step: the project's one count (gptoss_cli/recipe/flops.py, docs/flops.md)
+    per token, times the step's tokens."""
+    return model_flops_per_token(arch, seq, arch.hybrid_layer_pattern) * batch * seq
+
+
+def gemm_rates(rounds: int = 3, n: int = 1024) -> list[float]:
+    """GFLOP/s of `rounds` fp32 `torch.mm` calls (n x n by n x n) at the current thread count, by CLOCK:
+    the GEMM peak of this CPU, measured between the steps so the same machine state prices both."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    out = torch.empty(n, n)
+    torch.mm(a, b, out=out)
+    rates = []
+    for _ in range(rounds):
+        t0 = CLOCK()
+        torch.mm(a, b, out=out)
+        rates.append(2 * n**3 / (CLOCK() - t0) / 1e9)
+    return rates
 
 
 def _on_two_ranks(worker, cfg: dict) -> list:
@@ -147,7 +217,7 @@ def _ep_worker(rank: int, args: dict) -> list[float]:
 
     torch.set_num_threads(args["threads"])
     state = init_parallel(2, "cpu")
-    arch = bench_arch(args["preset"])
+    arch = _arch(args["preset"], args.get("arch"))
     tokens = _batch(arch, args["batch"], args["seq"]).chunk(2)[rank]
     step = ours_step_fn(arch, tokens, args["dtype"], state)
     times = []
@@ -159,7 +229,7 @@ def _ep_worker(rank: int, args: dict) -> list[float]:
 
 def run_ep2(args: argparse.Namespace) -> float:
     """Median global tokens/s at EP=2 on 2 processes (slowest rank's step time)."""
-    cfg = {"preset": args.preset, "batch": args.batch, "seq": args.seq, "dtype": args.dtype,
+    cfg = {"preset": args.preset, "arch": args.arch, "batch": args.batch, "seq": args.seq, "dtype": args.dtype,
            "steps": args.steps, "repeats": args.repeats, "threads": max(1, args.threads // 2)}
     per_rank = _on_two_ranks(_ep_worker, cfg)
     step_times = [max(ts) for ts in zip(*per_rank)]
@@ -352,18 +422,81 @@ def run_optimizer_bench(args: argparse.Namespace) -> dict:
     return result
 
 
+def run_step_bench(args: argparse.Namespace) -> dict:
+    """Ours vs transformers, steps alternating, from the same weights on the same batch."""
+    from gptoss_cli.resources import keep_freed_memory
+
+    if not args.default_malloc:
+        # As `gptoss train` does on the CPU. One process: transformers' steps get it too, so the
+        # ratio does not count it; --default-malloc shows what it is worth.
+        keep_freed_memory()
+    arch = _arch(args.preset, args.arch)
+    tokens = _batch(arch, args.batch, args.seq)
+    n_tokens = args.batch * args.seq
+    peer = hf_model(arch, args.dtype)
+    ours = ours_step_fn(arch, tokens, args.dtype, weights=hybrid_weights(arch, peer))
+    hf = hf_step_fn(peer, tokens)
+    # The first step of each starts from the same weights on the same tokens: the losses agree to
+    # fp32 reordering (per-token terms of size log(vocab) summed in another order; 1e-5 relative is
+    # far above that and far below any real difference, e.g. a shifted or dropped target).
+    first_ours, first_hf = ours(), hf()
+    loss_rel = abs(first_ours - first_hf) / abs(first_hf)
+    if loss_rel > 1e-5:
+        raise SystemExit(f"bench: first-step losses differ: ours {first_ours:.7g}, transformers {first_hf:.7g} "
+                         f"(relative {loss_rel:.2g}); the two sides do not compute the same step")
+    ours()
+    hf()  # warm-up
+    ours_t, hf_t, per_repeat, rates = [], [], [], []
+    for r in range(args.repeats):
+        rates += gemm_rates()
+        o_r, h_r = [], []
+        for i in range(args.steps):
+            pair = ((ours, o_r), (hf, h_r)) if (r * args.steps + i) % 2 == 0 else ((hf, h_r), (ours, o_r))
+            for fn, out in pair:
+                t0 = CLOCK()
+                fn()
+                out.append(CLOCK() - t0)
+        ours_t += o_r
+        hf_t += h_r
+        per_repeat.append(statistics.median(h_r) / statistics.median(o_r))
+    ours_s, hf_s = statistics.median(ours_t), statistics.median(hf_t)
+    flops = model_flops_per_step(arch, args.batch, args.seq)
+    peak = statistics.median(rates)
+    return {
+        "preset": args.preset, "arch": args.arch or "", "batch": args.batch, "seq": args.seq, "dtype": args.dtype,
+        "threads": args.threads, "clock": args.clock, "malloc": "default" if args.default_malloc else "keep freed",
+        "tokens_per_step": n_tokens,
+        "first_loss_ours": first_ours, "first_loss_transformers": first_hf, "first_loss_rel_diff": loss_rel,
+        "ours_step_s": ours_s, "transformers_step_s": hf_s,
+        "ours_tokens_per_s": n_tokens / ours_s, "transformers_tokens_per_s": n_tokens / hf_s,
+        "ratio_ours_vs_transformers": hf_s / ours_s,
+        # per repeat, the ratio of the two medians measured alternately; min and max are the spread
+        "ratio_per_repeat": per_repeat,
+        "ratio_min": min(per_repeat), "ratio_max": max(per_repeat),
+        "ours_optimizer_share": statistics.median(ours.optimizer_times) / ours_s,
+        "model_flops_per_step": flops, "gemm_peak_gflops": peak, "gemm_peak_gflops_min_max": [min(rates), max(rates)],
+        "ours_share_of_gemm_peak": flops / ours_s / 1e9 / peak,
+        "transformers_share_of_gemm_peak": flops / hf_s / 1e9 / peak,
+        "transformers_attn_implementation": peer.config._attn_implementation,
+        "transformers_experts_implementation": getattr(peer.config, "_experts_implementation", None),
+        "transformers_optimizer": "torch.optim.AdamW(fused=True)",
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="tiny")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--steps", type=int, default=5, help="measured steps per repeat (after 2 warm-up steps)")
+    p.add_argument("--steps", type=int, default=5, help="measured steps of each side per repeat (after warm-up)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
-    p.add_argument("--threads", type=int, default=torch.get_num_threads())
-    p.add_argument("--clock", default="wall", choices=("wall", "cpu"),
-                   help="time steps by wall clock or by this process's CPU time (use with --threads 1)")
-    p.add_argument("--no-ep", action="store_true", help="skip the 2-process EP=2 measurement")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--clock", default="cpu", choices=("wall", "cpu"),
+                   help="time steps by this process's CPU time (default; one thread) or by wall clock")
+    p.add_argument("--default-malloc", action="store_true",
+                   help="leave glibc's allocator at its defaults (gptoss train keeps freed memory on the CPU)")
+    p.add_argument("--no-ep", action="store_true", help="skip the 2-process EP=2 measurement (wall clock only)")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--optimizer", action="store_true",
                    help="time finalize + optimizer step, new vs the optimizer it replaced, at W=1 and W=2")
@@ -371,8 +504,8 @@ def main() -> None:
     args = p.parse_args()
     global CLOCK
     CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
-    if args.clock == "cpu" and not args.no_ep:
-        p.error("--clock cpu measures one process: add --no-ep")
+    if args.clock == "cpu" and args.threads != 1:
+        p.error("--clock cpu adds up the CPU time of every thread: use it with --threads 1")
     torch.set_num_threads(args.threads)
     if args.optimizer:
         result = run_optimizer_bench(args)
@@ -381,30 +514,10 @@ def main() -> None:
         if args.json:
             args.json.write_text(json.dumps(result, indent=2) + "\n")
         return
-    arch = bench_arch(args.preset)
-    tokens = _batch(arch, args.batch, args.seq)
-    n_tokens = args.batch * args.seq
-
-    ours = ours_step_fn(arch, tokens, args.dtype)
-    hf, attn = hf_step_fn(arch, tokens, args.dtype)
-    ours_t, hf_t = [], []
-    for _ in range(args.repeats):  # interleaved so machine noise hits both alike
-        ours_t.append(_median_step(ours, args.steps))
-        hf_t.append(_median_step(hf, args.steps))
-    ours_tps = n_tokens / statistics.median(ours_t)
-    hf_tps = n_tokens / statistics.median(hf_t)
-    result = {
-        "preset": args.preset, "batch": args.batch, "seq": args.seq, "dtype": args.dtype, "threads": args.threads,
-        "clock": args.clock, "tokens_per_step": n_tokens, "ours_tokens_per_s": ours_tps,
-        "transformers_tokens_per_s": hf_tps, "ratio_ours_vs_transformers": ours_tps / hf_tps,
-        # per repeat, the ratio of the two medians measured back to back
-        "ratio_per_repeat": [h / o for o, h in zip(ours_t, hf_t)],
-        "ours_optimizer_share": statistics.median(ours.optimizer_times) * ours_tps / n_tokens,
-        "transformers_attn_implementation": attn,
-    }
-    if not args.no_ep:
+    result = run_step_bench(args)
+    if args.clock == "wall" and not args.no_ep:
         ep_tps = run_ep2(args)
-        result.update(ep2_tokens_per_s=ep_tps, ratio_ep2_vs_ours_single=ep_tps / ours_tps)
+        result.update(ep2_tokens_per_s=ep_tps, ratio_ep2_vs_ours_single=ep_tps / result["ours_tokens_per_s"])
     width = max(len(k) for k in result)
     for k, v in result.items():
         shown = f"{v:.4g}" if isinstance(v, float) else ", ".join(f"{x:.3f}" for x in v) if isinstance(v, list) else v

@@ -44,6 +44,23 @@ def write_text(path: Path, text: str) -> None:
         Path(path).write_text(text)
 
 
+def replace_bytes(path: Path, data: bytes) -> None:
+    """Write `path` whole or not at all: a temporary name, then a rename; an OSError names `path`."""
+    path = Path(path)
+    tmp = temp_path(path, TMP)
+    try:
+        with naming(path):
+            tmp.write_bytes(data)
+            os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def replace_text(path: Path, text: str) -> None:
+    """`replace_bytes` of UTF-8 text."""
+    replace_bytes(path, text.encode())
+
+
 def temp_path(dst: Path, kind: str = PARTIAL) -> Path:
     """This process's temporary name for `dst`: `.NAME.partial-PID` (or old / tmp)."""
     return dst.with_name(f".{dst.name}.{kind}-{os.getpid()}")

@@ -5,6 +5,7 @@ Function-local imports count too (they used to hide cycles). The rules:
   CLI, parity or recipes);
 - recipe/ never imports train/ (validation must not need the trainer);
 - checkpoint/ never imports train/;
+- data/ (conversations, packing) is torch-free and imports none of the other layers;
 - the library never imports the CLI (gptoss_cli/cli/) or rich.
 """
 
@@ -26,6 +27,8 @@ FORBIDDEN = {
     "fp8": ("train", "cli", "checkpoint", "recipe", "parallel", "schedule"),
     "train": ("cli",),
     "parity": ("cli", "train"),
+    "generate": ("cli", "train", "schedule"),
+    "data": ("cli", "train", "model", "checkpoint", "parallel", "schedule", "fp8", "recipe", "parity"),
 }
 
 

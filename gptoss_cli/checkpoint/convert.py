@@ -29,18 +29,20 @@ from gptoss_cli.checkpoint.hybrid_format import FORMAT_NAME, HYBRID_CONFIG, Hybr
 from gptoss_cli.checkpoint.layouts import HF_LAYOUTS, UINT8, Layout
 from gptoss_cli.checkpoint.mapping import VOCAB_PADDED_HYBRID, Unit, hybrid_shapes, identity, units
 from gptoss_cli.checkpoint.safetensors_io import ShardedWriter, TensorSpec
+from gptoss_cli.checkpoint import megatron_format
 from gptoss_cli.checkpoint.sources import (
-    EXTRA_FILES, HF, HYBRID, HYBRID_NAMED, TRAINING, check_tensors, open_source,
+    EXTRA_FILES, HF, HYBRID, HYBRID_NAMED, MEGATRON, TRAINING, check_tensors, open_source,
 )
 from gptoss_cli.errors import CheckpointError, UsageError
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.model.dtypes import dtype_name, short_dtype_name, torch_dtype
-from gptoss_cli.resources import peak_rss_bytes
+from gptoss_cli.resources import keep_freed_memory, peak_rss_bytes
+from gptoss_cli.json_input import parse_json
 
 OUTPUT_DTYPES = ("bfloat16", "float32", "bf16", "fp32")
 EXPERT_FORMS = ("bf16", "mxfp4")
 PEFT = "peft"  # a LoRA run's adapters in PEFT's layout (checkpoint/peft_format.py)
-TARGETS = (HYBRID, HF, PEFT)
+TARGETS = (HYBRID, HF, MEGATRON, PEFT)
 PROVENANCE_KEY = "gptoss_provenance"  # HF outputs: in the index's metadata (config.json stays as released)
 
 
@@ -88,23 +90,6 @@ class ConvertResult:
 def parse_dtype(name: str) -> torch.dtype:
     """The --dtype of non-expert tensors and dequantised experts."""
     return torch_dtype(name, "--dtype", allowed=OUTPUT_DTYPES)
-
-
-def keep_freed_memory() -> None:
-    """Ask glibc to keep freed chunk buffers for reuse instead of unmapping them.
-
-    Streaming allocates and frees a buffer of the same size for every chunk; by default glibc
-    returns each large buffer to the OS and the next one page-faults in afresh, which measured
-    as most of the decode time. Peak memory is unchanged: it is still one chunk's worth.
-    """
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 1 << 30)  # M_MMAP_THRESHOLD: serve chunk-sized buffers from the heap
-        libc.mallopt(-1, 1 << 31)  # M_TRIM_THRESHOLD: do not hand freed heap back right away
-    except (OSError, AttributeError):  # not glibc: nothing to tune
-        pass
 
 
 # --- planning ----------------------------------------------------------------------------
@@ -363,21 +348,23 @@ class _Pipeline:
 # --- the command -------------------------------------------------------------------------
 def _is_gptoss_hybrid(config: Path) -> bool:
     try:
-        return json.loads(config.read_text()).get("format") == FORMAT_NAME
+        return parse_json(config.read_text()).get("format") == FORMAT_NAME
     except (OSError, ValueError, AttributeError):
         return False
 
 
 def _is_gpt_oss_hf(config: Path) -> bool:
     try:
-        return json.loads(config.read_text()).get("model_type") == "gpt_oss"
+        return parse_json(config.read_text()).get("model_type") == "gpt_oss"
     except (OSError, ValueError, AttributeError):
         return False
 
 
 def check_replaceable_output(dst: Path, kind: str) -> None:
     """--force may replace DST only if it is empty or a previous gptoss output of this kind."""
-    if kind == HYBRID:
+    if kind == MEGATRON:
+        megatron_format.check_replaceable(dst)
+    elif kind == HYBRID:
         outputs.check_replaceable(dst, HYBRID_CONFIG, _is_gptoss_hybrid, "Hybrid", EXTRA_FILES)
     else:
         outputs.check_replaceable(dst, "config.json", _is_gpt_oss_hf, "Hugging Face", EXTRA_FILES)
@@ -460,11 +447,14 @@ def convert(
     progress: Progress | None = None,
     max_shard_bytes: int = 5 * 1024**3,
     chunk_bytes: int = 32 * 1024**2,
+    vocab_multiple: int | None = None,
 ) -> ConvertResult:
     """Convert SRC (HF folder or repo id, OpenAI original/, Hybrid folder, or a training checkpoint) at DST.
 
-    `to` is the output layout (hybrid or hf); by default the other one than SRC's, and hybrid for a
-    training checkpoint. `weights` (training checkpoints only): `model` or `master`, see the CLI's help."""
+    `to` is the output layout (hybrid, hf or megatron); by default the other one than SRC's, and hybrid
+    for a training or Megatron checkpoint. `weights` (training checkpoints only): `model` or `master`,
+    see the CLI's help. `vocab_multiple` (megatron output only): the embedding and output rows are
+    padded to a multiple of it (Megatron's make-vocab-size-divisible-by, default 128)."""
     t0 = time.perf_counter()
     keep_freed_memory()
     torch_dtype = parse_dtype(dtype)
@@ -473,6 +463,11 @@ def convert(
         raise UsageError(f"--experts {experts!r} is not supported; use bf16 or mxfp4")
     if to is not None and to not in TARGETS:
         raise UsageError(f"--to {to!r} is not supported; use {' or '.join(TARGETS)}")
+    if vocab_multiple is not None and to != MEGATRON:
+        raise UsageError("--vocab-multiple applies to --to megatron only")
+    if vocab_multiple is not None and (isinstance(vocab_multiple, bool) or not isinstance(vocab_multiple, int)
+                                       or not 1 <= vocab_multiple <= 1 << 20):
+        raise UsageError(f"--vocab-multiple {vocab_multiple!r} must be an integer from 1 to {1 << 20}")
     if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
         raise UsageError(f"max shard size {max_shard_bytes!r} must be a positive number of bytes")
     # First, what killed runs left for DST: a stranded old DST goes back in place before DST is judged.
@@ -487,12 +482,13 @@ def convert(
         for folder in {source.folder, source.extras_folder, *source.protected}:
             outputs.check_separate(folder, dst)
         arch = source.arch
-        to_hf = (to == HF) if to is not None else source.kind == HYBRID
-        if to_hf != (source.kind in HYBRID_NAMED) and source.kind != TRAINING:
+        target = to or (HF if source.kind == HYBRID else HYBRID)
+        to_hf, to_megatron = target == HF, target == MEGATRON
+        if not to_megatron and source.kind not in (TRAINING, MEGATRON) and to_hf != (source.kind in HYBRID_NAMED):
             raise UsageError(f"{src}: is already a{'n HF' if to_hf else ' Hybrid'} checkpoint ({source.kind}); "
                              f"convert writes the other layout", hint="drop --to, or choose the other value")
         if force:
-            check_replaceable_output(dst, HF if to_hf else HYBRID)
+            check_replaceable_output(dst, target)
         # asked of the reader itself, before it is wrapped: a DcpReader serves one stream of reads
         concurrent_reads = getattr(source.reader, "concurrent_reads", True)
         source.reader = finite = _NonFiniteCheck(source.reader)
@@ -513,14 +509,14 @@ def convert(
         else:
             if experts is not None:
                 raise UsageError(
-                    "--experts applies to HF output only; Hybrid checkpoints store one bf16/fp32 tensor per expert"
+                    "--experts applies to HF output only; Hybrid and Megatron checkpoints store bf16/fp32 experts"
                 )
-            if source.kind != TRAINING:
+            if source.layout is not None:
                 check_tensors(source, source.layout.stored_specs(arch))
             jobs = plan_to_hybrid(arch, torch_dtype)
             out_form = "bf16"
             experts_in = source.layout.experts_form if source.layout else "bf16"
-        if source.kind == TRAINING:
+        if source.kind in (TRAINING, MEGATRON):
             experts_in = short_dtype_name(source.reader.dtype(next(u.hybrid[0] for u in units(arch) if u.per_expert)))
         plan = [spec for job in jobs for spec in job.outputs]
         total = sum(s.nbytes for s in plan)
@@ -533,14 +529,19 @@ def convert(
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             **source.provenance,
         }
+        multiple = vocab_multiple or megatron_format.DEFAULT_VOCAB_MULTIPLE
+        padded_rows = megatron_format.padded_vocab(arch.vocab_size, multiple)
+        if to_megatron:  # the zero rows of the vocabulary padding
+            total += 2 * (padded_rows - arch.vocab_size) * arch.hidden_size * torch.empty((), dtype=torch_dtype).element_size()
         tmp = outputs.start_folder(dst, total)
         with outputs.removed_on_error(tmp, dst):
-            writer = ShardedWriter(
-                tmp,
-                plan,
-                max_shard_bytes=max_shard_bytes,
-                on_bytes=(lambda n: progress.advance(nbytes=n)) if progress else None,
-            )
+            on_bytes = (lambda n: progress.advance(nbytes=n)) if progress else None
+            if to_megatron:
+                writer = megatron_format.MegatronWriter(tmp / megatron_format.RELEASE, plan, arch,
+                                                        padded_rows=padded_rows, max_shard_bytes=max_shard_bytes,
+                                                        on_bytes=on_bytes)
+            else:
+                writer = ShardedWriter(tmp, plan, max_shard_bytes=max_shard_bytes, on_bytes=on_bytes)
             if progress:
                 progress.start(len(plan), total)
             clock = _StageClock(source.reader)
@@ -571,7 +572,15 @@ def convert(
                 raise
             finally:
                 torch.set_num_threads(threads)
-            if to_hf:
+            if to_megatron:
+                # written as Megatron's `release` (weights without optimizer state); common.pt keeps the step
+                iteration = source.provenance.get("iteration", source.provenance.get("megatron_iteration", 0))
+                megatron_format.write_folder_files(
+                    tmp / megatron_format.RELEASE,
+                    megatron_format.megatron_args(arch, vocab_multiple=multiple, params_dtype=torch_dtype),
+                    iteration, provenance)
+                outputs.write_text(tmp / megatron_format.TRACKER, megatron_format.RELEASE + "\n")
+            elif to_hf:
                 config = arch.to_hf_config(experts_form=out_form, torch_dtype=dtype_name(torch_dtype))
                 outputs.write_text(tmp / "config.json", json.dumps(config, indent=2) + "\n")
             else:
@@ -582,7 +591,7 @@ def convert(
                         provenance=provenance
                     ),
                 )
-            for name in EXTRA_FILES:
+            for name in () if to_megatron else EXTRA_FILES:  # Megatron finds its tokenizer by its own options
                 if (source.extras_folder / name).is_file():
                     with outputs.naming(tmp / name):
                         shutil.copyfile(source.extras_folder / name, tmp / name)
@@ -591,7 +600,7 @@ def convert(
         source.close()
 
     return ConvertResult(
-        direction=f"{source.kind} -> {'hf' if to_hf else 'hybrid'}",
+        direction=f"{source.kind} -> {target}",
         source=str(src),
         revision=revision,
         destination=str(dst),

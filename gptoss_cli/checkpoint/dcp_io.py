@@ -34,15 +34,32 @@ _ALLOWED = {
                                  "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")
 } | {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    # megatron-core (0.16) also records every rank's save plan in the Metadata (`all_local_plans`)
+    *(("torch.distributed.checkpoint.planner", n) for n in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData")),
     ("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
     ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib._local", "PosixPath"),
     ("pathlib._local", "PurePosixPath"),
 } | {("torch", n) for n in dir(torch) if isinstance(getattr(torch, n, None), torch.dtype)}
+
+# Megatron-core's writer (0.15) pickled its Metadata subclass and save plan under these names; they load
+# as our own inert stand-ins (plain data, no Megatron code), never by importing megatron.
+_MCORE = "megatron.core.dist_checkpointing.strategies.torch"
+_MEGATRON_STAND_INS = ("MCoreMetadata", "MCoreSavePlan")
+
+
+def _megatron_stand_in(name: str) -> type:
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    return type(name, (Metadata,) if name == "MCoreMetadata" else (), {"__module__": __name__})
+
+
 _PER_EXPERT = re.compile(r"^(?P<stem>.*\.mlp\.experts\.linear_fc[12]\.(weight|bias))(?P<e>\d+)$")
 
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
+        if module == _MCORE and name in _MEGATRON_STAND_INS:
+            return _megatron_stand_in(name)
         if (module, name) not in _ALLOWED:
             raise pickle.UnpicklingError(f"refusing to load {module}.{name} (not DCP metadata)")
         return super().find_class(module, name)
@@ -98,6 +115,20 @@ def dcp_error(exc: BaseException) -> str:
     return describe_os_error(exc) if isinstance(exc, OSError) else first_line(exc)
 
 
+def interruption(exc: BaseException) -> BaseException | None:
+    """The KeyboardInterrupt or Terminated (SIGTERM) a rank got inside DCP, which wraps every BaseException
+    of a rank into its CheckpointException; None when the failure was something else."""
+    from gptoss_cli.errors import Terminated  # noqa: PLC0415
+
+    if isinstance(exc, (KeyboardInterrupt, Terminated)):
+        return exc
+    for failure in (getattr(exc, "failures", None) or {}).values():
+        found = interruption(failure[0] if isinstance(failure, tuple) else failure)
+        if found is not None:
+            return found
+    return None
+
+
 def first_line(exc: BaseException) -> str:
     """The first line of an exception's message (at most 300 characters), or its type's name when it has none."""
     text = str(exc).strip() or type(exc).__name__
@@ -124,7 +155,37 @@ def storage_reader(folder: str | Path, metadata: Any) -> Any:
     return _Reader(str(folder))
 
 
-class DcpReader:
+class SpecReader:
+    """What a reader of named tensors answers from its `_specs` ({name: TensorSpec}) alone; a context manager."""
+
+    _specs: dict[str, TensorSpec]
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        pass
+
+    def names(self) -> list[str]:
+        return list(self._specs)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._specs
+
+    def spec(self, name: str) -> TensorSpec:
+        return self._specs[name]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._specs[name].shape
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self._specs[name].dtype
+
+
+class DcpReader(SpecReader):
     """One group of a DCP checkpoint's tensors under plain names, read a tensor (or a few experts) at a time.
 
     `key_of(name)` gives the DCP key of a name and `name_of(key)` the name of a key (None: not in
@@ -156,29 +217,8 @@ class DcpReader:
         self._cache: dict[str, torch.Tensor] = {}
         self.loads = 0  # dcp.load calls made (each one a partial load)
 
-    def __enter__(self) -> "DcpReader":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def close(self) -> None:
         self._cache.clear()
-
-    def names(self) -> list[str]:
-        return list(self._specs)
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._specs
-
-    def spec(self, name: str) -> TensorSpec:
-        return self._specs[name]
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self._specs[name].shape
-
-    def dtype(self, name: str) -> torch.dtype:
-        return self._specs[name].dtype
 
     def file_of(self, name: str) -> Path:
         return self.folder / self._files.get(self._key_of(name), METADATA)
@@ -227,5 +267,5 @@ class DcpReader:
         return {n: state[self._key_of(n)] for n in names}
 
 
-__all__ = ["DcpReader", "read_metadata", "storage_reader", "check_storage_files", "dcp_error", "first_line",
+__all__ = ["DcpReader", "SpecReader", "read_metadata", "storage_reader", "check_storage_files", "dcp_error", "first_line",
            "quiet_single_process", "METADATA"]

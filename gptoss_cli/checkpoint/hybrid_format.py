@@ -10,6 +10,7 @@ from typing import Any
 from gptoss_cli.errors import CheckpointError, ConfigError
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.model.pattern import parse_pattern
+from gptoss_cli.json_input import parse_json
 
 HYBRID_CONFIG = "hybrid_config.json"
 FORMAT_NAME = "gptoss-hybrid"
@@ -41,7 +42,7 @@ def read_hybrid_config(folder: str | Path) -> HybridCheckpointConfig:
     """Read and check `hybrid_config.json` of a Hybrid checkpoint folder."""
     path = Path(folder) / HYBRID_CONFIG
     try:
-        data = json.loads(path.read_text())
+        data = parse_json(path.read_text())
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing; {folder} is not a gptoss Hybrid checkpoint") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:

@@ -20,7 +20,7 @@ import torch
 from gptoss_cli.checkpoint.hybrid_format import HYBRID_CONFIG, read_hybrid_config
 from gptoss_cli.checkpoint.mapping import VOCAB_PADDED_HYBRID, check_vocab_padding, units
 from gptoss_cli.checkpoint.safetensors_io import CheckpointReader
-from gptoss_cli.checkpoint.sources import HYBRID, HYBRID_NAMED, TRAINING, Source, check_tensors, open_source
+from gptoss_cli.checkpoint.sources import HYBRID, HYBRID_NAMED, MEGATRON, TRAINING, Source, check_tensors, open_source
 from gptoss_cli.checkpoint.training_format import MODEL, TRAIN_STATE
 from gptoss_cli.errors import CheckpointError, ConfigError
 from gptoss_cli.model.config import GptOssArch
@@ -178,12 +178,17 @@ def _fill_from_source(model: HybridModel, source: Source, progress: Progress | N
                               _HYBRID_HINT)
     elif source.kind == TRAINING:
         _fill_from_training(model, source, progress)
+    elif source.kind == MEGATRON:
+        _check_architecture(source.folder, "common.pt", source.arch, model)
+        _fill_by_hybrid_names(model, source.reader, source.folder, progress,
+                              "build the model from the checkpoint's own args (model_from_checkpoint)")
     else:
         _fill_from_hf(model, source, progress)
 
 
 def load_weights(model: HybridModel, folder: str | Path, progress: Progress | None = None) -> None:
-    """Fill `model` from a Hybrid, HF, OpenAI-original folder or a training checkpoint, whichever `folder` holds."""
+    """Fill `model` from a Hybrid, HF, OpenAI-original folder, a training checkpoint or a Megatron torch_dist
+    checkpoint, whichever `folder` holds."""
     source = open_source(str(folder))
     try:
         _fill_from_source(model, source, progress)

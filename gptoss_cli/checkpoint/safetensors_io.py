@@ -25,6 +25,7 @@ from typing import Callable, Sequence
 import torch
 
 from gptoss_cli.errors import CheckpointError
+from gptoss_cli.json_input import parse_json
 
 INDEX_NAME = "model.safetensors.index.json"
 MAX_HEADER_BYTES = 100 * 1024 * 1024
@@ -94,7 +95,7 @@ class SafetensorsFile:
         if n > MAX_HEADER_BYTES or n + 8 > self.file_size:
             raise self._fail(f"header length {n} does not fit in a {self.file_size}-byte file")
         try:
-            header = json.loads(self._fh.read(n))
+            header = parse_json(self._fh.read(n))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise self._fail(f"header is not JSON: {exc}") from None
         if not isinstance(header, dict):
@@ -212,10 +213,12 @@ class CheckpointReader:
 
     def _read_index(self, index: Path) -> list[str]:
         try:
-            data = json.loads(index.read_text())
+            data = parse_json(index.read_text())
             weight_map = data["weight_map"]
             assert isinstance(weight_map, dict)
-        except (json.JSONDecodeError, KeyError, AssertionError, UnicodeDecodeError):
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise CheckpointError(f"{index}: not a valid safetensors index (not JSON: {exc})") from None
+        except (KeyError, AssertionError, TypeError):
             raise CheckpointError(f"{index}: not a valid safetensors index (needs a 'weight_map' object)") from None
         root = self.folder.resolve()
         names = []

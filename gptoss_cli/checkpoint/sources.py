@@ -14,6 +14,7 @@ from gptoss_cli.checkpoint.hybrid_format import HYBRID_CONFIG, read_hybrid_confi
 from gptoss_cli.checkpoint.layouts import HF_LAYOUTS, OPENAI_ORIGINAL, UINT8, Layout
 from gptoss_cli.checkpoint.mapping import check_vocab_padding
 from gptoss_cli.checkpoint.dcp_io import DcpReader
+from gptoss_cli.checkpoint.megatron_format import MegatronReader, is_megatron_checkpoint, read_megatron_checkpoint
 from gptoss_cli.checkpoint.safetensors_io import CheckpointReader
 from gptoss_cli.checkpoint.training_format import (
     LATEST, MASTER, MODEL, OPTIMIZER, TRAIN_STATE, WEIGHT_SOURCES, check_base, find_checkpoint_folder,
@@ -21,6 +22,8 @@ from gptoss_cli.checkpoint.training_format import (
 )
 from gptoss_cli.errors import CheckpointError, ConfigError, UsageError
 from gptoss_cli.model.config import GptOssArch
+from gptoss_cli.json_input import parse_json
+from gptoss_cli.model.mxfp4 import round_to_mxfp4
 
 # Files copied alongside the weights in both directions.
 EXTRA_FILES = (
@@ -38,7 +41,8 @@ HF = "hf"
 ORIGINAL = "openai-original"
 HYBRID = "hybrid"
 TRAINING = "training"  # a `gptoss train` checkpoint (DCP): Hybrid tensor names, read through DcpReader
-HYBRID_NAMED = (HYBRID, TRAINING)  # sources whose tensors carry Hybrid names
+MEGATRON = "megatron"  # a Megatron-LM torch_dist checkpoint, read under Hybrid names through MegatronReader
+HYBRID_NAMED = (HYBRID, TRAINING, MEGATRON)  # sources whose tensors carry Hybrid names
 
 
 @dataclass
@@ -98,7 +102,7 @@ def resolve(src: str, revision: str | None = None) -> tuple[Path, str | None]:
 
 def _load_json(path: Path) -> dict:
     try:
-        data = json.loads(path.read_text())
+        data = parse_json(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
     if not isinstance(data, dict):
@@ -144,11 +148,15 @@ def open_source(src: str, revision: str | None = None, *, weights: str | None = 
         raise CheckpointError(f"{config}: has no model_type; is this a GPT-OSS checkpoint?")
     if (root / "original" / "config.json").exists():
         return _open_original(src, revision, root / "original", root)
+    if is_megatron_checkpoint(root):
+        if weights is not None:
+            raise UsageError(f"--weights {weights} applies to gptoss training checkpoints only; {src} is a Megatron one")
+        return open_megatron(src, root)
     if looks_like_training_checkpoint(root):
         return open_training(src, root, weights or MODEL, adapters_only=adapters_only)
     raise CheckpointError(
-        f"{root}: no config.json (HF), original/config.json (OpenAI), {HYBRID_CONFIG} (Hybrid) or "
-        f"{LATEST} / {TRAIN_STATE} (a training checkpoint) found",
+        f"{root}: no config.json (HF), original/config.json (OpenAI), {HYBRID_CONFIG} (Hybrid), "
+        f"{LATEST} / {TRAIN_STATE} (a training checkpoint) or latest_checkpointed_iteration.txt (Megatron) found",
         hint="point SRC at the checkpoint folder",
     )
 
@@ -172,8 +180,13 @@ def open_training(src: str, root: Path, weights: str = MODEL, *, adapters_only: 
                            lambda k: k[len(prefix):-len(suffix)] if k.startswith(prefix) and k.endswith(suffix) else None)
     # Tokenizer files come from the weights the run started from, when that folder is still there.
     extras = Path(run.pretrained) if run.pretrained and Path(run.pretrained).is_dir() else folder
-    if run.lora is not None and not adapters_only:
-        reader = _merged_with_base(run, folder, reader)
+    if run.lora is not None:
+        # A LoRA run's state is its adapters; under QAT its forward rounded the frozen base's experts,
+        # so the merge adds the adapters to the rounded base (what the run computed with).
+        if not adapters_only:
+            reader = _merged_with_base(run, folder, reader)
+    elif run.qat == "mxfp4":
+        reader = Mxfp4QatReader(reader)
     return Source(TRAINING, src, None, folder, extras, run.arch, reader, hybrid_layer_pattern=run.hybrid_layer_pattern,
                   provenance={**run.provenance(), "weights": weights}, protected=(ckpt_dir,) if ckpt_dir else (),
                   lora=run.lora)
@@ -193,7 +206,44 @@ def _merged_with_base(run, folder: Path, adapters) -> "LoraMergedReader":
     except BaseException:
         adapters.close()
         raise
-    return LoraMergedReader(CheckpointReader(base_path), adapters, float(run.lora["alpha"]) / int(run.lora["rank"]))
+    base = CheckpointReader(base_path)
+    if run.qat == "mxfp4":
+        base = Mxfp4QatReader(base)
+    return LoraMergedReader(base, adapters, float(run.lora["alpha"]) / int(run.lora["rank"]))
+
+
+def open_megatron(src: str, root: Path) -> Source:
+    """A Megatron-LM torch_dist checkpoint (its dir, read through the tracker file, or one iteration
+    folder): the architecture from common.pt's args, the model weights under Hybrid names."""
+    ckpt = read_megatron_checkpoint(root)
+    reader = MegatronReader(ckpt.folder, ckpt.arch)
+    provenance = {"megatron_iteration": ckpt.iteration, "checkpoint": str(ckpt.folder.resolve()),
+                  "expert_layout": reader.layout}
+    return Source(MEGATRON, src, None, ckpt.folder, ckpt.folder, ckpt.arch, reader,
+                  hybrid_layer_pattern=ckpt.arch.hybrid_layer_pattern, provenance=provenance,
+                  protected=(root,) if root != ckpt.folder else ())
+
+
+# A per-expert weight under its Hybrid name: decoder.layers.<i>.mlp.experts.linear_fc<1|2>.weight<e>
+_EXPERT_WEIGHT = re.compile(r"\.mlp\.experts\.linear_fc[12]\.weight\d+$")
+
+
+class Mxfp4QatReader:
+    """A training checkpoint of a `precision.qat=mxfp4` run, read as its forward computed: every expert
+    weight rounded to MXFP4 along its input axis (`round_to_mxfp4`, the export's own codec), every
+    other tensor as stored. Rows are rounded independently, so row-range reads round the same."""
+
+    def __init__(self, reader):
+        self._reader = reader
+
+    def __getattr__(self, name):
+        return getattr(self._reader, name)
+
+    def read(self, name: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
+        t = self._reader.read(name, start, stop)
+        if not _EXPERT_WEIGHT.search(name) or not t.is_floating_point() or not torch.isfinite(t).all():
+            return t  # non-finite weights are left for the finite checks to name
+        return round_to_mxfp4(t)
 
 
 def _open_original(src: str, revision: str | None, folder: Path, extras: Path) -> Source:

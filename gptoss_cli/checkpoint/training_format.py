@@ -25,6 +25,8 @@ from typing import Any
 from gptoss_cli.checkpoint.hybrid_format import check_pattern
 from gptoss_cli.errors import CheckpointError, ConfigError
 from gptoss_cli.model.config import GptOssArch
+from gptoss_cli.recipe.schema import DTYPES, INT32_MAX
+from gptoss_cli.json_input import parse_json
 
 LATEST = "latest"
 TRAIN_STATE = "train_state.json"
@@ -122,7 +124,7 @@ def require_same_base(recorded: Any, found: dict[str, Any], where: str | Path) -
 
 
 def run_record(*, arch: GptOssArch, hybrid_layer_pattern: str, params_dtype: str, name: str, run_dir: str | Path,
-               recipe: dict[str, Any] | None = None, pretrained: str | None = None,
+               recipe: dict[str, Any] | None = None, pretrained: str | None = None, qat: str = "none",
                lora: dict[str, Any] | None = None) -> dict[str, Any]:
     """What a training checkpoint records about its run (train_state.json's `run`): enough to rebuild
     the model without the recipe file, and to say where the weights came from. A LoRA run adds
@@ -136,6 +138,9 @@ def run_record(*, arch: GptOssArch, hybrid_layer_pattern: str, params_dtype: str
         "architecture": arch.to_dict(),
         "hybrid_layer_pattern": hybrid_layer_pattern,
         "params_dtype": params_dtype,
+        # precision.qat: "mxfp4" means the forward computed the experts with MXFP4-rounded weights, so
+        # convert and eval round them too (docs/qat.md); absent in records older than QAT: "none"
+        "qat": qat,
         "pretrained": str(Path(pretrained).expanduser().resolve()) if pretrained else None,
         # the resolved recipe as plain JSON (anything else shown as text)
         "recipe": json.loads(json.dumps(recipe or {}, default=str)),
@@ -157,6 +162,7 @@ class TrainingRun:
     recipe: dict[str, Any]
     world_size: int | None
     ep_size: int | None
+    qat: str = "none"  # precision.qat of the run: "mxfp4" when the forward used MXFP4-rounded expert weights
     lora: dict[str, Any] | None = None  # a LoRA run: its settings and base (run_record)
 
     def provenance(self) -> dict[str, Any]:
@@ -164,14 +170,14 @@ class TrainingRun:
         return {"run": self.name, "run_dir": self.run_dir, "iteration": self.step, "checkpoint": str(self.folder.resolve()),
                 "recipe": self.recipe.get("name") or self.name, "recipe_config": self.recipe,
                 "saved_at": {"world_size": self.world_size, "expert_model_parallel_size": self.ep_size},
-                "pretrained": self.pretrained, **({"lora": self.lora} if self.lora else {})}
+                "pretrained": self.pretrained, "qat": self.qat, **({"lora": self.lora} if self.lora else {})}
 
 
 def read_train_state(folder: str | Path) -> dict[str, Any]:
     """train_state.json of an iter_* folder: a JSON object with an integer `step`."""
     path = Path(folder) / TRAIN_STATE
     try:
-        data = json.loads(path.read_text())
+        data = parse_json(path.read_text())
     except FileNotFoundError:
         raise CheckpointError(f"{folder}: has no {TRAIN_STATE}; it is not a complete gptoss training checkpoint",
                               hint="use an iter_* folder that `latest` pointed at, or the checkpoint.dir") from None
@@ -181,7 +187,39 @@ def read_train_state(folder: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
     if not isinstance(data, dict) or not isinstance(data.get("step"), int) or isinstance(data.get("step"), bool):
         raise CheckpointError(f"{path}: not a gptoss train state (no integer 'step')")
+    check_train_state(path, data)
     return data
+
+
+# What a resume and a conversion trust in train_state.json, checked before either uses it: a negative
+# step once trained at a negative learning rate, a wrong type crashed deep inside.
+_COUNTS = {  # field: (required, lowest, highest)
+    "step": (True, 1, INT32_MAX),
+    "consumed_samples": (True, 0, 2**63 - 1),  # the sample index: train_iters x global_batch_size
+    "world_size": (False, 1, INT32_MAX),
+    "ep_size": (False, 1, INT32_MAX),
+}
+_TYPED = {"lr_schedule": dict, "name": str, RUN_KEY: dict}
+
+
+def check_train_state(path: Path, data: dict[str, Any]) -> None:
+    """Every field of a train state has its type and range, and `step` is the one the folder is named for."""
+    for key, (required, low, high) in _COUNTS.items():
+        value = data.get(key)
+        if value is None and not required:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            shown = "missing" if key not in data else f"{value!r}"[:40]
+            raise CheckpointError(f"{path}: {key} is {shown}; a gptoss train state has an integer in [{low}, {high}]",
+                                  hint="the file was edited or is not from gptoss train; resume from another iter_* folder")
+    for key, kind in _TYPED.items():
+        if data.get(key) is not None and not isinstance(data[key], kind):
+            raise CheckpointError(f"{path}: {key} must be a JSON {'object' if kind is dict else 'string'}, "
+                                  f"got {type(data[key]).__name__}")
+    folder = path.parent.name
+    if ITER_NAME.match(folder) and int(folder[len("iter_"):]) != data["step"]:
+        raise CheckpointError(f"{path}: step {data['step']} disagrees with the folder name {folder}",
+                              hint="the file was edited or moved; resume from another iter_* folder")
 
 
 def read_training_run(folder: str | Path) -> TrainingRun:
@@ -212,12 +250,26 @@ def read_training_run(folder: str | Path) -> TrainingRun:
     if not isinstance(pattern, str):
         raise CheckpointError(f"{path}: run.hybrid_layer_pattern must be a string, got {pattern!r}")
     check_pattern(pattern, arch, path)
-    recipe = run.get("recipe") if isinstance(run.get("recipe"), dict) else {}
+    if params_dtype not in DTYPES:
+        raise CheckpointError(f"{path}: run.params_dtype {params_dtype!r} is not one of {' | '.join(DTYPES)}")
+    for key, kind in (("name", str), ("run_dir", str), ("pretrained", str), ("recipe", dict)):
+        if run.get(key) is not None and not isinstance(run[key], kind):
+            raise CheckpointError(f"{path}: run.{key} must be a JSON {'object' if kind is dict else 'string'}, "
+                                  f"got {type(run[key]).__name__}")
+    recipe = run.get("recipe") or {}
     ints = {k: state.get(k) if isinstance(state.get(k), int) else None for k in ("world_size", "ep_size")}
     return TrainingRun(folder=folder, step=state["step"], arch=arch, hybrid_layer_pattern=pattern,
                        params_dtype=str(params_dtype), name=str(run.get("name") or ""),
                        run_dir=str(run.get("run_dir") or ""), pretrained=run.get("pretrained"), recipe=recipe,
-                       world_size=ints["world_size"], ep_size=ints["ep_size"], lora=_lora_record(run.get("lora"), path))
+                       world_size=ints["world_size"], ep_size=ints["ep_size"], qat=_qat_of(run, path),
+                       lora=_lora_record(run.get("lora"), path))
+
+
+def _qat_of(run: dict[str, Any], path: Path) -> str:
+    qat = run.get("qat", "none")
+    if qat not in ("none", "mxfp4"):
+        raise CheckpointError(f"{path}: run.qat {qat!r} is not one this gptoss knows (none or mxfp4)")
+    return qat
 
 
 def _lora_record(lora: Any, path: Path) -> dict[str, Any] | None:
@@ -264,5 +316,5 @@ __all__ = [
     "LATEST", "TRAIN_STATE", "MODEL", "OPTIMIZER", "RNG", "MASTER", "ITER_NAME", "PARTIAL_NAME",
     "WEIGHT_SOURCES", "TrainingRun", "iter_name", "model_key", "optimizer_key", "latest_name", "latest_checkpoint",
     "run_record", "base_fingerprint", "check_base", "require_same_base",
-    "read_train_state", "read_training_run", "looks_like_training_checkpoint", "find_checkpoint_folder",
+    "read_train_state", "check_train_state", "read_training_run", "looks_like_training_checkpoint", "find_checkpoint_folder",
 ]

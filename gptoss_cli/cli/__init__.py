@@ -12,7 +12,7 @@ from gptoss_cli.cli.app import app, main  # noqa: F401
 
 # Command modules register themselves on import; a module that is not there yet is skipped so
 # that the package stays usable while commands are added one issue at a time.
-for _name in ("convert", "make_tiny", "validate", "parity", "train", "prepare_data", "demo"):
+for _name in ("convert", "make_tiny", "validate", "parity", "train", "prepare_data", "demo", "evaluate", "generate", "report"):
     try:
         importlib.import_module(f"gptoss_cli.cli.{_name}")
     except ModuleNotFoundError as exc:  # pragma: no cover - only while a command is missing

@@ -18,13 +18,14 @@ from gptoss_cli.outputs import check_separate
 @handle_errors
 def convert_cmd(
     src: str = typer.Argument(..., help="HF folder or Hugging Face repo id (owner/name), OpenAI original/ folder, a Hybrid "
-                              "folder, or a training checkpoint (a run's checkpoint.dir, read through `latest`, or one "
-                              "iter_* folder)."),
+                              "folder, a training checkpoint (a run's checkpoint.dir, read through `latest`, or one "
+                              "iter_* folder), or a Megatron-LM torch_dist checkpoint (its dir or one iteration folder)."),
     dst: Path = typer.Argument(..., help="Output folder (written under a temporary name, renamed when complete)."),
     to: Optional[str] = typer.Option(None, "--to", help="Output layout: hybrid or hf (a LoRA training checkpoint: its "
-                                     "base with the adapters merged in), or peft (a LoRA run's adapters as a PEFT "
-                                     "adapter, docs/lora.md). Default: the other layout than SRC's; hybrid for a "
-                                     "training checkpoint."),
+                                     "base with the adapters merged in), megatron (a Megatron-LM torch_dist "
+                                     "checkpoint), or peft (a LoRA run's adapters as a PEFT adapter, docs/lora.md). "
+                                     "Default: the other layout than SRC's; hybrid for a training or Megatron "
+                                     "checkpoint."),
     experts: Optional[str] = typer.Option(None, "--experts", help="Expert form of an HF output: bf16 (default) or mxfp4."),
     weights: Optional[str] = typer.Option(
         None, "--weights", help="Training checkpoints only. model (default): the weights the run computed with, in "
@@ -33,22 +34,29 @@ def convert_cmd(
     dtype: str = typer.Option("bfloat16", "--dtype", help="dtype of non-expert tensors and dequantized experts: bfloat16 or float32."),
     revision: Optional[str] = typer.Option(None, "--revision", help="Hub revision (branch, tag or commit) when SRC is a repo id."),
     force: bool = typer.Option(False, "--force", help="Replace a non-empty DST (only after the new one is complete)."),
+    vocab_multiple: Optional[int] = typer.Option(
+        None, "--vocab-multiple", help="--to megatron only: pad the embedding and output rows to a multiple of this "
+        "(Megatron's --make-vocab-size-divisible-by; default 128)."),
     max_shard_gb: float = typer.Option(5.0, "--max-shard-size", help="Maximum output shard size in GB."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Also write a machine-readable summary to this file."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar and no table."),
 ) -> None:
-    """Convert a GPT-OSS checkpoint between Hugging Face and Megatron Hybrid (*E) layouts.
+    """Convert a GPT-OSS checkpoint between Hugging Face, Megatron Hybrid (*E) and Megatron-LM torch_dist layouts.
 
     The direction comes from SRC: an HF checkpoint (config.json, model_type gpt_oss; MXFP4 or bf16
     experts) or OpenAI's original/ layout becomes a Hybrid checkpoint (HF block i -> layers 2i, 2i+1);
     a Hybrid checkpoint (hybrid_config.json) becomes an HF one. A training checkpoint of `gptoss
     train` becomes a Hybrid checkpoint, or an HF one with --to hf; its architecture comes from the
-    run it records, and it is only read, never modified. Memory stays bounded by one tensor group,
+    run it records, and it is only read, never modified. --to megatron writes a torch_dist checkpoint
+    Megatron-LM loads (docs/megatron-checkpoints.md); a Megatron torch_dist checkpoint saved at TP=1
+    and PP=1 is itself a SRC (Hybrid by default, or --to hf / megatron). Memory stays bounded by one tensor group,
     so 120B converts on a 24 GiB machine.
 
     Example: gptoss convert openai/gpt-oss-20b ./gpt-oss-20b-hybrid
 
     Example: gptoss convert runs/ft/checkpoints ./ft-hf --to hf --experts mxfp4
+
+    Example: gptoss convert openai/gpt-oss-20b ./gpt-oss-20b-megatron --to megatron
     """
     check_number("--max-shard-size", max_shard_gb, low=0.0, low_inclusive=False, high=1e6)
     check_json_path(json_path)
@@ -59,7 +67,7 @@ def convert_cmd(
     with RichProgress(console, "converting", enabled=not quiet) as progress:
         result = convert(
             src, dst, experts=experts, dtype=dtype, revision=revision, force=force, to=to, weights=weights,
-            progress=progress,
+            progress=progress, vocab_multiple=vocab_multiple,
             max_shard_bytes=max(1, int(max_shard_gb * 1e9)),
         )
     for note in [] if quiet else result.notes:

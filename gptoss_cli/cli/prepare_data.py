@@ -12,6 +12,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 from rich.table import Table
 
 from gptoss_cli.cli.app import app, check_json_path, console, err_console, handle_errors, write_json
+from gptoss_cli.errors import UsageError
 
 
 @app.command(
@@ -20,6 +21,9 @@ from gptoss_cli.cli.app import app, check_json_path, console, err_console, handl
         "Tokenize text or JSONL files with a checkpoint's tokenizer.json into OUT.bin + OUT.json "
         "(uint16/uint32 tokens, documents separated by EOS), the format `data.kind=tokens` trains on.\n\n"
         "JSONL: one object per line, text under --text-key. Other files: plain text, blank lines separate documents.\n\n"
+        "--format harmony: each JSONL line is a conversation (harmony's JSON or the Hugging Face chat form), "
+        "rendered in harmony with a loss mask on what the assistant writes; writes OUT.idx and OUT.mask too "
+        "(docs/sft-data.md).\n\n"
         "Example: gptoss prepare-data corpus.jsonl --tokenizer /models/gpt-oss-20b --out data/corpus\n"
         "then: gptoss train --recipe R data.kind=tokens data.path=data/corpus"
     ),
@@ -34,11 +38,30 @@ def prepare_data_cmd(
     errors: str = typer.Option(
         "strict", "--errors", help="invalid UTF-8: strict (an error naming the file and byte offset) or replace (U+FFFD)",
     ),
+    fmt: str = typer.Option("text", "--format", help="text (token streams) or harmony (conversations, loss mask)"),
+    analysis: Optional[str] = typer.Option(
+        None, "--analysis", help="harmony: keep (default; the last turn's analysis is trained, earlier ones dropped) "
+        "or drop (no analysis messages)", show_default=False),
+    train_on: Optional[str] = typer.Option(None, "--train-on", help="harmony: last (default) or all assistant turns",
+                                           show_default=False),
+    max_length: Optional[int] = typer.Option(
+        None, "--max-length", help="harmony: longer conversations are dropped and counted (default: --seq-length)",
+        show_default=False),
+    truncate: bool = typer.Option(False, "--truncate", help="harmony: cut conversations at --max-length instead"),
+    seq_length: Optional[int] = typer.Option(
+        None, "--seq-length", help="harmony: training row length to report packing efficiency for", show_default=False),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar or table"),
     json_path: Optional[Path] = typer.Option(None, "--json", help="also write the result as JSON"),
 ) -> None:
     check_json_path(json_path)
-    from gptoss_cli.train.prepare_data import prepare_data
+    if fmt not in ("text", "harmony"):
+        raise UsageError(f"--format {fmt!r} is not one of text, harmony")
+    given = {"--text-key": text_key != "text", "--eos-id": eos_id is not None}
+    harmony_only = {"--analysis": analysis is not None, "--train-on": train_on is not None,
+                    "--max-length": max_length is not None, "--truncate": truncate, "--seq-length": seq_length is not None}
+    wrong = [k for k, v in (harmony_only if fmt == "text" else given).items() if v]
+    if wrong:
+        raise UsageError(f"{', '.join(wrong)} {'does' if len(wrong) == 1 else 'do'} not apply to --format {fmt}")
 
     bar = Progress(TextColumn("[bold]tokenizing"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                    TimeRemainingColumn(), console=err_console, transient=True,
@@ -49,16 +72,37 @@ def prepare_data_cmd(
         def progress(done: int, total: int) -> None:
             bar.update(task, completed=done, total=total)
 
-        result = prepare_data(list(inputs), out, tokenizer, text_key=text_key, eos_token_id=eos_id, progress=progress,
-                              errors=errors)
+        if fmt == "harmony":
+            from gptoss_cli.train.prepare_conversations import prepare_conversations
+
+            result = prepare_conversations(list(inputs), out, tokenizer, analysis=analysis or "keep",
+                                           train_on=train_on or "last", max_length=max_length, truncate=truncate,
+                                           seq_length=seq_length, errors=errors, progress=progress)
+        else:
+            from gptoss_cli.train.prepare_data import prepare_data
+
+            result = prepare_data(list(inputs), out, tokenizer, text_key=text_key, eos_token_id=eos_id,
+                                  progress=progress, errors=errors)
     if not quiet:
         table = Table(title="prepare-data", title_justify="left", show_header=False)
         table.add_column("", style="bold")
         table.add_column("")
         table.add_row("tokens", f"{result.num_tokens:,} {result.dtype}")
-        table.add_row("documents", f"{result.num_documents:,}")
-        table.add_row("vocab / eos", f"{result.vocab_size} / {result.eos_token_id}")
-        table.add_row("files", escape(f"{result.bin_path}, {result.header_path}"))
+        if fmt == "harmony":
+            table.add_row("conversations", f"{result.num_documents:,} (longest {result.max_document_length:,} tokens)")
+            table.add_row("trained tokens", f"{result.num_loss_tokens:,} ({result.num_loss_tokens / result.num_tokens:.1%})")
+            table.add_row("dropped / truncated", f"{result.num_dropped:,} / {result.num_truncated:,} "
+                          f"(max length {result.rendering['max_length'] or 'none'})")
+            table.add_row("rendering", f"analysis {result.rendering['analysis']}, train on {result.rendering['train_on']}")
+            if result.packing:
+                pk = result.packing
+                table.add_row("packing", f"{pk['efficiency']:.2%} of {pk['rows']:,} rows of {pk['seq_length']:,} tokens")
+            files = [result.bin_path, result.index_path, result.mask_path, result.header_path]
+        else:
+            table.add_row("documents", f"{result.num_documents:,}")
+            table.add_row("vocab / eos", f"{result.vocab_size} / {result.eos_token_id}")
+            files = [result.bin_path, result.header_path]
+        table.add_row("files", escape(", ".join(files)))
         console.print(table)
     if json_path:
         write_json(json_path, dataclasses.asdict(result), done=f"wrote {result.bin_path}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from pathlib import Path
 from typing import Any, List, Optional
 
@@ -19,8 +20,10 @@ from gptoss_cli.cli.app import app, check_json_path, console, handle_errors, pri
 class TrainProgressBar:
     """The library's progress callback, rendered by rank 0's process (it is pickled into the worker).
 
-    A live bar (loss, lr, grad norm, tokens/s, step time) on a terminal; one plain line per logged
-    step otherwise, so CI logs keep the loss curve.
+    A live bar (loss, lr, grad norm, tokens/s, step time, MFU when the step reports it, ETA) on a
+    terminal; one plain line per logged step otherwise, so CI logs keep the loss curve. The ETA is
+    the mean time per step since the first step this process saw (which includes warm-up) times
+    the steps left.
     """
 
     def __init__(self, quiet: bool = False):
@@ -28,6 +31,8 @@ class TrainProgressBar:
         self._console: Console | None = None
         self._progress: Progress | None = None
         self._task: Any = None
+        self._train_iters = 0
+        self._first: tuple[float, int] | None = None  # (monotonic time, step) of the first step event
 
     def __getstate__(self) -> dict[str, Any]:
         return {"quiet": self.quiet}
@@ -40,10 +45,13 @@ class TrainProgressBar:
             return
         kind = event["kind"]
         if kind == "start":
+            self._train_iters = event["train_iters"]
             self._console = Console()
             where = f"world {event['world_size']}, EP {event['ep_size']}"
             if event.get("fp8"):
                 where += f", fp8 {event['fp8']}"
+            if event.get("qat", "none") != "none":
+                where += f", QAT {event['qat']} (experts)"
             self._console.print(f"training on {where}", highlight=False)
             if event.get("resumed_from"):
                 self._console.print(f"resuming from [bold]{escape(event['resumed_from'])}[/] at step {event['start_step']}")
@@ -57,7 +65,11 @@ class TrainProgressBar:
                                                      metrics="")
         elif kind == "step":
             text = (f"loss {event['loss']:.4f} lr {event['lr']:.1e} gnorm {event['grad_norm']:.3f} "
-                    f"{event['tokens_per_s']:.0f} tok/s {event['step_time_s'] * 1000:.0f} ms/step")
+                    f"{event['tokens_per_s']:.0f} tok/s {event['step_time_s'] * 1000:.0f} ms/step "
+                    f"{flops_text(event['tflops_per_gpu'], event['mfu'])}")
+            eta = self._eta(event["step"])
+            if eta is not None:
+                text += f" ETA {eta}"
             if self._progress is not None:
                 self._progress.update(self._task, completed=event["step"], metrics=text)
             elif self._console is not None:
@@ -68,6 +80,24 @@ class TrainProgressBar:
         elif kind == "end" and self._progress is not None:
             self._progress.stop()
 
+    def _eta(self, step: int) -> str | None:
+        now = time.monotonic()
+        if self._first is None:
+            self._first = (now, step)
+            return None
+        t0, s0 = self._first
+        if step <= s0:
+            return None
+        left = max(0, self._train_iters - step) * (now - t0) / (step - s0)
+        minutes, seconds = divmod(int(round(left)), 60)
+        hours, minutes = divmod(minutes, 60)
+        return f"{hours}:{minutes:02d}:{seconds:02d}"
+
+
+def flops_text(tflops: float, mfu: float | None) -> str:
+    """Model TFLOP/s per GPU, and MFU where the GPU's peak is known (docs/flops.md)."""
+    return f"{tflops:.3g} TFLOP/s/GPU" + (f" MFU {100 * mfu:.1f}%" if mfu is not None else "")
+
 
 def render_result(result: Any) -> None:
     table = Table(title="training", title_justify="left", show_header=False)
@@ -77,10 +107,20 @@ def render_result(result: Any) -> None:
     if result.losses:
         table.add_row("loss", f"{result.losses[0]:.4f} -> {result.losses[-1]:.4f}")
     table.add_row("tokens/s", f"{result.tokens_per_s:.0f} (world {result.world_size}, EP {result.ep_size})")
+    table.add_row("model FLOPs", f"{flops_text(result.tflops_per_gpu, result.mfu)} "
+                                 f"({result.model_flops_per_token / 1e9:.3g} GFLOP per token"
+                                 + (f", peak {result.peak_tflops:.0f} TFLOP/s)" if result.peak_tflops else ", no known peak here)"))
     if result.fp8:
         f = result.fp8
         table.add_row("fp8", f"{f['recipe']} {f['format']}: {f['path']} ({f['kernel']}) on {f['device']}, "
                              f"{f['gemms']} FP8 GEMMs on rank 0")
+    if result.qat != "none":
+        table.add_row("qat", f"{result.qat}: expert GEMMs used MXFP4-rounded weights (straight-through gradient); "
+                             "convert --experts mxfp4 writes exactly those")
+    if result.packing:
+        p = result.packing
+        table.add_row("packing", f"{p['efficiency']:.1%} of {p['rows']} rows of {p['seq_length']} tokens hold "
+                                 "documents (the rest is padding)")
     table.add_row("run folder", escape(str(result.run_dir)) + " (metrics.jsonl)")
     if result.resumed_from:
         table.add_row("resumed from", escape(result.resumed_from))

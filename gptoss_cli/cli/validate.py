@@ -55,6 +55,11 @@ def render_report(report: ValidationReport) -> None:
         if memory:
             table.add_row(*memory)
         console.print(table)
+    if report.flops is not None:
+        f = report.flops
+        console.print(f"[dim]model FLOPs per token: {f.model_flops_per_token / 1e9:.2f} GFLOP (6 x {f.matmul_params / 1e9:.2f} B "
+                      f"active matmul parameters + attention {f.attention / 1e9:.2f} GFLOP; docs/flops.md)[/]",
+                      soft_wrap=True, highlight=False)
     style = "bold green" if report.ok else "bold red"
     console.print(f"[{style}]{escape(report.verdict)}[/]", soft_wrap=True, highlight=False)
     if report.notes:

@@ -27,6 +27,7 @@ from torch import nn
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.model.dense_gemm import DenseGemm, Linear, linear
 from gptoss_cli.model.norm import rms_norm
+from gptoss_cli.model.recompute import checkpointed, without_output
 from gptoss_cli.model.rope import apply_rotary
 
 
@@ -118,12 +119,74 @@ def sink_attention(
     return out[..., :d]
 
 
+def document_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sinks: torch.Tensor,
+    window: int | None,
+    cu_seqlens: tuple[int, ...] | None,
+) -> torch.Tensor:
+    """`sink_attention` within documents: no query sees a key of another document.
+
+    cu_seqlens: document start offsets into the flattened [B*S] token stream, 0 .. B*S, that include
+    every row start (b*S) (flash-attn's varlen convention; `document_offsets` builds them). Each
+    document runs `sink_attention` alone, so its sinks and sliding window apply within it; None =
+    one document per row.
+    """
+    if cu_seqlens is None:
+        return sink_attention(q, k, v, sinks, window)
+    b, nh, s, d = q.shape
+    nkv = k.shape[1]
+    if cu_seqlens[0] != 0 or cu_seqlens[-1] != b * s:
+        raise ValueError(f"cu_seqlens must run from 0 to batch x seq = {b * s}, got {cu_seqlens[0]} .. {cu_seqlens[-1]}")
+    # [B, h, S, d] -> [h, B*S, d]: one token stream, documents are slices of it.
+    flat_q = q.transpose(0, 1).reshape(nh, b * s, d)
+    flat_k = k.transpose(0, 1).reshape(nkv, b * s, d)
+    flat_v = v.transpose(0, 1).reshape(nkv, b * s, d)
+    outs = []
+    for start, stop in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+        if start // s != (stop - 1) // s:
+            raise ValueError(f"document [{start}, {stop}) crosses a row boundary (rows of {s} tokens)")
+        outs.append(sink_attention(flat_q[None, :, start:stop], flat_k[None, :, start:stop],
+                                   flat_v[None, :, start:stop], sinks, window)[0])
+    return torch.cat(outs, dim=1).view(nh, b, s, d).transpose(0, 1)
+
+
+def document_offsets(seqlens: list[list[int]], seq_len: int) -> tuple[int, ...]:
+    """cu_seqlens of `document_attention` from each row's document lengths (a row's lengths summing
+    to less than seq_len leave the rest of the row as one more segment, its padding)."""
+    offsets = [0]
+    for row, lengths in enumerate(seqlens):
+        for n in lengths:
+            if n < 1:
+                raise ValueError(f"row {row}: document length {n} < 1")
+            offsets.append(offsets[-1] + n)
+        end = (row + 1) * seq_len
+        if offsets[-1] > end:
+            raise ValueError(f"row {row}: documents of {sum(lengths)} tokens exceed the row of {seq_len}")
+        if offsets[-1] < end:
+            offsets.append(end)
+    return tuple(offsets)
+
+
+def document_positions(cu_seqlens: tuple[int, ...], batch: int, seq_len: int, device=None) -> torch.Tensor:
+    """position_ids [B, S] that restart at 0 at every offset of cu_seqlens."""
+    idx = torch.arange(batch * seq_len)
+    starts = torch.tensor(cu_seqlens[:-1])
+    lengths = torch.tensor(cu_seqlens[1:]) - starts
+    pos = idx - torch.repeat_interleave(starts, lengths)
+    return pos.view(batch, seq_len).to(device)
+
+
 class LayerNormLinear(nn.Module):
     """RMSNorm fused with a linear projection: Megatron's `linear_qkv` with `layer_norm_weight`.
 
-    The norm stays in high precision; the projection's GEMMs are `gemm`'s (model/dense_gemm.py)."""
+    The norm stays in high precision; the projection's GEMMs are `gemm`'s (model/dense_gemm.py).
+    With `recompute_norm` the norm's output is not kept for backward (model/recompute.py, layernorm)."""
 
     gemm: DenseGemm | None = None
+    recompute_norm = False
 
     def __init__(self, in_features: int, out_features: int, eps: float, device=None, dtype=None):
         super().__init__()
@@ -133,22 +196,31 @@ class LayerNormLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = rms_norm(x, self.layer_norm_weight, self.eps)
-        y = linear(h, self.weight, self.bias, gemm=self.gemm)
+        if self.recompute_norm:
+            return without_output(rms_norm, (x, self.layer_norm_weight, self.eps), self._project)
+        return self._project(rms_norm(x, self.layer_norm_weight, self.eps))
+
+    def _project(self, normed: torch.Tensor) -> torch.Tensor:
+        y = linear(normed, self.weight, self.bias, gemm=self.gemm)
         adapter = getattr(self, "adapter", None)  # LoRA (model/lora.py), on the normalised input
-        return y if adapter is None else y + adapter(h)
+        return y if adapter is None else y + adapter(normed)
 
 
 class CoreAttention(nn.Module):
-    """Holds the sinks (`softmax_offset`, one logit per query head) and the window of this layer."""
+    """Holds the sinks (`softmax_offset`, one logit per query head) and the window of this layer.
+    With `recompute` its layer keeps only the QKV projection's output for backward and recomputes
+    the rotary embedding and the core from it (model/recompute.py, core_attn)."""
+
+    recompute = False
 
     def __init__(self, num_heads: int, window: int | None, device=None, dtype=None):
         super().__init__()
         self.window = window
         self.softmax_offset = nn.Parameter(torch.zeros(num_heads, device=device, dtype=dtype))
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return sink_attention(q, k, v, self.softmax_offset, self.window)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                cu_seqlens: tuple[int, ...] | None = None) -> torch.Tensor:
+        return document_attention(q, k, v, self.softmax_offset, self.window, cu_seqlens)
 
     def extra_repr(self) -> str:
         return f"window={self.window}"
@@ -166,17 +238,41 @@ class SelfAttention(nn.Module):
             arch.num_attention_heads * arch.head_dim, arch.hidden_size, bias=True, device=device, dtype=dtype
         )
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [B, S, H] (un-normalised: the norm is fused into linear_qkv) -> attention output [B, S, H]."""
-        b, s, _ = x.shape
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cu_seqlens: tuple[int, ...] | None = None) -> torch.Tensor:
+        """x [B, S, H] (un-normalised: the norm is fused into linear_qkv) -> attention output [B, S, H];
+        cu_seqlens: packed documents (see `document_attention`), None = one per row."""
+        qkv = self.linear_qkv(x)
+        # core_attn recompute: v is a view of qkv, so keeping q, k, v would keep qkv and the rotated
+        # q and k; keeping qkv alone and recomputing the rotation is the smaller choice.
+        out = (checkpointed(self._core, qkv, cos, sin, cu_seqlens) if self.core_attention.recompute
+               else self._core(qkv, cos, sin, cu_seqlens))
+        return self.project_out(out)
+
+    def _core(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              cu_seqlens: tuple[int, ...] | None = None) -> torch.Tensor:
+        """QKV output [B, S, rows] -> rotary embedding -> the core: [B, heads, S, head_dim]."""
+        return self.core_attention(*self._split_rotate(qkv, cos, sin), cu_seqlens)
+
+    def _split_rotate(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """QKV output [B, S, rows] (rows grouped by kv head) -> q [B, heads, S, d] and k
+        [B, kv_heads, S, d] rotated, v [B, kv_heads, S, d]."""
+        b, s, _ = qkv.shape
         r = self.num_heads // self.num_kv_heads
-        qkv = self.linear_qkv(x).view(b, s, self.num_kv_heads, r + 2, self.head_dim)
+        qkv = qkv.view(b, s, self.num_kv_heads, r + 2, self.head_dim)
         q = qkv[:, :, :, :r].reshape(b, s, self.num_heads, self.head_dim).transpose(1, 2)
         k = qkv[:, :, :, r].transpose(1, 2)
         v = qkv[:, :, :, r + 1].transpose(1, 2)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
-        out = self.core_attention(q, k, v)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    # --- the pieces of forward, for incremental decoding (model/kv_cache.py) ----------------
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [B, S, H] -> q [B, heads, S, d], k and v [B, kv_heads, S, d], q and k rotated (as forward)."""
+        return self._split_rotate(self.linear_qkv(x), cos, sin)
+
+    def project_out(self, out: torch.Tensor) -> torch.Tensor:
+        """Attention output per head [B, heads, S, d] -> [B, S, H] (as forward)."""
+        b, _, s, _ = out.shape
         return self.linear_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
 
 
@@ -189,5 +285,6 @@ class AttentionLayer(nn.Module):
         super().__init__()
         self.self_attention = SelfAttention(arch, window, device, dtype)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return x + self.self_attention(x, cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cu_seqlens: tuple[int, ...] | None = None) -> torch.Tensor:
+        return x + self.self_attention(x, cos, sin, cu_seqlens)

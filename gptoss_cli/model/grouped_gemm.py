@@ -107,10 +107,25 @@ def _loop(rows: torch.Tensor, counts: list[int], fn, out_features: int) -> torch
 
 
 def _add_bias(y: torch.Tensor, bias: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-    return y + torch.repeat_interleave(bias.to(y.dtype), tokens_per_expert, dim=0, output_size=y.shape[0])
+    """y [N, out] (the GEMM's own output) + each row's expert bias.
+
+    On the CPU, where reading the counts costs no device sync, in place one expert's rows at a
+    time (no [N, out] tensor of repeated biases, one pass over y instead of three); elsewhere the
+    repeats are materialised, which needs no host read of the counts."""
+    bias = bias.to(y.dtype)
+    if y.device.type == "cpu":
+        for rows, b in zip(torch.split(y, tokens_per_expert.tolist()), bias):
+            rows.add_(b)
+        return y
+    return y + torch.repeat_interleave(bias, tokens_per_expert, dim=0, output_size=y.shape[0])
 
 
 def _bias_grad(dy: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    """db [E, out]: the sum of each expert's rows of dy (on the CPU a column sum per expert; elsewhere
+    one index_add_ over the rows' expert ids, without a host read of the counts)."""
+    if dy.device.type == "cpu":
+        sums = [rows.sum(0) for rows in torch.split(dy, tokens_per_expert.tolist())]
+        return torch.stack(sums) if sums else dy.new_zeros(0, dy.shape[1])
     rows = expert_of_row(tokens_per_expert, dy.shape[0])
     return dy.new_zeros(tokens_per_expert.numel(), dy.shape[1]).index_add_(0, rows, dy)
 

@@ -24,14 +24,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from gptoss_cli.errors import ConfigError
-from gptoss_cli.model.attention import AttentionLayer, LayerNormLinear
+from gptoss_cli.model.attention import AttentionLayer, LayerNormLinear, document_positions
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.model.dense_gemm import DenseGemm, Linear
 from gptoss_cli.model.dispatcher import AllToAllTokenDispatcher
 from gptoss_cli.model.grouped_gemm import GroupedGemm
-from gptoss_cli.model.moe import DenseMLPLayer, ExpertLinear, MoELayer, PerExpertParams, load_balancing_loss
+from gptoss_cli.model.moe import (DenseMLPLayer, ExpertLinear, MoELayer, PerExpertParams, RouterStats,
+                                   RouterStatsRequest, load_balancing_loss, router_table, router_z_loss)
 from gptoss_cli.model.norm import RMSNorm
 from gptoss_cli.model.pattern import ATTENTION, MLP, MOE, HybridPattern, parse_pattern
+from gptoss_cli.model.recompute import RecomputePlan, checkpointed
 from gptoss_cli.model.rope import YarnRotaryEmbedding
 
 IGNORE_INDEX = -100
@@ -124,6 +126,9 @@ class HybridOutput:
         self.loss: torch.Tensor | None = None
         self.lm_loss: torch.Tensor | None = None  # mean token cross-entropy over labels != -100
         self.aux_loss: torch.Tensor | None = None  # unscaled load-balancing loss, when collected
+        self.z_loss: torch.Tensor | None = None  # unscaled router z-loss, when collected
+        # float64 [MoE layers, E + 2] routing telemetry in training (model/moe.py, `router_table`)
+        self.router_table: torch.Tensor | None = None
 
     @property
     def logits(self) -> torch.Tensor:
@@ -196,8 +201,9 @@ def build_layer(
     raise ConfigError(f"layer symbol {symbol!r} cannot be built", hint="use '*', 'E' or '-'")
 
 
-def run_layer(layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return layer(x, cos, sin) if isinstance(layer, AttentionLayer) else layer(x)
+def run_layer(layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              cu_seqlens: tuple[int, ...] | None = None) -> torch.Tensor:
+    return layer(x, cos, sin, cu_seqlens) if isinstance(layer, AttentionLayer) else layer(x)
 
 
 def init_weights_(model: "HybridModel", std: float, seed: int) -> None:
@@ -288,7 +294,9 @@ class HybridModel(nn.Module):
         self.arch = arch
         self.pattern = check_pattern(arch, pattern or arch.hybrid_layer_pattern)
         self.aux_loss_coef = arch.router_aux_loss_coef
+        self.z_loss_coef = 0.0  # Megatron's moe_z_loss_coeff; HF GPT-OSS has none
         self.loss_chunk_tokens = LM_LOSS_CHUNK_TOKENS
+        self.recompute = RecomputePlan()  # set_recompute
         windows = layer_windows(arch, self.pattern)
         self.embedding = nn.Module()
         # Given weight: nn.Embedding's own normal_ init imports torch._dynamo on the meta device (about
@@ -329,12 +337,13 @@ class HybridModel(nn.Module):
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
+        cu_seqlens: tuple[int, ...] | None = None,
     ):
         """One microbatch's combined-1F1B schedule plan: nodes per layer with detached inputs
         (gptoss_cli/model/schedule_plan.py); the schedule configures it (`SchedulePlan.configure`)."""
         from gptoss_cli.model.schedule_plan import build_hybrid_schedule_plan
 
-        return build_hybrid_schedule_plan(self, input_ids, position_ids, labels)
+        return build_hybrid_schedule_plan(self, input_ids, position_ids, labels, cu_seqlens)
 
     # --- structure helpers ----------------------------------------------------------------
     def moe_layers(self) -> Iterator[tuple[int, MoELayer]]:
@@ -345,6 +354,31 @@ class HybridModel(nn.Module):
     def set_token_dispatchers(self, factory: Callable[[int, MoELayer], AllToAllTokenDispatcher]) -> None:
         for j, layer in self.moe_layers():
             layer.token_dispatcher = factory(j, layer)
+
+    def set_recompute(self, plan: RecomputePlan | None) -> None:
+        """What backward recomputes instead of keeping (model/recompute.py). Selective pieces are
+        flags on the layers; a layer inside a full unit keeps none (the unit recomputes it whole),
+        and a piece inside a recomputed piece is dropped (`moe` covers `moe_act`, `mlp` covers the
+        `-` layer's norm): checkpoints do not nest."""
+        plan = plan or RecomputePlan()
+        for s, e in plan.full_units:
+            if not 0 <= s < e <= len(self.decoder.layers):
+                raise ConfigError(f"recompute unit of layers [{s}, {e}) is outside the model's "
+                                  f"{len(self.decoder.layers)} layers")
+        self.recompute = plan
+        pieces = plan.layer_pieces(self.pattern.layers)
+        for j, layer in enumerate(self.decoder.layers):
+            mods = set() if "layer" in pieces[j] else pieces[j]
+            if isinstance(layer, AttentionLayer):
+                layer.self_attention.linear_qkv.recompute_norm = "layernorm" in mods
+                layer.self_attention.core_attention.recompute = "core_attn" in mods
+            elif isinstance(layer, MoELayer):
+                layer.recompute_norm = "layernorm" in mods
+                layer.mlp.experts.recompute_mlp = "moe" in mods
+                layer.mlp.experts.recompute_act = "moe_act" in mods and "moe" not in mods
+            elif isinstance(layer, DenseMLPLayer):
+                layer.recompute_mlp = "mlp" in mods
+                layer.recompute_norm = "layernorm" in mods and "mlp" not in mods
 
     def set_gemms(self, *, dense: Callable[[str], DenseGemm] | None = None,
                   grouped: Callable[[str], GroupedGemm] | None = None) -> list[str]:
@@ -360,8 +394,13 @@ class HybridModel(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embedding.word_embeddings(input_ids)
 
-    def rope(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, dtype: torch.dtype):
-        if position_ids is None:
+    def rope(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, dtype: torch.dtype,
+             cu_seqlens: tuple[int, ...] | None = None):
+        """cos/sin of `position_ids`; by default positions count from 0 in every row, or in every
+        document of `cu_seqlens` (packed documents)."""
+        if position_ids is None and cu_seqlens is not None:
+            position_ids = document_positions(cu_seqlens, *input_ids.shape, device=input_ids.device)
+        elif position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape[0], -1)
         return self.rotary_pos_emb(position_ids, dtype)
 
@@ -375,29 +414,70 @@ class HybridModel(nn.Module):
         input_ids: torch.Tensor,
         labels: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        cu_seqlens: tuple[int, ...] | None = None,
     ) -> HybridOutput:
         """input_ids [B, S]; labels [B, S] are the targets of each position, ALREADY shifted
-        (Megatron convention: labels[t] = input_ids[t+1]), -100 to ignore."""
-        collect = self.training and self.aux_loss_coef > 0
-        for _, layer in self.moe_layers():
-            layer.collect_router_stats = collect
-            layer.router_stats = None
+        (Megatron convention: labels[t] = input_ids[t+1]), -100 to ignore.
+
+        cu_seqlens: packed documents, as start offsets into the flattened [B*S] tokens including
+        every row start (model/attention.py, `document_attention`): attention stays within each
+        document and positions restart at 0 in each (unless position_ids are given)."""
+        want = self.router_stats_request()
         x = self.embed(input_ids)
-        cos, sin = self.rope(input_ids, position_ids, x.dtype)
-        for layer in self.decoder.layers:
-            x = run_layer(layer, x, cos, sin)
+        cos, sin = self.rope(input_ids, position_ids, x.dtype, cu_seqlens)
+        stats: list[RouterStats] = []
+        units = dict(self.recompute.full_units)
+        j = 0
+        while j < len(self.decoder.layers):
+            end = units.get(j, j + 1)
+            if j in units:  # full recompute: the unit keeps only its input
+                x, got = checkpointed(self._run_layers, j, end, x, cos, sin, cu_seqlens, want)
+            else:
+                x, got = self._run_layers(j, end, x, cos, sin, cu_seqlens, want)
+            stats.extend(got)
+            j = end
         out = self.output(x)
-        if collect:
-            stats = [layer.router_stats for _, layer in self.moe_layers() if layer.router_stats is not None]
-            if stats:
-                out.aux_loss = load_balancing_loss(stats, self.arch.num_local_experts)
+        self.attach_router_stats(out, stats)
         return self.attach_losses(out, labels)
 
+    def router_stats_request(self) -> RouterStatsRequest | None:
+        """What the MoE layers return in a forward: in training, the telemetry and the terms of
+        the router losses that are on; nothing in eval."""
+        if not self.training:
+            return None
+        return RouterStatsRequest(aux_loss=self.aux_loss_coef > 0, z_loss=self.z_loss_coef > 0)
+
+    def attach_router_stats(self, out: HybridOutput, stats: list[RouterStats]) -> None:
+        """The MoE layers' statistics -> out.router_table, and out.aux_loss / out.z_loss when on."""
+        if not stats:
+            return
+        out.router_table = router_table(stats)
+        if self.aux_loss_coef > 0:
+            out.aux_loss = load_balancing_loss(stats, self.arch.num_local_experts)
+        if self.z_loss_coef > 0:
+            out.z_loss = router_z_loss(stats)
+
+    def _run_layers(self, start: int, end: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    cu_seqlens: tuple[int, ...] | None = None, want: RouterStatsRequest | None = None
+                    ) -> tuple[torch.Tensor, list[RouterStats]]:
+        """Layers [start, end) -> (x, the MoE layers' routing statistics when `want` asks for them)."""
+        stats: list[RouterStats] = []
+        for layer in self.decoder.layers[start:end]:
+            if want is not None and isinstance(layer, MoELayer):
+                x, got = layer(x, want)  # through __call__: the layer's hooks run
+                stats.append(got)
+            else:
+                x = run_layer(layer, x, cos, sin, cu_seqlens)
+        return x, stats
+
     def attach_losses(self, out: HybridOutput, labels: torch.Tensor | None) -> HybridOutput:
-        """HF's convention: loss = mean token cross-entropy + aux_loss_coef * aux loss."""
+        """HF's convention: loss = mean token cross-entropy + aux_loss_coef * aux loss
+        (+ z_loss_coef * z-loss, Megatron's, when on)."""
         if labels is not None:
             out.lm_loss = out.lm_loss_sum(labels) / (labels != IGNORE_INDEX).sum()
             out.loss = out.lm_loss if out.aux_loss is None else out.lm_loss + self.aux_loss_coef * out.aux_loss
+            if out.z_loss is not None:
+                out.loss = out.loss + self.z_loss_coef * out.z_loss
         return out
 
     # --- checkpoint names -----------------------------------------------------------------

@@ -17,6 +17,7 @@ global-id names of the Hybrid checkpoint (`linear_fc1.weight{e}` ...), see `Expe
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +31,7 @@ from gptoss_cli.model.dispatcher import AllToAllTokenDispatcher, expert_counts
 from gptoss_cli.model.dense_gemm import Linear
 from gptoss_cli.model.grouped_gemm import GroupedGemm, WgradQueue, grouped_linear
 from gptoss_cli.model.norm import RMSNorm
+from gptoss_cli.model.recompute import checkpointed, discard_saved, without_output
 
 
 class _ClampedSwiGLU(torch.autograd.Function):
@@ -182,7 +184,14 @@ class ExpertLinear(PerExpertParams):
 
 
 class GroupedExperts(nn.Module):
-    """The local experts: fc1 `[2I, H]` with rows `[gate; up]`, clamped SwiGLU, fc2 `[H, I]`."""
+    """The local experts: fc1 `[2I, H]` with rows `[gate; up]`, clamped SwiGLU, fc2 `[H, I]`.
+
+    Recompute (model/recompute.py): `recompute_act` drops the activation's output (fc2's input)
+    and rebuilds it from the fc1 output in backward (moe_act); `recompute_mlp` keeps only the
+    experts' input and re-runs fc1, the activation and fc2 in backward (moe)."""
+
+    recompute_act = False
+    recompute_mlp = False
 
     def __init__(self, arch: GptOssArch, num_local_experts: int, expert_offset: int, device=None, dtype=None):
         super().__init__()
@@ -197,6 +206,12 @@ class GroupedExperts(nn.Module):
         """expert_input [N, H] sorted by local expert, counts [E_local] -> fc2 output [N, H] (with bias,
         before the routing weight). With `wgrad_queue` the weight gradients wait in the queue
         (delayed wgrad); `name` (the layer's parameter prefix) names them in errors."""
+        if self.recompute_mlp:
+            return checkpointed(self._mlp, expert_input, tokens_per_expert, wgrad_queue, name, False)
+        return self._mlp(expert_input, tokens_per_expert, wgrad_queue, name, self.recompute_act)
+
+    def _mlp(self, expert_input: torch.Tensor, tokens_per_expert: torch.Tensor, wgrad_queue: WgradQueue | None,
+             name: str, discard_act: bool) -> torch.Tensor:
         fc1, fc2 = self.linear_fc1, self.linear_fc2
         gate_up = grouped_linear(expert_input, fc1.weight, fc1.bias, tokens_per_expert, gemm=fc1.gemm,
                                  wgrad_queue=wgrad_queue, name=f"{name}.linear_fc1")
@@ -204,10 +219,12 @@ class GroupedExperts(nn.Module):
         if adapter is not None:
             gate_up = gate_up + adapter(expert_input, tokens_per_expert)
         act = clamped_swiglu(gate_up, self.limit, self.alpha)
-        out = grouped_linear(act, fc2.weight, fc2.bias, tokens_per_expert, gemm=fc2.gemm,
-                             wgrad_queue=wgrad_queue, name=f"{name}.linear_fc2")
-        adapter = getattr(fc2, "adapter", None)
-        return out if adapter is None else out + adapter(act, tokens_per_expert)
+        with discard_saved(act, lambda: clamped_swiglu(gate_up, self.limit, self.alpha)) if discard_act \
+                else contextlib.nullcontext():
+            out = grouped_linear(act, fc2.weight, fc2.bias, tokens_per_expert, gemm=fc2.gemm,
+                                 wgrad_queue=wgrad_queue, name=f"{name}.linear_fc2")
+            adapter = getattr(fc2, "adapter", None)  # its saved copy of `act` is discarded too
+            return out if adapter is None else out + adapter(act, tokens_per_expert)
 
 
 class MoEMLP(nn.Module):
@@ -219,13 +236,38 @@ class MoEMLP(nn.Module):
         self.experts = GroupedExperts(arch, num_local_experts, expert_offset, device, dtype)
 
 
+@dataclass(frozen=True)
+class RouterStatsRequest:
+    """What a training forward asks each MoE layer to return about its routing: the telemetry
+    (always: counts, entropy) and the differentiable terms of the losses that are on."""
+
+    aux_loss: bool = False  # prob_sum with gradient (load-balancing loss)
+    z_loss: bool = False  # z_loss_sum with gradient (router z-loss)
+
+
 @dataclass
 class RouterStats:
-    """What one layer contributes to the load-balancing loss (docs/architecture.md, "Aux loss")."""
+    """One layer's routing in one forward (docs/architecture.md, "Aux loss"; docs/router-telemetry.md)."""
 
     tokens_per_expert: torch.Tensor  # [E] float, top-k assignment counts (no gradient)
-    prob_sum: torch.Tensor  # [E] float, sum over tokens of softmax(all E logits) (differentiable)
+    prob_sum: torch.Tensor | None  # [E] float, sum over tokens of softmax(all E logits) (differentiable); aux loss only
     num_tokens: int
+    entropy_sum: torch.Tensor | None = None  # scalar, sum over tokens of the entropy of softmax(all E logits) (no gradient)
+    z_loss_sum: torch.Tensor | None = None  # scalar, sum over tokens of logsumexp(logits)^2 (differentiable); z-loss only
+
+
+def router_stats(logits: torch.Tensor, indices: torch.Tensor, num_experts: int,
+                 want: RouterStatsRequest) -> RouterStats:
+    """The statistics of one layer's routing: logits [T, E], selected indices [T, k]."""
+    logits32 = logits.float()
+    prob_sum = torch.softmax(logits32, dim=-1).sum(0) if want.aux_loss else None
+    z_sum = torch.logsumexp(logits32, dim=-1).square().sum() if want.z_loss else None
+    with torch.no_grad():
+        log_p = torch.log_softmax(logits32, dim=-1)
+        entropy_sum = -(log_p.exp() * log_p).sum()
+        counts = expert_counts(indices.reshape(-1), num_experts).float()
+    return RouterStats(tokens_per_expert=counts, prob_sum=prob_sum, num_tokens=logits.shape[0],
+                       entropy_sum=entropy_sum, z_loss_sum=z_sum)
 
 
 def load_balancing_loss(stats: list[RouterStats], num_experts: int) -> torch.Tensor:
@@ -238,10 +280,31 @@ def load_balancing_loss(stats: list[RouterStats], num_experts: int) -> torch.Ten
     return num_experts * torch.sum(f * p)
 
 
+def router_z_loss(stats: list[RouterStats]) -> torch.Tensor:
+    """Megatron's router z-loss, unscaled, summed over layers as each layer adds its own:
+    sum over layers of mean over tokens of logsumexp(logits)^2 (ST-MoE, Zoph et al. 2022)."""
+    return sum(s.z_loss_sum / s.num_tokens for s in stats)
+
+
+# Columns of a router table row: E expert counts, then these two.
+ENTROPY_COL, TOKENS_COL = -2, -1
+
+
+def router_table(stats: list[RouterStats]) -> torch.Tensor:
+    """float64 [L, E + 2], one row per MoE layer: tokens routed to each expert (top-k assignments),
+    the summed router entropy, the tokens routed. Rows of several microbatches and ranks add up."""
+    return torch.stack([
+        torch.cat([s.tokens_per_expert.double(), s.entropy_sum.double().reshape(1),
+                   s.tokens_per_expert.new_full((1,), float(s.num_tokens), dtype=torch.float64)])
+        for s in stats
+    ]).detach()
+
+
 class MoELayer(nn.Module):
     """An `E` layer of the Hybrid stack: x + MoE(RMSNorm(x))."""
 
     symbol = "E"
+    recompute_norm = False  # the pre-MLP norm's output is not kept for backward (model/recompute.py)
 
     def __init__(
         self,
@@ -274,23 +337,22 @@ class MoELayer(nn.Module):
         # None when the layer holds a slice of the experts: the caller must plug in a dispatcher
         # that moves tokens between ranks.
         self.token_dispatcher = token_dispatcher
-        # Set by `pre_dispatch` when `collect_router_stats` is on (training with aux loss).
-        self.collect_router_stats = False
-        self.router_stats: RouterStats | None = None
 
     # --- the four stages (the overlap schedule's node split) --------------------------------
-    def pre_dispatch(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [B, S, H] -> (normalised tokens [T, H], probs [T, k], global expert indices [T, k])."""
-        hidden = self.pre_mlp_layernorm(x).reshape(-1, x.shape[-1])
-        routed = self.mlp.router(hidden)
-        if self.collect_router_stats:
-            counts = expert_counts(routed.indices.reshape(-1), self.num_experts)
-            self.router_stats = RouterStats(
-                tokens_per_expert=counts.float(),
-                prob_sum=torch.softmax(routed.logits.float(), dim=-1).sum(0),
-                num_tokens=hidden.shape[0],
-            )
-        return hidden, routed.probs, routed.indices
+    def pre_dispatch(self, x: torch.Tensor, stats: RouterStatsRequest | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, RouterStats | None]:
+        """x [B, S, H] -> (normalised tokens [T, H], probs [T, k], global expert indices [T, k],
+        the routing's statistics when `stats` asks for them, else None)."""
+        if self.recompute_norm:
+            hidden, routed = without_output(self.pre_mlp_layernorm, (x,), self._route)
+        else:
+            hidden, routed = self._route(self.pre_mlp_layernorm(x))
+        got = None if stats is None else router_stats(routed.logits, routed.indices, self.num_experts, stats)
+        return hidden, routed.probs, routed.indices, got
+
+    def _route(self, normed: torch.Tensor) -> tuple[torch.Tensor, RouterOutput]:
+        hidden = normed.reshape(-1, normed.shape[-1])
+        return hidden, self.mlp.router(hidden)
 
     def dispatcher(self) -> AllToAllTokenDispatcher:
         """The layer's token dispatcher; a layer holding a slice of the experts needs an EP one."""
@@ -312,11 +374,14 @@ class MoELayer(nn.Module):
         out = self.token_dispatcher.combine(expert_output, ctx)
         return residual + out.view_as(residual)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        hidden, probs, indices = self.pre_dispatch(x)
+    def forward(self, x: torch.Tensor, stats: RouterStatsRequest | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, RouterStats]:
+        """The layer's output; with `stats`, (output, the routing's statistics)."""
+        hidden, probs, indices, got = self.pre_dispatch(x, stats)
         expert_input, tokens_per_expert, ctx = self.dispatch(hidden, probs, indices)
         expert_output = self.experts(expert_input, tokens_per_expert)
-        return self.combine(expert_output, ctx, x)
+        out = self.combine(expert_output, ctx, x)
+        return out if stats is None else (out, got)
 
 
 class DenseMLPLayer(nn.Module):
@@ -328,6 +393,8 @@ class DenseMLPLayer(nn.Module):
     """
 
     symbol = "-"
+    recompute_norm = False  # the norm's output is not kept for backward (model/recompute.py, layernorm)
+    recompute_mlp = False  # only the layer's input is kept; backward re-runs norm and MLP (mlp)
 
     def __init__(self, arch: GptOssArch, device=None, dtype=None):
         super().__init__()
@@ -340,5 +407,13 @@ class DenseMLPLayer(nn.Module):
         self.mlp.linear_fc2 = Linear(i, h, bias=True, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        act = clamped_swiglu(self.mlp.linear_fc1(self.pre_mlp_layernorm(x)), self.limit, self.alpha)
-        return x + self.mlp.linear_fc2(act)
+        if self.recompute_mlp:
+            return x + checkpointed(self._mlp, x)
+        return x + self._mlp(x)
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        if self.recompute_norm:
+            gate_up = without_output(self.pre_mlp_layernorm, (x,), self.mlp.linear_fc1)
+        else:
+            gate_up = self.mlp.linear_fc1(self.pre_mlp_layernorm(x))
+        return self.mlp.linear_fc2(clamped_swiglu(gate_up, self.limit, self.alpha))

@@ -21,7 +21,7 @@ Every node's tensor inputs are DETACHED copies of its producers' outputs, so a n
 runs alone (`torch.autograd.backward` on its own outputs) and hands the gradients of its inputs
 to the producers. Values that skip nodes are explicit inputs: the residual of an `E` layer goes
 from the layer input straight to `combine`, the routing weights from `pre_dispatch` to
-`combine`, the router statistics of every `E` layer to `post` (aux loss), and cos/sin from
+`combine`, the router statistics of every `E` layer to `post` (aux and z-loss, telemetry), and cos/sin from
 `embedding` to every attention node. A producer read by two consumers sums their gradients.
 
 Comm nodes are not autograd ops: forward issues the all-to-all and finishes it later, backward
@@ -45,7 +45,7 @@ from gptoss_cli.errors import ConfigError
 from gptoss_cli.model.attention import AttentionLayer
 from gptoss_cli.model.dispatcher import PHASES, Routing, start_all_to_all
 from gptoss_cli.model.grouped_gemm import WgradQueue
-from gptoss_cli.model.moe import DenseMLPLayer, MoELayer, RouterStats, load_balancing_loss
+from gptoss_cli.model.moe import DenseMLPLayer, MoELayer, RouterStats, RouterStatsRequest
 from gptoss_cli.model.pattern import ATTENTION, LAYER_SYMBOLS, MLP, MOE, HybridPattern, parse_pattern
 
 COMPUTE, COMM = "compute", "comm"
@@ -298,7 +298,12 @@ class SchedulePlan:
             node.backward()
 
 
-def _moe_nodes(plan: SchedulePlan, j: int, layer: MoELayer, x: Ref, collect: bool) -> list[PlanNode]:
+# The RouterStats fields a pre_dispatch node hands to `post` (tensors, or the int token count).
+_STAT_FIELDS = ("tokens_per_expert", "prob_sum", "num_tokens", "entropy_sum", "z_loss_sum")
+
+
+def _moe_nodes(plan: SchedulePlan, j: int, layer: MoELayer, x: Ref,
+               want: RouterStatsRequest | None) -> list[PlanNode]:
     """The four nodes of an E layer, each calling its phases of the layer's token dispatcher."""
     d = layer.dispatcher()
     p = f"decoder.layers.{j}"
@@ -311,15 +316,12 @@ def _moe_nodes(plan: SchedulePlan, j: int, layer: MoELayer, x: Ref, collect: boo
         )
 
     def pre_dispatch(x: torch.Tensor) -> dict[str, Any]:
-        layer.collect_router_stats = collect
-        layer.router_stats = None
-        hidden, probs, indices = layer.pre_dispatch(x)
-        stats, layer.router_stats = layer.router_stats, None
+        hidden, probs, indices, stats = layer.pre_dispatch(x, want)
         permuted, prob_of_row, routing = d.dispatch_preprocess(hidden, probs, indices)
         out: dict[str, Any] = {"permuted": permuted, "prob_of_row": prob_of_row, "routing": routing,
                                "send": routing.input_splits, "recv": routing.output_splits}
         if stats is not None:
-            out.update(prob_sum=stats.prob_sum, tokens_per_expert=stats.tokens_per_expert, stat_tokens=stats.num_tokens)
+            out.update({f"stat_{name}": getattr(stats, name) for name in _STAT_FIELDS})
         return out
 
     def experts(received: torch.Tensor, routing: Routing) -> dict[str, Any]:
@@ -356,6 +358,7 @@ def build_hybrid_schedule_plan(
     input_ids: torch.Tensor,
     position_ids: torch.Tensor | None = None,
     labels: torch.Tensor | None = None,
+    cu_seqlens: tuple[int, ...] | None = None,
 ) -> SchedulePlan:
     """The plan of one microbatch for a HybridModel (see the module docstring). Nothing runs yet.
 
@@ -365,11 +368,15 @@ def build_hybrid_schedule_plan(
     if not ok:
         raise ConfigError(f"hybrid_layer_pattern {model.pattern.text!r}: {reason}",
                           hint="turn overlap off: overlap.overlap_moe_expert_parallel_comm=false")
-    collect = model.training and model.aux_loss_coef > 0
+    if getattr(model, "recompute", None) is not None and model.recompute.full_units:
+        raise ConfigError("full activation recompute cannot run in the overlap schedule (its nodes back-propagate "
+                          "alone; a full unit would repeat the all-to-all nodes)",
+                          hint="use recompute.recompute_granularity=selective, or turn overlap off")
+    want = model.router_stats_request()
 
     def embedding(input_ids: torch.Tensor, position_ids: torch.Tensor | None) -> dict[str, Any]:
         x = model.embed(input_ids)
-        cos, sin = model.rope(input_ids, position_ids, x.dtype)
+        cos, sin = model.rope(input_ids, position_ids, x.dtype, cu_seqlens)
         return {"hidden": x, "cos": cos, "sin": sin}
 
     emb = ComputeNode("embedding", embedding, {"input_ids": input_ids, "position_ids": position_ids})
@@ -383,7 +390,7 @@ def build_hybrid_schedule_plan(
             if isinstance(layer, AttentionLayer):
                 node = ComputeNode(
                     f"decoder.layers.{j}.attention",
-                    lambda x, cos, sin, _l=layer: {"hidden": _l(x, cos, sin)},
+                    lambda x, cos, sin, _l=layer: {"hidden": _l(x, cos, sin, cu_seqlens)},
                     {"x": hidden, "cos": Ref(emb, "cos"), "sin": Ref(emb, "sin")}, layer=j, symbol=ATTENTION,
                 )
                 unit.append(node)
@@ -392,7 +399,7 @@ def build_hybrid_schedule_plan(
                                    {"x": hidden}, layer=j, symbol=MLP)
                 unit.append(node)
             elif isinstance(layer, MoELayer):
-                nodes = _moe_nodes(plan, j, layer, hidden, collect)
+                nodes = _moe_nodes(plan, j, layer, hidden, want)
                 moe_nodes.append(nodes[0])
                 unit.extend(nodes)
                 node = nodes[-1]
@@ -402,18 +409,16 @@ def build_hybrid_schedule_plan(
         plan.units.append(unit)
 
     post_inputs: dict[str, Any] = {"hidden": hidden, "labels": labels}
-    if collect:
+    if want is not None:
         for i, pre in enumerate(moe_nodes):
-            post_inputs[f"prob_sum{i}"] = Ref(pre, "prob_sum")
-            post_inputs[f"tokens_per_expert{i}"] = Ref(pre, "tokens_per_expert")
-            post_inputs[f"stat_tokens{i}"] = Ref(pre, "stat_tokens")
+            for name in _STAT_FIELDS:
+                post_inputs[f"{name}{i}"] = Ref(pre, f"stat_{name}")
 
     def post(hidden: torch.Tensor, labels: torch.Tensor | None, **stats: Any) -> dict[str, Any]:
         out = model.output(hidden)
-        if collect and moe_nodes:
-            out.aux_loss = load_balancing_loss(
-                [RouterStats(stats[f"tokens_per_expert{i}"], stats[f"prob_sum{i}"], stats[f"stat_tokens{i}"])
-                 for i in range(len(moe_nodes))], model.arch.num_local_experts)
+        if want is not None:
+            model.attach_router_stats(out, [RouterStats(**{name: stats[f"{name}{i}"] for name in _STAT_FIELDS})
+                                            for i in range(len(moe_nodes))])
         if plan.loss_fn is not None:
             loss, extra = plan.loss_fn(out)
             return {"loss": loss, "extra": extra}

@@ -47,6 +47,9 @@ class GradBufferConfig:
     use_distributed_optimizer: bool = False  # shard every bucket over its group (reduce-scatter)
     overlap_grad_reduce: bool = False  # start a bucket's reduction during the last backward
     bucket_size: int | None = None  # elements per bucket; None = default_bucket_size(DP)
+    # main_grad (accumulation and reduction) in fp32; False: in the parameters' dtype (Megatron's
+    # grad_reduce_in_fp32=False), half the buffer for bf16 at the cost of bf16 sums
+    grad_reduce_in_fp32: bool = True
 
 
 def is_expert_param(name: str, param: nn.Parameter | None = None) -> bool:
@@ -103,7 +106,7 @@ class GradBuffer:
     """
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], device: torch.device, *, group: Any = None,
-                 shard: bool = False, bucket_size: int | None = None):
+                 shard: bool = False, bucket_size: int | None = None, grad_in_fp32: bool = True):
         # Reverse order: the last layers' gradients arrive first in backward, so their bucket completes first.
         named_params = list(reversed(named_params))
         self.names = [n for n, _ in named_params]
@@ -132,7 +135,7 @@ class GradBuffer:
                 start = bucket_start = end
                 members = []
         self.numel = start
-        self.data = torch.zeros(self.numel, dtype=torch.float32, device=device)
+        self.data = torch.zeros(self.numel, dtype=torch.float32 if grad_in_fp32 else self.param_dtype, device=device)
         self.param_data = torch.zeros(self.numel, dtype=self.param_dtype, device=device)
         with torch.no_grad():
             for p, (lo, hi) in zip(self.params, self.offsets):
@@ -190,9 +193,11 @@ class GradBuffers:
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         shard = config.use_distributed_optimizer
         self.dense = GradBuffer([(n, p) for n, p in named if not is_expert_param(n, p)], state.device,
-                                group=state.dp_group, shard=shard, bucket_size=config.bucket_size)
+                                group=state.dp_group, shard=shard, bucket_size=config.bucket_size,
+                                grad_in_fp32=config.grad_reduce_in_fp32)
         self.expert = GradBuffer([(n, p) for n, p in named if is_expert_param(n, p)], state.device,
-                                 group=state.expert_dp_group, shard=shard, bucket_size=config.bucket_size)
+                                 group=state.expert_dp_group, shard=shard, bucket_size=config.bucket_size,
+                                 grad_in_fp32=config.grad_reduce_in_fp32)
         self.sync_enabled = True  # False inside no_sync: the microbatch is not the step's last
         self._where = {id(p): (buf, i) for buf in self.buffers() for i, p in enumerate(buf.params)}
         self._hooks = [p.register_post_accumulate_grad_hook(self._accumulate) for _, p in named]

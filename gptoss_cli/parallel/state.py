@@ -13,10 +13,16 @@ collective helper in this package is a no-op then, so the same code trains on on
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import socket
+import sys
+import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -87,9 +93,13 @@ def pick_device(device: str = "auto") -> torch.device:
 
 
 def init_parallel(
-    ep_size: int = 1, device: str | torch.device = "auto", backend: str = "auto", timeout_s: float = 600.0
+    ep_size: int = 1, device: str | torch.device = "auto", backend: str = "auto", timeout_s: float = 600.0,
+    join_timeout_s: float | None = None,
 ) -> ParallelState:
-    """Join the process group (NCCL on CUDA, gloo on CPU) and build the (expert_dp, ep) mesh."""
+    """Join the process group (NCCL on CUDA, gloo on CPU) and build the (expert_dp, ep) mesh.
+
+    `join_timeout_s`: end the process (one line, exit 1) when the other ranks have not joined by then;
+    None = torch's rendezvous timeout (`timeout_s`). Ctrl-C and SIGTERM end the wait either way."""
     dev = device if isinstance(device, torch.device) else pick_device(device)
     env = torchrun_env()
     # A process group joined already (a test harness, a simulation) defines the world.
@@ -107,8 +117,62 @@ def init_parallel(
         kwargs: dict[str, Any] = {"backend": backend, "timeout": timedelta(seconds=timeout_s)}
         if dev.type == "cuda":
             kwargs["device_id"] = dev
-        dist.init_process_group(**kwargs)
+        where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        rank = env["RANK"] if env else "?"
+        what = f"rank {rank} was waiting for the other ranks (world size {world}) to join at {where}"
+        with interruptible_wait(what, join_timeout_s, "system.heartbeat_timeout_s"):
+            dist.init_process_group(**kwargs)
     return state_from_world(ep_size, dev)
+
+
+@contextlib.contextmanager
+def interruptible_wait(what: str, deadline_s: float | None = None, deadline_name: str = "") -> Iterator[None]:
+    """Around a call that blocks the main thread inside C++ (the rendezvous of init_process_group), where
+    Python's signal handlers cannot run until it returns: a thread that sees Ctrl-C / SIGTERM arrive (through
+    the signal wakeup fd, written by the C-level handler at once) or the deadline pass ends the process with
+    one line, exit 130 / 143 / 1. Nothing is written before the rendezvous, so nothing is left half-written."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    reader, writer = socket.socketpair()
+    writer.setblocking(False)
+    reader.settimeout(0.2)
+    old_fd = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+    done = threading.Event()
+
+    def end(line: str, code: int) -> None:
+        if not done.is_set():
+            sys.stderr.write(line + "\n")
+            sys.stderr.flush()
+            os._exit(code)
+
+    def watch() -> None:
+        start = time.monotonic()
+        while not done.is_set():
+            try:
+                received = reader.recv(64)
+            except socket.timeout:
+                received = b""
+            except OSError:
+                return
+            if signal.SIGTERM in received:
+                end(f"terminated: {what}; nothing was left half-written", 128 + signal.SIGTERM)
+            if signal.SIGINT in received:
+                end(f"interrupted: {what}; nothing was left half-written", 128 + signal.SIGINT)
+            if deadline_s is not None and time.monotonic() - start > deadline_s:
+                end(f"error: {what}: not all of them joined within {deadline_s:g} s ({deadline_name}); "
+                    "ending this rank", 1)
+
+    thread = threading.Thread(target=watch, name="gptoss-join-watch", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        signal.set_wakeup_fd(old_fd)
+        thread.join(timeout=1)
+        reader.close()
+        writer.close()
 
 
 def state_from_world(ep_size: int, device: torch.device) -> ParallelState:
@@ -187,6 +251,6 @@ def barrier(group: Any = None) -> None:
 
 
 __all__ = [
-    "ParallelState", "init_parallel", "state_from_world", "destroy_parallel", "pick_device", "torchrun_env",
+    "ParallelState", "init_parallel", "interruptible_wait", "state_from_world", "destroy_parallel", "pick_device", "torchrun_env",
     "all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier", "group_size", "group_rank",
 ]

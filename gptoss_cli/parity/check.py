@@ -82,7 +82,7 @@ def run_parity(
     require_transformers()
     from gptoss_cli.checkpoint.hybrid_format import read_hybrid_config
     from gptoss_cli.checkpoint.safetensors_io import CheckpointReader
-    from gptoss_cli.checkpoint.sources import HF, open_source
+    from gptoss_cli.checkpoint.sources import HF, check_tensors, open_source
     from gptoss_cli.parity.forward import Ours, Reference, forward_parity
     from gptoss_cli.parity.weights import check_weights
 
@@ -105,6 +105,8 @@ def run_parity(
             raise UsageError(f"{hybrid}: no such Hybrid checkpoint folder")
         cfg = read_hybrid_config(hybrid_path)
         arch = source.arch
+        # Names, shapes and dtypes from the headers before any read: a header may claim a 1 TB tensor.
+        check_tensors(source, source.layout.stored_specs(arch))
         expected_layers = tuple("*E" * cfg.arch.num_hidden_layers)
         pattern_layers = tuple(c for c in cfg.hybrid_layer_pattern if c in "*E-M")
         if pattern_layers != expected_layers:

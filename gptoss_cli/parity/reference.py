@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
+from gptoss_cli.json_input import parse_json
 
 
 def load_transformers_model(folder: str | Path, dtype: torch.dtype = torch.float32,
@@ -19,7 +19,7 @@ def load_transformers_model(folder: str | Path, dtype: torch.dtype = torch.float
     from transformers.utils import logging as hf_logging
 
     kw: dict[str, Any] = {}
-    if "quantization_config" in json.loads((Path(folder) / "config.json").read_text()):
+    if "quantization_config" in parse_json((Path(folder) / "config.json").read_text()):
         kw["quantization_config"] = transformers.Mxfp4Config(dequantize=True)
     if attn_implementation is not None:
         kw["attn_implementation"] = attn_implementation

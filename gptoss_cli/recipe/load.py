@@ -25,6 +25,7 @@ from gptoss_cli.errors import ConfigError, GptossError
 from gptoss_cli.model.config import PRESETS, GptOssArch
 from gptoss_cli.model.pattern import HybridPattern, parse_pattern
 from gptoss_cli.recipe.schema import RecipeConfig, iter_fields
+from gptoss_cli.json_input import parse_json
 
 
 
@@ -305,7 +306,7 @@ def _first_line(exc: BaseException) -> str:
 # --- the model the recipe describes ---------------------------------------------------------
 def _read_json(path: Path) -> dict[str, Any]:
     try:
-        data = json.loads(path.read_text())
+        data = parse_json(path.read_text())
     except OSError as exc:
         raise ConfigError(f"model.checkpoint: cannot read {path}: {exc.strerror or exc}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -316,8 +317,15 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def architecture_from_checkpoint(checkpoint: str | Path) -> tuple[GptOssArch, str | None]:
-    """(architecture, stored pattern or None) from a gptoss convert output or an HF checkpoint folder."""
+    """(architecture, stored pattern or None) from a gptoss convert output, an HF checkpoint folder or a
+    Megatron-LM torch_dist checkpoint (its common.pt args)."""
     path = Path(checkpoint).expanduser()
+    if _is(path, "dir") and not (path / "hybrid_config.json").is_file() and not (path / "config.json").is_file():
+        from gptoss_cli.checkpoint import megatron_format  # noqa: PLC0415 (torch only when needed)
+
+        if megatron_format.is_megatron_checkpoint(path):  # a Megatron-LM torch_dist checkpoint: its args
+            arch = megatron_format.read_megatron_checkpoint(path).arch
+            return arch, arch.hybrid_layer_pattern
     if _is(path, "dir"):
         for name in ("hybrid_config.json", "config.json"):
             if (path / name).is_file():

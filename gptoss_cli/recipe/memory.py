@@ -4,7 +4,8 @@ check judge (rule `memory.fits`) and what bench/scale.py prints next to the real
 Pure Python: validation must not need torch. The layout is gptoss train's (DP x EP, no TP/PP/CP):
 
 - Parameters and gradients live in one flat buffer per reduction group (dense: DP = world;
-  experts: expert-DP = world / EP), of the parameters' dtype and of fp32 (`main_grad`), split into
+  experts: expert-DP = world / EP), of the parameters' dtype and of fp32 (`main_grad`; the params
+  dtype with `optimizer.grad_reduce_in_fp32=false`), split into
   buckets of whole parameters, each padded to a multiple of ALIGN x shards elements
   (gptoss_cli/parallel/grads.py; `buffer_numel` mirrors its layout exactly).
 - The optimizer keeps an fp32 master copy and two fp32 Adam moments (12 bytes per element) of its
@@ -15,7 +16,11 @@ Pure Python: validation must not need torch. The layout is gptoss train's (DP x 
   params dtype). Attention's core is counted as a fused kernel (q, k, v, output, log-sum-exp), the
   GPU path; the CPU's math path also saves the attention probabilities. The overlap schedule
   (combined 1F1B) holds one more layer of another microbatch. FP8 recipes are estimated as if the
-  saved activations were in the params dtype (an upper bound). Recompute is not modelled.
+  saved activations were in the params dtype (an upper bound).
+- Recompute (`recompute` section, gptoss_cli/model/recompute.py): selective pieces shrink their
+  layer kinds' bytes per token (`activation_bytes_per_token(..., modules)`); a full unit keeps only
+  its input (b*h per token) and its layers' activations come back, one unit at a time, during its
+  backward (the largest unit is counted once on top).
 - The LM head and loss run LM_LOSS_CHUNK tokens at a time with their gradients computed in the
   forward pass (`gptoss_cli.model.hybrid`): one chunk's logits and fp32 loss tensors, the output
   layer's gradient (an fp32 accumulator, then its params-dtype copy held until backward) and the
@@ -33,6 +38,7 @@ from typing import Any
 from gptoss_cli.buckets import ALIGN, default_bucket_size
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.model.pattern import ATTENTION, MLP, MOE, HybridPattern, parse_pattern
+from gptoss_cli.model.recompute_plan import RecomputePlan
 from gptoss_cli.recipe.schema import RecipeConfig
 
 GB = 1e9
@@ -44,6 +50,8 @@ SLIDING_QUERY_BLOCK = 64  # gptoss_cli.model.attention.SLIDING_QUERY_BLOCK
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 FP32 = 4
 ADAM_STATE_BYTES = 3 * FP32  # fp32 master, exp_avg, exp_avg_sq
+# fp32 parameters are their own master weights (train/optimizer.py): only the two moments
+ADAM_MOMENT_BYTES = 2 * FP32
 
 
 def size_text(n: float) -> str:
@@ -156,7 +164,8 @@ def attention_core_bytes_per_token(arch: GptOssArch, b: int) -> float:
     return b * (2 * nh * dp + copies * 2 * kv * dp) + 4 * nh
 
 
-def activation_bytes_per_token(arch: GptOssArch, b: int, aux_loss: bool) -> dict[str, float]:
+def activation_bytes_per_token(arch: GptOssArch, b: int, aux_loss: bool, modules: frozenset[str] | set[str] = frozenset()
+                               ) -> dict[str, float]:
     """Bytes autograd saves per token for each layer kind (b = bytes of the params dtype).
 
     norm (fp32 RMSNorm): the fp32 input and the fp32 normalised input          8h
@@ -174,17 +183,34 @@ def activation_bytes_per_token(arch: GptOssArch, b: int, aux_loss: bool) -> dict
                       computes in the forward pass and holds until backward
     logits (per token of one chunk, not of the microbatch): the chunk's logits b*V, cross-entropy's
                       fp32 log-probabilities 4V and the fp32 gradients 2*4V
+
+    Selective recompute `modules` (model/recompute.py) take away:
+    layernorm:  the norm's fp32 tensors 8h (its input b*h is kept instead of its output, same size)
+    core_attn:  the fused core's tensors, keeping q, k and v (b*(nh + 2*kv)*d)
+    moe_act:    the activation b*I per routed copy
+    moe:        fc1's output and the activation, 3*b*I per routed copy (the experts' input stays)
+    mlp:        everything of a dense layer but its input b*h
     """
     h, i, v, k, e = arch.hidden_size, arch.intermediate_size, arch.vocab_size, arch.num_experts_per_tok, arch.num_local_experts
-    norm = 8 * h
+    nh, kv, d = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
+    norm = 0 if "layernorm" in modules else 8 * h
+    core = b * (nh + 2 * kv) * d if "core_attn" in modules else attention_core_bytes_per_token(arch, b)
+    expert_mid = 0 if "moe" in modules else (2 * b * i + (0 if "moe_act" in modules else b * i))
     return {
-        ATTENTION: norm + b * h + attention_core_bytes_per_token(arch, b) + b * arch.num_attention_heads * arch.head_dim,
-        MOE: norm + b * h + k * (b * h + 2 * b * i + b * i + 2 * b * h + 2 * 8 + b) + 8 * k + b * k
+        ATTENTION: norm + b * h + core + b * nh * d,
+        MOE: norm + b * h + k * (b * h + expert_mid + 2 * b * h + 2 * 8 + b) + 8 * k + b * k
         + (4 * e if aux_loss else 0),
-        MLP: norm + b * h + 2 * b * i + b * i,
-        "head": norm + b * h,
+        MLP: b * h if "mlp" in modules else norm + b * h + 2 * b * i + b * i,
+        "head": 8 * h + b * h,
         "logits": b * v + 4 * v + 2 * 4 * v,  # per token of one LM_LOSS_CHUNK chunk
     }
+
+
+def recompute_plan(cfg: RecipeConfig, pattern: HybridPattern) -> RecomputePlan:
+    """The recipe's `recompute` section as the plan the model runs (model/recompute_plan.py)."""
+    r = cfg.recompute
+    return RecomputePlan.from_settings(r.recompute_granularity, r.recompute_modules, r.recompute_method,
+                                       r.recompute_num_layers, len(pattern.layers))
 
 
 # --- the estimate ---------------------------------------------------------------------------------
@@ -275,22 +301,35 @@ def estimate_memory(cfg: RecipeConfig, arch: GptOssArch, pattern: HybridPattern 
     expert_n, expert_buckets = (buffer_numel(expert_numels, expert_shards, opt.bucket_size or default_bucket_size(edp))
                                 if expert_numels else (0, 0))
     t = cfg.training.micro_batch_size * cfg.training.seq_length
-    per_token = activation_bytes_per_token(arch, b, aux_loss=cfg.moe.aux_loss_coeff > 0)
-    counts = {s: pattern.layers.count(s) for s in (ATTENTION, MOE, MLP)}
+    aux = cfg.moe.aux_loss_coeff > 0
+    notes = []
+    try:
+        plan = recompute_plan(cfg, pattern)
+    except ValueError:  # incomplete full-recompute settings: rule recompute.settings reports them
+        plan = RecomputePlan()
+        notes.append("recompute settings are incomplete (rule recompute.settings): estimated without recompute")
+    per_token = activation_bytes_per_token(arch, b, aux, plan.modules)
+    plain = activation_bytes_per_token(arch, b, aux)
+    in_units = {j for s, e in plan.full_units for j in range(s, e)}
+    counts = {s: sum(1 for j, x in enumerate(pattern.layers) if x == s and j not in in_units) for s in (ATTENTION, MOE, MLP)}
     dtype = cfg.precision.params_dtype
+    grad_b = FP32 if opt.grad_reduce_in_fp32 else b  # main_grad's dtype (gptoss_cli/parallel/grads.py)
     ep_knob = "parallelism.expert_model_parallel_size (fewer experts per GPU)"
     act_knob = "training.micro_batch_size, training.seq_length"
     shard_knob = ("optimizer.use_distributed_optimizer=true" if not distributed
                   else "more GPUs (larger data-parallel groups shard it thinner)")
+    adam_b = ADAM_MOMENT_BYTES if b == FP32 else ADAM_STATE_BYTES
+    adam_what = "2 moments; fp32 parameters are their own master" if b == FP32 else "fp32 master, 2 moments"
     items = [
         MemoryItem("params", f"parameters ({dtype})", b * (dense_n + expert_n),
                    f"{b} B x ({dense_n:,} dense + {expert_n:,} expert elements, buckets padded)", ep_knob),
-        MemoryItem("grads", "gradients (fp32)", FP32 * (dense_n + expert_n),
-                   f"4 B x ({dense_n:,} + {expert_n:,})", ep_knob),
-        MemoryItem("optimizer.dense", "Adam state, dense (fp32 master, 2 moments)",
-                   ADAM_STATE_BYTES * dense_n / dense_shards, f"12 B x {dense_n:,} / {dense_shards}", shard_knob),
-        MemoryItem("optimizer.expert", "Adam state, experts (fp32 master, 2 moments)",
-                   ADAM_STATE_BYTES * expert_n / expert_shards, f"12 B x {expert_n:,} / {expert_shards}",
+        MemoryItem("grads", f"gradients ({'fp32' if grad_b == FP32 else dtype})", grad_b * (dense_n + expert_n),
+                   f"{grad_b} B x ({dense_n:,} + {expert_n:,})",
+                   ep_knob + ("; optimizer.grad_reduce_in_fp32=false" if grad_b > b else "")),
+        MemoryItem("optimizer.dense", f"Adam state, dense ({adam_what})",
+                   adam_b * dense_n / dense_shards, f"{adam_b} B x {dense_n:,} / {dense_shards}", shard_knob),
+        MemoryItem("optimizer.expert", f"Adam state, experts ({adam_what})",
+                   adam_b * expert_n / expert_shards, f"{adam_b} B x {expert_n:,} / {expert_shards}",
                    f"{ep_knob}; {shard_knob}"),
     ]
     if lora:
@@ -304,6 +343,15 @@ def estimate_memory(cfg: RecipeConfig, arch: GptOssArch, pattern: HybridPattern 
             items.append(MemoryItem(f"activations.{names[s].split()[0].lower()}", f"activations, {names[s]} layers",
                                     counts[s] * t * per_token[s],
                                     f"{counts[s]} layers x {t:,} tokens x {per_token[s]:,.0f} B", act_knob))
+    if plan.full_units:
+        units = len(plan.full_units)
+        largest = max(sum(plain[pattern.layers[j]] for j in range(s, e)) for s, e in plan.full_units)
+        items.append(MemoryItem("activations.recompute_inputs", "activations, full recompute unit inputs",
+                                t * units * b * arch.hidden_size,
+                                f"{units} units x {t:,} tokens x {b * arch.hidden_size:,} B", act_knob))
+        items.append(MemoryItem("activations.recompute_unit", "activations, 1 unit recomputed in backward",
+                                t * largest, f"{t:,} tokens x {largest:,.0f} B",
+                                f"{act_knob}; smaller recompute.recompute_num_layers (uniform)"))
     items.append(MemoryItem("activations.head", "activations, head", t * per_token["head"],
                             f"{t:,} tokens x {per_token['head']:,.0f} B", act_knob))
     chunk = min(t, LM_LOSS_CHUNK)
@@ -314,18 +362,19 @@ def estimate_memory(cfg: RecipeConfig, arch: GptOssArch, pattern: HybridPattern 
                             f"{chunk:,} tokens x (b + 12) x {arch.vocab_size:,} B + (4 + b) B x {head_n:,}",
                             "-"))
     if cfg.overlap.overlap_moe_expert_parallel_comm:
-        layer = max(per_token[s] for s in (ATTENTION, MOE, MLP) if counts[s])
+        layer = max((per_token[s] for s in (ATTENTION, MOE, MLP) if counts[s]), default=0)
         items.append(MemoryItem("activations.overlap", "activations, 1 layer more (overlap)",
                                 t * layer, f"{t:,} tokens x {layer:,.0f} B",
                                 f"{act_knob}; overlap.overlap_moe_expert_parallel_comm=false"))
-    largest = max(p.numel for p in layout)
+    largest = max((p.numel for p in layout), default=0)  # none: LoRA without targets
     items.append(MemoryItem("transient.grad", "largest parameter .grad", b * largest,
                             f"{b} B x {largest:,}", "-"))
-    notes = []
     if cfg.precision.fp8_recipe != "none":
         notes.append("FP8: saved activations estimated in the params dtype (an upper bound)")
-    if cfg.recompute.recompute_granularity != "none":
-        notes.append("activation recompute is not modelled (an upper bound)")
+    if plan.enabled:
+        what = (f"selective: {', '.join(sorted(plan.modules))}" if plan.modules
+                else f"full: {len(plan.full_units)} units of {len(in_units)} layers")
+        notes.append(f"activation recompute ({what}) is modelled")
     gpu = gpu or cfg.system.gpu
     cap = GPU_MEMORY_GB.get(gpu)
     return MemoryEstimate(items=items, world_size=world_size, ep_size=ep, dp_size=dp, expert_dp_size=edp,

@@ -1,7 +1,10 @@
 """The recipe schema: one dataclass per group, with Megatron's field names, defaults and docs.
 
 Every field carries `metadata["help"]` (shown by `describe_schema`); string fields with a fixed
-set of values carry `metadata["choices"]`, and numeric fields a lower bound in `metadata["min"]`.
+set of values carry `metadata["choices"]`, and numeric fields the range their consumer accepts in
+`metadata["min"]` / `metadata["max"]` (`"below"`: a strict upper bound). Every integer field has a
+maximum: sizes that become tensor shapes and counts that become loop bounds stop at INT32_MAX, seeds
+at SEED_MAX.
 Loading (`gptoss_cli.recipe.load`) checks names, types and choices; the bounds and everything
 that relates two fields are rules (`gptoss_cli.recipe.rules`), so they come back as findings.
 """
@@ -13,15 +16,28 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 DTYPES = ("fp32", "bf16", "fp16")
+# Sizes (tensor dimensions, process counts, bucket elements) and counts (steps, intervals): int32, what
+# torch's index kernels, NCCL counts and rank numbers take; with it the sample index (step x
+# global_batch_size) stays far inside int64.
+INT32_MAX = 2**31 - 1
+# numpy and Megatron seed with at most 2**32 - 1; the data sources seed torch generators with
+# seed x 1_000_003 + sample index, which must stay below 2**64 (torch.Generator.manual_seed).
+SEED_MAX = 2**32 - 1
+# A step that makes no progress for a day is a hang whatever the model; the collective timeout is 10 minutes.
+HEARTBEAT_MAX_S = 86_400.0
 
 
 def _f(default: Any = None, help: str = "", *, choices: tuple | None = None, min: float | None = None,
-       factory: Any = None) -> Any:
+       max: float | None = None, below: float | None = None, factory: Any = None) -> Any:
     meta: dict[str, Any] = {"help": help}
     if choices is not None:
         meta["choices"] = choices
     if min is not None:
         meta["min"] = min
+    if max is not None:
+        meta["max"] = max
+    if below is not None:
+        meta["below"] = below
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -44,27 +60,27 @@ class ModelConfig:
         help="overrides of GptOssArch fields, e.g. {num_hidden_layers: 2}", factory=dict,
     )
     mtp_num_layers: Optional[int] = _f(
-        None, "multi-token-prediction layers; GPT-OSS has none, so null or 0", min=0,
+        None, "multi-token-prediction layers; GPT-OSS has none, so null or 0", min=0, max=INT32_MAX,
     )
 
 
 @dataclass
 class ParallelismConfig:
-    tensor_model_parallel_size: int = _f(1, "tensor parallel size (TP)", min=1)
-    pipeline_model_parallel_size: int = _f(1, "pipeline parallel size (PP)", min=1)
+    tensor_model_parallel_size: int = _f(1, "tensor parallel size (TP)", min=1, max=INT32_MAX)
+    pipeline_model_parallel_size: int = _f(1, "pipeline parallel size (PP)", min=1, max=INT32_MAX)
     virtual_pipeline_model_parallel_size: Optional[int] = _f(
-        None, "virtual pipeline (interleaved) stages per pipeline rank; null = off", min=1,
+        None, "virtual pipeline (interleaved) stages per pipeline rank; null = off", min=1, max=INT32_MAX,
     )
-    context_parallel_size: int = _f(1, "context parallel size (CP)", min=1)
-    expert_model_parallel_size: int = _f(1, "expert parallel size (EP)", min=1)
-    expert_tensor_parallel_size: int = _f(1, "expert tensor parallel size (ETP)", min=1)
+    context_parallel_size: int = _f(1, "context parallel size (CP)", min=1, max=INT32_MAX)
+    expert_model_parallel_size: int = _f(1, "expert parallel size (EP)", min=1, max=INT32_MAX)
+    expert_tensor_parallel_size: int = _f(1, "expert tensor parallel size (ETP)", min=1, max=INT32_MAX)
     sequence_parallel: bool = _f(False, "shard activations along the sequence across TP ranks")
     data_parallel_size: Optional[int] = _f(
-        None, "data parallel size; null = derived: world_size / (TP x PP x CP)", min=1,
+        None, "data parallel size; null = derived: world_size / (TP x PP x CP)", min=1, max=INT32_MAX,
     )
-    world_size: Optional[int] = _f(None, "total processes; null = nodes x gpus_per_node", min=1)
-    nodes: Optional[int] = _f(None, "number of nodes (with gpus_per_node gives world_size)", min=1)
-    gpus_per_node: Optional[int] = _f(None, "processes per node", min=1)
+    world_size: Optional[int] = _f(None, "total processes; null = nodes x gpus_per_node", min=1, max=INT32_MAX)
+    nodes: Optional[int] = _f(None, "number of nodes (with gpus_per_node gives world_size)", min=1, max=INT32_MAX)
+    gpus_per_node: Optional[int] = _f(None, "processes per node", min=1, max=INT32_MAX)
     backend: str = _f("auto", "torch.distributed backend; auto = nccl on cuda, gloo on cpu",
                       choices=("auto", "nccl", "gloo"))
     use_megatron_fsdp: bool = _f(False, "Megatron FSDP instead of DDP / distributed optimizer")
@@ -75,6 +91,8 @@ class MoEConfig:
     token_dispatcher_type: str = _f("alltoall", "token dispatcher", choices=("alltoall", "flex", "allgather"))
     capacity_factor: Optional[float] = _f(None, "expert capacity factor; null = dropless", min=0.0)
     aux_loss_coeff: float = _f(0.0, "load-balancing aux loss coefficient (0 = off)", min=0.0)
+    z_loss_coeff: float = _f(0.0, "router z-loss coefficient, Megatron's moe_z_loss_coeff (0 = off)", min=0.0)
+    freeze_router: bool = _f(False, "keep the router weights and biases fixed (fine-tunes that must not move routing)")
     router_dtype: Optional[str] = _f(
         None, "dtype of the router GEMM and softmax; null = the params dtype", choices=(None, "fp32", "fp64"),
     )
@@ -103,6 +121,8 @@ class PrecisionConfig:
         False, "allow FP8 to be emulated (quantize-dequantize) where native kernels are unavailable; "
         "numerics only, no speed-up",
     )
+    qat: str = _f("none", "quantisation-aware training: mxfp4 computes the experts with their weights rounded "
+                  "as `convert --experts mxfp4` writes them (straight-through gradient)", choices=("none", "mxfp4"))
 
 
 @dataclass
@@ -117,42 +137,48 @@ class CudaGraphConfig:
 
 @dataclass
 class RecomputeConfig:
-    recompute_granularity: str = _f("none", "activation recompute", choices=("none", "full", "selective"))
+    recompute_granularity: str = _f("none", "activation recompute (docs/recompute.md)",
+                                    choices=("none", "full", "selective"))
     recompute_method: Optional[str] = _f(None, "full recompute method", choices=("uniform", "block", None))
-    recompute_num_layers: Optional[int] = _f(None, "layers per recompute unit (uniform) or recomputed layers (block)",
-                                             min=1)
+    recompute_num_layers: Optional[int] = _f(
+        None, "hybrid layers (2 per HF block) per recompute unit (uniform) or recomputed from the first (block)",
+        min=1, max=INT32_MAX)
     recompute_modules: List[str] = _f(
-        help="selective recompute modules", factory=list,
+        help="selective recompute pieces: attention core, experts' activation, norms, dense MLP, experts' MLP "
+             "(not its all-to-all)", factory=list,
         choices=("core_attn", "moe_act", "layernorm", "mlp", "moe"),
     )
 
 
 @dataclass
 class TrainingConfig:
-    seq_length: int = _f(4096, "tokens per sample", min=1)
-    micro_batch_size: int = _f(1, "samples per microbatch per data-parallel rank", min=1)
-    global_batch_size: int = _f(8, "samples per optimizer step across all data-parallel ranks", min=1)
-    train_iters: int = _f(1000, "optimizer steps", min=1)
+    seq_length: int = _f(4096, "tokens per sample", min=1, max=INT32_MAX)
+    micro_batch_size: int = _f(1, "samples per microbatch per data-parallel rank", min=1, max=INT32_MAX)
+    global_batch_size: int = _f(8, "samples per optimizer step across all data-parallel ranks", min=1, max=INT32_MAX)
+    train_iters: int = _f(1000, "optimizer steps", min=1, max=INT32_MAX)
     lr: float = _f(3.0e-4, "peak learning rate", min=0.0)
     min_lr: float = _f(3.0e-5, "learning rate at the end of decay", min=0.0)
-    warmup_iters: int = _f(100, "linear warm-up steps", min=0)
+    warmup_iters: int = _f(100, "linear warm-up steps", min=0, max=INT32_MAX)
     lr_decay_style: str = _f("cosine", "decay after warm-up", choices=("cosine", "linear", "constant"))
-    lr_decay_iters: Optional[int] = _f(None, "steps over which to decay; null = train_iters", min=1)
-    seed: int = _f(1234, "random seed (model init, mock data, routing ties)", min=0)
+    lr_decay_iters: Optional[int] = _f(None, "steps over which to decay; null = train_iters", min=1, max=INT32_MAX)
+    seed: int = _f(1234, "random seed (model init, mock data, routing ties)", min=0, max=SEED_MAX)
 
 
 @dataclass
 class OptimizerConfig:
     name: str = _f("adamw", "optimizer", choices=("adamw",))
     weight_decay: float = _f(0.1, "AdamW decoupled weight decay", min=0.0)
-    adam_beta1: float = _f(0.9, "AdamW beta1", min=0.0)
-    adam_beta2: float = _f(0.95, "AdamW beta2", min=0.0)
+    adam_beta1: float = _f(0.9, "AdamW beta1", min=0.0, below=1.0)
+    adam_beta2: float = _f(0.95, "AdamW beta2", min=0.0, below=1.0)
     adam_eps: float = _f(1.0e-8, "AdamW epsilon", min=0.0)
     clip_grad: float = _f(1.0, "global gradient-norm clip (0 = off)", min=0.0)
     use_distributed_optimizer: bool = _f(False, "shard optimizer state over data-parallel ranks")
+    grad_reduce_in_fp32: bool = _f(
+        True, "accumulate and reduce gradients in fp32 (false: in the params dtype, half the gradient buffer for bf16)",
+    )
     bucket_size: Optional[int] = _f(
         None, "elements per gradient bucket (one reduce-scatter and one all-gather each); "
-        "null = Megatron's default, max(40M, 1M x DP)", min=1,
+        "null = Megatron's default, max(40M, 1M x DP)", min=1, max=INT32_MAX,
     )
 
 
@@ -167,7 +193,7 @@ class DataConfig:
 @dataclass
 class CheckpointConfig:
     dir: Optional[str] = _f(None, "where training checkpoints are saved; null = no checkpoints")
-    save_interval: Optional[int] = _f(None, "save every N steps (and at the end); null = only at the end", min=1)
+    save_interval: Optional[int] = _f(None, "save every N steps (and at the end); null = only at the end", min=1, max=INT32_MAX)
     resume: bool = _f(True, "resume from the latest checkpoint in `dir` if there is one")
     pretrained: Optional[str] = _f(None, "initial weights for fine-tuning (a `gptoss convert` output folder)")
     format: str = _f("gptoss", "checkpoint format", choices=("gptoss", "torch_dist", "fsdp_dtensor"))
@@ -176,7 +202,7 @@ class CheckpointConfig:
 @dataclass
 class LoraConfig:
     rank: int = _f(0, "LoRA rank (Megatron-Bridge's `dim`); 0 = off (full fine-tuning). With a rank the base "
-                   "model is frozen and only the adapters train (docs/lora.md)", min=0)
+                   "model is frozen and only the adapters train (docs/lora.md)", min=0, max=INT32_MAX)
     alpha: float = _f(32.0, "LoRA alpha; the low-rank path is scaled by alpha / rank (PEFT's convention)", min=0.0)
     dropout: float = _f(0.0, "dropout on an adapter's input during training", min=0.0)
     target_modules: List[str] = _f(
@@ -190,8 +216,12 @@ class LoraConfig:
 
 @dataclass
 class LoggingConfig:
-    log_interval: int = _f(1, "print metrics every N steps", min=1)
+    log_interval: int = _f(1, "print metrics every N steps", min=1, max=INT32_MAX)
     run_dir: Optional[str] = _f(None, "folder for metrics.jsonl and the resolved recipe; null = runs/<recipe name>")
+    tensorboard: bool = _f(False, "also write TensorBoard event files to <run_dir>/tensorboard (extra .[tensorboard])")
+    wandb_project: Optional[str] = _f(None, "also log to this Weights & Biases project (extra .[wandb]); null = off")
+    wandb_mode: str = _f("online", "Weights & Biases mode; offline writes <run_dir>/wandb without a network",
+                         choices=("online", "offline"))
 
 
 @dataclass
@@ -203,7 +233,7 @@ class SystemConfig:
     )
     heartbeat_timeout_s: float = _f(
         180.0, "end the job, naming the rank, when a rank makes no progress in a step (or its process stops) "
-        "for this many seconds; far below the 10-minute collective timeout", min=1.0,
+        "for this many seconds; far below the 10-minute collective timeout", min=1.0, max=HEARTBEAT_MAX_S,
     )
 
 

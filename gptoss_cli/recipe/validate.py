@@ -15,10 +15,11 @@ from typing import Any, Sequence
 from gptoss_cli.errors import UsageError, ValidationFailed
 from gptoss_cli.recipe.load import Recipe, load_recipe, recipe_from_config
 from gptoss_cli.recipe.environment import installed_torch_version
-from gptoss_cli.recipe.memory import MemoryEstimate
+from gptoss_cli.recipe.flops import FlopCount, count_flops, recompute_flops_per_token
+from gptoss_cli.recipe.memory import MemoryEstimate, recompute_plan
 from gptoss_cli.recipe.rules import ERROR, RULES, SEMANTIC, UNSUPPORTED, WARNING, Context, Finding, Rule
 from gptoss_cli.recipe.sizes import data_parallel_size, expert_data_parallel_size, resolve_world_size
-from gptoss_cli.recipe.schema import RecipeConfig
+from gptoss_cli.recipe.schema import INT32_MAX, RecipeConfig
 
 TARGETS = ("gptoss", "megatron")
 NOTE = "note"
@@ -37,6 +38,8 @@ class ValidationReport:
     findings: list[Finding] = field(default_factory=list)
     skipped: bool = False  # other rules were skipped because field bounds failed
     memory: MemoryEstimate | None = None  # per-GPU estimate at this layout (recipe/memory.py)
+    flops: FlopCount | None = None  # model FLOPs per token at training.seq_length (recipe/flops.py)
+    hardware_flops_per_token: float | None = None  # + what the recipe's recompute repeats
 
     def severity(self, f: Finding) -> str:
         """error / warning, or note for an unsupported-option finding when judging Megatron semantics."""
@@ -94,6 +97,8 @@ class ValidationReport:
             "notes": len(self.notes),
             "findings": [{**f.to_dict(), "counted_as": self.severity(f)} for f in self.findings],
             "memory": self.memory.to_dict() if self.memory is not None else None,
+            "model_flops_per_token": self.flops.model_flops_per_token if self.flops is not None else None,
+            "hardware_flops_per_token": self.hardware_flops_per_token,
         }
 
     def raise_for_errors(self) -> None:
@@ -127,8 +132,9 @@ def validate_recipe(
     """
     if target not in TARGETS:
         raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
-    if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1):
-        raise UsageError(f"world size {world_size!r} must be a positive integer")
+    if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int)
+                                   or not 1 <= world_size <= INT32_MAX):
+        raise UsageError(f"world size {world_size!r} must be an integer in [1, {INT32_MAX}]")
     if isinstance(recipe, RecipeConfig):
         recipe = recipe_from_config(recipe)
     cfg = recipe.config
@@ -164,6 +170,15 @@ def validate_recipe(
         # Sizes below 1 make the arithmetic rules meaningless; report the bounds first.
         report.skipped = bool(others)
         return report
+    # after the bound gates: a size past its bound never reaches the arithmetic
+    if cfg.training.seq_length >= 1:
+        report.flops = count_flops(recipe.arch, cfg.training.seq_length, recipe.pattern)
+        try:
+            pieces = recompute_plan(cfg, recipe.pattern).layer_pieces(recipe.pattern.layers)
+        except ValueError:  # incomplete recompute settings: rule recompute.settings reports them
+            pieces = {}
+        report.hardware_flops_per_token = report.flops.model_flops_per_token + recompute_flops_per_token(
+            recipe.arch, cfg.training.seq_length, recipe.pattern, pieces)
     try:
         report.memory = ctx.memory_estimate(cfg)  # computed once: the memory rule reads the same
     except Exception:  # the estimate is information; the memory rule reports a failure of it

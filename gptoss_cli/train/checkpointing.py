@@ -30,9 +30,11 @@ from typing import Any
 
 import torch
 
+from gptoss_cli import outputs
+
 # The on-disk names belong to checkpoint/ (conversion reads these folders without the trainer).
 from gptoss_cli.checkpoint.dcp_io import (
-    check_storage_files, dcp_error, quiet_single_process, read_metadata, storage_reader,
+    check_storage_files, dcp_error, interruption, quiet_single_process, read_metadata, storage_reader,
 )
 from gptoss_cli.checkpoint.finite import all_finite
 from gptoss_cli.checkpoint.training_format import (
@@ -111,6 +113,9 @@ def save_checkpoint(
         latest = latest_name(ckpt_dir)
         if state.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
+        stop = interruption(exc)  # Ctrl-C or SIGTERM inside DCP is not a failed save: exit 130 / 143
+        if stop is not None:
+            raise stop from None
         # torch's own message for a full disk can be as cryptic as "unexpected pos 704 vs 598"
         free = shutil.disk_usage(ckpt_dir).free
         raise CheckpointError(
@@ -122,12 +127,12 @@ def save_checkpoint(
     if state.rank == 0:
         meta = dict(train_state)
         meta.update(step=step, world_size=state.world_size, ep_size=state.ep_size)
-        (tmp / TRAIN_STATE).write_text(json.dumps(meta, indent=2) + "\n")
+        outputs.write_text(tmp / TRAIN_STATE, json.dumps(meta, indent=2) + "\n")  # a full disk names the file
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
         pointer_tmp = ckpt_dir / f".{LATEST}.tmp"
-        pointer_tmp.write_text(name + "\n")
+        outputs.write_text(pointer_tmp, name + "\n")
         os.replace(pointer_tmp, ckpt_dir / LATEST)
     barrier()
     return final
@@ -231,6 +236,9 @@ def load_checkpoint(
         with quiet_single_process():
             dcp.load(payload, storage_reader=storage_reader(folder, metadata))
     except (Exception, CheckpointException) as exc:  # DCP wraps every rank's failure in one CheckpointException
+        stop = interruption(exc)
+        if stop is not None:
+            raise stop from None
         raise CheckpointError(f"{folder}: cannot load checkpoint ({dcp_error(exc)})") from None
     if RNG in payload:
         torch.set_rng_state(payload[RNG][f"rank{state.rank}"])

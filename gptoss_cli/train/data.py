@@ -1,7 +1,10 @@
 """Training data: a deterministic learnable mock source and memory-mapped token files, sharded by DP rank.
 
 Token files are gptoss_cli/token_format.py's format (what `gptoss prepare-data` writes); epochs
-reshuffle the sample order with the seed.
+reshuffle the sample order with the seed. A version-1 file is cut into windows of S+1 tokens; a
+version-2 file (documents, maybe a loss mask) is packed once into rows of S tokens holding whole
+documents (gptoss_cli/data/packing.py), and a row's microbatch carries the document boundaries
+(`cu_seqlens`) and positions that restart per document, so attention stays within each document.
 
 Sharding: the global batch of step s is samples [c, c + G) where c = consumed samples before the
 step; DP rank r takes the contiguous slice [c + r*G/dp, c + (r+1)*G/dp) in microbatches of
@@ -16,10 +19,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+import numpy as np
 import torch
 
+from gptoss_cli.data.packing import pack_documents, packing_efficiency
 from gptoss_cli.errors import ConfigError
-from gptoss_cli.token_format import check_token_files
+from gptoss_cli.model.attention import document_offsets, document_positions
+from gptoss_cli.model.hybrid import IGNORE_INDEX
+from gptoss_cli.token_format import INDEX_DTYPE, check_token_files, document_file_paths, has_documents, read_token_header
 
 # The format's dtype names as torch dtypes (gptoss_cli/token_format.py).
 TOKEN_DTYPES = {"uint16": torch.uint16, "uint32": torch.uint32, "int32": torch.int32, "int64": torch.int64}
@@ -53,15 +60,52 @@ class MockSource:
         return (self._a * start + self._b) % self.modulus
 
 
-class TokenFileSource:
-    """Windows of S+1 tokens from a memory-mapped token file (see the module docstring)."""
+class _EpochOrder:
+    """Sample `index` of an endless stream over `num_samples` samples: epoch by epoch, each in an
+    order shuffled with the seed and the epoch (the same on every rank)."""
+
+    num_samples: int
+    seed: int
+    _perm_epoch = -1
+    _perm: torch.Tensor | None = None
+
+    def sample_at(self, index: int) -> int:
+        epoch, i = divmod(index, self.num_samples)
+        if epoch != self._perm_epoch:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._perm = torch.randperm(self.num_samples, generator=g)
+            self._perm_epoch = epoch
+        return int(self._perm[i])
+
+
+def _check_ids(ids: torch.Tensor, vocab_size: int | None, bin_path: Path, first: int) -> None:
+    """Token ids must lie inside the model's vocabulary: the header can lie (a foreign or hand-edited
+    file), and an id past the embedding would otherwise surface as "IndexError: index out of range in
+    self" deep inside the model; int32 / int64 files can also hold negative ids, which would index
+    the embedding from its end or crash. `first`: the file position of ids[0], for the message."""
+    if not ids.numel():
+        return
+    if int(ids.min()) < 0 or (vocab_size is not None and int(ids.max()) >= vocab_size):
+        outside = (ids < 0) | (ids >= vocab_size) if vocab_size is not None else ids < 0
+        k = int(outside.nonzero()[0])
+        raise ConfigError(
+            f"{bin_path}: token id {int(ids[k])} at token {first + k} is outside the model's vocabulary ({vocab_size})",
+            hint="tokenize with the model's own tokenizer (gptoss prepare-data)",
+        )
+
+
+def _map_tokens(bin_path: Path, header: dict, num_tokens: int) -> torch.Tensor:
+    # Memory-mapped, copy-on-write (shared=False): pages are read on demand, the file is never written.
+    # The file is little-endian; every platform torch supports for training is too.
+    return torch.from_file(str(bin_path), shared=False, size=num_tokens, dtype=TOKEN_DTYPES[header["dtype"]])
+
+
+class TokenFileSource(_EpochOrder):
+    """Windows of S+1 tokens from a memory-mapped version-1 token file (see the module docstring)."""
 
     def __init__(self, path: str | Path, seq_length: int, seed: int, vocab_size: int | None = None):
         bin_path, _, header, num_tokens = check_token_files(path, vocab_size)
-        dtype = TOKEN_DTYPES[header["dtype"]]
-        # Memory-mapped, copy-on-write (shared=False): pages are read on demand, the file is never written.
-        # The file is little-endian; every platform torch supports for training is too.
-        self.tokens = torch.from_file(str(bin_path), shared=False, size=num_tokens, dtype=dtype)
+        self.tokens = _map_tokens(bin_path, header, num_tokens)
         self.seq_length = seq_length
         self.seed = seed
         self.num_samples = (len(self.tokens) - 1) // seq_length
@@ -71,33 +115,95 @@ class TokenFileSource:
                 hint="use more text or a smaller training.seq_length",
             )
         self.bin_path, self.vocab_size = bin_path, vocab_size
-        self._perm_epoch = -1
-        self._perm: torch.Tensor | None = None
 
     def sample(self, index: int) -> torch.Tensor:
-        epoch, i = divmod(index, self.num_samples)
-        if epoch != self._perm_epoch:
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            self._perm = torch.randperm(self.num_samples, generator=g)
-            self._perm_epoch = epoch
-        j = int(self._perm[i])
+        return self.window(self.sample_at(index))
+
+    def window(self, j: int) -> torch.Tensor:
+        """Window j of the file (not shuffled): tokens[j*S : j*S + S + 1]."""
         window = self.tokens[j * self.seq_length : j * self.seq_length + self.seq_length + 1].to(torch.int64)
-        # The header can lie (a foreign or hand-edited file): an id past the embedding would otherwise
-        # surface as "IndexError: index out of range in self" deep inside the model.
-        if self.vocab_size is not None and int(window.max()) >= self.vocab_size:
-            k = int((window >= self.vocab_size).nonzero()[0])
-            raise ConfigError(
-                f"{self.bin_path}: token id {int(window[k])} at token {j * self.seq_length + k} is outside the "
-                f"model's vocabulary ({self.vocab_size})",
-                hint="tokenize with the model's own tokenizer (gptoss prepare-data)",
-            )
+        _check_ids(window, self.vocab_size, self.bin_path, j * self.seq_length)
         return window
+
+
+@dataclass
+class PackedRow:
+    """One row of packed documents: inputs, labels (IGNORE_INDEX where untrained, at each document's
+    last token and on the padding) and the lengths of the documents it holds, in order."""
+
+    tokens: torch.Tensor  # [S]
+    labels: torch.Tensor  # [S]
+    lengths: list[int]
+
+
+class PackedDocumentSource(_EpochOrder):
+    """Rows of whole documents from a version-2 token file (see the module docstring).
+
+    The packing (best-fit decreasing) is computed once over the whole file; epochs reshuffle the
+    order of its rows. The label of a document's token t is its token t+1 where the loss mask marks
+    that token trained (every token of a file without a mask), else IGNORE_INDEX."""
+
+    documents = True
+
+    def __init__(self, path: str | Path, seq_length: int, seed: int, vocab_size: int | None = None):
+        bin_path, _, header, num_tokens = check_token_files(path, vocab_size)
+        if not has_documents(header):
+            raise ConfigError(f"{bin_path}: a version-1 token file has no documents to pack")
+        self.tokens = _map_tokens(bin_path, header, num_tokens)
+        idx_path, mask_path = document_file_paths(path)
+        self.offsets = np.fromfile(idx_path, dtype=INDEX_DTYPE).astype(np.int64)  # checked by check_token_files
+        self.mask = (torch.from_file(str(mask_path), shared=False, size=num_tokens, dtype=torch.uint8)
+                     if header.get("loss_mask") else None)
+        self.lengths = np.diff(self.offsets).tolist()
+        try:
+            self.rows = pack_documents(self.lengths, seq_length)
+        except ValueError as exc:
+            raise ConfigError(f"{idx_path}: {exc} (training.seq_length={seq_length})",
+                              hint="raise training.seq_length to the longest document, or re-create the file with "
+                                   "a smaller --max-length") from None
+        self.efficiency = packing_efficiency(self.lengths, self.rows, seq_length)
+        self.seq_length, self.seed = seq_length, seed
+        self.num_samples = len(self.rows)
+        self.bin_path, self.vocab_size = bin_path, vocab_size
+
+    def row(self, j: int) -> PackedRow:
+        """Row j of the packing (not shuffled)."""
+        s = self.seq_length
+        tokens = torch.zeros(s, dtype=torch.int64)  # padding: token 0, never a label
+        labels = torch.full((s,), IGNORE_INDEX, dtype=torch.int64)
+        at, lengths = 0, []
+        for d in self.rows[j]:
+            a, b = int(self.offsets[d]), int(self.offsets[d + 1])
+            doc = self.tokens[a:b].to(torch.int64)
+            _check_ids(doc, self.vocab_size, self.bin_path, a)
+            n = b - a
+            tokens[at:at + n] = doc
+            target = doc[1:]
+            if self.mask is not None:
+                target = torch.where(self.mask[a + 1:b].bool(), target, IGNORE_INDEX)
+            labels[at:at + n - 1] = target
+            at += n
+            lengths.append(n)
+        return PackedRow(tokens, labels, lengths)
+
+    def sample(self, index: int) -> PackedRow:
+        return self.row(self.sample_at(index))
 
 
 @dataclass
 class Microbatch:
     tokens: torch.Tensor  # [mbs, S] inputs
-    labels: torch.Tensor  # [mbs, S] next tokens
+    labels: torch.Tensor  # [mbs, S] next tokens (IGNORE_INDEX where not trained)
+    # packed documents (None: one sequence per row): positions restarting at 0 per document, and
+    # the document start offsets into the flattened [mbs*S] tokens (model/attention.py)
+    position_ids: torch.Tensor | None = None
+    cu_seqlens: tuple[int, ...] | None = None
+
+    def model_inputs(self) -> dict:
+        """Keyword arguments of the model's forward (and schedule plan) besides the tokens."""
+        if self.cu_seqlens is None:
+            return {}
+        return {"position_ids": self.position_ids, "cu_seqlens": self.cu_seqlens}
 
 
 class DataLoaderState:
@@ -128,11 +234,29 @@ class DataLoaderState:
     def _iter(self, base: int) -> Iterator[Microbatch]:
         for m in range(self.num_microbatches):
             rows = [self.source.sample(base + m * self.micro_batch_size + j) for j in range(self.micro_batch_size)]
+            if isinstance(rows[0], PackedRow):
+                yield packed_microbatch(rows, self.device)
+                continue
             batch = torch.stack(rows).to(self.device)
             yield Microbatch(tokens=batch[:, :-1].contiguous(), labels=batch[:, 1:].contiguous())
 
     def state_dict(self) -> dict[str, int]:
         return {"consumed_samples": self.consumed_samples}
+
+
+def packed_microbatch(rows: list[PackedRow], device: torch.device) -> Microbatch:
+    """The microbatch of packed rows: stacked, with their document boundaries and positions."""
+    seq = rows[0].tokens.shape[0]
+    cu = document_offsets([r.lengths for r in rows], seq)
+    return Microbatch(tokens=torch.stack([r.tokens for r in rows]).to(device),
+                      labels=torch.stack([r.labels for r in rows]).to(device),
+                      position_ids=document_positions(cu, len(rows), seq, device), cu_seqlens=cu)
+
+
+def token_file_source(path: str | Path, seq_length: int, seed: int, vocab_size: int | None = None):
+    """The source of a token file: packed documents for a version-2 file, windows for version 1."""
+    cls = PackedDocumentSource if has_documents(read_token_header(path)) else TokenFileSource
+    return cls(path, seq_length, seed, vocab_size)
 
 
 def build_source(kind: str, *, path: str | None, seq_length: int, seed: int, vocab_size: int) -> Any:
@@ -141,8 +265,9 @@ def build_source(kind: str, *, path: str | None, seq_length: int, seed: int, voc
     if kind == "tokens":
         if not path:
             raise ConfigError("data.kind=tokens needs data.path", hint="set data.path=<prefix from gptoss prepare-data>")
-        return TokenFileSource(path, seq_length, seed, vocab_size)
+        return token_file_source(path, seq_length, seed, vocab_size)
     raise ConfigError(f"data.kind={kind!r} is not one of mock, tokens")
 
 
-__all__ = ["MockSource", "TokenFileSource", "DataLoaderState", "Microbatch", "build_source", "TOKEN_DTYPES"]
+__all__ = ["MockSource", "TokenFileSource", "PackedDocumentSource", "PackedRow", "packed_microbatch",
+           "token_file_source", "DataLoaderState", "Microbatch", "build_source", "TOKEN_DTYPES"]

@@ -57,7 +57,9 @@ def default_nproc(recipe: Any) -> int:
 def preflight_recipe(recipe: Any, world_size: int) -> Any:
     """The shared rules with the launch world size and path checks; ValidationFailed stops the launch."""
     from gptoss_cli.recipe.validate import preflight
+    from gptoss_cli.train.loggers import check_backends
 
+    check_backends(recipe.config.logging)  # a missing TensorBoard / W&B package: one line, before any process
     gpu = None
     if recipe.config.system.gpu == "auto":
         gpu = _detect_gpu(recipe.config.system.device)

@@ -3,7 +3,9 @@
 `TrainJob` is everything a worker needs: the recipe's typed config, resolved in the launching
 process (plain, picklable data). `run_worker(job, progress)` joins the process group, trains and returns
 a `TrainResult`; only rank 0 calls `progress(event)` (the CLI renders it), every rank's metrics go
-to `<run_dir>/metrics.jsonl` (written by rank 0 from an all-gather, one line per rank and step).
+to `<run_dir>/metrics.jsonl` (written by rank 0 from an all-gather, one line per rank and step; the
+step's global router telemetry on rank 0's line, train/telemetry.py), and to TensorBoard / W&B when
+the recipe asks (train/loggers.py).
 """
 
 from __future__ import annotations
@@ -21,10 +23,14 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from gptoss_cli import outputs
 from gptoss_cli.checkpoint.training_format import RUN_KEY, base_fingerprint, read_train_state, require_same_base, run_record
 from gptoss_cli.errors import CheckpointError, TrainingError
 from gptoss_cli.model.config import GptOssArch
+from gptoss_cli.recipe.environment import gpu_from_device_name
+from gptoss_cli.recipe.flops import model_flops_per_token, peak_tflops, recompute_flops_per_token, throughput
 from gptoss_cli.recipe.schema import RecipeConfig
+from gptoss_cli.resources import keep_freed_memory
 from gptoss_cli.model.hybrid import IGNORE_INDEX, lm_loss_sum
 from gptoss_cli.parallel.grads import get_attr_wrapped_model, get_model_config
 from gptoss_cli.parallel.state import ParallelState, all_gather, barrier, destroy_parallel, init_parallel
@@ -32,9 +38,11 @@ from gptoss_cli.schedule import get_forward_backward_func
 from gptoss_cli.train.checkpointing import latest_checkpoint, load_checkpoint, save_checkpoint
 from gptoss_cli.train.data import DataLoaderState, Microbatch, build_source
 from gptoss_cli.train.heartbeat import Heartbeat
+from gptoss_cli.train.loggers import Loggers, open_loggers
 from gptoss_cli.train.optimizer import WarmupCosineLR
 from gptoss_cli.train.provider import HybridModelProvider, ModelRuntimeConfig
 from gptoss_cli.train.setup import setup_model_and_optimizer
+from gptoss_cli.train.telemetry import StepTotals
 
 Progress = Callable[[dict[str, Any]], None]
 
@@ -63,7 +71,8 @@ class TrainJob:
             "target_modules": list(lo.target_modules), "base": lora_base}
         return run_record(arch=self.arch, hybrid_layer_pattern=self.hybrid_layer_pattern,
                           params_dtype=self.config.precision.params_dtype, name=self.name, run_dir=self.run_dir,
-                          recipe=self.recipe, pretrained=self.config.checkpoint.pretrained, lora=lora)
+                          recipe=self.recipe, pretrained=self.config.checkpoint.pretrained,
+                          qat=self.config.precision.qat, lora=lora)
 
     @classmethod
     def from_recipe(cls, recipe: Any) -> "TrainJob":
@@ -87,6 +96,13 @@ class TrainResult:
     world_size: int
     ep_size: int
     fp8: dict[str, Any] | None = None  # recipe, format, path (native/emulated), kernel, FP8 GEMMs run (rank 0)
+    # packed documents (a version-2 token file): real tokens / row positions, and the number of rows
+    packing: dict[str, Any] | None = None
+    model_flops_per_token: float = 0.0  # training FLOPs per token (gptoss_cli/recipe/flops.py)
+    tflops_per_gpu: float = 0.0  # model TFLOP/s per GPU over the timed steps (the first step excluded)
+    mfu: float | None = None  # tflops_per_gpu / the GPU's dense peak; None when the peak is unknown
+    peak_tflops: float | None = None  # the peak used (bf16 or FP8 by precision.fp8_recipe, per system.gpu)
+    qat: str = "none"  # precision.qat: "mxfp4" when the experts computed with MXFP4-rounded weights (docs/qat.md)
     notes: list[str] = field(default_factory=list)  # e.g. leftovers of killed runs that were removed
 
 
@@ -98,23 +114,34 @@ def forward_step(data_iterator: Iterator[Microbatch], model: torch.nn.Module,
     schedule plan for the microbatch instead of its forward; the schedule runs the plan and calls
     loss_func on its output. Either way the schedule decides when the loss is computed."""
     mb = next(data_iterator)
-    loss_func = functools.partial(microbatch_loss, mb.labels, get_model_config(model).aux_loss_coeff)
+    config = get_model_config(model)
+    loss_func = functools.partial(microbatch_loss, mb.labels, config.aux_loss_coeff,
+                                  z_coeff=getattr(config, "z_loss_coeff", 0.0))
     if return_schedule_plan:
-        return get_attr_wrapped_model(model, "build_schedule_plan")(mb.tokens), loss_func
-    return model(mb.tokens), loss_func
+        return get_attr_wrapped_model(model, "build_schedule_plan")(mb.tokens, **mb.model_inputs()), loss_func
+    return model(mb.tokens, **mb.model_inputs()), loss_func
 
 
-def microbatch_loss(labels: torch.Tensor, aux_coeff: float, output: Any) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """(summed token cross-entropy + aux loss scaled by the microbatch's tokens, tokens, logs)."""
+def microbatch_loss(labels: torch.Tensor, aux_coeff: float, output: Any, *,
+                    z_coeff: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """(summed token cross-entropy + aux and z-loss scaled by the microbatch's tokens, tokens, logs).
+
+    The logs stay on the device: the loss terms, and the model's router table when it has one
+    (train/telemetry.py sums them over the step)."""
     lm_sum = lm_loss_sum(output, labels)  # chunked over tokens for HybridOutput (model/hybrid.py)
     num_tokens = (labels != IGNORE_INDEX).sum()
     loss_sum = lm_sum
     logs: dict[str, Any] = {"lm_loss_sum": lm_sum.detach()}
-    if output.aux_loss is not None and aux_coeff > 0:
-        # The aux loss is a per-microbatch mean; weighting it by the microbatch's tokens keeps the
-        # global per-token normalisation in finalize_model_grads exact.
-        loss_sum = lm_sum + aux_coeff * output.aux_loss * num_tokens
+    # The aux and z-losses are per-microbatch means; weighting them by the microbatch's tokens
+    # keeps the global per-token normalisation in finalize_model_grads exact.
+    if getattr(output, "aux_loss", None) is not None and aux_coeff > 0:
+        loss_sum = loss_sum + aux_coeff * output.aux_loss * num_tokens
         logs["aux_loss"] = output.aux_loss.detach()
+    if getattr(output, "z_loss", None) is not None and z_coeff > 0:
+        loss_sum = loss_sum + z_coeff * output.z_loss * num_tokens
+        logs["z_loss"] = output.z_loss.detach()
+    if getattr(output, "router_table", None) is not None:
+        logs["router_table"] = output.router_table
     return loss_sum, num_tokens, logs
 
 
@@ -134,7 +161,10 @@ class MetricsWriter:
         if state.rank == 0:
             run_dir.mkdir(parents=True, exist_ok=True)
 
-    def write(self, step: int, common: dict[str, Any], local: list[float]) -> None:
+    def write(self, step: int, common: dict[str, Any], local: list[float],
+              rank0: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+        """`common` goes on every rank's line, `rank0` (the global router telemetry) on rank 0's only.
+        Returns the step's records on rank 0 (for the loggers), [] elsewhere."""
         row = torch.tensor(local, dtype=torch.float64, device=self.state.device)
         if self.state.distributed:
             rows = torch.empty(self.state.world_size * len(local), dtype=torch.float64, device=self.state.device)
@@ -143,14 +173,17 @@ class MetricsWriter:
         else:
             rows = row[None]
         if self.state.rank != 0:
-            return
-        with self.path.open("a") as fh:
-            for r, values in enumerate(rows.tolist()):
-                local_d = dict(zip(self.FIELDS, values))
-                local_loss = local_d["lm_loss_sum"] / max(local_d["num_tokens"], 1)
-                fh.write(json.dumps({"step": step, "rank": r, **common, "rank_loss": local_loss,
-                                     "rank_tokens": int(local_d["num_tokens"]),
-                                     "rank_step_time_s": local_d["step_time_s"]}) + "\n")
+            return []
+        records = []
+        for r, values in enumerate(rows.tolist()):
+            local_d = dict(zip(self.FIELDS, values))
+            local_loss = local_d["lm_loss_sum"] / max(local_d["num_tokens"], 1)
+            records.append({"step": step, "rank": r, **common, "rank_loss": local_loss,
+                            "rank_tokens": int(local_d["num_tokens"]), "rank_step_time_s": local_d["step_time_s"],
+                            **((rank0 or {}) if r == 0 else {})})
+        with outputs.naming(self.path), self.path.open("a") as fh:  # a full disk names the file
+            fh.write("".join(json.dumps(record) + "\n" for record in records))
+        return records
 
 
 def _lora_base(cfg: RecipeConfig, state: ParallelState) -> dict[str, Any] | None:
@@ -188,9 +221,21 @@ def run_worker(job: TrainJob, progress: Progress | None = None) -> TrainResult:
     self_watch = job.heartbeat_dir is None and int(os.environ.get("WORLD_SIZE", "1")) > 1
     heartbeat = Heartbeat(rank, cfg.system.heartbeat_timeout_s, job.heartbeat_dir, self_watch=self_watch).start()
     try:
-        state = init_parallel(cfg.parallelism.expert_model_parallel_size, cfg.system.device, cfg.parallelism.backend)
+        # Under torchrun a peer that never starts would hold this rank in the rendezvous for 10 minutes.
+        state = init_parallel(cfg.parallelism.expert_model_parallel_size, cfg.system.device, cfg.parallelism.backend,
+                              join_timeout_s=cfg.system.heartbeat_timeout_s if self_watch else None)
+        if state.device.type == "cpu":
+            # The step frees and reallocates the same activations every step: keep them in the
+            # heap instead of paying page faults for fresh mappings each time (resources.py).
+            keep_freed_memory()
         try:
-            return _train(job, state, progress, heartbeat)
+            # TensorBoard / W&B on rank 0 (train/loggers.py); their packages were checked before launch.
+            loggers = open_loggers(cfg.logging, Path(job.run_dir), job.name, job.recipe) if state.rank == 0 else None
+            try:
+                return _train(job, state, progress, heartbeat, loggers)
+            finally:
+                if loggers is not None:
+                    loggers.close()
         finally:
             if owns_group:
                 destroy_parallel()
@@ -198,7 +243,19 @@ def run_worker(job: TrainJob, progress: Progress | None = None) -> TrainResult:
         heartbeat.stop()
 
 
-def _train(job: TrainJob, state: ParallelState, progress: Progress | None, heartbeat: Heartbeat) -> TrainResult:
+def run_peak_tflops(cfg: RecipeConfig, device: torch.device) -> float | None:
+    """The dense peak MFU is measured against: system.gpu's (detected on CUDA when auto), at the FP8
+    rate when an FP8 recipe is on; None on CPUs and unknown GPUs."""
+    gpu = cfg.system.gpu
+    if device.type != "cuda":
+        return None
+    if gpu == "auto":
+        gpu = gpu_from_device_name(torch.cuda.get_device_name(device))
+    return peak_tflops(gpu, cfg.precision.fp8_recipe != "none")
+
+
+def _train(job: TrainJob, state: ParallelState, progress: Progress | None, heartbeat: Heartbeat,
+           loggers: Loggers | None = None) -> TrainResult:
     cfg = job.config
     t, ckpt = cfg.training, cfg.checkpoint
     _seed_all(t.seed)
@@ -212,6 +269,8 @@ def _train(job: TrainJob, state: ParallelState, progress: Progress | None, heart
     lr_schedule = WarmupCosineLR(t.lr, t.min_lr, t.warmup_iters, t.lr_decay_iters or t.train_iters, t.lr_decay_style)
     source = build_source(cfg.data.kind, path=cfg.data.path, seq_length=t.seq_length, seed=t.seed,
                           vocab_size=job.arch.vocab_size)
+    packing = ({"efficiency": source.efficiency, "rows": source.num_samples, "seq_length": t.seq_length}
+               if getattr(source, "documents", False) else None)
     data = DataLoaderState(source, global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size,
                            dp_rank=state.dp_rank, dp_size=state.dp_size, device=state.device)
 
@@ -227,18 +286,26 @@ def _train(job: TrainJob, state: ParallelState, progress: Progress | None, heart
             resumed_from = str(folder)
     if state.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "recipe.json").write_text(json.dumps(job.recipe, indent=2, default=str) + "\n")
+        outputs.replace_text(run_dir / "recipe.json", json.dumps(job.recipe, indent=2, default=str) + "\n")
     metrics = MetricsWriter(run_dir, state)
+    totals_layout = StepTotals([j for j, _ in model.module.moe_layers()], job.arch.num_local_experts)
     schedule = get_forward_backward_func(setup.config)
     fp8 = setup.config.fp8_gemms  # the FP8 gemms the provider selected: which path runs, what ran
     emit = progress if (progress is not None and state.rank == 0) else None
+    flops_per_token = model_flops_per_token(job.arch, t.seq_length, job.hybrid_layer_pattern)
+    # recompute's repeated forward work: hardware FLOPs, reported apart from the model's
+    hardware_flops = flops_per_token + recompute_flops_per_token(
+        job.arch, t.seq_length, job.hybrid_layer_pattern, runtime.recompute.layer_pieces(model.module.pattern.layers))
+    peak = run_peak_tflops(cfg, state.device)
+    step_tokens = t.global_batch_size * t.seq_length  # every token of the step runs through the model
     if emit:
         emit({"kind": "start", "start_step": start_step, "train_iters": t.train_iters, "world_size": state.world_size,
-              "ep_size": state.ep_size, "resumed_from": resumed_from, "fp8": fp8.describe() if fp8 else None})
+              "ep_size": state.ep_size, "resumed_from": resumed_from, "fp8": fp8.describe() if fp8 else None,
+              "packing": packing, "qat": cfg.precision.qat})
 
     losses: list[float] = []
     norms: list[float] = []
-    tokens_total, time_total = 0.0, 0.0
+    tokens_total, time_total, timed_steps = 0.0, 0.0, 0
     last_ckpt = None
     for step in range(start_step, t.train_iters):
         heartbeat.progress(step + 1, "step")
@@ -246,12 +313,13 @@ def _train(job: TrainJob, state: ParallelState, progress: Progress | None, heart
         model.zero_grad_buffer()
         logs = schedule(forward_step_func=forward_step, data_iterator=heartbeat.beating(data.step_iterator(), step + 1),
                         model=model, num_microbatches=data.num_microbatches, forward_only=False)
-        local = torch.stack([sum(l["lm_loss_sum"].float() for l in logs),
-                             sum(l["num_tokens"].float() for l in logs)]).to(torch.float64)
+        local = totals_layout.vector(logs, state.device)
         totals = local.clone()
         if state.distributed:
-            dist.all_reduce(totals, group=state.dp_group)
-        loss = float(totals[0] / totals[1])
+            dist.all_reduce(totals, group=state.dp_group)  # one small collective for every step total
+        local_values, values = torch.stack([local, totals]).tolist()  # the step's one host sync
+        reduced = totals_layout.scalars(values)
+        loss = reduced["lm_loss_sum"] / reduced["num_tokens"] if reduced["num_tokens"] else math.nan
         if not math.isfinite(loss):
             raise TrainingError(
                 f"loss is {loss} at step {step + 1}; stopping before the optimizer step (no checkpoint of this state)",
@@ -262,18 +330,29 @@ def _train(job: TrainJob, state: ParallelState, progress: Progress | None, heart
         if state.device.type == "cuda":
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
-        tokens = float(totals[1])
+        tokens = reduced["num_tokens"]
         if step > start_step or t.train_iters - start_step == 1:  # the first step warms up: not in the average
             tokens_total += tokens
             time_total += dt
+            timed_steps += 1
         losses.append(loss)
         norms.append(grad_norm)
         done = step + 1
+        tflops, mfu = throughput(flops_per_token, step_tokens / dt, state.world_size, peak)
         common = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens / dt,
-                  "step_time_s": dt, "consumed_samples": data.consumed_samples}
+                  "step_time_s": dt, "consumed_samples": data.consumed_samples,
+                  "model_flops_per_token": flops_per_token, "tflops_per_gpu": tflops, "mfu": mfu,
+                  "hardware_tflops_per_gpu": tflops * hardware_flops / flops_per_token}
+        if cfg.moe.aux_loss_coeff > 0:
+            common["aux_loss"] = reduced["aux_loss_sum"] / reduced["num_tokens"]
+        if cfg.moe.z_loss_coeff > 0:
+            common["z_loss"] = reduced["z_loss_sum"] / reduced["num_tokens"]
         if fp8 is not None:
             common["fp8"] = fp8.summary()
-        metrics.write(done, common, [float(local[0]), float(local[1]), dt])
+        router = totals_layout.router_record(values)
+        records = metrics.write(done, common, [local_values[0], local_values[1], dt], rank0=router)
+        if loggers is not None:
+            loggers.log(done, records)
         if emit and (done % cfg.logging.log_interval == 0 or done == t.train_iters):
             emit({"kind": "step", "step": done, **common})
         if ckpt.dir and (
@@ -289,11 +368,15 @@ def _train(job: TrainJob, state: ParallelState, progress: Progress | None, heart
                 emit({"kind": "checkpoint", "step": done, "path": str(last_ckpt)})
     heartbeat.progress(t.train_iters, "finishing", watched=False)
     barrier()
+    tflops, mfu = throughput(flops_per_token, step_tokens * timed_steps / time_total if time_total else 0.0,
+                             state.world_size, peak)
     result = TrainResult(
         steps=len(losses), final_step=max(start_step, t.train_iters), losses=losses, grad_norms=norms,
         tokens_per_s=(tokens_total / time_total) if time_total else 0.0, run_dir=str(run_dir),
         checkpoint=str(last_ckpt) if last_ckpt else None, resumed_from=resumed_from,
-        world_size=state.world_size, ep_size=state.ep_size, fp8=fp8.summary() if fp8 else None,
+        world_size=state.world_size, ep_size=state.ep_size, fp8=fp8.summary() if fp8 else None, packing=packing,
+        model_flops_per_token=flops_per_token, tflops_per_gpu=tflops, mfu=mfu if time_total else None, peak_tflops=peak,
+        qat=cfg.precision.qat,
     )
     if emit:
         emit({"kind": "end", **asdict(result)})

@@ -4,8 +4,8 @@ global-norm clipping, and the warmup + cosine learning-rate schedule.
 Sharding follows the gradient buffers (gptoss_cli/parallel/grads.py): every bucket is cut into
 equal, contiguous shards, one per rank of its group (dense parameters: DP = world; experts:
 expert-DP), that may cut through parameters. `finalize_model_grads` reduce-scatters a bucket, so
-the rank holds the reduced gradient of its own shard; it keeps the fp32 master copy and both Adam
-moments of exactly that shard as flat tensors, steps them with torch's fused AdamW kernel, writes
+the rank holds the reduced gradient of its own shard; it keeps the fp32 master weights (with fp32
+parameters, the parameter shard itself) and both Adam moments of exactly that shard as flat tensors, steps them with torch's fused AdamW kernel, writes
 the updated shard into the parameter buffer and all-gathers the bucket: one collective per bucket
 to share the update, whatever the world size. With `use_distributed_optimizer=false` each bucket
 is one shard that every rank holds (gradients all-reduced, state replicated, nothing to gather).
@@ -115,13 +115,19 @@ def _sum_of_squares(flat: torch.Tensor, row: int = 4096) -> torch.Tensor:
 
 
 class _Shard:
-    """This rank's shard of one bucket: fp32 master copy, both Adam moments, and its runs."""
+    """This rank's shard of one bucket: fp32 master weights, both Adam moments, and its runs.
+
+    With fp32 parameters the master IS the parameter buffer's shard (a view, no copy): a separate
+    copy would hold the same values, cost a pass over the shard at every step to write it back, and
+    the memory of a second set of weights. With bf16 parameters it is an fp32 copy."""
 
     def __init__(self, bucket: Bucket):
         self.bucket = bucket
         self.buffer: GradBuffer = bucket.buffer
         self.lo, self.hi = bucket.shard_bounds()
-        self.master = bucket.param_shard.detach().to(torch.float32, copy=True)
+        shard = bucket.param_shard.detach()
+        self.owns_master = shard.dtype != torch.float32
+        self.master = shard.to(torch.float32, copy=True) if self.owns_master else shard
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
         self.params: list[int] = []  # buffer indices of the parameters with elements in the shard
@@ -190,7 +196,7 @@ class DistributedAdamW:
         dense = torch.zeros((), dtype=torch.float32, device=self._step.device)
         expert = torch.zeros_like(dense)
         for k, s in enumerate(self.shards):
-            sq = _sum_of_squares(s.grad)  # padding elements are zero
+            sq = _sum_of_squares(s.grad.float())  # padding elements are zero; bf16 grads summed in fp32
             (dense if k < self._dense_shards else expert).add_(sq)
         if self.distributed:
             # Dense shards partition the dense parameters over the world; expert shards partition
@@ -211,21 +217,25 @@ class DistributedAdamW:
                 f"gradient norm is {norm}; stopping before the optimizer step (no checkpoint of this state)",
                 hint="lower lr, enable clip_grad, or check the data for bad tokens",
             )
+        unscale = None
         if self.clip_grad and self.clip_grad > 0:
             coef = self.clip_grad / (norm + 1e-6)
             if coef < 1.0:
-                for s in self.shards:
-                    s.grad.mul_(coef)
+                # The fused kernel divides each gradient by this as it reads it and writes the
+                # clipped gradient back: clipping without a pass of its own over the buffers.
+                unscale = torch.full((), 1.0 / coef, dtype=torch.float32, device=self._step.device)
         self.lr = lr
-        self._adamw(lr)
+        self._adamw(lr, unscale)
         self._share()
         return norm
 
-    def _adamw(self, lr: float) -> None:
+    def _adamw(self, lr: float, unscale: torch.Tensor | None = None) -> None:
+        """One fused AdamW update of every run; gradients are divided by `unscale` first (the clip)."""
         self._step.add_(1)  # torch's AdamW counts the step before its update, too
         groups: dict[bool, list[list[torch.Tensor]]] = {True: [[], [], [], []], False: [[], [], [], []]}
         for s in self.shards:
-            flats = (s.master, s.grad, s.exp_avg, s.exp_avg_sq)
+            # bf16 gradient buffers (optimizer.grad_reduce_in_fp32=false): the fused step takes fp32
+            flats = (s.master, s.grad if s.grad.dtype == torch.float32 else s.grad.float(), s.exp_avg, s.exp_avg_sq)
             for run in s.runs:
                 for out, flat in zip(groups[run.decays and self.weight_decay != 0.0], flats):
                     out.append(s.local(flat, run.lo, run.hi))
@@ -234,14 +244,15 @@ class DistributedAdamW:
                 torch._fused_adamw_(
                     params, grads, exp_avgs, exp_avg_sqs, [], [self._step] * len(params), lr=lr,
                     beta1=self.betas[0], beta2=self.betas[1], weight_decay=self.weight_decay if decayed else 0.0,
-                    eps=self.eps, amsgrad=False, maximize=False,
+                    eps=self.eps, amsgrad=False, maximize=False, grad_scale=unscale,
                 )
 
     def _share(self) -> None:
         """Masters -> this rank's shard of the parameter buffer -> one all-gather per sharded bucket."""
         with torch.no_grad():
             for s in self.shards:
-                s.bucket.param_shard.copy_(s.master)
+                if s.owns_master:  # else the master is the parameter shard itself
+                    s.bucket.param_shard.copy_(s.master)
             works = [all_gather(s.bucket.param_data, s.bucket.param_shard, s.buffer.group, async_op=True)
                      for s in self.shards if s.buffer.sharded]
             for w in works:

@@ -25,6 +25,7 @@ import torch
 
 from gptoss_cli import outputs
 from gptoss_cli.errors import ConfigError, UsageError, file_system_error
+from gptoss_cli.json_input import parse_json
 from gptoss_cli.token_format import token_dtype_for, token_file_paths, write_token_header
 from gptoss_cli.train.data import TOKEN_DTYPES
 
@@ -69,9 +70,10 @@ def _configured_eos(tokenizer: Any, tok_file: Path, eos_token_id: int | None) ->
     config = tok_file.parent / "config.json"
     if config.is_file():
         try:
-            eos = json.loads(config.read_text()).get("eos_token_id")
-        except json.JSONDecodeError:
-            eos = None
+            data = parse_json(config.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            data = None
+        eos = data.get("eos_token_id") if isinstance(data, dict) else None
         if isinstance(eos, list) and eos:
             eos = eos[0]
         if eos is not None:
@@ -86,7 +88,7 @@ def _configured_eos(tokenizer: Any, tok_file: Path, eos_token_id: int | None) ->
     )
 
 
-def _decode(raw: bytes, path: Path, offset: int, errors: str) -> str:
+def decode_line(raw: bytes, path: Path, offset: int, errors: str) -> str:
     """One line of input as text; binary data and (unless errors="replace") invalid UTF-8 are refused."""
     nul = raw.find(b"\0")
     if nul >= 0:
@@ -106,13 +108,13 @@ def _documents(path: Path, text_key: str, errors: str = "strict") -> Iterator[tu
     if path.suffix in (".jsonl", ".json"):
         with path.open("rb") as fh:
             for lineno, raw in enumerate(fh, 1):
-                line = _decode(raw, path, offset, errors)
+                line = decode_line(raw, path, offset, errors)
                 offset += len(raw)
                 if not line.strip():
                     yield "", len(raw)
                     continue
                 try:
-                    obj = json.loads(line)
+                    obj = parse_json(line)
                 except json.JSONDecodeError as exc:
                     raise UsageError(f"{path}:{lineno}: not a JSON object ({exc.msg})") from None
                 if not isinstance(obj, dict) or not isinstance(obj.get(text_key), str):
@@ -126,7 +128,7 @@ def _documents(path: Path, text_key: str, errors: str = "strict") -> Iterator[tu
     consumed = 0
     with path.open("rb") as fh:
         for raw in fh:
-            line = _decode(raw, path, offset, errors)
+            line = decode_line(raw, path, offset, errors)
             offset += len(raw)
             consumed += len(raw)
             if line.strip():
@@ -136,6 +138,45 @@ def _documents(path: Path, text_key: str, errors: str = "strict") -> Iterator[tu
                 lines, consumed = [], 0
     if lines or consumed:
         yield "".join(lines).rstrip("\n"), consumed
+
+
+def check_inputs(inputs: list[Path]) -> None:
+    """The input files exist and are files (UsageError naming the first that is not)."""
+    if not inputs:
+        raise UsageError("no input files given")
+    for p in inputs:
+        if Path(p).is_dir():
+            raise UsageError(f"input {p} is a folder; pass the text or JSONL files in it")
+        if not Path(p).is_file():
+            raise UsageError(f"input file {p} not found")
+
+
+def load_tokenizer(tokenizer: Path) -> tuple[Any, Path]:
+    """(tokenizers.Tokenizer, its tokenizer.json path) for a tokenizer.json or a checkpoint folder holding it."""
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise UsageError("prepare-data needs the `tokenizers` package", hint="pip install 'gptoss-cli[data]'") from None
+    tok_file = _tokenizer_file(Path(tokenizer))
+    try:
+        return Tokenizer.from_file(str(tok_file)), tok_file
+    except Exception as exc:  # the tokenizers library raises a bare Exception for bad files
+        raise UsageError(f"{tok_file}: not a tokenizers tokenizer.json ({str(exc).splitlines()[0]})") from None
+
+
+def prepare_outputs(out: Path, targets: list[Path], sources: list[Path]) -> None:
+    """The output files can be written: none of them is a file the command reads (`sources`), no
+    folder in their place, leftovers of killed runs removed, the folder made."""
+    _check_not_overwritten(out, tuple(targets), sources)
+    outputs.check_writable_location(targets[0], "--out")
+    for target in targets:
+        if target.is_dir():
+            raise UsageError(f"--out {out}: {target} is a folder")
+        outputs.recover(target)  # .OUT.bin.tmp-PID of killed runs
+    try:
+        targets[0].parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise file_system_error(exc, "cannot create the output folder") from None
 
 
 def prepare_data(
@@ -156,36 +197,14 @@ def prepare_data(
         raise UsageError(f"--errors {errors!r} is not one of {', '.join(DECODE_ERRORS)}")
     if not isinstance(text_key, str) or not text_key:
         raise UsageError(f"--text-key {text_key!r} must be a non-empty field name")
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        raise UsageError("prepare-data needs the `tokenizers` package", hint="pip install 'gptoss-cli[data]'") from None
-    if not inputs:
-        raise UsageError("no input files given")
-    for p in inputs:
-        if Path(p).is_dir():
-            raise UsageError(f"input {p} is a folder; pass the text or JSONL files in it")
-        if not Path(p).is_file():
-            raise UsageError(f"input file {p} not found")
-    tok_file = _tokenizer_file(Path(tokenizer))
-    try:
-        tok = Tokenizer.from_file(str(tok_file))
-    except Exception as exc:  # the tokenizers library raises a bare Exception for bad files
-        raise UsageError(f"{tok_file}: not a tokenizers tokenizer.json ({str(exc).splitlines()[0]})") from None
+    check_inputs(inputs)
+    tok, tok_file = load_tokenizer(tokenizer)
     vocab_size = tok.get_vocab_size(with_added_tokens=True)
     eos = _eos_id(tok, tok_file, eos_token_id, vocab_size)
     dtype_name = token_dtype_for(vocab_size)
     dtype = TOKEN_DTYPES[dtype_name]
     bin_path, header_path = token_file_paths(out)
-    outputs.check_writable_location(bin_path, "--out")
-    for target in (bin_path, header_path):
-        if target.is_dir():
-            raise UsageError(f"--out {out}: {target} is a folder")
-        outputs.recover(target)  # .OUT.bin.tmp-PID of killed runs
-    try:
-        bin_path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise file_system_error(exc, "cannot create the output folder") from None
+    prepare_outputs(out, [bin_path, header_path], [*map(Path, inputs), tok_file])
     tmp = outputs.temp_path(bin_path, outputs.TMP)
     total_bytes = sum(Path(p).stat().st_size for p in inputs)
     done_bytes = num_tokens = num_docs = 0
@@ -196,7 +215,7 @@ def prepare_data(
         for enc in encodings:
             ids.extend(enc.ids)
             ids.append(eos)
-        fh.write(_to_bytes(ids, dtype))
+        fh.write(to_bytes(ids, dtype))
         return len(ids)
 
     try:
@@ -232,7 +251,20 @@ def prepare_data(
                          [str(p) for p in inputs])
 
 
-def _to_bytes(ids: list[int], dtype: torch.dtype) -> bytes:
+def _check_not_overwritten(out: Path, targets: tuple[Path, ...], sources: list[Path]) -> None:
+    """--out may not name a file the command reads (OUT.bin / OUT.json being an input or the tokenizer)."""
+    for target in targets:
+        for source in sources:
+            try:
+                same = target.resolve() == source.resolve() or (target.exists() and os.path.samefile(target, source))
+            except OSError:
+                continue
+            if same:
+                raise UsageError(f"--out {out} would overwrite {source}, which this command reads",
+                                 hint="choose another --out prefix")
+
+
+def to_bytes(ids: list[int], dtype: torch.dtype) -> bytes:
     """Little-endian bytes of the ids in `dtype` (uint16/uint32) without numpy."""
     arr = array.array("H" if dtype == torch.uint16 else "I", ids)
     if arr.itemsize != dtype.itemsize:  # pragma: no cover - exotic platforms
@@ -242,4 +274,4 @@ def _to_bytes(ids: list[int], dtype: torch.dtype) -> bytes:
     return arr.tobytes()
 
 
-__all__ = ["prepare_data", "PrepareResult"]
+__all__ = ["prepare_data", "PrepareResult", "check_inputs", "decode_line", "load_tokenizer", "prepare_outputs", "to_bytes"]

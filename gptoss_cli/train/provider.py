@@ -6,7 +6,8 @@ it builds keeps its own deep copy as `model.config`, which is the object the sch
 `provider.config` (see `gptoss_cli.train.setup.install_training_callbacks`).
 
 With `precision.fp8_recipe` set, the attention projections and expert GEMMs get FP8 gemms
-(gptoss_cli/fp8/recipe.py, `select_gemms`) for this rank's device.
+(gptoss_cli/fp8/recipe.py, `select_gemms`) for this rank's device; with `precision.qat=mxfp4` the
+expert GEMMs compute with MXFP4-rounded weights (gptoss_cli/model/qat.py), wrapping the FP8 gemm if any.
 
 With a `lora` section the base is frozen and adapters are added after the weights are loaded
 (gptoss_cli/model/lora.py). Weights come from one of: a seed (every tensor drawn from a generator seeded by the seed and the
@@ -27,6 +28,10 @@ from gptoss_cli.fp8 import Fp8Settings, select_gemms
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.model.lora import LoraSettings, attach_lora
 from gptoss_cli.model.dtypes import torch_dtype
+from gptoss_cli.model.pattern import parse_pattern
+from gptoss_cli.model.recompute_plan import RecomputePlan
+from gptoss_cli.recipe.memory import recompute_plan
+from gptoss_cli.model.qat import qat_gemms
 from gptoss_cli.recipe.schema import RecipeConfig
 from gptoss_cli.model.dispatcher import AllToAllTokenDispatcher
 from gptoss_cli.parallel.state import ParallelState
@@ -45,6 +50,10 @@ class ModelRuntimeConfig:
     expert_model_parallel_size: int
     overlap_moe_expert_parallel_comm: bool
     delay_wgrad_compute: bool
+    z_loss_coeff: float = 0.0
+    freeze_router: bool = False
+    recompute: RecomputePlan = RecomputePlan()  # what backward recomputes (model/recompute.py)
+    qat: str = "none"  # precision.qat: "mxfp4" gives the experts Mxfp4QatGemm (gptoss_cli/model/qat.py)
     lora: LoraSettings | None = None  # LoRA: the provider freezes the base and adds adapters (model/lora.py)
     # Set at run time: the FP8 gemms the provider selected (which path runs, GEMM counts), and the
     # training callbacks, installed by setup on the model's own copy of this config.
@@ -61,6 +70,8 @@ class ModelRuntimeConfig:
             expert_model_parallel_size=cfg.parallelism.expert_model_parallel_size,
             overlap_moe_expert_parallel_comm=cfg.overlap.overlap_moe_expert_parallel_comm,
             delay_wgrad_compute=cfg.overlap.delay_wgrad_compute,
+            qat=cfg.precision.qat, z_loss_coeff=cfg.moe.z_loss_coeff, freeze_router=cfg.moe.freeze_router,
+            recompute=recompute_plan(cfg, parse_pattern(hybrid_layer_pattern)),
             lora=lora_settings(cfg),
         )
 
@@ -110,16 +121,26 @@ class HybridModelProvider:
                             token_dispatcher_factory=dispatcher_factory(arch.num_local_experts, state))
         # The aux loss follows the recipe (moe.aux_loss_coeff), not the checkpoint's config.json.
         model.aux_loss_coef = cfg.aux_loss_coeff
+        model.z_loss_coef = cfg.z_loss_coeff
+        model.set_recompute(cfg.recompute)
         if self.weights is None:
             init_weights_(model, arch.initializer_range, self.seed)
         else:
             load_weights(model, self.weights)
+        if cfg.freeze_router:
+            # Frozen parameters get no gradient buffer and no optimizer state (parallel/grads.py
+            # keeps only parameters that require grad), so AdamW and weight decay never move them.
+            for _, layer in model.moe_layers():
+                layer.mlp.router.requires_grad_(False)
         if cfg.lora is not None:  # after the weights: the base is frozen as loaded, adapters start at B = 0
             attach_lora(model, cfg.lora, seed=self.seed)
         gemms = None
         if cfg.fp8.enabled:
             gemms = select_gemms(cfg.fp8, state.device)  # ConfigError: no native kernel, no emulation
-            model.set_gemms(dense=gemms.dense, grouped=gemms.grouped)
+        if gemms is not None or cfg.qat != "none":
+            # QAT wraps the experts' gemm (the FP8 one when FP8 is on): rounded weights in, STE out
+            model.set_gemms(dense=gemms.dense if gemms else None,
+                            grouped=qat_gemms(cfg.qat, gemms.grouped if gemms else None))
         # The model keeps its own copy of the config (as canonical providers do).
         model.config = copy.deepcopy(cfg)
         model.config.fp8_gemms = gemms  # the run reports its path and GEMM counts from here

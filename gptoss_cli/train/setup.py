@@ -54,7 +54,8 @@ def wrap_model_and_optimizer(built: nn.Module, state: ParallelState, optimizer: 
     """A built model in its gradient buffers (bucketed, sharded as the optimizer is) and the distributed
     AdamW over them: what training builds and train/simulate.py measures, from one recipe mapping."""
     buffers = GradBufferConfig(use_distributed_optimizer=optimizer.use_distributed_optimizer,
-                               overlap_grad_reduce=overlap_grad_reduce, bucket_size=optimizer.bucket_size)
+                               overlap_grad_reduce=overlap_grad_reduce, bucket_size=optimizer.bucket_size,
+                               grad_reduce_in_fp32=optimizer.grad_reduce_in_fp32)
     model = GradAccumulatingModel(built, state, buffers)
     return model, DistributedAdamW(model, state, optimizer, lr=lr)
 

@@ -236,7 +236,8 @@ def simulate_rank(cfg: RecipeConfig, arch: GptOssArch, pattern: HybridPattern | 
         memory = {
             "params": sum(_nbytes(b.param_data) for b in buffers.buffers()),
             "grads": sum(_nbytes(b.data) for b in buffers.buffers()),
-            "optimizer.master": sum(_nbytes(s.master) for s in optimizer.shards),
+            # fp32 parameters are their own master weights (train/optimizer.py, `_Shard`)
+            "optimizer.master": sum(_nbytes(s.master) for s in optimizer.shards if s.owns_master),
             "optimizer.exp_avg": sum(_nbytes(s.exp_avg) for s in optimizer.shards),
             "optimizer.exp_avg_sq": sum(_nbytes(s.exp_avg_sq) for s in optimizer.shards),
         }

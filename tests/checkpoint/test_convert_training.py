@@ -258,3 +258,18 @@ def test_dst_inside_the_checkpoint_dir_is_refused(trained, tmp_path):
     with pytest.raises(UsageError, match="lies inside the source"):
         convert(str(trained), trained / "export")
     assert digest(trained) == before
+
+
+def test_training_checkpoint_to_megatron_and_back_is_the_direct_export(trained, tmp_path):
+    """training -> Megatron torch_dist -> HF gives the bytes training -> HF gives; common.pt keeps the iteration."""
+    from tests.checkpoint.test_convert_layout import load_all
+
+    before = digest(trained)
+    convert(str(trained), tmp_path / "mg", to="megatron", dtype="float32")
+    common = torch.load(tmp_path / "mg" / "release" / "common.pt", weights_only=False)
+    assert common["iteration"] == 3 and common["gptoss_provenance"]["run"] == "ckpt"
+    convert(str(tmp_path / "mg"), tmp_path / "via", to="hf", dtype="float32")
+    convert(str(trained), tmp_path / "direct", to="hf", dtype="float32")
+    via, direct = load_all(tmp_path / "via"), load_all(tmp_path / "direct")
+    assert sorted(via) == sorted(direct) and all(torch.equal(via[k], direct[k]) for k in via)
+    assert digest(trained) == before

@@ -96,3 +96,22 @@ def test_free_space_is_checked_before_anything_is_written(tiny_hf, tmp_path, mon
     code, out = invoke("convert", tiny_hf, parent / "deeper" / "dst", "--quiet")
     assert code == 2 and "not enough disk space" in out, out
     assert list(parent.iterdir()) == []  # not even DST's own parent folder was created
+
+
+@pytest.mark.parametrize("suffix", [".json", ".bin"])
+def test_prepare_data_out_naming_one_of_its_inputs_is_refused_and_the_input_kept(tmp_path, suffix):
+    pytest.importorskip("tokenizers")
+    from tests.faults.test_tokens import write_tokenizer
+
+    tok = write_tokenizer(tmp_path / "tok")
+    data = tmp_path / "data"
+    data.mkdir()
+    source = data / f"train{suffix}"
+    source.write_bytes(b'{"text": "the quick brown fox"}\n' if suffix == ".json" else b"the lazy dog\n")
+    other = data / "more.txt"
+    other.write_text("jumps over\n")
+    before = digest(data)
+    proc = gptoss("prepare-data", other, source, "--tokenizer", tok, "--out", data / "train", "--eos-id", "1",
+                  cwd=tmp_path)
+    assert_one_line(proc, 2, f"--out {data / 'train'} would overwrite {source}, which this command reads")
+    assert digest(data) == before

@@ -70,17 +70,32 @@ def test_binary_input_is_refused(tok, tmp_path, suffix):
     assert code == 2 and f"{blob}: NUL byte at byte offset {len(first) + 7}" in out and "binary" in out, out
 
 
-def test_a_token_file_with_ids_past_the_model_vocabulary_names_the_file(tmp_path):
-    # The header claims a small vocabulary, the tokens say otherwise (a foreign or edited file).
-    ids = [5, 7, 9] * 40 + [5000] + [5, 7] * 20
-    (tmp_path / "t.bin").write_bytes(b"".join(i.to_bytes(2, "little") for i in ids))
-    (tmp_path / "t.json").write_text(json.dumps({"format": "gptoss-tokens", "version": 1, "dtype": "uint16",
+def train_on_token_file(tmp_path, ids: list[int], dtype: str = "uint16", width: int = 2):
+    """Train 20 steps on a token file holding `ids` whose header claims a 300-token vocabulary."""
+    (tmp_path / "t.bin").write_bytes(b"".join(i.to_bytes(width, "little", signed=dtype.startswith("int"))
+                                              for i in ids))
+    (tmp_path / "t.json").write_text(json.dumps({"format": "gptoss-tokens", "version": 1, "dtype": dtype,
                                                  "num_tokens": len(ids), "num_documents": 1, "vocab_size": 300,
                                                  "eos_token_id": 1}))
     result = runner.invoke(app, ["train", "--recipe", "tiny_cpu_ep2", "--nproc-per-node", "1",
                                  "parallelism.expert_model_parallel_size=1", "data.kind=tokens",
                                  f"data.path={tmp_path / 't'}", "checkpoint.dir=null", "checkpoint.save_interval=null",
                                  f"logging.run_dir={tmp_path / 'run'}", "training.train_iters=20", *TRAIN_FAST, "-q"])
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+    return result
+
+
+def test_a_token_file_with_ids_past_the_model_vocabulary_names_the_file(tmp_path):
+    # The header claims a small vocabulary, the tokens say otherwise (a foreign or edited file).
+    result = train_on_token_file(tmp_path, [5, 7, 9] * 40 + [5000] + [5, 7] * 20)
     assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
     assert (f"{tmp_path / 't.bin'}: token id 5000 at token 120 is outside the model's vocabulary (1003)"
+            in " ".join(result.output.split())), result.output
+
+
+@pytest.mark.parametrize("dtype, width", [("int32", 4), ("int64", 8)])
+def test_a_negative_token_id_in_a_signed_token_file_names_the_file(tmp_path, dtype, width):
+    result = train_on_token_file(tmp_path, [5, 7, 9] * 40 + [-3] + [5, 7] * 20, dtype, width)
+    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
+    assert (f"{tmp_path / 't.bin'}: token id -3 at token 120 is outside the model's vocabulary (1003)"
             in " ".join(result.output.split())), result.output

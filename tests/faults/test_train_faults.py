@@ -184,3 +184,21 @@ def test_a_full_disk_during_a_save_is_one_line_and_leaves_latest_alone(tmp_path,
     assert "saving the checkpoint of step 2 failed" in flat and "MB free there" in flat, out
     assert "`latest` was not created" in flat and not (small / "ckpt" / "latest").exists()
     assert leftovers(small / "ckpt") == []
+
+
+def test_a_disk_that_fills_before_the_run_record_names_it_and_leaves_no_half_written_recipe(tmp_path, tmpfs):
+    small = tmpfs("64k")
+    run = small / "run"
+    run.mkdir()
+    fillers = 0
+    try:  # fill the file system page by page, then free one page: the run's lock file fits, recipe.json does not
+        while True:
+            (small / f"fill{fillers}").write_bytes(b"x" * 4096)
+            fillers += 1
+    except OSError:
+        (small / f"fill{fillers}").unlink(missing_ok=True)
+    (small / "fill0").unlink()
+    code, out = train_in_process(tmp_path / "ckpt", run, "checkpoint.dir=null", "checkpoint.save_interval=null",
+                                 "training.train_iters=1", "-q")
+    assert_one_line((code, out), 2, f"{run / 'recipe.json'}: No space left on device")
+    assert not (run / "recipe.json").exists() and leftovers(run) == []

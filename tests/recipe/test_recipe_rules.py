@@ -50,6 +50,7 @@ CASES = {
         ["parallelism.tensor_model_parallel_size=2", *W4, "parallelism.sequence_parallel=true"]),
     "moe.capacity_factor": (["moe.capacity_factor=0"], "error", ["moe.capacity_factor=1.25"]),
     "moe.shared_expert_overlap": (["moe.shared_expert_overlap=true"], "error", []),
+    "moe.router_loss_scale": (["moe.aux_loss_coeff=0.9"], "warning", ["moe.aux_loss_coeff=0.01", "moe.z_loss_coeff=1e-3"]),
     "overlap.requires_expert_parallel": (
         [*OVERLAP, "parallelism.expert_model_parallel_size=1"], "error", OVERLAP),
     "overlap.requires_multiple_experts": (
@@ -82,10 +83,18 @@ CASES = {
     "recompute.settings": (
         ["recompute.recompute_granularity=full"], "error",
         ["recompute.recompute_granularity=full", "recompute.recompute_method=block", "recompute.recompute_num_layers=2"]),
+    "recompute.layers": (
+        ["recompute.recompute_granularity=full", "recompute.recompute_method=block", "recompute.recompute_num_layers=7"],
+        "error",
+        ["recompute.recompute_granularity=full", "recompute.recompute_method=block", "recompute.recompute_num_layers=6"]),
     "fp8.mxfp8_dims": ([*MX, "model.architecture.hidden_size=48"], "error", MX),
     "fp8.native_gpu": ([*MX, "system.device=cuda", "system.gpu=h100"], "error",
                        [*MX, "system.device=cuda", "system.gpu=gb200"]),
     "fp8.mxfp8_expert_bias": (MX, "warning", ["precision.fp8_recipe=tensorwise"]),
+    "qat.mxfp4_dims": (["precision.qat=mxfp4", "model.architecture.intermediate_size=48"], "error",
+                       ["precision.qat=mxfp4"]),
+    "qat.fp8_recipe": (["precision.qat=mxfp4", "precision.fp8_recipe=rowwise", "precision.fp8_emulation=true"], "error",
+                       ["precision.qat=mxfp4", *MX, "precision.fp8_emulation=true"]),
     "training.lr_schedule": (["training.min_lr=0.01"], "error", ["training.min_lr=0.001"]),
     "optimizer.betas": (["optimizer.adam_beta2=1.0"], "error", ["optimizer.adam_beta2=0.999"]),
     "optimizer.param_gather": (
@@ -112,15 +121,14 @@ CASES = {
     "unsupported.router_dtype": (["moe.router_dtype=fp32"], "error", ["moe.router_dtype=null"]),
     "unsupported.fp16": (["precision.params_dtype=fp16"], "error", ["precision.params_dtype=bf16"]),
     "unsupported.cuda_graphs": (["cuda_graphs.cuda_graph_impl=local", "system.device=cuda"], "error", []),
-    "unsupported.recompute": (
-        ["recompute.recompute_granularity=selective", "recompute.recompute_modules=[core_attn]"], "error", []),
     # overlap_grad_reduce is implemented: only overlapping the parameter gather is not
     "unsupported.param_gather_overlap": (
         ["overlap.overlap_param_gather=true"], "error", ["overlap.overlap_grad_reduce=true"]),
     "unsupported.checkpoint_format": (["checkpoint.format=torch_dist"], "error", []),
 }
 # Tested with their own context below (a model class, a torch version, what is implemented).
-SPECIAL = {"overlap.schedule_plan", "overlap.torch_version", "unsupported.fp8"}
+SPECIAL = {"overlap.schedule_plan", "overlap.torch_version", "unsupported.fp8",
+           "data.documents_fit"}  # with a token file: tests/train/test_sft_training.py
 
 
 def test_every_registered_rule_has_a_test_case():
@@ -281,6 +289,15 @@ def test_overlap_forbids_recomputing_moe():
     assert findings and "moe" in findings[0].message
 
 
+def test_selective_modules_without_a_layer_warn():
+    # tiny is *E*E*E: no dense `-` layer for `mlp` to recompute
+    (finding,) = run_rule("recompute.layers", ["recompute.recompute_granularity=selective",
+                                               "recompute.recompute_modules=[mlp,moe_act]"])
+    assert finding.severity == "warning" and "['mlp']" in finding.message
+    assert run_rule("recompute.layers", ["recompute.recompute_granularity=selective",
+                                         "recompute.recompute_modules=[mlp]", "model.hybrid_layer_pattern=*E*-*E"]) == []
+
+
 def test_overlap_accepts_mtp_null_and_zero():
     assert run_rule("overlap.mtp_num_layers", [*OVERLAP, "model.mtp_num_layers=null"]) == []
     assert run_rule("overlap.mtp_num_layers", [*OVERLAP, "model.mtp_num_layers=0"]) == []
@@ -410,3 +427,13 @@ def test_gpu_generation_from_device_name(name, gpu):
     from gptoss_cli.recipe.environment import gpu_from_device_name
 
     assert gpu_from_device_name(name) == gpu
+
+
+def test_router_loss_scale_names_the_threshold_and_the_frozen_router():
+    """0.1 warns (just above the threshold), 0.1 itself does not; a frozen router with a router loss warns."""
+    assert run_rule("moe.router_loss_scale", ["moe.aux_loss_coeff=0.1"]) == []
+    (f,) = run_rule("moe.router_loss_scale", ["moe.aux_loss_coeff=0.11"])
+    assert f.fields == {"moe.aux_loss_coeff": 0.11} and "top_k=2" in f.message
+    (f,) = run_rule("moe.router_loss_scale", ["moe.freeze_router=true", "moe.aux_loss_coeff=0", "moe.z_loss_coeff=1e-3"])
+    assert f.fields["moe.freeze_router"] is True and "frozen" in f.message
+    assert run_rule("moe.router_loss_scale", ["moe.freeze_router=true", "moe.aux_loss_coeff=0"]) == []

@@ -239,7 +239,7 @@ def test_token_header_is_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
     def killed_before_the_rename(src, dst):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(token_format.os, "replace", killed_before_the_rename)
+    monkeypatch.setattr(token_format.outputs.os, "replace", killed_before_the_rename)
     with pytest.raises(OSError):
         token_format.write_token_header(json_path, **{**fields, "num_tokens": 10})
     assert json_path.read_text() == before and [p.name for p in tmp_path.iterdir()] == ["t.json"]

@@ -48,6 +48,22 @@ def test_bf16_parameters_keep_fp32_master_weights():
     assert float(model.module.weight[0, 0]) == 1.0
 
 
+def test_fp32_parameters_are_their_own_master_weights():
+    # No second fp32 copy of fp32 weights: the master state is the parameter's storage, an update
+    # lands in the parameter, and a loaded master (resume) is the parameter at once.
+    model = _model()
+    opt = DistributedAdamW(model, ParallelState(), optimizer_config(weight_decay=0.0, clip_grad=0.0), lr=1e-4)
+    master = opt.state_dict()["weight.master"]
+    assert master.data_ptr() == model.module.weight.data_ptr()
+    model(torch.ones(())).backward()
+    opt.step(1e-4)
+    assert float(model.module.weight[0, 0]) == pytest.approx(1.0 - 1e-4, abs=1e-7)
+    assert torch.equal(master, model.module.weight.detach())
+    master.copy_(torch.full((4, 4), 3.0))  # what DCP's in-place load does
+    opt.after_load()
+    assert torch.equal(model.module.weight.detach(), torch.full((4, 4), 3.0))
+
+
 def test_gradients_are_clipped_to_the_global_norm():
     model = _model()
     opt = DistributedAdamW(model, ParallelState(), optimizer_config(clip_grad=0.5), lr=1e-3)

@@ -36,16 +36,18 @@ class RandomTokens:
         return torch.randint(0, self.vocab, (self.seq + 1,), generator=g)
 
 
-def build(state: ParallelState, *, aux: float = 0.01, lr: float = 1e-3, distributed_opt: bool = True, seed: int = 7):
-    provider = HybridModelProvider(runtime_config(aux_loss_coeff=aux, ep_size=state.ep_size), seed=seed)
+def build(state: ParallelState, *, aux: float = 0.01, lr: float = 1e-3, distributed_opt: bool = True, seed: int = 7,
+          **changes: Any):
+    """`changes`: further runtime settings (tests/train/jobs.py's keywords, e.g. qat="mxfp4")."""
+    provider = HybridModelProvider(runtime_config(aux_loss_coeff=aux, ep_size=state.ep_size, **changes), seed=seed)
     return setup_model_and_optimizer(
         provider, state, optimizer_config(clip_grad=1.0, use_distributed_optimizer=distributed_opt), lr
     )
 
 
-def one_step_grads(state: ParallelState, global_batch: int = 4, mbs: int = 2) -> dict[str, Any]:
+def one_step_grads(state: ParallelState, global_batch: int = 4, mbs: int = 2, **changes: Any) -> dict[str, Any]:
     """Forward+backward of one global batch through the real schedule; loss and finalised grads."""
-    setup = build(state)
+    setup = build(state, **changes)
     data = DataLoaderState(RandomTokens(TINY.vocab_size, SEQ), global_batch_size=global_batch, micro_batch_size=mbs,
                            dp_rank=state.dp_rank, dp_size=state.dp_size)
     schedule = get_forward_backward_func(setup.config)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gptoss_cli.recipe.rules.core import ERROR, WARNING, Context, Finding, error, rule, warning
+from gptoss_cli.recipe.rules.core import ERROR, WARNING, Context, Finding, error, rule, short_pattern, warning
 from gptoss_cli.recipe.schema import RecipeConfig
 
 
@@ -70,4 +70,33 @@ def recompute_settings(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
         return [warning({**fields, "recompute.recompute_modules": list(r.recompute_modules)},
                         "recompute_modules is ignored without selective recompute",
                         "set recompute.recompute_granularity=selective, or recompute.recompute_modules=[]")]
+    return []
+
+
+# Which layer kind each selective module recomputes a piece of (gptoss_cli/model/recompute.py).
+_MODULE_LAYERS = {"core_attn": "*", "moe_act": "E", "moe": "E", "mlp": "-", "layernorm": "*E-"}
+
+
+@rule("recompute.layers",
+      "recompute_num_layers within the model's physical layers; selective modules that the pattern has a layer for",
+      fix="full: recompute.recompute_num_layers at most the number of hybrid layers (2 per HF block); "
+          "selective: drop modules without a layer (a warning)",
+      severities=(ERROR, WARNING))
+def recompute_layers(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
+    r = cfg.recompute
+    layers = ctx.pattern.layers
+    if r.recompute_granularity == "full" and r.recompute_num_layers is not None and r.recompute_num_layers > len(layers):
+        return [error({"recompute.recompute_num_layers": r.recompute_num_layers,
+                       "model.hybrid_layer_pattern": short_pattern(ctx.pattern.text)},
+                      f"recompute_num_layers={r.recompute_num_layers} is beyond the model's {len(layers)} hybrid "
+                      f"layers (recompute counts physical layers: 2 per HF block)",
+                      f"set recompute.recompute_num_layers to at most {len(layers)}")]
+    if r.recompute_granularity != "selective":
+        return []
+    idle = [m for m in r.recompute_modules if not any(s in _MODULE_LAYERS.get(m, "") for s in layers)]
+    if idle:
+        return [warning({"recompute.recompute_modules": list(r.recompute_modules),
+                         "model.hybrid_layer_pattern": short_pattern(ctx.pattern.text)},
+                        f"recompute module(s) {idle} have no layer in the pattern and recompute nothing",
+                        f"remove {idle} from recompute.recompute_modules")]
     return []

@@ -200,3 +200,38 @@ def shared_expert_overlap_needs_shared(cfg: RecipeConfig, ctx: Context) -> list[
     if not cfg.moe.shared_expert_overlap:
         return []
     return [error({"moe.shared_expert_overlap": True}, "GPT-OSS has no shared experts to overlap")]
+
+
+# The load-balancing loss is E * sum_e f_e * P_e (docs/architecture.md, "Aux loss"): about top_k at
+# perfect balance (4 for GPT-OSS), more when routing collapses. Megatron-Bridge trains GPT-OSS with no
+# load-balancing loss (its bridge sets moe_router_load_balancing_type="none"); Megatron's MoE recipes
+# use coefficients of 1e-3 to 1e-2. The release's config.json carries router_aux_loss_coef=0.9,
+# transformers' default, which only applies with output_router_logits=True: copied into training,
+# 0.9 x 4 = 3.6 is added to a fine-tune's loss of about 1-2 and the router gradient is mostly aux.
+AUX_LOSS_COEFF_WARN = 0.1
+
+
+@rule("moe.router_loss_scale",
+      f"moe.aux_loss_coeff above {AUX_LOSS_COEFF_WARN} (Megatron-Bridge's GPT-OSS: none; Megatron recipes: "
+      "1e-3..1e-2; the release's config.json router_aux_loss_coef=0.9 is transformers' default), and router "
+      "losses with a frozen router",
+      fix="moe.aux_loss_coeff=1e-3 (or 0 for fine-tunes), and no aux/z-loss with moe.freeze_router=true",
+      severities=(WARNING,))
+def router_loss_scale(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
+    moe, out = cfg.moe, []
+    if moe.aux_loss_coeff > AUX_LOSS_COEFF_WARN:
+        k = ctx.arch.num_experts_per_tok
+        out.append(warning(
+            {"moe.aux_loss_coeff": moe.aux_loss_coeff},
+            f"aux_loss_coeff={moe.aux_loss_coeff:g} adds about {moe.aux_loss_coeff * k:.2g} to the loss even at "
+            f"perfect balance (the aux loss is about top_k={k} then), far above Megatron's 1e-3..1e-2; "
+            "Megatron-Bridge trains GPT-OSS with no aux loss, and the release's router_aux_loss_coef=0.9 "
+            "is transformers' default, not a training setting",
+            "set moe.aux_loss_coeff=1e-3, or 0 for a fine-tune"))
+    if moe.freeze_router and (moe.aux_loss_coeff > 0 or moe.z_loss_coeff > 0):
+        out.append(warning(
+            {"moe.freeze_router": True, "moe.aux_loss_coeff": moe.aux_loss_coeff, "moe.z_loss_coeff": moe.z_loss_coeff},
+            "the router is frozen, so the aux and z-losses cannot move it; their gradient only reaches the "
+            "layers below each router",
+            "set moe.aux_loss_coeff=0 moe.z_loss_coeff=0 with moe.freeze_router=true"))
+    return out

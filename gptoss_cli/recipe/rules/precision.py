@@ -16,12 +16,16 @@ def mxfp8_dims(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     a = ctx.arch
     dims = {"hidden_size": a.hidden_size, "intermediate_size": a.intermediate_size,
             "num_attention_heads x head_dim": a.num_attention_heads * a.head_dim, "qkv rows": a.qkv_rows}
+    return _blocks_of_32({"precision.fp8_recipe": "mxfp8"}, dims, "MXFP8 scales blocks of 32 values")
+
+
+def _blocks_of_32(setting: dict[str, str], dims: dict[str, int], what: str) -> list[Finding]:
+    """One error naming every dimension in `dims` that is not a multiple of 32 (none: no finding)."""
     bad = {k: v for k, v in dims.items() if v % 32}
     if not bad:
         return []
-    return [error({"precision.fp8_recipe": "mxfp8", **bad},
-                  f"MXFP8 scales blocks of 32 values, but {', '.join(f'{k}={v}' for k, v in bad.items())} "
-                  "is not a multiple of 32")]
+    return [error({**setting, **bad}, f"{what}, but {', '.join(f'{k}={v}' for k, v in bad.items())} "
+                                      "is not a multiple of 32")]
 
 
 @rule("fp8.native_gpu",
@@ -62,3 +66,26 @@ def mxfp8_expert_bias(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
                     "(scale saturation in the backward re-quantization)",
                     "watch the first steps' loss and grad norm; compare against a bf16 run (gptoss rounds MX "
                     "scales up, so a block maximum never saturates, and adds expert biases outside the GEMM)")]
+
+
+# --- MXFP4 QAT (docs/qat.md) ---------------------------------------------------------------------
+@rule("qat.mxfp4_dims", "MXFP4 QAT needs hidden_size and intermediate_size divisible by 32 (one scale per 32 values)",
+      fix="precision.qat=none, or a model whose hidden_size and intermediate_size are multiples of 32")
+def qat_mxfp4_dims(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
+    if cfg.precision.qat != "mxfp4":
+        return []
+    a = ctx.arch
+    return _blocks_of_32({"precision.qat": "mxfp4"}, {"hidden_size": a.hidden_size, "intermediate_size": a.intermediate_size},
+                         "MXFP4 scales blocks of 32 values along each expert GEMM's input")
+
+
+@rule("qat.fp8_recipe", "MXFP4 QAT runs with fp8_recipe none (bf16/fp32 GEMMs) or mxfp8, not tensorwise or rowwise",
+      fix="precision.fp8_recipe=mxfp8 (the rounded weights enter the MXFP8 forward GEMM unchanged) or none")
+def qat_fp8_recipe(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
+    p = cfg.precision
+    if p.qat != "mxfp4" or p.fp8_recipe not in ("tensorwise", "rowwise"):
+        return []
+    per = "tensor" if p.fp8_recipe == "tensorwise" else "row"
+    return [error({"precision.qat": "mxfp4", "precision.fp8_recipe": p.fp8_recipe},
+                  f"{p.fp8_recipe} FP8 re-rounds the MXFP4 weights with one scale per {per}, so the forward "
+                  "would not compute with the weights the MXFP4 export writes")]

@@ -80,6 +80,38 @@ def data_source(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     return []
 
 
+@rule("data.documents_fit", "at launch, every document of a packed (version-2) token file fits in training.seq_length",
+      fix="training.seq_length >= the file's longest document (its header's max_document_length), or re-create the "
+          "file with `gptoss prepare-data --max-length` <= seq_length")
+def documents_fit(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
+    d = cfg.data
+    if d.kind != "tokens" or not d.path or not ctx.check_paths:
+        return []
+    # Only at launch, like data.source (which reports unreadable or inconsistent files).
+    import numpy as np  # noqa: PLC0415
+
+    from gptoss_cli.token_format import INDEX_DTYPE, document_file_paths, has_documents, read_token_header  # noqa: PLC0415
+
+    try:
+        if not has_documents(read_token_header(d.path)):
+            return []
+        idx_path = document_file_paths(d.path)[0]
+        offsets = np.fromfile(idx_path, dtype=INDEX_DTYPE)
+    except Exception:  # noqa: BLE001 - data.source names what is wrong with the files
+        return []
+    if len(offsets) < 2:
+        return []
+    lengths = np.diff(offsets)
+    longest = int(lengths.max())
+    if longest <= cfg.training.seq_length:
+        return []
+    doc = int(lengths.argmax())
+    return [error({"training.seq_length": cfg.training.seq_length, "data.path": d.path},
+                  f"{idx_path}: document {doc} has {longest} tokens, more than a row of training.seq_length="
+                  f"{cfg.training.seq_length} holds (documents are packed whole, never split)",
+                  f"set training.seq_length >= {longest}, or re-create the file with a smaller --max-length")]
+
+
 @rule("checkpoint.settings", "save_interval needs a checkpoint dir; at launch, pretrained weights exist",
       fix="set checkpoint.dir or checkpoint.save_interval=null; checkpoint.pretrained must exist (a `gptoss"
           " convert` output)")

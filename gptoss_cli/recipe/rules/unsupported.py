@@ -78,10 +78,6 @@ TABLE: tuple[Unsupported, ...] = (
         lambda c, x: c.cuda_graphs.cuda_graph_impl == "none" and not c.cuda_graphs.paged_stash,
         lambda c: "CUDA graph capture", "set cuda_graphs.cuda_graph_impl=none cuda_graphs.paged_stash=false"),
     Unsupported(
-        "recompute", "activation recompute", ("recompute.recompute_granularity",),
-        lambda c, x: c.recompute.recompute_granularity == "none",
-        lambda c: "activation recompute", "set recompute.recompute_granularity=none"),
-    Unsupported(
         # overlap_grad_reduce is implemented (gptoss_cli/parallel/grads.py); the gather after the
         # optimizer step still runs before the next forward.
         "param_gather_overlap", "overlap_param_gather (overlapping the parameter all-gather with forward)",

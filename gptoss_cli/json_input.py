@@ -1,0 +1,56 @@
+"""One reader for JSON that comes from files: valid-but-hostile documents fail as JSONDecodeError like malformed ones.
+
+Python's json module turns a document that is valid JSON but hostile into exceptions no caller expects:
+an integer of more than 4,300 digits is a ValueError (int conversion limit), an array or object nested
+some thousand levels deep a RecursionError. Every JSON and JSONL reader of gptoss goes through
+`parse_json` / `read_json`, which raise `json.JSONDecodeError` for these as for a syntax error, so each
+caller's one-line "not valid JSON" message covers them too.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+# No number gptoss reads from JSON needs more digits (byte offsets and sizes are below 2**64: 20 digits);
+# consumers check their own ranges below this.
+MAX_INT_DIGITS = 40
+
+
+def _parse_int(text: str) -> int:
+    digits = len(text.lstrip("-"))
+    if digits > MAX_INT_DIGITS:
+        raise _TooLong(f"an integer of {digits} digits (at most {MAX_INT_DIGITS} are accepted)")
+    return int(text)
+
+
+class _TooLong(ValueError):
+    pass
+
+
+class HostileJson(json.JSONDecodeError):
+    """Valid JSON that gptoss will not parse; its message has no position (the whole document is the culprit)."""
+
+    def __str__(self) -> str:
+        return self.msg
+
+
+def parse_json(text: str | bytes) -> Any:
+    """json.loads with hostile-but-valid documents as json.JSONDecodeError (see the module docstring)."""
+    if isinstance(text, (bytes, bytearray)):
+        text = text.decode("utf-8")  # UnicodeDecodeError, as json.loads would raise
+    try:
+        return json.loads(text, parse_int=_parse_int)
+    except RecursionError:
+        raise HostileJson("arrays or objects nested too deeply", text, 0) from None
+    except _TooLong as exc:
+        raise HostileJson(str(exc), text, 0) from None
+
+
+def read_json(path: str | Path) -> Any:
+    """parse_json of a file's text (OSError and UnicodeDecodeError as reading raises them)."""
+    return parse_json(Path(path).read_text())
+
+
+__all__ = ["parse_json", "read_json", "HostileJson", "MAX_INT_DIGITS"]

@@ -1,0 +1,64 @@
+"""MXFP4 quantisation-aware training of the experts: a grouped gemm that computes with rounded weights.
+
+`Mxfp4QatGemm(inner)` wraps the gemm an `ExpertLinear` would otherwise use (the default numerics,
+or an FP8 recipe's) and hands it the weight rounded to MXFP4 in fprop and dgrad; wgrad is the
+inner gemm's, unchanged. That is the straight-through estimator: the forward computes
+y = x Q(W)^T, the input gradient flows through Q(W) (the weights the forward used), and the
+weight gradient dL/dQ(W) = dy^T x lands on the full-precision parameter W as if Q were the
+identity. Because it lives at the gemm seam it composes with autograd's `_GroupedLinear`, the
+delayed-wgrad queue (which calls `gemm.wgrad` later) and any inner gemm.
+
+Q is `model.mxfp4.round_to_mxfp4` along the weight's last axis, the contraction axis `in` of
+`[E, out, in]`: fc1 `[E, 2I, H]` in blocks of 32 hidden features, fc2 `[E, H, I]` in blocks of 32
+intermediate features, exactly the blocks `convert --experts mxfp4` writes (HF's `*_blocks`
+`[E, out, in/32, 16]`; fc1's [gate; up] row order versus HF's interleaved rows permutes whole
+rows, never a block). Biases stay in the model's dtype, as the MXFP4 export stores them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gptoss_cli.model.grouped_gemm import DEFAULT_GEMM, GroupedGemm
+from gptoss_cli.model.mxfp4 import GROUP, round_to_mxfp4
+
+QAT_FORMATS = ("none", "mxfp4")
+
+
+class Mxfp4QatGemm(GroupedGemm):
+    """`inner`'s three GEMMs with the weight rounded to MXFP4 in fprop and dgrad (STE)."""
+
+    def __init__(self, inner: GroupedGemm | None = None):
+        self.inner = inner or DEFAULT_GEMM
+        self.name = f"mxfp4-qat({self.inner.name})"
+
+    def fprop(self, x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        return self.inner.fprop(x, rounded_weight(weight), tokens_per_expert)
+
+    def dgrad(self, dy: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        return self.inner.dgrad(dy, rounded_weight(weight), tokens_per_expert)
+
+    def wgrad(self, x: torch.Tensor, dy: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        return self.inner.wgrad(x, dy, tokens_per_expert)
+
+
+def rounded_weight(weight: torch.Tensor) -> torch.Tensor:
+    """An expert weight `[E, out, in]` as the QAT forward (and the MXFP4 export) sees it."""
+    if weight.shape[-1] % GROUP:
+        raise ValueError(f"MXFP4 QAT needs the expert weights' input dimension divisible by {GROUP}, "
+                         f"got {tuple(weight.shape)}")
+    return round_to_mxfp4(weight.detach())
+
+
+def qat_gemms(qat: str, inner=None):
+    """The `grouped` argument of `HybridModel.set_gemms` for `precision.qat` (None: no QAT).
+
+    `inner(name)` gives the gemm QAT wraps (an FP8 recipe's), None the default numerics."""
+    if qat not in QAT_FORMATS:
+        raise ValueError(f"precision.qat={qat!r} is not one of {', '.join(QAT_FORMATS)}")
+    if qat == "none":
+        return inner
+    return lambda name: Mxfp4QatGemm(inner(name) if inner is not None else None)
+
+
+__all__ = ["Mxfp4QatGemm", "rounded_weight", "qat_gemms", "QAT_FORMATS"]

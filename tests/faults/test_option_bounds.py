@@ -1,0 +1,74 @@
+"""Every numeric option of every command, driven past the bound its consumer accepts: exit 2 naming the option
+before any work. The list is checked against the commands' signatures, so a new numeric option needs a case."""
+
+from __future__ import annotations
+
+import inspect
+import typing
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from gptoss_cli.cli import app
+
+runner = CliRunner()
+I32 = 2**31 - 1
+
+# (command, option): (arguments before the option, the value past its bound, text the error shows)
+CASES = {
+    ("convert", "--max-shard-size"): (["SRC", "DST"], "1e7", "--max-shard-size 10000000.0 must be a finite number in (0, 1e+06]"),
+    ("make-tiny", "--seed"): (["DST"], str(2**63), "Invalid value for '--seed'"),
+    ("validate-config", "--world-size"): (["tiny_cpu_ep2"], str(I32 + 1), f"must be an integer in [1, {I32}]"),
+    ("parity-check", "--seq-len"): (["HF", "HY"], str((1 << 20) + 1), "Invalid value for '--seq-len'"),
+    ("parity-check", "--batch"): (["HF", "HY"], str((1 << 16) + 1), "Invalid value for '--batch'"),
+    ("parity-check", "--top1-min"): (["HF", "HY"], "1.5", "--top1-min 1.5 must be a finite number in [0, 1]"),
+    ("parity-check", "--kl-max"): (["HF", "HY"], "-1", "--kl-max -1.0 must be a finite number"),
+    ("parity-check", "--cosine-min"): (["HF", "HY"], "1.5", "--cosine-min 1.5 must be a finite number in [-1, 1]"),
+    ("parity-check", "--hidden-cosine-min"): (["HF", "HY"], "-2", "--hidden-cosine-min -2.0 must be a finite number"),
+    ("parity-check", "--hidden-rel-max"): (["HF", "HY"], "-1", "--hidden-rel-max -1.0 must be a finite number"),
+    ("train", "--nproc-per-node"): (["--recipe", "tiny_cpu_ep2"], str(I32 + 1), f"must be an integer in [1, {I32}]"),
+    ("prepare-data", "--eos-id"): (["IN", "--out", "OUT", "--tokenizer", "TOK"], str(10**30),
+                                   f"--eos-id {10**30} is outside the vocabulary"),
+    ("demo", "--steps"): ([], "10001", "Invalid value for '--steps'"),
+}
+
+
+def numeric_options() -> set[tuple[str, str]]:
+    found = set()
+    for info in app.registered_commands:
+        name = info.name or info.callback.__name__.replace("_", "-")
+        hints = typing.get_type_hints(info.callback)
+        for pname, param in inspect.signature(info.callback).parameters.items():
+            default = param.default
+            if not isinstance(default, typer.models.OptionInfo):
+                continue
+            kinds = set(typing.get_args(hints[pname])) or {hints[pname]}
+            if kinds & {int, float}:
+                option = next((d for d in default.param_decls if d.startswith("--")), "--" + pname.replace("_", "-"))
+                found.add((name, option))
+    return found
+
+
+def test_every_numeric_option_has_a_case():
+    assert numeric_options() == set(CASES)
+
+
+@pytest.mark.parametrize("command, option", sorted(CASES), ids=[f"{c} {o}" for c, o in sorted(CASES)])
+def test_each_numeric_option_past_its_bound_is_refused_before_any_work(tmp_path, command, option):
+    before, value, needle = CASES[(command, option)]
+    if command == "prepare-data":
+        pytest.importorskip("tokenizers")
+        from tests.faults.test_tokens import write_tokenizer
+
+        (tmp_path / "IN").write_text("the quick brown fox\n")
+        write_tokenizer(tmp_path / "TOK")
+    args = [str(tmp_path / a) if a.isupper() else a for a in before]
+    if command == "demo":
+        args = ["--workdir", str(tmp_path / "demo")]
+    result = runner.invoke(app, [command, *args, option, value])
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+    assert result.exit_code == 2, result.output
+    assert needle in " ".join(result.output.replace("│", " ").split()), result.output
+    assert "Traceback" not in result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p for p in ("IN", "TOK") if (tmp_path / p).exists())

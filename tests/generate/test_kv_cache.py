@@ -1,0 +1,91 @@
+"""The KV-cache decoding path: greedy tokens equal transformers' `generate` (its own sliding-window
+cache) token for token past the window, and each cached step equals recomputing the whole sequence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gptoss_cli.generate.decode import MAX_NEW_TOKENS, generate_ids
+from gptoss_cli.model.hybrid import HybridModel
+from gptoss_cli.model.kv_cache import KVCache, forward_cached, next_token_logits, prefill
+from tests.model.conftest import TINY, hf_to_hybrid_state_dict, tokens, transformers
+from tests.tolerances import reassociation_rel
+
+WINDOW = TINY.sliding_window
+NEW = 3 * WINDOW + 1  # the decode runs well past the sliding window
+# The cached path sums the same fp32 terms in another order (einsum scores, a softmax over cache
+# columns): the widest contraction is the MoE intermediate size, compounded over every layer.
+REL = reassociation_rel(TINY.intermediate_size, depth=2 * TINY.num_hidden_layers + 1)
+
+
+def _ours(hf_model) -> HybridModel:
+    model = HybridModel(TINY).eval()
+    model.load_state_dict(hf_to_hybrid_state_dict(hf_model.state_dict()), strict=True)
+    return model
+
+
+def _hf_generate(hf_model, ids, attention_mask=None, new=NEW):
+    cfg = transformers.GenerationConfig(max_new_tokens=new, min_new_tokens=0, do_sample=False,
+                                        eos_token_id=None, pad_token_id=TINY.vocab_size - 2)
+    out = hf_model.generate(ids, attention_mask=attention_mask, generation_config=cfg,
+                            output_logits=True, return_dict_in_generate=True)
+    return out.sequences[:, ids.shape[1]:], torch.stack(out.logits, dim=1)
+
+
+def _assert_logits_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    err = (got.double() - want.double()).abs().max().item()
+    assert err <= REL * want.abs().max().item(), f"max |diff| {err:.3g}"
+
+
+@pytest.mark.parametrize("prefill_chunk", [None, 3], ids=["one-prefill", "chunked-prefill"])
+def test_greedy_tokens_equal_transformers_generate_past_the_window(hf_tiny, prefill_chunk, monkeypatch):
+    ids = tokens(batch=1, seq=5)
+    want, want_logits = _hf_generate(hf_tiny, ids)
+    got_logits = []
+    model = _ours(hf_tiny)
+    # record the logits each step chooses from, through the same loop the CLI uses
+    import gptoss_cli.generate.decode as decode
+
+    real_choose = decode.choose
+
+    def spy(logits, sampling, generator):
+        got_logits.append(logits.clone())
+        return real_choose(logits, sampling, generator)
+
+    monkeypatch.setattr(decode, "choose", spy)
+    (res,) = generate_ids(model, ids.tolist(), max_new_tokens=NEW, prefill_chunk=prefill_chunk)
+    assert res.output_ids == want[0].tolist()
+    assert res.stop_reason == MAX_NEW_TOKENS
+    _assert_logits_close(torch.stack(got_logits, dim=1), want_logits)
+
+
+def test_left_padded_batch_equals_transformers_generate(hf_tiny):
+    """Prompts of different lengths in one batch: left padding is invisible and each row's positions
+    start at its own first token (transformers derives them from the attention mask)."""
+    long, short = tokens(batch=1, seq=7, seed=3)[0].tolist(), tokens(batch=1, seq=2, seed=4)[0].tolist()
+    ids = torch.tensor([long, [TINY.vocab_size - 2] * 5 + short])
+    mask = torch.tensor([[1] * 7, [0] * 5 + [1] * 2])
+    want, want_logits = _hf_generate(hf_tiny, ids, attention_mask=mask)
+    got = generate_ids(_ours(hf_tiny), [long, short], max_new_tokens=NEW)
+    assert [g.output_ids for g in got] == want.tolist()
+
+
+def test_cached_steps_equal_recomputing_the_whole_sequence(hf_tiny):
+    """Every cached step's logits equal the model's full forward over prompt + tokens so far, and a
+    sliding layer never holds more than its window of keys."""
+    model = _ours(hf_tiny)
+    seq = tokens(batch=2, seq=4 * WINDOW, seed=5)
+    cache = KVCache(model)
+    prompt = 3
+    pos = torch.arange(seq.shape[1]).expand(2, -1)
+    logits = prefill(model, seq[:, :prompt], pos[:, :prompt], cache)
+    sliding = [c for c in cache.layers.values() if c.window is not None]
+    assert sliding and any(c.window is None for c in cache.layers.values())
+    for t in range(prompt, seq.shape[1]):
+        with torch.no_grad():
+            full = model(seq[:, :t]).logits[:, -1].float()
+        _assert_logits_close(logits, full)
+        logits = next_token_logits(model, forward_cached(model, seq[:, t:t + 1], pos[:, t:t + 1], cache))
+        assert all(len(c) <= WINDOW for c in sliding)
+    assert max(len(c) for c in cache.layers.values()) == seq.shape[1]

@@ -1,0 +1,142 @@
+"""`gptoss report` on a real tiny run that was killed half-way (SIGKILL, torn last line), and on bad run folders."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from gptoss_cli.cli import app
+
+plt = pytest.importorskip("matplotlib.pyplot")
+
+TRAIN_ITERS = 400  # far more than the test waits for: the run is killed half-way
+
+
+def _rank0_steps(metrics: Path) -> int:
+    try:
+        return sum(1 for line in metrics.read_text().splitlines() if '"rank": 0' in line)
+    except FileNotFoundError:
+        return 0
+
+
+@pytest.fixture(scope="module")
+def killed_run(tmp_path_factory) -> Path:
+    """One-process tiny run with aux loss, SIGKILLed after 4 steps; then the torn line such a kill
+    leaves when it lands inside a write (a record without its end and newline)."""
+    root = tmp_path_factory.mktemp("killed")
+    run_dir = root / "run"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gptoss_cli", "train", "--recipe", "tiny_cpu_ep2", "--quiet",
+         "parallelism.world_size=1", "parallelism.expert_model_parallel_size=1", "precision.params_dtype=fp32",
+         f"training.train_iters={TRAIN_ITERS}", "training.seq_length=16", "training.global_batch_size=2",
+         "training.micro_batch_size=1", "checkpoint.dir=null", "checkpoint.save_interval=null",
+         "moe.aux_loss_coeff=0.01", f"logging.run_dir={run_dir}"],
+        cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while _rank0_steps(run_dir / "metrics.jsonl") < 4:
+            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+            assert time.monotonic() < deadline, "the run did not reach step 4"
+            time.sleep(0.05)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    metrics = run_dir / "metrics.jsonl"
+    assert metrics.read_text().endswith("\n")
+    with metrics.open("a") as fh:
+        fh.write('{"step": 999, "rank": 0, "loss": 7.1, "lr"')
+    return run_dir
+
+
+def _not_blank(png: Path) -> None:
+    """Read back by matplotlib's PNG reader: a real image with drawn content, not a flat colour."""
+    image = plt.imread(str(png))
+    assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100, image.shape
+    rgb = image[..., :3]
+    assert rgb.std() > 0.05, png  # a blank (single-colour) image has none
+    assert (rgb.min(axis=-1) < 0.5).mean() > 0.005, png  # lines, text, heatmap cells: dark pixels
+
+
+def test_report_on_a_killed_run_summarises_it_and_draws_every_plot(killed_run, tmp_path):
+    out = tmp_path / "plots"
+    result = CliRunner().invoke(app, ["report", str(killed_run), "--out", str(out), "--json", str(tmp_path / "s.json")])
+    assert result.exit_code == 0, result.output
+    note = [line for line in result.output.splitlines() if line.startswith("note:")]
+    assert len(note) == 1 and "metrics.jsonl:" in note[0] and "cut off" in note[0]
+    rows = [json.loads(line) for line in (killed_run / "metrics.jsonl").read_text().splitlines()[:-1]]
+    last = max(r["step"] for r in rows)
+    assert 4 <= last < TRAIN_ITERS
+    assert f"step {last} of {TRAIN_ITERS} (stopped before the end)" in result.output
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert summary["last_step"] == last and summary["finished"] is False
+    final = next(r for r in rows if r["step"] == last)
+    assert summary["curves"]["loss"]["last"] == final["loss"]
+    layer = next(iter(final["expert_load"]))
+    load = final["expert_load"][layer]
+    assert summary["router"]["layers"][layer]["most_loaded"] == {"expert": load.index(max(load)),
+                                                                 "share": max(load) / sum(load)}
+    names = {Path(p).name for p in summary["plots"]}
+    assert names == {"loss.png", "lr.png", "grad_norm.png", "tokens_per_s.png", "aux_loss.png", "expert_load.png"}
+    for png in out.glob("*.png"):
+        _not_blank(png)
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temporary names left
+
+
+def _write(run: Path, text: str) -> Path:
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "metrics.jsonl").write_text(text)
+    return run
+
+
+GOOD = '{"step": 1, "rank": 0, "loss": 7.0, "lr": 0.0}\n{"step": 2, "rank": 0, "loss": 6.5, "lr": 1e-4}\n'
+
+
+@pytest.mark.parametrize("case,expect", [
+    ("no folder", "not a run folder"),
+    ("no metrics", "no metrics.jsonl"),
+    ("empty", "no step records"),
+    ("corrupt middle line", "metrics.jsonl:2: not a JSON record"),
+    ("corrupt last line with newline", "metrics.jsonl:3: not a JSON record"),
+    ("no step field", "metrics.jsonl:1: a record needs integer 'step' and 'rank'"),
+])
+def test_bad_run_folder_is_one_line_exit_2(tmp_path, case, expect):
+    run = tmp_path / "run"
+    if case == "no metrics":
+        run.mkdir()
+    elif case == "empty":
+        _write(run, "")
+    elif case == "corrupt middle line":
+        _write(run, GOOD.replace("\n", "\n{oops\n", 1))
+    elif case == "corrupt last line with newline":  # complete lines are never torn by a kill
+        _write(run, GOOD + '{"step": 3, "rank": 0, "loss"\n')
+    elif case == "no step field":
+        _write(run, '{"rank": 0, "loss": 1.0}\n')
+    result = CliRunner().invoke(app, ["report", str(run), "--no-plots"])
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and expect in lines[0], result.output
+
+
+def test_a_resumed_run_keeps_the_later_record_of_a_step(tmp_path):
+    run = _write(tmp_path / "run", GOOD + '{"step": 2, "rank": 0, "loss": 6.0, "lr": 1e-4}\n')
+    result = CliRunner().invoke(app, ["report", str(run), "--no-plots", "--json", str(tmp_path / "s.json")])
+    assert result.exit_code == 0, result.output
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert summary["steps_recorded"] == 2 and summary["curves"]["loss"]["last"] == 6.0
+
+
+def test_missing_matplotlib_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    result = CliRunner().invoke(app, ["report", str(_write(tmp_path / "run", GOOD))])
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and "pip install 'gptoss-cli[plot]'" in lines[0]
