@@ -41,7 +41,8 @@ from gptoss_cli.json_input import parse_json
 
 OUTPUT_DTYPES = ("bfloat16", "float32", "bf16", "fp32")
 EXPERT_FORMS = ("bf16", "mxfp4")
-TARGETS = (HYBRID, HF, MEGATRON)
+PEFT = "peft"  # a LoRA run's adapters in PEFT's layout (checkpoint/peft_format.py)
+TARGETS = (HYBRID, HF, MEGATRON, PEFT)
 PROVENANCE_KEY = "gptoss_provenance"  # HF outputs: in the index's metadata (config.json stays as released)
 
 
@@ -369,6 +370,13 @@ def check_replaceable_output(dst: Path, kind: str) -> None:
         outputs.check_replaceable(dst, "config.json", _is_gpt_oss_hf, "Hugging Face", EXTRA_FILES)
 
 
+def _is_peft_adapter(config: Path) -> bool:
+    try:
+        return json.loads(config.read_text()).get("peft_type") == "LORA"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 class _NonFiniteCheck:
     """Refuse NaN/inf weights, naming the tensor: every forward through one would be NaN.
 
@@ -466,6 +474,9 @@ def convert(
     # First, what killed runs left for DST: a stranded old DST goes back in place before DST is judged.
     notes = outputs.recover(dst)
     outputs.check_destination(dst, force)
+    if to == PEFT:
+        return _convert_to_peft(src, dst, experts=experts, weights=weights, force=force, progress=progress,
+                                notes=notes, t0=t0)
 
     source = open_source(str(src), revision, weights=weights)
     try:
@@ -611,6 +622,66 @@ def convert(
         architecture=arch.to_dict(),
         notes=notes,
         provenance=provenance,
+    )
+
+
+def _convert_to_peft(src, dst: Path, *, experts: str | None, weights: str | None, force: bool,
+                     progress: Progress | None, notes: list[str], t0: float) -> ConvertResult:
+    """A LoRA training checkpoint's adapters -> a PEFT adapter folder (adapter_config.json,
+    adapter_model.safetensors) for transformers' GptOssForCausalLM of the base."""
+    from safetensors.torch import save_file
+
+    from gptoss_cli.checkpoint.peft_format import (
+        ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_config, adapter_config_text, peft_tensors,
+    )
+    from gptoss_cli.checkpoint.training_format import check_base
+
+    if experts is not None:
+        raise UsageError("--experts applies to --to hf only; a PEFT adapter holds no expert weights")
+    source = open_source(str(src), weights=weights, adapters_only=True)
+    try:
+        if source.kind != TRAINING or source.lora is None:
+            what = "a full fine-tune (no LoRA adapters)" if source.kind == TRAINING else f"a {source.kind} checkpoint"
+            raise UsageError(f"{src}: --to peft exports the LoRA adapters of a training checkpoint, but this is {what}",
+                             hint="use --to hf or --to hybrid for full weights")
+        for folder in {source.folder, *source.protected}:
+            outputs.check_separate(folder, dst)
+        if force:
+            outputs.check_replaceable(dst, ADAPTER_CONFIG, _is_peft_adapter, "PEFT adapter", (ADAPTER_WEIGHTS,))
+        lora, arch = source.lora, source.arch
+        if source.hybrid_layer_pattern != arch.hybrid_layer_pattern:
+            raise UsageError(f"{src}: trained with the layer pattern {source.hybrid_layer_pattern!r}; a PEFT adapter "
+                             f"for transformers needs {arch.hybrid_layer_pattern!r} (one '*E' per HF block)")
+        check_base(lora["base"], source.folder)  # the adapters belong to this base, byte for byte
+        names = source.reader.names()
+        if progress:
+            progress.start(len(names), sum(source.reader.spec(n).nbytes for n in names))
+        adapters = {}
+        for n in names:
+            adapters[n] = source.reader.read(n).clone()
+            if progress:
+                progress.advance(tensors=1, nbytes=source.reader.spec(n).nbytes)
+        tensors = peft_tensors(arch, adapters, tuple(lora["target_modules"]))
+        config = adapter_config(rank=int(lora["rank"]), alpha=float(lora["alpha"]), dropout=float(lora.get("dropout", 0.0)),
+                                target_modules=tuple(lora["target_modules"]), base_model=lora["base"]["path"])
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        provenance = {"source": str(src), "source_format": TRAINING, "tool": f"gptoss {__version__}",
+                      "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **source.provenance}
+        tmp = outputs.start_folder(dst, total)
+        with outputs.removed_on_error(tmp, dst):
+            with outputs.naming(tmp / ADAPTER_WEIGHTS):
+                save_file(tensors, str(tmp / ADAPTER_WEIGHTS),
+                          metadata={"format": "pt", PROVENANCE_KEY: json.dumps(provenance, default=str)})
+            outputs.write_text(tmp / ADAPTER_CONFIG, adapter_config_text(config))
+            outputs.commit(tmp, dst)
+        dtype = short_dtype_name(next(iter(tensors.values())).dtype) if tensors else "-"
+    finally:
+        source.close()
+    return ConvertResult(
+        direction=f"{TRAINING} -> {PEFT}", source=str(src), revision=None, destination=str(dst),
+        source_format=TRAINING, experts_in="-", experts_out="-", dtype=dtype, num_tensors=len(tensors),
+        bytes_written=total, num_shards=1, seconds=time.perf_counter() - t0, peak_rss_bytes=peak_rss_bytes(),
+        architecture=arch.to_dict(), notes=notes, provenance=provenance,
     )
 
 

@@ -17,7 +17,7 @@ from gptoss_cli.checkpoint.dcp_io import DcpReader
 from gptoss_cli.checkpoint.megatron_format import MegatronReader, is_megatron_checkpoint, read_megatron_checkpoint
 from gptoss_cli.checkpoint.safetensors_io import CheckpointReader
 from gptoss_cli.checkpoint.training_format import (
-    LATEST, MASTER, MODEL, OPTIMIZER, TRAIN_STATE, WEIGHT_SOURCES, find_checkpoint_folder,
+    LATEST, MASTER, MODEL, OPTIMIZER, TRAIN_STATE, WEIGHT_SOURCES, check_base, find_checkpoint_folder,
     looks_like_training_checkpoint, model_key, optimizer_key, read_training_run,
 )
 from gptoss_cli.errors import CheckpointError, ConfigError, UsageError
@@ -60,6 +60,7 @@ class Source:
     hybrid_layer_pattern: str | None = None  # for Hybrid and training sources
     provenance: dict = field(default_factory=dict)  # what an output records besides SRC (training: run, iteration)
     protected: tuple[Path, ...] = ()  # more folders an output may not be in (a training run's checkpoint.dir)
+    lora: dict | None = None  # a LoRA training checkpoint: its run's LoRA record (training_format.run_record)
 
     def close(self) -> None:
         self.reader.close()
@@ -113,10 +114,13 @@ def _config_error(exc: ConfigError) -> CheckpointError:
     return CheckpointError(exc.message, exc.hint)
 
 
-def open_source(src: str, revision: str | None = None, *, weights: str | None = None) -> Source:
+def open_source(src: str, revision: str | None = None, *, weights: str | None = None,
+                adapters_only: bool = False) -> Source:
     """Resolve SRC, detect HF / OpenAI original / Hybrid / training checkpoint, read its config and open it.
 
-    `weights` picks what a training checkpoint's tensors are read from (`model` or `master`)."""
+    `weights` picks what a training checkpoint's tensors are read from (`model` or `master`). A LoRA
+    training checkpoint reads as its base with the adapters merged in (checkpoint/lora_merge.py), or,
+    with `adapters_only`, as its adapters alone (`Source.lora` says which run made them)."""
     root, revision = resolve(src, revision)
     if weights is not None and not looks_like_training_checkpoint(root):
         raise UsageError(f"--weights {weights} applies to training checkpoints only; {src} is not one")
@@ -149,7 +153,7 @@ def open_source(src: str, revision: str | None = None, *, weights: str | None = 
             raise UsageError(f"--weights {weights} applies to gptoss training checkpoints only; {src} is a Megatron one")
         return open_megatron(src, root)
     if looks_like_training_checkpoint(root):
-        return open_training(src, root, weights or MODEL)
+        return open_training(src, root, weights or MODEL, adapters_only=adapters_only)
     raise CheckpointError(
         f"{root}: no config.json (HF), original/config.json (OpenAI), {HYBRID_CONFIG} (Hybrid), "
         f"{LATEST} / {TRAIN_STATE} (a training checkpoint) or latest_checkpointed_iteration.txt (Megatron) found",
@@ -157,7 +161,7 @@ def open_source(src: str, revision: str | None = None, *, weights: str | None = 
     )
 
 
-def open_training(src: str, root: Path, weights: str = MODEL) -> Source:
+def open_training(src: str, root: Path, weights: str = MODEL, *, adapters_only: bool = False) -> Source:
     """A training checkpoint: a checkpoint.dir (read through `latest`) or one iter_* folder.
 
     The architecture and layer pattern come from the run record in train_state.json; the tensors
@@ -174,12 +178,38 @@ def open_training(src: str, root: Path, weights: str = MODEL) -> Source:
         prefix, suffix = f"{OPTIMIZER}.", f".{MASTER}"
         reader = DcpReader(folder, lambda n: optimizer_key(n, MASTER),
                            lambda k: k[len(prefix):-len(suffix)] if k.startswith(prefix) and k.endswith(suffix) else None)
-    if run.qat == "mxfp4":
-        reader = Mxfp4QatReader(reader)
     # Tokenizer files come from the weights the run started from, when that folder is still there.
     extras = Path(run.pretrained) if run.pretrained and Path(run.pretrained).is_dir() else folder
+    if run.lora is not None:
+        # A LoRA run's state is its adapters; under QAT its forward rounded the frozen base's experts,
+        # so the merge adds the adapters to the rounded base (what the run computed with).
+        if not adapters_only:
+            reader = _merged_with_base(run, folder, reader)
+    elif run.qat == "mxfp4":
+        reader = Mxfp4QatReader(reader)
     return Source(TRAINING, src, None, folder, extras, run.arch, reader, hybrid_layer_pattern=run.hybrid_layer_pattern,
-                  provenance={**run.provenance(), "weights": weights}, protected=(ckpt_dir,) if ckpt_dir else ())
+                  provenance={**run.provenance(), "weights": weights}, protected=(ckpt_dir,) if ckpt_dir else (),
+                  lora=run.lora)
+
+
+def _merged_with_base(run, folder: Path, adapters) -> "LoraMergedReader":
+    """The base a LoRA run names (checked byte for byte), read with the run's adapters merged in."""
+    from gptoss_cli.checkpoint.lora_merge import LoraMergedReader
+
+    try:
+        check_base(run.lora["base"], folder / TRAIN_STATE)
+        base_path = Path(run.lora["base"]["path"])
+        if not (base_path / HYBRID_CONFIG).exists():
+            raise CheckpointError(
+                f"{folder}: its LoRA base {base_path} is not a Hybrid checkpoint, so the adapters cannot be merged "
+                "into it by name", hint=f"export the adapters with --to peft, or train on a `gptoss convert` output")
+    except BaseException:
+        adapters.close()
+        raise
+    base = CheckpointReader(base_path)
+    if run.qat == "mxfp4":
+        base = Mxfp4QatReader(base)
+    return LoraMergedReader(base, adapters, float(run.lora["alpha"]) / int(run.lora["rank"]))
 
 
 def open_megatron(src: str, root: Path) -> Source:

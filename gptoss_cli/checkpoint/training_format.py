@@ -79,11 +79,59 @@ def latest_checkpoint(ckpt_dir: str | Path) -> Path | None:
     return folder
 
 
+def base_fingerprint(folder: str | Path) -> dict[str, Any]:
+    """What names a LoRA run's frozen base: its resolved path and the sha256 of its weight files
+    (every *.safetensors file, in name order, each hashed as its name then its bytes)."""
+    import hashlib
+
+    folder = Path(folder).expanduser().resolve()
+    files = sorted(p for p in folder.glob("*.safetensors") if p.is_file())
+    if not files:
+        raise CheckpointError(f"{folder}: has no *.safetensors weight files to adapt",
+                              hint="point checkpoint.pretrained at a `gptoss convert` output or an HF folder")
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(f.name.encode() + b"\0")
+        try:
+            with open(f, "rb") as fh:
+                while chunk := fh.read(16 * 1024 * 1024):
+                    digest.update(chunk)
+        except OSError as exc:
+            raise CheckpointError(f"{f}: cannot read ({exc.strerror or exc})") from None
+    return {"path": str(folder), "sha256": digest.hexdigest()}
+
+
+def check_base(recorded: dict[str, Any], where: str | Path, path: str | Path | None = None) -> dict[str, Any]:
+    """The base a LoRA checkpoint names (its `lora.base` record) must be the one at `path` (default:
+    the recorded path), byte for byte; returns the fingerprint of what is there."""
+    path = Path(path if path is not None else recorded.get("path") or "")
+    if not str(path) or not path.is_dir():
+        raise CheckpointError(f"{where}: its LoRA adapters need their base model {str(path)!r}, which is not there",
+                              hint="put the base checkpoint back at that path")
+    found = base_fingerprint(path)
+    require_same_base(recorded, found, where)
+    return found
+
+
+def require_same_base(recorded: Any, found: dict[str, Any], where: str | Path) -> None:
+    """A CheckpointError unless the recorded base fingerprint is `found`'s (same content hash)."""
+    sha = recorded.get("sha256") if isinstance(recorded, dict) else None
+    if sha != found["sha256"]:
+        raise CheckpointError(
+            f"{where}: its LoRA adapters were trained on a base with sha256 {str(sha)[:16]}..., "
+            f"but {found['path']} has sha256 {found['sha256'][:16]}... (a different base)",
+            hint="use the base the adapters were trained on (checkpoint.pretrained), or start a new checkpoint.dir")
+
+
 def run_record(*, arch: GptOssArch, hybrid_layer_pattern: str, params_dtype: str, name: str, run_dir: str | Path,
-               recipe: dict[str, Any] | None = None, pretrained: str | None = None, qat: str = "none") -> dict[str, Any]:
+               recipe: dict[str, Any] | None = None, pretrained: str | None = None, qat: str = "none",
+               lora: dict[str, Any] | None = None) -> dict[str, Any]:
     """What a training checkpoint records about its run (train_state.json's `run`): enough to rebuild
-    the model without the recipe file, and to say where the weights came from."""
+    the model without the recipe file, and to say where the weights came from. A LoRA run adds
+    `lora`: rank, alpha, dropout, target_modules and `base` (base_fingerprint): its model state is
+    the adapters only."""
     return {
+        "lora": lora,
         "version": RUN_RECORD_VERSION,
         "name": name,
         "run_dir": str(Path(run_dir).expanduser().resolve()),
@@ -115,13 +163,14 @@ class TrainingRun:
     world_size: int | None
     ep_size: int | None
     qat: str = "none"  # precision.qat of the run: "mxfp4" when the forward used MXFP4-rounded expert weights
+    lora: dict[str, Any] | None = None  # a LoRA run: its settings and base (run_record)
 
     def provenance(self) -> dict[str, Any]:
         """What an export records about where its weights came from."""
         return {"run": self.name, "run_dir": self.run_dir, "iteration": self.step, "checkpoint": str(self.folder.resolve()),
                 "recipe": self.recipe.get("name") or self.name, "recipe_config": self.recipe,
                 "saved_at": {"world_size": self.world_size, "expert_model_parallel_size": self.ep_size},
-                "pretrained": self.pretrained, "qat": self.qat}
+                "pretrained": self.pretrained, "qat": self.qat, **({"lora": self.lora} if self.lora else {})}
 
 
 def read_train_state(folder: str | Path) -> dict[str, Any]:
@@ -212,7 +261,8 @@ def read_training_run(folder: str | Path) -> TrainingRun:
     return TrainingRun(folder=folder, step=state["step"], arch=arch, hybrid_layer_pattern=pattern,
                        params_dtype=str(params_dtype), name=str(run.get("name") or ""),
                        run_dir=str(run.get("run_dir") or ""), pretrained=run.get("pretrained"), recipe=recipe,
-                       world_size=ints["world_size"], ep_size=ints["ep_size"], qat=_qat_of(run, path))
+                       world_size=ints["world_size"], ep_size=ints["ep_size"], qat=_qat_of(run, path),
+                       lora=_lora_record(run.get("lora"), path))
 
 
 def _qat_of(run: dict[str, Any], path: Path) -> str:
@@ -220,6 +270,17 @@ def _qat_of(run: dict[str, Any], path: Path) -> str:
     if qat not in ("none", "mxfp4"):
         raise CheckpointError(f"{path}: run.qat {qat!r} is not one this gptoss knows (none or mxfp4)")
     return qat
+
+
+def _lora_record(lora: Any, path: Path) -> dict[str, Any] | None:
+    if lora is None:
+        return None
+    ok = (isinstance(lora, dict) and isinstance(lora.get("rank"), int) and lora["rank"] >= 1
+          and isinstance(lora.get("alpha"), (int, float)) and isinstance(lora.get("target_modules"), list)
+          and isinstance(lora.get("base"), dict) and isinstance(lora["base"].get("sha256"), str))
+    if not ok:
+        raise CheckpointError(f"{path}: run.lora is not a LoRA record (rank, alpha, target_modules, base)")
+    return lora
 
 
 def looks_like_training_checkpoint(path: Path) -> bool:
@@ -254,6 +315,6 @@ def find_checkpoint_folder(path: str | Path) -> tuple[Path, Path | None]:
 __all__ = [
     "LATEST", "TRAIN_STATE", "MODEL", "OPTIMIZER", "RNG", "MASTER", "ITER_NAME", "PARTIAL_NAME",
     "WEIGHT_SOURCES", "TrainingRun", "iter_name", "model_key", "optimizer_key", "latest_name", "latest_checkpoint",
-    "run_record",
+    "run_record", "base_fingerprint", "check_base", "require_same_base",
     "read_train_state", "check_train_state", "read_training_run", "looks_like_training_checkpoint", "find_checkpoint_folder",
 ]

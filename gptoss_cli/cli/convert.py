@@ -21,9 +21,11 @@ def convert_cmd(
                               "folder, a training checkpoint (a run's checkpoint.dir, read through `latest`, or one "
                               "iter_* folder), or a Megatron-LM torch_dist checkpoint (its dir or one iteration folder)."),
     dst: Path = typer.Argument(..., help="Output folder (written under a temporary name, renamed when complete)."),
-    to: Optional[str] = typer.Option(None, "--to", help="Output layout: hybrid, hf or megatron (a Megatron-LM "
-                                     "torch_dist checkpoint). Default: the other layout than SRC's; hybrid for a "
-                                     "training or Megatron checkpoint."),
+    to: Optional[str] = typer.Option(None, "--to", help="Output layout: hybrid or hf (a LoRA training checkpoint: its "
+                                     "base with the adapters merged in), megatron (a Megatron-LM torch_dist "
+                                     "checkpoint), or peft (a LoRA run's adapters as a PEFT adapter, docs/lora.md). "
+                                     "Default: the other layout than SRC's; hybrid for a training or Megatron "
+                                     "checkpoint."),
     experts: Optional[str] = typer.Option(None, "--experts", help="Expert form of an HF output: bf16 (default) or mxfp4."),
     weights: Optional[str] = typer.Option(
         None, "--weights", help="Training checkpoints only. model (default): the weights the run computed with, in "

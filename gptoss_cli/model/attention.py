@@ -202,7 +202,9 @@ class LayerNormLinear(nn.Module):
         return self._project(rms_norm(x, self.layer_norm_weight, self.eps))
 
     def _project(self, normed: torch.Tensor) -> torch.Tensor:
-        return linear(normed, self.weight, self.bias, gemm=self.gemm)
+        y = linear(normed, self.weight, self.bias, gemm=self.gemm)
+        adapter = getattr(self, "adapter", None)  # LoRA (model/lora.py), on the normalised input
+        return y if adapter is None else y + adapter(normed)
 
 
 class CoreAttention(nn.Module):

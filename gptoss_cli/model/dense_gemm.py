@@ -76,7 +76,9 @@ class Linear(nn.Linear):
     gemm: DenseGemm | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, gemm=self.gemm)
+        y = linear(x, self.weight, self.bias, gemm=self.gemm)
+        adapter = getattr(self, "adapter", None)  # LoRA (model/lora.py)
+        return y if adapter is None else y + adapter(x)
 
 
 __all__ = ["DenseGemm", "Linear", "linear"]

@@ -30,8 +30,8 @@ from gptoss_cli.model.context_parallel import cp_size_of, local_positions, slice
 from gptoss_cli.model.dense_gemm import DenseGemm, Linear
 from gptoss_cli.model.dispatcher import AllToAllTokenDispatcher
 from gptoss_cli.model.grouped_gemm import GroupedGemm
-from gptoss_cli.model.moe import (DenseMLPLayer, ExpertLinear, MoELayer, RouterStats, RouterStatsRequest,
-                                   load_balancing_loss, router_table, router_z_loss)
+from gptoss_cli.model.moe import (DenseMLPLayer, ExpertLinear, MoELayer, PerExpertParams, RouterStats,
+                                   RouterStatsRequest, load_balancing_loss, router_table, router_z_loss)
 from gptoss_cli.model.norm import RMSNorm
 from gptoss_cli.model.pattern import ATTENTION, MLP, MOE, HybridPattern, parse_pattern
 from gptoss_cli.model.recompute import RecomputePlan, checkpointed
@@ -69,7 +69,9 @@ class _ChunkedLMLoss(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_h = torch.empty_like(hidden) if want_grad else None
         # dW adds up over chunks: in fp32, then cast once (as a single GEMM would round once).
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_grad else None
+        # A frozen output layer (LoRA) gets no gradient: its V x H accumulator is never allocated.
+        want_w = want_grad and weight.requires_grad
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
         for start in range(0, hidden.shape[0], chunk):
             h = hidden[start:start + chunk]
             logits = F.linear(h, weight)
@@ -82,11 +84,13 @@ class _ChunkedLMLoss(torch.autograd.Function):
                 (dlogits,) = torch.autograd.grad(loss, logits)
             total += loss.detach()
             torch.mm(dlogits, weight, out=grad_h[start:start + chunk])
+            if grad_w is None:
+                continue
             if grad_w.dtype == dlogits.dtype:
                 grad_w.addmm_(dlogits.t(), h)
             else:
                 grad_w += dlogits.t() @ h
-        ctx.grads = (grad_h, grad_w.to(weight.dtype) if want_grad else None)
+        ctx.grads = (grad_h, grad_w.to(weight.dtype) if grad_w is not None else None)
         return total
 
     @staticmethod
@@ -95,7 +99,8 @@ class _ChunkedLMLoss(torch.autograd.Function):
         ctx.grads = None
         if grad_h is None:
             raise RuntimeError("the chunked LM loss was computed without gradients (no_grad) and cannot back-propagate")
-        return grad_h * grad_out.to(grad_h.dtype), grad_w * grad_out.to(grad_w.dtype), None, None, None
+        grad_w = None if grad_w is None else grad_w * grad_out.to(grad_w.dtype)
+        return grad_h * grad_out.to(grad_h.dtype), grad_w, None, None, None
 
 
 def chunked_lm_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
@@ -226,7 +231,7 @@ def checkpoint_slots(
     """(checkpoint name, destination tensor) for every parameter of `module` (a model or one layer,
     names prefixed by `prefix`). Expert names map to a row of their stacked parameter; with
     all_experts, names of experts this module does not hold come with None."""
-    owners = {name: m for name, m in module.named_modules() if isinstance(m, ExpertLinear)}
+    owners = {name: m for name, m in module.named_modules() if isinstance(m, PerExpertParams)}
     for name, param in module.named_parameters():
         owner_name, _, leaf = name.rpartition(".")
         owner = owners.get(owner_name)

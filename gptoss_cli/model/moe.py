@@ -110,46 +110,39 @@ class Router(nn.Module):
 # Experts
 
 
-class ExpertLinear(nn.Module):
-    """Stacked weights of the local experts, `weight [E_local, out, in]`, `bias [E_local, out]`.
+class PerExpertParams(nn.Module):
+    """Parameters stacked over the local experts, `[E_local, ...]`, named per expert on disk.
 
     state_dict() and load_state_dict() speak the checkpoint's per-expert names with GLOBAL expert
     ids (`weight{e}`, `bias{e}` for e in [expert_offset, expert_offset + E_local)), so a layer that
-    holds a slice of the experts under expert parallelism saves and loads its own slice.
+    holds a slice of the experts under expert parallelism saves and loads its own slice. `stacked`
+    lists the parameter names that are stacked this way."""
 
-    `gemm` computes its grouped GEMMs (model/grouped_gemm.py; None: the default numerics).
-    """
+    stacked: tuple[str, ...] = ("weight", "bias")
 
-    gemm: GroupedGemm | None = None
-
-    def __init__(self, num_local_experts: int, expert_offset: int, out_features: int, in_features: int,
-                 device=None, dtype=None):
+    def __init__(self, num_local_experts: int, expert_offset: int):
         super().__init__()
         self.expert_offset = expert_offset
         self.num_local_experts = num_local_experts
-        self.weight = nn.Parameter(
-            torch.empty(num_local_experts, out_features, in_features, device=device, dtype=dtype)
-        )
-        self.bias = nn.Parameter(torch.zeros(num_local_experts, out_features, device=device, dtype=dtype))
-        self.register_state_dict_post_hook(ExpertLinear._split_state_dict)
-        self.register_load_state_dict_pre_hook(ExpertLinear._join_state_dict)
-        self.register_load_state_dict_post_hook(ExpertLinear._drop_stacked_missing)
+        self.register_state_dict_post_hook(PerExpertParams._split_state_dict)
+        self.register_load_state_dict_pre_hook(PerExpertParams._join_state_dict)
+        self.register_load_state_dict_post_hook(PerExpertParams._drop_stacked_missing)
 
     def global_ids(self) -> range:
         return range(self.expert_offset, self.expert_offset + self.num_local_experts)
 
     @staticmethod
-    def _split_state_dict(module: "ExpertLinear", state_dict, prefix, local_metadata) -> None:
-        for name in ("weight", "bias"):
+    def _split_state_dict(module: "PerExpertParams", state_dict, prefix, local_metadata) -> None:
+        for name in module.stacked:
             stacked = state_dict.pop(prefix + name)
             for local, e in enumerate(module.global_ids()):
                 state_dict[f"{prefix}{name}{e}"] = stacked[local]
 
     @staticmethod
-    def _join_state_dict(module: "ExpertLinear", state_dict, prefix, local_metadata, strict,
+    def _join_state_dict(module: "PerExpertParams", state_dict, prefix, local_metadata, strict,
                          missing_keys, unexpected_keys, error_msgs) -> None:
         module._load_prefix = prefix
-        for name in ("weight", "bias"):
+        for name in module.stacked:
             keys = [f"{prefix}{name}{e}" for e in module.global_ids()]
             absent = [k for k in keys if k not in state_dict]
             if absent:
@@ -160,16 +153,34 @@ class ExpertLinear(nn.Module):
             state_dict[prefix + name] = torch.stack([state_dict.pop(k) for k in keys])
 
     @staticmethod
-    def _drop_stacked_missing(module: "ExpertLinear", incompatible_keys) -> None:
+    def _drop_stacked_missing(module: "PerExpertParams", incompatible_keys) -> None:
         # The stacked names are internal; the per-expert names were already reported missing.
         prefix = getattr(module, "_load_prefix", None)
-        for name in ("weight", "bias"):
+        for name in module.stacked:
             if prefix is not None and prefix + name in incompatible_keys.missing_keys:
                 incompatible_keys.missing_keys.remove(prefix + name)
 
     def extra_repr(self) -> str:
         e, o, i = self.weight.shape
         return f"experts [{self.expert_offset}, {self.expert_offset + e}), out={o}, in={i}"
+
+
+class ExpertLinear(PerExpertParams):
+    """Stacked weights of the local experts, `weight [E_local, out, in]`, `bias [E_local, out]`,
+    saved and loaded per expert (see `PerExpertParams`).
+
+    `gemm` computes its grouped GEMMs (model/grouped_gemm.py; None: the default numerics).
+    """
+
+    gemm: GroupedGemm | None = None
+
+    def __init__(self, num_local_experts: int, expert_offset: int, out_features: int, in_features: int,
+                 device=None, dtype=None):
+        super().__init__(num_local_experts, expert_offset)
+        self.weight = nn.Parameter(
+            torch.empty(num_local_experts, out_features, in_features, device=device, dtype=dtype)
+        )
+        self.bias = nn.Parameter(torch.zeros(num_local_experts, out_features, device=device, dtype=dtype))
 
 
 class GroupedExperts(nn.Module):
@@ -204,11 +215,16 @@ class GroupedExperts(nn.Module):
         fc1, fc2 = self.linear_fc1, self.linear_fc2
         gate_up = grouped_linear(expert_input, fc1.weight, fc1.bias, tokens_per_expert, gemm=fc1.gemm,
                                  wgrad_queue=wgrad_queue, name=f"{name}.linear_fc1")
+        adapter = getattr(fc1, "adapter", None)  # LoRA (model/lora.py): one pair per expert
+        if adapter is not None:
+            gate_up = gate_up + adapter(expert_input, tokens_per_expert)
         act = clamped_swiglu(gate_up, self.limit, self.alpha)
         with discard_saved(act, lambda: clamped_swiglu(gate_up, self.limit, self.alpha)) if discard_act \
                 else contextlib.nullcontext():
-            return grouped_linear(act, fc2.weight, fc2.bias, tokens_per_expert, gemm=fc2.gemm,
-                                  wgrad_queue=wgrad_queue, name=f"{name}.linear_fc2")
+            out = grouped_linear(act, fc2.weight, fc2.bias, tokens_per_expert, gemm=fc2.gemm,
+                                 wgrad_queue=wgrad_queue, name=f"{name}.linear_fc2")
+            adapter = getattr(fc2, "adapter", None)  # its saved copy of `act` is discarded too
+            return out if adapter is None else out + adapter(act, tokens_per_expert)
 
 
 class MoEMLP(nn.Module):

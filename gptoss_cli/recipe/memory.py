@@ -107,6 +107,28 @@ def parameter_layout(arch: GptOssArch, pattern: HybridPattern | str, num_local_e
     return out
 
 
+def lora_layout(arch: GptOssArch, pattern: HybridPattern | str, rank: int, targets: list[str] | tuple[str, ...],
+                num_local_experts: int | None = None) -> list[ParamSpec]:
+    """One rank's LoRA adapters (gptoss_cli/model/lora.py) in `named_parameters()` order: A [rank, in] and
+    B [out, rank] per targeted layer, one pair per local expert on the experts."""
+    pattern = parse_pattern(pattern) if isinstance(pattern, str) else pattern
+    h, i = arch.hidden_size, arch.intermediate_size
+    e_loc = arch.num_local_experts if num_local_experts is None else num_local_experts
+    attn_width = arch.num_attention_heads * arch.head_dim
+    shapes = {ATTENTION: {"linear_qkv": (h, arch.qkv_rows), "linear_proj": (attn_width, h)},
+              MOE: {"linear_fc1": (h, 2 * i), "linear_fc2": (i, h)}, MLP: {"linear_fc1": (h, 2 * i), "linear_fc2": (i, h)}}
+    where = {ATTENTION: "self_attention.", MOE: "mlp.experts.", MLP: "mlp."}
+    out = []
+    for j, symbol in enumerate(pattern.layers):
+        copies = e_loc if symbol == MOE else 1
+        for name, (fan_in, fan_out) in shapes.get(symbol, {}).items():
+            if name in targets:
+                p = f"decoder.layers.{j}.{where[symbol]}{name}.adapter."
+                out += [ParamSpec(p + "linear_in.weight", copies * rank * fan_in, symbol == MOE),
+                        ParamSpec(p + "linear_out.weight", copies * fan_out * rank, symbol == MOE)]
+    return out
+
+
 def buffer_numel(numels: list[int], shards: int, bucket_size: int) -> tuple[int, int]:
     """(elements, buckets) of a gradient buffer holding parameters of these sizes (in model order):
     reverse order, a bucket closes once it holds >= bucket_size elements, each padded to a
@@ -272,6 +294,10 @@ def estimate_memory(cfg: RecipeConfig, arch: GptOssArch, pattern: HybridPattern 
     opt = cfg.optimizer
     distributed = opt.use_distributed_optimizer
     layout = parameter_layout(arch, pattern, arch.num_local_experts // ep)
+    lora = cfg.lora.rank > 0
+    frozen_n = sum(p.numel for p in layout) if lora else 0
+    if lora:  # a frozen base (no gradient, no optimizer state): buffers hold the adapters only
+        layout = lora_layout(arch, pattern, cfg.lora.rank, cfg.lora.target_modules, arch.num_local_experts // ep)
     dense_numels = [p.numel for p in layout if not p.expert]
     expert_numels = [p.numel for p in layout if p.expert]
     dense_shards, expert_shards = (dp, edp) if distributed else (1, 1)
@@ -310,6 +336,11 @@ def estimate_memory(cfg: RecipeConfig, arch: GptOssArch, pattern: HybridPattern 
                    adam_b * expert_n / expert_shards, f"{adam_b} B x {expert_n:,} / {expert_shards}",
                    f"{ep_knob}; {shard_knob}"),
     ]
+    if lora:
+        items[0] = MemoryItem("params", f"LoRA adapters ({dtype})", b * (dense_n + expert_n),
+                              f"{b} B x ({dense_n:,} dense + {expert_n:,} expert adapter elements)", "lora.rank")
+        items.insert(0, MemoryItem("params.frozen", f"frozen base ({dtype})", b * frozen_n,
+                                   f"{b} B x {frozen_n:,} elements", ep_knob))
     names = {ATTENTION: "attention", MOE: "MoE", MLP: "dense MLP"}
     for s in (ATTENTION, MOE, MLP):
         if counts[s]:
@@ -329,8 +360,9 @@ def estimate_memory(cfg: RecipeConfig, arch: GptOssArch, pattern: HybridPattern 
                             f"{t:,} tokens x {per_token['head']:,.0f} B", act_knob))
     chunk = min(t, LM_LOSS_CHUNK)
     head_n = arch.vocab_size * arch.hidden_size
+    head_grad = 0 if lora else (FP32 + b) * head_n  # a frozen output layer has no gradient
     items.append(MemoryItem("activations.logits", "logits and loss (chunked) + output-layer gradient",
-                            chunk * per_token["logits"] + (FP32 + b) * head_n,
+                            chunk * per_token["logits"] + head_grad,
                             f"{chunk:,} tokens x (b + 12) x {arch.vocab_size:,} B + (4 + b) B x {head_n:,}",
                             "-"))
     if cfg.overlap.overlap_moe_expert_parallel_comm:
@@ -338,7 +370,7 @@ def estimate_memory(cfg: RecipeConfig, arch: GptOssArch, pattern: HybridPattern 
         items.append(MemoryItem("activations.overlap", "activations, 1 layer more (overlap)",
                                 t * layer, f"{t:,} tokens x {layer:,.0f} B",
                                 f"{act_knob}; overlap.overlap_moe_expert_parallel_comm=false"))
-    largest = max(p.numel for p in layout)
+    largest = max((p.numel for p in layout), default=0)  # none: LoRA without targets
     items.append(MemoryItem("transient.grad", "largest parameter .grad", b * largest,
                             f"{b} B x {largest:,}", "-"))
     if cfg.precision.fp8_recipe != "none":
@@ -354,5 +386,5 @@ def estimate_memory(cfg: RecipeConfig, arch: GptOssArch, pattern: HybridPattern 
                           gpu=gpu, capacity_bytes=cap * GB if cap else None, notes=notes)
 
 
-__all__ = ["GB", "size_text", "GPU_MEMORY_GB", "WARN_FRACTION", "ALIGN", "ParamSpec", "parameter_layout", "buffer_numel",
+__all__ = ["GB", "size_text", "GPU_MEMORY_GB", "WARN_FRACTION", "ALIGN", "ParamSpec", "parameter_layout", "lora_layout", "buffer_numel",
            "activation_bytes_per_token", "attention_core_bytes_per_token", "default_bucket_size", "MemoryItem", "MemoryEstimate", "estimate_memory"]

@@ -200,6 +200,21 @@ class CheckpointConfig:
 
 
 @dataclass
+class LoraConfig:
+    rank: int = _f(0, "LoRA rank (Megatron-Bridge's `dim`); 0 = off (full fine-tuning). With a rank the base "
+                   "model is frozen and only the adapters train (docs/lora.md)", min=0, max=INT32_MAX)
+    alpha: float = _f(32.0, "LoRA alpha; the low-rank path is scaled by alpha / rank (PEFT's convention)", min=0.0)
+    dropout: float = _f(0.0, "dropout on an adapter's input during training", min=0.0)
+    target_modules: List[str] = _f(
+        help="layers that get adapters (Megatron's names; Megatron-Bridge's default is all four); linear_fc1 / "
+        "linear_fc2 on the experts: one pair per expert", factory=list,
+        choices=("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"),
+    )
+    base_experts: str = _f("bf16", "storage of the frozen experts: bf16 (params_dtype) or mxfp4 (as released, "
+                           "dequantised per GEMM)", choices=("bf16", "mxfp4"))
+
+
+@dataclass
 class LoggingConfig:
     log_interval: int = _f(1, "print metrics every N steps", min=1, max=INT32_MAX)
     run_dir: Optional[str] = _f(None, "folder for metrics.jsonl and the resolved recipe; null = runs/<recipe name>")
@@ -237,6 +252,7 @@ class RecipeConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     system: SystemConfig = field(default_factory=SystemConfig)
 
@@ -291,7 +307,7 @@ def _yaml_text(value: Any) -> str:
 _GROUPS: dict[str, type] = {
     c.__name__: c for c in (
         ModelConfig, ParallelismConfig, MoEConfig, OverlapConfig, PrecisionConfig, CudaGraphConfig,
-        RecomputeConfig, TrainingConfig, OptimizerConfig, DataConfig, CheckpointConfig, LoggingConfig,
+        RecomputeConfig, TrainingConfig, OptimizerConfig, DataConfig, CheckpointConfig, LoraConfig, LoggingConfig,
         SystemConfig,
     )
 }
@@ -299,5 +315,5 @@ _GROUPS: dict[str, type] = {
 __all__ = [
     "RecipeConfig", "ModelConfig", "ParallelismConfig", "MoEConfig", "OverlapConfig", "PrecisionConfig",
     "CudaGraphConfig", "RecomputeConfig", "TrainingConfig", "OptimizerConfig", "DataConfig",
-    "CheckpointConfig", "LoggingConfig", "SystemConfig", "iter_fields", "get_field", "describe_schema",
+    "CheckpointConfig", "LoraConfig", "LoggingConfig", "SystemConfig", "iter_fields", "get_field", "describe_schema",
 ]

@@ -1,7 +1,8 @@
 """Training checkpoints with torch.distributed.checkpoint (DCP): atomic, with a `latest` pointer.
 
 A checkpoint folder `<dir>/iter_0000010/` holds the DCP shards of
-  model.*      every parameter under its Hybrid name (experts per global id, so any EP layout reads them),
+  model.*      every parameter under its Hybrid name (experts per global id, so any EP layout reads them);
+               a LoRA run's adapters only, its base named by train_state.json's run record,
   optimizer.*  fp32 master weights and AdamW moments per parameter name (from their owners),
   rng.rank{r}  each rank's torch RNG state,
 plus `train_state.json` (step, data position, learning-rate schedule, the layout that wrote it, and
@@ -41,6 +42,7 @@ from gptoss_cli.checkpoint.training_format import (
     read_train_state,
 )
 from gptoss_cli.errors import CheckpointError, TrainingError
+from gptoss_cli.model.lora import has_lora, is_adapter_name
 from gptoss_cli.parallel.state import ParallelState, barrier
 
 
@@ -62,7 +64,10 @@ def remove_partial_checkpoints(ckpt_dir: str | Path) -> list[str]:
 
 
 def _model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    """Every parameter; of a LoRA model (frozen base) the adapters only: the base is named, not copied."""
+    lora = has_lora(model)
+    return {k: v for k, v in model.state_dict().items()
+            if isinstance(v, torch.Tensor) and (not lora or is_adapter_name(k))}
 
 
 def _rng_state(state: ParallelState) -> dict[str, torch.Tensor]:

@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 
 from gptoss_cli import outputs
-from gptoss_cli.checkpoint.training_format import RUN_KEY, run_record
-from gptoss_cli.errors import TrainingError
+from gptoss_cli.checkpoint.training_format import RUN_KEY, base_fingerprint, read_train_state, require_same_base, run_record
+from gptoss_cli.errors import CheckpointError, TrainingError
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.recipe.environment import gpu_from_device_name
 from gptoss_cli.recipe.flops import model_flops_per_token, peak_tflops, recompute_flops_per_token, throughput
@@ -62,12 +62,17 @@ class TrainJob:
     recipe: dict[str, Any] = field(default_factory=dict)  # the resolved recipe as plain data, for the run dir
     heartbeat_dir: str | None = None  # set by the local launcher, whose watchdog reads the beats
 
-    def run_record(self) -> dict[str, Any]:
-        """What every checkpoint of this run records about it (gptoss_cli/checkpoint/training_format.py)."""
+    def run_record(self, lora_base: dict[str, Any] | None = None) -> dict[str, Any]:
+        """What every checkpoint of this run records about it (gptoss_cli/checkpoint/training_format.py);
+        a LoRA run adds its settings and `lora_base`, the fingerprint of its frozen base."""
+        lo = self.config.lora
+        lora = None if lo.rank == 0 else {
+            "rank": lo.rank, "alpha": float(lo.alpha), "dropout": float(lo.dropout),
+            "target_modules": list(lo.target_modules), "base": lora_base}
         return run_record(arch=self.arch, hybrid_layer_pattern=self.hybrid_layer_pattern,
                           params_dtype=self.config.precision.params_dtype, name=self.name, run_dir=self.run_dir,
                           recipe=self.recipe, pretrained=self.config.checkpoint.pretrained,
-                          qat=self.config.precision.qat)
+                          qat=self.config.precision.qat, lora=lora)
 
     @classmethod
     def from_recipe(cls, recipe: Any) -> "TrainJob":
@@ -181,6 +186,30 @@ class MetricsWriter:
         return records
 
 
+def _lora_base(cfg: RecipeConfig, state: ParallelState) -> dict[str, Any] | None:
+    """The fingerprint of a LoRA run's frozen base (checkpoint.pretrained), hashed once on rank 0 and
+    shared, so every rank records and checks the same one; None without LoRA."""
+    if cfg.lora.rank == 0:
+        return None
+    record = [base_fingerprint(cfg.checkpoint.pretrained) if state.rank == 0 else None]
+    if state.distributed:
+        dist.broadcast_object_list(record, src=0)
+    return record[0]
+
+
+def check_resume_base(folder: Path, lora_base: dict[str, Any] | None) -> None:
+    """Resuming a LoRA run needs a LoRA checkpoint of the same base (and a full run a full checkpoint)."""
+    saved = read_train_state(folder).get(RUN_KEY)
+    saved_lora = saved.get("lora") if isinstance(saved, dict) else None
+    if (saved_lora is None) != (lora_base is None):
+        what = "LoRA adapters" if saved_lora is not None else "a full fine-tune (no adapters)"
+        raise CheckpointError(
+            f"{folder}: holds {what}, but this run is {'a LoRA run' if lora_base else 'a full fine-tune'}",
+            hint="resume with the recipe that wrote it, or start in a new checkpoint.dir")
+    if lora_base is not None:
+        require_same_base(saved_lora.get("base") if isinstance(saved_lora, dict) else None, lora_base, folder)
+
+
 def run_worker(job: TrainJob, progress: Progress | None = None) -> TrainResult:
     """Train on this process (rank from the torchrun environment, or a single process)."""
     if os.environ.get("OMP_NUM_THREADS") is None and "LOCAL_WORLD_SIZE" in os.environ:
@@ -247,10 +276,12 @@ def _train(job: TrainJob, state: ParallelState, progress: Progress | None, heart
                            dp_rank=state.data_parallel_rank, dp_size=state.data_parallel_size, device=state.device,
                            cp_size=state.cp_size, cp_rank=state.cp_rank)
 
+    lora_base = _lora_base(cfg, state)
     start_step, resumed_from = 0, None
     if ckpt.dir and ckpt.resume:
         folder = latest_checkpoint(ckpt.dir)
         if folder is not None:
+            check_resume_base(folder, lora_base)
             meta = load_checkpoint(folder, model=model.module, optimizer=optimizer, state=state)
             start_step = int(meta["step"])
             data.consumed_samples = int(meta["consumed_samples"])
@@ -333,7 +364,7 @@ def _train(job: TrainJob, state: ParallelState, progress: Progress | None, heart
             last_ckpt = save_checkpoint(
                 ckpt.dir, step=done, model=model.module, optimizer=optimizer, state=state,
                 train_state={"consumed_samples": data.consumed_samples, "lr_schedule": lr_schedule.state_dict(),
-                             "name": job.name, RUN_KEY: job.run_record()},
+                             "name": job.name, RUN_KEY: job.run_record(lora_base)},
             )
             if emit:
                 emit({"kind": "checkpoint", "step": done, "path": str(last_ckpt)})

@@ -9,7 +9,8 @@ With `precision.fp8_recipe` set, the attention projections and expert GEMMs get 
 (gptoss_cli/fp8/recipe.py, `select_gemms`) for this rank's device; with `precision.qat=mxfp4` the
 expert GEMMs compute with MXFP4-rounded weights (gptoss_cli/model/qat.py), wrapping the FP8 gemm if any.
 
-Weights come from one of: a seed (every tensor drawn from a generator seeded by the seed and the
+With a `lora` section the base is frozen and adapters are added after the weights are loaded
+(gptoss_cli/model/lora.py). Weights come from one of: a seed (every tensor drawn from a generator seeded by the seed and the
 tensor's checkpoint name, so any EP layout gets the same initial model), a Hybrid checkpoint
 (each rank reads only its own experts' tensors) or a Hugging Face checkpoint (mapped on the fly).
 """
@@ -25,6 +26,7 @@ from torch import nn
 
 from gptoss_cli.fp8 import Fp8Settings, select_gemms
 from gptoss_cli.model.config import GptOssArch
+from gptoss_cli.model.lora import LoraSettings, attach_lora
 from gptoss_cli.model.dtypes import torch_dtype
 from gptoss_cli.model.pattern import parse_pattern
 from gptoss_cli.model.recompute_plan import RecomputePlan
@@ -52,6 +54,7 @@ class ModelRuntimeConfig:
     freeze_router: bool = False
     recompute: RecomputePlan = RecomputePlan()  # what backward recomputes (model/recompute.py)
     qat: str = "none"  # precision.qat: "mxfp4" gives the experts Mxfp4QatGemm (gptoss_cli/model/qat.py)
+    lora: LoraSettings | None = None  # LoRA: the provider freezes the base and adds adapters (model/lora.py)
     # Set at run time: the FP8 gemms the provider selected (which path runs, GEMM counts), and the
     # training callbacks, installed by setup on the model's own copy of this config.
     fp8_gemms: Any = None
@@ -69,11 +72,21 @@ class ModelRuntimeConfig:
             delay_wgrad_compute=cfg.overlap.delay_wgrad_compute,
             qat=cfg.precision.qat, z_loss_coeff=cfg.moe.z_loss_coeff, freeze_router=cfg.moe.freeze_router,
             recompute=recompute_plan(cfg, parse_pattern(hybrid_layer_pattern)),
+            lora=lora_settings(cfg),
         )
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return torch_dtype(self.params_dtype)
+
+
+def lora_settings(cfg: RecipeConfig) -> LoraSettings | None:
+    """The recipe's `lora` section as the model's settings; None when lora.rank is 0 (full fine-tuning)."""
+    lo = cfg.lora
+    if lo.rank == 0:
+        return None
+    return LoraSettings(rank=lo.rank, alpha=float(lo.alpha), dropout=float(lo.dropout),
+                        target_modules=tuple(lo.target_modules)).check()
 
 
 def dispatcher_factory(num_experts: int, state: ParallelState) -> Callable[[int, Any], AllToAllTokenDispatcher] | None:
@@ -121,6 +134,8 @@ class HybridModelProvider:
             # keeps only parameters that require grad), so AdamW and weight decay never move them.
             for _, layer in model.moe_layers():
                 layer.mlp.router.requires_grad_(False)
+        if cfg.lora is not None:  # after the weights: the base is frozen as loaded, adapters start at B = 0
+            attach_lora(model, cfg.lora, seed=self.seed)
         gemms = None
         if cfg.fp8.enabled:
             gemms = select_gemms(cfg.fp8, state.device)  # ConfigError: no native kernel, no emulation
@@ -134,4 +149,4 @@ class HybridModelProvider:
         return model
 
 
-__all__ = ["ModelRuntimeConfig", "HybridModelProvider", "dispatcher_factory"]
+__all__ = ["ModelRuntimeConfig", "HybridModelProvider", "dispatcher_factory", "lora_settings"]

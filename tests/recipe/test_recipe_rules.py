@@ -14,6 +14,7 @@ from tests.recipe.recipe_helpers import OVERLAP, CapableModel, make_ctx, run_rul
 
 W4 = ["parallelism.world_size=4"]
 MX = ["precision.fp8_recipe=mxfp8"]
+LORA = ["lora.rank=4", "lora.target_modules=[linear_qkv, linear_fc1]"]
 
 # rule id -> (overrides that trigger it, expected severity, overrides that keep it quiet).
 # The quiet case differs from the trigger only in what the rule is about.
@@ -110,6 +111,11 @@ CASES = {
     "memory.fits": (["system.gpu=h100", "training.seq_length=65536", "training.micro_batch_size=128"], "error",
                     ["system.gpu=gb300", "training.seq_length=65536", "training.micro_batch_size=128"]),
     "system.backend": (["parallelism.backend=nccl"], "error", ["parallelism.backend=auto"]),
+    "lora.targets": (["lora.target_modules=[linear_qkv]"], "error",
+                     ["lora.target_modules=[linear_qkv]", "lora.rank=4"]),
+    "lora.rank": ([*LORA, "lora.rank=65"], "error", [*LORA, "lora.rank=48"]),
+    "lora.base": (LORA, "error", [*LORA, "checkpoint.pretrained=checkpoints/base"]),
+    "lora.combinations": ([*LORA, "lora.base_experts=mxfp4"], "error", LORA),
     "unsupported.tensor_parallel": (["parallelism.tensor_model_parallel_size=2"], "error", []),
     "unsupported.pipeline_parallel": (["parallelism.pipeline_model_parallel_size=2", *W4], "error", W4),
     "unsupported.expert_tensor_parallel": (["parallelism.expert_tensor_parallel_size=2", *W4], "error", W4),

@@ -38,6 +38,8 @@ FIELDS = {
     "data_kind": "data.kind", "data_path": "data.path",
     "checkpoint_dir": "checkpoint.dir", "save_interval": "checkpoint.save_interval", "resume": "checkpoint.resume",
     "pretrained": "checkpoint.pretrained", "log_interval": "logging.log_interval",
+    "lora_rank": "lora.rank", "lora_alpha": "lora.alpha", "lora_dropout": "lora.dropout",
+    "lora_targets": "lora.target_modules",
 }
 
 BASE: dict[str, Any] = dict(

@@ -1,0 +1,159 @@
+"""Benchmark a LoRA training step: ours vs transformers + PEFT, and vs our full fine-tune.
+
+In one run, on the same architecture, the same tokens and the same LoRA settings (rank, alpha, all
+four targets: attention q/k/v/o and every expert's gate_up / down):
+  * ours, LoRA: HybridModel with a frozen base and adapters (gptoss_cli/model/lora.py), gradient
+    buffers + distributed AdamW over the adapters only, plain schedule, one optimizer step per step;
+  * transformers' GptOssForCausalLM + peft.get_peft_model (target_modules q/k/v/o_proj,
+    target_parameters mlp.experts.gate_up_proj / down_proj), torch AdamW (fused where torch has it,
+    else foreach) over the adapters: forward with labels, backward, clip, step;
+  * ours, full fine-tune: every parameter trained (the same step as bench/train.py's).
+Prints the median step time (median over --repeats of the median over --steps steps), the ratio
+transformers+PEFT / ours-LoRA (goal >= 1.5) and the trainable state of each: parameters that
+train, their gradients and the optimizer's state, counted from the tensors the run holds, with
+the ratio ours-LoRA / ours-full (goal < 5%).
+
+    python bench/lora.py --preset wide --batch 2 --seq 256 --rank 16 --steps 5 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from bench.train import _batch, _median_step, bench_arch  # noqa: E402
+
+TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+
+
+def ours_step_fn(arch, tokens: torch.Tensor, dtype: str, rank: int, alpha: float):
+    """One training step of ours on `tokens` (LoRA with rank > 0, else the full fine-tune), and its setup."""
+    from gptoss_cli.parallel.state import ParallelState
+    from gptoss_cli.recipe.schema import RecipeConfig
+    from gptoss_cli.schedule import get_forward_backward_func
+    from gptoss_cli.train.data import Microbatch
+    from gptoss_cli.train.loop import forward_step
+    from gptoss_cli.train.provider import HybridModelProvider, ModelRuntimeConfig
+    from gptoss_cli.train.setup import setup_model_and_optimizer
+
+    recipe = RecipeConfig()
+    recipe.precision.params_dtype, recipe.moe.aux_loss_coeff = dtype, 0.0
+    recipe.optimizer.weight_decay, recipe.optimizer.use_distributed_optimizer = 0.0, True
+    if rank:
+        recipe.lora.rank, recipe.lora.alpha, recipe.lora.target_modules = rank, alpha, list(TARGETS)
+    cfg = ModelRuntimeConfig.from_recipe(recipe, arch, arch.hybrid_layer_pattern)
+    setup = setup_model_and_optimizer(HybridModelProvider(cfg, seed=0), ParallelState(), recipe.optimizer, 1e-4)
+    schedule = get_forward_backward_func(setup.config)
+    mbs = [Microbatch(tokens=tokens[:, :-1].contiguous(), labels=tokens[:, 1:].contiguous())]
+
+    def step() -> None:
+        setup.model.zero_grad_buffer()
+        schedule(forward_step_func=forward_step, data_iterator=iter(mbs), model=setup.model, num_microbatches=1)
+        setup.optimizer.step(1e-4)
+
+    return step, setup
+
+
+def ours_state_bytes(setup) -> int:
+    """Trainable parameters + their gradient buffers + the optimizer's shards (master, two moments)."""
+    params = sum(p.numel() * p.element_size() for p in setup.model.module.parameters() if p.requires_grad)
+    grads = sum(b.data.numel() * b.data.element_size() for b in setup.model.grad_buffers.buffers())
+    opt = sum(t.numel() * t.element_size() for s in setup.optimizer.shards for t in (s.master, s.exp_avg, s.exp_avg_sq))
+    return params + grads + opt
+
+
+def hf_peft_step_fn(arch, tokens: torch.Tensor, dtype: str, rank: int, alpha: float):
+    """transformers + PEFT with the same LoRA; one step, and the model and optimizer (for their state)."""
+    import peft
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    hf_cfg = arch.to_hf_config()
+    hf_cfg.update(output_router_logits=False)
+    hf_cfg.pop("torch_dtype", None)
+    model = GptOssForCausalLM(GptOssConfig(**hf_cfg)).to({"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
+    lora = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                           target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    model = peft.get_peft_model(model, lora)
+    model.train()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    try:
+        opt = torch.optim.AdamW(trainable, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0, fused=True)
+        kind = "fused"
+    except (RuntimeError, TypeError):
+        opt = torch.optim.AdamW(trainable, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0, foreach=True)
+        kind = "foreach"
+    inputs = tokens[:, :-1].contiguous()
+
+    def step() -> None:
+        out = model(input_ids=inputs, labels=inputs)  # transformers shifts the labels itself
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=False)  # keep .grad allocated, as our buffers stay allocated
+
+    def state_bytes() -> int:
+        params = sum(p.numel() * p.element_size() for p in trainable)
+        grads = sum(p.grad.numel() * p.grad.element_size() for p in trainable if p.grad is not None)
+        opt_state = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
+                        if isinstance(t, torch.Tensor))
+        return params + grads + opt_state
+
+    return step, state_bytes, kind
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--rank", type=int, default=8)
+    ap.add_argument("--alpha", type=float, default=16.0)
+    ap.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    arch = bench_arch(args.preset)
+    tokens = _batch(arch, args.batch, args.seq)
+
+    ours, ours_setup = ours_step_fn(arch, tokens, args.dtype, args.rank, args.alpha)
+    theirs, theirs_state, adamw = hf_peft_step_fn(arch, tokens, args.dtype, args.rank, args.alpha)
+    full, full_setup = ours_step_fn(arch, tokens, args.dtype, 0, args.alpha)
+    times = {"ours_lora": [], "hf_peft": [], "ours_full": []}
+    for _ in range(args.repeats):  # interleaved, so a slow phase of the machine hits all three
+        times["ours_lora"].append(_median_step(ours, args.steps))
+        times["hf_peft"].append(_median_step(theirs, args.steps))
+        times["ours_full"].append(_median_step(full, args.steps))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    state = {"ours_lora": ours_state_bytes(ours_setup), "hf_peft": theirs_state(),
+             "ours_full": ours_state_bytes(full_setup)}
+    tok = args.batch * args.seq
+    print(f"{args.preset}, batch {args.batch} x {args.seq} tokens, rank {args.rank}, {args.dtype}, "
+          f"torch AdamW {adamw} for transformers + PEFT; threads {torch.get_num_threads()}")
+    print(f"{'run':<12} {'step ms':>10} {'tokens/s':>10} {'trainable state':>16}")
+    for k in ("ours_lora", "hf_peft", "ours_full"):
+        print(f"{k:<12} {1e3 * med[k]:>10.1f} {tok / med[k]:>10.0f} {state[k] / 1e6:>13.2f} MB")
+    speed = med["hf_peft"] / med["ours_lora"]
+    share = state["ours_lora"] / state["ours_full"]
+    print(f"LoRA step: ours {speed:.2f}x transformers + PEFT (goal >= 1.5); "
+          f"ours LoRA / ours full step time {med['ours_lora'] / med['ours_full']:.2f}")
+    print(f"trainable state: ours LoRA {100 * share:.2f}% of our full fine-tune's (goal < 5%); "
+          f"transformers + PEFT {state['hf_peft'] / state['ours_lora']:.2f}x ours")
+    if args.json:
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "median_s": med,
+                                         "times_s": times, "state_bytes": state, "speedup_vs_hf_peft": speed,
+                                         "state_share_of_full": share}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

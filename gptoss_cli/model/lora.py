@@ -1,0 +1,240 @@
+"""LoRA adapters on a frozen HybridModel: attention's linear_qkv / linear_proj and one adapter pair per expert.
+
+An adapter adds `scaling * B @ A @ dropout(x)` to its layer's output, with `A [rank, in]`,
+`B [out, rank]` and PEFT's scaling `alpha / rank`; B starts at zero, so a freshly attached model
+computes exactly the base model. `A` starts as PEFT's (kaiming-uniform, bound 1/sqrt(in)), drawn
+from a generator seeded by (seed, checkpoint name) like `init_weights_`, so any expert-parallel
+layout starts from the same adapters.
+
+Names follow Megatron-Bridge's LoRA: `<layer>.adapter.linear_in.weight` (A) and
+`<layer>.adapter.linear_out.weight` (B). On the experts, `linear_fc1` / `linear_fc2` get one pair
+per expert, stacked `[E_local, rank, in]` / `[E_local, out, rank]` and named per global expert id
+(`...linear_fc1.adapter.linear_in.weight{e}`), so expert adapters live with their experts under
+expert parallelism and their names contain `.mlp.experts.` (reduced over the expert data-parallel
+group like the experts). The low-rank path runs in the params dtype with the default GEMMs,
+whatever gemm (FP8) the frozen base layer uses.
+
+`attach_lora` freezes every base parameter (no gradient, hence no gradient buffer and no optimizer
+state: both are built for trainable parameters only) and adds the adapters.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gptoss_cli.errors import ConfigError
+from gptoss_cli.model.attention import LayerNormLinear
+from gptoss_cli.model.dense_gemm import Linear
+from gptoss_cli.model.grouped_gemm import grouped_linear
+from gptoss_cli.model.moe import ExpertLinear, PerExpertParams
+
+# Megatron's names of the layers LoRA can target.
+ATTENTION_TARGETS = ("linear_qkv", "linear_proj")
+MLP_TARGETS = ("linear_fc1", "linear_fc2")
+TARGET_MODULES = ATTENTION_TARGETS + MLP_TARGETS
+ADAPTER = "adapter"  # the submodule name of an adapter on its layer
+LINEAR_IN, LINEAR_OUT = "linear_in", "linear_out"  # A and B
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """rank > 0, alpha, dropout in [0, 1), targets from TARGET_MODULES."""
+
+    rank: int
+    alpha: float
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = TARGET_MODULES
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+    def check(self) -> "LoraSettings":
+        unknown = [t for t in self.target_modules if t not in TARGET_MODULES]
+        if unknown:
+            raise ConfigError(f"lora.target_modules: {unknown[0]!r} is not a LoRA target",
+                              hint=f"choose from {', '.join(TARGET_MODULES)}")
+        if self.rank < 1 or not self.target_modules:
+            raise ConfigError(f"LoRA needs rank >= 1 and at least one target (rank={self.rank}, "
+                              f"target_modules={list(self.target_modules)})")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"lora.dropout={self.dropout} must be in [0, 1)")
+        return self
+
+
+class LoraAdapter(nn.Module):
+    """The low-rank path of a dense layer: `linear_in.weight` A [rank, in], `linear_out.weight` B [out, rank]."""
+
+    def __init__(self, in_features: int, out_features: int, settings: LoraSettings, device=None, dtype=None):
+        super().__init__()
+        self.scaling = settings.scaling
+        self.dropout = nn.Dropout(settings.dropout) if settings.dropout > 0 else nn.Identity()
+        self.linear_in = nn.Linear(in_features, settings.rank, bias=False, device=device, dtype=dtype)
+        self.linear_out = nn.Linear(settings.rank, out_features, bias=False, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.linear(self.dropout(x), self.linear_in.weight), self.linear_out.weight) * self.scaling
+
+    def delta(self) -> torch.Tensor:
+        """scaling * B @ A [out, in] in fp32: what merging adds to the base weight."""
+        return (self.linear_out.weight.float() @ self.linear_in.weight.float()) * self.scaling
+
+
+class _ExpertFactor(PerExpertParams):
+    """One LoRA factor of every local expert, `weight [E_local, out, in]`, saved per global expert id."""
+
+    stacked = ("weight",)
+
+    def __init__(self, num_local_experts: int, expert_offset: int, out_features: int, in_features: int,
+                 device=None, dtype=None):
+        super().__init__(num_local_experts, expert_offset)
+        self.weight = nn.Parameter(torch.zeros(num_local_experts, out_features, in_features, device=device, dtype=dtype))
+
+
+class ExpertLoraAdapter(nn.Module):
+    """One adapter pair per local expert: A_e [rank, in], B_e [out, rank] (grouped GEMMs over the experts)."""
+
+    def __init__(self, base: ExpertLinear, settings: LoraSettings, device=None, dtype=None):
+        super().__init__()
+        e, out_features, in_features = base.weight.shape
+        self.scaling = settings.scaling
+        self.dropout = nn.Dropout(settings.dropout) if settings.dropout > 0 else nn.Identity()
+        self.linear_in = _ExpertFactor(e, base.expert_offset, settings.rank, in_features, device, dtype)
+        self.linear_out = _ExpertFactor(e, base.expert_offset, out_features, settings.rank, device, dtype)
+
+    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        a, b = self.linear_in.weight, self.linear_out.weight
+        no_bias = a.new_zeros(a.shape[0], a.shape[1])
+        h = grouped_linear(self.dropout(x), a, no_bias, tokens_per_expert)
+        return grouped_linear(h, b, a.new_zeros(b.shape[0], b.shape[1]), tokens_per_expert) * self.scaling
+
+    def delta(self) -> torch.Tensor:
+        """scaling * B_e @ A_e for every local expert, [E_local, out, in] in fp32."""
+        return torch.bmm(self.linear_out.weight.float(), self.linear_in.weight.float()) * self.scaling
+
+
+def _targets(model: nn.Module, targets: tuple[str, ...]) -> Iterator[tuple[str, nn.Module]]:
+    """(name, layer) of every layer of `model` that LoRA targets: Megatron's layer name is the last part."""
+    for name, m in model.named_modules():
+        leaf = name.rpartition(".")[2]
+        if leaf in targets and isinstance(m, (LayerNormLinear, Linear, ExpertLinear)):
+            yield name, m
+
+
+def attach_lora(model: nn.Module, settings: LoraSettings, seed: int = 0) -> list[str]:
+    """Freeze every parameter of `model` and add adapters to the targeted layers; returns their names.
+
+    A targeted layer must exist: `linear_fc1` / `linear_fc2` on a model without MoE or MLP layers is
+    a ConfigError, like any target that matches nothing."""
+    settings.check()
+    if any(True for _ in adapter_modules(model)):
+        raise ConfigError("the model already has LoRA adapters")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    named = []
+    for name, layer in list(_targets(model, settings.target_modules)):
+        w = layer.weight
+        if isinstance(layer, ExpertLinear):
+            adapter = ExpertLoraAdapter(layer, settings, device=w.device, dtype=w.dtype)
+        else:
+            adapter = LoraAdapter(w.shape[1], w.shape[0], settings, device=w.device, dtype=w.dtype)
+        setattr(layer, ADAPTER, adapter)
+        named.append(name)
+    found = {n.rpartition(".")[2] for n in named}
+    missing = [t for t in settings.target_modules if t not in found]
+    if missing:
+        raise ConfigError(f"lora.target_modules: {missing[0]!r} matches no layer of this model",
+                          hint="drop it from lora.target_modules")
+    init_lora_(model, seed)
+    return named
+
+
+def adapter_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """(name of the adapted layer, adapter) for every adapter of `model`."""
+    for name, m in model.named_modules():
+        if isinstance(m, (LoraAdapter, ExpertLoraAdapter)):
+            yield name.rpartition(".")[0], m
+
+
+def has_lora(model: nn.Module) -> bool:
+    return any(True for _ in adapter_modules(model))
+
+
+def is_adapter_name(name: str) -> bool:
+    """Whether a parameter or checkpoint name is a LoRA adapter's."""
+    return f".{ADAPTER}.{LINEAR_IN}." in name or f".{ADAPTER}.{LINEAR_OUT}." in name
+
+
+def init_lora_(model: nn.Module, seed: int) -> None:
+    """A as PEFT initialises it (uniform, bound 1/sqrt(in)), B zero; each tensor (each expert's) from a
+    generator seeded by (seed, its checkpoint name)."""
+    from gptoss_cli.model.hybrid import checkpoint_slots
+
+    with torch.no_grad():
+        for name, dest in checkpoint_slots(model):
+            if dest is None or not is_adapter_name(name):
+                continue
+            if f".{LINEAR_OUT}." in name:
+                dest.zero_()
+                continue
+            g = torch.Generator().manual_seed((seed * 2_654_435_761 + zlib.crc32(name.encode())) % (1 << 63))
+            bound = 1.0 / math.sqrt(dest.shape[-1])
+            dest.copy_(torch.rand(dest.shape, generator=g, dtype=torch.float32).mul_(2 * bound).sub_(bound))
+
+
+def adapter_tensors(model: nn.Module, *, grads: bool = False) -> dict[str, torch.Tensor]:
+    """{checkpoint name: tensor} of every adapter factor this model holds (per global expert id for the
+    experts); with `grads`, their gradients instead (None where there is none)."""
+    out: dict[str, torch.Tensor] = {}
+    for layer_name, adapter in adapter_modules(model):
+        for part_name in (LINEAR_IN, LINEAR_OUT):
+            part = getattr(adapter, part_name)
+            t = part.weight.grad if grads else part.weight.detach()
+            prefix = f"{layer_name}.{ADAPTER}.{part_name}.weight"
+            if isinstance(part, _ExpertFactor):
+                for local, e in enumerate(part.global_ids()):
+                    out[f"{prefix}{e}"] = None if t is None else t[local]
+            else:
+                out[prefix] = t
+    return out
+
+
+def lora_deltas(model: nn.Module) -> dict[str, torch.Tensor]:
+    """{checkpoint name of a base weight: the fp32 delta that merging adds to it}, per expert for the
+    experts (`...linear_fc1.weight{e}`, global ids)."""
+    out: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for layer_name, adapter in adapter_modules(model):
+            delta = adapter.delta()
+            if isinstance(adapter, ExpertLoraAdapter):
+                for local, e in enumerate(adapter.linear_in.global_ids()):
+                    out[f"{layer_name}.weight{e}"] = delta[local]
+            else:
+                out[f"{layer_name}.weight"] = delta
+    return out
+
+
+def merge_lora_(model: nn.Module) -> int:
+    """Add every adapter's delta into its base weight (rounded once to the weight's dtype) and remove
+    the adapters; returns how many layers were merged."""
+    merged = 0
+    with torch.no_grad():
+        for layer_name, adapter in list(adapter_modules(model)):
+            layer = model.get_submodule(layer_name)
+            layer.weight.copy_((layer.weight.float() + adapter.delta()).to(layer.weight.dtype))
+            delattr(layer, ADAPTER)
+            merged += 1
+    return merged
+
+
+__all__ = [
+    "TARGET_MODULES", "ATTENTION_TARGETS", "MLP_TARGETS", "LoraSettings", "LoraAdapter", "ExpertLoraAdapter",
+    "attach_lora", "adapter_modules", "adapter_tensors", "has_lora", "is_adapter_name", "init_lora_", "lora_deltas", "merge_lora_",
+]

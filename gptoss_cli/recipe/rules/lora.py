@@ -1,0 +1,83 @@
+"""LoRA: targets that exist, rank bounds, a base to adapt, and what LoRA does not combine with yet.
+
+The overlap schedule and delayed wgrad combine with LoRA (tests/train/test_lora_ep.py): the frozen
+base queues no weight gradients, the adapters' are computed in backward. So do the FP8 recipes
+(tests/fp8/test_lora_fp8.py): the frozen base's GEMMs in FP8, the adapters in the params dtype."""
+
+from __future__ import annotations
+
+from gptoss_cli.model.pattern import MLP, MOE
+from gptoss_cli.recipe.rules.core import Context, Finding, error, rule
+from gptoss_cli.recipe.schema import RecipeConfig
+
+MLP_TARGETS = ("linear_fc1", "linear_fc2")
+
+
+@rule("lora.targets", "lora.rank and lora.target_modules go together; every target exists in the model",
+      fix="lora.rank >= 1 with lora.target_modules from linear_qkv, linear_proj, linear_fc1, linear_fc2; "
+          "or lora.rank=0 and lora.target_modules=[] for full fine-tuning")
+def lora_targets(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
+    lo = cfg.lora
+    targets = list(lo.target_modules)
+    if lo.rank == 0:
+        if targets:
+            return [error({"lora.rank": 0, "lora.target_modules": targets},
+                          f"lora.rank=0 turns LoRA off, but lora.target_modules={targets} asks for adapters",
+                          "set lora.rank (e.g. 32), or lora.target_modules=[] for full fine-tuning")]
+        return []
+    if not targets:
+        return [error({"lora.rank": lo.rank, "lora.target_modules": []},
+                      f"lora.rank={lo.rank} but lora.target_modules is empty: nothing would train",
+                      "set lora.target_modules, e.g. [linear_qkv, linear_proj, linear_fc1, linear_fc2]")]
+    out = []
+    if len(set(targets)) != len(targets):
+        out.append(error({"lora.target_modules": targets}, f"lora.target_modules={targets} names a layer twice",
+                         "list each target once"))
+    if not any(s in (MOE, MLP) for s in ctx.pattern.layers):
+        for t in targets:
+            if t in MLP_TARGETS:
+                out.append(error({"lora.target_modules": targets},
+                                 f"lora.target_modules: {t} matches no layer (the pattern "
+                                 f"{ctx.pattern.text!r} has no MoE or MLP layer)", f"drop {t}"))
+    return out
+
+
+@rule("lora.rank", "1 <= lora.rank <= the smallest width it adapts; dropout < 1",
+      fix="lora.rank between 1 and min(hidden_size, intermediate_size); typical: 8 to 64")
+def lora_rank(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
+    lo, a = cfg.lora, ctx.arch
+    out = []
+    if lo.rank > 0:
+        widest = min(a.hidden_size, a.intermediate_size, a.num_attention_heads * a.head_dim)
+        if lo.rank > widest:
+            out.append(error({"lora.rank": lo.rank},
+                             f"lora.rank={lo.rank} exceeds {widest}, the smallest width an adapter spans; "
+                             "a low-rank update that is not low-rank trains more than full fine-tuning would"))
+    if lo.dropout >= 1.0:
+        out.append(error({"lora.dropout": lo.dropout}, f"lora.dropout={lo.dropout} drops every input",
+                         "set lora.dropout in [0, 1), usually 0"))
+    return out
+
+
+@rule("lora.base", "LoRA adapts a pretrained base (checkpoint.pretrained)",
+      fix="set checkpoint.pretrained to a `gptoss convert` output (or an HF folder)")
+def lora_base(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
+    if cfg.lora.rank == 0 or cfg.checkpoint.pretrained:
+        return []
+    return [error({"lora.rank": cfg.lora.rank, "checkpoint.pretrained": None},
+                  "LoRA trains adapters on a frozen base, but checkpoint.pretrained is not set (the base would be "
+                  "a random initialisation)")]
+
+
+@rule("lora.combinations", "what LoRA does not combine with yet: MXFP4 base experts",
+      fix="lora.base_experts=bf16")
+def lora_combinations(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
+    lo = cfg.lora
+    if lo.rank == 0:
+        return []
+    out = []
+    if lo.base_experts != "bf16":
+        out.append(error({"lora.base_experts": lo.base_experts},
+                         f"lora.base_experts={lo.base_experts}: keeping the frozen experts in MXFP4 is not "
+                         "implemented yet", "set lora.base_experts=bf16 (the experts in precision.params_dtype)"))
+    return out

@@ -1,0 +1,167 @@
+"""LoRA training end to end on a tiny converted checkpoint: only adapters train and are saved, the base
+is named by its content hash, resume is bitwise, and the exports (PEFT adapter, merged HF) compute
+the trained model's logits in transformers (+ PEFT)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from gptoss_cli.checkpoint.convert import convert
+from gptoss_cli.checkpoint.dcp_io import read_metadata
+from gptoss_cli.checkpoint.load import checkpoint_architecture, model_from_checkpoint
+from gptoss_cli.checkpoint.sources import open_source
+from gptoss_cli.checkpoint.training_format import TRAIN_STATE, latest_checkpoint
+from gptoss_cli.cli import app
+from gptoss_cli.errors import CheckpointError
+from gptoss_cli.train.loop import run_worker
+from tests.checkpoint.test_convert_errors import assert_clean_failure, run_convert
+from tests.model.tiny_checkpoints import load_hf_reference, rewrite_hybrid, write_converted_pair
+from tests.tolerances import reassociation_rel
+from tests.train.jobs import train_job
+
+peft = pytest.importorskip("peft")
+
+ALL = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """(HF folder, Hybrid folder converted from it in fp32, its architecture)."""
+    hf, hybrid = write_converted_pair(tmp_path_factory.mktemp("lora-base"), "bf16", seed=11)
+    arch, _ = checkpoint_architecture(hybrid)
+    return hf, hybrid, arch
+
+
+def _job(run: Path, hybrid: Path, arch, *, iters: int, save_interval: int | None = None, **changes):
+    settings = dict(pretrained=str(hybrid), lora_rank=4, lora_alpha=8.0, lora_targets=list(ALL), lr=1e-2,
+                    seq_length=16, global_batch_size=2, micro_batch_size=1, train_iters=iters,
+                    checkpoint_dir=str(run / "ckpt"), save_interval=save_interval, use_distributed_optimizer=False,
+                    lr_decay_iters=3)  # one schedule for every run length: resumed runs compare bitwise
+    settings.update(changes)
+    return train_job(run / "run", arch=arch, **settings)
+
+
+def _adapters(ckpt: Path) -> dict[str, torch.Tensor]:
+    source = open_source(str(ckpt), adapters_only=True)
+    try:
+        return {n: source.reader.read(n).clone() for n in source.reader.names()}
+    finally:
+        source.close()
+
+
+@pytest.fixture(scope="module")
+def trained(base, tmp_path_factory):
+    """3 LoRA steps, saved at step 2 and 3."""
+    _, hybrid, arch = base
+    run = tmp_path_factory.mktemp("lora-run")
+    result = run_worker(_job(run, hybrid, arch, iters=3, save_interval=2))
+    return run, result
+
+
+def test_only_adapters_are_saved_and_the_base_is_named(base, trained):
+    _, hybrid, _ = base
+    run, result = trained
+    folder = latest_checkpoint(run / "ckpt")
+    keys = list(read_metadata(folder).state_dict_metadata)
+    model_keys = [k for k in keys if k.startswith("model.")]
+    optim_keys = [k for k in keys if k.startswith("optimizer.")]
+    assert model_keys and all(".adapter.linear_" in k for k in model_keys)
+    assert optim_keys and all(".adapter.linear_" in k for k in optim_keys)  # no optimizer state for the base
+    assert any(".mlp.experts.linear_fc1.adapter.linear_in.weight3" in k for k in model_keys)  # one pair per expert
+    lora = json.loads((folder / TRAIN_STATE).read_text())["run"]["lora"]
+    assert lora["rank"] == 4 and lora["target_modules"] == ALL
+    assert lora["base"]["path"] == str(hybrid.resolve()) and len(lora["base"]["sha256"]) == 64
+    assert all(torch.isfinite(torch.tensor(result.losses)))
+
+
+def test_training_changes_adapted_weights_only(base, trained):
+    """The merged checkpoint equals the base bit for bit except the adapted weights (the base is frozen:
+    embeddings, norms, biases, router, sinks, output layer untouched), which did move."""
+    _, hybrid, _ = base
+    run, _ = trained
+    before = dict(model_from_checkpoint(hybrid).state_dict())
+    after = dict(model_from_checkpoint(run / "ckpt").state_dict())
+    assert set(before) == set(after)
+    adapted = [n for n in before if n.endswith(("linear_qkv.weight", "linear_proj.weight"))
+               or ".linear_fc1.weight" in n or ".linear_fc2.weight" in n]
+    assert len(adapted) == 3 * 2 + 3 * 2 * 4
+    for name, t in before.items():
+        if name in adapted:
+            assert not torch.equal(t, after[name]), name
+        else:
+            assert torch.equal(t, after[name]), name
+
+
+def test_resume_is_bitwise(base, trained, tmp_path):
+    """Step 2 saved, resumed to step 3 in a new process state: the adapters equal the straight run's."""
+    _, hybrid, arch = base
+    run, _ = trained
+    straight = _adapters(run / "ckpt")
+    resumed_run = tmp_path
+    run_worker(_job(resumed_run, hybrid, arch, iters=2))
+    result = run_worker(_job(resumed_run, hybrid, arch, iters=3))
+    assert result.resumed_from is not None and result.steps == 1
+    again = _adapters(resumed_run / "ckpt")
+    assert set(again) == set(straight)
+    for name, t in straight.items():
+        assert torch.equal(t, again[name]), name
+
+
+def test_peft_export_and_merged_export_compute_the_trained_model(base, trained, tmp_path):
+    """transformers + PEFT with the exported adapter, and transformers on the merged HF export, give the
+    logits of our model loaded from the training checkpoint (the adapters merged in fp32)."""
+    hf, _, _ = base
+    run, _ = trained
+    cli = CliRunner().invoke(app, ["convert", str(run / "ckpt"), str(tmp_path / "adapter"), "--to", "peft"])
+    assert cli.exit_code == 0 and "training -> peft" in cli.output, cli.output
+    convert(str(run / "ckpt"), tmp_path / "merged", to="hf", dtype="float32")
+    assert {p.name for p in (tmp_path / "adapter").iterdir()} == {"adapter_config.json", "adapter_model.safetensors"}
+    ours = model_from_checkpoint(run / "ckpt").eval()
+    ids = torch.randint(0, ours.arch.vocab_size, (2, 10), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = ours(ids).logits
+        plain = load_hf_reference(hf)
+        base_logits = plain(ids).logits
+        with_adapter = peft.PeftModel.from_pretrained(plain, str(tmp_path / "adapter")).eval()(ids).logits
+        merged = load_hf_reference(tmp_path / "merged")(ids).logits
+    rel = reassociation_rel(ours.arch.intermediate_size, depth=4 * ours.arch.num_hidden_layers)
+    scale = want.abs().max().item()
+    assert (base_logits - want).abs().max().item() > 100 * rel * scale  # training moved the logits
+    assert (with_adapter - want).abs().max().item() <= rel * scale
+    assert (merged - want).abs().max().item() <= rel * scale
+
+
+def test_peft_export_of_a_full_fine_tune_is_a_one_line_error(base, tmp_path):
+    _, hybrid, arch = base
+    run_worker(train_job(tmp_path / "run", arch=arch, pretrained=str(hybrid), train_iters=1, seq_length=16,
+                         global_batch_size=1, checkpoint_dir=str(tmp_path / "ckpt")))
+    result, output = run_convert(tmp_path / "ckpt", tmp_path / "adapter", "--to", "peft")
+    assert_clean_failure(result, output, "--to peft exports the LoRA adapters", "a full fine-tune",
+                         dst=tmp_path / "adapter")
+
+
+def test_another_base_is_refused_by_resume_and_export(base, tmp_path):
+    """Adapters trained on one base, applied to another (same architecture, one weight changed): resume
+    and every export name the hash mismatch."""
+    _, hybrid, arch = base
+    import shutil
+
+    copy = tmp_path / "base"
+    shutil.copytree(hybrid, copy)
+    run_worker(_job(tmp_path, copy, arch, iters=1))
+
+    def nudge(tensors):
+        name = "decoder.layers.0.self_attention.linear_qkv.bias"
+        tensors[name] = tensors[name] + 1.0
+
+    rewrite_hybrid(copy, nudge)
+    with pytest.raises(CheckpointError, match=r"sha256 .*\(a different base\)"):
+        run_worker(_job(tmp_path, copy, arch, iters=2))
+    for to in ("peft", "hf", "hybrid"):
+        result, output = run_convert(tmp_path / "ckpt", tmp_path / f"out-{to}", "--to", to)
+        assert_clean_failure(result, output, "sha256", "(a different base)", dst=tmp_path / f"out-{to}")
