@@ -106,6 +106,13 @@ def _loop(rows: torch.Tensor, counts: list[int], fn, out_features: int) -> torch
     return torch.cat(outs) if outs else rows.new_zeros(0, out_features)
 
 
+def _counts_on_host(device: torch.device) -> bool:
+    """Whether reading the expert counts back costs no device sync (tensors on the CPU): the bias
+    paths below then work per expert; elsewhere they take the sync-free path. The host-sync budget
+    tests switch this off to count what the device path does (tests/schedule/workers.py)."""
+    return device.type == "cpu"
+
+
 def _add_bias(y: torch.Tensor, bias: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
     """y [N, out] (the GEMM's own output) + each row's expert bias.
 
@@ -113,7 +120,7 @@ def _add_bias(y: torch.Tensor, bias: torch.Tensor, tokens_per_expert: torch.Tens
     time (no [N, out] tensor of repeated biases, one pass over y instead of three); elsewhere the
     repeats are materialised, which needs no host read of the counts."""
     bias = bias.to(y.dtype)
-    if y.device.type == "cpu":
+    if _counts_on_host(y.device):
         for rows, b in zip(torch.split(y, tokens_per_expert.tolist()), bias):
             rows.add_(b)
         return y
@@ -123,7 +130,7 @@ def _add_bias(y: torch.Tensor, bias: torch.Tensor, tokens_per_expert: torch.Tens
 def _bias_grad(dy: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
     """db [E, out]: the sum of each expert's rows of dy (on the CPU a column sum per expert; elsewhere
     one index_add_ over the rows' expert ids, without a host read of the counts)."""
-    if dy.device.type == "cpu":
+    if _counts_on_host(dy.device):
         sums = [rows.sum(0) for rows in torch.split(dy, tokens_per_expert.tolist())]
         return torch.stack(sums) if sums else dy.new_zeros(0, dy.shape[1])
     rows = expert_of_row(tokens_per_expert, dy.shape[0])
