@@ -372,7 +372,7 @@ def check_replaceable_output(dst: Path, kind: str) -> None:
 
 def _is_peft_adapter(config: Path) -> bool:
     try:
-        return json.loads(config.read_text()).get("peft_type") == "LORA"
+        return parse_json(config.read_text()).get("peft_type") == "LORA"
     except (OSError, ValueError, AttributeError):
         return False
 

@@ -43,6 +43,7 @@ from gptoss_cli.checkpoint.mapping import VOCAB_PADDED_HYBRID, hybrid_shapes
 from gptoss_cli.checkpoint.safetensors_io import TensorSpec
 from gptoss_cli.errors import CheckpointError, ConfigError, UsageError
 from gptoss_cli.model.config import FULL, SLIDING, GptOssArch
+from gptoss_cli.json_input import parse_json
 
 TRACKER = "latest_checkpointed_iteration.txt"
 RELEASE = "release"
@@ -336,7 +337,7 @@ def read_megatron_checkpoint(root: Path) -> MegatronCheckpoint:
     folder = find_iteration_folder(root)
     meta_path = folder / METADATA_JSON
     try:
-        meta = json.loads(meta_path.read_text())
+        meta = parse_json(meta_path.read_text())
     except FileNotFoundError:
         raise CheckpointError(f"{meta_path}: missing; {folder} is not a Megatron distributed checkpoint") from None
     except (OSError, ValueError) as exc:

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 from typing import Any, Callable
 
+from gptoss_cli.json_input import parse_json
 from gptoss_cli.data.harmony import (
     REASONING_EFFORTS, ConversationError, HarmonyTokenizer, Message, parse_completion, parse_conversation,
     render_prompt,
@@ -58,7 +59,7 @@ def read_conversation_file(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise UsageError(f"--messages {path}: no such file")
     try:
-        return json.loads(path.read_bytes().decode("utf-8"))
+        return parse_json(path.read_bytes().decode("utf-8"))
     except UnicodeDecodeError as exc:
         raise UsageError(f"--messages {path}: invalid UTF-8 ({exc.reason})") from None
     except json.JSONDecodeError as exc:

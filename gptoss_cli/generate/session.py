@@ -20,6 +20,7 @@ from gptoss_cli.errors import CheckpointError, UsageError
 from gptoss_cli.generate.decode import MAX_NEW_TOKENS, STOP_TOKEN, Generation, Sampling, generate_ids
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.recipe.memory import parameter_layout, size_text
+from gptoss_cli.json_input import parse_json
 
 TOKENIZER_FILE = "tokenizer.json"
 # The tokens that end an assistant's turn in the harmony format: a final answer, a tool call.
@@ -187,7 +188,7 @@ def read_prompts_file(path: Path) -> list[tuple[str, dict[str, Any]]]:
             if not line.strip():
                 continue
             try:
-                obj = json.loads(line)
+                obj = parse_json(line)
             except json.JSONDecodeError as exc:
                 raise UsageError(f"{where}: not a JSON object ({exc.msg})") from None
             if not isinstance(obj, dict) or not (isinstance(obj.get("prompt"), str) or "messages" in obj):

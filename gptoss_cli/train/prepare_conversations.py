@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from gptoss_cli.json_input import parse_json
 from gptoss_cli import outputs
 from gptoss_cli.data.harmony import (
     ANALYSIS_MODES, TRAIN_ON, ConversationError, HarmonyTokenizer, parse_conversation, render_for_training,
@@ -123,7 +124,7 @@ def prepare_conversations(
                         if not line.strip():
                             continue
                         try:
-                            conv = json.loads(line)
+                            conv = parse_json(line)
                         except json.JSONDecodeError as exc:
                             raise UsageError(f"{path}:{lineno}: not JSON ({exc.msg})") from None
                         try:

@@ -10,13 +10,13 @@ that is not a JSON record is an error naming the file and line (docs/router-tele
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from gptoss_cli.errors import UsageError, file_system_error, require_extra
+from gptoss_cli.json_input import parse_json
 
 METRICS = "metrics.jsonl"
 # Per-step curves drawn when the records carry them (mfu / tflops_per_gpu come from i23's FLOPs accounting).
@@ -77,7 +77,7 @@ def read_metrics(run_dir: str | Path) -> RunMetrics:
 
 def _parse(path: Path, number: int, line: bytes) -> tuple[tuple[int, int], dict[str, Any]]:
     try:
-        record = json.loads(line)
+        record = parse_json(line)
     except (ValueError, UnicodeDecodeError):
         raise UsageError(f"{path}:{number}: not a JSON record: {line[:60]!r}",
                          hint="metrics.jsonl is written by gptoss train; restore it or remove the line") from None
@@ -93,7 +93,7 @@ def _is_int(value: Any) -> bool:
 
 def _train_iters(run_dir: Path) -> int | None:
     try:
-        value = json.loads((run_dir / "recipe.json").read_text())["training"]["train_iters"]
+        value = parse_json((run_dir / "recipe.json").read_text())["training"]["train_iters"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return value if _is_int(value) else None

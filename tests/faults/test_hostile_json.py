@@ -167,3 +167,42 @@ def test_resume_checks_the_train_state_before_training_a_step(tmp_path, case):
     assert_one_line((code, out), 2, str(path), needle)
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # not one step trained
     assert (tmp_path / "ckpt" / "latest").read_text() == "iter_0000003\n"
+
+
+# --- the readers added with SFT data, generate, report and Megatron checkpoints --------------------
+@pytest.mark.parametrize("kind", sorted(HOSTILE))
+def test_report_names_a_hostile_metrics_line(tmp_path, kind):
+    text, needle = HOSTILE[kind]
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "rank": 0, "loss": ' + text + "}\n"
+                                       '{"step": 2, "rank": 0, "loss": 1.0}\n')
+    code, out = invoke("report", run, "--no-plots")
+    assert code == 2 and "metrics.jsonl:1" in out and "Traceback" not in out, out
+
+
+@pytest.mark.parametrize("kind", sorted(HOSTILE))
+def test_generate_names_a_hostile_messages_file(tmp_path, kind):
+    text, needle = HOSTILE[kind]
+    messages = tmp_path / "messages.json"
+    messages.write_text('{"messages": ' + text + "}")
+    tokenizer = tmp_path / "tokenizer.json"
+    tokenizer.write_text("{}")
+    code, out = invoke("generate", tmp_path / "missing-checkpoint", "--messages", messages, "--tokenizer", tokenizer)
+    assert code == 2 and "Traceback" not in out, out
+    assert len(out.strip().splitlines()) <= 2, out
+
+
+@pytest.mark.parametrize("kind", sorted(HOSTILE))
+def test_prepare_data_names_a_hostile_conversation_line(tmp_path, kind):
+    pytest.importorskip("tokenizers")
+    from tests.faults.test_tokens import write_tokenizer
+
+    text, needle = HOSTILE[kind]
+    data = tmp_path / "chats.jsonl"
+    data.write_text('{"messages": ' + text + "}\n")
+    write_tokenizer(tmp_path / "tok")
+    code, out = invoke("prepare-data", data, "--format", "harmony", "--tokenizer", tmp_path / "tok",
+                       "--out", tmp_path / "out")
+    assert code == 2 and "Traceback" not in out, out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chats.jsonl", "tok"]
