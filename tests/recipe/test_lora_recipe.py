@@ -7,6 +7,7 @@ from typer.testing import CliRunner
 from gptoss_cli.cli import app
 from gptoss_cli.recipe import load_recipe
 from gptoss_cli.recipe.memory import ADAM_STATE_BYTES, FP32, estimate_memory, lora_layout, parameter_layout
+from gptoss_cli.recipe.validate import validate_recipe
 
 runner = CliRunner()
 
@@ -48,7 +49,9 @@ def test_memory_of_a_frozen_base_counts_no_gradient_or_optimizer_state_for_it():
 
 def test_lora_with_context_parallelism_is_refused_before_launch():
     # the adapters' gradient reduction over DP x CP has no test yet: the rule refuses the pair
-    result = runner.invoke(app, ["validate-config", "gpt_oss_20b_lora", "parallelism.context_parallel_size=2",
-                                 "parallelism.world_size=2"], env={"COLUMNS": "250"})
+    overrides = ["parallelism.context_parallel_size=2", "parallelism.world_size=2"]
+    result = runner.invoke(app, ["validate-config", "gpt_oss_20b_lora", *overrides])
     assert result.exit_code == 1 and "lora.combinations" in result.output, result.output
-    assert "context_parallel_size=2 is not supported yet" in result.output, result.output
+    report = validate_recipe(load_recipe("gpt_oss_20b_lora", overrides=overrides))
+    [finding] = [f for f in report.findings if f.rule == "lora.combinations"]
+    assert "context_parallel_size=2 is not supported yet" in finding.message, finding.message
