@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-SELECTIVE_MODULES = ("core_attn", "moe_act", "layernorm", "mlp", "moe")
+# Each selective module and the layer kinds (pattern symbols) it recomputes a piece of; the rule that
+# warns about a module without a layer in the pattern reads this too.
+SELECTIVE_MODULES = {"core_attn": "*", "moe_act": "E", "layernorm": "*E-", "mlp": "-", "moe": "E"}
 
 
 @dataclass(frozen=True)

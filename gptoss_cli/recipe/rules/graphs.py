@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from gptoss_cli.model.recompute_plan import SELECTIVE_MODULES
 from gptoss_cli.recipe.rules.core import ERROR, WARNING, Context, Finding, error, rule, short_pattern, warning
 from gptoss_cli.recipe.schema import RecipeConfig
 
@@ -73,8 +74,6 @@ def recompute_settings(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     return []
 
 
-# Which layer kind each selective module recomputes a piece of (gptoss_cli/model/recompute.py).
-_MODULE_LAYERS = {"core_attn": "*", "moe_act": "E", "moe": "E", "mlp": "-", "layernorm": "*E-"}
 
 
 @rule("recompute.layers",
@@ -93,7 +92,7 @@ def recompute_layers(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
                       f"set recompute.recompute_num_layers to at most {len(layers)}")]
     if r.recompute_granularity != "selective":
         return []
-    idle = [m for m in r.recompute_modules if not any(s in _MODULE_LAYERS.get(m, "") for s in layers)]
+    idle = [m for m in r.recompute_modules if not any(s in SELECTIVE_MODULES.get(m, "") for s in layers)]
     if idle:
         return [warning({"recompute.recompute_modules": list(r.recompute_modules),
                          "model.hybrid_layer_pattern": short_pattern(ctx.pattern.text)},
