@@ -44,6 +44,7 @@ from gptoss_cli.checkpoint.convert import _worker_count, plan_to_hf
 from gptoss_cli.checkpoint.layouts import HF_MXFP4
 from gptoss_cli.checkpoint.mapping import units
 from gptoss_cli.checkpoint.safetensors_io import ShardedWriter
+from gptoss_cli.checkpoint.hf_config import to_hf_config
 from gptoss_cli.model.config import preset
 from gptoss_cli.resources import keep_freed_memory
 
@@ -144,7 +145,7 @@ def write_synthetic(folder: Path, blocks: int, vocab: int) -> int:
                 t = (torch.randn(shape, generator=g) * 0.02).to(spec.dtype)
             writer.write(spec.name, t)
     writer.close()
-    (folder / "config.json").write_text(json.dumps(arch.to_hf_config(experts_form="mxfp4")))
+    (folder / "config.json").write_text(json.dumps(to_hf_config(arch, experts_form="mxfp4")))
     assert len(units(arch)) > 0
     return writer.bytes_written
 

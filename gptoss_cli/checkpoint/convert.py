@@ -34,6 +34,7 @@ from gptoss_cli.checkpoint.sources import (
     EXTRA_FILES, HF, HYBRID, HYBRID_NAMED, MEGATRON, TRAINING, check_tensors, open_source,
 )
 from gptoss_cli.errors import CheckpointError, UsageError
+from gptoss_cli.checkpoint.hf_config import to_hf_config
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.model.dtypes import dtype_name, short_dtype_name, torch_dtype
 from gptoss_cli.resources import keep_freed_memory, peak_rss_bytes
@@ -582,7 +583,7 @@ def convert(
                     iteration, provenance)
                 outputs.write_text(tmp / megatron_format.TRACKER, megatron_format.RELEASE + "\n")
             elif to_hf:
-                config = arch.to_hf_config(experts_form=out_form, torch_dtype=dtype_name(torch_dtype))
+                config = to_hf_config(arch, experts_form=out_form, torch_dtype=dtype_name(torch_dtype))
                 outputs.write_text(tmp / "config.json", json.dumps(config, indent=2) + "\n")
             else:
                 write_hybrid_config(

@@ -21,6 +21,7 @@ from gptoss_cli.checkpoint.training_format import (
     looks_like_training_checkpoint, model_key, optimizer_key, read_training_run,
 )
 from gptoss_cli.errors import CheckpointError, ConfigError, UsageError
+from gptoss_cli.checkpoint.hf_config import from_hf_config, from_openai_config
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.json_input import parse_json
 from gptoss_cli.model.mxfp4 import round_to_mxfp4
@@ -133,7 +134,7 @@ def open_source(src: str, revision: str | None = None, *, weights: str | None = 
         data = _load_json(config)
         if "model_type" in data:
             try:
-                arch = GptOssArch.from_hf_config(data, source=str(config))
+                arch = from_hf_config(data, source=str(config))
             except ConfigError as exc:
                 raise _config_error(exc) from None
             reader = CheckpointReader(root)
@@ -249,7 +250,7 @@ class Mxfp4QatReader:
 def _open_original(src: str, revision: str | None, folder: Path, extras: Path) -> Source:
     config = folder / "config.json"
     try:
-        arch = GptOssArch.from_openai_config(_load_json(config), source=str(config))
+        arch = from_openai_config(_load_json(config), source=str(config))
     except ConfigError as exc:
         raise _config_error(exc) from None
     return Source(ORIGINAL, src, revision, folder, extras, arch, CheckpointReader(folder), layout=OPENAI_ORIGINAL)
