@@ -139,7 +139,9 @@ def main() -> None:
         return
 
     from gptoss_cli.checkpoint.convert import convert
+    from gptoss_cli.resources import keep_freed_memory
 
+    keep_freed_memory()  # as `gptoss convert` does before converting
     work = args.workdir
     shutil.rmtree(work, ignore_errors=True)
     shards = work / "shards"

@@ -19,6 +19,7 @@ import torch
 
 from gptoss_cli.checkpoint.hybrid_format import HYBRID_CONFIG, read_hybrid_config
 from gptoss_cli.checkpoint.mapping import VOCAB_PADDED_HYBRID, check_vocab_padding, units
+from gptoss_cli.checkpoint.readers import TensorReader
 from gptoss_cli.checkpoint.safetensors_io import CheckpointReader
 from gptoss_cli.checkpoint.sources import HYBRID, HYBRID_NAMED, MEGATRON, TRAINING, Source, check_tensors, open_source
 from gptoss_cli.checkpoint.training_format import MODEL, TRAIN_STATE
@@ -40,7 +41,7 @@ def build_model(arch: GptOssArch, pattern: str | None = None, *, device: str | t
     return model
 
 
-def read_hybrid_tensor(reader: CheckpointReader, name: str, shape: tuple[int, ...],
+def read_hybrid_tensor(reader: TensorReader, name: str, shape: tuple[int, ...],
                        arch: GptOssArch | None = None) -> torch.Tensor:
     """Read `name` from a Hybrid checkpoint, checking its shape; Megatron's vocabulary padding rows
     are dropped (docs/checkpoint-layouts.md, "Vocabulary padding"). With `arch`, extra rows must be
@@ -77,7 +78,7 @@ def load_hybrid(model: HybridModel, folder: str | Path, progress: Progress | Non
         _fill_by_hybrid_names(model, reader, folder, progress, _HYBRID_HINT)
 
 
-def _fill_by_hybrid_names(model: HybridModel, reader, folder: Path, progress: Progress | None, hint: str) -> None:
+def _fill_by_hybrid_names(model: HybridModel, reader: TensorReader, folder: Path, progress: Progress | None, hint: str) -> None:
     """Every slot of `model` from the tensor of the same name (only the experts it holds); exactly those names."""
     present = set(reader.names())
     expected = model.checkpoint_names()

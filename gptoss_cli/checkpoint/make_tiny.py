@@ -9,10 +9,12 @@ from pathlib import Path
 import torch
 
 from gptoss_cli import outputs
-from gptoss_cli.checkpoint.convert import HF, check_replaceable_output, parse_dtype, plan_to_hf
+from gptoss_cli.checkpoint.convert import check_replaceable_output, parse_dtype
+from gptoss_cli.checkpoint.convert_plan import plan_to_hf
 from gptoss_cli.checkpoint.layouts import HF_LAYOUTS
 from gptoss_cli.checkpoint.mapping import canonical_hf_shapes, units
 from gptoss_cli.checkpoint.safetensors_io import ShardedWriter
+from gptoss_cli.checkpoint.sources import HF
 from gptoss_cli.errors import UsageError
 from gptoss_cli.checkpoint.hf_config import to_hf_config
 from gptoss_cli.model.config import GptOssArch, preset

@@ -15,6 +15,7 @@ from gptoss_cli.checkpoint.layouts import HF_LAYOUTS, OPENAI_ORIGINAL, UINT8, La
 from gptoss_cli.checkpoint.mapping import check_vocab_padding
 from gptoss_cli.checkpoint.dcp_io import DcpReader
 from gptoss_cli.checkpoint.megatron_format import MegatronReader, is_megatron_checkpoint, read_megatron_checkpoint
+from gptoss_cli.checkpoint.readers import TensorReader
 from gptoss_cli.checkpoint.safetensors_io import CheckpointReader
 from gptoss_cli.checkpoint.training_format import (
     LATEST, MASTER, MODEL, OPTIMIZER, TRAIN_STATE, WEIGHT_SOURCES, check_base, find_checkpoint_folder,
@@ -56,7 +57,7 @@ class Source:
     folder: Path  # the folder holding the weights
     extras_folder: Path  # where tokenizer files are looked up
     arch: GptOssArch
-    reader: CheckpointReader  # or a DcpReader (same interface) for training checkpoints
+    reader: TensorReader  # CheckpointReader, DcpReader, MegatronReader or LoraMergedReader (or a wrapper of one)
     layout: Layout | None = None  # for HF and original sources
     hybrid_layer_pattern: str | None = None  # for Hybrid and training sources
     provenance: dict = field(default_factory=dict)  # what an output records besides SRC (training: run, iteration)
