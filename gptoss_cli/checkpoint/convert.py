@@ -80,6 +80,11 @@ class ConvertResult:
         return d
 
 
+def _made_by() -> dict[str, str]:
+    """What every output's provenance says of the tool and the time that wrote it."""
+    return {"tool": f"gptoss {__version__}", "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
 def parse_dtype(name: str) -> torch.dtype:
     """The --dtype of non-expert tensors and dequantised experts."""
     return torch_dtype(name, "--dtype", allowed=OUTPUT_DTYPES)
@@ -177,8 +182,7 @@ def convert(
             "revision": revision,
             "source_format": source.kind,
             "experts_form": plan.experts_in,
-            "tool": f"gptoss {__version__}",
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            **_made_by(),
             **source.provenance,
         }
         tmp = outputs.start_folder(dst, total)
@@ -279,8 +283,7 @@ def _convert_to_peft(src, dst: Path, *, experts: str | None, weights: str | None
         config = adapter_config(rank=int(lora["rank"]), alpha=float(lora["alpha"]), dropout=float(lora.get("dropout", 0.0)),
                                 target_modules=tuple(lora["target_modules"]), base_model=lora["base"]["path"])
         total = sum(t.numel() * t.element_size() for t in tensors.values())
-        provenance = {"source": str(src), "source_format": TRAINING, "tool": f"gptoss {__version__}",
-                      "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **source.provenance}
+        provenance = {"source": str(src), "source_format": TRAINING, **_made_by(), **source.provenance}
         tmp = outputs.start_folder(dst, total)
         with outputs.removed_on_error(tmp, dst):
             with outputs.naming(tmp / ADAPTER_WEIGHTS):
