@@ -40,10 +40,12 @@ from pathlib import Path
 import torch
 
 from gptoss_cli.checkpoint import mxfp4
-from gptoss_cli.checkpoint.convert import _worker_count, plan_to_hf
+from gptoss_cli.checkpoint.convert_plan import plan_to_hf
 from gptoss_cli.checkpoint.layouts import HF_MXFP4
 from gptoss_cli.checkpoint.mapping import units
+from gptoss_cli.checkpoint.pipeline import worker_count
 from gptoss_cli.checkpoint.safetensors_io import ShardedWriter
+from gptoss_cli.checkpoint.hf_config import to_hf_config
 from gptoss_cli.model.config import preset
 from gptoss_cli.resources import keep_freed_memory
 
@@ -79,7 +81,7 @@ def decode_microbench(rounds: int) -> None:
     for e in range(0, experts, 16):  # identical bits, on every 16th expert (the check is not timed)
         new, old = mxfp4.decode(blocks[e], scales[e]), decode_before_issue_16(blocks[e], scales[e])
         assert torch.equal(new.view(torch.int16), old.view(torch.int16)), f"expert {e}: decoders differ"
-    cores, workers = len(os.sched_getaffinity(0)), _worker_count()
+    cores, workers = len(os.sched_getaffinity(0)), worker_count()
     default_threads = torch.get_num_threads()
 
     def one_by_one(fn, threads: int):
@@ -144,7 +146,7 @@ def write_synthetic(folder: Path, blocks: int, vocab: int) -> int:
                 t = (torch.randn(shape, generator=g) * 0.02).to(spec.dtype)
             writer.write(spec.name, t)
     writer.close()
-    (folder / "config.json").write_text(json.dumps(arch.to_hf_config(experts_form="mxfp4")))
+    (folder / "config.json").write_text(json.dumps(to_hf_config(arch, experts_form="mxfp4")))
     assert len(units(arch)) > 0
     return writer.bytes_written
 
@@ -203,9 +205,9 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=201088, help="vocabulary rows (real: 201088)")
     ap.add_argument("--workdir", type=Path, default=None)
     args = ap.parse_args()
-    keep_freed_memory()  # as convert does: the micro-benchmark's buffers come from the heap
+    keep_freed_memory()  # as `gptoss convert` does: the micro-benchmark's buffers come from the heap
     print(f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
-          f"{len(os.sched_getaffinity(0))} cores, convert workers {_worker_count()}, load average "
+          f"{len(os.sched_getaffinity(0))} cores, convert workers {worker_count()}, load average "
           f"{os.getloadavg()[0]:.1f} at start\n", flush=True)
     if args.decode_rounds:
         decode_microbench(args.decode_rounds)

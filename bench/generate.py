@@ -33,9 +33,9 @@ def build(args):
     torch.manual_seed(0)
     hf = transformers.GptOssForCausalLM(cfg).eval()
     randomize_(hf)
-    from gptoss_cli.model.config import GptOssArch
+    from gptoss_cli.checkpoint.hf_config import from_hf_config
 
-    arch = GptOssArch.from_hf_config(cfg.to_dict())
+    arch = from_hf_config(cfg.to_dict())
     ours = HybridModel(arch).eval()
     from tests.model.conftest import hf_to_hybrid_state_dict
 

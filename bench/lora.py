@@ -76,7 +76,9 @@ def hf_peft_step_fn(arch, tokens: torch.Tensor, dtype: str, rank: int, alpha: fl
     import peft
     from transformers import GptOssConfig, GptOssForCausalLM
 
-    hf_cfg = arch.to_hf_config()
+    from gptoss_cli.checkpoint.hf_config import to_hf_config
+
+    hf_cfg = to_hf_config(arch)
     hf_cfg.update(output_router_logits=False)
     hf_cfg.pop("torch_dtype", None)
     model = GptOssForCausalLM(GptOssConfig(**hf_cfg)).to({"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])

@@ -94,6 +94,8 @@ def hf_view(shards: Path, folder: Path, arch) -> None:
     """An HF folder of the first `arch.num_hidden_layers` blocks: hard-linked shards + index + config."""
     from safetensors import safe_open
 
+    from gptoss_cli.checkpoint.hf_config import to_hf_config
+
     folder.mkdir(parents=True)
     files = ["globals.safetensors"] + [f"block-{i:05d}.safetensors" for i in range(arch.num_hidden_layers)]
     weight_map = {}
@@ -102,7 +104,7 @@ def hf_view(shards: Path, folder: Path, arch) -> None:
         with safe_open(str(shards / f), "pt") as fh:
             weight_map.update({k: f for k in fh.keys()})
     (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    (folder / "config.json").write_text(json.dumps(arch.to_hf_config(experts_form="mxfp4"), indent=2))
+    (folder / "config.json").write_text(json.dumps(to_hf_config(arch, experts_form="mxfp4"), indent=2))
 
 
 def child(hf: str, hybrid: str, dtype: str, seq_len: int) -> None:
@@ -137,7 +139,9 @@ def main() -> None:
         return
 
     from gptoss_cli.checkpoint.convert import convert
+    from gptoss_cli.resources import keep_freed_memory
 
+    keep_freed_memory()  # as `gptoss convert` does before converting
     work = args.workdir
     shutil.rmtree(work, ignore_errors=True)
     shards = work / "shards"

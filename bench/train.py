@@ -54,6 +54,7 @@ if str(ROOT) not in sys.path:  # tests/train/dist_helpers.py runs the 2-process 
 
 import torch  # noqa: E402
 
+from gptoss_cli.checkpoint.hf_config import to_hf_config
 from gptoss_cli.model.config import preset
 from gptoss_cli.recipe.flops import model_flops_per_token
 
@@ -142,7 +143,7 @@ def hf_model(arch, dtype: str):
 
     from tests.model.conftest import randomize_
 
-    hf_cfg = arch.to_hf_config()
+    hf_cfg = to_hf_config(arch)
     hf_cfg.update(output_router_logits=False)
     hf_cfg.pop("torch_dtype", None)
     torch.manual_seed(0)

@@ -16,6 +16,7 @@ import torch
 
 from gptoss_cli.checkpoint import mxfp4
 from gptoss_cli.checkpoint.mapping import canonical_hf_shapes
+from gptoss_cli.checkpoint.readers import RowReader
 from gptoss_cli.model.config import GptOssArch
 
 FLOAT = "float"
@@ -107,7 +108,7 @@ class Layout:
 
     def read(
         self,
-        reader,
+        reader: RowReader,
         arch: GptOssArch,
         canonical: str,
         dtype: torch.dtype,
@@ -122,7 +123,7 @@ class Layout:
             return codec.load(reader.read(names[0], r0, r1), dtype)
         return codec.load(*[reader.read(n, start, stop) for n in names], dtype)
 
-    def read_rowwise(self, reader, canonical: str, start: int, stop: int) -> list[torch.Tensor] | None:
+    def read_rowwise(self, reader: RowReader, canonical: str, start: int, stop: int) -> list[torch.Tensor] | None:
         """Rows [start, stop) of the stored tensors of `canonical`, not loaded, if its codec is
         row-wise (see `Codec.rowwise`); None if it is not. Pass them, rows moved alike, to `load`."""
         codec, kw = self._codec(canonical)

@@ -19,6 +19,7 @@ import torch
 
 from gptoss_cli.checkpoint.hybrid_format import HYBRID_CONFIG, read_hybrid_config
 from gptoss_cli.checkpoint.mapping import VOCAB_PADDED_HYBRID, check_vocab_padding, units
+from gptoss_cli.checkpoint.readers import TensorReader
 from gptoss_cli.checkpoint.safetensors_io import CheckpointReader
 from gptoss_cli.checkpoint.sources import HYBRID, HYBRID_NAMED, MEGATRON, TRAINING, Source, check_tensors, open_source
 from gptoss_cli.checkpoint.training_format import MODEL, TRAIN_STATE
@@ -26,7 +27,7 @@ from gptoss_cli.errors import CheckpointError, ConfigError
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.model.hybrid import HybridModel
 
-Progress = Callable[[str], None]
+LoadProgress = Callable[[str], None]  # called with the name(s) of each tensor (or HF group) once filled
 EXPERT_CHUNK = 8  # experts read per chunk from an HF stack
 _HYBRID_HINT = "re-run `gptoss convert`, or check hybrid_config.json against the tensors"
 
@@ -40,7 +41,7 @@ def build_model(arch: GptOssArch, pattern: str | None = None, *, device: str | t
     return model
 
 
-def read_hybrid_tensor(reader: CheckpointReader, name: str, shape: tuple[int, ...],
+def read_hybrid_tensor(reader: TensorReader, name: str, shape: tuple[int, ...],
                        arch: GptOssArch | None = None) -> torch.Tensor:
     """Read `name` from a Hybrid checkpoint, checking its shape; Megatron's vocabulary padding rows
     are dropped (docs/checkpoint-layouts.md, "Vocabulary padding"). With `arch`, extra rows must be
@@ -68,7 +69,7 @@ def _check_architecture(folder: Path, what: str, stored: GptOssArch, model: Hybr
         )
 
 
-def load_hybrid(model: HybridModel, folder: str | Path, progress: Progress | None = None) -> None:
+def load_hybrid(model: HybridModel, folder: str | Path, progress: LoadProgress | None = None) -> None:
     """Fill every parameter from a Hybrid checkpoint folder, strictly by name."""
     folder = Path(folder)
     if (folder / HYBRID_CONFIG).exists():
@@ -77,7 +78,7 @@ def load_hybrid(model: HybridModel, folder: str | Path, progress: Progress | Non
         _fill_by_hybrid_names(model, reader, folder, progress, _HYBRID_HINT)
 
 
-def _fill_by_hybrid_names(model: HybridModel, reader, folder: Path, progress: Progress | None, hint: str) -> None:
+def _fill_by_hybrid_names(model: HybridModel, reader: TensorReader, folder: Path, progress: LoadProgress | None, hint: str) -> None:
     """Every slot of `model` from the tensor of the same name (only the experts it holds); exactly those names."""
     present = set(reader.names())
     expected = model.checkpoint_names()
@@ -99,7 +100,7 @@ def _fill_by_hybrid_names(model: HybridModel, reader, folder: Path, progress: Pr
                 progress(name)
 
 
-def load_training(model: HybridModel, folder: str | Path, progress: Progress | None = None, *,
+def load_training(model: HybridModel, folder: str | Path, progress: LoadProgress | None = None, *,
                   weights: str = MODEL) -> None:
     """Fill every parameter from a `gptoss train` checkpoint (a checkpoint.dir through `latest`, or an
     iter_* folder), from its model state or its fp32 master weights, reading only the experts held."""
@@ -112,13 +113,13 @@ def load_training(model: HybridModel, folder: str | Path, progress: Progress | N
         source.close()
 
 
-def _fill_from_training(model: HybridModel, source: Source, progress: Progress | None) -> None:
+def _fill_from_training(model: HybridModel, source: Source, progress: LoadProgress | None) -> None:
     _check_architecture(source.folder, TRAIN_STATE, source.arch, model)
     _fill_by_hybrid_names(model, source.reader, source.folder, progress,
                           "build the model from the run's own record (model_from_checkpoint)")
 
 
-def load_hf(model: HybridModel, folder: str | Path, progress: Progress | None = None) -> None:
+def load_hf(model: HybridModel, folder: str | Path, progress: LoadProgress | None = None) -> None:
     """Fill every parameter from an HF GPT-OSS folder (bf16 or MXFP4 experts) or OpenAI's original/
     layout through the mapping table, one unit at a time (experts in chunks, only those held)."""
     _check_hf_pattern(model)
@@ -139,7 +140,7 @@ def _check_hf_pattern(model: HybridModel) -> None:
         )
 
 
-def _fill_from_hf(model: HybridModel, source: Source, progress: Progress | None) -> None:
+def _fill_from_hf(model: HybridModel, source: Source, progress: LoadProgress | None) -> None:
     _check_hf_pattern(model)
     folder = source.folder
     _check_architecture(folder, "config.json", source.arch, model)
@@ -170,7 +171,7 @@ def _copy_checked(dest: torch.Tensor, src: torch.Tensor, name: str, folder: str 
     dest.copy_(src)
 
 
-def _fill_from_source(model: HybridModel, source: Source, progress: Progress | None) -> None:
+def _fill_from_source(model: HybridModel, source: Source, progress: LoadProgress | None) -> None:
     """Fill `model` from an opened source of any kind."""
     if source.kind == HYBRID:
         _check_architecture(source.folder, HYBRID_CONFIG, source.arch, model)
@@ -186,7 +187,7 @@ def _fill_from_source(model: HybridModel, source: Source, progress: Progress | N
         _fill_from_hf(model, source, progress)
 
 
-def load_weights(model: HybridModel, folder: str | Path, progress: Progress | None = None) -> None:
+def load_weights(model: HybridModel, folder: str | Path, progress: LoadProgress | None = None) -> None:
     """Fill `model` from a Hybrid, HF, OpenAI-original folder, a training checkpoint or a Megatron torch_dist
     checkpoint, whichever `folder` holds."""
     source = open_source(str(folder))
@@ -207,7 +208,7 @@ def checkpoint_architecture(folder: str | Path) -> tuple[GptOssArch, str | None]
 
 
 def model_from_checkpoint(folder: str | Path, *, dtype: torch.dtype = torch.float32,
-                          device: str | torch.device = "cpu", progress: Progress | None = None,
+                          device: str | torch.device = "cpu", progress: LoadProgress | None = None,
                           **kwargs) -> HybridModel:
     """Build a HybridModel from a folder's own config (hybrid_config.json, config.json, or a training
     run's record) and load it; the folder is opened once.

@@ -9,11 +9,14 @@ from pathlib import Path
 import torch
 
 from gptoss_cli import outputs
-from gptoss_cli.checkpoint.convert import HF, check_replaceable_output, parse_dtype, plan_to_hf
+from gptoss_cli.checkpoint.convert import check_replaceable_output, parse_dtype
+from gptoss_cli.checkpoint.convert_plan import plan_to_hf
 from gptoss_cli.checkpoint.layouts import HF_LAYOUTS
 from gptoss_cli.checkpoint.mapping import canonical_hf_shapes, units
 from gptoss_cli.checkpoint.safetensors_io import ShardedWriter
+from gptoss_cli.checkpoint.sources import HF
 from gptoss_cli.errors import UsageError
+from gptoss_cli.checkpoint.hf_config import to_hf_config
 from gptoss_cli.model.config import GptOssArch, preset
 from gptoss_cli.model.dtypes import dtype_name
 
@@ -82,7 +85,7 @@ def make_tiny(
                 for name, piece in layout.store(canonical, t):
                     writer.write(name, piece.to(torch_dtype) if piece.is_floating_point() else piece)
         writer.close()
-        config = arch.to_hf_config(experts_form=experts, torch_dtype=dtype_name(torch_dtype))
+        config = to_hf_config(arch, experts_form=experts, torch_dtype=dtype_name(torch_dtype))
         outputs.write_text(tmp / "config.json", json.dumps(config, indent=2) + "\n")
         outputs.commit(tmp, dst)
     return MakeTinyResult(str(dst), experts, seed, len(plan), writer.bytes_written, arch.to_dict(), notes)

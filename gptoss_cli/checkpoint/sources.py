@@ -15,12 +15,14 @@ from gptoss_cli.checkpoint.layouts import HF_LAYOUTS, OPENAI_ORIGINAL, UINT8, La
 from gptoss_cli.checkpoint.mapping import check_vocab_padding
 from gptoss_cli.checkpoint.dcp_io import DcpReader
 from gptoss_cli.checkpoint.megatron_format import MegatronReader, is_megatron_checkpoint, read_megatron_checkpoint
+from gptoss_cli.checkpoint.readers import TensorReader
 from gptoss_cli.checkpoint.safetensors_io import CheckpointReader
 from gptoss_cli.checkpoint.training_format import (
     LATEST, MASTER, MODEL, OPTIMIZER, TRAIN_STATE, WEIGHT_SOURCES, check_base, find_checkpoint_folder,
     looks_like_training_checkpoint, model_key, optimizer_key, read_training_run,
 )
 from gptoss_cli.errors import CheckpointError, ConfigError, UsageError
+from gptoss_cli.checkpoint.hf_config import from_hf_config, from_openai_config
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.json_input import parse_json
 from gptoss_cli.model.mxfp4 import round_to_mxfp4
@@ -55,7 +57,7 @@ class Source:
     folder: Path  # the folder holding the weights
     extras_folder: Path  # where tokenizer files are looked up
     arch: GptOssArch
-    reader: CheckpointReader  # or a DcpReader (same interface) for training checkpoints
+    reader: TensorReader  # CheckpointReader, DcpReader, MegatronReader or LoraMergedReader (or a wrapper of one)
     layout: Layout | None = None  # for HF and original sources
     hybrid_layer_pattern: str | None = None  # for Hybrid and training sources
     provenance: dict = field(default_factory=dict)  # what an output records besides SRC (training: run, iteration)
@@ -133,7 +135,7 @@ def open_source(src: str, revision: str | None = None, *, weights: str | None = 
         data = _load_json(config)
         if "model_type" in data:
             try:
-                arch = GptOssArch.from_hf_config(data, source=str(config))
+                arch = from_hf_config(data, source=str(config))
             except ConfigError as exc:
                 raise _config_error(exc) from None
             reader = CheckpointReader(root)
@@ -249,7 +251,7 @@ class Mxfp4QatReader:
 def _open_original(src: str, revision: str | None, folder: Path, extras: Path) -> Source:
     config = folder / "config.json"
     try:
-        arch = GptOssArch.from_openai_config(_load_json(config), source=str(config))
+        arch = from_openai_config(_load_json(config), source=str(config))
     except ConfigError as exc:
         raise _config_error(exc) from None
     return Source(ORIGINAL, src, revision, folder, extras, arch, CheckpointReader(folder), layout=OPENAI_ORIGINAL)

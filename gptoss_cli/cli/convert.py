@@ -64,7 +64,9 @@ def convert_cmd(
     if Path(src).expanduser().is_dir():  # refuse at once, before torch is even imported (convert checks again)
         check_separate(Path(src).expanduser(), Path(dst).expanduser())
     from gptoss_cli.checkpoint.convert import convert
+    from gptoss_cli.resources import keep_freed_memory
 
+    keep_freed_memory()  # this process is the command's: glibc keeps freed chunk buffers (resources.py)
     with ConvertProgressBar(console, "converting", enabled=not quiet) as progress:
         result = convert(
             src, dst, experts=experts, dtype=dtype, revision=revision, force=force, to=to, weights=weights,

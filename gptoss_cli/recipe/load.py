@@ -22,6 +22,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 import gptoss_cli
 from gptoss_cli.errors import ConfigError, GptossError
+from gptoss_cli.checkpoint.hf_config import from_hf_config
 from gptoss_cli.model.config import PRESETS, GptOssArch
 from gptoss_cli.model.pattern import HybridPattern, parse_pattern
 from gptoss_cli.recipe.schema import RecipeConfig, iter_fields
@@ -345,7 +346,7 @@ def architecture_from_checkpoint(checkpoint: str | Path) -> tuple[GptOssArch, st
         arch = GptOssArch.from_dict(arch_data, source=str(path))
         pattern = data.get("hybrid_layer_pattern")
         return arch, pattern if isinstance(pattern, str) else None
-    return GptOssArch.from_hf_config(data, source=str(path)), None
+    return from_hf_config(data, source=str(path)), None
 
 
 def resolve_model(cfg: RecipeConfig) -> tuple[GptOssArch, HybridPattern]:

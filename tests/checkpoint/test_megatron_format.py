@@ -53,9 +53,9 @@ def hf_config(folder: Path) -> dict:
 
 def assert_same_architecture(a: Path, b: Path) -> None:
     """The HF configs of two folders describe the same network (layer types, window, rope, sizes, ...)."""
-    from gptoss_cli.model.config import GptOssArch
+    from gptoss_cli.checkpoint.hf_config import from_hf_config
 
-    assert GptOssArch.from_hf_config(hf_config(a)).differences(GptOssArch.from_hf_config(hf_config(b))) == []
+    assert from_hf_config(hf_config(a)).differences(from_hf_config(hf_config(b))) == []
 
 
 def worker(*args: str) -> None:
@@ -370,11 +370,11 @@ def test_an_expert_parallel_rank_reads_only_its_experts(megatron_out, hf_bf16, m
 
 
 def test_recipe_model_checkpoint_reads_the_architecture_from_megatron_args(megatron_out, hf_bf16):
-    from gptoss_cli.model.config import GptOssArch
+    from gptoss_cli.checkpoint.hf_config import from_hf_config
     from gptoss_cli.recipe.load import architecture_from_checkpoint
 
     arch, pattern = architecture_from_checkpoint(megatron_out)
-    assert arch.differences(GptOssArch.from_hf_config(hf_config(hf_bf16))) == []
+    assert arch.differences(from_hf_config(hf_config(hf_bf16))) == []
     assert pattern == "*E" * arch.num_hidden_layers
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from gptoss_cli.checkpoint import safetensors_io
+from gptoss_cli.checkpoint import direct_write
 from gptoss_cli.checkpoint.safetensors_io import ShardedWriter, TensorSpec
 from gptoss_cli.errors import CheckpointError
 
@@ -44,13 +44,13 @@ def _write(folder: Path, tensors: dict[str, torch.Tensor], direct_io: bool) -> l
 def _spy_direct(monkeypatch) -> list[bool]:
     """Records, for each shard closed, whether it was still being written with O_DIRECT."""
     stayed_direct: list[bool] = []
-    real_close = safetensors_io._DirectFile.close
+    real_close = direct_write.DirectFile.close
 
     def close(self):
         stayed_direct.append(self._direct)
         real_close(self)
 
-    monkeypatch.setattr(safetensors_io._DirectFile, "close", close)
+    monkeypatch.setattr(direct_write.DirectFile, "close", close)
     return stayed_direct
 
 
@@ -59,8 +59,8 @@ def test_direct_shards_hold_the_same_bytes_as_page_cache_shards(staging, tmp_pat
     # 8192: several full staging flushes through both buffers, then a padded, truncated tail.
     # 1000: Linux refuses O_DIRECT writes whose length is not a multiple of the logical block size
     # (EINVAL), so a file that fills the staging buffer falls back to ordinary writes
-    monkeypatch.setattr(safetensors_io, "DIRECT_MIN_BYTES", 0)
-    monkeypatch.setattr(safetensors_io, "_DIRECT_STAGING", staging)
+    monkeypatch.setattr(direct_write, "DIRECT_MIN_BYTES", 0)
+    monkeypatch.setattr(direct_write, "STAGING_BYTES", staging)
     stayed_direct = _spy_direct(monkeypatch)
     tensors = _tensors()
     direct_files = _write(tmp_path / "direct", tensors, direct_io=True)
@@ -83,8 +83,8 @@ def test_a_filesystem_refusing_o_direct_at_open_gets_ordinary_writes(tmp_path, m
     def refuse(path, flags):
         raise OSError(errno.EINVAL, "Invalid argument")
 
-    monkeypatch.setattr(safetensors_io, "DIRECT_MIN_BYTES", 0)
-    monkeypatch.setattr(safetensors_io, "_open_direct", refuse)
+    monkeypatch.setattr(direct_write, "DIRECT_MIN_BYTES", 0)
+    monkeypatch.setattr(direct_write, "open_direct", refuse)
     stayed_direct = _spy_direct(monkeypatch)
     tensors = _tensors()
     files = _write(tmp_path / "o", tensors, direct_io=True)
@@ -93,10 +93,10 @@ def test_a_filesystem_refusing_o_direct_at_open_gets_ordinary_writes(tmp_path, m
 
 
 def test_disk_full_on_the_io_thread_is_a_clear_error(tmp_path, monkeypatch):
-    monkeypatch.setattr(safetensors_io, "DIRECT_MIN_BYTES", 0)
-    monkeypatch.setattr(safetensors_io, "_DIRECT_STAGING", 8192)
+    monkeypatch.setattr(direct_write, "DIRECT_MIN_BYTES", 0)
+    monkeypatch.setattr(direct_write, "STAGING_BYTES", 8192)
     # /dev/full takes the open and fails every write with ENOSPC, as a full disk does
-    monkeypatch.setattr(safetensors_io, "_open_direct", lambda path, flags: os.open("/dev/full", os.O_WRONLY))
+    monkeypatch.setattr(direct_write, "open_direct", lambda path, flags: os.open("/dev/full", os.O_WRONLY))
     tensors = _tensors()
     (tmp_path / "o").mkdir()
     writer = ShardedWriter(tmp_path / "o", [TensorSpec(k, tuple(v.shape), v.dtype) for k, v in tensors.items()],

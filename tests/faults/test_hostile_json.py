@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 from gptoss_cli.checkpoint.training_format import run_record
 from gptoss_cli.cli import app
 from gptoss_cli.json_input import parse_json
+from gptoss_cli.checkpoint.hf_config import to_hf_config
 from gptoss_cli.model.config import preset
 from tests.faults.conftest import TRAIN_FAST, assert_one_line, digest
 
@@ -45,7 +46,7 @@ def test_convert_names_a_hostile_json_file(tmp_path, file, kind):
     src = tmp_path / "src"
     src.mkdir()
     if file == "model.safetensors.index.json":
-        (src / "config.json").write_text(json.dumps(TINY.to_hf_config()))
+        (src / "config.json").write_text(json.dumps(to_hf_config(TINY)))
     (src / file).write_text('{"format": "gptoss-hybrid", "step": 3, "x": ' + text + "}")
     before = digest(src)
     code, out = invoke("convert", src, tmp_path / "dst", "--quiet")

@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 
 from gptoss_cli.cli import app
 from gptoss_cli.errors import ConfigError
+from gptoss_cli.checkpoint.hf_config import from_hf_config, to_hf_config
 from gptoss_cli.model.config import GptOssArch, preset
 from tests.faults.conftest import assert_one_line, gptoss
 
@@ -18,7 +19,7 @@ runner = CliRunner()
 
 def test_a_checkpoint_config_with_absurd_sizes_is_one_line_not_a_memory_blow_up(tmp_path):
     # num_hidden_layers=1e8 without layer_types once grew memory at 30 MB/s until the process died.
-    cfg = preset("tiny").to_hf_config()
+    cfg = to_hf_config(preset("tiny"))
     del cfg["layer_types"]
     cfg["num_hidden_layers"] = 100_000_000
     (tmp_path / "config.json").write_text(json.dumps(cfg))
@@ -61,9 +62,9 @@ def test_architecture_fields_are_checked_for_type_finiteness_and_range(field, va
 
 def test_rope_scaling_null_means_gpt_oss_yarn_with_truncate_false_as_transformers_reads_it():
     transformers = pytest.importorskip("transformers")
-    cfg = preset("tiny").to_hf_config()
+    cfg = to_hf_config(preset("tiny"))
     cfg["rope_scaling"] = None
-    ours = GptOssArch.from_hf_config(cfg)
+    ours = from_hf_config(cfg)
     theirs = transformers.GptOssConfig(**{k: v for k, v in cfg.items() if k != "quantization_config"}).rope_parameters
     assert theirs["rope_type"] == "yarn"
     assert ours.rope_truncate is theirs["truncate"] is False

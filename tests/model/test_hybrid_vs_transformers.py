@@ -196,12 +196,12 @@ def transformers_yarn(hf_config: dict):
 
 @pytest.mark.parametrize("truncate", [False, True])
 def test_yarn_frequencies_match_transformers_at_head_dim_64(truncate):
-    from gptoss_cli.model.config import GptOssArch
+    from gptoss_cli.checkpoint.hf_config import from_hf_config
     from gptoss_cli.model.rope import yarn_inv_freq
 
     cfg = {**RELEASED_120B, "rope_scaling": {**RELEASED_120B["rope_scaling"], "truncate": truncate}}
     expected, scale = transformers_yarn(cfg)
-    got, got_scale = yarn_inv_freq(GptOssArch.from_hf_config(cfg))
+    got, got_scale = yarn_inv_freq(from_hf_config(cfg))
     assert got.shape == (32,) and torch.equal(got, expected)
     assert got_scale == scale
 
@@ -209,14 +209,14 @@ def test_yarn_frequencies_match_transformers_at_head_dim_64(truncate):
 @pytest.mark.parametrize("key", ["rope_scaling", "rope_parameters"])
 def test_yarn_without_truncate_in_the_config_follows_transformers_default(key):
     """A config.json whose YaRN block has no `truncate` is read by transformers as truncate=True."""
-    from gptoss_cli.model.config import GptOssArch
+    from gptoss_cli.checkpoint.hf_config import from_hf_config
     from gptoss_cli.model.rope import yarn_inv_freq
 
     rope = {k: v for k, v in RELEASED_120B["rope_scaling"].items() if k != "truncate"}
     cfg = {k: v for k, v in RELEASED_120B.items() if k != "rope_scaling"}
     cfg[key] = rope if key == "rope_scaling" else {**rope, "rope_theta": cfg.pop("rope_theta")}
     expected, _ = transformers_yarn(cfg)
-    got, _ = yarn_inv_freq(GptOssArch.from_hf_config(cfg))
+    got, _ = yarn_inv_freq(from_hf_config(cfg))
     assert torch.equal(got, expected)
     assert not torch.equal(got, transformers_yarn(RELEASED_120B)[0])  # the default is not the released value
 
@@ -237,12 +237,12 @@ def test_openai_original_config_gives_the_rope_of_the_corresponding_hf_config(ro
     must be transformers' for the HF config.json of the same model."""
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRotaryEmbedding
 
-    from gptoss_cli.model.config import GptOssArch
+    from gptoss_cli.checkpoint.hf_config import from_openai_config
     from gptoss_cli.model.rope import YarnRotaryEmbedding, yarn_inv_freq
 
     original = {**OPENAI_120B_ORIGINAL, **(OPENAI_OTHER_ROPE if rope == "other" else {})}
     hf_config = {**RELEASED_120B, **(HF_OTHER_ROPE if rope == "other" else {})}
-    arch = GptOssArch.from_openai_config(original)
+    arch = from_openai_config(original)
     assert arch.max_position_embeddings == hf_config["max_position_embeddings"]
     expected, scale = transformers_yarn(hf_config)
     got, got_scale = yarn_inv_freq(arch)

@@ -11,6 +11,7 @@ import torch
 from typer.testing import CliRunner
 
 from gptoss_cli.cli import app
+from gptoss_cli.checkpoint.hf_config import to_hf_config
 from gptoss_cli.model.config import PRESETS
 from gptoss_cli.recipe.flops import (
     average_keys_per_query, count_flops, model_flops_per_token, peak_tflops, recompute_flops_per_token, throughput,
@@ -50,7 +51,7 @@ def test_active_matmul_parameters_match_transformers_shapes(preset):
     from transformers import GptOssConfig, GptOssForCausalLM
 
     arch = PRESETS[preset]
-    cfg = GptOssConfig(**{**arch.to_hf_config(), "quantization_config": None})
+    cfg = GptOssConfig(**{**to_hf_config(arch), "quantization_config": None})
     with torch.device("meta"):
         hf = GptOssForCausalLM(cfg)
     n = hf.lm_head.weight.numel()

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from gptoss_cli.errors import ConfigError
+from gptoss_cli.checkpoint.hf_config import to_hf_config
 from gptoss_cli.model.config import PRESETS
 from gptoss_cli.recipe.load import RECIPES_DIR, available_recipes, load_recipe, parse_overrides
 from gptoss_cli.recipe.schema import RecipeConfig, describe_schema, iter_fields
@@ -176,7 +177,7 @@ def test_checkpoint_hybrid_config_gives_architecture_and_pattern(tmp_path):
 
 def test_checkpoint_hf_config_gives_architecture(tmp_path):
     arch = PRESETS["tiny"]
-    (tmp_path / "config.json").write_text(json.dumps(arch.to_hf_config()))
+    (tmp_path / "config.json").write_text(json.dumps(to_hf_config(arch)))
     recipe = load_recipe("tiny_cpu_ep2", ["model.preset=null", f"model.checkpoint={tmp_path}"])
     assert recipe.arch == arch
 

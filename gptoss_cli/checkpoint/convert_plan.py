@@ -1,0 +1,331 @@
+"""Conversion plans: one object per output layout, saying what a conversion reads, computes and writes.
+
+`make_plan` checks a source against the direction asked of it and returns `ToHybrid` (HF or OpenAI
+original decoded through its layout, or a training / Megatron checkpoint copied by Hybrid name),
+`ToHf` (any Hybrid-named source re-laid out for transformers, experts bf16 or MXFP4) or
+`ToMegatron` (what `ToHybrid` computes, written as a Megatron-LM torch_dist release). `convert()`
+then runs any plan the same way: its jobs, cut into tasks, through the thread pipeline into the
+plan's writer, then the plan's folder files.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Callable, ClassVar, Iterator
+
+import torch
+
+from gptoss_cli import outputs
+from gptoss_cli.checkpoint import megatron_format, mxfp4
+from gptoss_cli.checkpoint.hf_config import to_hf_config
+from gptoss_cli.checkpoint.hybrid_format import HybridCheckpointConfig, write_hybrid_config
+from gptoss_cli.checkpoint.layouts import HF_LAYOUTS, UINT8, Layout
+from gptoss_cli.checkpoint.mapping import VOCAB_PADDED_HYBRID, Unit, hybrid_shapes, identity, units
+from gptoss_cli.checkpoint.pipeline import RELEASE_HELD, Task
+from gptoss_cli.checkpoint.readers import RowReader
+from gptoss_cli.checkpoint.safetensors_io import ShardedWriter, TensorSpec
+from gptoss_cli.checkpoint.sources import (
+    EXTRA_FILES, HF, HYBRID, HYBRID_NAMED, MEGATRON, TRAINING, Source, check_tensors,
+)
+from gptoss_cli.errors import CheckpointError, UsageError
+from gptoss_cli.model.config import GptOssArch
+from gptoss_cli.model.dtypes import dtype_name, short_dtype_name
+
+PROVENANCE_KEY = "gptoss_provenance"  # HF outputs: in the index's metadata (config.json stays as released)
+
+
+# --- jobs: the output tensors of each table unit, in write order ---------------------------
+@dataclass
+class Job:
+    """A bound table unit plus the output tensors it writes, in write order."""
+
+    unit: Unit
+    outputs: list[TensorSpec]
+
+
+def _expert_chunk(arch: GptOssArch, unit: Unit, dtype: torch.dtype, budget: int) -> int:
+    """How many experts fit in one chunk of `budget` bytes of transformed output."""
+    per_expert = max(1, _canonical_numel_per_expert(arch, unit.hf[0]) * torch.empty((), dtype=dtype).element_size())
+    return max(1, min(arch.num_local_experts, budget // per_expert))
+
+
+def _canonical_numel_per_expert(arch: GptOssArch, name: str) -> int:
+    H, I = arch.hidden_size, arch.intermediate_size
+    if name.endswith("gate_up"):
+        return 2 * I * H
+    if name.endswith("down"):
+        return H * I
+    if name.endswith("gate_up_proj_bias"):
+        return 2 * I
+    return H
+
+
+def plan_to_hybrid(arch: GptOssArch, dtype: torch.dtype) -> list[Job]:
+    shapes = hybrid_shapes(arch)
+    return [Job(u, [TensorSpec(n, shapes[n], dtype) for n in u.hybrid]) for u in units(arch)]
+
+
+def plan_to_hf(arch: GptOssArch, layout: Layout, dtype: torch.dtype) -> list[Job]:
+    specs = layout.stored_specs(arch)
+    jobs = []
+    for u in units(arch):
+        outs = []
+        for canonical in u.hf:
+            for name in layout.stored_names(canonical):
+                shape, kind = specs[name]
+                outs.append(TensorSpec(name, shape, torch.uint8 if kind == UINT8 else dtype))
+        jobs.append(Job(u, outs))
+    return jobs
+
+
+# --- tasks: how each direction computes a job's output pieces ----------------------------
+def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t.to(dtype) if t.is_floating_point() else t
+
+
+def _read_hybrid(reader: RowReader, arch: GptOssArch, name: str, dtype: torch.dtype) -> torch.Tensor:
+    if name in VOCAB_PADDED_HYBRID:  # strip Megatron's vocabulary padding
+        return _cast(reader.read(name, 0, arch.vocab_size), dtype)
+    return _cast(reader.read(name), dtype)
+
+
+def _row_ranges(spec: TensorSpec, budget: int):
+    """Row ranges of about `budget` bytes, so that a 1 GB embedding is never held whole."""
+    step = max(1, budget // max(1, spec.row_bytes))
+    rows = spec.shape[0] if spec.shape else 1
+    return [(r, min(rows, r + step)) for r in range(0, rows, step)]
+
+
+def _streams_rows(unit: Unit, spec: TensorSpec) -> bool:
+    return unit.mapping.to_hybrid is identity and len(unit.hf) == 1 and len(spec.shape) >= 1
+
+
+def _experts_to_hybrid(reader: RowReader, arch: GptOssArch, layout: Layout, unit: Unit, dtype: torch.dtype, e0: int, e1: int):
+    names = unit.hybrid[e0:e1]
+    stored = layout.read_rowwise(reader, unit.hf[0], e0, e1)
+    if stored is not None:  # MXFP4: de-interleave/unstack the bytes, then decode each expert
+        moved = [unit.to_hybrid(arch, [t]) for t in stored]
+        return [(name, layout.load(unit.hf[0], list(parts), dtype)) for name, parts in zip(names, zip(*moved))], []
+    chunk = layout.read(reader, arch, unit.hf[0], dtype, e0, e1)
+    return [(name, _cast(t, dtype)) for name, t in zip(names, unit.to_hybrid(arch, [chunk]))], []
+
+
+def _tasks_copy(reader: RowReader, job: Job, dtype: torch.dtype, budget: int):
+    """Hybrid names in, the same names out (a training checkpoint becoming a Hybrid one), in row ranges."""
+    for out in job.outputs:
+        for r0, r1 in _row_ranges(out, budget):
+            yield lambda out=out, r0=r0, r1=r1: ([(out.name, _cast(reader.read(out.name, r0, r1), dtype))], [])
+
+
+def _unit_to_hybrid(reader: RowReader, arch: GptOssArch, layout: Layout, unit: Unit, dtype: torch.dtype):
+    ins = [layout.read(reader, arch, n, dtype) for n in unit.hf]
+    return [(name, _cast(t, dtype)) for name, t in zip(unit.hybrid, unit.to_hybrid(arch, ins))], []
+
+
+def _tasks_to_hybrid(reader: RowReader, arch: GptOssArch, layout: Layout, job: Job, dtype: torch.dtype, budget: int):
+    unit, out = job.unit, job.outputs[0]
+    if _streams_rows(unit, out):
+        for r0, r1 in _row_ranges(out, budget):
+            yield lambda r0=r0, r1=r1: ([(out.name, layout.read(reader, arch, unit.hf[0], dtype, r0, r1))], [])
+        return
+    if unit.per_expert:
+        n = _expert_chunk(arch, unit, dtype, budget)
+        for e0 in range(0, arch.num_local_experts, n):
+            yield partial(_experts_to_hybrid, reader, arch, layout, unit, dtype, e0, min(arch.num_local_experts, e0 + n))
+        return
+    yield partial(_unit_to_hybrid, reader, arch, layout, unit, dtype)
+
+
+def _experts_to_hf(reader: RowReader, arch: GptOssArch, layout: Layout, unit: Unit, dtype: torch.dtype, e0: int, e1: int):
+    per_expert = [_read_hybrid(reader, arch, name, dtype) for name in unit.hybrid[e0:e1]]
+    (chunk,) = unit.to_hf(arch, per_expert)
+    try:
+        stored = layout.store(unit.hf[0], chunk)
+    except mxfp4.NonFiniteError as exc:
+        raise CheckpointError(
+            f"{unit.hybrid[e0 + exc.index[0]]}: holds {exc.value}; MXFP4 has no encoding for NaN or Inf"
+        ) from None
+    pieces = [(name, _cast(t, dtype)) for name, t in stored]
+    return pieces[:1], pieces[1:]  # MXFP4 scales are held: they follow all blocks (1/16 of their size)
+
+
+def _unit_to_hf(reader: RowReader, arch: GptOssArch, layout: Layout, unit: Unit, dtype: torch.dtype):
+    ins = [_read_hybrid(reader, arch, n, dtype) for n in unit.hybrid]
+    out = []
+    for canonical, t in zip(unit.hf, unit.to_hf(arch, ins)):
+        out.extend((name, _cast(piece, dtype)) for name, piece in layout.store(canonical, t))
+    return out, []
+
+
+def _tasks_to_hf(reader: RowReader, arch: GptOssArch, job: Job, dtype: torch.dtype, layout: Layout, budget: int):
+    unit, out = job.unit, job.outputs[0]
+    if _streams_rows(unit, out) and len(job.outputs) == 1:
+        for r0, r1 in _row_ranges(out, budget):
+            yield lambda r0=r0, r1=r1: ([(out.name, _cast(reader.read(unit.hybrid[0], r0, r1), dtype))], [])
+        return
+    if unit.per_expert:
+        n = _expert_chunk(arch, unit, dtype, budget)
+        for e0 in range(0, arch.num_local_experts, n):
+            yield partial(_experts_to_hf, reader, arch, layout, unit, dtype, e0, min(arch.num_local_experts, e0 + n))
+        yield RELEASE_HELD
+        return
+    yield partial(_unit_to_hf, reader, arch, layout, unit, dtype)
+
+
+# --- plans: one per output layout ---------------------------------------------------------
+@dataclass
+class ConvertPlan:
+    """What one conversion computes and writes: its jobs, their tasks, its writer and folder files."""
+
+    target: ClassVar[str]
+    extra_files: ClassVar[tuple[str, ...]] = EXTRA_FILES  # tokenizer files copied from the source
+    source: Source
+    dtype: torch.dtype
+    jobs: list[Job]
+    experts_in: str  # the source's expert form (bf16, mxfp4, or the dtype of a training checkpoint's experts)
+    experts_out: str = "bf16"
+
+    @property
+    def specs(self) -> list[TensorSpec]:
+        return [spec for job in self.jobs for spec in job.outputs]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(s.nbytes for s in self.specs)
+
+    def tasks(self, reader: RowReader, job: Job, budget: int) -> Iterator[Task | object]:
+        """The tasks computing `job`'s output in chunks of about `budget` bytes (RELEASE_HELD among them)."""
+        raise NotImplementedError
+
+    def open_writer(self, folder: Path, *, max_shard_bytes: int, on_bytes: Callable[[int], None] | None):
+        return ShardedWriter(folder, self.specs, max_shard_bytes=max_shard_bytes, on_bytes=on_bytes)
+
+    def close_writer(self, writer, provenance: dict) -> None:
+        writer.close()
+
+    def write_files(self, folder: Path, provenance: dict) -> None:
+        """The folder's files besides the weights (configs; tokenizer files are `extra_files`)."""
+        raise NotImplementedError
+
+
+@dataclass
+class ToHybrid(ConvertPlan):
+    """HF or OpenAI original -> Hybrid (decoded through the source's layout), or a training or Megatron
+    checkpoint -> Hybrid (copied by name, cast to the output dtype)."""
+
+    target: ClassVar[str] = HYBRID
+
+    def tasks(self, reader: RowReader, job: Job, budget: int) -> Iterator[Task | object]:
+        if self.source.kind in HYBRID_NAMED:
+            return _tasks_copy(reader, job, self.dtype, budget)
+        return _tasks_to_hybrid(reader, self.source.arch, self.source.layout, job, self.dtype, budget)
+
+    def write_files(self, folder: Path, provenance: dict) -> None:
+        arch = self.source.arch
+        write_hybrid_config(folder, HybridCheckpointConfig(
+            arch=arch, hybrid_layer_pattern=arch.hybrid_layer_pattern, dtype=dtype_name(self.dtype),
+            provenance=provenance))
+
+
+@dataclass
+class ToMegatron(ToHybrid):
+    """What `ToHybrid` computes, written as Megatron's `release` (weights without optimizer state)."""
+
+    target: ClassVar[str] = MEGATRON
+    extra_files: ClassVar[tuple[str, ...]] = ()  # Megatron finds its tokenizer by its own options
+    vocab_multiple: int = megatron_format.DEFAULT_VOCAB_MULTIPLE
+
+    @property
+    def padded_rows(self) -> int:
+        return megatron_format.padded_vocab(self.source.arch.vocab_size, self.vocab_multiple)
+
+    @property
+    def total_bytes(self) -> int:  # plus the zero rows of the vocabulary padding
+        arch = self.source.arch
+        pad = 2 * (self.padded_rows - arch.vocab_size) * arch.hidden_size * torch.empty((), dtype=self.dtype).element_size()
+        return super().total_bytes + pad
+
+    def open_writer(self, folder: Path, *, max_shard_bytes: int, on_bytes: Callable[[int], None] | None):
+        return megatron_format.MegatronWriter(folder / megatron_format.RELEASE, self.specs, self.source.arch,
+                                              padded_rows=self.padded_rows, max_shard_bytes=max_shard_bytes,
+                                              on_bytes=on_bytes)
+
+    def write_files(self, folder: Path, provenance: dict) -> None:
+        # common.pt keeps the step the source was at
+        iteration = self.source.provenance.get("iteration", self.source.provenance.get("megatron_iteration", 0))
+        megatron_format.write_folder_files(
+            folder / megatron_format.RELEASE,
+            megatron_format.megatron_args(self.source.arch, vocab_multiple=self.vocab_multiple, params_dtype=self.dtype),
+            iteration, provenance)
+        outputs.write_text(folder / megatron_format.TRACKER, megatron_format.RELEASE + "\n")
+
+
+@dataclass
+class ToHf(ConvertPlan):
+    """A Hybrid-named checkpoint (Hybrid, training, Megatron) -> HF, its experts in `layout`'s form."""
+
+    target: ClassVar[str] = HF
+    layout: Layout = HF_LAYOUTS["bf16"]
+
+    def tasks(self, reader: RowReader, job: Job, budget: int) -> Iterator[Task | object]:
+        return _tasks_to_hf(reader, self.source.arch, job, self.dtype, self.layout, budget)
+
+    def close_writer(self, writer, provenance: dict) -> None:
+        writer.close(index_metadata={PROVENANCE_KEY: provenance})
+
+    def write_files(self, folder: Path, provenance: dict) -> None:
+        config = to_hf_config(self.source.arch, experts_form=self.experts_out, torch_dtype=dtype_name(self.dtype))
+        outputs.write_text(folder / "config.json", json.dumps(config, indent=2) + "\n")
+
+
+def target_for(source: Source, to: str | None, src: str) -> str:
+    """The output layout: `to`, or by default the other one than SRC's (hybrid for a training or
+    Megatron checkpoint); refuses HF -> HF and Hybrid -> Hybrid."""
+    target = to or (HF if source.kind == HYBRID else HYBRID)
+    to_hf = target == HF
+    if target != MEGATRON and source.kind not in (TRAINING, MEGATRON) and to_hf != (source.kind in HYBRID_NAMED):
+        raise UsageError(f"{src}: is already a{'n HF' if to_hf else ' Hybrid'} checkpoint ({source.kind}); "
+                         f"convert writes the other layout", hint="drop --to, or choose the other value")
+    return target
+
+
+def make_plan(source: Source, target: str, *, experts: str | None, dtype: torch.dtype,
+              vocab_multiple: int | None = None) -> ConvertPlan:
+    """The plan converting `source` to `target` (from `target_for`), after checking that the source's
+    tensors are what its config says and that the options fit the direction."""
+    arch = source.arch
+    if source.kind in HYBRID_NAMED:
+        check_tensors(source, {n: (s, "float") for n, s in hybrid_shapes(arch).items()}, padded_rows=VOCAB_PADDED_HYBRID)
+    if target == HF:
+        out_form = experts or "bf16"
+        if out_form == "mxfp4" and (arch.hidden_size % 32 or arch.intermediate_size % 32):
+            raise UsageError(
+                f"--experts mxfp4 needs hidden_size and intermediate_size divisible by 32 "
+                f"(got {arch.hidden_size}, {arch.intermediate_size})"
+            )
+        layout = HF_LAYOUTS[out_form]
+        plan: ConvertPlan = ToHf(source, dtype, plan_to_hf(arch, layout, dtype), "bf16", out_form, layout=layout)
+    else:
+        if experts is not None:
+            raise UsageError(
+                "--experts applies to HF output only; Hybrid and Megatron checkpoints store bf16/fp32 experts"
+            )
+        if source.layout is not None:
+            check_tensors(source, source.layout.stored_specs(arch))
+        experts_in = source.layout.experts_form if source.layout else "bf16"
+        jobs = plan_to_hybrid(arch, dtype)
+        if target == MEGATRON:
+            plan = ToMegatron(source, dtype, jobs, experts_in,
+                              vocab_multiple=vocab_multiple or megatron_format.DEFAULT_VOCAB_MULTIPLE)
+        else:
+            plan = ToHybrid(source, dtype, jobs, experts_in)
+    if source.kind in (TRAINING, MEGATRON):
+        plan.experts_in = short_dtype_name(source.reader.dtype(next(u.hybrid[0] for u in units(arch) if u.per_expert)))
+    return plan
+
+
+__all__ = ["ConvertPlan", "ToHybrid", "ToMegatron", "ToHf", "Job", "make_plan", "target_for", "plan_to_hf",
+           "plan_to_hybrid", "PROVENANCE_KEY"]
