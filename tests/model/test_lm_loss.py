@@ -13,7 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gptoss_cli.model.hybrid import IGNORE_INDEX, HybridModel, chunked_lm_loss_sum, token_cross_entropy
+from gptoss_cli.model.hybrid import HybridModel
+from gptoss_cli.model.loss import IGNORE_INDEX, chunked_lm_loss_sum, token_cross_entropy
 from tests.model.conftest import TINY, tokens
 from tests.tolerances import assert_tensors_close, reassociation_rel
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from gptoss_cli.model.config import preset
-from gptoss_cli.model.hybrid import LM_LOSS_CHUNK_TOKENS, HybridModel
+from gptoss_cli.model.hybrid import HybridModel
+from gptoss_cli.model.loss import LM_LOSS_CHUNK_TOKENS
 from gptoss_cli.model.pattern import ATTENTION, MLP, MOE
 from gptoss_cli.parallel.grads import ALIGN, GradAccumulatingModel, GradBufferConfig, is_expert_param
 from gptoss_cli.parallel.state import ParallelState
