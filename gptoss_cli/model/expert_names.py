@@ -61,6 +61,13 @@ def parse_expert_name(name: str) -> ExpertName | None:
     return ExpertName(m["stack"], int(m["expert"]), m["experts"], m["module"], m["kind"])
 
 
+def ep_slice(num_experts: int, ep_size: int, ep_rank: int) -> range:
+    """The global ids of the experts that EP rank `ep_rank` of `ep_size` holds: the contiguous block
+    [ep_rank * n, (ep_rank + 1) * n), n = num_experts / ep_size (the callers check it divides)."""
+    n = num_experts // ep_size
+    return range(ep_rank * n, (ep_rank + 1) * n)
+
+
 def is_expert_name(name: str) -> bool:
     """Whether a parameter or checkpoint name (stacked or per expert, LoRA factors included) is the
     experts': split over EP and reduced over expert-DP; every other parameter is dense."""
@@ -146,5 +153,5 @@ def checkpoint_slots(
             yield expert_name(prefix + name, e), (param[local] if held else None)
 
 
-__all__ = ["EXPERTS", "BASE_MODULES", "ExpertName", "expert_name", "parse_expert_name", "is_expert_name",
+__all__ = ["EXPERTS", "BASE_MODULES", "ExpertName", "expert_name", "parse_expert_name", "ep_slice", "is_expert_name",
            "PerExpertParams", "checkpoint_slots"]
