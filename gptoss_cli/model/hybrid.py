@@ -4,8 +4,10 @@ Built from a `GptOssArch` and a `hybrid_layer_pattern` (`*` attention, `E` MoE, 
 grouping `[..]` and pipeline splits `|` are accepted and only change scheduling, not the math).
 `model.state_dict()` keys are exactly the Hybrid checkpoint names (docs/checkpoint-layouts.md,
 "Hybrid layout"), e.g. `decoder.layers.0.self_attention.linear_qkv.weight`,
-`decoder.layers.1.mlp.experts.linear_fc1.weight3`. Filling a model from a checkpoint folder is
-gptoss_cli/checkpoint/load.py's job.
+`decoder.layers.1.mlp.experts.linear_fc1.weight3` (the expert naming rule: model/expert_names.py).
+Filling a model from a checkpoint folder is gptoss_cli/checkpoint/load.py's job; the output and
+the LM loss are model/loss.py's, the initial weights model/init.py's, the GEMM numerics
+model/gemm_selection.py's.
 
 Activations are batch-first, [batch, seq, hidden].
 
@@ -22,9 +24,9 @@ import torch
 from torch import nn
 
 from gptoss_cli.errors import ConfigError
-from gptoss_cli.model.attention import AttentionLayer, document_positions
+from gptoss_cli.model.attention import AttentionLayer
 from gptoss_cli.model.config import GptOssArch
-from gptoss_cli.model.context_parallel import cp_size_of, local_positions, slice_sequence
+from gptoss_cli.model.context_parallel import cp_size_of
 from gptoss_cli.model.dense_gemm import DenseGemm
 from gptoss_cli.model.dispatcher import AllToAllTokenDispatcher
 from gptoss_cli.model.expert_names import checkpoint_slots
@@ -35,6 +37,7 @@ from gptoss_cli.model.loss import LM_LOSS_CHUNK_TOKENS, HybridOutput
 from gptoss_cli.model.moe import DenseMLPLayer, MoELayer, RouterStats, RouterStatsRequest
 from gptoss_cli.model.norm import RMSNorm
 from gptoss_cli.model.pattern import ATTENTION, MLP, MOE, HybridPattern, parse_pattern
+from gptoss_cli.model.positions import default_position_ids
 from gptoss_cli.model.recompute import RecomputePlan, checkpointed
 from gptoss_cli.model.rope import YarnRotaryEmbedding
 
@@ -200,17 +203,7 @@ class HybridModel(nn.Module):
         self.recompute = plan
         pieces = plan.layer_pieces(self.pattern.layers)
         for j, layer in enumerate(self.decoder.layers):
-            mods = set() if "layer" in pieces[j] else pieces[j]
-            if isinstance(layer, AttentionLayer):
-                layer.self_attention.linear_qkv.recompute_norm = "layernorm" in mods
-                layer.self_attention.core_attention.recompute = "core_attn" in mods
-            elif isinstance(layer, MoELayer):
-                layer.recompute_norm = "layernorm" in mods
-                layer.mlp.experts.recompute_mlp = "moe" in mods
-                layer.mlp.experts.recompute_act = "moe_act" in mods and "moe" not in mods
-            elif isinstance(layer, DenseMLPLayer):
-                layer.recompute_mlp = "mlp" in mods
-                layer.recompute_norm = "layernorm" in mods and "mlp" not in mods
+            layer.set_recompute(set() if "layer" in pieces[j] else pieces[j])
 
     def set_gemms(self, *, dense: Callable[[str], DenseGemm] | None = None,
                   grouped: Callable[[str], GroupedGemm] | None = None) -> list[str]:
@@ -228,19 +221,9 @@ class HybridModel(nn.Module):
 
     def rope(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, dtype: torch.dtype,
              cu_seqlens: tuple[int, ...] | None = None):
-        """cos/sin of `position_ids`; by default positions count from 0 in every row, or in every
-        document of `cu_seqlens` (packed documents)."""
-        cp = cp_size_of(self.cp_group)
-        if position_ids is None and cp > 1:
-            # input_ids is this rank's slice: positions of the full rows, then the slice.
-            b, s = input_ids.shape
-            position_ids = (local_positions(b, s, self.cp_group, input_ids.device) if cu_seqlens is None else
-                            slice_sequence(document_positions(cu_seqlens, b, s * cp, device=input_ids.device),
-                                           cp, torch.distributed.get_rank(self.cp_group)))
-        elif position_ids is None and cu_seqlens is not None:
-            position_ids = document_positions(cu_seqlens, *input_ids.shape, device=input_ids.device)
-        elif position_ids is None:
-            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape[0], -1)
+        """cos/sin of `position_ids`, by default those of model/positions.py (rows, documents, CP slice)."""
+        if position_ids is None:
+            position_ids = default_position_ids(input_ids, cu_seqlens, self.cp_group)
         return self.rotary_pos_emb(position_ids, dtype)
 
     def output(self, x: torch.Tensor) -> HybridOutput:

@@ -284,6 +284,13 @@ class MoELayer(nn.Module):
         # that moves tokens between ranks.
         self.token_dispatcher = token_dispatcher
 
+    def set_recompute(self, pieces: set[str]) -> None:
+        """The selective recompute pieces of this layer (model/recompute.py): layernorm, moe, moe_act
+        (dropped inside moe: checkpoints do not nest)."""
+        self.recompute_norm = "layernorm" in pieces
+        self.mlp.experts.recompute_mlp = "moe" in pieces
+        self.mlp.experts.recompute_act = "moe_act" in pieces and "moe" not in pieces
+
     # --- the four stages (the overlap schedule's node split) --------------------------------
     def pre_dispatch(self, x: torch.Tensor, stats: RouterStatsRequest | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, RouterStats | None]:
@@ -351,6 +358,12 @@ class DenseMLPLayer(nn.Module):
         self.mlp = nn.Module()
         self.mlp.linear_fc1 = Linear(h, 2 * i, bias=True, device=device, dtype=dtype)
         self.mlp.linear_fc2 = Linear(i, h, bias=True, device=device, dtype=dtype)
+
+    def set_recompute(self, pieces: set[str]) -> None:
+        """The selective recompute pieces of this layer (model/recompute.py): mlp, layernorm (dropped
+        inside mlp: checkpoints do not nest)."""
+        self.recompute_mlp = "mlp" in pieces
+        self.recompute_norm = "layernorm" in pieces and "mlp" not in pieces
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.recompute_mlp:

@@ -1,4 +1,4 @@
-"""The language-model loss computed chunk by chunk (model/hybrid.py) equals the loss of the full logits.
+"""The language-model loss computed chunk by chunk (model/loss.py) equals the loss of the full logits.
 
 Error model (tests/tolerances.py): both forms compute every logit by the same H-term dot product
 and every token's cross-entropy by the same function (token_cross_entropy); what changes is the
