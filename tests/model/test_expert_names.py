@@ -3,11 +3,14 @@ against the layouts expert parallelism builds."""
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import pytest
 
 from gptoss_cli.checkpoint.mapping import units
 from gptoss_cli.model.config import preset
-from gptoss_cli.model.expert_names import (ep_slice, expert_name, is_expert_name, parse_expert_name)
+from gptoss_cli.model.expert_names import ep_slice, expert_name, is_expert_name, parse_expert_name
 from gptoss_cli.model.hybrid import HybridModel
 from gptoss_cli.model.lora import LoraSettings, adapter_tensors, attach_lora
 
@@ -58,3 +61,18 @@ def test_every_ep_layout_saves_the_names_of_the_whole_model():
             part = HybridModel(TINY, expert_offset=held.start, num_local_experts=len(held), device="meta")
             saved += [n for n in part.state_dict() if n not in saved]
         assert sorted(saved) == sorted(whole)
+
+
+def test_no_other_module_spells_the_rule_as_a_regex():
+    # The rule used to be re-derived as regexes in five modules; a new one would drift from it.
+    package = Path(__file__).resolve().parents[2] / "gptoss_cli"
+    found = []
+    for path in package.rglob("*.py"):
+        if path.name == "expert_names.py" and path.parent.name == "model":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            func = getattr(node, "func", None)
+            if (isinstance(func, ast.Attribute) and getattr(func.value, "id", None) == "re" and node.args
+                    and isinstance(node.args[0], ast.Constant) and "experts" in str(node.args[0].value)):
+                found.append(f"{path.relative_to(package)}:{node.lineno}")
+    assert found == []
