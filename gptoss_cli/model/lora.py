@@ -184,7 +184,8 @@ def init_lora_(model: nn.Module, seed: int) -> None:
                 dest.zero_()
                 continue
             bound = 1.0 / math.sqrt(dest.shape[-1])
-            dest.copy_(torch.rand(dest.shape, generator=name_generator(seed, name), dtype=torch.float32).mul_(2 * bound).sub_(bound))
+            g = name_generator(seed, name)
+            dest.copy_(torch.rand(dest.shape, generator=g, dtype=torch.float32).mul_(2 * bound).sub_(bound))
 
 
 def adapter_tensors(model: nn.Module, *, grads: bool = False) -> dict[str, torch.Tensor]:
