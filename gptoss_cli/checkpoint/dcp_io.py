@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import io
 import pickle
-import re
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -26,6 +25,7 @@ import torch
 
 from gptoss_cli.checkpoint.safetensors_io import TensorSpec
 from gptoss_cli.errors import CheckpointError, describe_os_error
+from gptoss_cli.model.expert_names import expert_name, parse_expert_name
 
 METADATA = ".metadata"
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
@@ -51,9 +51,6 @@ def _megatron_stand_in(name: str) -> type:
     from torch.distributed.checkpoint.metadata import Metadata
 
     return type(name, (Metadata,) if name == "MCoreMetadata" else (), {"__module__": __name__})
-
-
-_PER_EXPERT = re.compile(r"^(?P<stem>.*\.mlp\.experts\.linear_fc[12]\.(weight|bias))(?P<e>\d+)$")
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -236,12 +233,12 @@ class DcpReader(SpecReader):
 
     def _batch(self, name: str) -> list[str]:
         """`name`, and for an expert tensor the next experts of its stack that fit in the budget."""
-        m = _PER_EXPERT.match(name)
-        if m is None:
+        per_expert = parse_expert_name(name)
+        if per_expert is None:
             return [name]
-        out, total, e = [], 0, int(m["e"])
-        while f"{m['stem']}{e}" in self._specs:
-            spec = self._specs[f"{m['stem']}{e}"]
+        out, total, e = [], 0, per_expert.expert
+        while expert_name(per_expert.stack, e) in self._specs:
+            spec = self._specs[expert_name(per_expert.stack, e)]
             if out and total + spec.nbytes > self.budget_bytes:
                 break
             out.append(spec.name)

@@ -9,23 +9,24 @@ LoRA checkpoint through it as if it were a full one.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import torch
 
 from gptoss_cli.checkpoint.safetensors_io import TensorSpec
-
-_WEIGHT = re.compile(r"^(?P<layer>.+)\.weight(?P<e>\d*)$")
+from gptoss_cli.model.expert_names import expert_name, parse_expert_name
+from gptoss_cli.model.lora import ADAPTER, LINEAR_IN, LINEAR_OUT
 
 
 def adapter_names(name: str) -> tuple[str, str] | None:
     """(A's name, B's name) of the adapter of a Hybrid weight name, by the model's naming (model/lora.py)."""
-    m = _WEIGHT.match(name)
-    if m is None:
+    per_expert = parse_expert_name(name)
+    stack = name if per_expert is None else per_expert.stack
+    if not stack.endswith(".weight"):
         return None
-    stem = f"{m['layer']}.adapter"
-    return f"{stem}.linear_in.weight{m['e']}", f"{stem}.linear_out.weight{m['e']}"
+    stem = f"{stack.removesuffix('.weight')}.{ADAPTER}"
+    pair = f"{stem}.{LINEAR_IN}.weight", f"{stem}.{LINEAR_OUT}.weight"
+    return pair if per_expert is None else tuple(expert_name(p, per_expert.expert) for p in pair)
 
 
 class LoraMergedReader:

@@ -43,6 +43,7 @@ from gptoss_cli.checkpoint.mapping import VOCAB_PADDED_HYBRID, hybrid_shapes
 from gptoss_cli.checkpoint.safetensors_io import TensorSpec
 from gptoss_cli.errors import CheckpointError, ConfigError, UsageError
 from gptoss_cli.model.config import FULL, SLIDING, GptOssArch
+from gptoss_cli.model.expert_names import ExpertName, parse_expert_name
 from gptoss_cli.json_input import parse_json
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -53,8 +54,6 @@ BACKEND = "torch_dist"
 CHECKPOINT_VERSION = 3.0
 DEFAULT_VOCAB_MULTIPLE = 128  # Megatron-LM's --make-vocab-size-divisible-by default
 _ITER = re.compile(r"^iter_(\d{7,})$")
-# Hybrid per-expert names: <layer>.mlp.experts.linear_fc{1,2}.{weight,bias}<e>
-_HYBRID_EXPERT = re.compile(r"^(?P<layer>.*\.mlp\.experts)\.(?P<mod>linear_fc[12])\.(?P<kind>weight|bias)(?P<e>\d+)$")
 
 
 def iter_folder_name(iteration: int) -> str:
@@ -77,21 +76,27 @@ class ExpertSlot:
     glu: bool  # fc1: stored as two chunks (gate half, up half) along the first per-expert axis
 
 
+def _hybrid_expert(name: str) -> ExpertName | None:
+    """A Hybrid per-expert name of the experts' fc1 / fc2 (model/expert_names.py), else None."""
+    per_expert = parse_expert_name(name)
+    return per_expert if per_expert is not None and per_expert.is_base else None
+
+
 def expert_slot(name: str, arch: GptOssArch) -> ExpertSlot | None:
-    m = _HYBRID_EXPERT.match(name)
+    m = _hybrid_expert(name)
     if m is None:
         return None
-    return ExpertSlot(f"{m['layer']}.experts.{m['mod']}.{m['kind']}", int(m["e"]), arch.num_local_experts,
-                      m["mod"] == "linear_fc1")
+    return ExpertSlot(f"{m.experts}.experts.{m.module}.{m.kind}", m.expert, arch.num_local_experts,
+                      m.module == "linear_fc1")
 
 
 def singleton_keys(name: str) -> list[str] | None:
     """The `singleton_local_shards` keys of a Hybrid per-expert name: fc1 as `_w` (gate) and `_v` (up)."""
-    m = _HYBRID_EXPERT.match(name)
+    m = _hybrid_expert(name)
     if m is None:
         return None
-    base = f"{m['layer']}.experts.{m['e']}.{m['mod']}.{m['kind']}"
-    return [f"{base}_w", f"{base}_v"] if m["mod"] == "linear_fc1" else [base]
+    base = f"{m.experts}.experts.{m.expert}.{m.module}.{m.kind}"
+    return [f"{base}_w", f"{base}_v"] if m.module == "linear_fc1" else [base]
 
 
 def extra_state_keys(arch: GptOssArch) -> list[str]:

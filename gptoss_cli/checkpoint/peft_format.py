@@ -27,6 +27,7 @@ import torch
 
 from gptoss_cli.checkpoint.mapping import interleave_experts, split_qkv
 from gptoss_cli.model.config import GptOssArch
+from gptoss_cli.model.expert_names import expert_name
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -58,8 +59,8 @@ def peft_tensors(arch: GptOssArch, adapters: dict[str, torch.Tensor], target_mod
         for ours in EXPERT_PARAMETERS:
             if ours not in target_modules:
                 continue
-            a = torch.stack([adapters[f"{experts}.{ours}.adapter.linear_in.weight{e}"] for e in range(num_experts)])
-            b = torch.stack([adapters[f"{experts}.{ours}.adapter.linear_out.weight{e}"] for e in range(num_experts)])
+            a = torch.stack([adapters[expert_name(f"{experts}.{ours}.adapter.linear_in.weight", e)] for e in range(num_experts)])
+            b = torch.stack([adapters[expert_name(f"{experts}.{ours}.adapter.linear_out.weight", e)] for e in range(num_experts)])
             if ours == "linear_fc1":  # [gate; up] rows -> alternating, as HF's gate_up_proj columns
                 b = interleave_experts(arch, b.unbind(0))
             e, rank, fan_in = a.shape

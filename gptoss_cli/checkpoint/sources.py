@@ -24,6 +24,7 @@ from gptoss_cli.checkpoint.training_format import (
 from gptoss_cli.errors import CheckpointError, ConfigError, UsageError
 from gptoss_cli.checkpoint.hf_config import from_hf_config, from_openai_config
 from gptoss_cli.model.config import GptOssArch
+from gptoss_cli.model.expert_names import parse_expert_name
 from gptoss_cli.json_input import parse_json
 from gptoss_cli.model.mxfp4 import round_to_mxfp4
 
@@ -226,8 +227,10 @@ def open_megatron(src: str, root: Path) -> Source:
                   protected=(root,) if root != ckpt.folder else ())
 
 
-# A per-expert weight under its Hybrid name: decoder.layers.<i>.mlp.experts.linear_fc<1|2>.weight<e>
-_EXPERT_WEIGHT = re.compile(r"\.mlp\.experts\.linear_fc[12]\.weight\d+$")
+def _is_expert_weight(name: str) -> bool:
+    """A per-expert weight under its Hybrid name: decoder.layers.<i>.mlp.experts.linear_fc<1|2>.weight<e>."""
+    per_expert = parse_expert_name(name)
+    return per_expert is not None and per_expert.is_base and per_expert.kind == "weight"
 
 
 class Mxfp4QatReader:
@@ -243,7 +246,7 @@ class Mxfp4QatReader:
 
     def read(self, name: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
         t = self._reader.read(name, start, stop)
-        if not _EXPERT_WEIGHT.search(name) or not t.is_floating_point() or not torch.isfinite(t).all():
+        if not _is_expert_weight(name) or not t.is_floating_point() or not torch.isfinite(t).all():
             return t  # non-finite weights are left for the finite checks to name
         return round_to_mxfp4(t)
 

@@ -301,6 +301,11 @@ class AttentionLayer(nn.Module):
         super().__init__()
         self.self_attention = SelfAttention(arch, window, device, dtype)
 
+    def set_recompute(self, pieces: set[str]) -> None:
+        """The selective recompute pieces of this layer (model/recompute.py): layernorm, core_attn."""
+        self.self_attention.linear_qkv.recompute_norm = "layernorm" in pieces
+        self.self_attention.core_attention.recompute = "core_attn" in pieces
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cu_seqlens: tuple[int, ...] | None = None) -> torch.Tensor:
         return x + self.self_attention(x, cos, sin, cu_seqlens)

@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from gptoss_cli.model import link as _link
+from gptoss_cli.model.expert_names import ep_slice
 
 
 def expert_counts(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -196,8 +197,8 @@ class AllToAllTokenDispatcher:
         self.ep_size = ep_size if ep_group is not None else 1
         self.ep_rank = ep_rank if ep_group is not None else 0
         self.ep_group = ep_group
-        self.num_local_experts = num_experts // self.ep_size
-        self.expert_offset = self.ep_rank * self.num_local_experts
+        held = ep_slice(num_experts, self.ep_size, self.ep_rank)
+        self.num_local_experts, self.expert_offset = len(held), held.start
 
     @property
     def uses_ep(self) -> bool:

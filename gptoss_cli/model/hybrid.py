@@ -4,8 +4,10 @@ Built from a `GptOssArch` and a `hybrid_layer_pattern` (`*` attention, `E` MoE, 
 grouping `[..]` and pipeline splits `|` are accepted and only change scheduling, not the math).
 `model.state_dict()` keys are exactly the Hybrid checkpoint names (docs/checkpoint-layouts.md,
 "Hybrid layout"), e.g. `decoder.layers.0.self_attention.linear_qkv.weight`,
-`decoder.layers.1.mlp.experts.linear_fc1.weight3`. Filling a model from a checkpoint folder is
-gptoss_cli/checkpoint/load.py's job.
+`decoder.layers.1.mlp.experts.linear_fc1.weight3` (the expert naming rule: model/expert_names.py).
+Filling a model from a checkpoint folder is gptoss_cli/checkpoint/load.py's job; the output and
+the LM loss are model/loss.py's, the initial weights model/init.py's, the GEMM numerics
+model/gemm_selection.py's.
 
 Activations are batch-first, [batch, seq, hidden].
 
@@ -16,143 +18,28 @@ window").
 
 from __future__ import annotations
 
-import zlib
 from typing import Callable, Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from gptoss_cli.errors import ConfigError
-from gptoss_cli.model.attention import AttentionLayer, LayerNormLinear, document_positions
+from gptoss_cli.model.attention import AttentionLayer
 from gptoss_cli.model.config import GptOssArch
-from gptoss_cli.model.context_parallel import cp_size_of, local_positions, slice_sequence
-from gptoss_cli.model.dense_gemm import DenseGemm, Linear
+from gptoss_cli.model.context_parallel import cp_size_of
+from gptoss_cli.model.dense_gemm import DenseGemm
 from gptoss_cli.model.dispatcher import AllToAllTokenDispatcher
+from gptoss_cli.model.expert_names import checkpoint_slots
+from gptoss_cli.model.gemm_selection import set_gemms
 from gptoss_cli.model.grouped_gemm import GroupedGemm
-from gptoss_cli.model.moe import (DenseMLPLayer, ExpertLinear, MoELayer, PerExpertParams, RouterStats,
-                                   RouterStatsRequest, load_balancing_loss, router_table, router_z_loss)
+from gptoss_cli.model.init import init_weights_
+from gptoss_cli.model.loss import LM_LOSS_CHUNK_TOKENS, HybridOutput
+from gptoss_cli.model.moe import DenseMLPLayer, MoELayer, RouterStats, RouterStatsRequest
 from gptoss_cli.model.norm import RMSNorm
 from gptoss_cli.model.pattern import ATTENTION, MLP, MOE, HybridPattern, parse_pattern
+from gptoss_cli.model.positions import default_position_ids
 from gptoss_cli.model.recompute import RecomputePlan, checkpointed
 from gptoss_cli.model.rope import YarnRotaryEmbedding
-
-IGNORE_INDEX = -100
-
-
-def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-    """Cross-entropy of next-token labels in fp32, ignoring IGNORE_INDEX: the one definition of the
-    language-model loss (the model's forward, the schedule plan and the trainer's loss_func; the
-    chunked form below applies it to one chunk of tokens at a time)."""
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                           ignore_index=IGNORE_INDEX, reduction=reduction)
-
-
-# Tokens per chunk of the LM head + loss. The logits of one chunk (chunk x vocabulary, fp32 for the
-# loss) stay small: 256 x 201,088 x 4 bytes = 206 MB for GPT-OSS, against 3.3 GB for 4096 tokens
-# at once; on CPUs a chunk of a 20k vocabulary also stays in cache (bench/train.py, 11% faster).
-LM_LOSS_CHUNK_TOKENS = 256
-
-
-class _ChunkedLMLoss(torch.autograd.Function):
-    """sum over tokens of token_cross_entropy(hidden @ weight^T, labels), one chunk of tokens at a time.
-
-    The loss is the last op of the graph, so its gradients are computed in the same pass (the
-    fused linear + cross-entropy of Liger and Megatron): per chunk, the logits, the loss and its
-    gradient with respect to the logits (autograd of token_cross_entropy), then dhidden = dlogits @ W
-    and dW += dlogits^T @ hidden. backward scales them by the incoming gradient; no chunk's logits
-    outlive it."""
-
-    @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int,
-                want_grad: bool) -> torch.Tensor:
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        grad_h = torch.empty_like(hidden) if want_grad else None
-        # dW adds up over chunks: in fp32, then cast once (as a single GEMM would round once).
-        # A frozen output layer (LoRA) gets no gradient: its V x H accumulator is never allocated.
-        want_w = want_grad and weight.requires_grad
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
-        for start in range(0, hidden.shape[0], chunk):
-            h = hidden[start:start + chunk]
-            logits = F.linear(h, weight)
-            if not want_grad:
-                total += token_cross_entropy(logits, labels[start:start + chunk], reduction="sum")
-                continue
-            with torch.enable_grad():
-                logits.requires_grad_(True)
-                loss = token_cross_entropy(logits, labels[start:start + chunk], reduction="sum")
-                (dlogits,) = torch.autograd.grad(loss, logits)
-            total += loss.detach()
-            torch.mm(dlogits, weight, out=grad_h[start:start + chunk])
-            if grad_w is None:
-                continue
-            if grad_w.dtype == dlogits.dtype:
-                grad_w.addmm_(dlogits.t(), h)
-            else:
-                grad_w += dlogits.t() @ h
-        ctx.grads = (grad_h, grad_w.to(weight.dtype) if grad_w is not None else None)
-        return total
-
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        grad_h, grad_w = ctx.grads
-        ctx.grads = None
-        if grad_h is None:
-            raise RuntimeError("the chunked LM loss was computed without gradients (no_grad) and cannot back-propagate")
-        grad_w = None if grad_w is None else grad_w * grad_out.to(grad_w.dtype)
-        return grad_h * grad_out.to(grad_h.dtype), grad_w, None, None, None
-
-
-def chunked_lm_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                        chunk_tokens: int = LM_LOSS_CHUNK_TOKENS) -> torch.Tensor:
-    """`token_cross_entropy(hidden @ weight^T, labels, reduction="sum")` without the logits of every
-    token in memory at once: hidden [..., H] (after the final norm), weight [V, H], labels [...]."""
-    h = hidden.reshape(-1, hidden.shape[-1])
-    want_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    return _ChunkedLMLoss.apply(h, weight, labels.reshape(-1), max(1, int(chunk_tokens)), want_grad)
-
-
-class HybridOutput:
-    """The model's output. The LM head is applied lazily: the final-norm hidden states and the
-    output layer's weight are kept, `logits` computes them on first access, and `lm_loss_sum`
-    computes the loss chunk by chunk without them (or from the logits, once they exist)."""
-
-    def __init__(self, logits: torch.Tensor | None = None, *, hidden: torch.Tensor | None = None,
-                 head_weight: torch.Tensor | None = None, loss_chunk_tokens: int = LM_LOSS_CHUNK_TOKENS):
-        if logits is None and (hidden is None or head_weight is None):
-            raise ValueError("HybridOutput needs logits, or hidden and head_weight")
-        self._logits, self.hidden, self.head_weight = logits, hidden, head_weight
-        self.loss_chunk_tokens = loss_chunk_tokens
-        # lm_loss + aux_loss_coef * aux_loss when labels are given (the HF convention), else None
-        self.loss: torch.Tensor | None = None
-        self.lm_loss: torch.Tensor | None = None  # mean token cross-entropy over labels != -100
-        self.aux_loss: torch.Tensor | None = None  # unscaled load-balancing loss, when collected
-        self.z_loss: torch.Tensor | None = None  # unscaled router z-loss, when collected
-        # float64 [MoE layers, E + 2] routing telemetry in training (model/moe.py, `router_table`)
-        self.router_table: torch.Tensor | None = None
-
-    @property
-    def logits(self) -> torch.Tensor:
-        """[B, S, V]"""
-        if self._logits is None:
-            self._logits = F.linear(self.hidden, self.head_weight)
-        return self._logits
-
-    def lm_loss_sum(self, labels: torch.Tensor) -> torch.Tensor:
-        """Summed token cross-entropy over labels != IGNORE_INDEX (fp32 scalar)."""
-        if self._logits is not None:
-            return token_cross_entropy(self._logits, labels, reduction="sum")
-        return chunked_lm_loss_sum(self.hidden, self.head_weight, labels, self.loss_chunk_tokens)
-
-
-def lm_loss_sum(output: object, labels: torch.Tensor) -> torch.Tensor:
-    """The summed token cross-entropy of a model output: `output.lm_loss_sum(labels)` where the
-    output offers it (HybridOutput: chunked), else token_cross_entropy of `output.logits`."""
-    own = getattr(output, "lm_loss_sum", None)
-    if callable(own):
-        return own(labels)
-    return token_cross_entropy(output.logits, labels, reduction="sum")
-
 
 def layer_windows(arch: GptOssArch, pattern: HybridPattern) -> dict[int, int | None]:
     """Sliding window of every attention layer, keyed by physical layer index (section 4)."""
@@ -205,70 +92,6 @@ def build_layer(
 def run_layer(layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
               cu_seqlens: tuple[int, ...] | None = None) -> torch.Tensor:
     return layer(x, cos, sin, cu_seqlens) if isinstance(layer, AttentionLayer) else layer(x)
-
-
-def init_weights_(model: "HybridModel", std: float, seed: int) -> None:
-    """The one initialisation rule: norm weights 1, biases 0, every other tensor normal(0, std)
-    drawn from its own generator seeded by (seed, crc32(checkpoint name)).
-
-    A tensor's value depends only on the seed and its checkpoint name, not on which rank or
-    expert slice holds it, so any EP layout starts from the same model."""
-    with torch.no_grad():
-        for name, dest in model.named_checkpoint_slots():
-            leaf = name.rsplit(".", 1)[-1]
-            if ("norm" in name and leaf.startswith("weight")) or leaf == "layer_norm_weight":
-                dest.fill_(1.0)
-            elif leaf.startswith("bias"):
-                dest.zero_()
-            else:
-                g = torch.Generator().manual_seed((seed * 2_654_435_761 + zlib.crc32(name.encode())) % (1 << 63))
-                dest.copy_(torch.randn(dest.shape, generator=g, dtype=torch.float32).mul_(std))
-
-
-def checkpoint_slots(
-    module: nn.Module, prefix: str = "", *, all_experts: bool = False, num_experts: int | None = None
-) -> Iterator[tuple[str, torch.Tensor | None]]:
-    """(checkpoint name, destination tensor) for every parameter of `module` (a model or one layer,
-    names prefixed by `prefix`). Expert names map to a row of their stacked parameter; with
-    all_experts, names of experts this module does not hold come with None."""
-    owners = {name: m for name, m in module.named_modules() if isinstance(m, PerExpertParams)}
-    for name, param in module.named_parameters():
-        owner_name, _, leaf = name.rpartition(".")
-        owner = owners.get(owner_name)
-        if owner is None:
-            yield prefix + name, param
-            continue
-        ids = range(num_experts) if all_experts and num_experts is not None else owner.global_ids()
-        for e in ids:
-            local = e - owner.expert_offset
-            held = 0 <= local < owner.num_local_experts
-            yield f"{prefix}{owner_name}.{leaf}{e}", (param[local] if held else None)
-
-
-def set_gemms(
-    module: nn.Module,
-    *,
-    dense: Callable[[str], DenseGemm] | None = None,
-    grouped: Callable[[str], GroupedGemm] | None = None,
-) -> list[str]:
-    """Choose the numerics of the transformer layers' GEMMs: `dense(name)` gives the gemm of each
-    linear projection (attention's `linear_qkv` and `linear_proj`, a `-` layer's MLP),
-    `grouped(name)` that of each experts' `linear_fc1` / `linear_fc2`; None restores the default.
-    `name` is the layer's parameter prefix, which low-precision gemms use in their errors.
-
-    The router, embeddings, output layer, norms and sinks keep the model's dtype (they are not
-    these module types). Returns the names of the layers that got a gemm."""
-    named: list[str] = []
-    for name, m in module.named_modules():
-        if isinstance(m, (Linear, LayerNormLinear)):
-            m.gemm = dense(name) if dense is not None else None
-        elif isinstance(m, ExpertLinear):
-            m.gemm = grouped(name) if grouped is not None else None
-        else:
-            continue
-        if m.gemm is not None:
-            named.append(name)
-    return named
 
 
 class HybridModel(nn.Module):
@@ -380,17 +203,7 @@ class HybridModel(nn.Module):
         self.recompute = plan
         pieces = plan.layer_pieces(self.pattern.layers)
         for j, layer in enumerate(self.decoder.layers):
-            mods = set() if "layer" in pieces[j] else pieces[j]
-            if isinstance(layer, AttentionLayer):
-                layer.self_attention.linear_qkv.recompute_norm = "layernorm" in mods
-                layer.self_attention.core_attention.recompute = "core_attn" in mods
-            elif isinstance(layer, MoELayer):
-                layer.recompute_norm = "layernorm" in mods
-                layer.mlp.experts.recompute_mlp = "moe" in mods
-                layer.mlp.experts.recompute_act = "moe_act" in mods and "moe" not in mods
-            elif isinstance(layer, DenseMLPLayer):
-                layer.recompute_mlp = "mlp" in mods
-                layer.recompute_norm = "layernorm" in mods and "mlp" not in mods
+            layer.set_recompute(set() if "layer" in pieces[j] else pieces[j])
 
     def set_gemms(self, *, dense: Callable[[str], DenseGemm] | None = None,
                   grouped: Callable[[str], GroupedGemm] | None = None) -> list[str]:
@@ -408,19 +221,9 @@ class HybridModel(nn.Module):
 
     def rope(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, dtype: torch.dtype,
              cu_seqlens: tuple[int, ...] | None = None):
-        """cos/sin of `position_ids`; by default positions count from 0 in every row, or in every
-        document of `cu_seqlens` (packed documents)."""
-        cp = cp_size_of(self.cp_group)
-        if position_ids is None and cp > 1:
-            # input_ids is this rank's slice: positions of the full rows, then the slice.
-            b, s = input_ids.shape
-            position_ids = (local_positions(b, s, self.cp_group, input_ids.device) if cu_seqlens is None else
-                            slice_sequence(document_positions(cu_seqlens, b, s * cp, device=input_ids.device),
-                                           cp, torch.distributed.get_rank(self.cp_group)))
-        elif position_ids is None and cu_seqlens is not None:
-            position_ids = document_positions(cu_seqlens, *input_ids.shape, device=input_ids.device)
-        elif position_ids is None:
-            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape[0], -1)
+        """cos/sin of `position_ids`, by default those of model/positions.py (rows, documents, CP slice)."""
+        if position_ids is None:
+            position_ids = default_position_ids(input_ids, cu_seqlens, self.cp_group)
         return self.rotary_pos_emb(position_ids, dtype)
 
     def output(self, x: torch.Tensor) -> HybridOutput:
@@ -468,13 +271,8 @@ class HybridModel(nn.Module):
 
     def attach_router_stats(self, out: HybridOutput, stats: list[RouterStats]) -> None:
         """The MoE layers' statistics -> out.router_table, and out.aux_loss / out.z_loss when on."""
-        if not stats:
-            return
-        out.router_table = router_table(stats)
-        if self.aux_loss_coef > 0:
-            out.aux_loss = load_balancing_loss(stats, self.arch.num_local_experts)
-        if self.z_loss_coef > 0:
-            out.z_loss = router_z_loss(stats)
+        out.add_router_stats(stats, self.arch.num_local_experts, aux_loss=self.aux_loss_coef > 0,
+                             z_loss=self.z_loss_coef > 0)
 
     def _run_layers(self, start: int, end: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                     cu_seqlens: tuple[int, ...] | None = None, want: RouterStatsRequest | None = None
@@ -490,14 +288,8 @@ class HybridModel(nn.Module):
         return x, stats
 
     def attach_losses(self, out: HybridOutput, labels: torch.Tensor | None) -> HybridOutput:
-        """HF's convention: loss = mean token cross-entropy + aux_loss_coef * aux loss
-        (+ z_loss_coef * z-loss, Megatron's, when on)."""
-        if labels is not None:
-            out.lm_loss = out.lm_loss_sum(labels) / (labels != IGNORE_INDEX).sum()
-            out.loss = out.lm_loss if out.aux_loss is None else out.lm_loss + self.aux_loss_coef * out.aux_loss
-            if out.z_loss is not None:
-                out.loss = out.loss + self.z_loss_coef * out.z_loss
-        return out
+        """out.loss and out.lm_loss when labels are given (`HybridOutput.add_losses`)."""
+        return out.add_losses(labels, self.aux_loss_coef, self.z_loss_coef)
 
     # --- checkpoint names -----------------------------------------------------------------
     def checkpoint_names(self) -> list[str]:

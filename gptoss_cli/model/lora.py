@@ -21,7 +21,6 @@ state: both are built for trainable parameters only) and adds the adapters.
 from __future__ import annotations
 
 import math
-import zlib
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -32,8 +31,10 @@ from torch import nn
 from gptoss_cli.errors import ConfigError
 from gptoss_cli.model.attention import LayerNormLinear
 from gptoss_cli.model.dense_gemm import Linear
+from gptoss_cli.model.expert_names import PerExpertParams, checkpoint_slots
 from gptoss_cli.model.grouped_gemm import grouped_linear
-from gptoss_cli.model.moe import ExpertLinear, PerExpertParams
+from gptoss_cli.model.init import name_generator
+from gptoss_cli.model.moe import ExpertLinear
 
 # Megatron's names of the layers LoRA can target.
 ATTENTION_TARGETS = ("linear_qkv", "linear_proj")
@@ -175,8 +176,6 @@ def is_adapter_name(name: str) -> bool:
 def init_lora_(model: nn.Module, seed: int) -> None:
     """A as PEFT initialises it (uniform, bound 1/sqrt(in)), B zero; each tensor (each expert's) from a
     generator seeded by (seed, its checkpoint name)."""
-    from gptoss_cli.model.hybrid import checkpoint_slots
-
     with torch.no_grad():
         for name, dest in checkpoint_slots(model):
             if dest is None or not is_adapter_name(name):
@@ -184,8 +183,8 @@ def init_lora_(model: nn.Module, seed: int) -> None:
             if f".{LINEAR_OUT}." in name:
                 dest.zero_()
                 continue
-            g = torch.Generator().manual_seed((seed * 2_654_435_761 + zlib.crc32(name.encode())) % (1 << 63))
             bound = 1.0 / math.sqrt(dest.shape[-1])
+            g = name_generator(seed, name)
             dest.copy_(torch.rand(dest.shape, generator=g, dtype=torch.float32).mul_(2 * bound).sub_(bound))
 
 
@@ -199,8 +198,8 @@ def adapter_tensors(model: nn.Module, *, grads: bool = False) -> dict[str, torch
             t = part.weight.grad if grads else part.weight.detach()
             prefix = f"{layer_name}.{ADAPTER}.{part_name}.weight"
             if isinstance(part, _ExpertFactor):
-                for local, e in enumerate(part.global_ids()):
-                    out[f"{prefix}{e}"] = None if t is None else t[local]
+                for local, key in enumerate(part.expert_names(prefix)):
+                    out[key] = None if t is None else t[local]
             else:
                 out[prefix] = t
     return out
@@ -214,8 +213,8 @@ def lora_deltas(model: nn.Module) -> dict[str, torch.Tensor]:
         for layer_name, adapter in adapter_modules(model):
             delta = adapter.delta()
             if isinstance(adapter, ExpertLoraAdapter):
-                for local, e in enumerate(adapter.linear_in.global_ids()):
-                    out[f"{layer_name}.weight{e}"] = delta[local]
+                for local, key in enumerate(adapter.linear_in.expert_names(f"{layer_name}.weight")):
+                    out[key] = delta[local]
             else:
                 out[f"{layer_name}.weight"] = delta
     return out

@@ -12,7 +12,7 @@ model/dispatcher.py) -> `experts` (grouped GEMMs on the local experts; model/gro
 
 The layer holds a contiguous range of experts [expert_offset, expert_offset + num_local_experts)
 as stacked tensors `[E_local, out, in]` for grouped GEMMs; its state_dict uses the per-expert,
-global-id names of the Hybrid checkpoint (`linear_fc1.weight{e}` ...), see `ExpertLinear`.
+global-id names of the Hybrid checkpoint (`linear_fc1.weight{e}` ...; model/expert_names.py), see `ExpertLinear`.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from gptoss_cli.errors import ConfigError
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.model.dispatcher import AllToAllTokenDispatcher, expert_counts
 from gptoss_cli.model.dense_gemm import Linear
+from gptoss_cli.model.expert_names import PerExpertParams
 from gptoss_cli.model.grouped_gemm import GroupedGemm, WgradQueue, grouped_linear
 from gptoss_cli.model.norm import RMSNorm
 from gptoss_cli.model.recompute import checkpointed, discard_saved, without_output
@@ -108,61 +109,6 @@ class Router(nn.Module):
 
 # --------------------------------------------------------------------------------------------
 # Experts
-
-
-class PerExpertParams(nn.Module):
-    """Parameters stacked over the local experts, `[E_local, ...]`, named per expert on disk.
-
-    state_dict() and load_state_dict() speak the checkpoint's per-expert names with GLOBAL expert
-    ids (`weight{e}`, `bias{e}` for e in [expert_offset, expert_offset + E_local)), so a layer that
-    holds a slice of the experts under expert parallelism saves and loads its own slice. `stacked`
-    lists the parameter names that are stacked this way."""
-
-    stacked: tuple[str, ...] = ("weight", "bias")
-
-    def __init__(self, num_local_experts: int, expert_offset: int):
-        super().__init__()
-        self.expert_offset = expert_offset
-        self.num_local_experts = num_local_experts
-        self.register_state_dict_post_hook(PerExpertParams._split_state_dict)
-        self.register_load_state_dict_pre_hook(PerExpertParams._join_state_dict)
-        self.register_load_state_dict_post_hook(PerExpertParams._drop_stacked_missing)
-
-    def global_ids(self) -> range:
-        return range(self.expert_offset, self.expert_offset + self.num_local_experts)
-
-    @staticmethod
-    def _split_state_dict(module: "PerExpertParams", state_dict, prefix, local_metadata) -> None:
-        for name in module.stacked:
-            stacked = state_dict.pop(prefix + name)
-            for local, e in enumerate(module.global_ids()):
-                state_dict[f"{prefix}{name}{e}"] = stacked[local]
-
-    @staticmethod
-    def _join_state_dict(module: "PerExpertParams", state_dict, prefix, local_metadata, strict,
-                         missing_keys, unexpected_keys, error_msgs) -> None:
-        module._load_prefix = prefix
-        for name in module.stacked:
-            keys = [f"{prefix}{name}{e}" for e in module.global_ids()]
-            absent = [k for k in keys if k not in state_dict]
-            if absent:
-                missing_keys.extend(absent)
-                for k in keys:
-                    state_dict.pop(k, None)
-                continue
-            state_dict[prefix + name] = torch.stack([state_dict.pop(k) for k in keys])
-
-    @staticmethod
-    def _drop_stacked_missing(module: "PerExpertParams", incompatible_keys) -> None:
-        # The stacked names are internal; the per-expert names were already reported missing.
-        prefix = getattr(module, "_load_prefix", None)
-        for name in module.stacked:
-            if prefix is not None and prefix + name in incompatible_keys.missing_keys:
-                incompatible_keys.missing_keys.remove(prefix + name)
-
-    def extra_repr(self) -> str:
-        e, o, i = self.weight.shape
-        return f"experts [{self.expert_offset}, {self.expert_offset + e}), out={o}, in={i}"
 
 
 class ExpertLinear(PerExpertParams):
@@ -338,6 +284,13 @@ class MoELayer(nn.Module):
         # that moves tokens between ranks.
         self.token_dispatcher = token_dispatcher
 
+    def set_recompute(self, pieces: set[str]) -> None:
+        """The selective recompute pieces of this layer (model/recompute.py): layernorm, moe, moe_act
+        (dropped inside moe: checkpoints do not nest)."""
+        self.recompute_norm = "layernorm" in pieces
+        self.mlp.experts.recompute_mlp = "moe" in pieces
+        self.mlp.experts.recompute_act = "moe_act" in pieces and "moe" not in pieces
+
     # --- the four stages (the overlap schedule's node split) --------------------------------
     def pre_dispatch(self, x: torch.Tensor, stats: RouterStatsRequest | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, RouterStats | None]:
@@ -405,6 +358,12 @@ class DenseMLPLayer(nn.Module):
         self.mlp = nn.Module()
         self.mlp.linear_fc1 = Linear(h, 2 * i, bias=True, device=device, dtype=dtype)
         self.mlp.linear_fc2 = Linear(i, h, bias=True, device=device, dtype=dtype)
+
+    def set_recompute(self, pieces: set[str]) -> None:
+        """The selective recompute pieces of this layer (model/recompute.py): mlp, layernorm (dropped
+        inside mlp: checkpoints do not nest)."""
+        self.recompute_mlp = "mlp" in pieces
+        self.recompute_norm = "layernorm" in pieces and "mlp" not in pieces
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.recompute_mlp:

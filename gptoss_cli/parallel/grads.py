@@ -37,6 +37,7 @@ from torch import nn
 
 from gptoss_cli.buckets import ALIGN, default_bucket_size
 from gptoss_cli.errors import ConfigError, TrainingError
+from gptoss_cli.model.expert_names import is_expert_name
 from gptoss_cli.parallel.state import ParallelState, all_reduce, group_rank, group_size, reduce_scatter
 
 
@@ -50,13 +51,6 @@ class GradBufferConfig:
     # main_grad (accumulation and reduction) in fp32; False: in the parameters' dtype (Megatron's
     # grad_reduce_in_fp32=False), half the buffer for bf16 at the cost of bf16 sums
     grad_reduce_in_fp32: bool = True
-
-
-def is_expert_param(name: str, param: nn.Parameter | None = None) -> bool:
-    """Expert weights are split over EP and reduced over expert-DP; everything else is dense."""
-    if param is not None and getattr(param, "is_expert", None) is not None:
-        return bool(param.is_expert)
-    return ".mlp.experts." in f".{name}"
 
 
 def pad(n: int, multiple: int) -> int:
@@ -192,10 +186,10 @@ class GradBuffers:
         self.config = config
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         shard = config.use_distributed_optimizer
-        self.dense = GradBuffer([(n, p) for n, p in named if not is_expert_param(n, p)], state.device,
+        self.dense = GradBuffer([(n, p) for n, p in named if not is_expert_name(n)], state.device,
                                 group=state.dp_group, shard=shard, bucket_size=config.bucket_size,
                                 grad_in_fp32=config.grad_reduce_in_fp32)
-        self.expert = GradBuffer([(n, p) for n, p in named if is_expert_param(n, p)], state.device,
+        self.expert = GradBuffer([(n, p) for n, p in named if is_expert_name(n)], state.device,
                                  group=state.expert_dp_group, shard=shard, bucket_size=config.bucket_size,
                                  grad_in_fp32=config.grad_reduce_in_fp32)
         self.sync_enabled = True  # False inside no_sync: the microbatch is not the step's last
@@ -321,5 +315,4 @@ def finalize_model_grads(
 __all__ = [
     "ALIGN", "Bucket", "GradBuffer", "GradBufferConfig", "GradBuffers", "GradAccumulatingModel",
     "default_bucket_size", "finalize_model_grads", "get_model_config", "get_attr_wrapped_model", "unwrap_model",
-    "is_expert_param",
 ]

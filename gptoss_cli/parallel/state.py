@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from gptoss_cli.errors import ConfigError
+from gptoss_cli.model.expert_names import ep_slice
 
 
 @dataclass
@@ -84,8 +85,8 @@ class ParallelState:
                 f"num_local_experts={num_experts} is not divisible by expert_model_parallel_size={self.ep_size}",
                 hint="choose an EP size that divides the number of experts",
             )
-        n = num_experts // self.ep_size
-        return self.ep_rank * n, n
+        held = ep_slice(num_experts, self.ep_size, self.ep_rank)
+        return held.start, len(held)
 
 
 def torchrun_env() -> dict[str, int] | None:

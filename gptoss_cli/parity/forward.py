@@ -20,7 +20,8 @@ from torch import nn
 from gptoss_cli.errors import CheckpointError
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.checkpoint.load import read_hybrid_tensor
-from gptoss_cli.model.hybrid import build_layer, checkpoint_slots, layer_windows, run_layer
+from gptoss_cli.model.expert_names import checkpoint_slots
+from gptoss_cli.model.hybrid import build_layer, layer_windows, run_layer
 from gptoss_cli.model.norm import RMSNorm
 from gptoss_cli.model.pattern import parse_pattern
 from gptoss_cli.model.rope import YarnRotaryEmbedding

@@ -45,7 +45,7 @@ GB = 1e9
 # Memory of one GPU of each `system.gpu` generation, in GB (10^9 bytes), as the vendors state it.
 GPU_MEMORY_GB = {"h100": 80, "h200": 141, "b200": 180, "gb200": 186, "gb300": 288}
 WARN_FRACTION = 0.9
-LM_LOSS_CHUNK = 256  # gptoss_cli.model.hybrid.LM_LOSS_CHUNK_TOKENS (recipe/ stays torch-free)
+LM_LOSS_CHUNK = 256  # gptoss_cli.model.loss.LM_LOSS_CHUNK_TOKENS (recipe/ stays torch-free)
 SLIDING_QUERY_BLOCK = 64  # gptoss_cli.model.attention.SLIDING_QUERY_BLOCK
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 FP32 = 4

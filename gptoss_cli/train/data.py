@@ -31,7 +31,7 @@ from gptoss_cli.data.packing import pack_documents, packing_efficiency
 from gptoss_cli.errors import ConfigError
 from gptoss_cli.model.attention import document_offsets, document_positions
 from gptoss_cli.model.context_parallel import slice_sequence
-from gptoss_cli.model.hybrid import IGNORE_INDEX
+from gptoss_cli.model.loss import IGNORE_INDEX
 from gptoss_cli.token_format import INDEX_DTYPE, check_token_files, document_file_paths, has_documents, read_token_header
 
 # The format's dtype names as torch dtypes (gptoss_cli/token_format.py).

@@ -32,7 +32,7 @@ from gptoss_cli.recipe.environment import gpu_from_device_name
 from gptoss_cli.recipe.flops import model_flops_per_token, peak_tflops, recompute_flops_per_token, throughput
 from gptoss_cli.recipe.schema import RecipeConfig
 from gptoss_cli.resources import keep_freed_memory
-from gptoss_cli.model.hybrid import IGNORE_INDEX, lm_loss_sum
+from gptoss_cli.model.loss import IGNORE_INDEX, lm_loss_sum
 from gptoss_cli.parallel.grads import get_attr_wrapped_model, get_model_config
 from gptoss_cli.parallel.state import ParallelState, all_gather, barrier, destroy_parallel, init_parallel
 from gptoss_cli.schedule import get_forward_backward_func
@@ -128,7 +128,7 @@ def microbatch_loss(labels: torch.Tensor, aux_coeff: float, output: Any, *,
 
     The logs stay on the device: the loss terms, and the model's router table when it has one
     (train/telemetry.py sums them over the step)."""
-    lm_sum = lm_loss_sum(output, labels)  # chunked over tokens for HybridOutput (model/hybrid.py)
+    lm_sum = lm_loss_sum(output, labels)  # chunked over tokens for HybridOutput (model/loss.py)
     num_tokens = (labels != IGNORE_INDEX).sum()
     loss_sum = lm_sum
     logs: dict[str, Any] = {"lm_loss_sum": lm_sum.detach()}

@@ -32,7 +32,6 @@ and reads them by their offsets, so any other cut of the same tensor can be load
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -40,11 +39,11 @@ import torch
 import torch.distributed as dist
 
 from gptoss_cli.errors import ConfigError, TrainingError
+from gptoss_cli.model.expert_names import PerExpertParams, parse_expert_name
 from gptoss_cli.parallel.grads import Bucket, GradAccumulatingModel, GradBuffer
 from gptoss_cli.parallel.state import ParallelState, all_gather, all_reduce, group_size
 from gptoss_cli.recipe.schema import OptimizerConfig
 
-_BIAS = re.compile(r"bias\d*")  # `bias`, or `bias{e}` in per-expert checkpoint names
 STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
 
 
@@ -60,8 +59,9 @@ def decays(name: str) -> bool:
     Megatron's rule, `name.endswith(".bias") or param.dim() == 1`, selects the same set for the
     Hybrid model's per-expert 1-D biases; deciding by shape instead would decay our stacked ones.
     """
-    owner, _, leaf = name.rpartition(".")
-    if _BIAS.fullmatch(leaf) or leaf in ("layer_norm_weight", "softmax_offset"):
+    per_expert = parse_expert_name(name)  # a checkpoint name `...bias{e}` decays as its stack `...bias`
+    owner, _, leaf = (name if per_expert is None else per_expert.stack).rpartition(".")
+    if leaf in ("bias", "layer_norm_weight", "softmax_offset"):
         return False
     return not (leaf == "weight" and owner.rpartition(".")[2].endswith("norm"))
 
@@ -268,14 +268,13 @@ class DistributedAdamW:
         """(checkpoint name, shape, first element in the flattened parameter): stacked local experts
         split into one entry per GLOBAL expert id (as the model's state_dict names them), so the
         state does not depend on the EP layout."""
-        owner_name, _, leaf = name.rpartition(".")
+        owner_name = name.rpartition(".")[0]
         owner = self._module.get_submodule(owner_name) if owner_name else self._module
-        offset, n = getattr(owner, "expert_offset", None), getattr(owner, "num_local_experts", None)
         shape = tuple(param.shape)
-        if offset is None or n is None or not shape or shape[0] != n:
+        if not isinstance(owner, PerExpertParams):
             return [(name, shape, 0)]
         per = math.prod(shape[1:])
-        return [(f"{owner_name}.{leaf}{offset + i}", shape[1:], i * per) for i in range(n)]
+        return [(key, shape[1:], i * per) for i, key in enumerate(owner.expert_names(name))]
 
     def _entries(self) -> Iterator[tuple[str, _Shard, tuple[int, ...], int, int, int]]:
         """(checkpoint name, shard, shape, buffer offset of the entry, held [lo, hi) in buffer coordinates)."""

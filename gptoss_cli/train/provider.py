@@ -111,7 +111,7 @@ class HybridModelProvider:
 
     def provide(self, state: ParallelState) -> nn.Module:
         from gptoss_cli.checkpoint.load import build_model, load_weights
-        from gptoss_cli.model.hybrid import init_weights_
+        from gptoss_cli.model.init import init_weights_
 
         cfg = self.config
         arch = cfg.arch

@@ -100,13 +100,13 @@ def _weights(optimizer) -> dict[str, torch.Tensor]:
 
 def _at_weights(rank: int, run_root: Path, snapshots: dict[int, dict[str, torch.Tensor]]) -> dict:
     """Every recipe's loss and finalised gradients at each snapshot (one step from those weights)."""
-    import gptoss_cli.model.hybrid as hybrid
+    import gptoss_cli.model.init as model_init
     from gptoss_cli.fp8.matmul import Fp8Numerics
     from gptoss_cli.recipe.load import load_recipe
     from gptoss_cli.train.loop import TrainJob, run_worker
     from tests.train.dist_helpers import named_grads
 
-    init, real_matmul = hybrid.init_weights_, Fp8Numerics.matmul
+    init, real_matmul = model_init.init_weights_, Fp8Numerics.matmul
 
     def off_by_2(self, a, b, *, grad_operand, **kw):
         out = real_matmul(self, a, b, grad_operand=grad_operand, **kw)
@@ -120,7 +120,7 @@ def _at_weights(rank: int, run_root: Path, snapshots: dict[int, dict[str, torch.
                     for n, dest in model.named_checkpoint_slots():
                         dest.copy_(weights[n])
 
-            hybrid.init_weights_ = copy_in
+            model_init.init_weights_ = copy_in
             names = [*RUNS, BROKEN] if step == SNAPSHOTS[1] else list(RUNS)
             out[step] = {}
             for name in names:
@@ -135,16 +135,16 @@ def _at_weights(rank: int, run_root: Path, snapshots: dict[int, dict[str, torch.
                     result = run_worker(TrainJob.from_recipe(recipe))
                 out[step][name] = {"loss": result.losses[0], "grads": grads}
     finally:
-        hybrid.init_weights_, Fp8Numerics.matmul = init, real_matmul
+        model_init.init_weights_, Fp8Numerics.matmul = init, real_matmul
     return out
 
 
 def _train_all(rank: int, run_root: str) -> dict:
-    import gptoss_cli.model.hybrid as hybrid
+    import gptoss_cli.model.init as model_init
     from gptoss_cli.recipe.load import load_recipe
     from gptoss_cli.train.loop import TrainJob, run_worker
 
-    hybrid.init_weights_ = _large_expert_biases(hybrid.init_weights_)
+    model_init.init_weights_ = _large_expert_biases(model_init.init_weights_)
     out = {}
     snapshots: dict[int, dict[str, torch.Tensor]] = {}
     for name, (overrides, steps) in RUNS.items():

@@ -1,4 +1,4 @@
-"""The language-model loss computed chunk by chunk (model/hybrid.py) equals the loss of the full logits.
+"""The language-model loss computed chunk by chunk (model/loss.py) equals the loss of the full logits.
 
 Error model (tests/tolerances.py): both forms compute every logit by the same H-term dot product
 and every token's cross-entropy by the same function (token_cross_entropy); what changes is the
@@ -13,7 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gptoss_cli.model.hybrid import IGNORE_INDEX, HybridModel, chunked_lm_loss_sum, token_cross_entropy
+from gptoss_cli.model.hybrid import HybridModel
+from gptoss_cli.model.loss import IGNORE_INDEX, chunked_lm_loss_sum, token_cross_entropy
 from tests.model.conftest import TINY, tokens
 from tests.tolerances import assert_tensors_close, reassociation_rel
 

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from gptoss_cli.model.attention import document_attention, document_offsets, document_positions, sink_attention
-from gptoss_cli.model.hybrid import IGNORE_INDEX, HybridModel
+from gptoss_cli.model.hybrid import HybridModel
+from gptoss_cli.model.loss import IGNORE_INDEX
 from tests.model.conftest import TINY, hf_to_hybrid_state_dict
 from tests.tolerances import assert_tensors_close, reassociation_rel
 

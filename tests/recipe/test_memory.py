@@ -6,9 +6,11 @@ import pytest
 import torch
 
 from gptoss_cli.model.config import preset
-from gptoss_cli.model.hybrid import LM_LOSS_CHUNK_TOKENS, HybridModel
+from gptoss_cli.model.expert_names import is_expert_name
+from gptoss_cli.model.hybrid import HybridModel
+from gptoss_cli.model.loss import LM_LOSS_CHUNK_TOKENS
 from gptoss_cli.model.pattern import ATTENTION, MLP, MOE
-from gptoss_cli.parallel.grads import ALIGN, GradAccumulatingModel, GradBufferConfig, is_expert_param
+from gptoss_cli.parallel.grads import ALIGN, GradAccumulatingModel, GradBufferConfig
 from gptoss_cli.parallel.state import ParallelState
 from gptoss_cli.recipe import load_recipe, validate_recipe
 from gptoss_cli.recipe import memory as M
@@ -20,7 +22,7 @@ TINY = preset("tiny")
 def test_parameter_layout_is_the_models_named_parameters(pattern, ep):
     n_local = TINY.num_local_experts // ep
     model = HybridModel(TINY, pattern, expert_offset=0, num_local_experts=n_local, device="meta")
-    want = [(n, p.numel(), is_expert_param(n, p)) for n, p in model.named_parameters()]
+    want = [(n, p.numel(), is_expert_name(n)) for n, p in model.named_parameters()]
     assert [(p.name, p.numel, p.expert) for p in M.parameter_layout(TINY, pattern, n_local)] == want
 
 

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from gptoss_cli.model.attention import CoreAttention
-from gptoss_cli.model.hybrid import IGNORE_INDEX
+from gptoss_cli.model.loss import IGNORE_INDEX
 from gptoss_cli.parallel.state import ParallelState, init_parallel
 from gptoss_cli.schedule import get_forward_backward_func
 from gptoss_cli.train.data import DataLoaderState, PackedRow

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from gptoss_cli.model.hybrid import checkpoint_slots
+from gptoss_cli.model.expert_names import checkpoint_slots
 from gptoss_cli.model.lora import adapter_modules, is_adapter_name
 from gptoss_cli.parallel.grads import unwrap_model
 from gptoss_cli.parallel.state import ParallelState, init_parallel

@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from gptoss_cli.parallel.grads import is_expert_param, unwrap_model
+from gptoss_cli.model.expert_names import is_expert_name
+from gptoss_cli.parallel.grads import unwrap_model
 from gptoss_cli.parallel.state import ParallelState
 from gptoss_cli.schedule import get_forward_backward_func
 from gptoss_cli.train.data import DataLoaderState
@@ -46,13 +47,13 @@ def test_finalised_grads_are_autograd_of_the_mean_token_loss_dense_and_expert():
     reference = {n: p.grad for n, p in plain.named_parameters()}
 
     assert set(ours) == set(reference)
-    assert any(is_expert_param(n) for n in ours) and not all(is_expert_param(n) for n in ours)
+    assert any(is_expert_name(n) for n in ours) and not all(is_expert_name(n) for n in ours)
     for name, want in reference.items():
         got = ours[name]
         err = (got.double() - want.double()).abs().max().item()
         scale = want.double().abs().max().item()
         ratio = want.double().norm().item() / max(got.double().norm().item(), 1e-30)
-        kind = "expert" if is_expert_param(name) else "dense"
+        kind = "expert" if is_expert_name(name) else "dense"
         assert err <= GRAD_REL * scale, (
             f"{kind} gradient {name}: max |diff| {err:.3g} vs {GRAD_REL:.2g} x {scale:.3g}; reference / ours = "
             f"{ratio:.4g} (= tokens {GLOBAL * SEQ}: divided by the token count twice; 1/tokens: never divided)")

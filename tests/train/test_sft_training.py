@@ -18,7 +18,8 @@ from typer.testing import CliRunner
 
 from gptoss_cli.cli import app
 from gptoss_cli.errors import ConfigError
-from gptoss_cli.model.hybrid import IGNORE_INDEX, checkpoint_slots
+from gptoss_cli.model.expert_names import checkpoint_slots
+from gptoss_cli.model.loss import IGNORE_INDEX
 from gptoss_cli.parallel.grads import unwrap_model
 from gptoss_cli.parallel.state import ParallelState, init_parallel
 from gptoss_cli.schedule import get_forward_backward_func

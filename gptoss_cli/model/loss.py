@@ -1,0 +1,154 @@
+"""The language-model loss: token cross-entropy, its chunked LM head + loss, and the model's output (`HybridOutput`).
+
+`HybridOutput` keeps the final-norm hidden states and the output layer's weight rather than the
+logits; the loss is computed chunk by chunk from them (`chunked_lm_loss_sum`), the logits only when
+asked for. The router losses and telemetry the MoE layers returned are attached to it here too
+(model/moe.py, `RouterStats`; docs/architecture.md, "Aux loss").
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from gptoss_cli.model.moe import RouterStats, load_balancing_loss, router_table, router_z_loss
+
+IGNORE_INDEX = -100
+
+
+def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy of next-token labels in fp32, ignoring IGNORE_INDEX: the one definition of the
+    language-model loss (the model's forward, the schedule plan and the trainer's loss_func; the
+    chunked form below applies it to one chunk of tokens at a time)."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                           ignore_index=IGNORE_INDEX, reduction=reduction)
+
+
+# Tokens per chunk of the LM head + loss. The logits of one chunk (chunk x vocabulary, fp32 for the
+# loss) stay small: 256 x 201,088 x 4 bytes = 206 MB for GPT-OSS, against 3.3 GB for 4096 tokens
+# at once; on CPUs a chunk of a 20k vocabulary also stays in cache (bench/train.py, 11% faster).
+LM_LOSS_CHUNK_TOKENS = 256
+
+
+class _ChunkedLMLoss(torch.autograd.Function):
+    """sum over tokens of token_cross_entropy(hidden @ weight^T, labels), one chunk of tokens at a time.
+
+    The loss is the last op of the graph, so its gradients are computed in the same pass (the
+    fused linear + cross-entropy of Liger and Megatron): per chunk, the logits, the loss and its
+    gradient with respect to the logits (autograd of token_cross_entropy), then dhidden = dlogits @ W
+    and dW += dlogits^T @ hidden. backward scales them by the incoming gradient; no chunk's logits
+    outlive it."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int,
+                want_grad: bool) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_h = torch.empty_like(hidden) if want_grad else None
+        # dW adds up over chunks: in fp32, then cast once (as a single GEMM would round once).
+        # A frozen output layer (LoRA) gets no gradient: its V x H accumulator is never allocated.
+        want_w = want_grad and weight.requires_grad
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
+        for start in range(0, hidden.shape[0], chunk):
+            h = hidden[start:start + chunk]
+            logits = F.linear(h, weight)
+            if not want_grad:
+                total += token_cross_entropy(logits, labels[start:start + chunk], reduction="sum")
+                continue
+            with torch.enable_grad():
+                logits.requires_grad_(True)
+                loss = token_cross_entropy(logits, labels[start:start + chunk], reduction="sum")
+                (dlogits,) = torch.autograd.grad(loss, logits)
+            total += loss.detach()
+            torch.mm(dlogits, weight, out=grad_h[start:start + chunk])
+            if grad_w is None:
+                continue
+            if grad_w.dtype == dlogits.dtype:
+                grad_w.addmm_(dlogits.t(), h)
+            else:
+                grad_w += dlogits.t() @ h
+        ctx.grads = (grad_h, grad_w.to(weight.dtype) if grad_w is not None else None)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        grad_h, grad_w = ctx.grads
+        ctx.grads = None
+        if grad_h is None:
+            raise RuntimeError("the chunked LM loss was computed without gradients (no_grad) and cannot back-propagate")
+        grad_w = None if grad_w is None else grad_w * grad_out.to(grad_w.dtype)
+        return grad_h * grad_out.to(grad_h.dtype), grad_w, None, None, None
+
+
+def chunked_lm_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                        chunk_tokens: int = LM_LOSS_CHUNK_TOKENS) -> torch.Tensor:
+    """`token_cross_entropy(hidden @ weight^T, labels, reduction="sum")` without the logits of every
+    token in memory at once: hidden [..., H] (after the final norm), weight [V, H], labels [...]."""
+    h = hidden.reshape(-1, hidden.shape[-1])
+    want_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    return _ChunkedLMLoss.apply(h, weight, labels.reshape(-1), max(1, int(chunk_tokens)), want_grad)
+
+
+class HybridOutput:
+    """The model's output. The LM head is applied lazily: the final-norm hidden states and the
+    output layer's weight are kept, `logits` computes them on first access, and `lm_loss_sum`
+    computes the loss chunk by chunk without them (or from the logits, once they exist)."""
+
+    def __init__(self, logits: torch.Tensor | None = None, *, hidden: torch.Tensor | None = None,
+                 head_weight: torch.Tensor | None = None, loss_chunk_tokens: int = LM_LOSS_CHUNK_TOKENS):
+        if logits is None and (hidden is None or head_weight is None):
+            raise ValueError("HybridOutput needs logits, or hidden and head_weight")
+        self._logits, self.hidden, self.head_weight = logits, hidden, head_weight
+        self.loss_chunk_tokens = loss_chunk_tokens
+        # lm_loss + aux_loss_coef * aux_loss when labels are given (the HF convention), else None
+        self.loss: torch.Tensor | None = None
+        self.lm_loss: torch.Tensor | None = None  # mean token cross-entropy over labels != -100
+        self.aux_loss: torch.Tensor | None = None  # unscaled load-balancing loss, when collected
+        self.z_loss: torch.Tensor | None = None  # unscaled router z-loss, when collected
+        # float64 [MoE layers, E + 2] routing telemetry in training (model/moe.py, `router_table`)
+        self.router_table: torch.Tensor | None = None
+
+    @property
+    def logits(self) -> torch.Tensor:
+        """[B, S, V]"""
+        if self._logits is None:
+            self._logits = F.linear(self.hidden, self.head_weight)
+        return self._logits
+
+    def lm_loss_sum(self, labels: torch.Tensor) -> torch.Tensor:
+        """Summed token cross-entropy over labels != IGNORE_INDEX (fp32 scalar)."""
+        if self._logits is not None:
+            return token_cross_entropy(self._logits, labels, reduction="sum")
+        return chunked_lm_loss_sum(self.hidden, self.head_weight, labels, self.loss_chunk_tokens)
+
+    def add_router_stats(self, stats: list[RouterStats], num_experts: int, *, aux_loss: bool, z_loss: bool) -> None:
+        """The MoE layers' statistics -> router_table, and the unscaled aux_loss / z_loss when on."""
+        if not stats:
+            return
+        self.router_table = router_table(stats)
+        if aux_loss:
+            self.aux_loss = load_balancing_loss(stats, num_experts)
+        if z_loss:
+            self.z_loss = router_z_loss(stats)
+
+    def add_losses(self, labels: torch.Tensor | None, aux_loss_coef: float, z_loss_coef: float) -> "HybridOutput":
+        """HF's convention: loss = mean token cross-entropy + aux_loss_coef * aux loss
+        (+ z_loss_coef * z-loss, Megatron's, when on)."""
+        if labels is not None:
+            self.lm_loss = self.lm_loss_sum(labels) / (labels != IGNORE_INDEX).sum()
+            self.loss = self.lm_loss if self.aux_loss is None else self.lm_loss + aux_loss_coef * self.aux_loss
+            if self.z_loss is not None:
+                self.loss = self.loss + z_loss_coef * self.z_loss
+        return self
+
+
+def lm_loss_sum(output: object, labels: torch.Tensor) -> torch.Tensor:
+    """The summed token cross-entropy of a model output: `output.lm_loss_sum(labels)` where the
+    output offers it (HybridOutput: chunked), else token_cross_entropy of `output.logits`."""
+    own = getattr(output, "lm_loss_sum", None)
+    if callable(own):
+        return own(labels)
+    return token_cross_entropy(output.logits, labels, reduction="sum")
+
+
+__all__ = ["IGNORE_INDEX", "LM_LOSS_CHUNK_TOKENS", "HybridOutput", "token_cross_entropy", "chunked_lm_loss_sum",
+           "lm_loss_sum"]
