@@ -32,7 +32,7 @@ from torch import nn
 from gptoss_cli.errors import ConfigError
 from gptoss_cli.model.attention import LayerNormLinear
 from gptoss_cli.model.dense_gemm import Linear
-from gptoss_cli.model.grouped_gemm import grouped_linear
+from gptoss_cli.model.grouped_gemm import WgradQueue, grouped_linear
 from gptoss_cli.model.moe import ExpertLinear, PerExpertParams
 
 # Megatron's names of the layers LoRA can target.
@@ -109,11 +109,16 @@ class ExpertLoraAdapter(nn.Module):
         self.linear_in = _ExpertFactor(e, base.expert_offset, settings.rank, in_features, device, dtype)
         self.linear_out = _ExpertFactor(e, base.expert_offset, out_features, settings.rank, device, dtype)
 
-    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor, wgrad_queue: WgradQueue | None = None,
+                name: str = "expert adapter") -> torch.Tensor:
+        """With `wgrad_queue` (delayed wgrad) the adapters' weight gradients wait in the queue like their
+        base layer's would; `name` is the base layer's (errors name it)."""
         a, b = self.linear_in.weight, self.linear_out.weight
         no_bias = a.new_zeros(a.shape[0], a.shape[1])
-        h = grouped_linear(self.dropout(x), a, no_bias, tokens_per_expert)
-        return grouped_linear(h, b, a.new_zeros(b.shape[0], b.shape[1]), tokens_per_expert) * self.scaling
+        h = grouped_linear(self.dropout(x), a, no_bias, tokens_per_expert, wgrad_queue=wgrad_queue,
+                           name=f"{name}.{ADAPTER}.{LINEAR_IN}")
+        return grouped_linear(h, b, a.new_zeros(b.shape[0], b.shape[1]), tokens_per_expert, wgrad_queue=wgrad_queue,
+                              name=f"{name}.{ADAPTER}.{LINEAR_OUT}") * self.scaling
 
     def delta(self) -> torch.Tensor:
         """scaling * B_e @ A_e for every local expert, [E_local, out, in] in fp32."""

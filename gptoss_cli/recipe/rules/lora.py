@@ -1,7 +1,7 @@
 """LoRA: targets that exist, rank bounds, a base to adapt, and what LoRA does not combine with yet.
 
 The overlap schedule and delayed wgrad combine with LoRA (tests/train/test_lora_ep.py): the frozen
-base queues no weight gradients, the adapters' are computed in backward. So do the FP8 recipes
+base queues no weight gradients, the expert adapters' wait in the queue. So do the FP8 recipes
 (tests/fp8/test_lora_fp8.py): the frozen base's GEMMs in FP8, the adapters in the params dtype."""
 
 from __future__ import annotations
