@@ -12,7 +12,8 @@ per expert, stacked `[E_local, rank, in]` / `[E_local, out, rank]` and named per
 (`...linear_fc1.adapter.linear_in.weight{e}`), so expert adapters live with their experts under
 expert parallelism and their names contain `.mlp.experts.` (reduced over the expert data-parallel
 group like the experts). The low-rank path runs in the params dtype with the default GEMMs,
-whatever gemm (FP8) the frozen base layer uses.
+whatever gemm (FP8) the frozen base layer uses. Under delayed wgrad the expert adapters' weight
+gradients wait in the schedule's queue (model/grouped_gemm.py); the frozen base queues none.
 
 `attach_lora` freezes every base parameter (no gradient, hence no gradient buffer and no optimizer
 state: both are built for trainable parameters only) and adds the adapters.
