@@ -15,6 +15,9 @@ the ratio ours-LoRA / ours-full (goal < 5%).
 
     python bench/lora.py --preset wide --batch 2 --seq 256 --rank 16 --steps 5 --repeats 3
 
+`--profile N` adds, after the timings, torch.profiler's top operators (self CPU time over N steps)
+of ours-LoRA and of transformers + PEFT: where each step's time goes.
+
 `--base-hash-mb N` instead times naming the frozen base (checkpoint/training_format.py's
 base_fingerprint, at every LoRA start, resume and export) on a base of N MB of safetensors files:
 the full sha256 read (the baseline, from the page cache: its fastest) against the cached fingerprint
@@ -153,6 +156,18 @@ def bench_base_hash(megabytes: int, repeats: int) -> dict[str, float]:
     return med
 
 
+def profile_steps(name: str, step, steps: int, top: int = 15) -> None:
+    """torch.profiler's operators of `steps` steps of `step`, the `top` ones by self CPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()  # warm-up outside the profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+    print(f"\n{name}: top {top} operators by self CPU time over {steps} steps")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=48))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="tiny")
@@ -164,6 +179,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--profile", type=int, default=0, help="also profile this many steps of ours-LoRA and HF+PEFT")
     ap.add_argument("--base-hash-mb", type=int, help="time the base fingerprint on a base of this many MB instead")
     args = ap.parse_args()
     if args.base_hash_mb:
@@ -200,6 +216,9 @@ def main() -> None:
           f"ours LoRA / ours full step time {med['ours_lora'] / med['ours_full']:.2f}")
     print(f"trainable state: ours LoRA {100 * share:.2f}% of our full fine-tune's (goal < 5%); "
           f"transformers + PEFT {state['hf_peft'] / state['ours_lora']:.2f}x ours")
+    if args.profile:
+        profile_steps("ours_lora", ours, args.profile)
+        profile_steps("hf_peft", theirs, args.profile)
     if args.json:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "median_s": med,
                                          "times_s": times, "state_bytes": state, "speedup_vs_hf_peft": speed,

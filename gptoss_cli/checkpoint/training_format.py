@@ -97,10 +97,10 @@ def base_fingerprint(folder: str | Path) -> dict[str, Any]:
                               hint="point checkpoint.pretrained at a `gptoss convert` output or an HF folder")
     identity = _file_identity(files)
     cache = base_hash_cache(folder)
-    digest = _cached_digest(cache, folder, identity)
+    digest = _cached_digest(cache, folder, identity) if cache is not None else None
     if digest is None:
         digest = hash_base_files(files)
-        if _file_identity(files) == identity:  # unchanged while it was read: the digest is theirs
+        if cache is not None and _file_identity(files) == identity:  # unchanged while read: the digest is theirs
             _store_digest(cache, folder, identity, digest)
     return {"path": str(folder), "sha256": digest}
 
@@ -119,11 +119,18 @@ def hash_base_files(files: list[Path]) -> str:
     return digest.hexdigest()
 
 
-def base_hash_cache(folder: Path) -> Path:
+def base_hash_cache(folder: Path) -> Path | None:
     """Where the digest of the base at `folder` is cached: $GPTOSS_CACHE_DIR (default
-    $XDG_CACHE_HOME/gptoss, else ~/.cache/gptoss)/base-sha256/<sha256 of the path>.json. Not in the
-    base's folder: a base is an input, often read-only or shared, and training leaves it untouched."""
-    root = os.environ.get("GPTOSS_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gptoss"
+    $XDG_CACHE_HOME/gptoss, else ~/.cache/gptoss)/base-sha256/<sha256 of the path>.json; None without
+    a home to put it in. Not in the base's folder: a base is an input, often read-only or shared, and
+    training leaves it untouched."""
+    root = os.environ.get("GPTOSS_CACHE_DIR")
+    if not root:
+        home = os.path.expanduser("~")
+        root = os.environ.get("XDG_CACHE_HOME") or (None if home == "~" else os.path.join(home, ".cache"))
+        if root is None:
+            return None
+        root = os.path.join(root, "gptoss")
     return Path(root) / "base-sha256" / f"{hashlib.sha256(str(folder).encode()).hexdigest()[:32]}.json"
 
 
