@@ -21,9 +21,12 @@ import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from gptoss_cli.errors import GptossError, UsageError
+
+if TYPE_CHECKING:
+    from gptoss_cli.train.progress import TrainProgress
 
 MARKER = ".gptoss-demo"  # a folder holding it is a demo workdir, which the demo may overwrite
 RECIPE = "tiny_cpu_ep2_overlap"
@@ -67,8 +70,8 @@ class DemoHooks(Protocol):
     """What the CLI provides: a stage header, a convert progress, a train progress callback."""
 
     def stage(self, index: int, name: str, what: str) -> None: ...
-    def convert_progress(self, label: str) -> Any: ...  # a context manager implementing convert's Progress
-    def train_progress(self) -> Callable[[dict], None] | None: ...
+    def convert_progress(self, label: str) -> Any: ...  # a context manager implementing convert's ConvertProgress
+    def train_progress(self) -> TrainProgress | None: ...
     def result(self, stage: StageResult) -> None: ...
 
 

@@ -4,14 +4,18 @@ Python's json module turns a document that is valid JSON but hostile into except
 an integer of more than 4,300 digits is a ValueError (int conversion limit), an array or object nested
 some thousand levels deep a RecursionError. Every JSON and JSONL reader of gptoss goes through
 `parse_json` / `read_json`, which raise `json.JSONDecodeError` for these as for a syntax error, so each
-caller's one-line "not valid JSON" message covers them too.
+caller's one-line "not valid JSON" message covers them too. JSONL files are read line by line with
+`jsonl_lines`, which names the file and line of a line that is not JSON.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
+
+from gptoss_cli.errors import UsageError
 
 # No number gptoss reads from JSON needs more digits (byte offsets and sizes are below 2**64: 20 digits);
 # consumers check their own ranges below this.
@@ -53,4 +57,36 @@ def read_json(path: str | Path) -> Any:
     return parse_json(Path(path).read_text())
 
 
-__all__ = ["parse_json", "read_json", "HostileJson", "MAX_INT_DIGITS"]
+@dataclass(frozen=True)
+class JsonlLine:
+    """One line of a JSONL file: its number (from 1), its size in bytes, and its JSON value unless it is blank."""
+
+    number: int
+    nbytes: int
+    blank: bool
+    value: Any = None
+
+
+def jsonl_lines(path: Path, decode: Callable[[bytes, int, int], str],
+                not_json: str = "not a JSON object") -> Iterator[JsonlLine]:
+    """Every line of the JSONL file `path`, blank ones included (callers count their bytes), streamed.
+
+    decode(raw bytes, line number, byte offset of the line) -> its text, raising the caller's own error
+    for bytes it refuses; a non-blank line that is not JSON is a UsageError "PATH:LINE: {not_json} (why)".
+    """
+    offset = 0
+    with Path(path).open("rb") as fh:
+        for number, raw in enumerate(fh, 1):
+            text = decode(raw, number, offset)
+            offset += len(raw)
+            if not text.strip():
+                yield JsonlLine(number, len(raw), blank=True)
+                continue
+            try:
+                value = parse_json(text)
+            except json.JSONDecodeError as exc:
+                raise UsageError(f"{path}:{number}: {not_json} ({exc.msg})") from None
+            yield JsonlLine(number, len(raw), blank=False, value=value)
+
+
+__all__ = ["parse_json", "read_json", "jsonl_lines", "JsonlLine", "HostileJson", "MAX_INT_DIGITS"]

@@ -10,7 +10,7 @@ from rich.table import Table
 from rich.text import Text
 
 from gptoss_cli.cli.app import app, check_json_path, check_number, console, handle_errors, print_note, write_json
-from gptoss_cli.cli.render import RichProgress, human_bytes
+from gptoss_cli.cli.render import ConvertProgressBar, human_bytes
 from gptoss_cli.outputs import check_separate
 
 
@@ -65,7 +65,7 @@ def convert_cmd(
         check_separate(Path(src).expanduser(), Path(dst).expanduser())
     from gptoss_cli.checkpoint.convert import convert
 
-    with RichProgress(console, "converting", enabled=not quiet) as progress:
+    with ConvertProgressBar(console, "converting", enabled=not quiet) as progress:
         result = convert(
             src, dst, experts=experts, dtype=dtype, revision=revision, force=force, to=to, weights=weights,
             progress=progress, vocab_multiple=vocab_multiple,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import typer
 from rich.markup import escape
@@ -12,7 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from gptoss_cli.cli.app import app, check_json_path, console, handle_errors, write_json
-from gptoss_cli.cli.render import RichProgress
+from gptoss_cli.cli.render import ConvertProgressBar
 from gptoss_cli.cli.train import TrainProgressBar
 
 STYLE = {"passed": "green", "failed": "bold red", "skipped": "yellow", "not run": "dim"}
@@ -27,11 +27,11 @@ class _Hooks:
             console.rule(Text(f"{index}. {name}: {what}"), align="left")
 
     @contextlib.contextmanager
-    def convert_progress(self, label: str) -> Iterator[RichProgress]:
-        with RichProgress(console, label, enabled=not self.quiet) as progress:
+    def convert_progress(self, label: str) -> Iterator[ConvertProgressBar]:
+        with ConvertProgressBar(console, label, enabled=not self.quiet) as progress:
             yield progress
 
-    def train_progress(self) -> Callable[[dict], None]:
+    def train_progress(self) -> TrainProgressBar:
         return TrainProgressBar(self.quiet)
 
     def result(self, stage: Any) -> None:

@@ -1,4 +1,4 @@
-"""Shared rendering helpers for commands: a rich progress bar that implements the library's Progress."""
+"""Shared rendering helpers for commands: the rich progress bar of a conversion, human-readable sizes."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
 
-class RichProgress:
-    """Bytes and tensors on a terminal; silent when output is not a terminal or with --quiet."""
+class ConvertProgressBar:
+    """convert's progress callback (bytes and tensors) on a terminal; silent when output is not a terminal or
+    with --quiet."""
 
     def __init__(self, console: Console, label: str, enabled: bool = True):
         self.enabled = enabled and console.is_terminal
@@ -25,7 +26,7 @@ class RichProgress:
         self._tensors = 0
         self._total_tensors = 0
 
-    def __enter__(self) -> "RichProgress":
+    def __enter__(self) -> "ConvertProgressBar":
         if self.enabled:
             self._progress.start()
         return self

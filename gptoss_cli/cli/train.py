@@ -15,10 +15,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from gptoss_cli.cli.app import app, check_json_path, console, handle_errors, print_note, write_json
+from gptoss_cli.train.progress import CheckpointSaved, StepDone, TrainEvent, TrainFinished, TrainStarted
 
 
 class TrainProgressBar:
-    """The library's progress callback, rendered by rank 0's process (it is pickled into the worker).
+    """The library's `TrainProgress` callback: rank 0's process renders its events (it is pickled into the worker).
 
     A live bar (loss, lr, grad norm, tokens/s, step time, MFU when the step reports it, ETA) on a
     terminal; one plain line per logged step otherwise, so CI logs keep the loss curve. The ETA is
@@ -40,47 +41,49 @@ class TrainProgressBar:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["quiet"])
 
-    def __call__(self, event: dict[str, Any]) -> None:
+    def __call__(self, event: TrainEvent) -> None:
         if self.quiet:
             return
-        kind = event["kind"]
-        if kind == "start":
-            self._train_iters = event["train_iters"]
-            self._console = Console()
-            where = f"world {event['world_size']}, EP {event['ep_size']}"
-            if event.get("cp_size", 1) > 1:
-                where += f", CP {event['cp_size']}"
-            if event.get("fp8"):
-                where += f", fp8 {event['fp8']}"
-            if event.get("qat", "none") != "none":
-                where += f", QAT {event['qat']} (experts)"
-            self._console.print(f"training on {where}", highlight=False)
-            if event.get("resumed_from"):
-                self._console.print(f"resuming from [bold]{escape(event['resumed_from'])}[/] at step {event['start_step']}")
-            if self._console.is_terminal:
-                self._progress = Progress(
-                    TextColumn("[bold]train"), BarColumn(bar_width=10), MofNCompleteColumn(),
-                    TextColumn("{task.fields[metrics]}"), TimeElapsedColumn(), console=self._console,
-                )
-                self._progress.start()
-                self._task = self._progress.add_task("train", total=event["train_iters"], completed=event["start_step"],
-                                                     metrics="")
-        elif kind == "step":
-            text = (f"loss {event['loss']:.4f} lr {event['lr']:.1e} gnorm {event['grad_norm']:.3f} "
-                    f"{event['tokens_per_s']:.0f} tok/s {event['step_time_s'] * 1000:.0f} ms/step "
-                    f"{flops_text(event['tflops_per_gpu'], event['mfu'])}")
-            eta = self._eta(event["step"])
+        if isinstance(event, TrainStarted):
+            self._start(event)
+        elif isinstance(event, StepDone):
+            text = (f"loss {event.loss:.4f} lr {event.lr:.1e} gnorm {event.grad_norm:.3f} "
+                    f"{event.tokens_per_s:.0f} tok/s {event.step_time_s * 1000:.0f} ms/step "
+                    f"{flops_text(event.tflops_per_gpu, event.mfu)}")
+            eta = self._eta(event.step)
             if eta is not None:
                 text += f" ETA {eta}"
             if self._progress is not None:
-                self._progress.update(self._task, completed=event["step"], metrics=text)
+                self._progress.update(self._task, completed=event.step, metrics=text)
             elif self._console is not None:
-                self._console.print(f"step {event['step']}: {text}", highlight=False)
-        elif kind == "checkpoint" and self._console is not None:
+                self._console.print(f"step {event.step}: {text}", highlight=False)
+        elif isinstance(event, CheckpointSaved) and self._console is not None:
             (self._progress.console if self._progress else self._console).print(
-                f"saved checkpoint {escape(event['path'])}", highlight=False)
-        elif kind == "end" and self._progress is not None:
+                f"saved checkpoint {escape(event.path)}", highlight=False)
+        elif isinstance(event, TrainFinished) and self._progress is not None:
             self._progress.stop()
+
+    def _start(self, event: TrainStarted) -> None:
+        self._train_iters = event.train_iters
+        self._console = Console()
+        where = f"world {event.world_size}, EP {event.ep_size}"
+        if event.cp_size > 1:
+            where += f", CP {event.cp_size}"
+        if event.fp8:
+            where += f", fp8 {event.fp8}"
+        if event.qat != "none":
+            where += f", QAT {event.qat} (experts)"
+        self._console.print(f"training on {where}", highlight=False)
+        if event.resumed_from:
+            self._console.print(f"resuming from [bold]{escape(event.resumed_from)}[/] at step {event.start_step}")
+        if self._console.is_terminal:
+            self._progress = Progress(
+                TextColumn("[bold]train"), BarColumn(bar_width=10), MofNCompleteColumn(),
+                TextColumn("{task.fields[metrics]}"), TimeElapsedColumn(), console=self._console,
+            )
+            self._progress.start()
+            self._task = self._progress.add_task("train", total=event.train_iters, completed=event.start_step,
+                                                 metrics="")
 
     def _eta(self, step: int) -> str | None:
         now = time.monotonic()

@@ -1,1 +1,1 @@
-"""Training data that needs more than a token stream: conversations rendered in harmony, packing of documents."""
+"""Training data that needs more than a token stream: conversations rendered in harmony, packing of documents, the tokenizer file."""

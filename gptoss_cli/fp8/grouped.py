@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import torch
 
-from gptoss_cli.fp8.linear import Fp8Gemms
+from gptoss_cli.fp8.linear import Fp8GemmBase
 from gptoss_cli.fp8.scaling import check_all_finite
-from gptoss_cli.model.grouped_gemm import GroupedGemm, _loop
+from gptoss_cli.model.grouped_gemm import GroupedGemm, map_experts
 
 
 def _nonempty(counts: list[int]) -> int:
@@ -46,12 +46,12 @@ def _checked_once(run):
     return out
 
 
-class Fp8GroupedGemm(Fp8Gemms, GroupedGemm):
+class Fp8GroupedGemm(Fp8GemmBase, GroupedGemm):
     """fprop / dgrad / wgrad of one grouped expert layer (`layer` names it in errors)."""
 
     def fprop(self, x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         counts = tokens_per_expert.tolist()
-        out = _checked_once(lambda checks: _loop(x, counts, lambda e, rows: self.numerics.matmul(
+        out = _checked_once(lambda checks: map_experts(x, counts, lambda e, rows: self.numerics.matmul(
             rows, weight[e], grad_operand=None, where=f"{self.layer} (local expert {e}) fprop",
             names=("input", "weight"), out_dtype=x.dtype, checks=checks), weight.shape[1]))
         self.stats.count("fprop", _nonempty(counts))
@@ -59,7 +59,7 @@ class Fp8GroupedGemm(Fp8Gemms, GroupedGemm):
 
     def dgrad(self, dy: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         counts = tokens_per_expert.tolist()
-        out = _checked_once(lambda checks: _loop(dy, counts, lambda e, rows: self.numerics.matmul(
+        out = _checked_once(lambda checks: map_experts(dy, counts, lambda e, rows: self.numerics.matmul(
             rows, weight[e].t(), grad_operand="a", where=f"{self.layer} (local expert {e}) dgrad",
             names=("output gradient", "weight"), out_dtype=dy.dtype, checks=checks), weight.shape[2]))
         self.stats.count("dgrad", _nonempty(counts))

@@ -37,7 +37,7 @@ class Fp8Stats:
         return sum(self.gemms.values())
 
 
-class Fp8Gemms:
+class Fp8GemmBase:
     """What every FP8 GEMM seam holds: the numerics, the layer's name for errors, the GEMM counts."""
 
     name = "fp8"
@@ -51,7 +51,7 @@ class Fp8Gemms:
         return f"{type(self).__name__}({self.layer!r}, {self.numerics.scaling}, {self.numerics.kernel})"
 
 
-class Fp8LinearGemm(Fp8Gemms):
+class Fp8LinearGemm(Fp8GemmBase):
     """fprop / dgrad / wgrad of one linear layer (`layer` names it in errors)."""
 
     def fprop(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -70,4 +70,4 @@ class Fp8LinearGemm(Fp8Gemms):
                                     names=("output gradient", "input"), out_dtype=dy.dtype)
 
 
-__all__ = ["Fp8LinearGemm", "Fp8Stats"]
+__all__ = ["Fp8GemmBase", "Fp8LinearGemm", "Fp8Stats"]

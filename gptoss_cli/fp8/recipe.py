@@ -26,19 +26,12 @@ from typing import Any
 import torch
 
 from gptoss_cli.errors import ConfigError
+from gptoss_cli.fp8.catalog import FORMATS, RECIPES
 from gptoss_cli.fp8.grouped import Fp8GroupedGemm
 from gptoss_cli.fp8.linear import Fp8LinearGemm, Fp8Stats
 from gptoss_cli.fp8.matmul import BLOCK_SCALED_MM, DEQUANTIZE, SCALED_MM, Fp8Numerics
 from gptoss_cli.fp8.scaling import E4M3, E5M2
 
-RECIPES = ("tensorwise", "rowwise", "mxfp8")
-FORMATS = ("e4m3", "hybrid")
-SCALING_OF = {"tensorwise": "tensor", "rowwise": "row", "mxfp8": "mx"}
-# (CUDA capability the native kernel needs, kernel)
-NATIVE_KERNELS = {"tensorwise": ((9, 0), SCALED_MM), "rowwise": ((9, 0), SCALED_MM), "mxfp8": ((10, 0), BLOCK_SCALED_MM)}
-NATIVE_NEEDS = {"tensorwise": "a CUDA GPU of compute capability 9.0+ (Hopper)",
-                "rowwise": "a CUDA GPU of compute capability 9.0+ (Hopper)",
-                "mxfp8": "a CUDA GPU of compute capability 10.0+ (Blackwell)"}
 NATIVE, EMULATED = "native", "emulated"
 
 
@@ -87,17 +80,27 @@ class Fp8Gemms:
 
 def native_kernel(recipe: str, device: torch.device) -> str | None:
     """The native kernel for `recipe` on `device`, or None when the device has none."""
-    need, kernel = NATIVE_KERNELS[recipe]
+    spec = RECIPES[recipe]
     if device.type != "cuda" or not torch.cuda.is_available():
         return None
-    return kernel if torch.cuda.get_device_capability(device) >= need else None
+    if torch.cuda.get_device_capability(device) < spec.native_capability:
+        return None
+    return BLOCK_SCALED_MM if spec.scaling == "mx" else SCALED_MM
 
 
 def emulated_kernel(recipe: str, device: torch.device) -> str:
-    """Same numerics without FP8 hardware: torch._scaled_mm's CPU kernel, else dequantise + matmul."""
-    if recipe in ("tensorwise", "rowwise") and device.type == "cpu":
+    """Same numerics without FP8 hardware: torch._scaled_mm's CPU kernel (tensor or row scales), else
+    dequantise + matmul."""
+    if RECIPES[recipe].scaling != "mx" and device.type == "cpu":
         return SCALED_MM
     return DEQUANTIZE
+
+
+def _native_needs(recipe: str) -> str:
+    """e.g. 'a CUDA GPU of compute capability 9.0+ (Hopper)'."""
+    spec = RECIPES[recipe]
+    major, minor = spec.native_capability
+    return f"a CUDA GPU of compute capability {major}.{minor}+ ({spec.generation})"
 
 
 def select_gemms(settings: Fp8Settings, device: torch.device | str) -> Fp8Gemms | None:
@@ -114,7 +117,7 @@ def select_gemms(settings: Fp8Settings, device: torch.device | str) -> Fp8Gemms 
     path = NATIVE
     if kernel is None:
         if not settings.emulation:
-            need = NATIVE_NEEDS[settings.recipe]
+            need = _native_needs(settings.recipe)
             raise ConfigError(
                 f"precision.fp8_recipe={settings.recipe} has no native kernel on {_device_name(device)} "
                 f"(it needs {need})",
@@ -122,7 +125,7 @@ def select_gemms(settings: Fp8Settings, device: torch.device | str) -> Fp8Gemms 
             )
         kernel, path = emulated_kernel(settings.recipe, device), EMULATED
     numerics = Fp8Numerics(
-        scaling=SCALING_OF[settings.recipe], forward=E4M3,
+        scaling=RECIPES[settings.recipe].scaling, forward=E4M3,
         gradient=E5M2 if settings.fp8_format == "hybrid" else E4M3, kernel=kernel,
     )
     return Fp8Gemms(settings=settings, numerics=numerics, path=path, device=_device_name(device))
@@ -135,4 +138,4 @@ def _device_name(device: torch.device) -> str:
     return device.type
 
 
-__all__ = ["Fp8Settings", "Fp8Gemms", "select_gemms", "native_kernel", "emulated_kernel", "RECIPES", "FORMATS"]
+__all__ = ["Fp8Settings", "Fp8Gemms", "select_gemms", "native_kernel", "emulated_kernel"]

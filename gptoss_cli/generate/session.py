@@ -7,7 +7,6 @@ training run, that of the weights it started from) unless one is given.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,13 +15,13 @@ from typing import Any, Callable, Sequence
 import torch
 
 from gptoss_cli.checkpoint.sources import open_source
+from gptoss_cli.data.tokenizer import TOKENIZER_FILE, read_tokenizer, tokenizer_path
 from gptoss_cli.errors import CheckpointError, UsageError
 from gptoss_cli.generate.decode import MAX_NEW_TOKENS, STOP_TOKEN, Generation, Sampling, generate_ids
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.recipe.memory import parameter_layout, size_text
-from gptoss_cli.json_input import parse_json
+from gptoss_cli.json_input import jsonl_lines
 
-TOKENIZER_FILE = "tokenizer.json"
 # The tokens that end an assistant's turn in the harmony format: a final answer, a tool call.
 HARMONY_STOP_TOKENS = ("<|return|>", "<|call|>")
 # Plain-text (--raw) generation also stops at the end-of-text token.
@@ -52,8 +51,7 @@ def open_checkpoint(path: str, tokenizer: str | Path | None = None) -> Checkpoin
     finally:
         source.close()
     if tokenizer is not None:
-        file = Path(tokenizer)
-        file = file / TOKENIZER_FILE if file.is_dir() else file
+        file = tokenizer_path(tokenizer)
         if not file.is_file():
             raise UsageError(f"--tokenizer {tokenizer}: {file} not found",
                              hint="pass a tokenizer.json or a folder holding one")
@@ -68,14 +66,7 @@ def open_checkpoint(path: str, tokenizer: str | Path | None = None) -> Checkpoin
 
 def load_tokenizer(file: Path, vocab_size: int):
     """A `tokenizers.Tokenizer` from tokenizer.json, whose ids fit the model's vocabulary."""
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        raise UsageError("generate needs the `tokenizers` package", hint="pip install 'gptoss-cli[data]'") from None
-    try:
-        tok = Tokenizer.from_file(str(file))
-    except Exception as exc:  # the tokenizers library raises a bare Exception for bad files
-        raise UsageError(f"{file}: not a tokenizers tokenizer.json ({str(exc).splitlines()[0]})") from None
+    tok = read_tokenizer(file, "generate")
     n = tok.get_vocab_size(with_added_tokens=True)
     if n > vocab_size:
         raise UsageError(f"{file}: tokenizer vocabulary {n} exceeds the model's vocab_size {vocab_size}",
@@ -177,26 +168,24 @@ def read_prompts_file(path: Path) -> list[tuple[str, dict[str, Any]]]:
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"--prompts {path}: no such file")
+
+    def decode(raw: bytes, number: int, offset: int) -> str:
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise UsageError(f"{path}:{number}: invalid UTF-8 ({exc.reason})") from None
+
     out = []
-    with path.open("rb") as fh:
-        for lineno, raw in enumerate(fh, 1):
-            where = f"{path}:{lineno}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise UsageError(f"{where}: invalid UTF-8 ({exc.reason})") from None
-            if not line.strip():
-                continue
-            try:
-                obj = parse_json(line)
-            except json.JSONDecodeError as exc:
-                raise UsageError(f"{where}: not a JSON object ({exc.msg})") from None
-            if not isinstance(obj, dict) or not (isinstance(obj.get("prompt"), str) or "messages" in obj):
-                raise UsageError(f"{where}: neither a string field 'prompt' nor a conversation ('messages')",
-                                 hint='write one {"prompt": "..."} or {"messages": [...]} per line')
-            if obj.get("prompt") == "":
-                raise UsageError(f"{where}: the prompt is empty")
-            out.append((where, obj))
+    for line in jsonl_lines(path, decode):
+        if line.blank:
+            continue
+        where, obj = f"{path}:{line.number}", line.value
+        if not isinstance(obj, dict) or not (isinstance(obj.get("prompt"), str) or "messages" in obj):
+            raise UsageError(f"{where}: neither a string field 'prompt' nor a conversation ('messages')",
+                             hint='write one {"prompt": "..."} or {"messages": [...]} per line')
+        if obj.get("prompt") == "":
+            raise UsageError(f"{where}: the prompt is empty")
+        out.append((where, obj))
     if not out:
         raise UsageError(f"--prompts {path}: holds no prompts")
     return out

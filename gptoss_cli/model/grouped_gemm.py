@@ -73,14 +73,14 @@ class GroupedGemm:
             out = _grouped_mm(x, weight.transpose(-2, -1), _offsets(tokens_per_expert))
             if out is not None:
                 return out
-        return _loop(x, tokens_per_expert.tolist(), lambda e, rows: rows @ weight[e].t(), weight.shape[1])
+        return map_experts(x, tokens_per_expert.tolist(), lambda e, rows: rows @ weight[e].t(), weight.shape[1])
 
     def dgrad(self, dy: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         if dy.shape[0] and _grouped_mm_usable(dy, weight.shape):
             out = _grouped_mm(dy, weight, _offsets(tokens_per_expert))
             if out is not None:
                 return out
-        return _loop(dy, tokens_per_expert.tolist(), lambda e, rows: rows @ weight[e], weight.shape[2])
+        return map_experts(dy, tokens_per_expert.tolist(), lambda e, rows: rows @ weight[e], weight.shape[2])
 
     def wgrad(self, x: torch.Tensor, dy: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         num_experts = tokens_per_expert.numel()
@@ -100,7 +100,7 @@ def _offsets(tokens_per_expert: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(tokens_per_expert, 0).to(torch.int32)
 
 
-def _loop(rows: torch.Tensor, counts: list[int], fn, out_features: int) -> torch.Tensor:
+def map_experts(rows: torch.Tensor, counts: list[int], fn, out_features: int) -> torch.Tensor:
     """fn(e, expert e's rows) for every expert, concatenated (`counts` on the host, read once by the caller)."""
     outs = [fn(e, chunk) for e, chunk in enumerate(torch.split(rows, counts))]
     return torch.cat(outs) if outs else rows.new_zeros(0, out_features)
@@ -266,4 +266,4 @@ def grouped_linear(
     return _GroupedLinear.apply(x, weight, bias, tokens_per_expert, gemm)
 
 
-__all__ = ["GroupedGemm", "DEFAULT_GEMM", "WgradQueue", "grouped_linear", "expert_of_row"]
+__all__ = ["GroupedGemm", "DEFAULT_GEMM", "WgradQueue", "grouped_linear", "expert_of_row", "map_experts"]

@@ -16,6 +16,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+from gptoss_cli.fp8.catalog import FORMATS as FP8_FORMATS, RECIPES as FP8_RECIPES
+
 DTYPES = ("fp32", "bf16", "fp16")
 # Sizes (tensor dimensions, process counts, bucket elements) and counts (steps, intervals): int32, what
 # torch's index kernels, NCCL counts and rank numbers take; with it the sample index (step x
@@ -115,9 +117,8 @@ class OverlapConfig:
 @dataclass
 class PrecisionConfig:
     params_dtype: str = _f("bf16", "dtype of parameters and activations", choices=DTYPES)
-    fp8_recipe: str = _f("none", "FP8 GEMM recipe", choices=("none", "tensorwise", "rowwise", "mxfp8"))
-    fp8_format: str = _f("e4m3", "FP8 element format (hybrid = e4m3 forward, e5m2 backward)",
-                         choices=("e4m3", "hybrid"))
+    fp8_recipe: str = _f("none", "FP8 GEMM recipe", choices=("none", *FP8_RECIPES))
+    fp8_format: str = _f("e4m3", "FP8 element format (hybrid = e4m3 forward, e5m2 backward)", choices=FP8_FORMATS)
     fp8_emulation: bool = _f(
         False, "allow FP8 to be emulated (quantize-dequantize) where native kernels are unavailable; "
         "numerics only, no speed-up",

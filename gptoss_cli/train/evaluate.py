@@ -26,7 +26,7 @@ from gptoss_cli.model.hybrid import IGNORE_INDEX, chunked_lm_loss_sum
 from gptoss_cli.token_format import INDEX_DTYPE, document_file_paths, has_documents, read_token_header
 from gptoss_cli.train.data import PackedDocumentSource, TokenFileSource, packed_microbatch
 
-Progress = Callable[[int, int], None]  # (rows done, rows in all)
+EvalProgress = Callable[[int, int], None]  # (rows done, rows in all)
 DEFAULT_SEQ_LENGTH = 4096
 
 
@@ -103,7 +103,7 @@ def _score_rows(model: Any, source: Any, js: list[int], packed: bool, device: to
 
 def evaluate(checkpoint: str | Path, data: str | Path, *, seq_length: int | None = None,
              dtype: torch.dtype = torch.float32, device: str = "auto", micro_batch_size: int = 1,
-             expert_parallel: int = 1, progress: Progress | None = None,
+             expert_parallel: int = 1, progress: EvalProgress | None = None,
              load_progress: Callable[[str], None] | None = None) -> EvalResult:
     """Evaluate `checkpoint` (any kind `gptoss_cli/checkpoint/load.py` reads) on the token file `data`.
 

@@ -38,7 +38,8 @@ from gptoss_cli.errors import ConfigError, GptossError, Terminated, TrainingErro
 from gptoss_cli.outputs import FolderLock
 from gptoss_cli.parallel.state import torchrun_env
 from gptoss_cli.train.heartbeat import Watchdog
-from gptoss_cli.train.loop import Progress, TrainJob, TrainResult, run_worker
+from gptoss_cli.train.loop import TrainJob, TrainResult, run_worker
+from gptoss_cli.train.progress import TrainProgress
 
 
 def default_nproc(recipe: Any) -> int:
@@ -76,7 +77,7 @@ def _detect_gpu(device: str) -> str:
     return gpu_from_device_name(torch.cuda.get_device_name())
 
 
-def train(recipe: Any, *, nproc_per_node: int | None = None, progress: Progress | None = None) -> TrainResult:
+def train(recipe: Any, *, nproc_per_node: int | None = None, progress: TrainProgress | None = None) -> TrainResult:
     """Validate, then train: in this process (torchrun or one process) or on N local workers."""
     env = torchrun_env()
     if env is not None:
@@ -155,7 +156,7 @@ def _exit_on_interrupt(signum: int, frame: Any) -> None:
     os._exit(130)
 
 
-def _worker_entry(job: TrainJob, progress: Progress | None) -> TrainResult:
+def _worker_entry(job: TrainJob, progress: TrainProgress | None) -> TrainResult:
     """Body of one elastic worker: a GptossError is recorded for the agent as one line, no traceback."""
     signal.signal(signal.SIGINT, _exit_on_interrupt)
     try:
@@ -174,7 +175,7 @@ def _worker_entry(job: TrainJob, progress: Progress | None) -> TrainResult:
         raise
 
 
-def launch_local(job: TrainJob, nproc: int, progress: Progress | None = None, *, timeout_s: float = 900) -> TrainResult:
+def launch_local(job: TrainJob, nproc: int, progress: TrainProgress | None = None, *, timeout_s: float = 900) -> TrainResult:
     """Start `nproc` workers on this node with the elastic launcher; rank 0's result."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch

@@ -2,7 +2,8 @@
 
 `TrainJob` is everything a worker needs: the recipe's typed config, resolved in the launching
 process (plain, picklable data). `run_worker(job, progress)` joins the process group, trains and returns
-a `TrainResult`; only rank 0 calls `progress(event)` (the CLI renders it), every rank's metrics go
+a `TrainResult`; only rank 0 calls `progress(event)` with the typed events of gptoss_cli/train/progress.py
+(the CLI renders them), every rank's metrics go
 to `<run_dir>/metrics.jsonl` (written by rank 0 from an all-gather, one line per rank and step; the
 step's global router telemetry on rank 0's line, train/telemetry.py), and to TensorBoard / W&B when
 the recipe asks (train/loggers.py).
@@ -16,7 +17,7 @@ import math
 import os
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -40,11 +41,10 @@ from gptoss_cli.train.data import DataLoaderState, Microbatch, build_source
 from gptoss_cli.train.heartbeat import Heartbeat
 from gptoss_cli.train.loggers import Loggers, open_loggers
 from gptoss_cli.train.optimizer import WarmupCosineLR
+from gptoss_cli.train.progress import CheckpointSaved, StepDone, TrainFinished, TrainProgress, TrainStarted
 from gptoss_cli.train.provider import HybridModelProvider, ModelRuntimeConfig
 from gptoss_cli.train.setup import setup_model_and_optimizer
 from gptoss_cli.train.telemetry import StepTotals
-
-Progress = Callable[[dict[str, Any]], None]
 
 
 @dataclass
@@ -210,7 +210,7 @@ def check_resume_base(folder: Path, lora_base: dict[str, Any] | None) -> None:
         require_same_base(saved_lora.get("base") if isinstance(saved_lora, dict) else None, lora_base, folder)
 
 
-def run_worker(job: TrainJob, progress: Progress | None = None) -> TrainResult:
+def run_worker(job: TrainJob, progress: TrainProgress | None = None) -> TrainResult:
     """Train on this process (rank from the torchrun environment, or a single process)."""
     if os.environ.get("OMP_NUM_THREADS") is None and "LOCAL_WORLD_SIZE" in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
@@ -255,7 +255,7 @@ def run_peak_tflops(cfg: RecipeConfig, device: torch.device) -> float | None:
     return peak_tflops(gpu, cfg.precision.fp8_recipe != "none")
 
 
-def _train(job: TrainJob, state: ParallelState, progress: Progress | None, heartbeat: Heartbeat,
+def _train(job: TrainJob, state: ParallelState, progress: TrainProgress | None, heartbeat: Heartbeat,
            loggers: Loggers | None = None) -> TrainResult:
     cfg = job.config
     t, ckpt = cfg.training, cfg.checkpoint
@@ -301,9 +301,9 @@ def _train(job: TrainJob, state: ParallelState, progress: Progress | None, heart
     peak = run_peak_tflops(cfg, state.device)
     step_tokens = t.global_batch_size * t.seq_length  # every token of the step runs through the model
     if emit:
-        emit({"kind": "start", "start_step": start_step, "train_iters": t.train_iters, "world_size": state.world_size,
-              "ep_size": state.ep_size, "cp_size": state.cp_size, "resumed_from": resumed_from, "fp8": fp8.describe() if fp8 else None,
-              "packing": packing, "qat": cfg.precision.qat})
+        emit(TrainStarted(start_step=start_step, train_iters=t.train_iters, world_size=state.world_size,
+                          ep_size=state.ep_size, cp_size=state.cp_size, resumed_from=resumed_from,
+                          fp8=fp8.describe() if fp8 else None, packing=packing, qat=cfg.precision.qat))
 
     losses: list[float] = []
     norms: list[float] = []
@@ -356,7 +356,7 @@ def _train(job: TrainJob, state: ParallelState, progress: Progress | None, heart
         if loggers is not None:
             loggers.log(done, records)
         if emit and (done % cfg.logging.log_interval == 0 or done == t.train_iters):
-            emit({"kind": "step", "step": done, **common})
+            emit(StepDone(step=done, **common))
         if ckpt.dir and (
             done == t.train_iters or (ckpt.save_interval and done % ckpt.save_interval == 0)
         ):
@@ -367,7 +367,7 @@ def _train(job: TrainJob, state: ParallelState, progress: Progress | None, heart
                              "name": job.name, RUN_KEY: job.run_record(lora_base)},
             )
             if emit:
-                emit({"kind": "checkpoint", "step": done, "path": str(last_ckpt)})
+                emit(CheckpointSaved(step=done, path=str(last_ckpt)))
     heartbeat.progress(t.train_iters, "finishing", watched=False)
     barrier()
     tflops, mfu = throughput(flops_per_token, step_tokens * timed_steps / time_total if time_total else 0.0,
@@ -381,7 +381,7 @@ def _train(job: TrainJob, state: ParallelState, progress: Progress | None, heart
         qat=cfg.precision.qat,
     )
     if emit:
-        emit({"kind": "end", **asdict(result)})
+        emit(TrainFinished(result))
     return result
 
 

@@ -9,13 +9,12 @@ final names unless every line rendered; the header OUT.json is written last.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from gptoss_cli.json_input import parse_json
+from gptoss_cli.json_input import jsonl_lines
 from gptoss_cli import outputs
 from gptoss_cli.data.harmony import (
     ANALYSIS_MODES, TRAIN_ON, ConversationError, HarmonyTokenizer, parse_conversation, render_for_training,
@@ -27,7 +26,7 @@ from gptoss_cli.token_format import (
 )
 from gptoss_cli.train.data import TOKEN_DTYPES
 from gptoss_cli.train.prepare_data import (
-    DECODE_ERRORS, check_inputs, decode_line, load_tokenizer, prepare_outputs, to_bytes,
+    DECODE_ERRORS, check_inputs, line_decoder, load_tokenizer, prepare_outputs, to_bytes,
 )
 
 
@@ -115,37 +114,29 @@ def prepare_conversations(
     try:
         with outputs.naming(tmp_bin), tmp_bin.open("wb") as fb, tmp_mask.open("wb") as fm:
             for path in map(Path, inputs):
-                offset = 0
-                with path.open("rb") as fh:
-                    for lineno, raw in enumerate(fh, 1):
-                        line = decode_line(raw, path, offset, errors)
-                        offset += len(raw)
-                        done_bytes += len(raw)
-                        if not line.strip():
+                for line in jsonl_lines(path, line_decoder(path, errors), not_json="not JSON"):
+                    done_bytes += line.nbytes
+                    if line.blank:
+                        continue
+                    try:
+                        doc = render_for_training(parse_conversation(line.value), harmony_tok, analysis=analysis,
+                                                  train_on=train_on)
+                    except ConversationError as exc:
+                        raise UsageError(f"{path}:{line.number}: {exc}") from None
+                    ids, mask = doc.ids, doc.mask
+                    if max_length is not None and len(ids) > max_length:
+                        if not truncate or not any(mask[:max_length]):
+                            num_dropped += 1
                             continue
-                        try:
-                            conv = parse_json(line)
-                        except json.JSONDecodeError as exc:
-                            raise UsageError(f"{path}:{lineno}: not JSON ({exc.msg})") from None
-                        try:
-                            doc = render_for_training(parse_conversation(conv), harmony_tok, analysis=analysis,
-                                                      train_on=train_on)
-                        except ConversationError as exc:
-                            raise UsageError(f"{path}:{lineno}: {exc}") from None
-                        ids, mask = doc.ids, doc.mask
-                        if max_length is not None and len(ids) > max_length:
-                            if not truncate or not any(mask[:max_length]):
-                                num_dropped += 1
-                                continue
-                            ids, mask = ids[:max_length], mask[:max_length]
-                            num_truncated += 1
-                        fb.write(to_bytes(ids, dtype))
-                        fm.write(bytes(mask))
-                        lengths.append(len(ids))
-                        offsets.append(offsets[-1] + len(ids))
-                        num_loss += sum(mask)
-                        if progress and len(lengths) % 256 == 0:
-                            progress(done_bytes, total_bytes)
+                        ids, mask = ids[:max_length], mask[:max_length]
+                        num_truncated += 1
+                    fb.write(to_bytes(ids, dtype))
+                    fm.write(bytes(mask))
+                    lengths.append(len(ids))
+                    offsets.append(offsets[-1] + len(ids))
+                    num_loss += sum(mask)
+                    if progress and len(lengths) % 256 == 0:
+                        progress(done_bytes, total_bytes)
             if progress:
                 progress(done_bytes, total_bytes)
         if not lengths:

@@ -25,7 +25,8 @@ import torch
 
 from gptoss_cli import outputs
 from gptoss_cli.errors import ConfigError, UsageError, file_system_error
-from gptoss_cli.json_input import parse_json
+from gptoss_cli.data.tokenizer import read_tokenizer, tokenizer_path
+from gptoss_cli.json_input import jsonl_lines, parse_json
 from gptoss_cli.token_format import token_dtype_for, token_file_paths, write_token_header
 from gptoss_cli.train.data import TOKEN_DTYPES
 
@@ -47,7 +48,7 @@ class PrepareResult:
 
 
 def _tokenizer_file(path: Path) -> Path:
-    candidate = path / "tokenizer.json" if path.is_dir() else path
+    candidate = tokenizer_path(path)
     if not candidate.is_file():
         raise UsageError(f"tokenizer {candidate} not found", hint="pass a checkpoint folder with tokenizer.json, or the file")
     return candidate
@@ -102,28 +103,27 @@ def decode_line(raw: bytes, path: Path, offset: int, errors: str) -> str:
         ) from None
 
 
+def line_decoder(path: Path, errors: str) -> Callable[[bytes, int, int], str]:
+    """`decode_line` for the lines of `path`, in the form `jsonl_lines` takes."""
+    return lambda raw, number, offset: decode_line(raw, path, offset, errors)
+
+
 def _documents(path: Path, text_key: str, errors: str = "strict") -> Iterator[tuple[str, int]]:
     """(document text, bytes consumed) for one input file, streamed."""
-    offset = 0
     if path.suffix in (".jsonl", ".json"):
-        with path.open("rb") as fh:
-            for lineno, raw in enumerate(fh, 1):
-                line = decode_line(raw, path, offset, errors)
-                offset += len(raw)
-                if not line.strip():
-                    yield "", len(raw)
-                    continue
-                try:
-                    obj = parse_json(line)
-                except json.JSONDecodeError as exc:
-                    raise UsageError(f"{path}:{lineno}: not a JSON object ({exc.msg})") from None
-                if not isinstance(obj, dict) or not isinstance(obj.get(text_key), str):
-                    raise UsageError(
-                        f"{path}:{lineno}: no string field {text_key!r}",
-                        hint="pass --text-key with the field that holds the text",
-                    )
-                yield obj[text_key], len(raw)
+        for line in jsonl_lines(path, line_decoder(path, errors)):
+            if line.blank:
+                yield "", line.nbytes
+                continue
+            obj = line.value
+            if not isinstance(obj, dict) or not isinstance(obj.get(text_key), str):
+                raise UsageError(
+                    f"{path}:{line.number}: no string field {text_key!r}",
+                    hint="pass --text-key with the field that holds the text",
+                )
+            yield obj[text_key], line.nbytes
         return
+    offset = 0
     lines: list[str] = []
     consumed = 0
     with path.open("rb") as fh:
@@ -153,15 +153,8 @@ def check_inputs(inputs: list[Path]) -> None:
 
 def load_tokenizer(tokenizer: Path) -> tuple[Any, Path]:
     """(tokenizers.Tokenizer, its tokenizer.json path) for a tokenizer.json or a checkpoint folder holding it."""
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        raise UsageError("prepare-data needs the `tokenizers` package", hint="pip install 'gptoss-cli[data]'") from None
     tok_file = _tokenizer_file(Path(tokenizer))
-    try:
-        return Tokenizer.from_file(str(tok_file)), tok_file
-    except Exception as exc:  # the tokenizers library raises a bare Exception for bad files
-        raise UsageError(f"{tok_file}: not a tokenizers tokenizer.json ({str(exc).splitlines()[0]})") from None
+    return read_tokenizer(tok_file, "prepare-data"), tok_file
 
 
 def prepare_outputs(out: Path, targets: list[Path], sources: list[Path]) -> None:
@@ -274,4 +267,5 @@ def to_bytes(ids: list[int], dtype: torch.dtype) -> bytes:
     return arr.tobytes()
 
 
-__all__ = ["prepare_data", "PrepareResult", "check_inputs", "decode_line", "load_tokenizer", "prepare_outputs", "to_bytes"]
+__all__ = ["prepare_data", "PrepareResult", "check_inputs", "decode_line", "line_decoder", "load_tokenizer", "prepare_outputs",
+           "to_bytes"]

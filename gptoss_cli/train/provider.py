@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from gptoss_cli.fp8 import Fp8Settings, select_gemms
+from gptoss_cli.fp8.recipe import Fp8Settings, select_gemms
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.model.lora import LoraSettings, attach_lora
 from gptoss_cli.model.dtypes import torch_dtype

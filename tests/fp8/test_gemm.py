@@ -17,10 +17,11 @@ import pytest
 import torch
 
 from gptoss_cli.errors import TrainingError
+from gptoss_cli.fp8.catalog import RECIPES as FP8_RECIPES
 from gptoss_cli.fp8.grouped import Fp8GroupedGemm
 from gptoss_cli.fp8.linear import Fp8LinearGemm
 from gptoss_cli.fp8.matmul import BLOCK_SCALED_MM, DEQUANTIZE, SCALED_MM, Fp8Numerics
-from gptoss_cli.fp8.recipe import SCALING_OF, Fp8Settings, select_gemms
+from gptoss_cli.fp8.recipe import Fp8Settings, select_gemms
 from gptoss_cli.fp8.scaling import E4M3, E5M2
 from gptoss_cli.model.dense_gemm import linear
 from gptoss_cli.model.grouped_gemm import WgradQueue, grouped_linear
@@ -68,7 +69,7 @@ def _run_layer(recipe: str, fmt: str, gemm: str, shape: tuple[int, int, int], sp
     b = bias.clone().requires_grad_(True)
     y = linear(x, w, b, gemm=_gemm(recipe, fmt))
     y.backward(dy)
-    scaling, grad_fmt = SCALING_OF[recipe], "e5m2" if fmt == "hybrid" else "e4m3"
+    scaling, grad_fmt = FP8_RECIPES[recipe].scaling, "e5m2" if fmt == "hybrid" else "e4m3"
     kw = dict(scaling=scaling, worst_case=spread, typical=not spread)
     if gemm == "fprop":  # y = x W^T + b, contraction over in
         check_gemm(y.detach(), x.detach(), w.detach(), "e4m3", "e4m3", what="fprop", extra=bias, **kw)
@@ -104,7 +105,7 @@ def test_bf16_activations_round_the_fp32_sum_once(recipe):
     x, w = x.bfloat16(), w.bfloat16()
     y = linear(x, w, None, gemm=_gemm(recipe, "e4m3"))
     assert y.dtype == torch.bfloat16
-    check_gemm(y, x, w, "e4m3", "e4m3", scaling=SCALING_OF[recipe], what="fprop bf16", worst_case=True, typical=False)
+    check_gemm(y, x, w, "e4m3", "e4m3", scaling=FP8_RECIPES[recipe].scaling, what="fprop bf16", worst_case=True, typical=False)
 
 
 @pytest.mark.parametrize("scaling", ["tensor", "row"])

@@ -1,4 +1,4 @@
-"""Every recipe in recipes/ validates to the verdict the README states; the production matrix (docs/megatron-rules.md)."""
+"""Every recipe in recipes/ validates to the verdict docs/recipes.md states; the production matrix (docs/megatron-rules.md)."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ from gptoss_cli.errors import ValidationFailed
 from gptoss_cli.recipe import available_recipes, load_recipe, preflight, validate_recipe
 from gptoss_cli.recipe.load import RECIPES_DIR
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+RECIPES_DOC = Path(__file__).resolve().parents[2] / "docs" / "recipes.md"
 GRAPHS_POLICY = "overlap.cuda_graphs"
 GRAPHS_UNSUPPORTED = {"unsupported.cuda_graphs"}  # FP8 itself is implemented (gptoss_cli/fp8/)
 
 # recipe -> (error rules for --target megatron, error rules for --target gptoss), written out by
-# hand from the README's recipe table (which the next test parses and compares with this).
+# hand from docs/recipes.md's recipe table (which the next test parses and compares with this).
 VERDICTS = {
     "gpt_oss_20b_pretrain": (set(), set()),
     "gpt_oss_20b_finetune": (set(), set()),
@@ -37,13 +37,13 @@ VERDICTS = {
 }
 
 
-def readme_verdicts() -> dict[str, tuple[set[str], set[str]]]:
-    """The README's `| recipe | verdict |` table as {recipe: (megatron errors, gptoss errors)}.
+def documented_verdicts() -> dict[str, tuple[set[str], set[str]]]:
+    """docs/recipes.md's `| recipe | verdict |` table as {recipe: (megatron errors, gptoss errors)}.
 
     A recipe cell lists names separated by commas, with `a_b_c / _d` meaning a_b_c and a_b_d and
     parentheses as comments. A verdict cell is `valid`, or `invalid ...` naming the rule ids in
     backticks, then `the gptoss target adds` and the ids only the gptoss target reports."""
-    lines = README.read_text().splitlines()
+    lines = RECIPES_DOC.read_text().splitlines()
     start = lines.index("| recipe | verdict |") + 2  # skip the header and the |---| line
     table = {}
     for line in lines[start:]:
@@ -61,13 +61,13 @@ def readme_verdicts() -> dict[str, tuple[set[str], set[str]]]:
             common, _, added = verdict.partition("the gptoss target adds")
             megatron, extra = set(re.findall(r"`([^`]+)`", common)), set(re.findall(r"`([^`]+)`", added))
         for name in names:
-            assert name not in table, f"{name} appears twice in the README's table"
+            assert name not in table, f"{name} appears twice in docs/recipes.md's table"
             table[name] = (megatron, megatron | extra)
     return table
 
 
-def test_readme_table_gives_every_recipe_the_verdict_the_tests_assert():
-    assert readme_verdicts() == VERDICTS
+def test_documented_table_gives_every_recipe_the_verdict_the_tests_assert():
+    assert documented_verdicts() == VERDICTS
     assert set(available_recipes()) == set(VERDICTS)
 
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import gptoss_cli.cli.train as train_cli
 from gptoss_cli.cli.train import TrainProgressBar
+from gptoss_cli.train.progress import StepDone, TrainStarted
 
 # the step event as train/loop.py emits it: mfu is None where the GPU's peak is unknown (a CPU)
-STEP = {"kind": "step", "loss": 2.0, "lr": 1e-4, "grad_norm": 1.0, "tokens_per_s": 100.0, "step_time_s": 0.5,
-        "tflops_per_gpu": 0.5, "mfu": None}
+STEP = StepDone(step=0, loss=2.0, lr=1e-4, grad_norm=1.0, tokens_per_s=100.0, step_time_s=0.5, consumed_samples=0,
+                model_flops_per_token=1e9, tflops_per_gpu=0.5, mfu=None, hardware_tflops_per_gpu=0.5)
 
 
 def test_progress_lines_show_eta_and_mfu(monkeypatch, capsys):
@@ -15,12 +18,36 @@ def test_progress_lines_show_eta_and_mfu(monkeypatch, capsys):
     monkeypatch.setattr(train_cli.time, "monotonic", lambda: next(clock))
     monkeypatch.setenv("COLUMNS", "200")  # one line per step, unwrapped
     bar = TrainProgressBar()
-    bar({"kind": "start", "start_step": 0, "train_iters": 243, "world_size": 1, "ep_size": 1,
-         "resumed_from": None, "fp8": None})
-    bar({**STEP, "step": 1})
-    bar({**STEP, "step": 2, "mfu": 0.4215})
-    bar({**STEP, "step": 3})
+    bar(TrainStarted(start_step=0, train_iters=243, world_size=1, ep_size=1))
+    bar(replace(STEP, step=1))
+    bar(replace(STEP, step=2, mfu=0.4215))
+    bar(replace(STEP, step=3))
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step")]
     assert "ETA" not in lines[0] and "MFU" not in lines[0]
     assert lines[1].endswith("MFU 42.1% ETA 0:40:10")  # 241 steps left x 10 s
     assert lines[2].endswith("ETA 1:00:00")  # 240 steps left x 15 s; no mfu in this event
+
+
+def test_the_loop_emits_typed_events_that_carry_the_metrics_line_and_pickle(tmp_path):
+    """run_worker's events in order, each a plain dataclass that survives pickling (the callback runs in a
+    spawned worker); a step event holds exactly the numbers of rank 0's metrics.jsonl line for that step."""
+    import json
+    import pickle
+    from dataclasses import asdict, fields
+
+    from gptoss_cli.train.loop import run_worker
+    from gptoss_cli.train.progress import CheckpointSaved, TrainFinished
+    from tests.train.workers import tiny_plan
+
+    events = []
+    result = run_worker(tiny_plan(str(tmp_path / "run"), train_iters=2, checkpoint_dir=str(tmp_path / "ckpt")),
+                        events.append)
+    assert [type(e) for e in events] == [TrainStarted, StepDone, StepDone, CheckpointSaved, TrainFinished]
+    assert all(pickle.loads(pickle.dumps(e)) == e for e in events)
+    start, *steps, saved, end = events
+    assert (start.start_step, start.train_iters, start.world_size, start.resumed_from) == (0, 2, 1, None)
+    assert (saved.step, saved.path) == (2, result.checkpoint) and end.result == result
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    for event, line in zip(steps, lines, strict=True):
+        expected = {f.name: line.get(f.name) for f in fields(StepDone)}
+        assert asdict(event) == expected

@@ -11,6 +11,7 @@ import torch.distributed.checkpoint as dcp
 from gptoss_cli.errors import TrainingError
 from gptoss_cli.train.checkpointing import latest_checkpoint
 from gptoss_cli.train.loop import run_worker
+from gptoss_cli.train.progress import CheckpointSaved
 from tests.tolerances import reassociation_rel
 from tests.train.dist_helpers import once_per_session
 from tests.train.workers import TINY, ep2_checkpoint_run, tiny_plan
@@ -22,7 +23,7 @@ class Killed(Exception):
 
 def _kill_after_checkpoint(step: int):
     def progress(event):
-        if event["kind"] == "checkpoint" and event["step"] == step:
+        if isinstance(event, CheckpointSaved) and event.step == step:
             raise Killed(step)
     return progress
 

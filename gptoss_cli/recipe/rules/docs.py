@@ -1,14 +1,15 @@
-"""The README's rule table and recipe-field table, rendered from the registry and the schema.
+"""The documentation's rule table and recipe-field table, rendered from the registry and the schema.
 
-README.md holds the output between marker comments (`<!-- rules:begin -->` ... `<!-- rules:end -->`,
-likewise `fields`); `python -m gptoss_cli.recipe.rules --write README.md` regenerates them and
-tests/test_readme.py fails when the README and the registry disagree, so a new rule cannot be
-added without its documentation.
+Each table lives between marker comments (`<!-- rules:begin -->` ... `<!-- rules:end -->`, likewise
+`fields`) in its home file, HOMES: docs/rules.md and docs/recipes.md. `python -m gptoss_cli.recipe.rules
+--write` regenerates every table in its home, and tests/test_readme.py fails when a home and the
+registry disagree, so a new rule cannot be added without its documentation.
 """
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 from gptoss_cli.recipe.rules.core import RULES, UNSUPPORTED, WARNING, Rule
 from gptoss_cli.recipe.schema import describe_schema
@@ -51,24 +52,33 @@ def fields_markdown() -> str:
 
 
 RENDERERS = {"rules": rules_markdown, "fields": fields_markdown}
+REPO_ROOT = Path(__file__).resolve().parents[3]
+HOMES = {"rules": Path("docs/rules.md"), "fields": Path("docs/recipes.md")}  # relative to REPO_ROOT
 
 
 def _block_re(name: str) -> re.Pattern[str]:
     return re.compile(rf"(<!-- {name}:begin -->\n)(.*?)(<!-- {name}:end -->)", re.S)
 
 
-def readme_block(text: str, name: str) -> str | None:
-    """What the README holds between the `name` markers, or None when the markers are missing."""
+def generated_block(text: str, name: str) -> str | None:
+    """What `text` holds between the `name` markers, or None when the markers are missing."""
     m = _block_re(name).search(text)
     return m.group(2) if m else None
 
 
-def update_readme(text: str) -> str:
-    """`text` with every generated block replaced by fresh output (markers must already be there)."""
-    for name in BLOCKS:
-        pattern = _block_re(name)
-        if not pattern.search(text):
-            raise ValueError(f"README has no <!-- {name}:begin --> ... <!-- {name}:end --> block")
+def update_blocks(text: str) -> str:
+    """`text` with every generated block it holds replaced by fresh output; a text with none is an error."""
+    present = [name for name in BLOCKS if _block_re(name).search(text)]
+    if not present:
+        markers = " or ".join(f"<!-- {name}:begin --> ... <!-- {name}:end -->" for name in BLOCKS)
+        homes = " and ".join(str(HOMES[name]) for name in BLOCKS)
+        raise ValueError(f"no generated block ({markers}) to regenerate; the tables live in {homes}")
+    for name in present:
         fresh = RENDERERS[name]()
-        text = pattern.sub(lambda m: m.group(1) + fresh + m.group(3), text, count=1)
+        text = _block_re(name).sub(lambda m: m.group(1) + fresh + m.group(3), text, count=1)
     return text
+
+
+def home_files() -> list[Path]:
+    """The files that hold the generated blocks, each once, in BLOCKS order."""
+    return list(dict.fromkeys(REPO_ROOT / HOMES[name] for name in BLOCKS))

@@ -37,32 +37,36 @@ def world_size_consistent(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
 @rule("parallel.world_divisible", "world size divisible by TP x PP x CP (the rest is data parallel)",
       fix="a world size that is a multiple of TP x PP x CP, or smaller model-parallel sizes")
 def world_divisible(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
-    mp = model_parallel_size(cfg)
-    if ctx.world_size % mp == 0:
-        return []
     p = cfg.parallelism
-    return [error(
-        {"world_size": ctx.world_size, "parallelism.tensor_model_parallel_size": p.tensor_model_parallel_size,
+    return _world_divisible_by(
+        ctx, model_parallel_size(cfg), "TP x PP x CP",
+        {"parallelism.tensor_model_parallel_size": p.tensor_model_parallel_size,
          "parallelism.pipeline_model_parallel_size": p.pipeline_model_parallel_size,
          "parallelism.context_parallel_size": p.context_parallel_size},
-        f"world size {ctx.world_size} is not divisible by TP x PP x CP = {mp}",
-        f"use a world size that is a multiple of {mp}, or smaller model-parallel sizes")]
+        "smaller model-parallel sizes")
 
 
 @rule("parallel.expert_world_divisible",
       "world size divisible by ETP x EP x PP (the rest is expert data parallel)",
       fix="a world size that is a multiple of ETP x EP x PP, or a smaller expert_model_parallel_size")
 def expert_world_divisible(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
-    emp = expert_model_parallel_product(cfg)
-    if ctx.world_size % emp == 0:
-        return []
     p = cfg.parallelism
-    return [error(
-        {"world_size": ctx.world_size, "parallelism.expert_model_parallel_size": p.expert_model_parallel_size,
+    return _world_divisible_by(
+        ctx, expert_model_parallel_product(cfg), "ETP x EP x PP",
+        {"parallelism.expert_model_parallel_size": p.expert_model_parallel_size,
          "parallelism.expert_tensor_parallel_size": p.expert_tensor_parallel_size,
          "parallelism.pipeline_model_parallel_size": p.pipeline_model_parallel_size},
-        f"world size {ctx.world_size} is not divisible by ETP x EP x PP = {emp}",
-        f"use a world size that is a multiple of {emp}, or a smaller expert_model_parallel_size")]
+        "a smaller expert_model_parallel_size")
+
+
+def _world_divisible_by(ctx: Context, product: int, label: str, sizes: dict[str, int], smaller: str) -> list[Finding]:
+    """No finding when the world size is a multiple of `product` (the sizes `label` names, e.g. "TP x PP x CP");
+    else one error showing the world size and `sizes`, whose fix is a multiple of `product` or `smaller`."""
+    if ctx.world_size % product == 0:
+        return []
+    return [error({"world_size": ctx.world_size, **sizes},
+                  f"world size {ctx.world_size} is not divisible by {label} = {product}",
+                  f"use a world size that is a multiple of {product}, or {smaller}")]
 
 
 @rule("parallel.data_parallel_consistent", "an explicit data_parallel_size equals world / (TP x PP x CP)",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from gptoss_cli.fp8.catalog import RECIPES as FP8_RECIPES
 from gptoss_cli.recipe.environment import BLACKWELL, HOPPER_OR_NEWER
 from gptoss_cli.recipe.rules.core import ERROR, WARNING, Context, Finding, error, rule, warning
 from gptoss_cli.recipe.schema import RecipeConfig
@@ -28,6 +29,11 @@ def _blocks_of_32(setting: dict[str, str], dims: dict[str, int], what: str) -> l
                                       "is not a multiple of 32")]
 
 
+# The GPUs of each generation a recipe's native kernel needs (fp8/catalog.py), and how the rule names them.
+_NATIVE_GPUS = {"Hopper": (HOPPER_OR_NEWER, "Hopper or newer (h100/h200/b200/gb200/gb300)"),
+                "Blackwell": (BLACKWELL, "Blackwell (b200/gb200/gb300)")}
+
+
 @rule("fp8.native_gpu",
       "FP8 needs a GPU with native kernels (Hopper+; MXFP8: Blackwell) unless fp8_emulation is set",
       fix="a GPU with native kernels, precision.fp8_emulation=true for numerics-only runs (a warning), or "
@@ -35,10 +41,9 @@ def _blocks_of_32(setting: dict[str, str], dims: dict[str, int], what: str) -> l
       severities=(ERROR, WARNING))
 def fp8_native_gpu(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     recipe = cfg.precision.fp8_recipe
-    if recipe == "none":
+    if recipe not in FP8_RECIPES:  # "none" (any other value is the schema's to refuse)
         return []
-    need = BLACKWELL if recipe == "mxfp8" else HOPPER_OR_NEWER
-    need_name = "Blackwell (b200/gb200/gb300)" if recipe == "mxfp8" else "Hopper or newer (h100/h200/b200/gb200/gb300)"
+    need, need_name = _NATIVE_GPUS[FP8_RECIPES[recipe].generation]
     gpu = "none" if cfg.system.device == "cpu" else ctx.gpu
     fields = {"precision.fp8_recipe": recipe, "system.gpu": gpu, "precision.fp8_emulation": cfg.precision.fp8_emulation}
     if gpu in need:
@@ -83,9 +88,10 @@ def qat_mxfp4_dims(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
       fix="precision.fp8_recipe=mxfp8 (the rounded weights enter the MXFP8 forward GEMM unchanged) or none")
 def qat_fp8_recipe(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     p = cfg.precision
-    if p.qat != "mxfp4" or p.fp8_recipe not in ("tensorwise", "rowwise"):
+    spec = FP8_RECIPES.get(p.fp8_recipe)
+    if p.qat != "mxfp4" or spec is None or spec.scaling == "mx":  # MX blocks keep the MXFP4 values exactly
         return []
-    per = "tensor" if p.fp8_recipe == "tensorwise" else "row"
+    per = spec.scaling  # "tensor" or "row"
     return [error({"precision.qat": "mxfp4", "precision.fp8_recipe": p.fp8_recipe},
                   f"{p.fp8_recipe} FP8 re-rounds the MXFP4 weights with one scale per {per}, so the forward "
                   "would not compute with the weights the MXFP4 export writes")]

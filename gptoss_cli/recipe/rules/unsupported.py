@@ -26,6 +26,12 @@ class Unsupported:
     fix: str
 
 
+def _one_of_implemented(field: str, key: str) -> Callable[[RecipeConfig, Context], bool]:
+    """A row's `implemented` check for a field whose implemented values are `IMPLEMENTED[key]` (read when
+    the rule runs, so widening the set is all a new feature needs)."""
+    return lambda c, x: field_value(c, field) in IMPLEMENTED[key]
+
+
 TABLE: tuple[Unsupported, ...] = (
     Unsupported(
         "tensor_parallel", "tensor parallelism / sequence parallelism",
@@ -50,7 +56,7 @@ TABLE: tuple[Unsupported, ...] = (
         lambda c: "Megatron FSDP", "set parallelism.use_megatron_fsdp=false"),
     Unsupported(
         "token_dispatcher", "token dispatchers other than alltoall", ("moe.token_dispatcher_type",),
-        lambda c, x: c.moe.token_dispatcher_type in IMPLEMENTED["token_dispatchers"],
+        _one_of_implemented("moe.token_dispatcher_type", "token_dispatchers"),
         lambda c: f"the {c.moe.token_dispatcher_type!r} token dispatcher", "set moe.token_dispatcher_type=alltoall"),
     Unsupported(
         "token_dropping", "capacity factor (token dropping); gptoss routes dropless", ("moe.capacity_factor",),
@@ -67,7 +73,7 @@ TABLE: tuple[Unsupported, ...] = (
         lambda c: "fp16 training (dynamic loss scaling)", "set precision.params_dtype=bf16"),
     Unsupported(
         "fp8", "FP8 recipes gptoss train does not implement", ("precision.fp8_recipe",),
-        lambda c, x: c.precision.fp8_recipe in IMPLEMENTED["fp8_recipes"],
+        _one_of_implemented("precision.fp8_recipe", "fp8_recipes"),
         lambda c: f"FP8 recipe {c.precision.fp8_recipe!r}", "set precision.fp8_recipe=none"),
     Unsupported(
         "cuda_graphs", "CUDA graphs and the paged stash", ("cuda_graphs.cuda_graph_impl", "cuda_graphs.paged_stash"),
@@ -83,7 +89,7 @@ TABLE: tuple[Unsupported, ...] = (
         "set overlap.overlap_param_gather=false"),
     Unsupported(
         "checkpoint_format", "checkpoint formats other than gptoss's own", ("checkpoint.format",),
-        lambda c, x: c.checkpoint.format in IMPLEMENTED["checkpoint_formats"],
+        _one_of_implemented("checkpoint.format", "checkpoint_formats"),
         lambda c: f"the {c.checkpoint.format!r} checkpoint format", "set checkpoint.format=gptoss"),
 )
 

@@ -1,0 +1,67 @@
+"""What a training run reports while it runs: typed progress events and the callback type that receives them.
+
+Rank 0's training loop calls `progress(event)` (gptoss_cli/train/loop.py) with one of the events
+below; the CLI renders them (gptoss_cli/cli/train.py, `TrainProgressBar`). The callback object is
+pickled into the spawned workers (gptoss_cli/train/launch.py) and called there; the events are
+plain frozen dataclasses of plain data, so they pickle too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Union
+
+if TYPE_CHECKING:
+    from gptoss_cli.train.loop import TrainResult
+
+
+@dataclass(frozen=True)
+class TrainStarted:
+    """Setup is done (and a checkpoint resumed, if any); the first step follows."""
+
+    start_step: int  # steps done before this run (a resumed checkpoint's), 0 for a new run
+    train_iters: int
+    world_size: int
+    ep_size: int
+    cp_size: int = 1
+    resumed_from: str | None = None  # the checkpoint folder resumed from
+    fp8: str | None = None  # `Fp8Gemms.describe()`: recipe, format, path and kernel, device
+    packing: dict[str, Any] | None = None  # {"efficiency", "rows", "seq_length"} for packed documents
+    qat: str = "none"  # precision.qat
+
+
+@dataclass(frozen=True)
+class StepDone:
+    """A logged step (every `logging.log_interval` steps and the last): the numbers of its metrics.jsonl line."""
+
+    step: int  # steps done, counting those before a resume
+    loss: float
+    lr: float
+    grad_norm: float
+    tokens_per_s: float
+    step_time_s: float
+    consumed_samples: int
+    model_flops_per_token: float
+    tflops_per_gpu: float
+    mfu: float | None  # None where the GPU's peak is unknown (a CPU)
+    hardware_tflops_per_gpu: float  # with recompute's repeated forward work
+    aux_loss: float | None = None  # when moe.aux_loss_coeff > 0
+    z_loss: float | None = None  # when moe.z_loss_coeff > 0
+    fp8: dict[str, Any] | None = None  # `Fp8Gemms.summary()` when FP8 runs
+
+
+@dataclass(frozen=True)
+class CheckpointSaved:
+    step: int
+    path: str  # the checkpoint's folder
+
+
+@dataclass(frozen=True)
+class TrainFinished:
+    result: TrainResult
+
+
+TrainEvent = Union[TrainStarted, StepDone, CheckpointSaved, TrainFinished]
+TrainProgress = Callable[[TrainEvent], None]
+
+__all__ = ["TrainStarted", "StepDone", "CheckpointSaved", "TrainFinished", "TrainEvent", "TrainProgress"]
