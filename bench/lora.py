@@ -14,6 +14,16 @@ train, their gradients and the optimizer's state, counted from the tensors the r
 the ratio ours-LoRA / ours-full (goal < 5%).
 
     python bench/lora.py --preset wide --batch 2 --seq 256 --rank 16 --steps 5 --repeats 3
+
+`--profile N` adds, after the timings, torch.profiler's top operators (self CPU time over N steps)
+of ours-LoRA and of transformers + PEFT: where each step's time goes.
+
+`--base-hash-mb N` instead times naming the frozen base (checkpoint/training_format.py's
+base_fingerprint, at every LoRA start, resume and export) on a base of N MB of safetensors files:
+the full sha256 read (the baseline, from the page cache: its fastest) against the cached fingerprint
+(a stat of each file), medians over --repeats, and their ratio.
+
+    python bench/lora.py --base-hash-mb 2048 --repeats 5
 """
 
 from __future__ import annotations
@@ -112,6 +122,54 @@ def hf_peft_step_fn(arch, tokens: torch.Tensor, dtype: str, rank: int, alpha: fl
     return step, state_bytes, kind
 
 
+def bench_base_hash(megabytes: int, repeats: int) -> dict[str, float]:
+    """Median seconds of the full hash and of the cached fingerprint of a base of `megabytes` MB (4 files)."""
+    import os
+    import tempfile
+    import time
+
+    from gptoss_cli.checkpoint.training_format import base_fingerprint, hash_base_files
+
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ["GPTOSS_CACHE_DIR"] = str(Path(tmp) / "cache")
+        base = Path(tmp) / "base"
+        base.mkdir()
+        block = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+        block = block.numpy().tobytes()
+        for i in range(4):
+            with open(base / f"model-{i + 1:05d}-of-00004.safetensors", "wb") as fh:
+                for _ in range(megabytes // 4):
+                    fh.write(block)
+        files = sorted(base.glob("*.safetensors"))
+        digest = base_fingerprint(base)["sha256"]  # the first start: hashes in full, fills the cache
+        full, cached = [], []
+        for _ in range(repeats):  # interleaved
+            t0 = time.perf_counter()
+            assert hash_base_files(files) == digest
+            t1 = time.perf_counter()
+            assert base_fingerprint(base)["sha256"] == digest
+            full.append(t1 - t0)
+            cached.append(time.perf_counter() - t1)
+    med = {"full_hash_s": statistics.median(full), "cached_s": statistics.median(cached)}
+    print(f"base fingerprint of {megabytes} MB in 4 safetensors files, {repeats} repeats")
+    print(f"full sha256 (baseline)  {1e3 * med['full_hash_s']:>10.1f} ms  ({megabytes / med['full_hash_s']:.0f} MB/s)")
+    print(f"cached fingerprint      {1e3 * med['cached_s']:>10.3f} ms")
+    print(f"full / cached: {med['full_hash_s'] / med['cached_s']:.0f}x")
+    return med
+
+
+def profile_steps(name: str, step, steps: int, top: int = 15) -> None:
+    """torch.profiler's operators of `steps` steps of `step`, the `top` ones by self CPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()  # warm-up outside the profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+    print(f"\n{name}: top {top} operators by self CPU time over {steps} steps")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=48))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="tiny")
@@ -123,7 +181,16 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--profile", type=int, default=0, help="also profile this many steps of ours-LoRA and HF+PEFT")
+    ap.add_argument("--base-hash-mb", type=int, help="time the base fingerprint on a base of this many MB instead")
     args = ap.parse_args()
+    if args.base_hash_mb:
+        med = bench_base_hash(args.base_hash_mb, args.repeats)
+        if args.json:
+            args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "median_s": med,
+                                             "ratio_full_over_cached": med["full_hash_s"] / med["cached_s"]},
+                                            indent=2) + "\n")
+        return
     torch.manual_seed(0)
     arch = bench_arch(args.preset)
     tokens = _batch(arch, args.batch, args.seq)
@@ -151,6 +218,9 @@ def main() -> None:
           f"ours LoRA / ours full step time {med['ours_lora'] / med['ours_full']:.2f}")
     print(f"trainable state: ours LoRA {100 * share:.2f}% of our full fine-tune's (goal < 5%); "
           f"transformers + PEFT {state['hf_peft'] / state['ours_lora']:.2f}x ours")
+    if args.profile:
+        profile_steps("ours_lora", ours, args.profile)
+        profile_steps("hf_peft", theirs, args.profile)
     if args.json:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "median_s": med,
                                          "times_s": times, "state_bytes": state, "speedup_vs_hf_peft": speed,

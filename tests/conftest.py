@@ -31,3 +31,16 @@ def _one_thread():
     torch.set_num_threads(TEST_THREADS)
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_cache_dir(tmp_path_factory):
+    """gptoss's cache (a LoRA base's hash, checkpoint/training_format.py) in a temporary folder, never
+    the user's; spawned workers and CLI subprocesses inherit it."""
+    previous = os.environ.get("GPTOSS_CACHE_DIR")
+    os.environ["GPTOSS_CACHE_DIR"] = str(tmp_path_factory.mktemp("gptoss-cache"))
+    yield
+    if previous is None:
+        os.environ.pop("GPTOSS_CACHE_DIR", None)
+    else:
+        os.environ["GPTOSS_CACHE_DIR"] = previous

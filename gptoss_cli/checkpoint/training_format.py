@@ -16,7 +16,9 @@ place, so it is as atomic as the rest of the checkpoint.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +29,7 @@ from gptoss_cli.errors import CheckpointError, ConfigError
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.recipe.schema import DTYPES, INT32_MAX
 from gptoss_cli.json_input import parse_json
+from gptoss_cli.outputs import replace_text
 
 LATEST = "latest"
 TRAIN_STATE = "train_state.json"
@@ -81,14 +84,29 @@ def latest_checkpoint(ckpt_dir: str | Path) -> Path | None:
 
 def base_fingerprint(folder: str | Path) -> dict[str, Any]:
     """What names a LoRA run's frozen base: its resolved path and the sha256 of its weight files
-    (every *.safetensors file, in name order, each hashed as its name then its bytes)."""
-    import hashlib
+    (every *.safetensors file, in name order, each hashed as its name then its bytes).
 
+    Hashing 120B's files takes minutes, so the digest is cached (`base_hash_cache`) under the files'
+    identity: name, size, mtime, ctime and inode of each. A later start or export whose files stat
+    the same reads the digest back; any change to a file (a write, a copy, a rename over it) changes
+    its ctime or inode and the files are hashed again. The recorded value is always the content hash."""
     folder = Path(folder).expanduser().resolve()
     files = sorted(p for p in folder.glob("*.safetensors") if p.is_file())
     if not files:
         raise CheckpointError(f"{folder}: has no *.safetensors weight files to adapt",
                               hint="point checkpoint.pretrained at a `gptoss convert` output or an HF folder")
+    identity = _file_identity(files)
+    cache = base_hash_cache(folder)
+    digest = _cached_digest(cache, folder, identity) if cache is not None else None
+    if digest is None:
+        digest = hash_base_files(files)
+        if cache is not None and _file_identity(files) == identity:  # unchanged while read: the digest is theirs
+            _store_digest(cache, folder, identity, digest)
+    return {"path": str(folder), "sha256": digest}
+
+
+def hash_base_files(files: list[Path]) -> str:
+    """sha256 over each file's name then its bytes, in the given order (the full read)."""
     digest = hashlib.sha256()
     for f in files:
         digest.update(f.name.encode() + b"\0")
@@ -98,7 +116,54 @@ def base_fingerprint(folder: str | Path) -> dict[str, Any]:
                     digest.update(chunk)
         except OSError as exc:
             raise CheckpointError(f"{f}: cannot read ({exc.strerror or exc})") from None
-    return {"path": str(folder), "sha256": digest.hexdigest()}
+    return digest.hexdigest()
+
+
+def base_hash_cache(folder: Path) -> Path | None:
+    """Where the digest of the base at `folder` is cached: $GPTOSS_CACHE_DIR (default
+    $XDG_CACHE_HOME/gptoss, else ~/.cache/gptoss)/base-sha256/<sha256 of the path>.json; None without
+    a home to put it in. Not in the base's folder: a base is an input, often read-only or shared, and
+    training leaves it untouched."""
+    root = os.environ.get("GPTOSS_CACHE_DIR")
+    if not root:
+        home = os.path.expanduser("~")
+        root = os.environ.get("XDG_CACHE_HOME") or (None if home == "~" else os.path.join(home, ".cache"))
+        if root is None:
+            return None
+        root = os.path.join(root, "gptoss")
+    return Path(root) / "base-sha256" / f"{hashlib.sha256(str(folder).encode()).hexdigest()[:32]}.json"
+
+
+def _file_identity(files: list[Path]) -> list[list[Any]]:
+    out = []
+    for f in files:
+        try:
+            st = f.stat()
+        except OSError as exc:
+            raise CheckpointError(f"{f}: cannot read ({exc.strerror or exc})") from None
+        out.append([f.name, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino])
+    return out
+
+
+def _cached_digest(cache: Path, folder: Path, identity: list[list[Any]]) -> str | None:
+    """The cached digest when it was computed for these very files; None otherwise (and for a cache
+    that cannot be read or parsed: it is only a cache)."""
+    try:
+        record = parse_json(cache.read_bytes())
+    except Exception:  # noqa: BLE001 - a missing or broken cache means: hash again
+        return None
+    if not isinstance(record, dict) or record.get("path") != str(folder) or record.get("files") != identity:
+        return None
+    digest = record.get("sha256")
+    return digest if isinstance(digest, str) and len(digest) == 64 else None
+
+
+def _store_digest(cache: Path, folder: Path, identity: list[list[Any]], digest: str) -> None:
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        replace_text(cache, json.dumps({"path": str(folder), "files": identity, "sha256": digest}) + "\n")
+    except OSError:  # an unwritable cache costs the next start a full hash, nothing else
+        pass
 
 
 def check_base(recorded: dict[str, Any], where: str | Path, path: str | Path | None = None) -> dict[str, Any]:
@@ -315,6 +380,6 @@ def find_checkpoint_folder(path: str | Path) -> tuple[Path, Path | None]:
 __all__ = [
     "LATEST", "TRAIN_STATE", "MODEL", "OPTIMIZER", "RNG", "MASTER", "ITER_NAME", "PARTIAL_NAME",
     "WEIGHT_SOURCES", "TrainingRun", "iter_name", "model_key", "optimizer_key", "latest_name", "latest_checkpoint",
-    "run_record", "base_fingerprint", "check_base", "require_same_base",
+    "run_record", "base_fingerprint", "hash_base_files", "base_hash_cache", "check_base", "require_same_base",
     "read_train_state", "check_train_state", "read_training_run", "looks_like_training_checkpoint", "find_checkpoint_folder",
 ]

@@ -184,8 +184,10 @@ class WgradQueue:
         n = 0
         while self._pending:
             p = self._pending.pop(0)
-            _accumulate_grad(p.weight, p.gemm.wgrad(p.x, p.dy, p.tokens_per_expert))
-            _accumulate_grad(p.bias, _bias_grad(p.dy, p.tokens_per_expert))
+            if p.weight.requires_grad:
+                _accumulate_grad(p.weight, p.gemm.wgrad(p.x, p.dy, p.tokens_per_expert))
+            if p.bias.requires_grad:  # a LoRA factor's stand-in zero bias has none
+                _accumulate_grad(p.bias, _bias_grad(p.dy, p.tokens_per_expert))
             n += 1
         self.executed += n
         return n

@@ -12,7 +12,8 @@ per expert, stacked `[E_local, rank, in]` / `[E_local, out, rank]` and named per
 (`...linear_fc1.adapter.linear_in.weight{e}`), so expert adapters live with their experts under
 expert parallelism and their names contain `.mlp.experts.` (reduced over the expert data-parallel
 group like the experts). The low-rank path runs in the params dtype with the default GEMMs,
-whatever gemm (FP8) the frozen base layer uses.
+whatever gemm (FP8) the frozen base layer uses. Under delayed wgrad the expert adapters' weight
+gradients wait in the schedule's queue (model/grouped_gemm.py); the frozen base queues none.
 
 `attach_lora` freezes every base parameter (no gradient, hence no gradient buffer and no optimizer
 state: both are built for trainable parameters only) and adds the adapters.
@@ -32,7 +33,7 @@ from gptoss_cli.errors import ConfigError
 from gptoss_cli.model.attention import LayerNormLinear
 from gptoss_cli.model.dense_gemm import Linear
 from gptoss_cli.model.expert_names import PerExpertParams, checkpoint_slots
-from gptoss_cli.model.grouped_gemm import grouped_linear
+from gptoss_cli.model.grouped_gemm import WgradQueue, grouped_linear
 from gptoss_cli.model.init import name_generator
 from gptoss_cli.model.moe import ExpertLinear
 
@@ -110,11 +111,16 @@ class ExpertLoraAdapter(nn.Module):
         self.linear_in = _ExpertFactor(e, base.expert_offset, settings.rank, in_features, device, dtype)
         self.linear_out = _ExpertFactor(e, base.expert_offset, out_features, settings.rank, device, dtype)
 
-    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor, wgrad_queue: WgradQueue | None = None,
+                name: str = "expert adapter") -> torch.Tensor:
+        """With `wgrad_queue` (delayed wgrad) the adapters' weight gradients wait in the queue like their
+        base layer's would; `name` is the base layer's (errors name it)."""
         a, b = self.linear_in.weight, self.linear_out.weight
         no_bias = a.new_zeros(a.shape[0], a.shape[1])
-        h = grouped_linear(self.dropout(x), a, no_bias, tokens_per_expert)
-        return grouped_linear(h, b, a.new_zeros(b.shape[0], b.shape[1]), tokens_per_expert) * self.scaling
+        h = grouped_linear(self.dropout(x), a, no_bias, tokens_per_expert, wgrad_queue=wgrad_queue,
+                           name=f"{name}.{ADAPTER}.{LINEAR_IN}")
+        return grouped_linear(h, b, a.new_zeros(b.shape[0], b.shape[1]), tokens_per_expert, wgrad_queue=wgrad_queue,
+                              name=f"{name}.{ADAPTER}.{LINEAR_OUT}") * self.scaling
 
     def delta(self) -> torch.Tensor:
         """scaling * B_e @ A_e for every local expert, [E_local, out, in] in fp32."""

@@ -163,14 +163,14 @@ class GroupedExperts(nn.Module):
                                  wgrad_queue=wgrad_queue, name=f"{name}.linear_fc1")
         adapter = getattr(fc1, "adapter", None)  # LoRA (model/lora.py): one pair per expert
         if adapter is not None:
-            gate_up = gate_up + adapter(expert_input, tokens_per_expert)
+            gate_up = gate_up + adapter(expert_input, tokens_per_expert, wgrad_queue, f"{name}.linear_fc1")
         act = clamped_swiglu(gate_up, self.limit, self.alpha)
         with discard_saved(act, lambda: clamped_swiglu(gate_up, self.limit, self.alpha)) if discard_act \
                 else contextlib.nullcontext():
             out = grouped_linear(act, fc2.weight, fc2.bias, tokens_per_expert, gemm=fc2.gemm,
                                  wgrad_queue=wgrad_queue, name=f"{name}.linear_fc2")
             adapter = getattr(fc2, "adapter", None)  # its saved copy of `act` is discarded too
-            return out if adapter is None else out + adapter(act, tokens_per_expert)
+            return out if adapter is None else out + adapter(act, tokens_per_expert, wgrad_queue, f"{name}.linear_fc2")
 
 
 class MoEMLP(nn.Module):

@@ -406,7 +406,7 @@ def load_recipe(ref: str | Path, overrides: Sequence[str] = (), *, recipes_dir: 
         key = getattr(exc, "full_key", "") or ""
         raise ConfigError(f"{where}: {key + ': ' if key else ''}{_first_line(exc)}") from None
 
-    problems = _check_choices(cfg)
+    problems = _check_choices(cfg) + cfg.lora.pairing_problems()
     if problems:
         raise ConfigError(f"{where}: " + "; ".join(problems))
     if not cfg.name:
@@ -418,7 +418,7 @@ def load_recipe(ref: str | Path, overrides: Sequence[str] = (), *, recipes_dir: 
 
 def recipe_from_config(cfg: RecipeConfig) -> Recipe:
     """A Recipe from a RecipeConfig built in code (tests, train's programmatic use)."""
-    problems = _check_choices(cfg)
+    problems = _check_choices(cfg) + cfg.lora.pairing_problems()
     if problems:
         raise ConfigError("recipe: " + "; ".join(problems))
     arch, pattern = resolve_model(cfg)

@@ -5,8 +5,9 @@ set of values carry `metadata["choices"]`, and numeric fields the range their co
 `metadata["min"]` / `metadata["max"]` (`"below"`: a strict upper bound). Every integer field has a
 maximum: sizes that become tensor shapes and counts that become loop bounds stop at INT32_MAX, seeds
 at SEED_MAX.
-Loading (`gptoss_cli.recipe.load`) checks names, types and choices; the bounds and everything
-that relates two fields are rules (`gptoss_cli.recipe.rules`), so they come back as findings.
+Loading (`gptoss_cli.recipe.load`) checks names, types and choices (and `LoraConfig.pairing_problems`:
+LoRA targets with lora.rank=0 are malformed, exit 2); the bounds and everything else that relates
+two fields are rules (`gptoss_cli.recipe.rules`), so they come back as findings.
 """
 
 from __future__ import annotations
@@ -213,6 +214,15 @@ class LoraConfig:
     )
     base_experts: str = _f("bf16", "storage of the frozen experts: bf16 (params_dtype) or mxfp4 (as released, "
                            "dequantised per GEMM)", choices=("bf16", "mxfp4"))
+
+    def pairing_problems(self) -> list[str]:
+        """Targets with LoRA off (rank 0) are a contradiction, malformed input like an unknown target:
+        load_recipe refuses them (exit 2). A rank without targets is the rule lora.targets' finding."""
+        targets = list(self.target_modules)
+        if self.rank == 0 and targets:
+            return [f"lora.rank=0 turns LoRA off, but lora.target_modules={targets} asks for adapters "
+                    "(set lora.rank, e.g. 32, or lora.target_modules=[] for full fine-tuning)"]
+        return []
 
 
 @dataclass

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from gptoss_cli.checkpoint.load import model_from_checkpoint
+from gptoss_cli.model.grouped_gemm import WgradQueue
 from gptoss_cli.model.lora import LoraSettings, adapter_modules, attach_lora, is_adapter_name
 from gptoss_cli.model.moe import ExpertLinear
 from gptoss_cli.model.mxfp4 import round_to_mxfp4
@@ -77,3 +78,37 @@ def test_lora_under_mxfp4_qat_equals_lora_on_the_rounded_base(hybrid):
     torch.testing.assert_close(loss_q, loss_r, rtol=1e-6, atol=1e-6)
     for name in grads_r:
         torch.testing.assert_close(grads_q[name], grads_r[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_expert_adapters_weight_gradients_wait_in_the_delayed_wgrad_queue(hybrid):
+    """Delayed wgrad (the overlap schedule's): backward leaves the expert adapters' weight gradients in
+    the queue (the frozen base queues none); running it gives what plain autograd gives at once. The same
+    GEMMs on the same operands, only later: equal bit for bit."""
+    model = _adapted(hybrid)
+    experts = next(m.mlp.experts for m in model.decoder.layers if hasattr(getattr(m, "mlp", None), "experts"))
+    e = experts.linear_fc1.weight.shape[0]
+    tokens_per_expert = torch.tensor([3, 0, 5, 2][:e] + [1] * max(0, e - 4))
+    x = torch.randn(int(tokens_per_expert.sum()), experts.linear_fc1.weight.shape[2],
+                    generator=torch.Generator().manual_seed(4))
+    dy = torch.randn(x.shape[0], experts.linear_fc2.weight.shape[1], generator=torch.Generator().manual_seed(6))
+    factors = {f"{fc}.{part}": getattr(getattr(experts, fc).adapter, part).weight
+               for fc in ("linear_fc1", "linear_fc2") for part in ("linear_in", "linear_out")}
+
+    def grads(queue):
+        for p in factors.values():
+            p.grad = None
+        xi = x.clone().requires_grad_(True)
+        experts(xi, tokens_per_expert, wgrad_queue=queue).backward(dy)
+        if queue is not None:
+            assert all(p.grad is None for p in factors.values())  # nothing computed yet: all queued
+            assert len(queue) == 4  # A and B of fc1 and fc2; the frozen base's fc1 and fc2 queue nothing
+            assert queue.execute() == 4
+            queue.finish_step()
+        return xi.grad, {n: p.grad.clone() for n, p in factors.items()}
+
+    dx_ref, ref = grads(None)
+    dx, delayed = grads(WgradQueue())
+    assert all(g.abs().sum() > 0 for g in ref.values())
+    torch.testing.assert_close(dx, dx_ref, rtol=0, atol=0)
+    for name in ref:
+        torch.testing.assert_close(delayed[name], ref[name], rtol=0, atol=0, msg=name)

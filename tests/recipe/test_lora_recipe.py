@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import pytest
 from typer.testing import CliRunner
 
 from gptoss_cli.cli import app
+from gptoss_cli.errors import ConfigError
 from gptoss_cli.recipe import load_recipe
+from gptoss_cli.recipe.load import recipe_from_config
 from gptoss_cli.recipe.memory import ADAM_STATE_BYTES, FP32, estimate_memory, lora_layout, parameter_layout
+from gptoss_cli.recipe.schema import LoraConfig, ModelConfig, RecipeConfig
 from gptoss_cli.recipe.validate import validate_recipe
 
 runner = CliRunner()
@@ -20,9 +24,21 @@ def test_an_unknown_target_is_one_line_exit_2():
     assert len(lines) <= 2, result.output  # the error line, and at most its hint
 
 
-def test_rank_zero_with_targets_is_a_rule_error():
-    result = runner.invoke(app, ["validate-config", "gpt_oss_20b_lora", "lora.rank=0"])
+def test_rank_zero_with_targets_is_one_line_exit_2():
+    """The issue's bad input: targets with LoRA off (rank 0) are malformed, exit 2 like an unknown target,
+    for validate-config and for train (both load the recipe first); a rank without targets stays the
+    rule lora.targets' finding (exit 1)."""
+    for command in (["validate-config"], ["train", "--recipe"]):
+        result = runner.invoke(app, [*command, "gpt_oss_20b_lora", "lora.rank=0"])  # the recipe's four targets
+        assert result.exit_code == 2, (command, result.output)
+        text = " ".join(result.output.split())  # the terminal width may wrap the line
+        assert "lora.rank=0 turns LoRA off" in text and "Traceback" not in text, result.output
+        assert text.count("error:") == 1, result.output
+    result = runner.invoke(app, ["validate-config", "gpt_oss_20b_lora", "lora.target_modules=[]"])
     assert result.exit_code == 1 and "lora.targets" in result.output, result.output
+    with pytest.raises(ConfigError, match="lora.target_modules"):
+        recipe_from_config(RecipeConfig(
+            lora=LoraConfig(rank=0, target_modules=["linear_qkv"]), model=ModelConfig(preset="tiny")))
 
 
 def test_memory_of_a_frozen_base_counts_no_gradient_or_optimizer_state_for_it():

@@ -119,6 +119,7 @@ def test_peft_export_and_merged_export_compute_the_trained_model(base, trained, 
     run, _ = trained
     cli = CliRunner().invoke(app, ["convert", str(run / "ckpt"), str(tmp_path / "adapter"), "--to", "peft"])
     assert cli.exit_code == 0 and "training -> peft" in cli.output, cli.output
+    assert "MXFP4" not in cli.output  # no QAT: no note
     convert(str(run / "ckpt"), tmp_path / "merged", to="hf", dtype="float32")
     assert {p.name for p in (tmp_path / "adapter").iterdir()} == {"adapter_config.json", "adapter_model.safetensors"}
     ours = model_from_checkpoint(run / "ckpt").eval()
@@ -134,6 +135,17 @@ def test_peft_export_and_merged_export_compute_the_trained_model(base, trained, 
     assert (base_logits - want).abs().max().item() > 100 * rel * scale  # training moved the logits
     assert (with_adapter - want).abs().max().item() <= rel * scale
     assert (merged - want).abs().max().item() <= rel * scale
+
+
+def test_peft_export_after_mxfp4_qat_notes_the_rounded_base_in_one_line(base, tmp_path):
+    """PEFT adds the adapters to whatever base it loads; a run that trained them against MXFP4-rounded
+    experts says so on export (one note line; the export itself succeeds)."""
+    _, hybrid, arch = base
+    run_worker(_job(tmp_path, hybrid, arch, iters=1, qat="mxfp4"))
+    cli = CliRunner().invoke(app, ["convert", str(tmp_path / "ckpt"), str(tmp_path / "adapter"), "--to", "peft"])
+    assert cli.exit_code == 0 and (tmp_path / "adapter" / "adapter_model.safetensors").is_file(), cli.output
+    notes = [line for line in cli.output.splitlines() if "rounded to MXFP4" in line]
+    assert len(notes) == 1 and notes[0].startswith("note: ") and "precision.qat=mxfp4" in notes[0], cli.output
 
 
 def test_peft_export_of_a_full_fine_tune_is_a_one_line_error(base, tmp_path):

@@ -1,7 +1,7 @@
 """LoRA: targets that exist, rank bounds, a base to adapt, and what LoRA does not combine with yet.
 
 The overlap schedule and delayed wgrad combine with LoRA (tests/train/test_lora_ep.py): the frozen
-base queues no weight gradients, the adapters' are computed in backward. So do the FP8 recipes
+base queues no weight gradients, the expert adapters' wait in the queue. So do the FP8 recipes
 (tests/fp8/test_lora_fp8.py): the frozen base's GEMMs in FP8, the adapters in the params dtype."""
 
 from __future__ import annotations
@@ -13,17 +13,14 @@ from gptoss_cli.recipe.schema import RecipeConfig
 MLP_TARGETS = ("linear_fc1", "linear_fc2")
 
 
-@rule("lora.targets", "lora.rank and lora.target_modules go together; every target exists in the model",
-      fix="lora.rank >= 1 with lora.target_modules from linear_qkv, linear_proj, linear_fc1, linear_fc2; "
-          "or lora.rank=0 and lora.target_modules=[] for full fine-tuning")
+@rule("lora.targets", "a LoRA rank needs targets; every target exists in the layer pattern, once "
+      "(targets with lora.rank=0 are refused when the recipe loads, exit 2)",
+      fix="lora.target_modules from linear_qkv, linear_proj, linear_fc1, linear_fc2, each once, that the layer "
+          "pattern has")
 def lora_targets(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     lo = cfg.lora
     targets = list(lo.target_modules)
-    if lo.rank == 0:
-        if targets:
-            return [error({"lora.rank": 0, "lora.target_modules": targets},
-                          f"lora.rank=0 turns LoRA off, but lora.target_modules={targets} asks for adapters",
-                          "set lora.rank (e.g. 32), or lora.target_modules=[] for full fine-tuning")]
+    if lo.rank == 0:  # off (with targets it never loads: LoraConfig.pairing_problems)
         return []
     if not targets:
         return [error({"lora.rank": lo.rank, "lora.target_modules": []},
