@@ -46,7 +46,7 @@ from gptoss_cli.errors import ConfigError
 from gptoss_cli.model.grouped_gemm import WgradQueue
 from gptoss_cli.model.schedule_plan import COMM, SchedulePlan
 from gptoss_cli.parallel.grads import get_attr_wrapped_model, get_model_config
-from gptoss_cli.schedule.plain import ForwardStep, _finalizer, _StepAccounting, forward_backward_no_pipelining
+from gptoss_cli.schedule.plain import ForwardStep, StepAccounting, finalizer, forward_backward_no_pipelining
 
 
 @dataclass
@@ -178,7 +178,7 @@ def forward_backward_combined_1f1b(
         return forward_backward_no_pipelining(forward_step_func=forward_step_func, data_iterator=data_iterator,
                                               model=model, num_microbatches=num_microbatches, forward_only=True)
     config = get_model_config(model)
-    finalize = _finalizer(config)
+    finalize = finalizer(config)
     try:
         get_attr_wrapped_model(model, "build_schedule_plan")
     except AttributeError:
@@ -193,7 +193,7 @@ def forward_backward_combined_1f1b(
             hint="forward_step_func(data_iterator, model, return_schedule_plan=False) must return "
                  "(model.build_schedule_plan(...), loss_func) when asked",
         )
-    step = _StepAccounting(config)
+    step = StepAccounting(config)
     queue = WgradQueue() if getattr(config, "delay_wgrad_compute", False) else None
     sync_timing = bool(stats is not None and stats.sync_timing)
 
