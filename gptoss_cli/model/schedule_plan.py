@@ -46,27 +46,9 @@ from gptoss_cli.model.attention import AttentionLayer
 from gptoss_cli.model.dispatcher import PHASES, Routing, start_all_to_all
 from gptoss_cli.model.grouped_gemm import WgradQueue
 from gptoss_cli.model.moe import DenseMLPLayer, MoELayer, RouterStats, RouterStatsRequest
-from gptoss_cli.model.pattern import ATTENTION, LAYER_SYMBOLS, MLP, MOE, HybridPattern, parse_pattern
+from gptoss_cli.model.pattern import ATTENTION, MLP, MOE, HybridPattern, schedule_plan_support
 
 COMPUTE, COMM = "compute", "comm"
-PLAN_SYMBOLS = frozenset({ATTENTION, MOE, MLP})
-
-
-def plan_support(pattern: str | HybridPattern | None) -> tuple[bool, str]:
-    """Whether a plan can be built for `pattern`: every symbol must be `*`, `E` or `-`, no `|`."""
-    if pattern is None:
-        return True, ""
-    try:
-        parsed = parse_pattern(pattern) if isinstance(pattern, str) else pattern
-    except ConfigError as exc:
-        return False, str(exc)
-    bad = sorted({s for s in parsed.layers if s not in PLAN_SYMBOLS})
-    if bad:
-        names = ", ".join(f"{s!r} ({LAYER_SYMBOLS.get(s, '?')})" for s in bad)
-        return False, f"the HybridModel schedule plan has no nodes for layer symbol {names}"
-    if parsed.pipeline_splits:
-        return False, "the HybridModel schedule plan does not split pipeline stages ('|' in the pattern)"
-    return True, ""
 
 
 # --------------------------------------------------------------------------------------------
@@ -364,7 +346,7 @@ def build_hybrid_schedule_plan(
 
     Without a loss callback (`SchedulePlan.configure`), `post` computes the model's own loss from
     `labels` (`HybridModel.attach_losses`), so a plan can be checked against `model(...)`."""
-    ok, reason = plan_support(model.pattern)
+    ok, reason = schedule_plan_support(model.pattern)
     if not ok:
         raise ConfigError(f"hybrid_layer_pattern {model.pattern.text!r}: {reason}",
                           hint="turn overlap off: overlap.overlap_moe_expert_parallel_comm=false")
@@ -403,7 +385,7 @@ def build_hybrid_schedule_plan(
                 moe_nodes.append(nodes[0])
                 unit.extend(nodes)
                 node = nodes[-1]
-            else:  # pragma: no cover - plan_support already rejected the symbol
+            else:  # pragma: no cover - schedule_plan_support already rejected the symbol
                 raise ConfigError(f"decoder.layers.{j}: {type(layer).__name__} has no schedule-plan nodes")
             hidden = Ref(node, "hidden")
         plan.units.append(unit)
@@ -430,4 +412,4 @@ def build_hybrid_schedule_plan(
 
 
 __all__ = ["SchedulePlan", "PlanNode", "ComputeNode", "CommNode", "Ref", "build_hybrid_schedule_plan",
-           "plan_support", "COMPUTE", "COMM"]
+           "COMPUTE", "COMM"]
