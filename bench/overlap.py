@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -48,7 +49,7 @@ class OverlapStats:
         self.comms: list[tuple[str, float, float]] = []  # (node, in flight s, blocked s)
         self.wgrad_gemms = 0
 
-    def all_to_all(self, name, issue):
+    def all_to_all(self, name: str, issue: Callable[[], Any]) -> "_TimedWait":
         issued = time.perf_counter()
         handle = issue()
         return _TimedWait(self, name, handle, issued, time.perf_counter())
@@ -72,7 +73,7 @@ class OverlapStats:
 
 
 class _TimedWait:
-    def __init__(self, stats: OverlapStats, name: str, handle, issued: float, issue_returned: float):
+    def __init__(self, stats: OverlapStats, name: str, handle: Any, issued: float, issue_returned: float):
         self.stats, self.name, self.handle, self.issued, self.issue_returned = stats, name, handle, issued, issue_returned
 
     def wait(self) -> torch.Tensor:
