@@ -28,12 +28,62 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+
+
+class OverlapStats:
+    """The overlap schedule's observer (gptoss_cli/model/schedule_plan.py, `ScheduleObserver`):
+    every all-to-all's own timings and the delayed-wgrad work done.
+
+    For every all-to-all: in flight = issue -> wait returned, blocked = time inside the issuing call
+    and inside wait(). With `sync` (CUDA), wait() synchronises the stream so blocked time is real."""
+
+    def __init__(self, sync: bool = False):
+        self.sync = sync
+        self.comms: list[tuple[str, float, float]] = []  # (node, in flight s, blocked s)
+        self.wgrad_gemms = 0
+
+    def all_to_all(self, name: str, issue: Callable[[], Any]) -> "_TimedWait":
+        issued = time.perf_counter()
+        handle = issue()
+        return _TimedWait(self, name, handle, issued, time.perf_counter())
+
+    def delayed_wgrad(self, executed: int) -> None:
+        self.wgrad_gemms += executed
+
+    @property
+    def in_flight_s(self) -> float:
+        return sum(c[1] for c in self.comms)
+
+    @property
+    def blocked_s(self) -> float:
+        return sum(c[2] for c in self.comms)
+
+    @property
+    def hidden_fraction(self) -> float:
+        """Share of the all-to-all time (issue to wait returning) not spent blocked in wait."""
+        total = self.in_flight_s
+        return 1.0 - self.blocked_s / total if total > 0 else 0.0
+
+
+class _TimedWait:
+    def __init__(self, stats: OverlapStats, name: str, handle: Any, issued: float, issue_returned: float):
+        self.stats, self.name, self.handle, self.issued, self.issue_returned = stats, name, handle, issued, issue_returned
+
+    def wait(self) -> torch.Tensor:
+        started = time.perf_counter()
+        out = self.handle.wait()
+        if self.stats.sync and out.is_cuda:
+            torch.cuda.current_stream().synchronize()
+        done = time.perf_counter()
+        self.stats.comms.append((self.name, done - self.issued, (self.issue_returned - self.issued) + (done - started)))
+        return out
 
 
 def add_model_args(ap: argparse.ArgumentParser, microbatches: int, micro_batch: int) -> None:
@@ -69,9 +119,9 @@ def build_model(args: dict, state):
 
 
 def worker(rank: int, args: dict) -> dict:
-    from gptoss_cli.model.link import LinkModel, use_link
+    from bench.simlink import LinkModel, use_link
     from gptoss_cli.parallel.state import init_parallel
-    from gptoss_cli.schedule.combined_1f1b import OverlapStats, forward_backward_combined_1f1b
+    from gptoss_cli.schedule.combined_1f1b import forward_backward_combined_1f1b
     from gptoss_cli.schedule.plain import forward_backward_no_pipelining
     from gptoss_cli.train.data import DataLoaderState
     from gptoss_cli.train.loop import forward_step
@@ -87,21 +137,21 @@ def worker(rank: int, args: dict) -> dict:
         # The same global batch every time: position 0 of the data.
         data = DataLoaderState(source, global_batch_size=mb * n * state.dp_size, micro_batch_size=mb,
                                dp_rank=state.dp_rank, dp_size=state.dp_size, device=state.device)
-        stats = OverlapStats(sync_timing=state.device.type == "cuda") if kind != "plain" else None
+        stats = OverlapStats(sync=state.device.type == "cuda") if kind != "plain" else None
         # A fresh link per step (an empty queue); without a simulated link one of infinite
         # bandwidth and no latency still counts the bytes.
         model_link = LinkModel(*link) if link else LinkModel(float("inf"), 0.0)
         model.zero_grad_buffer()
         torch.distributed.barrier()
         t0 = time.perf_counter()
-        with use_link(model_link):
+        with use_link(model, model_link):
             if kind == "plain":
                 forward_backward_no_pipelining(forward_step_func=forward_step, data_iterator=data.step_iterator(),
                                                model=model, num_microbatches=n)
             else:
                 forward_backward_combined_1f1b(forward_step_func=forward_step, data_iterator=data.step_iterator(),
                                                model=model, num_microbatches=n, interleave=kind == "overlap",
-                                               stats=stats)
+                                               observer=stats)
         if state.device.type == "cuda":
             torch.cuda.synchronize()
         dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=state.device)
@@ -153,7 +203,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     ap.add_argument("--link-gbps", type=float, default=None,
-                    help="simulated link bandwidth, Gbit/s per direction (gptoss_cli/model/link.py)")
+                    help="simulated link bandwidth, Gbit/s per direction (bench/simlink.py)")
     ap.add_argument("--link-latency-us", type=float, default=10.0, help="simulated link latency, microseconds")
     ap.add_argument("--sweep", default="",
                     help="comma-separated communication/compute ratios: the bandwidth for each is chosen from "

@@ -6,7 +6,9 @@ Function-local imports count too (they used to hide cycles). The rules:
 - recipe/ never imports train/ (validation must not need the trainer);
 - checkpoint/ never imports train/;
 - data/ (conversations, packing) is torch-free and imports none of the other layers;
-- the library never imports the CLI (gptoss_cli/cli/) or rich.
+- the library never imports the CLI (gptoss_cli/cli/) or rich;
+- nothing under gptoss_cli/ imports benchmark or test scaffolding: bench/, tests/, or
+  torch.testing._internal (simulated links and fake process groups live in bench/).
 """
 
 from __future__ import annotations
@@ -70,6 +72,16 @@ def test_library_never_imports_rich():
            if "cli" not in p.relative_to(PACKAGE).parts[:1]
            for line, module in imported_modules(p) if module.split(".")[0] == "rich"]
     assert not bad, bad
+
+
+SCAFFOLDING = ("bench", "tests", "torch.testing._internal")
+
+
+def test_package_never_imports_bench_or_test_scaffolding():
+    bad = [f"{p.relative_to(PACKAGE.parent)}:{line} imports {module}" for p in sorted(PACKAGE.rglob("*.py"))
+           for line, module in imported_modules(p)
+           if any(module == s or module.startswith(s + ".") for s in SCAFFOLDING)]
+    assert not bad, "\n".join(bad)
 
 
 def test_the_checker_sees_nested_imports():

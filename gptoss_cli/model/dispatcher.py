@@ -33,19 +33,18 @@ GPU run still blocks the host:
   * once per step, outside the MoE layers: the global token count in `finalize_model_grads`, the
     gradient norm (clipping, the NaN check) and the logged loss.
 
-`LINK` (model/link.py) is a simulated interconnect for benchmarks; None in training.
+Every all-to-all goes through the dispatcher's communication object (`comm`, default `DIST_COMM`:
+torch.distributed); benchmarks inject their own (bench/simlink.py), the package has no other.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-from gptoss_cli.model import link as _link
 from gptoss_cli.model.expert_names import ep_slice
 
 
@@ -57,56 +56,66 @@ def expert_counts(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------------
+# The communication object: who carries the all-to-alls
+
+
+class Comm(Protocol):
+    """What carries the dispatcher's all-to-alls. Training uses `DIST_COMM` (torch.distributed);
+    a benchmark may inject another (bench/simlink.py wraps it with a simulated link)."""
+
+    def all_to_all(self, out: torch.Tensor, x: torch.Tensor, output_splits: list[int] | None,
+                   input_splits: list[int] | None, group: Any, *, control: bool = False) -> None:
+        """all_to_all_single of x into out, blocking. control: a few integers (the count exchange)."""
+
+    def start_all_to_all(self, out: torch.Tensor, x: torch.Tensor, output_splits: list[int],
+                         input_splits: list[int], group: Any) -> Any:
+        """Issue all_to_all_single of x into out; returns the work, whose wait() completes it."""
+
+
+class DistComm:
+    """The all-to-alls of torch.distributed, nothing else: what training runs."""
+
+    def all_to_all(self, out: torch.Tensor, x: torch.Tensor, output_splits: list[int] | None,
+                   input_splits: list[int] | None, group: Any, *, control: bool = False) -> None:
+        dist.all_to_all_single(out, x, output_splits, input_splits, group=group)
+
+    def start_all_to_all(self, out: torch.Tensor, x: torch.Tensor, output_splits: list[int],
+                         input_splits: list[int], group: Any) -> Any:
+        return dist.all_to_all_single(out, x, output_splits, input_splits, group=group, async_op=True)
+
+
+DIST_COMM = DistComm()
+
+
+# --------------------------------------------------------------------------------------------
 # The all-to-all, differentiable and asynchronous
-
-
-def _link_deadline(x: torch.Tensor, output_splits: list[int] | None, input_splits: list[int] | None, group: Any,
-                   issued_at: float, queued: bool = True) -> float | None:
-    """When a simulated link (model/link.py) lets this all-to-all complete; None without one."""
-    link = _link.LINK
-    if link is None:
-        return None
-    me, world = dist.get_rank(group), dist.get_world_size(group)
-    row_bytes = x.element_size() * (x[0].numel() if x.dim() > 1 else 1)
-    rows = x.shape[0] if x.dim() else 1
-    sent = (rows - input_splits[me]) if input_splits else rows - rows // world
-    received = (sum(output_splits) - output_splits[me]) if output_splits else rows - rows // world
-    return link.reserve(row_bytes * max(sent, received), issued_at, queued=queued)
-
-
-def _blocking_all_to_all(out: torch.Tensor, x: torch.Tensor, output_splits: list[int] | None,
-                         input_splits: list[int] | None, group: Any, queued: bool = True) -> None:
-    """dist.all_to_all_single that, under a link model, also returns no earlier than the link allows."""
-    issued = time.perf_counter()
-    deadline = _link_deadline(x, output_splits, input_splits, group, issued, queued)
-    dist.all_to_all_single(out, x, output_splits, input_splits, group=group)
-    if deadline is not None:
-        _link.wait_until(deadline)
-        _link.LINK.blocked_s += time.perf_counter() - issued
 
 
 class _AllToAll(torch.autograd.Function):
     """all_to_all_single with split sizes; backward sends the gradients the reverse way."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, output_splits: list[int], input_splits: list[int], group: Any) -> torch.Tensor:
-        ctx.group, ctx.output_splits, ctx.input_splits = group, output_splits, input_splits
+    def forward(ctx: Any, x: torch.Tensor, output_splits: list[int], input_splits: list[int], group: Any,
+                comm: Comm) -> torch.Tensor:
+        ctx.group, ctx.output_splits, ctx.input_splits, ctx.comm = group, output_splits, input_splits, comm
         x = x.contiguous()
         out = x.new_empty((sum(output_splits),) + tuple(x.shape[1:]))
-        _blocking_all_to_all(out, x, output_splits, input_splits, group)
+        comm.all_to_all(out, x, output_splits, input_splits, group)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         grad = grad.contiguous()
         out = grad.new_empty((sum(ctx.input_splits),) + tuple(grad.shape[1:]))
-        _blocking_all_to_all(out, grad, ctx.input_splits, ctx.output_splits, ctx.group)
-        return out, None, None, None
+        ctx.comm.all_to_all(out, grad, ctx.input_splits, ctx.output_splits, ctx.group)
+        return out, None, None, None, None
 
 
-def all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group: Any) -> torch.Tensor:
-    """Differentiable variable-size all-to-all over `group` (rows of x split by input_splits)."""
-    return _AllToAll.apply(x, output_splits, input_splits, group)
+def all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group: Any,
+               comm: Comm | None = None) -> torch.Tensor:
+    """Differentiable variable-size all-to-all over `group` (rows of x split by input_splits), carried
+    by `comm` (default: torch.distributed)."""
+    return _AllToAll.apply(x, output_splits, input_splits, group, DIST_COMM if comm is None else comm)
 
 
 class AsyncAllToAll:
@@ -115,55 +124,29 @@ class AsyncAllToAll:
     The overlap schedule issues the all-to-all of one microbatch, computes another microbatch,
     then waits. gloo runs `async_op=True` collectives on its own threads; on NCCL the collective
     runs on NCCL's stream and `wait()` only makes the current stream wait on it (an event), so the
-    host never blocks. The timings (host clock) are the collective's own: `issued_at` /
-    `issue_returned` around the issuing call (which may do part of the work before returning),
-    `wait_started` / `wait_returned` around wait(); on CUDA, wait() synchronises only when
-    `sync_timing` is set (the bench does). Not differentiable: the schedule plan's comm nodes call
-    it in both directions themselves.
+    host never blocks. Not differentiable: the schedule plan's comm nodes call it in both
+    directions themselves; timing it is an observer's job (model/schedule_plan.py).
     """
 
-    def __init__(self, out: torch.Tensor, work: Any, issued_at: float, sync_timing: bool = False,
-                 deadline: float | None = None):
-        self.out, self.work, self.issued_at, self.sync_timing = out, work, issued_at, sync_timing
-        self.deadline = deadline  # under a simulated link: not complete before this (model/link.py)
-        self.issue_returned = time.perf_counter()
-        self.wait_started = self.wait_returned = None
+    def __init__(self, out: torch.Tensor, work: Any):
+        self.out, self.work = out, work
 
     def wait(self) -> torch.Tensor:
-        self.wait_started = time.perf_counter()
         if self.work is not None:
             self.work.wait()
-            if self.sync_timing and self.out.is_cuda:
-                torch.cuda.current_stream().synchronize()
-        if self.deadline is not None:
-            _link.wait_until(self.deadline)
-            if _link.LINK is not None:
-                _link.LINK.blocked_s += time.perf_counter() - self.wait_started + self.issue_returned - self.issued_at
-        self.wait_returned = time.perf_counter()
         return self.out
-
-    @property
-    def in_flight_s(self) -> float:
-        return self.wait_returned - self.issued_at
-
-    @property
-    def blocked_s(self) -> float:
-        """Host time spent blocked on this collective: inside the issuing call and inside wait()."""
-        return (self.issue_returned - self.issued_at) + (self.wait_returned - self.wait_started)
 
 
 def start_all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group: Any,
-                     sync_timing: bool = False) -> AsyncAllToAll:
+                     comm: Comm | None = None) -> AsyncAllToAll:
     """Issue a variable-size all-to-all without waiting (rows of x split by input_splits)."""
     x = x.contiguous()
     out = x.new_empty((sum(output_splits),) + tuple(x.shape[1:]))
-    issued = time.perf_counter()
     if group is None or dist.get_world_size(group) == 1:
         out.copy_(x)
-        return AsyncAllToAll(out, None, issued)
-    deadline = _link_deadline(x, output_splits, input_splits, group, issued)
-    work = dist.all_to_all_single(out, x, output_splits, input_splits, group=group, async_op=True)
-    return AsyncAllToAll(out, work, issued, sync_timing, deadline)
+        return AsyncAllToAll(out, None)
+    comm = DIST_COMM if comm is None else comm
+    return AsyncAllToAll(out, comm.start_all_to_all(out, x, output_splits, input_splits, group))
 
 
 # --------------------------------------------------------------------------------------------
@@ -190,13 +173,15 @@ class Routing:
 class AllToAllTokenDispatcher:
     """Dropless token dispatcher over one EP group (ep_size=1 and no group: every expert is local)."""
 
-    def __init__(self, num_experts: int, ep_size: int = 1, ep_rank: int = 0, ep_group: Any = None):
+    def __init__(self, num_experts: int, ep_size: int = 1, ep_rank: int = 0, ep_group: Any = None,
+                 comm: Comm | None = None):
         if num_experts % ep_size:
             raise ValueError(f"num_experts={num_experts} not divisible by ep_size={ep_size}")
         self.num_experts = num_experts
         self.ep_size = ep_size if ep_group is not None else 1
         self.ep_rank = ep_rank if ep_group is not None else 0
         self.ep_group = ep_group
+        self.comm: Comm = DIST_COMM if comm is None else comm  # carries the all-to-alls (count exchange included)
         held = ep_slice(num_experts, self.ep_size, self.ep_rank)
         self.num_local_experts, self.expert_offset = len(held), held.start
 
@@ -224,7 +209,7 @@ class AllToAllTokenDispatcher:
         send_counts = counts.view(ep, e_loc).contiguous()
         recv_counts = torch.empty_like(send_counts)
         # A few integers, synchronously: row r of recv_counts = rows rank r sends to each of my experts.
-        _blocking_all_to_all(recv_counts, send_counts, None, None, self.ep_group, queued=False)
+        self.comm.all_to_all(recv_counts, send_counts, None, None, self.ep_group, control=True)
         splits = torch.stack([send_counts.sum(1), recv_counts.sum(1)]).tolist()  # the one host sync
         received = int(sum(splits[1]))
         # Received rows are ordered (source rank, local expert); regroup to (local expert, source rank).
@@ -237,7 +222,7 @@ class AllToAllTokenDispatcher:
     def token_dispatch(self, permuted: torch.Tensor, routing: Routing) -> torch.Tensor:
         if not self.uses_ep:
             return permuted
-        return all_to_all(permuted, routing.output_splits, routing.input_splits, self.ep_group)
+        return all_to_all(permuted, routing.output_splits, routing.input_splits, self.ep_group, self.comm)
 
     def dispatch_postprocess(self, received: torch.Tensor, routing: Routing) -> torch.Tensor:
         """-> expert input [N, H] sorted by local expert (counts: routing.tokens_per_expert)."""
@@ -252,7 +237,7 @@ class AllToAllTokenDispatcher:
     def token_combine(self, rows: torch.Tensor, routing: Routing) -> torch.Tensor:
         if not self.uses_ep:
             return rows
-        return all_to_all(rows, routing.input_splits, routing.output_splits, self.ep_group)
+        return all_to_all(rows, routing.input_splits, routing.output_splits, self.ep_group, self.comm)
 
     def combine_postprocess(self, returned: torch.Tensor, prob_of_row: torch.Tensor, routing: Routing) -> torch.Tensor:
         """Routing weight after the fc2 bias, then the sum of the top-k copies per token -> [T, H]."""
@@ -275,4 +260,5 @@ class AllToAllTokenDispatcher:
         return self.combine_postprocess(self.token_combine(rows, routing), prob_of_row, routing)
 
 
-__all__ = ["AllToAllTokenDispatcher", "Routing", "PHASES", "AsyncAllToAll", "all_to_all", "start_all_to_all", "expert_counts"]
+__all__ = ["AllToAllTokenDispatcher", "Routing", "PHASES", "AsyncAllToAll", "Comm", "DistComm", "DIST_COMM",
+           "all_to_all", "start_all_to_all", "expert_counts"]

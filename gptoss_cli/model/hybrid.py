@@ -154,9 +154,9 @@ class HybridModel(nn.Module):
         """Whether this model can build the EP A2A overlap schedule plan for `pattern`:
         (True, "") when every symbol has plan nodes (`*`, `E`, `-`, grouped or not), else
         (False, reason naming the symbol)."""
-        from gptoss_cli.model.schedule_plan import plan_support
+        from gptoss_cli.model.pattern import schedule_plan_support
 
-        return plan_support(pattern)
+        return schedule_plan_support(pattern)
 
     def build_schedule_plan(
         self,

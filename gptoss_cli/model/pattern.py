@@ -18,6 +18,8 @@ MLP = "-"
 MAMBA = "M"
 LAYER_SYMBOLS = {ATTENTION: "attention", MOE: "moe", MLP: "mlp", MAMBA: "mamba"}
 BUILDABLE = frozenset({ATTENTION, MOE, MLP})
+# Symbols the HybridModel schedule plan (model/schedule_plan.py) has nodes for.
+PLAN_SYMBOLS = frozenset({ATTENTION, MOE, MLP})
 
 
 @dataclass(frozen=True)
@@ -106,3 +108,22 @@ def parse_pattern(text: str) -> HybridPattern:
     return HybridPattern(
         text=text, layers=tuple(layers), groups=tuple(groups), pipeline_splits=tuple(splits), grouped=grouped
     )
+
+
+def schedule_plan_support(pattern: str | HybridPattern | None) -> tuple[bool, str]:
+    """Whether the combined-1F1B schedule plan (model/schedule_plan.py) can split `pattern` into
+    nodes: (True, "") when every symbol is `*`, `E` or `-` (grouped or not) and there is no `|`,
+    else (False, the reason naming the symbol or the split)."""
+    if pattern is None:
+        return True, ""
+    try:
+        parsed = parse_pattern(pattern) if isinstance(pattern, str) else pattern
+    except ConfigError as exc:
+        return False, str(exc)
+    bad = sorted({s for s in parsed.layers if s not in PLAN_SYMBOLS})
+    if bad:
+        names = ", ".join(f"{s!r} ({LAYER_SYMBOLS.get(s, '?')})" for s in bad)
+        return False, f"the HybridModel schedule plan has no nodes for layer symbol {names}"
+    if parsed.pipeline_splits:
+        return False, "the HybridModel schedule plan does not split pipeline stages ('|' in the pattern)"
+    return True, ""

@@ -36,37 +36,32 @@ group of each layer's dispatcher. No pipeline parallelism.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
 
 import torch
 
 from gptoss_cli.errors import ConfigError
 from gptoss_cli.model.attention import AttentionLayer
-from gptoss_cli.model.dispatcher import PHASES, Routing, start_all_to_all
+from gptoss_cli.model.dispatcher import PHASES, AsyncAllToAll, Comm, Routing, start_all_to_all
 from gptoss_cli.model.grouped_gemm import WgradQueue
 from gptoss_cli.model.moe import DenseMLPLayer, MoELayer, RouterStats, RouterStatsRequest
-from gptoss_cli.model.pattern import ATTENTION, LAYER_SYMBOLS, MLP, MOE, HybridPattern, parse_pattern
+from gptoss_cli.model.pattern import ATTENTION, MLP, MOE, HybridPattern, schedule_plan_support
 
 COMPUTE, COMM = "compute", "comm"
-PLAN_SYMBOLS = frozenset({ATTENTION, MOE, MLP})
 
 
-def plan_support(pattern: str | HybridPattern | None) -> tuple[bool, str]:
-    """Whether a plan can be built for `pattern`: every symbol must be `*`, `E` or `-`, no `|`."""
-    if pattern is None:
-        return True, ""
-    try:
-        parsed = parse_pattern(pattern) if isinstance(pattern, str) else pattern
-    except ConfigError as exc:
-        return False, str(exc)
-    bad = sorted({s for s in parsed.layers if s not in PLAN_SYMBOLS})
-    if bad:
-        names = ", ".join(f"{s!r} ({LAYER_SYMBOLS.get(s, '?')})" for s in bad)
-        return False, f"the HybridModel schedule plan has no nodes for layer symbol {names}"
-    if parsed.pipeline_splits:
-        return False, "the HybridModel schedule plan does not split pipeline stages ('|' in the pattern)"
-    return True, ""
+class ScheduleObserver(Protocol):
+    """Watches a step of the overlap schedule (bench/overlap.py's OverlapStats reads timings this way).
+
+    Optional: with None (training) the plan and the schedule do no timing work at all."""
+
+    def all_to_all(self, name: str, issue: Callable[[], AsyncAllToAll]) -> Any:
+        """Comm node `name` issues an all-to-all: call `issue()` and return what the node waits on
+        (the handle, or a wrapper whose `wait()` returns the handle's rows)."""
+
+    def delayed_wgrad(self, executed: int) -> None:
+        """At the end of a step: the number of delayed weight-gradient GEMMs run (model/grouped_gemm.py)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -181,25 +176,27 @@ class CommNode(PlanNode):
 
     kind = COMM
 
-    def __init__(self, name: str, inputs: dict[str, Any], *, group: Any,
+    def __init__(self, name: str, inputs: dict[str, Any], *, group: Any, comm: Comm | None = None,
                  post: Callable[..., dict[str, Any]] | None = None, post_inputs: tuple[str, ...] = (),
-                 comm_log: list | None = None, runs_wgrad: bool = False, **kw: Any):
+                 runs_wgrad: bool = False, **kw: Any):
         super().__init__(name, inputs, **kw)
         self.runs_wgrad = runs_wgrad
         self.group = group
+        self.comm = comm  # the layer dispatcher's communication object (None: torch.distributed)
         self.post = post
         self.post_inputs = post_inputs
-        self.comm_log = comm_log
         self.after_backward_start: Callable[[], Any] | None = None  # set by SchedulePlan.configure
-        self.sync_timing = False  # set by SchedulePlan.configure
+        self.observer: ScheduleObserver | None = None  # set by SchedulePlan.configure
         self._handle = None
         self._x_requires_grad = False
         self._post_outputs: dict[str, Any] | None = None
 
     def _start(self, x: torch.Tensor, recv: list[int], send: list[int]) -> None:
-        self._handle = start_all_to_all(x, recv, send, self.group, sync_timing=self.sync_timing)
-        if self.comm_log is not None:
-            self.comm_log.append((self.name, self._handle))
+        if self.observer is None:
+            self._handle = start_all_to_all(x, recv, send, self.group, self.comm)
+        else:
+            self._handle = self.observer.all_to_all(
+                self.name, lambda: start_all_to_all(x, recv, send, self.group, self.comm))
 
     def _wait(self) -> torch.Tensor:
         out = self._handle.wait()
@@ -262,7 +259,7 @@ class SchedulePlan:
 
     What the schedule decides is set with `configure` before the plan runs: the loss callback
     (the forward_step's loss_func: model output -> (loss to back-propagate, extra)), the
-    delayed-wgrad queue, and whether comm nodes synchronise for timing (bench)."""
+    delayed-wgrad queue, and an optional observer of the comm nodes (bench timings)."""
 
     embedding: ComputeNode
     units: list[list[PlanNode]]
@@ -270,15 +267,15 @@ class SchedulePlan:
     pattern: HybridPattern
     loss_fn: Callable[[Any], tuple[torch.Tensor, Any]] | None = None
     wgrad_queue: WgradQueue | None = None
-    comm_log: list = field(default_factory=list)
 
     def configure(self, *, loss_fn: Callable[[Any], tuple[torch.Tensor, Any]] | None = None,
-                  wgrad_queue: WgradQueue | None = None, sync_timing: bool = False) -> "SchedulePlan":
-        """Set the loss callback and, for the overlap schedule, delayed wgrad and timing sync."""
+                  wgrad_queue: WgradQueue | None = None,
+                  observer: ScheduleObserver | None = None) -> "SchedulePlan":
+        """Set the loss callback and, for the overlap schedule, delayed wgrad and the comm observer."""
         self.loss_fn, self.wgrad_queue = loss_fn, wgrad_queue
         for node in self.nodes():
             if isinstance(node, CommNode):
-                node.sync_timing = sync_timing
+                node.observer = observer
                 if node.runs_wgrad:  # the backward dispatch all-to-all hides the queued dW GEMMs
                     node.after_backward_start = wgrad_queue.execute if wgrad_queue is not None else None
         return self
@@ -338,7 +335,7 @@ def _moe_nodes(plan: SchedulePlan, j: int, layer: MoELayer, x: Ref,
     pre = ComputeNode(f"{p}.pre_dispatch", pre_dispatch, {"x": x}, layer=j, symbol=MOE)
     dispatch = CommNode(
         f"{p}.dispatch", {"x": Ref(pre, "permuted"), "send": Ref(pre, "send"), "recv": Ref(pre, "recv")},
-        group=group, comm_log=plan.comm_log, runs_wgrad=True, layer=j, symbol=MOE,
+        group=group, comm=getattr(d, "comm", None), runs_wgrad=True, layer=j, symbol=MOE,
     )
     exp = ComputeNode(f"{p}.experts", experts, {"received": Ref(dispatch, "out"), "routing": Ref(pre, "routing")},
                       layer=j, symbol=MOE)
@@ -348,7 +345,7 @@ def _moe_nodes(plan: SchedulePlan, j: int, layer: MoELayer, x: Ref,
         {"x": Ref(exp, "rows"), "send": Ref(pre, "recv"), "recv": Ref(pre, "send"),
          "prob_of_row": Ref(pre, "prob_of_row"), "routing": Ref(pre, "routing"), "residual": x},
         group=group, post=unpermute, post_inputs=("prob_of_row", "routing", "residual"),
-        comm_log=plan.comm_log, layer=j, symbol=MOE,
+        comm=getattr(d, "comm", None), layer=j, symbol=MOE,
     )
     return [pre, dispatch, exp, combine]
 
@@ -364,7 +361,7 @@ def build_hybrid_schedule_plan(
 
     Without a loss callback (`SchedulePlan.configure`), `post` computes the model's own loss from
     `labels` (`HybridModel.attach_losses`), so a plan can be checked against `model(...)`."""
-    ok, reason = plan_support(model.pattern)
+    ok, reason = schedule_plan_support(model.pattern)
     if not ok:
         raise ConfigError(f"hybrid_layer_pattern {model.pattern.text!r}: {reason}",
                           hint="turn overlap off: overlap.overlap_moe_expert_parallel_comm=false")
@@ -403,7 +400,7 @@ def build_hybrid_schedule_plan(
                 moe_nodes.append(nodes[0])
                 unit.extend(nodes)
                 node = nodes[-1]
-            else:  # pragma: no cover - plan_support already rejected the symbol
+            else:  # pragma: no cover - schedule_plan_support already rejected the symbol
                 raise ConfigError(f"decoder.layers.{j}: {type(layer).__name__} has no schedule-plan nodes")
             hidden = Ref(node, "hidden")
         plan.units.append(unit)
@@ -429,5 +426,5 @@ def build_hybrid_schedule_plan(
     return plan
 
 
-__all__ = ["SchedulePlan", "PlanNode", "ComputeNode", "CommNode", "Ref", "build_hybrid_schedule_plan",
-           "plan_support", "COMPUTE", "COMM"]
+__all__ = ["SchedulePlan", "PlanNode", "ComputeNode", "CommNode", "Ref", "ScheduleObserver",
+           "build_hybrid_schedule_plan", "COMPUTE", "COMM"]

@@ -120,7 +120,6 @@ def validate_recipe(
     target: str = "gptoss",
     gpu: str | None = None,
     check_paths: bool = False,
-    model_class: Any = None,
     rules: Sequence[Rule] | None = None,
 ) -> ValidationReport:
     """Run the rules on a loaded recipe and return the report for `target`.
@@ -128,7 +127,6 @@ def validate_recipe(
     world_size: the launched world (train) or --world-size; None = from the recipe.
     gpu: the detected GPU generation (train); None = the recipe's system.gpu.
     check_paths: also require data/pretrained paths to exist (train sets it).
-    model_class: the model class the capability rule asks; None = gptoss_cli.model.hybrid.HybridModel.
     """
     if target not in TARGETS:
         raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
@@ -139,9 +137,6 @@ def validate_recipe(
         recipe = recipe_from_config(recipe)
     cfg = recipe.config
     world, source = resolve_world_size(cfg, world_size)
-    ctx_kwargs: dict[str, Any] = {}
-    if model_class is not None:
-        ctx_kwargs["model_class"] = model_class
     ctx = Context(
         arch=recipe.arch,
         pattern=recipe.pattern,
@@ -151,7 +146,6 @@ def validate_recipe(
         gpu=gpu or cfg.system.gpu,
         torch_version=installed_torch_version(),
         check_paths=check_paths,
-        **ctx_kwargs,
     )
     report = ValidationReport(
         recipe=cfg.name or (recipe.path.stem if recipe.path else "recipe"),
@@ -203,10 +197,9 @@ def load_and_validate(
     return recipe, validate_recipe(recipe, **kwargs)
 
 
-def preflight(recipe: Recipe, *, world_size: int, gpu: str | None = None, model_class: Any = None) -> ValidationReport:
+def preflight(recipe: Recipe, *, world_size: int, gpu: str | None = None) -> ValidationReport:
     """train's pre-launch check: target gptoss, real world size and paths; raises ValidationFailed."""
-    report = validate_recipe(recipe, world_size=world_size, target="gptoss", gpu=gpu, check_paths=True,
-                             model_class=model_class)
+    report = validate_recipe(recipe, world_size=world_size, target="gptoss", gpu=gpu, check_paths=True)
     report.raise_for_errors()
     return report
 

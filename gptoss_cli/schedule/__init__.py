@@ -9,25 +9,15 @@ signature as the plain schedule; it finds `build_schedule_plan` on the unwrapped
 
 from __future__ import annotations
 
-import importlib
 from typing import Any, Callable
-
-from gptoss_cli.errors import ConfigError
 
 
 def get_forward_backward_func(config: Any) -> Callable[..., Any]:
-    """The schedule the recipe asks for; overlap without its implementation is a clear error."""
+    """The schedule the recipe asks for: combined 1F1B with overlap, else the plain one."""
     if getattr(config, "overlap_moe_expert_parallel_comm", False):
-        try:
-            module = importlib.import_module("gptoss_cli.schedule.combined_1f1b")
-        except ModuleNotFoundError as exc:
-            if exc.name != "gptoss_cli.schedule.combined_1f1b":
-                raise
-            raise ConfigError(
-                "overlap_moe_expert_parallel_comm=true needs the combined-1F1B schedule, which this build lacks",
-                hint="set overlap_moe_expert_parallel_comm=false (and delay_wgrad_compute=false)",
-            ) from None
-        return module.forward_backward_combined_1f1b
+        from gptoss_cli.schedule.combined_1f1b import forward_backward_combined_1f1b
+
+        return forward_backward_combined_1f1b
     from gptoss_cli.schedule.plain import forward_backward_no_pipelining
 
     return forward_backward_no_pipelining

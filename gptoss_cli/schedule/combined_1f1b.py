@@ -36,7 +36,6 @@ the model output, so the loss is computed by the caller's own code, once.
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
@@ -44,32 +43,9 @@ from torch import nn
 
 from gptoss_cli.errors import ConfigError
 from gptoss_cli.model.grouped_gemm import WgradQueue
-from gptoss_cli.model.schedule_plan import COMM, SchedulePlan
+from gptoss_cli.model.schedule_plan import COMM, SchedulePlan, ScheduleObserver
 from gptoss_cli.parallel.grads import get_attr_wrapped_model, get_model_config
-from gptoss_cli.schedule.plain import ForwardStep, _finalizer, _StepAccounting, forward_backward_no_pipelining
-
-
-@dataclass
-class OverlapStats:
-    """What the bench reads: every all-to-all's own timings and the delayed-wgrad work done."""
-
-    comms: list[tuple[str, float, float]] = field(default_factory=list)  # (node, in flight s, blocked in wait s)
-    wgrad_gemms: int = 0
-    sync_timing: bool = False  # on CUDA, synchronize in wait so blocked time is real (bench only)
-
-    @property
-    def in_flight_s(self) -> float:
-        return sum(c[1] for c in self.comms)
-
-    @property
-    def blocked_s(self) -> float:
-        return sum(c[2] for c in self.comms)
-
-    @property
-    def hidden_fraction(self) -> float:
-        """Share of the all-to-all time (issue to wait returning) not spent blocked in wait."""
-        total = self.in_flight_s
-        return 1.0 - self.blocked_s / total if total > 0 else 0.0
+from gptoss_cli.schedule.plain import ForwardStep, StepAccounting, finalizer, forward_backward_no_pipelining
 
 
 # --------------------------------------------------------------------------------------------
@@ -167,18 +143,19 @@ def forward_backward_combined_1f1b(
     num_microbatches: int,
     forward_only: bool = False,
     interleave: bool = True,
-    stats: OverlapStats | None = None,
+    observer: ScheduleObserver | None = None,
 ) -> list[dict[str, Any]]:
     """Same contract as `forward_backward_no_pipelining`; returns one log dict per microbatch.
 
     interleave=False runs the same plans one microbatch after another (the bench's control);
-    stats, if given, receives every all-to-all's timings and the number of delayed dW GEMMs.
+    observer, if given, watches every all-to-all of the comm nodes and receives the number of
+    delayed dW GEMMs (model/schedule_plan.py, `ScheduleObserver`); None: no timing work at all.
     """
     if forward_only:  # nothing to overlap without a backward
         return forward_backward_no_pipelining(forward_step_func=forward_step_func, data_iterator=data_iterator,
                                               model=model, num_microbatches=num_microbatches, forward_only=True)
     config = get_model_config(model)
-    finalize = _finalizer(config)
+    finalize = finalizer(config)
     try:
         get_attr_wrapped_model(model, "build_schedule_plan")
     except AttributeError:
@@ -193,9 +170,8 @@ def forward_backward_combined_1f1b(
             hint="forward_step_func(data_iterator, model, return_schedule_plan=False) must return "
                  "(model.build_schedule_plan(...), loss_func) when asked",
         )
-    step = _StepAccounting(config)
+    step = StepAccounting(config)
     queue = WgradQueue() if getattr(config, "delay_wgrad_compute", False) else None
-    sync_timing = bool(stats is not None and stats.sync_timing)
 
     def new_plan() -> SchedulePlan:
         plan, loss_func = forward_step_func(data_iterator, model, return_schedule_plan=True)
@@ -205,7 +181,7 @@ def forward_backward_combined_1f1b(
             step.record(loss_sum, num_tokens, extra)
             return step.scaled(loss_sum), None
 
-        return plan.configure(loss_fn=loss_fn, wgrad_queue=queue, sync_timing=sync_timing)
+        return plan.configure(loss_fn=loss_fn, wgrad_queue=queue, observer=observer)
 
     def forward_ops(plan: SchedulePlan) -> list:
         return [op for slot in _slots(plan) for op in _forward_ops(slot)]
@@ -222,11 +198,6 @@ def forward_backward_combined_1f1b(
     def forward_and_backward(f_plan: SchedulePlan, b_plan: SchedulePlan) -> None:
         run_interleaved(forward_ops(f_plan), backward_ops(b_plan))
 
-    def record(plan: SchedulePlan) -> None:
-        if stats is not None:
-            stats.comms += [(name, h.in_flight_s, h.blocked_s) for name, h in plan.comm_log]
-        plan.comm_log.clear()
-
     try:
         with step.no_sync():
             previous = new_plan()
@@ -238,20 +209,18 @@ def forward_backward_combined_1f1b(
                 else:
                     backward(previous)
                     forward(current)
-                record(previous)
                 previous = current
         backward(previous)
-        record(previous)
     except BaseException:
         if queue is not None:
             queue.clear()  # the step failed anyway; do not mask its error with a second one
         raise
     if queue is not None:
         queue.finish_step()  # raises if any dW was queued but never run
-        if stats is not None:
-            stats.wgrad_gemms += queue.executed
+        if observer is not None:
+            observer.delayed_wgrad(queue.executed)
     finalize([model], step.total_tokens)
     return step.logs
 
 
-__all__ = ["forward_backward_combined_1f1b", "OverlapStats", "run_interleaved"]
+__all__ = ["forward_backward_combined_1f1b", "run_interleaved"]

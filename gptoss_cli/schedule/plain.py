@@ -27,7 +27,7 @@ LossFunc = Callable[[Any], "tuple[torch.Tensor, torch.Tensor, dict[str, Any]]"]
 ForwardStep = Callable[..., "tuple[Any, LossFunc]"]
 
 
-def _finalizer(config: Any) -> Callable[[list[nn.Module], torch.Tensor], Any]:
+def finalizer(config: Any) -> Callable[[list[nn.Module], torch.Tensor], Any]:
     """The config's `finalize_model_grads_func`; a missing one is an error."""
     finalize = getattr(config, "finalize_model_grads_func", None)
     if finalize is None:
@@ -39,7 +39,7 @@ def _finalizer(config: Any) -> Callable[[list[nn.Module], torch.Tensor], Any]:
     return finalize
 
 
-class _StepAccounting:
+class StepAccounting:
     """One step's bookkeeping, shared by the schedules: the config's `no_sync_func` and
     `grad_scale_func`, the tokens of the step (for the finaliser) and one log dict per microbatch."""
 
@@ -69,8 +69,8 @@ def forward_backward_no_pipelining(
 ) -> list[dict[str, Any]]:
     """Run `num_microbatches` microbatches; returns one log dict per microbatch (with loss_sum, num_tokens)."""
     config = get_model_config(model)
-    finalize = None if forward_only else _finalizer(config)
-    step = _StepAccounting(config)
+    finalize = None if forward_only else finalizer(config)
+    step = StepAccounting(config)
 
     def one_microbatch() -> None:
         with torch.no_grad() if forward_only else contextlib.nullcontext():
@@ -90,4 +90,4 @@ def forward_backward_no_pipelining(
     return step.logs
 
 
-__all__ = ["forward_backward_no_pipelining"]
+__all__ = ["forward_backward_no_pipelining", "finalizer", "StepAccounting", "ForwardStep", "LossFunc"]

@@ -1,10 +1,9 @@
-"""Helpers for the recipe tests: run one rule on a recipe with overrides, fake model classes."""
+"""Helpers for the recipe tests: run one rule on a recipe with overrides, or call it with its context."""
 
 from __future__ import annotations
 
 from typing import Any, Sequence
 
-from gptoss_cli.model.pattern import HybridPattern
 from gptoss_cli.recipe.load import load_recipe
 from gptoss_cli.recipe.rules import RULES, Context, Finding
 from gptoss_cli.recipe.sizes import resolve_world_size
@@ -13,22 +12,9 @@ from gptoss_cli.recipe.validate import validate_recipe
 OVERLAP = ["overlap.overlap_moe_expert_parallel_comm=true"]
 
 
-class CapableModel:
-    """A model class that can build a schedule plan for any pattern."""
-
-    @classmethod
-    def build_schedule_plan(cls, *args: Any, **kwargs: Any) -> None:  # pragma: no cover - never called
-        return None
-
-    @classmethod
-    def supports_schedule_plan(cls, pattern: HybridPattern) -> tuple[bool, str]:
-        return True, ""
-
-
 def run_rule(rule_id: str, overrides: Sequence[str] = (), recipe: str = "tiny_cpu_ep2", **kwargs: Any) -> list[Finding]:
     """Findings of one rule on a recipe (default tiny_cpu_ep2) with overrides."""
     loaded = load_recipe(recipe, list(overrides))
-    kwargs.setdefault("model_class", CapableModel)
     return validate_recipe(loaded, rules=[RULES[rule_id]], **kwargs).findings
 
 

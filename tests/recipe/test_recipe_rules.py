@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import json
 
-from dataclasses import replace
-
 import pytest
 
-from gptoss_cli.model.pattern import HybridPattern
-from gptoss_cli.recipe.rules import RULES, SEMANTIC, UNSUPPORTED, list_rules, schedule_plan_capability
-from tests.recipe.recipe_helpers import OVERLAP, CapableModel, make_ctx, run_rule
+from gptoss_cli.recipe.rules import RULES, SEMANTIC, UNSUPPORTED, list_rules
+from gptoss_cli.recipe.rules.overlap import schedule_plan_capability
+from tests.recipe.recipe_helpers import OVERLAP, make_ctx, run_rule
 
 W4 = ["parallelism.world_size=4"]
 MX = ["precision.fp8_recipe=mxfp8"]
@@ -130,7 +128,7 @@ CASES = {
         ["overlap.overlap_param_gather=true"], "error", ["overlap.overlap_grad_reduce=true"]),
     "unsupported.checkpoint_format": (["checkpoint.format=torch_dist"], "error", []),
 }
-# Tested with their own context below (a model class, a torch version, what is implemented).
+# Tested with their own context below (the pattern, a torch version, what is implemented).
 SPECIAL = {"overlap.schedule_plan", "overlap.torch_version", "unsupported.fp8",
            "data.documents_fit"}  # with a token file: tests/train/test_sft_training.py
 
@@ -172,104 +170,52 @@ def test_list_rules_describes_every_rule_once():
 
 
 # --- the capability rule ---------------------------------------------------------------------
-class NoPlanModel:
-    """Like the upstream HybridModel of docs/upstream-failures.md: no build_schedule_plan at all."""
-
-
-class PlanWithoutQuery:
-    @classmethod
-    def build_schedule_plan(cls):  # pragma: no cover
-        return None
-
-
-class AttentionOnlyPlan(CapableModel):
-    @classmethod
-    def supports_schedule_plan(cls, pattern: HybridPattern) -> tuple[bool, str]:
-        if "E" in pattern.layers:
-            return False, "no fine-grained callables for 'E' (MoE) layers"
-        return True, ""
-
-
-class RaisingQuery(CapableModel):
-    @classmethod
-    def supports_schedule_plan(cls, pattern):
-        raise RuntimeError("boom")
-
-
-def test_capability_model_with_plan_passes():
-    cfg, ctx = make_ctx(overrides=OVERLAP)
-    assert schedule_plan_capability(cfg, replace(ctx, model_class=CapableModel)) == []
+# overlap.schedule_plan asks model/pattern.schedule_plan_support about the recipe's own pattern; the
+# schedule plan builder refuses the same patterns (tests/schedule/test_schedule_plan.py).
+def test_capability_passes_for_the_patterns_the_plan_splits():
+    for pattern in ("*E*E*E", "[*E][*E][*E]", "[*E][*-][*E]"):
+        cfg, ctx = make_ctx(overrides=[*OVERLAP, f"model.hybrid_layer_pattern={pattern}"])
+        assert schedule_plan_capability(cfg, ctx) == [], pattern
 
 
 @pytest.mark.parametrize(
-    "model_cls, reason",
+    "pattern, reason",
     [
-        (NoPlanModel, "NoPlanModel has no build_schedule_plan"),
-        (PlanWithoutQuery, "no supports_schedule_plan"),
-        (AttentionOnlyPlan, "no fine-grained callables for 'E'"),
-        (RaisingQuery, "RuntimeError: boom"),
-        (None, "the model class given is None"),
+        ("*E|*E*E", "does not split pipeline stages ('|' in the pattern)"),
+        ("*E*M*E", "has no nodes for layer symbol 'M' (mamba)"),
     ],
 )
-def test_capability_model_without_plan_is_an_error_with_both_flags_as_the_fix(model_cls, reason):
-    cfg, ctx = make_ctx(overrides=[*OVERLAP, "overlap.delay_wgrad_compute=true"])
-    (finding,) = schedule_plan_capability(cfg, replace(ctx, model_class=model_cls))
+def test_capability_without_plan_is_an_error_with_both_flags_as_the_fix(pattern, reason):
+    cfg, ctx = make_ctx(overrides=[*OVERLAP, "overlap.delay_wgrad_compute=true", f"model.hybrid_layer_pattern={pattern}"])
+    (finding,) = schedule_plan_capability(cfg, ctx)
     assert finding.severity == "error" and reason in finding.message
+    assert finding.fields["model.hybrid_layer_pattern"] == pattern
+    assert finding.fields["overlap.delay_wgrad_compute"] is True
     assert "overlap.overlap_moe_expert_parallel_comm=false" in finding.hint
     assert "overlap.delay_wgrad_compute=false" in finding.hint
 
 
 def test_capability_not_asked_without_overlap():
-    cfg, ctx = make_ctx()
-    assert schedule_plan_capability(cfg, replace(ctx, model_class=NoPlanModel)) == []
+    cfg, ctx = make_ctx(overrides=["model.hybrid_layer_pattern=*E*M*E"])
+    assert schedule_plan_capability(cfg, ctx) == []
 
 
-def test_capability_rule_asks_the_model_with_the_recipe_pattern():
-    seen = []
-
-    class Recording(CapableModel):
-        @classmethod
-        def supports_schedule_plan(cls, pattern):
-            seen.append(pattern.text)
-            return True, ""
-
-    run_rule("overlap.schedule_plan", [*OVERLAP, "model.hybrid_layer_pattern=[*E][*E][*E]"], model_class=Recording)
-    assert seen == ["[*E][*E][*E]"]
+def test_capability_rule_reads_the_recipe_pattern():
+    assert run_rule("overlap.schedule_plan", [*OVERLAP, "model.hybrid_layer_pattern=[*E][*E][*E]"]) == []
+    (finding,) = run_rule("overlap.schedule_plan", [*OVERLAP, "model.hybrid_layer_pattern=[*E][*M][*E]"])
+    assert "'M' (mamba)" in finding.message
 
 
-def test_capability_default_is_the_real_hybrid_model():
-    from gptoss_cli.model.hybrid import HybridModel
-    from gptoss_cli.recipe.rules import default_model_class
-
-    assert default_model_class() is HybridModel
-    cfg, ctx = make_ctx(overrides=OVERLAP)
-    assert schedule_plan_capability(cfg, ctx) == []  # resolved lazily: HybridModel plans *E
-    cfg, ctx = make_ctx(overrides=[*OVERLAP, "model.hybrid_layer_pattern=*E|*E*E"])
-    (finding,) = schedule_plan_capability(cfg, ctx)
-    assert "does not split pipeline stages" in finding.message
-
-
-@pytest.fixture
-def broken_model_module(monkeypatch):
-    """gptoss_cli.model.hybrid as a broken installation leaves it: importing it fails."""
+def test_capability_rule_needs_no_model_import(monkeypatch):
+    """validate-config judges the pattern without importing the model (torch): a broken or absent
+    model module changes nothing in its verdict."""
     import sys
 
-    monkeypatch.setitem(sys.modules, "gptoss_cli.model.hybrid", None)  # import raises ImportError
-
-
-def test_broken_model_import_is_an_import_error_naming_the_module(broken_model_module):
-    from gptoss_cli.recipe.rules import default_model_class
-
-    with pytest.raises(ImportError) as info:
-        default_model_class()
-    assert str(info.value) == ("gptoss_cli.model.hybrid cannot be imported: ModuleNotFoundError: "
-                               "import of gptoss_cli.model.hybrid halted; None in sys.modules")
-
-
-def test_broken_model_import_is_reported_as_a_crash_not_as_a_capability_verdict(broken_model_module):
-    (finding,) = run_rule("overlap.schedule_plan", OVERLAP, model_class=None)
-    assert finding.message.startswith("rule crashed: ImportError: gptoss_cli.model.hybrid cannot be imported")
-    assert "schedule plan (" not in finding.message and "this is a bug in gptoss" in finding.hint
+    monkeypatch.setitem(sys.modules, "gptoss_cli.model.hybrid", None)  # importing it would raise
+    monkeypatch.setitem(sys.modules, "gptoss_cli.model.schedule_plan", None)
+    assert run_rule("overlap.schedule_plan", OVERLAP) == []
+    (finding,) = run_rule("overlap.schedule_plan", [*OVERLAP, "model.hybrid_layer_pattern=*E|*E*E"])
+    assert "does not split pipeline stages" in finding.message
 
 
 # --- torch version -----------------------------------------------------------------------------

@@ -5,9 +5,10 @@ on a GPU, by call site). The budget: at most one per MoE layer and microbatch in
 (grouped-GEMM) path, the split sizes of the token all-to-all under expert parallelism; one per step
 for gradient finalisation; nothing per microbatch in the schedules.
 
-The link model (gptoss_cli/model/link.py) must make an all-to-all last its modelled time, in the
-synchronous path of the plain schedule and the asynchronous one of the overlap schedule alike, by
-sleeping: a busy wait would take a core from the compute it is meant to overlap with.
+The link model (bench/simlink.py, a communication object the bench injects) must make an
+all-to-all last its modelled time, in the synchronous path of the plain schedule and the
+asynchronous one of the overlap schedule alike, by sleeping: a busy wait would take a core from the
+compute it is meant to overlap with; installed on a model, it must carry every all-to-all of a step.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import pytest
 
 from gptoss_cli.model import grouped_gemm
-from gptoss_cli.model.link import LinkModel
+from bench.simlink import LinkModel
 from gptoss_cli.parallel.state import ParallelState
 from tests.schedule.workers import (LINK_LATENCY_S, LINK_WIRE_S, SYNC_MICROBATCHES, TINY, build,
                                     comm_costs_worker, count_step_host_syncs)
@@ -119,3 +120,12 @@ def test_link_counts_what_it_carried_and_the_blocked_time(ep2):
 def test_without_a_link_the_all_to_all_is_not_delayed(ep2):
     for result in ep2:
         assert result["link"]["no_link"][0] < LINK_WIRE_S
+
+
+@pytest.mark.parametrize("schedule", ["plain", "overlap"])
+def test_a_link_installed_on_the_model_carries_every_all_to_all_of_a_step_and_is_removed_after(ep2, schedule):
+    for result in ep2:
+        got = result["model_link"][schedule]
+        assert got["inside"] == [True] * MOE_LAYERS and got["restored"] == [True] * MOE_LAYERS
+        # per MoE layer and microbatch: one count exchange; dispatch and combine, forward and backward
+        assert got["counts"] == {"control": MOE_LAYERS * MICROBATCHES, "bulk": 4 * MOE_LAYERS * MICROBATCHES}

@@ -97,15 +97,15 @@ SYNC_MICROBATCHES = 2
 
 
 def link_timings(group: Any) -> dict[str, Any]:
-    """Wall and process CPU time of all-to-alls under a simulated link (gptoss_cli/model/link.py):
-    latency only (synchronous, and asynchronous with the wait after it), bandwidth only, two queued
-    asynchronous transfers, and no link."""
+    """Wall and process CPU time of all-to-alls under a simulated link (bench/simlink.py, injected as
+    the communication object): latency only (synchronous, and asynchronous with the wait after it),
+    bandwidth only, two queued asynchronous transfers, and no link."""
     import time
 
     import torch.distributed as dist
 
+    from bench.simlink import LinkComm, LinkModel
     from gptoss_cli.model.dispatcher import all_to_all, start_all_to_all
-    from gptoss_cli.model.link import LinkModel, use_link
 
     x = torch.randn(64, 32)  # 32 rows to the other rank: 4096 bytes
     splits = [32, 32]
@@ -118,32 +118,53 @@ def link_timings(group: Any) -> dict[str, Any]:
         fn()
         return time.perf_counter() - t0, time.process_time() - c0
 
-    def two_async():
-        a = start_all_to_all(x, splits, splits, group)
-        b = start_all_to_all(x, splits, splits, group)
+    def two_async(comm):
+        a = start_all_to_all(x, splits, splits, group, comm)
+        b = start_all_to_all(x, splits, splits, group, comm)
         a.wait(), b.wait()
 
     out: dict[str, Any] = {}
-    with use_link(LinkModel(float("inf"), LINK_LATENCY_S * 1e6)) as link:
-        out["latency_sync"] = timed(lambda: all_to_all(x, splits, splits, group))
-        handle = start_all_to_all(x, splits, splits, group)
-        out["async_issue_s"] = handle.issue_returned - handle.issued_at
-        _, cpu = timed(handle.wait)
-        out["latency_async"] = (time.perf_counter() - handle.issued_at, cpu)
-        out["latency_link"] = (link.transfers, link.bytes_moved, link.modeled_s, link.blocked_s)
-    with use_link(LinkModel(gbps, 0.0)):
-        out["wire_sync"] = timed(lambda: all_to_all(x, splits, splits, group))
-    with use_link(LinkModel(gbps, 0.0)):
-        out["wire_two_async"] = timed(two_async)
+    link = LinkModel(float("inf"), LINK_LATENCY_S * 1e6)
+    comm = LinkComm(link)
+    out["latency_sync"] = timed(lambda: all_to_all(x, splits, splits, group, comm))
+    issued = time.perf_counter()
+    handle = start_all_to_all(x, splits, splits, group, comm)
+    out["async_issue_s"] = time.perf_counter() - issued
+    _, cpu = timed(handle.wait)
+    out["latency_async"] = (time.perf_counter() - issued, cpu)
+    out["latency_link"] = (link.transfers, link.bytes_moved, link.modeled_s, link.blocked_s)
+    wire, wire_two = LinkComm(LinkModel(gbps, 0.0)), LinkComm(LinkModel(gbps, 0.0))
+    out["wire_sync"] = timed(lambda: all_to_all(x, splits, splits, group, wire))
+    out["wire_two_async"] = timed(lambda: two_async(wire_two))
     out["no_link"] = timed(lambda: all_to_all(x, splits, splits, group))
     return out
 
 
+def model_link_counts(setup: Any, state: ParallelState, microbatches: int, mbs: int = 2) -> dict[str, Any]:
+    """What a link installed on a model (bench/simlink.py `use_link`) carries in one training step
+    through the setup's schedule, and whether every dispatcher has its own communication object back."""
+    from bench.simlink import LinkComm, LinkModel, token_dispatchers, use_link
+    from gptoss_cli.model.dispatcher import DIST_COMM
+
+    data = DataLoaderState(RandomTokens(TINY.vocab_size, SEQ, seed=5), global_batch_size=microbatches * mbs * state.dp_size,
+                           micro_batch_size=mbs, dp_rank=state.dp_rank, dp_size=state.dp_size)
+    schedule = get_forward_backward_func(setup.config)
+    setup.model.zero_grad_buffer()
+    with use_link(setup.model, LinkModel(float("inf"), 0.0)) as link:
+        inside = [isinstance(d.comm, LinkComm) for d in token_dispatchers(setup.model)]
+        schedule(forward_step_func=forward_step, data_iterator=data.step_iterator(), model=setup.model,
+                 num_microbatches=microbatches)
+    return {"counts": dict(link.counts), "inside": inside,
+            "restored": [d.comm is DIST_COMM for d in token_dispatchers(setup.model)]}
+
+
 def comm_costs_worker(rank: int) -> dict[str, Any]:
     """One 2-process launch for the communication-cost tests: the host syncs of a training step at
-    EP=2 (plain and overlap schedules, SYNC_MICROBATCHES microbatches, 3 MoE layers) and the link model's timings."""
+    EP=2 (plain and overlap schedules, SYNC_MICROBATCHES microbatches, 3 MoE layers), the link model's
+    timings, and what a link installed on the model carries in a step of each schedule."""
     state = init_parallel(2, "cpu")
-    syncs = {name: count_step_host_syncs(build(state, overlap=overlap, pattern="*E*E*E"), state,
-                                         microbatches=SYNC_MICROBATCHES)
-             for name, overlap in (("plain", False), ("overlap", True))}
-    return {"syncs": syncs, "link": link_timings(state.ep_group)}
+    setups = {name: build(state, overlap=overlap, pattern="*E*E*E") for name, overlap in (("plain", False),
+                                                                                          ("overlap", True))}
+    syncs = {name: count_step_host_syncs(setup, state, microbatches=SYNC_MICROBATCHES) for name, setup in setups.items()}
+    model_link = {name: model_link_counts(setup, state, microbatches=SYNC_MICROBATCHES) for name, setup in setups.items()}
+    return {"syncs": syncs, "link": link_timings(state.ep_group), "model_link": model_link}

@@ -7,17 +7,15 @@ per GPU, and the table of options gptoss does not implement yet.
 """
 
 from gptoss_cli.recipe.rules.core import (  # noqa: F401
-    ERROR, IMPLEMENTED, RULES, SEMANTIC, UNSUPPORTED, WARNING, Context, Finding, Rule, default_model_class, error,
+    ERROR, IMPLEMENTED, RULES, SEMANTIC, UNSUPPORTED, WARNING, Context, Finding, Rule, error,
     list_rules, rule, warning,
 )
 from gptoss_cli.recipe.rules import fields, model, parallel, overlap, graphs, precision, training  # noqa: F401,E402
 from gptoss_cli.recipe.rules import lora  # noqa: F401,E402
 from gptoss_cli.recipe.rules import memory  # noqa: F401,E402
 from gptoss_cli.recipe.rules import unsupported  # noqa: F401,E402  (registers last: unsupported.* after semantics)
-from gptoss_cli.recipe.rules.overlap import schedule_plan_capability, schedule_plan_support  # noqa: F401,E402
 
 __all__ = [
     "Finding", "Rule", "Context", "RULES", "rule", "list_rules", "error", "warning", "IMPLEMENTED",
-    "schedule_plan_support", "schedule_plan_capability", "default_model_class", "ERROR", "WARNING", "SEMANTIC",
-    "UNSUPPORTED",
+    "ERROR", "WARNING", "SEMANTIC", "UNSUPPORTED",
 ]

@@ -62,25 +62,9 @@ def warning(fields: dict[str, Any], message: str, hint: str | None = None) -> Fi
     return Finding(rule="", severity=WARNING, fields=fields, message=message, hint=hint)
 
 # --- context ---------------------------------------------------------------------------------
-LAZY = object()
-
-
-def default_model_class() -> Any:
-    """gptoss_cli.model.hybrid.HybridModel, imported when a rule first asks (it pulls in torch).
-
-    A model module that fails to import is a broken installation, not a model without a schedule
-    plan: the ImportError names the failure and surfaces as a crashed rule, never as a capability
-    verdict."""
-    try:
-        from gptoss_cli.model.hybrid import HybridModel  # noqa: PLC0415 - lazy: torch only when asked
-    except Exception as exc:
-        raise ImportError(f"gptoss_cli.model.hybrid cannot be imported: {type(exc).__name__}: {exc}") from exc
-    return HybridModel
-
-
 @dataclass
 class Context:
-    """What rules need besides the config: the model, the world size, the target machine."""
+    """What rules need besides the config: the architecture and pattern, the world size, the target machine."""
 
     arch: GptOssArch
     pattern: HybridPattern
@@ -90,14 +74,8 @@ class Context:
     gpu: str = "auto"  # the GPU generation (recipe's system.gpu, or detected by train)
     torch_version: str = ""
     check_paths: bool = False  # train sets this: data and checkpoint paths must exist here
-    model_class: Any = LAZY
     _memory: tuple[RecipeConfig, MemoryEstimate | None, Exception | None] | None = field(
         default=None, init=False, repr=False, compare=False)
-
-    def resolved_model_class(self) -> Any:
-        if self.model_class is LAZY:
-            self.model_class = default_model_class()
-        return self.model_class
 
     def memory_estimate(self, cfg: RecipeConfig) -> MemoryEstimate | None:
         """estimate_memory of `cfg` in this context, computed once: validate's report and the memory
@@ -189,5 +167,5 @@ def version_tuple(text: str) -> tuple[int, ...]:
 
 
 __all__ = ["Finding", "Rule", "Context", "RULES", "rule", "register_rule", "list_rules", "error", "warning",
-           "IMPLEMENTED", "default_model_class", "field_value", "short_pattern", "version_tuple", "LAZY",
+           "IMPLEMENTED", "field_value", "short_pattern", "version_tuple",
            "ERROR", "WARNING", "SEMANTIC", "UNSUPPORTED"]

@@ -1,11 +1,18 @@
-"""EP all-to-all overlap and delayed wgrad: Megatron's requirements, the model's capability and the CUDA-graph policy."""
+"""EP all-to-all overlap and delayed wgrad: Megatron's requirements, the model's capability and the CUDA-graph policy.
+
+The single-check requirements are one table (`TABLE`, one row per rule `overlap.<id>`, the way
+rules/unsupported.py lists its options); rules with more than one check are functions.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
-from gptoss_cli.model.pattern import HybridPattern
-from gptoss_cli.recipe.rules.core import Context, Finding, error, rule, short_pattern, version_tuple
+from gptoss_cli.model.pattern import schedule_plan_support
+from gptoss_cli.recipe.rules.core import (
+    SEMANTIC, Context, Finding, Rule, error, register_rule, rule, short_pattern, version_tuple,
+)
 from gptoss_cli.recipe.schema import RecipeConfig
 
 
@@ -19,43 +26,90 @@ _TURN_OFF = "turn overlap off: overlap.overlap_moe_expert_parallel_comm=false ov
 _OVERLAP_OFF = f"or {_TURN_OFF}"
 
 
-@rule("overlap.requires_expert_parallel", "overlap_moe_expert_parallel_comm needs EP > 1",
-      fix=f"set parallelism.expert_model_parallel_size >= 2, {_OVERLAP_OFF}")
-def overlap_requires_ep(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
-    ep = cfg.parallelism.expert_model_parallel_size
-    if not _overlap_on(cfg) or ep > 1:
-        return []
-    return [error({**_OVERLAP_FIELD, "parallelism.expert_model_parallel_size": ep},
-                  "EP all-to-all overlap needs expert parallelism, but EP=1 (there is no all-to-all to hide)")]
+@dataclass(frozen=True)
+class Requirement:
+    """One single-check requirement of overlap (rule `overlap.<id>`), checked only with overlap on."""
+
+    id: str  # rule id after "overlap."
+    description: str  # the rule list's one line
+    fix: str
+    met: Callable[[RecipeConfig, Context], bool]  # True: nothing to report
+    fields: Callable[[RecipeConfig, Context], dict[str, Any]]  # shown after overlap_moe_expert_parallel_comm
+    message: Callable[[RecipeConfig, Context], str]
+    hint: str | None = None  # None: the fix
 
 
-@rule("overlap.requires_multiple_experts", "overlap_moe_expert_parallel_comm needs more than one expert",
-      fix=_TURN_OFF)
-def overlap_requires_experts(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
-    n = ctx.arch.num_local_experts
-    if not _overlap_on(cfg) or n > 1:
-        return []
-    return [error({**_OVERLAP_FIELD, "num_local_experts": n}, "EP overlap needs more than one expert")]
+TABLE: tuple[Requirement, ...] = (
+    Requirement(
+        "requires_expert_parallel", "overlap_moe_expert_parallel_comm needs EP > 1",
+        f"set parallelism.expert_model_parallel_size >= 2, {_OVERLAP_OFF}",
+        lambda c, x: c.parallelism.expert_model_parallel_size > 1,
+        lambda c, x: {"parallelism.expert_model_parallel_size": c.parallelism.expert_model_parallel_size},
+        lambda c, x: "EP all-to-all overlap needs expert parallelism, but EP=1 (there is no all-to-all to hide)"),
+    Requirement(
+        "requires_multiple_experts", "overlap_moe_expert_parallel_comm needs more than one expert", _TURN_OFF,
+        lambda c, x: x.arch.num_local_experts > 1,
+        lambda c, x: {"num_local_experts": x.arch.num_local_experts},
+        lambda c, x: "EP overlap needs more than one expert"),
+    Requirement(
+        "dispatcher", "overlap_moe_expert_parallel_comm needs the alltoall or flex dispatcher",
+        f"set moe.token_dispatcher_type=alltoall, {_OVERLAP_OFF}",
+        lambda c, x: c.moe.token_dispatcher_type in ("alltoall", "flex"),
+        lambda c, x: {"moe.token_dispatcher_type": c.moe.token_dispatcher_type},
+        lambda c, x: f"EP overlap works with the alltoall or flex dispatcher, not {c.moe.token_dispatcher_type!r}"),
+    Requirement(
+        "precision", "overlap_moe_expert_parallel_comm needs bf16 or fp16 parameters",
+        f"set precision.params_dtype=bf16, {_OVERLAP_OFF}",
+        lambda c, x: c.precision.params_dtype in ("bf16", "fp16"),
+        lambda c, x: {"precision.params_dtype": c.precision.params_dtype},
+        lambda c, x: f"EP overlap needs bf16 or fp16, but params_dtype={c.precision.params_dtype}"),
+    Requirement(
+        "shared_expert_overlap", "overlap_moe_expert_parallel_comm excludes shared-expert overlap",
+        f"set moe.shared_expert_overlap=false, {_OVERLAP_OFF}",
+        lambda c, x: not c.moe.shared_expert_overlap,
+        lambda c, x: {"moe.shared_expert_overlap": True},
+        lambda c, x: "EP overlap and shared-expert overlap cannot both be on"),
+    Requirement(
+        "mtp_num_layers", "overlap_moe_expert_parallel_comm needs mtp_num_layers in (null, 0, 1)",
+        f"set model.mtp_num_layers=0, {_OVERLAP_OFF}",
+        lambda c, x: c.model.mtp_num_layers in (None, 0, 1),
+        lambda c, x: {"model.mtp_num_layers": c.model.mtp_num_layers},
+        lambda c, x: f"EP overlap supports at most one MTP layer, got mtp_num_layers={c.model.mtp_num_layers}"),
+    Requirement(
+        "pipeline_requires_virtual", "overlap_moe_expert_parallel_comm with PP > 1 needs virtual pipeline",
+        f"set parallelism.virtual_pipeline_model_parallel_size >= 2, or PP=1, {_OVERLAP_OFF}",
+        lambda c, x: (c.parallelism.pipeline_model_parallel_size == 1
+                      or bool(c.parallelism.virtual_pipeline_model_parallel_size)),
+        lambda c, x: {"parallelism.pipeline_model_parallel_size": c.parallelism.pipeline_model_parallel_size,
+                      "parallelism.virtual_pipeline_model_parallel_size": None},
+        lambda c, x: "EP overlap with pipeline parallelism needs the interleaved (virtual) pipeline schedule"),
+    Requirement(
+        "torch_version", "overlap_moe_expert_parallel_comm needs torch >= 2.6", f"torch 2.6 or newer, {_OVERLAP_OFF}",
+        lambda c, x: not x.torch_version or version_tuple(x.torch_version) >= (2, 6),
+        lambda c, x: {"torch": x.torch_version},
+        lambda c, x: f"EP overlap needs torch >= 2.6, this environment has {x.torch_version}",
+        hint=f"upgrade torch, {_OVERLAP_OFF}"),
+)
 
 
-@rule("overlap.dispatcher", "overlap_moe_expert_parallel_comm needs the alltoall or flex dispatcher",
-      fix=f"set moe.token_dispatcher_type=alltoall, {_OVERLAP_OFF}")
-def overlap_dispatcher(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
-    d = cfg.moe.token_dispatcher_type
-    if not _overlap_on(cfg) or d in ("alltoall", "flex"):
-        return []
-    return [error({**_OVERLAP_FIELD, "moe.token_dispatcher_type": d},
-                  f"EP overlap works with the alltoall or flex dispatcher, not {d!r}")]
+def _check(row: Requirement) -> Callable[[RecipeConfig, Context], list[Finding]]:
+    def check(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
+        if not _overlap_on(cfg) or row.met(cfg, ctx):
+            return []
+        return [error({**_OVERLAP_FIELD, **row.fields(cfg, ctx)}, row.message(cfg, ctx), row.hint)]
+
+    check.__name__ = f"overlap_{row.id}"
+    return check
 
 
-@rule("overlap.precision", "overlap_moe_expert_parallel_comm needs bf16 or fp16 parameters",
-      fix=f"set precision.params_dtype=bf16, {_OVERLAP_OFF}")
-def overlap_precision(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
-    dt = cfg.precision.params_dtype
-    if not _overlap_on(cfg) or dt in ("bf16", "fp16"):
-        return []
-    return [error({**_OVERLAP_FIELD, "precision.params_dtype": dt},
-                  f"EP overlap needs bf16 or fp16, but params_dtype={dt}")]
+def _register(rows: tuple[Requirement, ...]) -> None:
+    for row in rows:
+        register_rule(Rule(f"overlap.{row.id}", SEMANTIC, row.description, _check(row), fix=row.fix))
+
+
+# Registration order is the order the rules run and the README lists them: the first four rows,
+# then recompute (two checks with their own fields and fixes, so a function of its own), then the rest.
+_register(TABLE[:4])
 
 
 @rule("overlap.recompute", "overlap_moe_expert_parallel_comm forbids full recompute and recompute of 'moe'",
@@ -75,68 +129,7 @@ def overlap_recompute(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     return []
 
 
-@rule("overlap.shared_expert_overlap", "overlap_moe_expert_parallel_comm excludes shared-expert overlap",
-      fix=f"set moe.shared_expert_overlap=false, {_OVERLAP_OFF}")
-def overlap_shared_expert(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
-    if not _overlap_on(cfg) or not cfg.moe.shared_expert_overlap:
-        return []
-    return [error({**_OVERLAP_FIELD, "moe.shared_expert_overlap": True},
-                  "EP overlap and shared-expert overlap cannot both be on")]
-
-
-@rule("overlap.mtp_num_layers", "overlap_moe_expert_parallel_comm needs mtp_num_layers in (null, 0, 1)",
-      fix=f"set model.mtp_num_layers=0, {_OVERLAP_OFF}")
-def overlap_mtp(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
-    n = cfg.model.mtp_num_layers
-    if not _overlap_on(cfg) or n in (None, 0, 1):
-        return []
-    return [error({**_OVERLAP_FIELD, "model.mtp_num_layers": n},
-                  f"EP overlap supports at most one MTP layer, got mtp_num_layers={n}")]
-
-
-@rule("overlap.pipeline_requires_virtual", "overlap_moe_expert_parallel_comm with PP > 1 needs virtual pipeline",
-      fix=f"set parallelism.virtual_pipeline_model_parallel_size >= 2, or PP=1, {_OVERLAP_OFF}")
-def overlap_pipeline(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
-    p = cfg.parallelism
-    if not _overlap_on(cfg) or p.pipeline_model_parallel_size == 1 or p.virtual_pipeline_model_parallel_size:
-        return []
-    return [error({**_OVERLAP_FIELD, "parallelism.pipeline_model_parallel_size": p.pipeline_model_parallel_size,
-                   "parallelism.virtual_pipeline_model_parallel_size": None},
-                  "EP overlap with pipeline parallelism needs the interleaved (virtual) pipeline schedule")]
-
-
-@rule("overlap.torch_version", "overlap_moe_expert_parallel_comm needs torch >= 2.6",
-      fix=f"torch 2.6 or newer, {_OVERLAP_OFF}")
-def overlap_torch(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
-    if not _overlap_on(cfg) or not ctx.torch_version or version_tuple(ctx.torch_version) >= (2, 6):
-        return []
-    return [error({**_OVERLAP_FIELD, "torch": ctx.torch_version},
-                  f"EP overlap needs torch >= 2.6, this environment has {ctx.torch_version}",
-                  f"upgrade torch, {_OVERLAP_OFF}")]
-
-
-def schedule_plan_support(model_cls: Any, pattern: HybridPattern) -> tuple[bool, str]:
-    """Ask a model class whether it can build a combined-1F1B schedule plan for `pattern`.
-
-    The agreed interface: a classmethod `supports_schedule_plan(pattern) -> (bool, reason)`
-    next to `build_schedule_plan`. A class lacking either cannot run the overlap schedule.
-    """
-    if model_cls is None:  # only when a caller passes None: the default class raises if it cannot import
-        return False, "the model class given is None"
-    name = getattr(model_cls, "__name__", repr(model_cls))
-    if not callable(getattr(model_cls, "build_schedule_plan", None)):
-        return False, f"{name} has no build_schedule_plan"
-    supports = getattr(model_cls, "supports_schedule_plan", None)
-    if not callable(supports):
-        return False, f"{name} has build_schedule_plan but no supports_schedule_plan(pattern) to confirm the pattern"
-    try:
-        answer = supports(pattern)
-    except Exception as exc:  # a capability query must never crash validation
-        return False, f"{name}.supports_schedule_plan raised {type(exc).__name__}: {exc}"
-    if not (isinstance(answer, tuple) and len(answer) == 2 and isinstance(answer[0], bool)):
-        return False, f"{name}.supports_schedule_plan returned {answer!r}, not (bool, reason)"
-    ok, reason = answer
-    return ok, "" if ok else (str(reason) or f"{name} cannot schedule this pattern")
+_register(TABLE[4:])
 
 
 @rule("overlap.schedule_plan",
@@ -146,7 +139,7 @@ def schedule_plan_support(model_cls: Any, pattern: HybridPattern) -> tuple[bool,
 def schedule_plan_capability(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     if not _overlap_on(cfg):
         return []
-    ok, reason = schedule_plan_support(ctx.resolved_model_class(), ctx.pattern)
+    ok, reason = schedule_plan_support(ctx.pattern)
     if ok:
         return []
     fields = {**_OVERLAP_FIELD, "model.hybrid_layer_pattern": short_pattern(ctx.pattern.text)}
