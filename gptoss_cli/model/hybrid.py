@@ -148,16 +148,7 @@ class HybridModel(nn.Module):
             # seeded from torch's global generator, so torch.manual_seed decides the weights
             init_weights_(self, arch.initializer_range, int(torch.randint(0, 1 << 62, ())))
 
-    # --- capabilities ---------------------------------------------------------------------
-    @classmethod
-    def supports_schedule_plan(cls, pattern: str | None = None) -> tuple[bool, str]:
-        """Whether this model can build the EP A2A overlap schedule plan for `pattern`:
-        (True, "") when every symbol has plan nodes (`*`, `E`, `-`, grouped or not), else
-        (False, reason naming the symbol)."""
-        from gptoss_cli.model.pattern import schedule_plan_support
-
-        return schedule_plan_support(pattern)
-
+    # --- the overlap schedule's entry point (as Megatron's models have it) -----------------------
     def build_schedule_plan(
         self,
         input_ids: torch.Tensor,

@@ -287,7 +287,7 @@ def get_field(dotted: str) -> dataclasses.Field | None:
 
 
 def describe_schema() -> list[tuple[str, str, str]]:
-    """(dotted name, default, help) for every field; the README's field table comes from here."""
+    """(dotted name, default, help) for every field; docs/recipes.md's field table comes from here."""
     rows = []
     for name, f in iter_fields():
         if f.default is not dataclasses.MISSING:

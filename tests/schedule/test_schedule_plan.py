@@ -8,6 +8,7 @@ import torch
 from gptoss_cli.errors import ConfigError
 from gptoss_cli.model.config import preset
 from gptoss_cli.model.hybrid import HybridModel
+from gptoss_cli.model.pattern import schedule_plan_support
 from gptoss_cli.model.schedule_plan import COMM, COMPUTE, CommNode, Ref
 from gptoss_cli.model.grouped_gemm import WgradQueue
 from tests.model.hybrid_helpers import tiny_batch as _batch, tiny_model as _model
@@ -109,11 +110,11 @@ def test_plan_forward_backward_equals_the_model(pattern, delayed):
 
 
 def test_supports_schedule_plan_names_what_it_cannot_split():
-    assert HybridModel.supports_schedule_plan("*E*E") == (True, "")
-    assert HybridModel.supports_schedule_plan("[*E][*-]") == (True, "")
-    ok, reason = HybridModel.supports_schedule_plan("*E*M")
+    assert schedule_plan_support("*E*E") == (True, "")
+    assert schedule_plan_support("[*E][*-]") == (True, "")
+    ok, reason = schedule_plan_support("*E*M")
     assert not ok and "'M' (mamba)" in reason
-    ok, reason = HybridModel.supports_schedule_plan("*E|*E")
+    ok, reason = schedule_plan_support("*E|*E")
     assert not ok and "'|'" in reason
 
 

@@ -1,4 +1,4 @@
-"""The rule registry that validate-config, train's pre-flight check and the README's rule list share.
+"""The rule registry that validate-config, train's pre-flight check and docs/rules.md's rule list share.
 
 `core.py` holds the machinery (findings, the `rule` decorator, the context); each other module
 registers the rules of one area, in the order they run: field bounds (the gate), the model,

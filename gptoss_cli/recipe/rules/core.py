@@ -4,7 +4,7 @@ A rule is `fn(cfg, ctx) -> list[Finding]`, registered with
 `@rule(id, description, fix=..., severities=..., kind=..., gate=...)`. The registry fills in the
 rule id and kind, so each function only says what is wrong and how to fix it in the case at hand;
 `fix` (the usual way out) and `severities` (what the rule can report) are the rule's
-documentation, rendered into the README by rules/docs.py; a finding created without a hint shows
+documentation, rendered into docs/rules.md by rules/docs.py; a finding created without a hint shows
 the rule's `fix`, so a rule whose one way out is always the same writes it once. Two kinds:
 - "semantic": Megatron's own constraints and the model's capabilities; a recipe that breaks one
   cannot work anywhere (docs/megatron-rules.md).
@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterable
 
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.model.pattern import HybridPattern
+from gptoss_cli.fp8.catalog import RECIPES as FP8_RECIPES
 from gptoss_cli.recipe.memory import MemoryEstimate, estimate_memory
 from gptoss_cli.recipe.schema import RecipeConfig
 
@@ -34,7 +35,7 @@ UNSUPPORTED = "unsupported"
 # unsupported.* rule goes quiet; nothing else needs to change.
 IMPLEMENTED = {
     "token_dispatchers": frozenset({"alltoall"}),
-    "fp8_recipes": frozenset({"none", "tensorwise", "rowwise", "mxfp8"}),  # gptoss_cli/fp8/
+    "fp8_recipes": frozenset({"none", *FP8_RECIPES}),  # every recipe of gptoss_cli/fp8/catalog.py
     "checkpoint_formats": frozenset({"gptoss"}),
 }
 
@@ -137,7 +138,7 @@ def register_rule(r: Rule) -> None:
 
 
 def list_rules() -> list[tuple[str, str, str]]:
-    """(id, kind, description) of every rule, in the order they run (the README's rule list)."""
+    """(id, kind, description) of every rule, in the order they run (docs/rules.md's rule list)."""
     return [(r.id, r.kind, r.description) for r in RULES.values()]
 
 

@@ -107,7 +107,7 @@ def _register(rows: tuple[Requirement, ...]) -> None:
         register_rule(Rule(f"overlap.{row.id}", SEMANTIC, row.description, _check(row), fix=row.fix))
 
 
-# Registration order is the order the rules run and the README lists them: the first four rows,
+# Registration order is the order the rules run and docs/rules.md lists them: the first four rows,
 # then recompute (two checks with their own fields and fixes, so a function of its own), then the rest.
 _register(TABLE[:4])
 
