@@ -188,3 +188,41 @@ def test_the_link_checker_finds_a_missing_file_and_a_missing_anchor(tmp_path):
         "#nowhere (no heading #nowhere in doc.md)",
         "other.md#title-2 (no heading #title-2 in other.md)",
     ]
+
+
+
+# Folders the code map describes as a whole (each file's job is the folder's, or named by kind).
+MAPPED_AS_A_WHOLE = {"cli", "parity", "schedule", "fp8", "recipe/rules"}
+
+
+def code_map(doc: Path) -> str:
+    text = doc.read_text()
+    return text[text.index("## Layout of the code"):]
+
+
+def unnamed_modules(package: Path, text: str) -> list[str]:
+    """Modules of `package` whose file name the code map does not mention (`plan.py` is not named
+    by `recompute_plan.py`)."""
+    missing = []
+    for path in sorted(package.rglob("*.py")):
+        rel = path.relative_to(package)
+        if path.name in ("__init__.py", "__main__.py") or rel.parent.as_posix() in MAPPED_AS_A_WHOLE:
+            continue
+        if not re.search(rf"(?<![\w.]){re.escape(path.name)}", text):
+            missing.append(rel.as_posix())
+    return missing
+
+
+def test_the_code_map_names_every_module():
+    """docs/architecture.md's layout is how a newcomer finds a file: a module it does not name is
+    a module nobody will find (issue 21 moved a dozen; the map must follow the next move too)."""
+    missing = unnamed_modules(ROOT / "gptoss_cli", code_map(ROOT / "docs" / "architecture.md"))
+    assert not missing, f"docs/architecture.md's code layout does not name: {missing}"
+
+
+def test_the_code_map_check_finds_an_unnamed_module(tmp_path):
+    for rel in ("model/plan.py", "model/recompute_plan.py", "cli/new_command.py", "model/__init__.py"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("")
+    assert unnamed_modules(tmp_path, "model/  recompute_plan.py  the plan") == ["model/plan.py"]
+    assert unnamed_modules(tmp_path, "recompute_plan.py, plan.py") == []
