@@ -196,20 +196,26 @@ def open_training(src: str, root: Path, weights: str = MODEL, *, adapters_only: 
 
 
 def _merged_with_base(run, folder: Path, adapters) -> "LoraMergedReader":
-    """The base a LoRA run names (checked byte for byte), read with the run's adapters merged in."""
-    from gptoss_cli.checkpoint.lora_merge import LoraMergedReader
+    """The base a LoRA run names (checked byte for byte), read under Hybrid names (an HF or OpenAI-original
+    base through `HfHybridView`) with the run's adapters merged in."""
+    from gptoss_cli.checkpoint.lora_merge import HfHybridView, LoraMergedReader
 
+    base_source = None
     try:
         check_base(run.lora["base"], folder / TRAIN_STATE)
-        base_path = Path(run.lora["base"]["path"])
-        if not (base_path / HYBRID_CONFIG).exists():
-            raise CheckpointError(
-                f"{folder}: its LoRA base {base_path} is not a Hybrid checkpoint, so the adapters cannot be merged "
-                "into it by name", hint=f"export the adapters with --to peft, or train on a `gptoss convert` output")
+        base_source = open_source(run.lora["base"]["path"])
+        if base_source.kind not in (HYBRID, HF, ORIGINAL):
+            raise CheckpointError(f"{folder}: its LoRA base {base_source.folder} is a {base_source.kind} checkpoint; "
+                                  "the adapters merge into a Hybrid, HF or OpenAI-original base")
+        base = base_source.reader
+        if base_source.layout is not None:  # HF or original: Hybrid names through the mapping table
+            check_tensors(base_source, base_source.layout.stored_specs(base_source.arch))
+            base = HfHybridView(base, base_source.layout, base_source.arch)
     except BaseException:
+        if base_source is not None:
+            base_source.close()
         adapters.close()
         raise
-    base = CheckpointReader(base_path)
     if run.qat == "mxfp4":
         base = Mxfp4QatReader(base)
     return LoraMergedReader(base, adapters, float(run.lora["alpha"]) / int(run.lora["rank"]))

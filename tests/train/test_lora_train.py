@@ -177,3 +177,31 @@ def test_another_base_is_refused_by_resume_and_export(base, tmp_path):
     for to in ("peft", "hf", "hybrid"):
         result, output = run_convert(tmp_path / "ckpt", tmp_path / f"out-{to}", "--to", to)
         assert_clean_failure(result, output, "sha256", "(a different base)", dst=tmp_path / f"out-{to}")
+
+
+@pytest.mark.parametrize("experts", ["bf16", "mxfp4"])
+def test_merged_exports_of_a_run_on_an_hf_base_equal_peft_merged(experts, tmp_path):
+    """A LoRA run trained on an HF folder (experts bf16, or MXFP4 as released) exports merged: `--to hf`
+    loads in transformers and `--to hybrid` in our model, and both give the logits of transformers +
+    PEFT with the run's `--to peft` adapter on the same HF base, merged by PEFT (`merge_and_unload`)."""
+    from tests.model.tiny_checkpoints import write_hf_checkpoint
+
+    hf = write_hf_checkpoint(tmp_path / "base", experts, seed=12)
+    arch, _ = checkpoint_architecture(hf)
+    run_worker(_job(tmp_path, hf, arch, iters=2))
+    ckpt = tmp_path / "ckpt"
+    for to, dtype in (("peft", []), ("hf", ["--dtype", "float32"]), ("hybrid", ["--dtype", "float32"])):
+        cli = CliRunner().invoke(app, ["convert", str(ckpt), str(tmp_path / to), "--to", to, *dtype])
+        assert cli.exit_code == 0, cli.output
+    ids = torch.randint(0, arch.vocab_size, (2, 10), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        base_logits = load_hf_reference(hf)(ids).logits
+        want = peft.PeftModel.from_pretrained(load_hf_reference(hf), str(tmp_path / "peft")).merge_and_unload()
+        want = want.eval()(ids).logits
+        merged_hf = load_hf_reference(tmp_path / "hf")(ids).logits
+        merged_hybrid = model_from_checkpoint(tmp_path / "hybrid").eval()(ids).logits
+    rel = reassociation_rel(arch.intermediate_size, depth=4 * arch.num_hidden_layers)
+    scale = want.abs().max().item()
+    assert (base_logits - want).abs().max().item() > 100 * rel * scale  # training moved the logits
+    assert (merged_hf - want).abs().max().item() <= rel * scale
+    assert (merged_hybrid - want).abs().max().item() <= rel * scale
