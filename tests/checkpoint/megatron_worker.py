@@ -26,6 +26,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from tests.train.dist_helpers import free_port
+
 warnings.filterwarnings("ignore")
 
 
@@ -147,7 +149,7 @@ def load(ckpt: str, out: str, inputs: str | None = None) -> None:
     from megatron.core.dist_checkpointing.validation import StrictHandling
     from safetensors.torch import save_file
 
-    ps = _init(0, 1, 29561)
+    ps = _init(0, 1, free_port())
     common = dist_checkpointing.load_common_state_dict(ckpt)
     args = common["args"]
     cfg = {"num_hidden_layers": args.num_layers // 2, "hidden_size": args.hidden_size,
@@ -188,12 +190,12 @@ def _rope(cfg: dict) -> dict:
     return rope
 
 
-def _save_rank(rank: int, hf_dir: str, out: str, ep: int, singleton: bool) -> None:
+def _save_rank(rank: int, hf_dir: str, out: str, ep: int, singleton: bool, port: int) -> None:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
     from safetensors.torch import load_file
 
-    ps = _init(rank, ep, 29562, ep)
+    ps = _init(rank, ep, port, ep)
     cfg = json.loads((Path(hf_dir) / "config.json").read_text())
     hf = {}
     for f in sorted(Path(hf_dir).glob("*.safetensors")):
@@ -233,10 +235,11 @@ def save(hf_dir: str, out: str, ep: int, singleton: bool) -> None:
     import torch.multiprocessing as mp
 
     Path(out).mkdir(parents=True, exist_ok=True)
+    port = free_port()  # a fixed port collides with any other test or job on this host
     if ep == 1:
-        _save_rank(0, hf_dir, out, 1, singleton)
+        _save_rank(0, hf_dir, out, 1, singleton, port)
     else:
-        mp.spawn(_save_rank, args=(hf_dir, out, ep, singleton), nprocs=ep)
+        mp.spawn(_save_rank, args=(hf_dir, out, ep, singleton, port), nprocs=ep)
 
 
 if __name__ == "__main__":
