@@ -35,7 +35,6 @@ from gptoss_cli.model.mxfp4 import GROUP, decode, encode
 from gptoss_cli.model.moe import ExpertLinear
 
 BASE_EXPERTS = ("bf16", "mxfp4")  # lora.base_experts
-MXFP4_BITS_PER_WEIGHT = 4 + 8 / GROUP  # 4.25
 
 
 class Mxfp4ExpertLinear(ExpertLinear):
@@ -150,5 +149,5 @@ def expert_storage_bytes(model: nn.Module) -> dict[str, int]:
     return out
 
 
-__all__ = ["BASE_EXPERTS", "MXFP4_BITS_PER_WEIGHT", "Mxfp4ExpertLinear", "Mxfp4WeightSlot", "pack_experts_",
+__all__ = ["BASE_EXPERTS", "Mxfp4ExpertLinear", "Mxfp4WeightSlot", "pack_experts_",
            "expert_storage_bytes"]

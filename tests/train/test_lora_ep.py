@@ -54,3 +54,27 @@ def test_overlap_schedule_with_delayed_wgrad_gives_the_plain_adapter_grads(tmp_p
         assert r["plain"]["schedule"] == "forward_backward_no_pipelining"
         assert r["plain"]["grads"] and set(r["plain"]["grads"]) == set(r["overlap"]["grads"])
         assert_tensors_close(r["overlap"]["grads"], r["plain"]["grads"], rel, rank)
+
+
+def _run_mxfp4(folder):
+    return lora_grads(ParallelState(), "mxfp4"), run_distributed(lora_ep_worker, 2, folder, 2, "mxfp4")
+
+
+def test_ep2_on_an_mxfp4_base_equals_ep1_and_training_keeps_the_base_bits(tmp_path):
+    """lora.base_experts=mxfp4: each EP rank holds its own experts' blocks/scales (encoded from the same
+    seeded values as EP=1's), so the adapter gradients of EP=2 equal EP=1's as for a bf16 base; two
+    optimizer steps move every adapter factor and leave every bit of the base (blocks, scales, frozen
+    parameters) as loaded."""
+    ref, ranks = _run_mxfp4(tmp_path)
+    experts = {n for n in ref["grads"] if ".mlp.experts." in n}
+    dense = set(ref["grads"]) - experts
+    held = [{n for n in r["grads"] if ".mlp.experts." in n} for r in ranks]
+    assert held[0].isdisjoint(held[1]) and held[0] | held[1] == experts
+    for rank, (r, names) in enumerate(zip(ranks, held)):
+        assert_tensors_close({n: r["grads"][n] for n in dense}, {n: ref["grads"][n] for n in dense}, GRAD_REL, rank)
+        assert_tensors_close({n: r["grads"][n] for n in names}, {n: ref["grads"][n] for n in names}, GRAD_REL, rank)
+    for r in (ref, *ranks):
+        assert len(r["packed"]) == 2 * 2 * 3  # blocks and scales of fc1 and fc2 in each of the 3 MoE layers
+        assert r["trainable"] and all(".adapter.linear_" in n for n in r["trainable"])
+        assert sorted(r["buffered"]) == sorted(r["trainable"])
+        assert r["base_changed"] == [] and r["adapters_moved"]
