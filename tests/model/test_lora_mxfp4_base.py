@@ -31,7 +31,17 @@ ALL = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 
 @pytest.fixture(scope="module")
 def hf_mxfp4(tmp_path_factory):
-    return write_hf_checkpoint(tmp_path_factory.mktemp("mx-base") / "hf", "mxfp4", seed=7)
+    """An HF folder with MXFP4 experts whose groups are not in the floor rule's form: every code's
+    magnitude at most 1.5 (mask 0b1011 per nibble), so decoding and re-encoding would change the
+    bytes (the scale drops, the codes grow) and only a copy keeps them."""
+    from safetensors.torch import load_file, save_file
+
+    folder = write_hf_checkpoint(tmp_path_factory.mktemp("mx-base") / "hf", "mxfp4", seed=7)
+    tensors = load_file(str(folder / "model.safetensors"))
+    for name in [n for n in tensors if n.endswith("_blocks")]:
+        tensors[name] = tensors[name] & 0xBB
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
 
 
 def _adapted(folder, storage: str, dtype=torch.float32, randomize_b: bool = True):
@@ -91,6 +101,7 @@ def test_an_hf_mxfp4_base_keeps_its_blocks_and_scales_as_released(hf_mxfp4):
                     blocks, scales = (torch.stack(deinterleave_experts(mx.arch, t)) for t in (blocks, scales))
                 assert torch.equal(layer.blocks, blocks) and torch.equal(layer.scales, scales)
                 assert torch.equal(layer.decoded_weight(), getattr(ref_experts, ours).weight)
+                assert not torch.equal(encode(layer.decoded_weight())[1], layer.scales)  # re-encoding would differ
 
 
 def test_logits_and_adapter_grads_equal_a_base_holding_the_decoded_weights(hf_mxfp4):

@@ -230,3 +230,37 @@ def test_resume_on_an_mxfp4_base_is_bitwise(tmp_path):
     assert set(again) == set(straight) and straight
     for name, t in straight.items():
         assert torch.equal(t, again[name]), name
+
+
+def test_merged_export_of_a_bf16_base_trained_as_mxfp4_is_what_the_run_computed(tmp_path):
+    """lora.base_experts=mxfp4 on a base with bf16 experts: the run computed with the experts rounded to
+    MXFP4 (quantised as loaded), so reading the checkpoint merged gives the logits of that model: an
+    MXFP4-stored base with the trained adapters attached, not the unrounded base plus the adapters."""
+    from gptoss_cli.model.expert_names import checkpoint_slots
+    from gptoss_cli.model.lora import LoraSettings, attach_lora
+    from tests.model.tiny_checkpoints import write_hf_checkpoint
+
+    hf = write_hf_checkpoint(tmp_path / "base", "bf16", seed=12)
+    arch, _ = checkpoint_architecture(hf)
+    run_worker(_job(tmp_path, hf, arch, iters=2, lora_base_experts="mxfp4"))
+
+    def with_adapters(storage):
+        model = model_from_checkpoint(hf, base_experts=storage)
+        attach_lora(model, LoraSettings(rank=4, alpha=8.0, target_modules=tuple(ALL)))
+        adapters = _adapters(tmp_path / "ckpt")
+        with torch.no_grad():
+            for name, dest in checkpoint_slots(model):
+                if name in adapters:
+                    dest.copy_(adapters.pop(name))
+        assert not adapters
+        return model.eval()
+
+    ids = torch.randint(0, arch.vocab_size, (2, 10), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want = with_adapters("mxfp4")(ids).logits
+        unrounded = with_adapters("bf16")(ids).logits
+        merged = model_from_checkpoint(tmp_path / "ckpt").eval()(ids).logits
+    rel = reassociation_rel(arch.intermediate_size, depth=4 * arch.num_hidden_layers)
+    scale = want.abs().max().item()
+    assert (merged - want).abs().max().item() <= rel * scale
+    assert (unrounded - want).abs().max().item() > 100 * rel * scale  # rounding the experts matters here
