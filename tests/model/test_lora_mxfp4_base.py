@@ -18,15 +18,14 @@ from gptoss_cli.checkpoint.mapping import deinterleave_experts
 from gptoss_cli.errors import CheckpointError, ConfigError
 from gptoss_cli.fp8.recipe import Fp8Settings, select_gemms
 from gptoss_cli.model.grouped_gemm import WgradQueue
-from gptoss_cli.model.lora import LoraSettings, adapter_modules, attach_lora, merge_lora_
+from gptoss_cli.model.lora import merge_lora_
 from gptoss_cli.model.moe import ExpertLinear
 from gptoss_cli.model.mxfp4 import GROUP, encode, round_to_mxfp4
 from gptoss_cli.model.mxfp4_experts import Mxfp4ExpertLinear, expert_storage_bytes
 from gptoss_cli.model.qat import qat_gemms
 from gptoss_cli.model.recompute_plan import SELECTIVE_MODULES, RecomputePlan
+from tests.model.hybrid_helpers import adapted_from
 from tests.model.tiny_checkpoints import rewrite_hybrid, write_converted_pair, write_hf_checkpoint
-
-ALL = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 
 
 @pytest.fixture(scope="module")
@@ -44,17 +43,8 @@ def hf_mxfp4(tmp_path_factory):
     return folder
 
 
-def _adapted(folder, storage: str, dtype=torch.float32, randomize_b: bool = True):
-    model = model_from_checkpoint(folder, dtype=dtype, base_experts=storage)
-    attach_lora(model, LoraSettings(rank=4, alpha=8.0, target_modules=ALL), seed=5)
-    if randomize_b:  # a fresh B is zero, and with it A's gradient
-        g = torch.Generator().manual_seed(5)
-        with torch.no_grad():
-            for _, adapter in adapter_modules(model):
-                w = adapter.linear_out.weight
-                w.copy_(torch.randn(w.shape, generator=g) * 0.05)
-    model.aux_loss_coef = 0.01
-    return model.train()
+def _adapted(folder, storage: str, randomize_b: bool = True):
+    return adapted_from(folder, randomize_b=randomize_b, base_experts=storage).train()
 
 
 def _step(model):
