@@ -1,0 +1,113 @@
+"""Benchmark the sink attention's two paths: the flash kernel's log-sum-exp rescaled by the sink (unpadded) vs the padded head dim.
+
+`sink_attention` (gptoss_cli/model/attention.py) computes the sink softmax either through
+model/sink_flash.py (plain attention over the real keys at head dim d, its log-sum-exp rescaled
+by the sink, with its own backward) or through SDPA with the sink as one more key, which pads the
+head dim from d to d + 8. This times both, forward + backward, on the attention shapes of the
+bench/train.py configs and of GPT-OSS, full (causal) and sliding-window layers, and checks first
+that they agree (outputs and every gradient).
+
+Rounds alternate the two paths (unpadded, padded, padded, unpadded, ...), so host load hits both
+alike; each call is timed by this process's CPU time on --threads threads (one by default).
+Prints per shape the median time of each path and padded / unpadded (> 1: unpadded is faster)
+as the median of the per-round ratios with their min-max; `--json FILE` writes the same.
+
+    python bench/sink_attention.py --repeats 7
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from gptoss_cli.model.attention import sink_attention  # noqa: E402
+from gptoss_cli.outputs import replace_text  # noqa: E402
+
+# name: (batch, query heads, kv heads, head dim, window of the sliding layers) at --seq tokens
+SHAPES = {
+    "512 config (tiny heads)": (2, 6, 2, 16, 8),
+    "wide": (2, 8, 2, 64, 8),
+    "gpt-oss (64 / 8 heads)": (1, 64, 8, 64, 128),
+}
+
+
+def _inputs(b, h, kv, d, s, dtype):
+    g = torch.Generator().manual_seed(0)
+    make = lambda *shape: torch.randn(*shape, generator=g).to(dtype).requires_grad_()  # noqa: E731
+    return make(b, h, s, d), make(b, kv, s, d), make(b, kv, s, d), make(h)
+
+
+def _step(inputs, window, padded: bool, grad) -> list[torch.Tensor]:
+    for t in inputs:
+        t.grad = None
+    out = sink_attention(*inputs, window, padded=padded)
+    out.backward(grad)
+    return [out.detach(), *(t.grad for t in inputs)]
+
+
+def _timed(fn) -> float:
+    t0 = time.process_time()
+    fn()
+    return time.process_time() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--repeats", type=int, default=7, help="rounds; each times both paths twice")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    if not 1 <= args.seq <= 1 << 16 or not 1 <= args.repeats <= 1000 or not 1 <= args.threads <= 1024:
+        ap.error("--seq must be 1..65536, --repeats 1..1000, --threads 1..1024")
+    torch.set_num_threads(args.threads)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    print(f"sink attention forward + backward, seq {args.seq}, {args.dtype}, {args.threads} thread(s), "
+          f"CPU time, {args.repeats} alternating rounds")
+    print(f"{'shape':<26}{'layer':<8}{'unpadded ms':>12}{'padded ms':>11}{'padded/unpadded (min-max)':>28}")
+    rows = []
+    for name, (b, h, kv, d, window) in SHAPES.items():
+        inputs = _inputs(b, h, kv, d, args.seq, dtype)
+        grad = torch.randn(b, h, args.seq, d, generator=torch.Generator().manual_seed(1)).to(dtype)
+        for win in (None, window):
+            ours = _step(inputs, win, False, grad)
+            peer = _step(inputs, win, True, grad)
+            for a, p, what in zip(ours, peer, ("out", "dq", "dk", "dv", "dsinks")):
+                scale = p.double().abs().max().item()
+                err = (a.double() - p.double()).abs().max().item()
+                assert err <= (1e-2 if dtype == torch.bfloat16 else 1e-4) * scale, (name, win, what, err, scale)
+            times = {False: [], True: []}
+            ratios = []
+            for r in range(args.repeats):
+                order = (False, True, True, False) if r % 2 == 0 else (True, False, False, True)
+                got = {False: [], True: []}
+                for padded in order:
+                    got[padded].append(_timed(lambda: _step(inputs, win, padded, grad)))
+                for padded in (False, True):
+                    times[padded] += got[padded]
+                ratios.append(statistics.median(got[True]) / statistics.median(got[False]))
+            un, pad = statistics.median(times[False]), statistics.median(times[True])
+            layer = "full" if win is None else f"win{win}"
+            ratio = statistics.median(ratios)
+            print(f"{name:<26}{layer:<8}{un * 1e3:>12.2f}{pad * 1e3:>11.2f}"
+                  f"{f'{ratio:.2f} ({min(ratios):.2f}-{max(ratios):.2f})':>28}")
+            rows.append({"shape": name, "batch": b, "heads": h, "kv_heads": kv, "head_dim": d, "seq": args.seq,
+                         "window": win, "unpadded_ms": un * 1e3, "padded_ms": pad * 1e3,
+                         "padded_over_unpadded": ratio, "ratio_min": min(ratios), "ratio_max": max(ratios)})
+    if args.json is not None:
+        replace_text(args.json, json.dumps({"dtype": args.dtype, "threads": args.threads, "rows": rows}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
