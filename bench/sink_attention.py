@@ -7,12 +7,17 @@ head dim from d to d + 8. This times both, forward + backward, on the attention 
 bench/train.py configs and of GPT-OSS, full (causal) and sliding-window layers, and checks first
 that they agree (outputs and every gradient).
 
+Then the same for a whole model's forward + backward (training loss, no optimizer) on the
+bench/train.py configs, every attention layer set to one path (`CoreAttention.padded`), from the
+same weights on the same batch (losses checked equal to rounding): what the attention's share
+of a step makes of the kernel-level gain.
+
 Rounds alternate the two paths (unpadded, padded, padded, unpadded, ...), so host load hits both
 alike; each call is timed by this process's CPU time on --threads threads (one by default).
 Prints per shape the median time of each path and padded / unpadded (> 1: unpadded is faster)
 as the median of the per-round ratios with their min-max; `--json FILE` writes the same.
 
-    python bench/sink_attention.py --repeats 7
+    python bench/sink_attention.py --repeats 7 --model-repeats 5
 """
 
 from __future__ import annotations
@@ -30,14 +35,24 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from gptoss_cli.model.attention import sink_attention  # noqa: E402
+from bench.train import _arch  # noqa: E402
+from gptoss_cli.model.attention import CoreAttention, sink_attention  # noqa: E402
+from gptoss_cli.model.hybrid import HybridModel  # noqa: E402
 from gptoss_cli.outputs import replace_text  # noqa: E402
+from gptoss_cli.resources import keep_freed_memory  # noqa: E402
 
 # name: (batch, query heads, kv heads, head dim, window of the sliding layers) at --seq tokens
 SHAPES = {
     "512 config (tiny heads)": (2, 6, 2, 16, 8),
     "wide": (2, 8, 2, 64, 8),
     "gpt-oss (64 / 8 heads)": (1, 64, 8, 64, 128),
+}
+
+
+# name: (bench/train.py --preset, --arch) of the model-step section, at batch 2 x --seq tokens
+MODELS = {
+    "512 config": ("tiny", "hidden_size=512,intermediate_size=512,num_local_experts=16,num_experts_per_tok=4"),
+    "wide": ("wide", None),
 }
 
 
@@ -61,17 +76,53 @@ def _timed(fn) -> float:
     return time.process_time() - t0
 
 
+def _alternate(run, repeats: int) -> tuple[float, float, list[float]]:
+    """run(padded) in rounds (F T T F, then T F F T, ...) -> (median unpadded s, median padded s,
+    per-round ratios padded / unpadded)."""
+    times = {False: [], True: []}
+    ratios = []
+    for r in range(repeats):
+        order = (False, True, True, False) if r % 2 == 0 else (True, False, False, True)
+        got = {False: [], True: []}
+        for padded in order:
+            got[padded].append(_timed(lambda: run(padded)))
+        for padded in (False, True):
+            times[padded] += got[padded]
+        ratios.append(statistics.median(got[True]) / statistics.median(got[False]))
+    return statistics.median(times[False]), statistics.median(times[True]), ratios
+
+
+def _model_step(model: HybridModel, ids: torch.Tensor, padded: bool) -> float:
+    for m in model.modules():
+        if isinstance(m, CoreAttention):
+            m.padded = padded
+    out = model(ids[:, :-1])
+    loss = out.lm_loss_sum(ids[:, 1:])
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return loss.item()
+
+
+def _print_row(name: str, layer: str, un: float, pad: float, ratios: list[float]) -> None:
+    ratio = statistics.median(ratios)
+    print(f"{name:<26}{layer:<8}{un * 1e3:>12.2f}{pad * 1e3:>11.2f}"
+          f"{f'{ratio:.2f} ({min(ratios):.2f}-{max(ratios):.2f})':>28}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=7, help="rounds; each times both paths twice")
+    ap.add_argument("--model-repeats", type=int, default=3, help="rounds of the model-step section (0: skip it)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
-    if not 1 <= args.seq <= 1 << 16 or not 1 <= args.repeats <= 1000 or not 1 <= args.threads <= 1024:
-        ap.error("--seq must be 1..65536, --repeats 1..1000, --threads 1..1024")
+    if (not 1 <= args.seq <= 1 << 16 or not 1 <= args.repeats <= 1000 or not 0 <= args.model_repeats <= 1000
+            or not 1 <= args.threads <= 1024):
+        ap.error("--seq must be 1..65536, --repeats 1..1000, --model-repeats 0..1000, --threads 1..1024")
     torch.set_num_threads(args.threads)
+    keep_freed_memory()  # as `gptoss train` on the CPU: no page faults of freed and re-grown buffers
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     print(f"sink attention forward + backward, seq {args.seq}, {args.dtype}, {args.threads} thread(s), "
           f"CPU time, {args.repeats} alternating rounds")
@@ -87,26 +138,31 @@ def main() -> None:
                 scale = p.double().abs().max().item()
                 err = (a.double() - p.double()).abs().max().item()
                 assert err <= (1e-2 if dtype == torch.bfloat16 else 1e-4) * scale, (name, win, what, err, scale)
-            times = {False: [], True: []}
-            ratios = []
-            for r in range(args.repeats):
-                order = (False, True, True, False) if r % 2 == 0 else (True, False, False, True)
-                got = {False: [], True: []}
-                for padded in order:
-                    got[padded].append(_timed(lambda: _step(inputs, win, padded, grad)))
-                for padded in (False, True):
-                    times[padded] += got[padded]
-                ratios.append(statistics.median(got[True]) / statistics.median(got[False]))
-            un, pad = statistics.median(times[False]), statistics.median(times[True])
-            layer = "full" if win is None else f"win{win}"
-            ratio = statistics.median(ratios)
-            print(f"{name:<26}{layer:<8}{un * 1e3:>12.2f}{pad * 1e3:>11.2f}"
-                  f"{f'{ratio:.2f} ({min(ratios):.2f}-{max(ratios):.2f})':>28}")
+            un, pad, ratios = _alternate(lambda padded: _step(inputs, win, padded, grad), args.repeats)
+            _print_row(name, "full" if win is None else f"win{win}", un, pad, ratios)
             rows.append({"shape": name, "batch": b, "heads": h, "kv_heads": kv, "head_dim": d, "seq": args.seq,
                          "window": win, "unpadded_ms": un * 1e3, "padded_ms": pad * 1e3,
-                         "padded_over_unpadded": ratio, "ratio_min": min(ratios), "ratio_max": max(ratios)})
+                         "padded_over_unpadded": statistics.median(ratios), "ratio_min": min(ratios),
+                         "ratio_max": max(ratios)})
+    models = []
+    if args.model_repeats:
+        print(f"\nmodel forward + backward (training loss, no optimizer), batch 2 x {args.seq}, {args.model_repeats} rounds")
+        for name, (preset_name, overrides) in MODELS.items():
+            arch = _arch(preset_name, overrides)
+            torch.manual_seed(0)
+            model = HybridModel(arch, dtype=dtype).train()
+            model.aux_loss_coef = 0.0
+            ids = torch.randint(0, arch.vocab_size, (2, args.seq + 1), generator=torch.Generator().manual_seed(0))
+            losses = [_model_step(model, ids, padded) for padded in (False, True)]  # also the warm-up
+            assert abs(losses[0] - losses[1]) <= 1e-4 * abs(losses[1]), (name, losses)
+            un, pad, ratios = _alternate(lambda padded: _model_step(model, ids, padded), args.model_repeats)
+            _print_row(name, "step", un, pad, ratios)
+            models.append({"model": name, "preset": preset_name, "arch": overrides, "seq": args.seq,
+                           "unpadded_s": un, "padded_s": pad, "padded_over_unpadded": statistics.median(ratios),
+                           "ratio_min": min(ratios), "ratio_max": max(ratios)})
     if args.json is not None:
-        replace_text(args.json, json.dumps({"dtype": args.dtype, "threads": args.threads, "rows": rows}, indent=2) + "\n")
+        replace_text(args.json, json.dumps({"dtype": args.dtype, "threads": args.threads, "rows": rows,
+                                            "models": models}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -168,6 +168,7 @@ def document_attention(
     sinks: torch.Tensor,
     window: int | None,
     cu_seqlens: tuple[int, ...] | None,
+    padded: bool | None = None,
 ) -> torch.Tensor:
     """`sink_attention` within documents: no query sees a key of another document.
 
@@ -177,7 +178,7 @@ def document_attention(
     one document per row.
     """
     if cu_seqlens is None:
-        return sink_attention(q, k, v, sinks, window)
+        return sink_attention(q, k, v, sinks, window, padded)
     b, nh, s, d = q.shape
     nkv = k.shape[1]
     if cu_seqlens[0] != 0 or cu_seqlens[-1] != b * s:
@@ -191,7 +192,7 @@ def document_attention(
         if start // s != (stop - 1) // s:
             raise ValueError(f"document [{start}, {stop}) crosses a row boundary (rows of {s} tokens)")
         outs.append(sink_attention(flat_q[None, :, start:stop], flat_k[None, :, start:stop],
-                                   flat_v[None, :, start:stop], sinks, window)[0])
+                                   flat_v[None, :, start:stop], sinks, window, padded)[0])
     return torch.cat(outs, dim=1).view(nh, b, s, d).transpose(0, 1)
 
 
@@ -254,6 +255,7 @@ class CoreAttention(nn.Module):
     the rotary embedding and the core from it (model/recompute.py, core_attn)."""
 
     recompute = False
+    padded = None  # which sink path (`sink_attention`): None = the device's; benchmarks force one
 
     def __init__(self, num_heads: int, window: int | None, device=None, dtype=None):
         super().__init__()
@@ -264,7 +266,7 @@ class CoreAttention(nn.Module):
                 cu_seqlens: tuple[int, ...] | None = None, heads: slice | None = None) -> torch.Tensor:
         """`heads`: the query heads q holds (context parallel: this rank's chunk), default all."""
         sinks = self.softmax_offset if heads is None else self.softmax_offset[heads]
-        return document_attention(q, k, v, sinks, self.window, cu_seqlens)
+        return document_attention(q, k, v, sinks, self.window, cu_seqlens, self.padded)
 
     def extra_repr(self) -> str:
         return f"window={self.window}"

@@ -64,7 +64,8 @@ class SinkFlashAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, sinks, blocks: tuple[Block, ...], scale: float):
         out, lse = _flash_forward(q, k, v, blocks, scale)
         lse_f = torch.logaddexp(lse, sinks.to(lse.dtype).view(1, -1, 1))
-        out_f = (out * torch.exp(lse - lse_f).unsqueeze(-1).to(out.dtype)).to(q.dtype)
+        # In place: `out` is the kernel's (or the blocks' concatenation), no one else holds it.
+        out_f = out.mul_(torch.exp(lse - lse_f).unsqueeze(-1))
         ctx.save_for_backward(q, k, v, sinks, out_f, lse_f)
         ctx.blocks, ctx.scale = blocks, scale
         return out_f
@@ -90,7 +91,7 @@ class SinkFlashAttention(torch.autograd.Function):
                 dk[:, :, keys] += gk
                 dv[:, :, keys] += gv
         # d sink_h = -sum over batch and rows of p_sink * rowsum(dO' * out')
-        delta = (grad_out.to(lse_f.dtype) * out_f.to(lse_f.dtype)).sum(-1)
+        delta = torch.linalg.vecdot(grad_out.to(lse_f.dtype), out_f.to(lse_f.dtype))
         p_sink = torch.exp(sinks.to(lse_f.dtype).view(1, -1, 1) - lse_f)
         dsinks = -(p_sink * delta).sum((0, 2)).to(sinks.dtype)
         return dq, dk, dv, dsinks, None, None
