@@ -7,10 +7,11 @@ head dim from d to d + 8. This times both, forward + backward, on the attention 
 bench/train.py configs and of GPT-OSS, full (causal) and sliding-window layers, and checks first
 that they agree (outputs and every gradient).
 
-Then the same for a whole model's forward + backward (training loss, no optimizer) on the
-bench/train.py configs, every attention layer set to one path (`CoreAttention.padded`), from the
-same weights on the same batch (losses checked equal to rounding): what the attention's share
-of a step makes of the kernel-level gain.
+Then the same in a model of the bench/train.py configs, every attention layer set to one path
+(`CoreAttention.padded`): its attention layers' forward + backward (QKV projection, core, output
+projection, with the model's strides; 4 x --model-repeats rounds), and the whole model's forward
++ backward (training loss, no optimizer; losses checked equal to rounding), where the attention's
+share of the step dilutes the gain.
 
 Rounds alternate the two paths (unpadded, padded, padded, unpadded, ...), so host load hits both
 alike; each call is timed by this process's CPU time on --threads threads (one by default).
@@ -36,7 +37,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from bench.train import _arch  # noqa: E402
-from gptoss_cli.model.attention import CoreAttention, sink_attention  # noqa: E402
+from gptoss_cli.model.attention import AttentionLayer, CoreAttention, sink_attention  # noqa: E402
 from gptoss_cli.model.hybrid import HybridModel  # noqa: E402
 from gptoss_cli.outputs import replace_text  # noqa: E402
 from gptoss_cli.resources import keep_freed_memory  # noqa: E402
@@ -92,10 +93,22 @@ def _alternate(run, repeats: int) -> tuple[float, float, list[float]]:
     return statistics.median(times[False]), statistics.median(times[True]), ratios
 
 
-def _model_step(model: HybridModel, ids: torch.Tensor, padded: bool) -> float:
+def _set_path(model: HybridModel, padded: bool) -> None:
     for m in model.modules():
         if isinstance(m, CoreAttention):
             m.padded = padded
+
+
+def _attention_layers(model: HybridModel, x: torch.Tensor, cos, sin, grad: torch.Tensor, padded: bool) -> None:
+    """Forward + backward of every attention layer of `model` on the same input (QKV, core, projection)."""
+    _set_path(model, padded)
+    for layer in model.decoder.layers:
+        if isinstance(layer, AttentionLayer):
+            layer(x, cos, sin).backward(grad)
+
+
+def _model_step(model: HybridModel, ids: torch.Tensor, padded: bool) -> float:
+    _set_path(model, padded)
     out = model(ids[:, :-1])
     loss = out.lm_loss_sum(ids[:, 1:])
     loss.backward()
@@ -146,7 +159,9 @@ def main() -> None:
                          "ratio_max": max(ratios)})
     models = []
     if args.model_repeats:
-        print(f"\nmodel forward + backward (training loss, no optimizer), batch 2 x {args.seq}, {args.model_repeats} rounds")
+        print(f"\nbatch 2 x {args.seq}: attn = every attention layer's forward + backward (QKV, core, projection; "
+              f"{4 * args.model_repeats} rounds), step = the model's forward + backward (training loss, no optimizer; "
+              f"{args.model_repeats} rounds)")
         for name, (preset_name, overrides) in MODELS.items():
             arch = _arch(preset_name, overrides)
             torch.manual_seed(0)
@@ -155,11 +170,19 @@ def main() -> None:
             ids = torch.randint(0, arch.vocab_size, (2, args.seq + 1), generator=torch.Generator().manual_seed(0))
             losses = [_model_step(model, ids, padded) for padded in (False, True)]  # also the warm-up
             assert abs(losses[0] - losses[1]) <= 1e-4 * abs(losses[1]), (name, losses)
-            un, pad, ratios = _alternate(lambda padded: _model_step(model, ids, padded), args.model_repeats)
-            _print_row(name, "step", un, pad, ratios)
-            models.append({"model": name, "preset": preset_name, "arch": overrides, "seq": args.seq,
-                           "unpadded_s": un, "padded_s": pad, "padded_over_unpadded": statistics.median(ratios),
-                           "ratio_min": min(ratios), "ratio_max": max(ratios)})
+            x = torch.randn(2, args.seq, arch.hidden_size, generator=torch.Generator().manual_seed(2)).to(dtype)
+            cos, sin = model.rotary_pos_emb(torch.arange(args.seq)[None].expand(2, -1), x.dtype)
+            grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(3)).to(dtype)
+            x.requires_grad_()
+            for part, run, rounds in (
+                    ("attn", lambda padded: _attention_layers(model, x, cos, sin, grad, padded), 4 * args.model_repeats),
+                    ("step", lambda padded: _model_step(model, ids, padded), args.model_repeats)):
+                un, pad, ratios = _alternate(run, rounds)
+                _print_row(name, part, un, pad, ratios)
+                models.append({"model": name, "preset": preset_name, "arch": overrides, "seq": args.seq, "part": part,
+                               "rounds": rounds, "unpadded_s": un, "padded_s": pad,
+                               "padded_over_unpadded": statistics.median(ratios),
+                               "ratio_min": min(ratios), "ratio_max": max(ratios)})
     if args.json is not None:
         replace_text(args.json, json.dumps({"dtype": args.dtype, "threads": args.threads, "rows": rows,
                                             "models": models}, indent=2) + "\n")
