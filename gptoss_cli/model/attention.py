@@ -8,12 +8,15 @@ softmax_offset` (the sinks) and `self_attention.linear_proj.{weight,bias}`.
 The fused QKV rows are grouped by kv head (section 4): for kv group g, the r = heads/kv query
 heads g*r .. g*r+r-1, then k_g, then v_g.
 
-Sinks go through `scaled_dot_product_attention` as what section 2 says they are: one extra
-softmax column per query head whose value is zero. We append one feature to q (the sink logit)
-and to k (sqrt(head_dim) on a single extra key, zero on the real keys), so the extra key scores
-exactly `sink_h` and the real keys score exactly `q.k / sqrt(head_dim)`; its value row is zero.
-Any SDPA backend that accepts a boolean mask then computes the sink softmax, gradients to the
-sinks included; no Python loop over heads or positions.
+Sinks are what section 2 says they are: one extra softmax column per query head whose value is
+zero. Two ways compute them (`sink_attention` picks per device):
+  * on the CPU, model/sink_flash.py: the CPU flash kernel's attention over the real keys and its
+    log-sum-exp, rescaled by the sink, with its own backward; q, k, v keep their head dim.
+  * elsewhere (GPU, meta), padded: we append one feature to q (the sink logit) and to k
+    (sqrt(head_dim) on a single extra key, zero on the real keys), so the extra key scores exactly
+    `sink_h` and the real keys score exactly `q.k / sqrt(head_dim)`; its value row is zero. Any
+    SDPA backend then computes the sink softmax, gradients to the sinks included, at head dim
+    d + 8 (72 for GPT-OSS's 64).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gptoss_cli.model import sink_flash
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.model.context_parallel import head_range, heads_to_seq, seq_to_heads
 from gptoss_cli.model.dense_gemm import DenseGemm, Linear, linear
@@ -58,6 +62,15 @@ def _window_block_mask(rows: int, keys: int, offset: int, window: int, device: t
     return torch.cat([torch.ones(rows, 1, dtype=torch.bool, device=device), visible], dim=1)
 
 
+@functools.lru_cache(maxsize=64)
+def _window_block_bias(rows: int, keys: int, offset: int, window: int, device: torch.device,
+                       dtype: torch.dtype) -> torch.Tensor:
+    """`_window_block_mask` without the sink column, additive (0 visible, -inf not) in `dtype`:
+    the form the CPU flash kernel takes."""
+    visible = _window_block_mask(rows, keys, offset, window, device)[:, 1:]
+    return torch.zeros(rows, keys, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
+
+
 # Query block of a sliding-window layer: at least this many queries, and at least the window.
 SLIDING_QUERY_BLOCK = 64
 
@@ -68,16 +81,44 @@ def sink_attention(
     v: torch.Tensor,
     sinks: torch.Tensor,
     window: int | None,
+    padded: bool | None = None,
 ) -> torch.Tensor:
     """Attention with one sink logit per query head.
 
     q [B, heads, S, d], k/v [B, kv_heads, S, d], sinks [heads] -> [B, heads, S, d]. Query head h
     reads kv head h // (heads/kv_heads) (SDPA's enable_gqa grouping).
 
-    A sliding-window layer runs SDPA per block of queries on the keys that block can see
-    (the block and the window before it): SDPA's kernels take a mask but still compute every
+    A sliding-window layer runs attention per block of queries on the keys that block can see
+    (the block and the window before it): the kernels take a mask but still compute every
     masked score, so one call would cost S x S where S x (block + window) is the work.
+
+    padded: None picks per device (the log-sum-exp path of model/sink_flash.py where it is
+    available, the CPU; the padded head dim elsewhere); True / False force one (benchmarks, tests).
     """
+    if not padded and sink_flash.available(q):
+        blocks = _query_blocks(q.shape[2], window, q)
+        return sink_flash.sink_flash_attention(q, k, v, sinks, blocks, q.shape[-1] ** -0.5)
+    if padded is False:
+        raise ValueError(f"the unpadded sink attention needs the CPU flash kernel; q is {q.dtype} on {q.device}")
+    return _padded_sink_attention(q, k, v, sinks, window)
+
+
+def _query_blocks(s: int, window: int | None, q: torch.Tensor) -> tuple[sink_flash.Block, ...]:
+    """The blocks of `sink_flash`: one causal block without a window (or one as long as the
+    sequence), else query blocks of max(SLIDING_QUERY_BLOCK, window) over the keys each can see."""
+    if window is None or window >= s:
+        return ((0, s, 0, None),)
+    block = max(SLIDING_QUERY_BLOCK, window)
+    blocks = []
+    for start in range(0, s, block):
+        stop, k0 = min(s, start + block), max(0, start - window + 1)
+        blocks.append((start, stop, k0, _window_block_bias(stop - start, stop - k0, start - k0, window, q.device, q.dtype)))
+    return tuple(blocks)
+
+
+def _padded_sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
+                           window: int | None) -> torch.Tensor:
+    """`sink_attention` through SDPA with the sink as one more key: head dim padded to d + 8."""
     b, nh, s, d = q.shape
     nkv = k.shape[1]
     # Extra features padded to a multiple of 8 so fused kernels keep aligned head dims.
@@ -127,6 +168,7 @@ def document_attention(
     sinks: torch.Tensor,
     window: int | None,
     cu_seqlens: tuple[int, ...] | None,
+    padded: bool | None = None,
 ) -> torch.Tensor:
     """`sink_attention` within documents: no query sees a key of another document.
 
@@ -136,7 +178,7 @@ def document_attention(
     one document per row.
     """
     if cu_seqlens is None:
-        return sink_attention(q, k, v, sinks, window)
+        return sink_attention(q, k, v, sinks, window, padded)
     b, nh, s, d = q.shape
     nkv = k.shape[1]
     if cu_seqlens[0] != 0 or cu_seqlens[-1] != b * s:
@@ -150,7 +192,7 @@ def document_attention(
         if start // s != (stop - 1) // s:
             raise ValueError(f"document [{start}, {stop}) crosses a row boundary (rows of {s} tokens)")
         outs.append(sink_attention(flat_q[None, :, start:stop], flat_k[None, :, start:stop],
-                                   flat_v[None, :, start:stop], sinks, window)[0])
+                                   flat_v[None, :, start:stop], sinks, window, padded)[0])
     return torch.cat(outs, dim=1).view(nh, b, s, d).transpose(0, 1)
 
 
@@ -213,6 +255,7 @@ class CoreAttention(nn.Module):
     the rotary embedding and the core from it (model/recompute.py, core_attn)."""
 
     recompute = False
+    padded = None  # which sink path (`sink_attention`): None = the device's; benchmarks force one
 
     def __init__(self, num_heads: int, window: int | None, device=None, dtype=None):
         super().__init__()
@@ -223,7 +266,7 @@ class CoreAttention(nn.Module):
                 cu_seqlens: tuple[int, ...] | None = None, heads: slice | None = None) -> torch.Tensor:
         """`heads`: the query heads q holds (context parallel: this rank's chunk), default all."""
         sinks = self.softmax_offset if heads is None else self.softmax_offset[heads]
-        return document_attention(q, k, v, sinks, self.window, cu_seqlens)
+        return document_attention(q, k, v, sinks, self.window, cu_seqlens, self.padded)
 
     def extra_repr(self) -> str:
         return f"window={self.window}"

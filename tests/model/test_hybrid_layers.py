@@ -56,11 +56,17 @@ def _sink_inputs(head_dim: int, seq: int = 11):
     return q, k, v, sinks
 
 
+# Both paths of `sink_attention`: the CPU's unpadded one (model/sink_flash.py) and the padded head
+# dim that GPUs run, here on the CPU's SDPA.
+PATHS = pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
+
+
+@PATHS
 @pytest.mark.parametrize("head_dim", [16, 64], ids=["tiny", "gpt-oss"])
 @pytest.mark.parametrize("window", [None, 4])
-def test_sink_attention_and_its_gradients_match_extra_column_softmax(window, head_dim):
+def test_sink_attention_and_its_gradients_match_extra_column_softmax(window, head_dim, padded):
     q, k, v, sinks = _sink_inputs(head_dim)
-    got = sink_attention(q, k, v, sinks, window)
+    got = sink_attention(q, k, v, sinks, window, padded=padded)
     grad = torch.randn_like(got)
     got_grads = torch.autograd.grad(got, (q, k, v, sinks), grad)
     expected = _naive_sink_attention(q, k, v, sinks, window)
@@ -78,10 +84,11 @@ def test_sink_attention_and_its_gradients_match_extra_column_softmax(window, hea
 LONG_SEQ = 2 * SLIDING_QUERY_BLOCK + 29
 
 
+@PATHS
 @pytest.mark.parametrize("window", [5, SLIDING_QUERY_BLOCK + 3, None])
-def test_long_sequence_attention_matches_extra_column_softmax(window):
+def test_long_sequence_attention_matches_extra_column_softmax(window, padded):
     q, k, v, sinks = _sink_inputs(16, LONG_SEQ)
-    got = sink_attention(q, k, v, sinks, window)
+    got = sink_attention(q, k, v, sinks, window, padded=padded)
     grad = torch.randn_like(got)
     got_grads = torch.autograd.grad(got, (q, k, v, sinks), grad)
     expected = _naive_sink_attention(q, k, v, sinks, window)
@@ -93,7 +100,8 @@ def test_long_sequence_attention_matches_extra_column_softmax(window):
     assert_tensors_close(dict(zip(names, (got, *got_grads))), dict(zip(names, (expected, *exp_grads))), rel)
 
 
-def test_sliding_attention_scores_only_the_keys_a_query_block_can_see():
+@PATHS
+def test_sliding_attention_scores_only_the_keys_a_query_block_can_see(padded):
     # A sliding layer's cost must scale with the window, not with the sequence: every SDPA call
     # gets one block of queries and at most block + window keys (the sink included).
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -111,12 +119,12 @@ def test_sliding_attention_scores_only_the_keys_a_query_block_can_see():
     window = 5
     q, k, v, sinks = _sink_inputs(64, LONG_SEQ)
     with Shapes() as seen:
-        sink_attention(q, k, v, sinks, window)
+        sink_attention(q, k, v, sinks, window, padded=padded)
     assert sum(rows for rows, _ in seen.calls) == LONG_SEQ
     assert len(seen.calls) == 3 and all(keys <= rows + window for rows, keys in seen.calls), seen.calls
 
 
-def test_sink_attention_runs_a_fused_sdpa_kernel_not_the_math_path():
+def test_padded_sink_attention_runs_a_fused_sdpa_kernel_not_the_math_path():
     # q, k and v must share one head dim for SDPA's fused kernels; with v left narrower than the
     # sink-augmented q/k, SDPA silently takes its math path (a [S, S+1] softmax in memory).
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -132,7 +140,7 @@ def test_sink_attention_runs_a_fused_sdpa_kernel_not_the_math_path():
 
     q, k, v, sinks = _sink_inputs(64)
     with Ops() as ops:
-        sink_attention(q, k, v, sinks, None).sum().backward()
+        sink_attention(q, k, v, sinks, None, padded=True).sum().backward()
     fused = {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward"}
     assert fused <= ops.seen and "_safe_softmax" not in ops.seen, sorted(ops.seen)
 
