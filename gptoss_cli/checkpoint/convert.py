@@ -244,10 +244,11 @@ def convert(
     )
 
 
-# --to peft of a precision.qat=mxfp4 LoRA run: PEFT adds the adapters to whatever base it is given.
-QAT_PEFT_NOTE = ("these adapters were trained against the base's experts rounded to MXFP4 (precision.qat=mxfp4): "
-                 "apply them to a base with MXFP4 experts (as released), or merge them with --to hf, which adds "
-                 "them to the rounded base")
+# --to peft of a LoRA run whose experts computed in MXFP4 (precision.qat=mxfp4, or lora.base_experts=mxfp4):
+# PEFT adds the adapters to whatever base it is given.
+MXFP4_PEFT_NOTE = ("these adapters were trained against the base's experts rounded to MXFP4 ({why}): "
+                   "apply them to a base with MXFP4 experts (as released), or merge them with --to hf, which adds "
+                   "them to the rounded base")
 
 
 def _convert_to_peft(src, dst: Path, *, experts: str | None, weights: str | None, force: bool,
@@ -278,8 +279,10 @@ def _convert_to_peft(src, dst: Path, *, experts: str | None, weights: str | None
             raise UsageError(f"{src}: trained with the layer pattern {source.hybrid_layer_pattern!r}; a PEFT adapter "
                              f"for transformers needs {arch.hybrid_layer_pattern!r} (one '*E' per HF block)")
         check_base(lora["base"], source.folder)  # the adapters belong to this base, byte for byte
-        if source.provenance.get("qat") == "mxfp4":
-            notes.append(QAT_PEFT_NOTE)
+        why = [w for w, on in (("precision.qat=mxfp4", source.provenance.get("qat") == "mxfp4"),
+                               ("lora.base_experts=mxfp4", lora.get("base_experts") == "mxfp4")) if on]
+        if why:
+            notes.append(MXFP4_PEFT_NOTE.format(why=", ".join(why)))
         names = source.reader.names()
         if progress:
             progress.start(len(names), sum(source.reader.spec(n).nbytes for n in names))

@@ -216,7 +216,7 @@ def _merged_with_base(run, folder: Path, adapters) -> "LoraMergedReader":
             base_source.close()
         adapters.close()
         raise
-    if run.qat == "mxfp4":
+    if run.qat == "mxfp4" or run.lora.get("base_experts") == "mxfp4":  # the experts the forward computed with
         base = Mxfp4QatReader(base)
     return LoraMergedReader(base, adapters, float(run.lora["alpha"]) / int(run.lora["rank"]))
 
@@ -240,7 +240,8 @@ def _is_expert_weight(name: str) -> bool:
 
 
 class Mxfp4QatReader:
-    """A training checkpoint of a `precision.qat=mxfp4` run, read as its forward computed: every expert
+    """A training checkpoint of a `precision.qat=mxfp4` run (or the base of a `lora.base_experts=mxfp4`
+    run, which the model stored encoded), read as its forward computed: every expert
     weight rounded to MXFP4 along its input axis (`round_to_mxfp4`, the export's own codec), every
     other tensor as stored. Rows are rounded independently, so row-range reads round the same."""
 

@@ -36,6 +36,7 @@ from gptoss_cli.model.expert_names import PerExpertParams, checkpoint_slots
 from gptoss_cli.model.grouped_gemm import WgradQueue, grouped_linear
 from gptoss_cli.model.init import name_generator
 from gptoss_cli.model.moe import ExpertLinear
+from gptoss_cli.model.mxfp4_experts import Mxfp4ExpertLinear
 
 # Megatron's names of the layers LoRA can target.
 ATTENTION_TARGETS = ("linear_qkv", "linear_proj")
@@ -105,7 +106,7 @@ class ExpertLoraAdapter(nn.Module):
 
     def __init__(self, base: ExpertLinear, settings: LoraSettings, device=None, dtype=None):
         super().__init__()
-        e, out_features, in_features = base.weight.shape
+        e, out_features, in_features = base.weight_shape  # whatever the base's storage (bf16 or MXFP4)
         self.scaling = settings.scaling
         self.dropout = nn.Dropout(settings.dropout) if settings.dropout > 0 else nn.Identity()
         self.linear_in = _ExpertFactor(e, base.expert_offset, settings.rank, in_features, device, dtype)
@@ -147,10 +148,11 @@ def attach_lora(model: nn.Module, settings: LoraSettings, seed: int = 0) -> list
         p.requires_grad_(False)
     named = []
     for name, layer in list(_targets(model, settings.target_modules)):
-        w = layer.weight
-        if isinstance(layer, ExpertLinear):
-            adapter = ExpertLoraAdapter(layer, settings, device=w.device, dtype=w.dtype)
+        if isinstance(layer, ExpertLinear):  # the bias: an MXFP4-stored base has no `weight`
+            b = layer.bias
+            adapter = ExpertLoraAdapter(layer, settings, device=b.device, dtype=b.dtype)
         else:
+            w = layer.weight
             adapter = LoraAdapter(w.shape[1], w.shape[0], settings, device=w.device, dtype=w.dtype)
         setattr(layer, ADAPTER, adapter)
         named.append(name)
@@ -233,6 +235,10 @@ def merge_lora_(model: nn.Module) -> int:
     with torch.no_grad():
         for layer_name, adapter in list(adapter_modules(model)):
             layer = model.get_submodule(layer_name)
+            if isinstance(layer, Mxfp4ExpertLinear):
+                raise ConfigError(f"{layer_name}: the base keeps these experts in MXFP4 (lora.base_experts=mxfp4); "
+                                  "merging the adapters into it would re-quantise the fine-tune away",
+                                  hint="merge from the training checkpoint: gptoss convert CKPT OUT --to hf (or hybrid)")
             layer.weight.copy_((layer.weight.float() + adapter.delta()).to(layer.weight.dtype))
             delattr(layer, ADAPTER)
             merged += 1

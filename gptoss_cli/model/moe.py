@@ -115,7 +115,9 @@ class ExpertLinear(PerExpertParams):
     """Stacked weights of the local experts, `weight [E_local, out, in]`, `bias [E_local, out]`,
     saved and loaded per expert (see `PerExpertParams`).
 
-    `gemm` computes its grouped GEMMs (model/grouped_gemm.py; None: the default numerics).
+    `gemm` computes its grouped GEMMs (model/grouped_gemm.py; None: the default numerics). A frozen
+    base may keep the weight as MXFP4 blocks and scales instead (`Mxfp4ExpertLinear`,
+    model/mxfp4_experts.py); code that needs only the shape reads `weight_shape`.
     """
 
     gemm: GroupedGemm | None = None
@@ -127,6 +129,17 @@ class ExpertLinear(PerExpertParams):
             torch.empty(num_local_experts, out_features, in_features, device=device, dtype=dtype)
         )
         self.bias = nn.Parameter(torch.zeros(num_local_experts, out_features, device=device, dtype=dtype))
+
+    @property
+    def weight_shape(self) -> tuple[int, int, int]:
+        """`[E_local, out, in]` of the weight, whatever its storage."""
+        return tuple(self.weight.shape)
+
+    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor, wgrad_queue: WgradQueue | None = None,
+                name: str = "expert linear") -> torch.Tensor:
+        """Rows of x sorted by local expert -> `[N, out]` (`grouped_linear`; `name` names it in errors)."""
+        return grouped_linear(x, self.weight, self.bias, tokens_per_expert, gemm=self.gemm,
+                              wgrad_queue=wgrad_queue, name=name)
 
 
 class GroupedExperts(nn.Module):
@@ -159,16 +172,14 @@ class GroupedExperts(nn.Module):
     def _mlp(self, expert_input: torch.Tensor, tokens_per_expert: torch.Tensor, wgrad_queue: WgradQueue | None,
              name: str, discard_act: bool) -> torch.Tensor:
         fc1, fc2 = self.linear_fc1, self.linear_fc2
-        gate_up = grouped_linear(expert_input, fc1.weight, fc1.bias, tokens_per_expert, gemm=fc1.gemm,
-                                 wgrad_queue=wgrad_queue, name=f"{name}.linear_fc1")
+        gate_up = fc1(expert_input, tokens_per_expert, wgrad_queue, f"{name}.linear_fc1")
         adapter = getattr(fc1, "adapter", None)  # LoRA (model/lora.py): one pair per expert
         if adapter is not None:
             gate_up = gate_up + adapter(expert_input, tokens_per_expert, wgrad_queue, f"{name}.linear_fc1")
         act = clamped_swiglu(gate_up, self.limit, self.alpha)
         with discard_saved(act, lambda: clamped_swiglu(gate_up, self.limit, self.alpha)) if discard_act \
                 else contextlib.nullcontext():
-            out = grouped_linear(act, fc2.weight, fc2.bias, tokens_per_expert, gemm=fc2.gemm,
-                                 wgrad_queue=wgrad_queue, name=f"{name}.linear_fc2")
+            out = fc2(act, tokens_per_expert, wgrad_queue, f"{name}.linear_fc2")
             adapter = getattr(fc2, "adapter", None)  # its saved copy of `act` is discarded too
             return out if adapter is None else out + adapter(act, tokens_per_expert, wgrad_queue, f"{name}.linear_fc2")
 
