@@ -23,6 +23,9 @@ groups x 16 bytes, decoded expert by expert as convert does) compares today's de
 before issue 16, kept below as the baseline, and checks that both give identical bits.
 Targets: ratio >= 1.0 (issue 29), peak RSS < 4 GiB, decode >= 3x the baseline (issue 16).
 
+The work folder must take O_DIRECT writes for the `dd direct` copy (tmpfs before Linux 6.6 does
+not: the bench then stops with one line; use --workdir on a disk, or --copies cp).
+
     python bench/convert.py --rounds 5 --workdir /tmp/gptoss-bench
     python bench/convert.py --copies "dd direct" cp --experts 128 --vocab 201088 --rounds 3 --decode-rounds 0
     ATEN_CPU_CAPABILITY=avx2 python bench/convert.py   # torch's AVX2 kernels (no native bf16 arithmetic)
@@ -31,7 +34,9 @@ Targets: ratio >= 1.0 (issue 29), peak RSS < 4 GiB, decode >= 3x the baseline (i
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import mmap
 import os
 import shutil
 import statistics
@@ -45,7 +50,7 @@ from pathlib import Path
 
 import torch
 
-from gptoss_cli.checkpoint import mxfp4
+from gptoss_cli.checkpoint import direct_write, mxfp4
 from gptoss_cli.checkpoint.convert_plan import plan_to_hf
 from gptoss_cli.checkpoint.layouts import HF_MXFP4
 from gptoss_cli.checkpoint.mapping import units
@@ -249,6 +254,29 @@ def timed_copy(how: str, folder: Path, dst: Path) -> tuple[float, float]:
     return total, res / size
 
 
+def takes_o_direct(folder: Path) -> bool:
+    """Whether files in `folder` take O_DIRECT writes (tmpfs refuses them at open, some filesystems
+    at the first write)."""
+    probe = folder / ".o_direct_probe"
+    try:
+        fd = direct_write.open_direct(str(probe), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    except OSError as exc:
+        if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP):
+            return False
+        raise
+    try:
+        block = mmap.mmap(-1, direct_write.ALIGN)  # page-aligned memory, as O_DIRECT needs
+        os.write(fd, block)
+        return True
+    except OSError as exc:
+        if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP):
+            return False
+        raise
+    finally:
+        os.close(fd)
+        probe.unlink()
+
+
 def spread(xs) -> str:
     return f"{min(xs):.2f}-{max(xs):.2f}"
 
@@ -279,6 +307,9 @@ def main() -> None:
         return
     work = Path(args.workdir or tempfile.mkdtemp(prefix="gptoss-bench-"))
     work.mkdir(parents=True, exist_ok=True)
+    if "dd direct" in args.copies and not takes_o_direct(work):
+        sys.exit(f"bench/convert.py: {work} is on a filesystem without O_DIRECT (tmpfs?), which the `dd direct` copy "
+                 "needs: pass --workdir on a real disk, or --copies cp")
     rows, report = [], []
     for blocks in args.blocks:
         src, dst = work / f"src{blocks}", work / f"dst{blocks}"

@@ -194,11 +194,12 @@ def convert(
             clock = StageClock(source.reader)
             workers = worker_count() if concurrent_reads else 1
             pipeline = Pipeline(finite.wrap_write(writer.write, dst), workers, clock)
+            empty = plan.allocator(writer)
             with torch_threads(1):  # one torch thread per worker (pipeline.torch_threads)
                 try:
                     for job in plan.jobs:
                         pipeline.next_job()
-                        tasks = list(plan.tasks(clock, job, chunk_bytes))
+                        tasks = list(plan.tasks(clock, job, chunk_bytes, empty))
                         for i, task in enumerate(tasks):
                             last = i == len(tasks) - 1
                             done = partial(progress.advance, tensors=len(job.outputs)) if progress and last else None

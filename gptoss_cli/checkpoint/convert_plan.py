@@ -82,6 +82,16 @@ def plan_to_hf(arch: GptOssArch, layout: Layout, dtype: torch.dtype) -> list[Job
 
 
 # --- tasks: how each direction computes a job's output pieces ----------------------------
+# Where a task computes an output piece: (tensor name, first row, shape, dtype) -> a fresh tensor.
+# The safetensors writer's `empty` places it for its O_DIRECT writes (no copy on the way out).
+Empty = Callable[[str, int, tuple[int, ...], torch.dtype], torch.Tensor]
+
+
+def fresh(name: str, row: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Any memory will do (a writer that copies anyway)."""
+    return torch.empty(shape, dtype=dtype)
+
+
 def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.to(dtype) if t.is_floating_point() else t
 
@@ -103,12 +113,16 @@ def _streams_rows(unit: Unit, spec: TensorSpec) -> bool:
     return unit.mapping.to_hybrid is identity and len(unit.hf) == 1 and len(spec.shape) >= 1
 
 
-def _experts_to_hybrid(reader: RowReader, arch: GptOssArch, layout: Layout, unit: Unit, dtype: torch.dtype, e0: int, e1: int):
+def _experts_to_hybrid(reader: RowReader, arch: GptOssArch, layout: Layout, job: Job, dtype: torch.dtype,
+                       empty: Empty, e0: int, e1: int):
+    unit = job.unit
     names = unit.hybrid[e0:e1]
     stored = layout.read_rowwise(reader, unit.hf[0], e0, e1)
-    if stored is not None:  # MXFP4: de-interleave/unstack the bytes, then decode each expert
+    if stored is not None:  # MXFP4: de-interleave/unstack the bytes, then decode each expert into its output buffer
         moved = [unit.to_hybrid(arch, [t]) for t in stored]
-        return [(name, layout.load(unit.hf[0], list(parts), dtype)) for name, parts in zip(names, zip(*moved))], []
+        shape = job.outputs[0].shape  # every expert's
+        return [(name, layout.load(unit.hf[0], list(parts), dtype, out=empty(name, 0, shape, dtype)))
+                for name, parts in zip(names, zip(*moved))], []
     chunk = layout.read(reader, arch, unit.hf[0], dtype, e0, e1)
     return [(name, _cast(t, dtype)) for name, t in zip(names, unit.to_hybrid(arch, [chunk]))], []
 
@@ -125,7 +139,8 @@ def _unit_to_hybrid(reader: RowReader, arch: GptOssArch, layout: Layout, unit: U
     return [(name, _cast(t, dtype)) for name, t in zip(unit.hybrid, unit.to_hybrid(arch, ins))], []
 
 
-def _tasks_to_hybrid(reader: RowReader, arch: GptOssArch, layout: Layout, job: Job, dtype: torch.dtype, budget: int):
+def _tasks_to_hybrid(reader: RowReader, arch: GptOssArch, layout: Layout, job: Job, dtype: torch.dtype, budget: int,
+                     empty: Empty):
     unit, out = job.unit, job.outputs[0]
     if _streams_rows(unit, out):
         for r0, r1 in _row_ranges(out, budget):
@@ -134,7 +149,7 @@ def _tasks_to_hybrid(reader: RowReader, arch: GptOssArch, layout: Layout, job: J
     if unit.per_expert:
         n = _expert_chunk(arch, unit, dtype, budget)
         for e0 in range(0, arch.num_local_experts, n):
-            yield partial(_experts_to_hybrid, reader, arch, layout, unit, dtype, e0, min(arch.num_local_experts, e0 + n))
+            yield partial(_experts_to_hybrid, reader, arch, layout, job, dtype, empty, e0, min(arch.num_local_experts, e0 + n))
         return
     yield partial(_unit_to_hybrid, reader, arch, layout, unit, dtype)
 
@@ -196,12 +211,17 @@ class ConvertPlan:
     def total_bytes(self) -> int:
         return sum(s.nbytes for s in self.specs)
 
-    def tasks(self, reader: RowReader, job: Job, budget: int) -> Iterator[Task | object]:
-        """The tasks computing `job`'s output in chunks of about `budget` bytes (RELEASE_HELD among them)."""
+    def tasks(self, reader: RowReader, job: Job, budget: int, empty: Empty = fresh) -> Iterator[Task | object]:
+        """The tasks computing `job`'s output in chunks of about `budget` bytes (RELEASE_HELD among
+        them), into memory from `empty` where they compute into new memory."""
         raise NotImplementedError
 
     def open_writer(self, folder: Path, *, max_shard_bytes: int, on_bytes: Callable[[int], None] | None):
         return ShardedWriter(folder, self.specs, max_shard_bytes=max_shard_bytes, on_bytes=on_bytes)
+
+    def allocator(self, writer) -> Empty:
+        """Where tasks should compute the pieces `writer` (from `open_writer`) takes."""
+        return writer.empty
 
     def close_writer(self, writer, provenance: dict) -> None:
         writer.close()
@@ -218,10 +238,10 @@ class ToHybrid(ConvertPlan):
 
     target: ClassVar[str] = HYBRID
 
-    def tasks(self, reader: RowReader, job: Job, budget: int) -> Iterator[Task | object]:
+    def tasks(self, reader: RowReader, job: Job, budget: int, empty: Empty = fresh) -> Iterator[Task | object]:
         if self.source.kind in HYBRID_NAMED:
             return _tasks_copy(reader, job, self.dtype, budget)
-        return _tasks_to_hybrid(reader, self.source.arch, self.source.layout, job, self.dtype, budget)
+        return _tasks_to_hybrid(reader, self.source.arch, self.source.layout, job, self.dtype, budget, empty)
 
     def write_files(self, folder: Path, provenance: dict) -> None:
         arch = self.source.arch
@@ -253,6 +273,9 @@ class ToMegatron(ToHybrid):
                                               padded_rows=self.padded_rows, max_shard_bytes=max_shard_bytes,
                                               on_bytes=on_bytes)
 
+    def allocator(self, writer) -> Empty:
+        return fresh  # each piece is saved with torch.save, through the page cache
+
     def write_files(self, folder: Path, provenance: dict) -> None:
         # common.pt keeps the step the source was at
         iteration = self.source.provenance.get("iteration", self.source.provenance.get("megatron_iteration", 0))
@@ -270,7 +293,7 @@ class ToHf(ConvertPlan):
     target: ClassVar[str] = HF
     layout: Layout = HF_LAYOUTS["bf16"]
 
-    def tasks(self, reader: RowReader, job: Job, budget: int) -> Iterator[Task | object]:
+    def tasks(self, reader: RowReader, job: Job, budget: int, empty: Empty = fresh) -> Iterator[Task | object]:
         return _tasks_to_hf(reader, self.source.arch, job, self.dtype, self.layout, budget)
 
     def close_writer(self, writer, provenance: dict) -> None:

@@ -36,7 +36,8 @@ class Codec:
     rows: Callable[[GptOssArch], tuple[int, int]] | None = None
     # `load` turns each row (dims 0 and 1) of the stored tensors into the same row of the result,
     # on its own (MXFP4 decode): moving or splitting rows commutes with it, so conversion moves the
-    # stored bytes (a quarter of the bf16 values' size) instead of the loaded values.
+    # stored bytes (a quarter of the bf16 values' size) instead of the loaded values; its `load`
+    # also takes `out=`, a tensor of the result's shape and dtype to write the result into.
     rowwise: bool = False
 
 
@@ -53,8 +54,8 @@ def _mx_shapes(shape: Shape) -> tuple[Shape, Shape]:
     return (e, out, inp // mxfp4.GROUP, mxfp4.GROUP // 2), (e, out, inp // mxfp4.GROUP)
 
 
-def _mx_load(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return mxfp4.decode(blocks, scales, dtype)
+def _mx_load(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    return mxfp4.decode(blocks, scales, dtype, out=out)
 
 
 def _bf16_load(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -131,9 +132,11 @@ class Layout:
             return None
         return [reader.read(s.format(**kw), start, stop) for s in codec.stored]
 
-    def load(self, canonical: str, stored: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    def load(self, canonical: str, stored: list[torch.Tensor], dtype: torch.dtype,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+        """Stored rows from `read_rowwise` -> the canonical rows in `dtype`, written into `out` if given."""
         codec, _ = self._codec(canonical)
-        return codec.load(*stored, dtype)
+        return codec.load(*stored, dtype, out=out)
 
     def store(self, canonical: str, chunk: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         codec, kw = self._codec(canonical)

@@ -29,11 +29,17 @@ def identity(arch: GptOssArch, *ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(ts)
 
 
+# The transforms fill a new tensor by slices rather than calling torch.cat: `hybrid_shapes` runs them on
+# meta tensors, and torch's first cat of meta tensors imports torch._dynamo (2-10 s, measured inside
+# every `gptoss convert`), where a slice copy has a C++ meta kernel.
 def fuse_qkv(arch: GptOssArch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor]:
     """Megatron's fused QKV: per kv group g, rows [q heads g*r .. g*r+r-1, k_g, v_g] (weights or biases)."""
     g, r, d = arch.num_key_value_heads, arch.q_per_kv, arch.head_dim
     rest = q.shape[1:]
-    fused = torch.cat([q.reshape(g, r, d, *rest), k.reshape(g, 1, d, *rest), v.reshape(g, 1, d, *rest)], dim=1)
+    fused = q.new_empty((g, r + 2, d, *rest))
+    fused[:, :r] = q.reshape(g, r, d, *rest)
+    fused[:, r] = k.reshape(g, d, *rest)
+    fused[:, r + 1] = v.reshape(g, d, *rest)
     return (fused.reshape(g * (r + 2) * d, *rest),)
 
 
@@ -49,7 +55,10 @@ def split_qkv(arch: GptOssArch, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.
 
 def deinterleave_experts(arch: GptOssArch, stacked: torch.Tensor) -> list[torch.Tensor]:
     """`[n, 2I, ...]` with gate/up rows alternating (gate j = row 2j) -> n tensors `[gate; up]`."""
-    fused = torch.cat([stacked[:, 0::2], stacked[:, 1::2]], dim=1)
+    half = stacked.shape[1] // 2
+    fused = stacked.new_empty(stacked.shape)
+    fused[:, :half] = stacked[:, 0::2]
+    fused[:, half:] = stacked[:, 1::2]
     return list(fused.unbind(0))
 
 

@@ -301,11 +301,11 @@ class ShardedWriter:
     ):
         self.folder = Path(folder)
         self.plan = list(plan)
-        seen: set[str] = set()
-        for spec in self.plan:
-            if spec.name in seen:
+        self._index: dict[str, int] = {}
+        for i, spec in enumerate(self.plan):
+            if spec.name in self._index:
                 raise ValueError(f"tensor {spec.name} planned twice")
-            seen.add(spec.name)
+            self._index[spec.name] = i
         self.metadata = {"format": "pt", **(metadata or {})}
         self.on_bytes = on_bytes
         self.direct_io = direct_io  # O_DIRECT for shards of DIRECT_MIN_BYTES or more (see direct_write.py)
@@ -322,6 +322,12 @@ class ShardedWriter:
             self.shards.append(current)
         self.file_names = [shard_file_name(i, len(self.shards)) for i in range(len(self.shards))]
         self._shard_of = {s.name: i for i, shard in enumerate(self.shards) for s in shard}
+        self._file_offset: dict[str, int] = {}  # where each tensor's bytes start in its shard file
+        for shard in self.shards:
+            offset = len(self._header_bytes(shard))
+            for spec in shard:
+                self._file_offset[spec.name] = offset
+                offset += spec.nbytes
         self._pos = 0  # index into plan of the tensor being written
         self._rows_done = 0
         self._fh = None
@@ -339,6 +345,13 @@ class ShardedWriter:
             self._thread.start()
 
     # --- writing -------------------------------------------------------------------------
+    def empty(self, name: str, row: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A fresh tensor to compute rows [row, row + shape[0]) of planned tensor `name` into, placed
+        in memory for the file offset those rows will be written at, so that a shard written with
+        O_DIRECT takes it without a copy (`direct_write.aligned_empty`). Safe from any thread."""
+        spec = self.plan[self._index[name]]
+        return direct_write.aligned_empty(shape, dtype, self._file_offset[name] + row * spec.row_bytes)
+
     def _header_bytes(self, shard: list[TensorSpec]) -> bytes:
         header: dict[str, object] = {"__metadata__": self.metadata}
         offset = 0

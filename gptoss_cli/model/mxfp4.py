@@ -80,8 +80,13 @@ def _index_buffer(n: int, device: torch.device) -> torch.Tensor:
     return buf[:n]
 
 
-def decode(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def decode(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16, *,
+           out: torch.Tensor | None = None) -> torch.Tensor:
     """`blocks [..., G, 16] uint8`, `scales [..., G] uint8` -> values `[..., G * 32]` in `dtype`.
+
+    With `out` (contiguous, that shape and dtype) the values are written into it, with no copy
+    between (conversion decodes into the buffers its O_DIRECT writer writes as they are), and it is
+    returned.
 
     Safe to call from several threads at once (each has its own index buffer); torch's gather and
     copy kernels release the GIL, so threads decode in parallel.
@@ -91,10 +96,19 @@ def decode(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torc
     if blocks.shape[-1] != GROUP // 2 or blocks.shape[:-1] != scales.shape:
         raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} do not match scales {tuple(scales.shape)}")
     table = _value_table(dtype, blocks.device)
+    shape = (*scales.shape[:-1], scales.shape[-1] * GROUP)
+    if out is None:
+        out = torch.empty(shape, dtype=dtype, device=blocks.device)
+    elif tuple(out.shape) != shape or out.dtype != dtype or not out.is_contiguous() or out.device != blocks.device:
+        raise ValueError(f"MXFP4 decode into {out.dtype} {tuple(out.shape)}: needs a contiguous {dtype} {shape}")
+    if out.storage_offset() % (table.element_size() // out.element_size()):
+        # the pairs' wider elements cannot start mid-pair in out's storage (an odd number of values
+        # before it there): decode apart, then copy
+        return out.copy_(decode(blocks, scales, dtype))
     groups = scales.numel()
     b = blocks.reshape(groups, GROUP // 2)
     s = scales.reshape(groups, 1).to(torch.int32) << 8
-    out = torch.empty(groups * (GROUP // 2), dtype=table.dtype, device=blocks.device)
+    flat = out.view(-1).view(table.dtype)  # two values per element (see _value_table)
     slice_bytes = SLICE_BYTES if blocks.device.type == "cpu" else DEVICE_SLICE_BYTES
     step = max(1, slice_bytes // (GROUP // 2))  # groups per slice
     idx = _index_buffer(min(groups, step) * (GROUP // 2), blocks.device)
@@ -104,8 +118,8 @@ def decode(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torc
         i = idx[:n].view(g1 - g0, GROUP // 2)
         i.copy_(b[g0:g1])  # the index is scale * 256 + byte, built in int32 (index_select's narrowest)
         i.add_(s[g0:g1])
-        torch.index_select(table, 0, idx[:n], out=out[g0 * (GROUP // 2) : g1 * (GROUP // 2)])
-    return out.view(dtype).reshape(*scales.shape[:-1], scales.shape[-1] * GROUP)
+        torch.index_select(table, 0, idx[:n], out=flat[g0 * (GROUP // 2) : g1 * (GROUP // 2)])
+    return out
 
 
 class NonFiniteError(ValueError):

@@ -1,5 +1,6 @@
 """convert() leaves the process as it found it: torch's thread count is the caller's again after a
-conversion, finished or failed (it runs with one torch thread per worker in between)."""
+conversion, finished or failed (it runs with one torch thread per worker in between), and planning
+it does not import torch._dynamo."""
 
 from __future__ import annotations
 
@@ -38,3 +39,19 @@ def test_a_failed_conversion_gives_back_torchs_thread_count(hf_copy, tmp_path, c
         convert(str(hf_copy), tmp_path / "o")
     assert torch.get_num_threads() == caller_threads
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("to", ["hybrid", "megatron"])
+def test_planning_a_conversion_does_not_import_torch_dynamo(to, hf_mxfp4, tmp_path):
+    """The plan derives every output shape by running the mapping table on meta tensors; torch's
+    first cat of meta tensors imports torch._dynamo, 2-10 s on the 2-core reference machine, paid
+    inside every `gptoss convert`. The table's transforms fill tensors by slices instead."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from gptoss_cli.checkpoint.convert import convert; "
+            f"convert({str(hf_mxfp4)!r}, {str(tmp_path / 'out')!r}, to={to!r}); "
+            "print(sorted(m for m in sys.modules if m.startswith('torch._dynamo')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"

@@ -87,6 +87,30 @@ def test_decode_of_random_blocks_across_slices_matches_transformers(dtype, monke
     assert torch.equal(_bits(ours), _bits(theirs))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("values_before", [0, 1])
+def test_decode_into_a_given_tensor_writes_the_values_there(dtype, values_before, monkeypatch):
+    """Conversion decodes into the buffers its writer writes from: `out` gets the values, at any place
+    in its storage (one value before it: out's pairs straddle the table's wider elements)."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    monkeypatch.setattr(mxfp4, "SLICE_BYTES", 7 * 16)
+    g = torch.Generator().manual_seed(4)
+    blocks = torch.randint(0, 256, (2, 12, 5, 16), dtype=torch.uint8, generator=g)
+    scales = torch.randint(100, 150, (2, 12, 5), dtype=torch.uint8, generator=g)
+    gate_blocks, gate_scales = blocks[:, 0::2], scales[:, 0::2]  # every other row, as the gate rows are
+    size = torch.empty((), dtype=dtype).element_size()
+    offset = values_before * size
+    storage = torch.full((offset + 2 * 6 * 160 * size,), 7, dtype=torch.uint8)
+    out = storage[offset:].view(dtype).view(2, 6, 160)
+    assert mxfp4.decode(gate_blocks, gate_scales, dtype, out=out) is out
+    theirs = convert_moe_packed_tensors(gate_blocks.contiguous(), gate_scales.contiguous(), dtype=dtype).transpose(1, 2)
+    assert torch.equal(_bits(out), _bits(theirs))
+    assert storage[:offset].eq(7).all()  # nothing written before it
+    with pytest.raises(ValueError, match="needs a contiguous"):
+        mxfp4.decode(blocks, scales, dtype, out=torch.empty(2, 12, 161, dtype=dtype))
+
+
 def test_threads_decoding_at_once_each_get_their_own_result(monkeypatch):
     from concurrent.futures import ThreadPoolExecutor
 
