@@ -33,11 +33,15 @@ import torch
 _PROBE_ROWS, _PROBE_I = 4, 8
 
 
+def _fp32_if_half(t: torch.Tensor) -> torch.Tensor:
+    """bf16/fp16 computed in fp32 inside the kernel (rounded once on the way out), others as they are."""
+    return t.float() if t.dtype in (torch.bfloat16, torch.float16) else t
+
+
 def swiglu_forward(gate_up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
     """`[N, 2I]` fc1 output `[gate; up]` -> `(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)`,
     g = min(gate, limit). Pure math for the compiler; computes in fp32 for bf16/fp16 inputs."""
-    gate, up = gate_up.float().chunk(2, dim=-1) if gate_up.dtype in (torch.bfloat16, torch.float16) \
-        else gate_up.chunk(2, dim=-1)
+    gate, up = _fp32_if_half(gate_up).chunk(2, dim=-1)
     g = gate.clamp(max=limit)
     out = (up.clamp(min=-limit, max=limit) + 1) * (g * torch.sigmoid(g * alpha))
     return out.to(gate_up.dtype)
@@ -47,9 +51,8 @@ def swiglu_backward(gate_up: torch.Tensor, grad_out: torch.Tensor, limit: float,
     """The gradient of `swiglu_forward` with respect to `gate_up`, `[N, 2I]`: the clamps pass gradient
     where the input lies inside the bounds, ends included (torch.clamp's convention), and
     d/dg [g * sigmoid(a*g)] = s * (1 + a*g*(1 - s)) with s = sigmoid(a*g)."""
-    wide = gate_up.dtype in (torch.bfloat16, torch.float16)
-    gate, up = (gate_up.float() if wide else gate_up).chunk(2, dim=-1)
-    go = grad_out.float() if wide else grad_out
+    gate, up = _fp32_if_half(gate_up).chunk(2, dim=-1)
+    go = _fp32_if_half(grad_out)
     g = gate.clamp(max=limit)
     s = torch.sigmoid(g * alpha)
     d_up = torch.where(up.abs() > limit, 0.0, g * s * go)
