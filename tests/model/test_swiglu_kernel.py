@@ -209,3 +209,19 @@ def test_the_layers_take_the_kernel_the_model_is_given():
     assert {m.swiglu_kernel for m in layers} == {"auto"} and len(layers) == 3
     with pytest.raises(ConfigError, match="model.swiglu_kernel 'fast' is not one of auto, eager"):
         model.set_swiglu_kernel("fast")
+
+
+@pytest.mark.parametrize("kernel", ["auto", "eager"])
+def test_the_recipe_setting_reaches_every_activation(kernel):
+    # recipe model.swiglu_kernel -> ModelRuntimeConfig -> the provider's model (what `gptoss train` builds)
+    from gptoss_cli.parallel.state import ParallelState
+    from gptoss_cli.train.provider import HybridModelProvider, ModelRuntimeConfig
+    from tests.train.jobs import recipe_config
+
+    recipe = recipe_config()
+    assert recipe.model.swiglu_kernel == "auto"  # the recipe's default
+    recipe.model.swiglu_kernel = kernel
+    cfg = ModelRuntimeConfig.from_recipe(recipe, TINY, "*E*-*E")
+    model = HybridModelProvider(cfg, seed=0).provide(ParallelState())
+    layers = [m for m in model.modules() if isinstance(m, (GroupedExperts, DenseMLPLayer))]
+    assert len(layers) == 3 and {m.swiglu_kernel for m in layers} == {kernel}
