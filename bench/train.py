@@ -25,6 +25,10 @@ by the fp32 `torch.mm` rate of this CPU measured between the repeats of the same
     python bench/train.py --preset wide --batch 2 --seq 512     # hidden 512, 16 experts top-4
     python bench/train.py --arch hidden_size=512,intermediate_size=512,num_local_experts=16,num_experts_per_tok=4 --batch 2 --seq 512
 
+Ours computes the clamped SwiGLU with the recipe's default `model.swiglu_kernel: auto` (compiled
+single-pass kernels where torch.compile works, model/swiglu_kernel.py); `--swiglu-kernel eager`
+measures the eager form.
+
 `--optimizer` instead times the optimizer's part of a step, finalize_model_grads + step, of the
 distributed optimizer against the one it replaced (whole-parameter shards, torch.optim.AdamW with
 foreach=False, one broadcast per owner; kept below as `BaselineAdamW`) on the same model and
@@ -55,7 +59,7 @@ if str(ROOT) not in sys.path:  # tests/train/dist_helpers.py runs the 2-process 
 import torch  # noqa: E402
 
 from gptoss_cli.checkpoint.hf_config import to_hf_config
-from gptoss_cli.model.config import preset
+from gptoss_cli.model.config import SWIGLU_KERNELS, preset
 from gptoss_cli.recipe.flops import model_flops_per_token
 
 
@@ -75,6 +79,8 @@ def _batch(arch, batch: int, seq: int, seed: int = 0) -> torch.Tensor:
 # The clock steps are timed with: wall time, or (--clock cpu) this process's CPU time, which on a
 # machine shared with other jobs measures the work of a single-threaded run, not its waiting.
 CLOCK = time.perf_counter
+# Ours' clamped SwiGLU (model.swiglu_kernel; --swiglu-kernel): the recipe's default unless told.
+SWIGLU_KERNEL = "auto"
 
 
 def _median_step(step, steps: int, warmup: int = 2) -> float:
@@ -95,6 +101,7 @@ def _recipe(dtype: str, ep_size: int = 1):
     recipe.precision.params_dtype, recipe.moe.aux_loss_coeff = dtype, 0.0
     recipe.parallelism.expert_model_parallel_size = ep_size
     recipe.optimizer.weight_decay, recipe.optimizer.use_distributed_optimizer = 0.0, True
+    recipe.model.swiglu_kernel = SWIGLU_KERNEL
     return recipe
 
 
@@ -216,7 +223,9 @@ def _ep_worker(rank: int, args: dict) -> list[float]:
 
     from gptoss_cli.parallel.state import init_parallel
 
+    global SWIGLU_KERNEL
     torch.set_num_threads(args["threads"])
+    SWIGLU_KERNEL = args["swiglu_kernel"]
     state = init_parallel(2, "cpu")
     arch = _arch(args["preset"], args.get("arch"))
     tokens = _batch(arch, args["batch"], args["seq"]).chunk(2)[rank]
@@ -231,7 +240,8 @@ def _ep_worker(rank: int, args: dict) -> list[float]:
 def run_ep2(args: argparse.Namespace) -> float:
     """Median global tokens/s at EP=2 on 2 processes (slowest rank's step time)."""
     cfg = {"preset": args.preset, "arch": args.arch, "batch": args.batch, "seq": args.seq, "dtype": args.dtype,
-           "steps": args.steps, "repeats": args.repeats, "threads": max(1, args.threads // 2)}
+           "steps": args.steps, "repeats": args.repeats, "threads": max(1, args.threads // 2),
+           "swiglu_kernel": args.swiglu_kernel}
     per_rank = _on_two_ranks(_ep_worker, cfg)
     step_times = [max(ts) for ts in zip(*per_rank)]
     return args.batch * args.seq / statistics.median(step_times)
@@ -465,7 +475,8 @@ def run_step_bench(args: argparse.Namespace) -> dict:
     peak = statistics.median(rates)
     return {
         "preset": args.preset, "arch": args.arch or "", "batch": args.batch, "seq": args.seq, "dtype": args.dtype,
-        "threads": args.threads, "clock": args.clock, "malloc": "default" if args.default_malloc else "keep freed",
+        "threads": args.threads, "clock": args.clock, "swiglu_kernel": args.swiglu_kernel,
+        "malloc": "default" if args.default_malloc else "keep freed",
         "tokens_per_step": n_tokens,
         "first_loss_ours": first_ours, "first_loss_transformers": first_hf, "first_loss_rel_diff": loss_rel,
         "ours_step_s": ours_s, "transformers_step_s": hf_s,
@@ -499,12 +510,15 @@ def main() -> None:
                    help="leave glibc's allocator at its defaults (gptoss train keeps freed memory on the CPU)")
     p.add_argument("--no-ep", action="store_true", help="skip the 2-process EP=2 measurement (wall clock only)")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--swiglu-kernel", default="auto", choices=SWIGLU_KERNELS,
+                   help="ours' clamped SwiGLU: compiled where it works (the recipe default) or eager")
     p.add_argument("--optimizer", action="store_true",
                    help="time finalize + optimizer step, new vs the optimizer it replaced, at W=1 and W=2")
     p.add_argument("--arch", default=None, help="architecture overrides, e.g. hidden_size=512,num_local_experts=16")
     args = p.parse_args()
-    global CLOCK
+    global CLOCK, SWIGLU_KERNEL
     CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
+    SWIGLU_KERNEL = args.swiglu_kernel
     if args.clock == "cpu" and args.threads != 1:
         p.error("--clock cpu adds up the CPU time of every thread: use it with --threads 1")
     torch.set_num_threads(args.threads)

@@ -6,6 +6,11 @@ threads per process only oversubscribe them. GPTOSS_TEST_THREADS=2 re-runs the s
 threads per process, which changes the order of parallel reductions: the comparisons between code
 paths must hold either way (tests/tolerances.py).
 
+torch.compile is off (TORCH_COMPILE_DISABLE=1, inherited by spawned workers and CLI subprocesses):
+a recipe's `model.swiglu_kernel: auto` would otherwise compile the clamped SwiGLU in every training
+process, seconds each on 2 cores; it falls back to the eager form without a warning.
+tests/model/test_swiglu_kernel.py lifts it for the few tests that compile.
+
 Hypothesis draws its examples from a fixed seed by default ("ci" profile): every run, in CI or
 here, checks the same examples in the same time, and a failure reproduces by re-running. The
 "explore" profile draws fresh random examples, more of them, to look for new failures locally.
@@ -44,3 +49,15 @@ def _private_cache_dir(tmp_path_factory):
         os.environ.pop("GPTOSS_CACHE_DIR", None)
     else:
         os.environ["GPTOSS_CACHE_DIR"] = previous
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _no_torch_compile():
+    """TORCH_COMPILE_DISABLE=1 for the session (see the module's docstring)."""
+    previous = os.environ.get("TORCH_COMPILE_DISABLE")
+    os.environ["TORCH_COMPILE_DISABLE"] = "1"
+    yield
+    if previous is None:
+        os.environ.pop("TORCH_COMPILE_DISABLE", None)
+    else:
+        os.environ["TORCH_COMPILE_DISABLE"] = previous

@@ -25,7 +25,7 @@ from torch import nn
 
 from gptoss_cli.errors import ConfigError
 from gptoss_cli.model.attention import AttentionLayer
-from gptoss_cli.model.config import GptOssArch
+from gptoss_cli.model.config import SWIGLU_KERNELS, GptOssArch
 from gptoss_cli.model.context_parallel import cp_size_of
 from gptoss_cli.model.dense_gemm import DenseGemm
 from gptoss_cli.model.dispatcher import AllToAllTokenDispatcher
@@ -34,7 +34,7 @@ from gptoss_cli.model.gemm_selection import set_gemms
 from gptoss_cli.model.grouped_gemm import GroupedGemm
 from gptoss_cli.model.init import init_weights_
 from gptoss_cli.model.loss import LM_LOSS_CHUNK_TOKENS, HybridOutput
-from gptoss_cli.model.moe import DenseMLPLayer, MoELayer, RouterStats, RouterStatsRequest
+from gptoss_cli.model.moe import DenseMLPLayer, GroupedExperts, MoELayer, RouterStats, RouterStatsRequest
 from gptoss_cli.model.norm import RMSNorm
 from gptoss_cli.model.pattern import ATTENTION, MLP, MOE, HybridPattern, parse_pattern
 from gptoss_cli.model.positions import default_position_ids
@@ -195,6 +195,15 @@ class HybridModel(nn.Module):
         pieces = plan.layer_pieces(self.pattern.layers)
         for j, layer in enumerate(self.decoder.layers):
             layer.set_recompute(set() if "layer" in pieces[j] else pieces[j])
+
+    def set_swiglu_kernel(self, kernel: str) -> None:
+        """How every MoE and `-` layer computes the clamped SwiGLU (model.swiglu_kernel): "auto" with the
+        compiled single-pass kernels where they work, "eager" without (model/swiglu_kernel.py)."""
+        if kernel not in SWIGLU_KERNELS:
+            raise ConfigError(f"model.swiglu_kernel {kernel!r} is not one of {', '.join(SWIGLU_KERNELS)}")
+        for m in self.modules():
+            if isinstance(m, (GroupedExperts, DenseMLPLayer)):
+                m.swiglu_kernel = kernel
 
     def set_gemms(self, *, dense: Callable[[str], DenseGemm] | None = None,
                   grouped: Callable[[str], GroupedGemm] | None = None) -> list[str]:

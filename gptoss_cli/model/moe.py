@@ -33,6 +33,7 @@ from gptoss_cli.model.expert_names import PerExpertParams
 from gptoss_cli.model.grouped_gemm import GroupedGemm, WgradQueue, grouped_linear
 from gptoss_cli.model.norm import RMSNorm
 from gptoss_cli.model.recompute import checkpointed, discard_saved, without_output
+from gptoss_cli.model.swiglu_kernel import compiled_clamped_swiglu, compiled_swiglu_available
 
 
 class _ClampedSwiGLU(torch.autograd.Function):
@@ -70,9 +71,13 @@ class _ClampedSwiGLU(torch.autograd.Function):
         return grad, None, None
 
 
-def clamped_swiglu(gate_up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
+def clamped_swiglu(gate_up: torch.Tensor, limit: float, alpha: float, kernel: str = "eager") -> torch.Tensor:
     """GPT-OSS activation on fc1 output `[gate; up]` (docs/architecture.md, "Experts"): gate<=limit, |up|<=limit,
-    `(up + 1) * gate * sigmoid(alpha * gate)`."""
+    `(up + 1) * gate * sigmoid(alpha * gate)`. `kernel` (model.swiglu_kernel): "auto" computes it with the
+    compiled single-pass kernels where they work (model/swiglu_kernel.py), "eager" with the Function above."""
+    if kernel == "auto" and gate_up.numel() >= 2 * gate_up.shape[-1] > 0 \
+            and compiled_swiglu_available(gate_up.device, gate_up.dtype, _ClampedSwiGLU.apply):
+        return compiled_clamped_swiglu(gate_up, limit, alpha)
     if torch.is_grad_enabled() and gate_up.requires_grad:
         return _ClampedSwiGLU.apply(gate_up, limit, alpha)
     gate, up = gate_up.chunk(2, dim=-1)
@@ -151,6 +156,7 @@ class GroupedExperts(nn.Module):
 
     recompute_act = False
     recompute_mlp = False
+    swiglu_kernel = "eager"  # model.swiglu_kernel (see clamped_swiglu); set by HybridModel.set_swiglu_kernel
 
     def __init__(self, arch: GptOssArch, num_local_experts: int, expert_offset: int, device=None, dtype=None):
         super().__init__()
@@ -176,8 +182,9 @@ class GroupedExperts(nn.Module):
         adapter = getattr(fc1, "adapter", None)  # LoRA (model/lora.py): one pair per expert
         if adapter is not None:
             gate_up = gate_up + adapter(expert_input, tokens_per_expert, wgrad_queue, f"{name}.linear_fc1")
-        act = clamped_swiglu(gate_up, self.limit, self.alpha)
-        with discard_saved(act, lambda: clamped_swiglu(gate_up, self.limit, self.alpha)) if discard_act \
+        act = clamped_swiglu(gate_up, self.limit, self.alpha, self.swiglu_kernel)
+        with discard_saved(act, lambda: clamped_swiglu(gate_up, self.limit, self.alpha, self.swiglu_kernel)) \
+                if discard_act \
                 else contextlib.nullcontext():
             out = fc2(act, tokens_per_expert, wgrad_queue, f"{name}.linear_fc2")
             adapter = getattr(fc2, "adapter", None)  # its saved copy of `act` is discarded too
@@ -359,6 +366,7 @@ class DenseMLPLayer(nn.Module):
     symbol = "-"
     recompute_norm = False  # the norm's output is not kept for backward (model/recompute.py, layernorm)
     recompute_mlp = False  # only the layer's input is kept; backward re-runs norm and MLP (mlp)
+    swiglu_kernel = "eager"  # model.swiglu_kernel, as GroupedExperts
 
     def __init__(self, arch: GptOssArch, device=None, dtype=None):
         super().__init__()
@@ -386,4 +394,4 @@ class DenseMLPLayer(nn.Module):
             gate_up = without_output(self.pre_mlp_layernorm, (x,), self.mlp.linear_fc1)
         else:
             gate_up = self.mlp.linear_fc1(self.pre_mlp_layernorm(x))
-        return self.mlp.linear_fc2(clamped_swiglu(gate_up, self.limit, self.alpha))
+        return self.mlp.linear_fc2(clamped_swiglu(gate_up, self.limit, self.alpha, self.swiglu_kernel))

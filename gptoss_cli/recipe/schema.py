@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from gptoss_cli.fp8.catalog import FORMATS as FP8_FORMATS, RECIPES as FP8_RECIPES
+from gptoss_cli.model.config import SWIGLU_KERNELS
 
 DTYPES = ("fp32", "bf16", "fp16")
 # Sizes (tensor dimensions, process counts, bucket elements) and counts (steps, intervals): int32, what
@@ -64,6 +65,11 @@ class ModelConfig:
     )
     mtp_num_layers: Optional[int] = _f(
         None, "multi-token-prediction layers; GPT-OSS has none, so null or 0", min=0, max=INT32_MAX,
+    )
+    swiglu_kernel: str = _f(
+        "auto", "clamped SwiGLU: auto = one compiled (torch.compile) kernel for forward and one for backward "
+        "where they work, else eager with a warning; eager = elementwise torch ops (docs/benchmarks.md)",
+        choices=SWIGLU_KERNELS,
     )
 
 

@@ -58,6 +58,7 @@ class ModelRuntimeConfig:
     qat: str = "none"  # precision.qat: "mxfp4" gives the experts Mxfp4QatGemm (gptoss_cli/model/qat.py)
     lora: LoraSettings | None = None  # LoRA: the provider freezes the base and adds adapters (model/lora.py)
     base_experts: str = "bf16"  # lora.base_experts with LoRA on: "mxfp4" keeps the frozen experts in MXFP4
+    swiglu_kernel: str = "eager"  # model.swiglu_kernel (model/swiglu_kernel.py); the recipe's default is auto
     # Set at run time: the FP8 gemms the provider selected (which path runs, GEMM counts), and the
     # training callbacks, installed by setup on the model's own copy of this config.
     fp8_gemms: Any = None
@@ -75,7 +76,7 @@ class ModelRuntimeConfig:
             delay_wgrad_compute=cfg.overlap.delay_wgrad_compute,
             qat=cfg.precision.qat, z_loss_coeff=cfg.moe.z_loss_coeff, freeze_router=cfg.moe.freeze_router,
             recompute=recompute_plan(cfg, parse_pattern(hybrid_layer_pattern)),
-            lora=lora_settings(cfg),
+            lora=lora_settings(cfg), swiglu_kernel=cfg.model.swiglu_kernel,
             base_experts=cfg.lora.base_experts if cfg.lora.rank > 0 else "bf16",
         )
 
@@ -131,6 +132,7 @@ class HybridModelProvider:
         model.aux_loss_coef = cfg.aux_loss_coeff
         model.z_loss_coef = cfg.z_loss_coeff
         model.set_recompute(cfg.recompute)
+        model.set_swiglu_kernel(cfg.swiglu_kernel)
         if self.weights is None:
             init_weights_(model, arch.initializer_range, self.seed)
         else:
