@@ -243,10 +243,10 @@ def convert(
     )
 
 
-# --to peft of a precision.qat=mxfp4 LoRA run: PEFT adds the adapters to whatever base it is given.
-QAT_PEFT_NOTE = ("these adapters were trained against the base's experts rounded to MXFP4 (precision.qat=mxfp4): "
-                 "apply them to a base with MXFP4 experts (as released), or merge them with --to hf, which adds "
-                 "them to the rounded base")
+# --to peft of a precision.qat=mxfp4 LoRA run: its forward rounded the merged expert weights, which PEFT cannot.
+QAT_PEFT_NOTE = ("these adapters were trained with the merged expert weights (base + adapters) rounded to MXFP4 "
+                 "(precision.qat=mxfp4); PEFT adds them unrounded, which is not quite the trained model: for that, "
+                 "merge them with --to hf --experts mxfp4 (or --to hf), which rounds the merged experts as training did")
 
 
 def _convert_to_peft(src, dst: Path, *, experts: str | None, weights: str | None, force: bool,

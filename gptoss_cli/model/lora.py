@@ -36,6 +36,7 @@ from gptoss_cli.model.expert_names import PerExpertParams, checkpoint_slots
 from gptoss_cli.model.grouped_gemm import WgradQueue, grouped_linear
 from gptoss_cli.model.init import name_generator
 from gptoss_cli.model.moe import ExpertLinear
+from gptoss_cli.model.qat import Mxfp4QatGemm
 
 # Megatron's names of the layers LoRA can target.
 ATTENTION_TARGETS = ("linear_qkv", "linear_proj")
@@ -113,18 +114,69 @@ class ExpertLoraAdapter(nn.Module):
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor, wgrad_queue: WgradQueue | None = None,
                 name: str = "expert adapter") -> torch.Tensor:
-        """With `wgrad_queue` (delayed wgrad) the adapters' weight gradients wait in the queue like their
-        base layer's would; `name` is the base layer's (errors name it)."""
+        """The low-rank path `scaling * B_e @ A_e @ dropout(x)`. With `wgrad_queue` (delayed wgrad) the
+        adapters' weight gradients wait in the queue like their base layer's would; `name` is the base
+        layer's (errors name it)."""
+        return self._low_rank(self.dropout(x), tokens_per_expert, wgrad_queue, name)
+
+    def _low_rank(self, x: torch.Tensor, tokens_per_expert: torch.Tensor, wgrad_queue: WgradQueue | None,
+                  name: str) -> torch.Tensor:
         a, b = self.linear_in.weight, self.linear_out.weight
         no_bias = a.new_zeros(a.shape[0], a.shape[1])
-        h = grouped_linear(self.dropout(x), a, no_bias, tokens_per_expert, wgrad_queue=wgrad_queue,
+        h = grouped_linear(x, a, no_bias, tokens_per_expert, wgrad_queue=wgrad_queue,
                            name=f"{name}.{ADAPTER}.{LINEAR_IN}")
         return grouped_linear(h, b, a.new_zeros(b.shape[0], b.shape[1]), tokens_per_expert, wgrad_queue=wgrad_queue,
                               name=f"{name}.{ADAPTER}.{LINEAR_OUT}") * self.scaling
 
+    def adapted(self, base: ExpertLinear, x: torch.Tensor, tokens_per_expert: torch.Tensor,
+                wgrad_queue: WgradQueue | None = None, name: str = "expert adapter") -> torch.Tensor:
+        """The adapted layer's output: base(x) + the low-rank path, or, when the base's gemm rounds its
+        weight to MXFP4 (QAT), x @ Q(W + scaling * B @ A)^T + b per expert: the merged weight is what
+        is rounded, so the forward is what the merged MXFP4 export computes.
+
+        QAT's gradients are the straight-through estimator's (dQ/dM = identity): dx = dy @ Q(M) (the
+        base gemm's dgrad, with the same rounded merged weight), and the adapters get the ordinary
+        low-rank gradients, from the low-rank path run on a detached input whose value is subtracted
+        again (it adds exactly zero). With dropout the adapters' input is dropout(x) in training as
+        without QAT: the forward adds the low-rank path's dropout perturbation
+        scaling * B @ A @ (dropout(x) - x) to the rounded merged layer, so the adapters' gradients are
+        the ordinary dropout-LoRA ones and the input gradient gains that perturbation's term."""
+        gemm = base.gemm
+        if not isinstance(gemm, Mxfp4QatGemm):
+            y = grouped_linear(x, base.weight, base.bias, tokens_per_expert, gemm=gemm, wgrad_queue=wgrad_queue,
+                               name=name)
+            return y + self(x, tokens_per_expert, wgrad_queue, name)
+        y = grouped_linear(x, base.weight, base.bias, tokens_per_expert, gemm=gemm.merged_with(self.merged_expert),
+                           wgrad_queue=wgrad_queue, name=name)
+        if not torch.is_grad_enabled() or not self.linear_in.weight.requires_grad:
+            return y  # the low-rank path would only carry gradients
+        xd = x.detach()
+        if isinstance(self.dropout, nn.Identity):
+            low = self._low_rank(xd, tokens_per_expert, wgrad_queue, name)
+            return y + (low - low.detach())
+        # value dropout(x), gradient to x that of dropout(x) - x (the rounded merged layer has the rest)
+        low = self._low_rank(xd + (self.dropout(x) - x), tokens_per_expert, wgrad_queue, name)
+        with torch.no_grad():
+            undropped = self._low_rank(xd, tokens_per_expert, None, name)
+        return y + (low - undropped)
+
+    def merged_expert(self, e: int, weight: torch.Tensor) -> torch.Tensor:
+        """Local expert e's base weight with its adapter merged in (`merged_weight`, fp32)."""
+        return merged_weight(weight, self.linear_in.weight[e].detach(), self.linear_out.weight[e].detach(),
+                             self.scaling)
+
     def delta(self) -> torch.Tensor:
         """scaling * B_e @ A_e for every local expert, [E_local, out, in] in fp32."""
         return torch.bmm(self.linear_out.weight.float(), self.linear_in.weight.float()) * self.scaling
+
+
+def merged_weight(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """`weight + scaling * b @ a` in fp32, computed in float64 and rounded once: the one formula of a
+    merged adapted weight (QAT's forward rounds it to MXFP4; the merged export recomputes it from the
+    checkpoint). Products of fp32 factors are exact in float64, so the fp32 result does not depend on
+    how a GEMM orders the rank-long sums (bmm in training, one expert's rows in the export) unless the
+    exact value lies within float64 rounding of an fp32 rounding boundary."""
+    return (weight.double() + (b.double() @ a.double()) * scaling).float()
 
 
 def _targets(model: nn.Module, targets: tuple[str, ...]) -> Iterator[tuple[str, nn.Module]]:
@@ -233,7 +285,8 @@ def merge_lora_(model: nn.Module) -> int:
     with torch.no_grad():
         for layer_name, adapter in list(adapter_modules(model)):
             layer = model.get_submodule(layer_name)
-            layer.weight.copy_((layer.weight.float() + adapter.delta()).to(layer.weight.dtype))
+            a, b = adapter.linear_in.weight, adapter.linear_out.weight
+            layer.weight.copy_(merged_weight(layer.weight, a, b, adapter.scaling).to(layer.weight.dtype))
             delattr(layer, ADAPTER)
             merged += 1
     return merged
@@ -242,4 +295,5 @@ def merge_lora_(model: nn.Module) -> int:
 __all__ = [
     "TARGET_MODULES", "ATTENTION_TARGETS", "MLP_TARGETS", "LoraSettings", "LoraAdapter", "ExpertLoraAdapter",
     "attach_lora", "adapter_modules", "adapter_tensors", "has_lora", "is_adapter_name", "init_lora_", "lora_deltas", "merge_lora_",
+    "merged_weight",
 ]

@@ -159,18 +159,23 @@ class GroupedExperts(nn.Module):
     def _mlp(self, expert_input: torch.Tensor, tokens_per_expert: torch.Tensor, wgrad_queue: WgradQueue | None,
              name: str, discard_act: bool) -> torch.Tensor:
         fc1, fc2 = self.linear_fc1, self.linear_fc2
-        gate_up = grouped_linear(expert_input, fc1.weight, fc1.bias, tokens_per_expert, gemm=fc1.gemm,
-                                 wgrad_queue=wgrad_queue, name=f"{name}.linear_fc1")
-        adapter = getattr(fc1, "adapter", None)  # LoRA (model/lora.py): one pair per expert
-        if adapter is not None:
-            gate_up = gate_up + adapter(expert_input, tokens_per_expert, wgrad_queue, f"{name}.linear_fc1")
+        gate_up = _expert_linear(fc1, expert_input, tokens_per_expert, wgrad_queue, f"{name}.linear_fc1")
         act = clamped_swiglu(gate_up, self.limit, self.alpha)
         with discard_saved(act, lambda: clamped_swiglu(gate_up, self.limit, self.alpha)) if discard_act \
                 else contextlib.nullcontext():
-            out = grouped_linear(act, fc2.weight, fc2.bias, tokens_per_expert, gemm=fc2.gemm,
-                                 wgrad_queue=wgrad_queue, name=f"{name}.linear_fc2")
-            adapter = getattr(fc2, "adapter", None)  # its saved copy of `act` is discarded too
-            return out if adapter is None else out + adapter(act, tokens_per_expert, wgrad_queue, f"{name}.linear_fc2")
+            # an fc2 adapter's saved copy of `act` is discarded too
+            return _expert_linear(fc2, act, tokens_per_expert, wgrad_queue, f"{name}.linear_fc2")
+
+
+def _expert_linear(layer: ExpertLinear, x: torch.Tensor, tokens_per_expert: torch.Tensor,
+                   wgrad_queue: WgradQueue | None, name: str) -> torch.Tensor:
+    """One expert layer's grouped linear; with a LoRA adapter (model/lora.py, one pair per expert) the
+    adapter computes the adapted layer (under MXFP4 QAT the merged weight is what gets rounded)."""
+    adapter = getattr(layer, "adapter", None)
+    if adapter is not None:
+        return adapter.adapted(layer, x, tokens_per_expert, wgrad_queue, name)
+    return grouped_linear(x, layer.weight, layer.bias, tokens_per_expert, gemm=layer.gemm,
+                          wgrad_queue=wgrad_queue, name=name)
 
 
 class MoEMLP(nn.Module):
