@@ -137,15 +137,104 @@ def test_peft_export_and_merged_export_compute_the_trained_model(base, trained, 
     assert (merged - want).abs().max().item() <= rel * scale
 
 
-def test_peft_export_after_mxfp4_qat_notes_the_rounded_base_in_one_line(base, tmp_path):
-    """PEFT adds the adapters to whatever base it loads; a run that trained them against MXFP4-rounded
-    experts says so on export (one note line; the export itself succeeds)."""
+def test_peft_export_after_mxfp4_qat_notes_the_rounded_merge_in_one_line(base, tmp_path):
+    """PEFT adds the adapters unrounded; a run whose forward rounded the merged experts to MXFP4 says so
+    on export and points at the merged export (one note line; the export itself succeeds)."""
     _, hybrid, arch = base
     run_worker(_job(tmp_path, hybrid, arch, iters=1, qat="mxfp4"))
     cli = CliRunner().invoke(app, ["convert", str(tmp_path / "ckpt"), str(tmp_path / "adapter"), "--to", "peft"])
     assert cli.exit_code == 0 and (tmp_path / "adapter" / "adapter_model.safetensors").is_file(), cli.output
     notes = [line for line in cli.output.splitlines() if "rounded to MXFP4" in line]
     assert len(notes) == 1 and notes[0].startswith("note: ") and "precision.qat=mxfp4" in notes[0], cli.output
+    assert "--to hf --experts mxfp4" in cli.output.replace("\n", " "), cli.output
+
+
+def test_lora_qat_mxfp4_export_holds_the_rounded_merge_and_computes_the_training_forward(base, tmp_path):
+    """After LoRA + precision.qat=mxfp4, `--to hf --experts mxfp4` writes blocks and scales that encode
+    Q(W + s B @ A) (W the base, A and B the checkpoint's, Q torchao's MXFP4 rounding) bit for bit, and
+    transformers on that export gives the logits of the training forward (base + adapters + the QAT
+    gemm), within reassociation: the same weights. `--to hybrid` writes Q(W + s B A) for the experts and
+    the unrounded merge for attention (QAT rounds experts only). Rounding the base alone and adding the
+    adapters unrounded (the behaviour before) is far from the export."""
+    from safetensors import safe_open
+
+    from gptoss_cli.model import mxfp4
+    from gptoss_cli.model.expert_names import checkpoint_slots
+    from gptoss_cli.model.lora import LoraSettings, attach_lora, merged_weight
+    from gptoss_cli.model.moe import ExpertLinear
+    from gptoss_cli.model.qat import qat_gemms
+    from tests.model.test_lora_qat import torchao_round
+    from tests.train.reference import HfView
+
+    _, hybrid, arch = base
+    run_worker(_job(tmp_path, hybrid, arch, iters=2, qat="mxfp4", lr=3e-2))
+    ckpt = tmp_path / "ckpt"
+    adapters = _adapters(ckpt)
+    scaling = 8.0 / 4
+    plain = dict(model_from_checkpoint(hybrid).state_dict())  # the base, fp32
+    want = dict(plain)  # every Hybrid tensor as the export should hold it
+    for name, w in plain.items():
+        stem, _, e = name.rpartition(".weight")
+        a_name = f"{stem}.adapter.linear_in.weight{e}"
+        if a_name not in adapters:
+            continue
+        b = adapters[f"{stem}.adapter.linear_out.weight{e}"].double()
+        m = (w.double() + scaling * (b @ adapters[a_name].double())).float()
+        want[name] = torchao_round(m) if ".mlp.experts." in name else m
+    experts = [n for n in want if ".mlp.experts.linear_fc" in n and ".weight" in n]
+    assert len(experts) == arch.num_hidden_layers * 2 * arch.num_local_experts
+    moved = [n for n in experts if not torch.equal(want[n], torchao_round(plain[n]))]
+    assert moved == experts  # the adapters moved every expert's rounded weights
+
+    out = tmp_path / "hf-mx"
+    convert(str(ckpt), out, to="hf", experts="mxfp4", dtype="float32")
+    reference = load_hf_reference(out)  # transformers' own MXFP4 dequantiser
+    view = HfView(reference)
+    want_hf = view.to_hf({n: want[n] for n in view.index})
+    stored = {}
+    for f in out.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as st:
+            stored.update({k: st.get_tensor(k) for k in st.keys() if k.endswith(("_blocks", "_scales"))})
+    assert stored
+    for name, p in reference.named_parameters():
+        if ".experts." in name and not name.endswith("bias"):
+            assert torch.equal(p.detach(), want_hf[name]), name
+            blocks, scales = mxfp4.encode(want_hf[name].transpose(1, 2))  # HF stores [E, out, in/32, 16]
+            assert torch.equal(stored[f"{name}_blocks"], blocks) and torch.equal(stored[f"{name}_scales"], scales), name
+
+    # the training forward: the base, the checkpoint's adapters, the QAT gemm
+    ours = model_from_checkpoint(hybrid)
+    attach_lora(ours, LoraSettings(rank=4, alpha=8.0, target_modules=tuple(ALL)))
+    with torch.no_grad():
+        for name, dest in checkpoint_slots(ours):
+            if name in adapters:
+                dest.copy_(adapters[name])
+    ours.set_gemms(grouped=qat_gemms("mxfp4"))
+    before = model_from_checkpoint(hybrid)  # rounded base + unrounded adapters
+    with torch.no_grad():
+        for m in before.modules():
+            if isinstance(m, ExpertLinear):
+                m.weight.copy_(torchao_round(m.weight))
+    attach_lora(before, LoraSettings(rank=4, alpha=8.0, target_modules=tuple(ALL)))
+    with torch.no_grad():
+        for name, dest in checkpoint_slots(before):
+            if name in adapters:
+                dest.copy_(adapters[name])
+    ids = torch.randint(0, arch.vocab_size, (2, 10), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        theirs, got, old = reference(ids).logits, ours.eval()(ids).logits, before.eval()(ids).logits
+    rel = reassociation_rel(max(arch.hidden_size, arch.intermediate_size), depth=4 * arch.num_hidden_layers)
+    scale = theirs.abs().max().item()
+    assert (got - theirs).abs().max().item() <= rel * scale
+    assert (old - theirs).abs().max().item() > 100 * rel * scale
+
+    convert(str(ckpt), tmp_path / "hybrid", to="hybrid", dtype="float32")
+    written = dict(model_from_checkpoint(tmp_path / "hybrid").state_dict())
+    for name in want:
+        assert torch.equal(written[name], want[name]), name
+    a_name = "decoder.layers.0.self_attention.linear_qkv.weight"
+    assert torch.equal(written[a_name], merged_weight(plain[a_name], adapters[a_name.replace(".weight", ".adapter.linear_in.weight")],
+                                                      adapters[a_name.replace(".weight", ".adapter.linear_out.weight")], scaling))
 
 
 def test_peft_export_of_a_full_fine_tune_is_a_one_line_error(base, tmp_path):
