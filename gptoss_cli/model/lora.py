@@ -14,6 +14,9 @@ expert parallelism and their names contain `.mlp.experts.` (reduced over the exp
 group like the experts). The low-rank path runs in the params dtype with the default GEMMs,
 whatever gemm (FP8) the frozen base layer uses. Under delayed wgrad the expert adapters' weight
 gradients wait in the schedule's queue (model/grouped_gemm.py); the frozen base queues none.
+Under MXFP4 QAT (model/qat.py) an expert layer computes with its merged weight rounded,
+Q(W + scaling * B @ A) (`merged_weight`, the formula the merged export uses too), with the
+straight-through estimator's gradients (`ExpertLoraAdapter.adapted`; docs/lora.md).
 
 `attach_lora` freezes every base parameter (no gradient, hence no gradient buffer and no optimizer
 state: both are built for trainable parameters only) and adds the adapters.

@@ -13,6 +13,11 @@ Q is `model.mxfp4.round_to_mxfp4` along the weight's last axis, the contraction 
 intermediate features, exactly the blocks `convert --experts mxfp4` writes (HF's `*_blocks`
 `[E, out, in/32, 16]`; fc1's [gate; up] row order versus HF's interleaved rows permutes whole
 rows, never a block). Biases stay in the model's dtype, as the MXFP4 export stores them.
+
+With LoRA adapters on the experts the forward rounds the merged weight, Q(W + scaling * B @ A)
+(`merged_with`, used by model/lora.py): the weight the merged export holds. The merge is recomputed
+in dgrad from the parameters rather than kept for backward; they change only at the optimizer
+step, after every backward and queued wgrad of the step.
 """
 
 from __future__ import annotations
