@@ -202,24 +202,22 @@ def test_lora_qat_mxfp4_export_holds_the_rounded_merge_and_computes_the_training
             blocks, scales = mxfp4.encode(want_hf[name].transpose(1, 2))  # HF stores [E, out, in/32, 16]
             assert torch.equal(stored[f"{name}_blocks"], blocks) and torch.equal(stored[f"{name}_scales"], scales), name
 
-    # the training forward: the base, the checkpoint's adapters, the QAT gemm
-    ours = model_from_checkpoint(hybrid)
-    attach_lora(ours, LoraSettings(rank=4, alpha=8.0, target_modules=tuple(ALL)))
-    with torch.no_grad():
-        for name, dest in checkpoint_slots(ours):
-            if name in adapters:
-                dest.copy_(adapters[name])
+    def adapted(round_base: bool):
+        """The base with the checkpoint's adapters (and its experts rounded first, if asked)."""
+        model = model_from_checkpoint(hybrid)
+        with torch.no_grad():
+            for m in model.modules():
+                if round_base and isinstance(m, ExpertLinear):
+                    m.weight.copy_(torchao_round(m.weight))
+            attach_lora(model, LoraSettings(rank=4, alpha=8.0, target_modules=tuple(ALL)))
+            for name, dest in checkpoint_slots(model):
+                if name in adapters:
+                    dest.copy_(adapters[name])
+        return model
+
+    ours = adapted(round_base=False)  # the training forward: base, adapters, the QAT gemm
     ours.set_gemms(grouped=qat_gemms("mxfp4"))
-    before = model_from_checkpoint(hybrid)  # rounded base + unrounded adapters
-    with torch.no_grad():
-        for m in before.modules():
-            if isinstance(m, ExpertLinear):
-                m.weight.copy_(torchao_round(m.weight))
-    attach_lora(before, LoraSettings(rank=4, alpha=8.0, target_modules=tuple(ALL)))
-    with torch.no_grad():
-        for name, dest in checkpoint_slots(before):
-            if name in adapters:
-                dest.copy_(adapters[name])
+    before = adapted(round_base=True)  # the behaviour before: rounded base + unrounded adapters
     ids = torch.randint(0, arch.vocab_size, (2, 10), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         theirs, got, old = reference(ids).logits, ours.eval()(ids).logits, before.eval()(ids).logits
