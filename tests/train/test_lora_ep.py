@@ -44,10 +44,13 @@ def test_ep2_adapter_grads_equal_ep1(ep2_vs_ep1):
     assert all(ref["grads"][n].abs().sum() > 0 for n in ref["grads"])  # B random: A's gradients too
 
 
-def test_overlap_schedule_with_delayed_wgrad_gives_the_plain_adapter_grads(tmp_path):
+@pytest.mark.parametrize("qat", ["none", "mxfp4"])
+def test_overlap_schedule_with_delayed_wgrad_gives_the_plain_adapter_grads(tmp_path, qat):
     """EP=2, combined 1F1B + delayed wgrad + overlap_grad_reduce against the plain schedule, same model
-    and data: the frozen base queues no weight gradients, the adapters' gradients agree."""
-    ranks = run_distributed(lora_overlap_worker, 2, tmp_path, 2, timeout=240)
+    and data: the frozen base queues no weight gradients, the adapters' gradients agree (also under
+    MXFP4 QAT, where the adapters' low-rank path reads a detached input and only its queued weight
+    gradients reach them)."""
+    ranks = run_distributed(lora_overlap_worker, 2, tmp_path, 2, qat, timeout=240)
     rel = reassociation_rel(12 * SEQ, DEPTH)
     for rank, r in enumerate(ranks):
         assert r["overlap"]["schedule"] == "forward_backward_combined_1f1b"
