@@ -7,11 +7,15 @@ four targets: attention q/k/v/o and every expert's gate_up / down):
   * transformers' GptOssForCausalLM + peft.get_peft_model (target_modules q/k/v/o_proj,
     target_parameters mlp.experts.gate_up_proj / down_proj), torch AdamW (fused where torch has it,
     else foreach) over the adapters: forward with labels, backward, clip, step;
-  * ours, full fine-tune: every parameter trained (the same step as bench/train.py's).
+  * ours, full fine-tune: every parameter trained (the same step as bench/train.py's);
+  * ours, LoRA on an MXFP4 base (lora.base_experts=mxfp4): the same LoRA step with the frozen experts
+    held as MXFP4 blocks/scales and decoded for each GEMM (gptoss_cli/model/mxfp4_experts.py).
 Prints the median step time (median over --repeats of the median over --steps steps), the ratio
 transformers+PEFT / ours-LoRA (goal >= 1.5) and the trainable state of each: parameters that
 train, their gradients and the optimizer's state, counted from the tensors the run holds, with
-the ratio ours-LoRA / ours-full (goal < 5%).
+the ratio ours-LoRA / ours-full (goal < 5%). For the MXFP4 base: its step time over the bf16 base's
+(the decode's cost) and the resident bytes of the frozen base, experts and all (parameters and
+buffers the model holds), MXFP4 over bf16 (the experts alone: 4.25 / 16 bits with --dtype bf16).
 
     python bench/lora.py --preset wide --batch 2 --seq 256 --rank 16 --steps 5 --repeats 3
 
@@ -45,7 +49,7 @@ from bench.train import _batch, _median_step, bench_arch  # noqa: E402
 TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 
 
-def ours_step_fn(arch, tokens: torch.Tensor, dtype: str, rank: int, alpha: float):
+def ours_step_fn(arch, tokens: torch.Tensor, dtype: str, rank: int, alpha: float, base_experts: str = "bf16"):
     """One training step of ours on `tokens` (LoRA with rank > 0, else the full fine-tune), and its setup."""
     from gptoss_cli.parallel.state import ParallelState
     from gptoss_cli.recipe.schema import RecipeConfig
@@ -60,6 +64,7 @@ def ours_step_fn(arch, tokens: torch.Tensor, dtype: str, rank: int, alpha: float
     recipe.optimizer.weight_decay, recipe.optimizer.use_distributed_optimizer = 0.0, True
     if rank:
         recipe.lora.rank, recipe.lora.alpha, recipe.lora.target_modules = rank, alpha, list(TARGETS)
+        recipe.lora.base_experts = base_experts
     cfg = ModelRuntimeConfig.from_recipe(recipe, arch, arch.hybrid_layer_pattern)
     setup = setup_model_and_optimizer(HybridModelProvider(cfg, seed=0), ParallelState(), recipe.optimizer, 1e-4)
     schedule = get_forward_backward_func(setup.config)
@@ -79,6 +84,17 @@ def ours_state_bytes(setup) -> int:
     grads = sum(b.data.numel() * b.data.element_size() for b in setup.model.grad_buffers.buffers())
     opt = sum(t.numel() * t.element_size() for s in setup.optimizer.shards for t in (s.master, s.exp_avg, s.exp_avg_sq))
     return params + grads + opt
+
+
+def frozen_base_bytes(setup) -> dict[str, int]:
+    """Resident bytes of the frozen base (parameters that do not train, and buffers such as MXFP4
+    blocks/scales; RoPE tables included) and of its expert weights alone."""
+    from gptoss_cli.model.mxfp4_experts import expert_storage_bytes
+
+    model = setup.model.module
+    frozen = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
+    frozen += sum(b.numel() * b.element_size() for b in model.buffers())
+    return {"base": frozen, "experts": sum(expert_storage_bytes(model).values())}
 
 
 def hf_peft_step_fn(arch, tokens: torch.Tensor, dtype: str, rank: int, alpha: float):
@@ -198,33 +214,43 @@ def main() -> None:
     ours, ours_setup = ours_step_fn(arch, tokens, args.dtype, args.rank, args.alpha)
     theirs, theirs_state, adamw = hf_peft_step_fn(arch, tokens, args.dtype, args.rank, args.alpha)
     full, full_setup = ours_step_fn(arch, tokens, args.dtype, 0, args.alpha)
-    times = {"ours_lora": [], "hf_peft": [], "ours_full": []}
-    for _ in range(args.repeats):  # interleaved, so a slow phase of the machine hits all three
+    mx, mx_setup = ours_step_fn(arch, tokens, args.dtype, args.rank, args.alpha, base_experts="mxfp4")
+    times = {"ours_lora": [], "hf_peft": [], "ours_full": [], "ours_lora_mxfp4": []}
+    for _ in range(args.repeats):  # interleaved, so a slow phase of the machine hits all of them
         times["ours_lora"].append(_median_step(ours, args.steps))
         times["hf_peft"].append(_median_step(theirs, args.steps))
         times["ours_full"].append(_median_step(full, args.steps))
+        times["ours_lora_mxfp4"].append(_median_step(mx, args.steps))
     med = {k: statistics.median(v) for k, v in times.items()}
     state = {"ours_lora": ours_state_bytes(ours_setup), "hf_peft": theirs_state(),
-             "ours_full": ours_state_bytes(full_setup)}
+             "ours_full": ours_state_bytes(full_setup), "ours_lora_mxfp4": ours_state_bytes(mx_setup)}
+    base = {"ours_lora": frozen_base_bytes(ours_setup), "ours_lora_mxfp4": frozen_base_bytes(mx_setup)}
     tok = args.batch * args.seq
     print(f"{args.preset}, batch {args.batch} x {args.seq} tokens, rank {args.rank}, {args.dtype}, "
           f"torch AdamW {adamw} for transformers + PEFT; threads {torch.get_num_threads()}")
-    print(f"{'run':<12} {'step ms':>10} {'tokens/s':>10} {'trainable state':>16}")
-    for k in ("ours_lora", "hf_peft", "ours_full"):
-        print(f"{k:<12} {1e3 * med[k]:>10.1f} {tok / med[k]:>10.0f} {state[k] / 1e6:>13.2f} MB")
+    print(f"{'run':<15} {'step ms':>10} {'tokens/s':>10} {'trainable state':>16}")
+    for k in ("ours_lora", "hf_peft", "ours_full", "ours_lora_mxfp4"):
+        print(f"{k:<15} {1e3 * med[k]:>10.1f} {tok / med[k]:>10.0f} {state[k] / 1e6:>13.2f} MB")
     speed = med["hf_peft"] / med["ours_lora"]
     share = state["ours_lora"] / state["ours_full"]
     print(f"LoRA step: ours {speed:.2f}x transformers + PEFT (goal >= 1.5); "
           f"ours LoRA / ours full step time {med['ours_lora'] / med['ours_full']:.2f}")
     print(f"trainable state: ours LoRA {100 * share:.2f}% of our full fine-tune's (goal < 5%); "
           f"transformers + PEFT {state['hf_peft'] / state['ours_lora']:.2f}x ours")
+    mx_base, bf_base = base["ours_lora_mxfp4"], base["ours_lora"]
+    print(f"MXFP4 base (lora.base_experts=mxfp4) vs bf16 base: step time {med['ours_lora_mxfp4'] / med['ours_lora']:.2f}x; "
+          f"frozen base {mx_base['base'] / 1e6:.2f} MB vs {bf_base['base'] / 1e6:.2f} MB "
+          f"({mx_base['base'] / bf_base['base']:.3f}); expert weights {mx_base['experts'] / 1e6:.2f} MB vs "
+          f"{bf_base['experts'] / 1e6:.2f} MB ({mx_base['experts'] / bf_base['experts']:.4f})")
     if args.profile:
         profile_steps("ours_lora", ours, args.profile)
         profile_steps("hf_peft", theirs, args.profile)
     if args.json:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "median_s": med,
                                          "times_s": times, "state_bytes": state, "speedup_vs_hf_peft": speed,
-                                         "state_share_of_full": share}, indent=2) + "\n")
+                                         "state_share_of_full": share, "frozen_base_bytes": base,
+                                         "mxfp4_step_time_ratio": med["ours_lora_mxfp4"] / med["ours_lora"]},
+                                        indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -243,9 +243,14 @@ def convert(
     )
 
 
-# --to peft of a precision.qat=mxfp4 LoRA run: its forward rounded the merged expert weights, which PEFT cannot.
+# --to peft of a LoRA run whose experts computed in MXFP4. PEFT adds the adapters, unrounded, to whatever base
+# it is given: what a run on MXFP4-stored experts computed, when that base has them; not what a QAT run
+# computed, whose forward rounded the merged expert weights.
+MXFP4_PEFT_NOTE = ("these adapters were trained against the base's experts rounded to MXFP4 (lora.base_experts=mxfp4): "
+                   "apply them to a base with MXFP4 experts (as released), or merge them with --to hf, which adds "
+                   "them to the rounded base")
 QAT_PEFT_NOTE = ("these adapters were trained with the merged expert weights (base + adapters) rounded to MXFP4 "
-                 "(precision.qat=mxfp4); PEFT adds them unrounded, which is not quite the trained model: for that, "
+                 "(precision.qat=mxfp4{also}); PEFT adds them unrounded, which is not quite the trained model: for that, "
                  "merge them with --to hf --experts mxfp4 (or --to hf), which rounds the merged experts as training did")
 
 
@@ -277,8 +282,11 @@ def _convert_to_peft(src, dst: Path, *, experts: str | None, weights: str | None
             raise UsageError(f"{src}: trained with the layer pattern {source.hybrid_layer_pattern!r}; a PEFT adapter "
                              f"for transformers needs {arch.hybrid_layer_pattern!r} (one '*E' per HF block)")
         check_base(lora["base"], source.folder)  # the adapters belong to this base, byte for byte
+        mxfp4_base = lora.get("base_experts") == "mxfp4"
         if source.provenance.get("qat") == "mxfp4":
-            notes.append(QAT_PEFT_NOTE)
+            notes.append(QAT_PEFT_NOTE.format(also=", on lora.base_experts=mxfp4" if mxfp4_base else ""))
+        elif mxfp4_base:
+            notes.append(MXFP4_PEFT_NOTE)
         names = source.reader.names()
         if progress:
             progress.start(len(names), sum(source.reader.spec(n).nbytes for n in names))

@@ -26,6 +26,8 @@ from gptoss_cli.checkpoint.training_format import MODEL, TRAIN_STATE
 from gptoss_cli.errors import CheckpointError, ConfigError
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.model.hybrid import HybridModel
+from gptoss_cli.model.mxfp4 import NonFiniteError
+from gptoss_cli.model.mxfp4_experts import BASE_EXPERTS, Mxfp4WeightSlot, pack_experts_
 
 LoadProgress = Callable[[str], None]  # called with the name(s) of each tensor (or HF group) once filled
 EXPERT_CHUNK = 8  # experts read per chunk from an HF stack
@@ -33,9 +35,16 @@ _HYBRID_HINT = "re-run `gptoss convert`, or check hybrid_config.json against the
 
 
 def build_model(arch: GptOssArch, pattern: str | None = None, *, device: str | torch.device = "cpu",
-                dtype: torch.dtype = torch.float32, **kwargs) -> HybridModel:
-    """A HybridModel built on the meta device and materialised (uninitialised) on `device`."""
+                dtype: torch.dtype = torch.float32, base_experts: str = "bf16", **kwargs) -> HybridModel:
+    """A HybridModel built on the meta device and materialised (uninitialised) on `device`.
+
+    `base_experts="mxfp4"`: the experts' weights are frozen MXFP4 blocks/scales (model/mxfp4_experts.py),
+    chosen on the meta device so their `dtype` stacks are never allocated."""
+    if base_experts not in BASE_EXPERTS:
+        raise ConfigError(f"base_experts={base_experts!r} is not one of {', '.join(BASE_EXPERTS)}")
     model = HybridModel(arch, pattern, device="meta", dtype=dtype, **kwargs)
+    if base_experts == "mxfp4":
+        pack_experts_(model)
     model.to_empty(device=device)
     model.reset_buffers()
     return model
@@ -95,7 +104,7 @@ def _fill_by_hybrid_names(model: HybridModel, reader: TensorReader, folder: Path
         )
     with torch.no_grad():
         for name, dest in model.named_checkpoint_slots():
-            dest.copy_(read_hybrid_tensor(reader, name, tuple(dest.shape), model.arch))
+            _store(dest, read_hybrid_tensor(reader, name, tuple(dest.shape), model.arch), name, folder)
             if progress is not None:
                 progress(name)
 
@@ -154,6 +163,8 @@ def _fill_from_hf(model: HybridModel, source: Source, progress: LoadProgress | N
                 lo, hi = (held[0], held[-1] + 1) if held else (0, 0)
                 for e0 in range(lo, hi, EXPERT_CHUNK):
                     e1 = min(hi, e0 + EXPERT_CHUNK)
+                    if _copy_mxfp4_as_stored(source, model.arch, unit, [slots[n] for n in unit.hybrid[e0:e1]], e0, e1):
+                        continue
                     stack = source.layout.read(source.reader, model.arch, unit.hf[0], dtype, e0, e1)
                     for name, t in zip(unit.hybrid[e0:e1], unit.to_hybrid(model.arch, [stack])):
                         _copy_checked(slots[name], t, name, folder)
@@ -168,7 +179,31 @@ def _fill_from_hf(model: HybridModel, source: Source, progress: LoadProgress | N
 def _copy_checked(dest: torch.Tensor, src: torch.Tensor, name: str, folder: str | Path) -> None:
     if tuple(src.shape) != tuple(dest.shape):
         raise CheckpointError(f"{folder}: tensor {name} has shape {list(src.shape)}, the model expects {list(dest.shape)}")
-    dest.copy_(src)
+    _store(dest, src, name, folder)
+
+
+def _store(dest, src: torch.Tensor, name: str, where: str | Path) -> None:
+    """dest.copy_(src); an MXFP4-stored expert weight (Mxfp4WeightSlot) encodes it, which NaN or Inf refuse."""
+    try:
+        dest.copy_(src)
+    except NonFiniteError as exc:
+        raise CheckpointError(f"{where}: tensor {name}: {exc}",
+                              hint="lora.base_experts=mxfp4 stores finite weights only; check the base") from None
+
+
+def _copy_mxfp4_as_stored(source: Source, arch: GptOssArch, unit, dests: list, e0: int, e1: int) -> bool:
+    """Experts [e0, e1) of an MXFP4-stored checkpoint into MXFP4-stored experts, blocks and scales as
+    released (rows moved by the table's transform, never decoded); False when either side is not MXFP4."""
+    if not dests or not all(isinstance(d, Mxfp4WeightSlot) or d is None for d in dests):
+        return False
+    stored = source.layout.read_rowwise(source.reader, unit.hf[0], e0, e1)
+    if stored is None:  # bf16 experts: read and encoded per expert by the caller
+        return False
+    blocks, scales = (unit.to_hybrid(arch, [t]) for t in stored)
+    for dest, b, s in zip(dests, blocks, scales):
+        if dest is not None:
+            dest.copy_mxfp4_(b, s)
+    return True
 
 
 def _fill_from_source(model: HybridModel, source: Source, progress: LoadProgress | None) -> None:

@@ -184,8 +184,9 @@ def open_training(src: str, root: Path, weights: str = MODEL, *, adapters_only: 
     # Tokenizer files come from the weights the run started from, when that folder is still there.
     extras = Path(run.pretrained) if run.pretrained and Path(run.pretrained).is_dir() else folder
     if run.lora is not None:
-        # A LoRA run's state is its adapters; under QAT its forward rounded the merged expert weights
-        # (base + adapters), so the reader rounds the merge (what the run computed with).
+        # A LoRA run's state is its adapters, merged into the base as the forward computed: the base's
+        # experts rounded when it kept them in MXFP4 (lora.base_experts=mxfp4), and under QAT the merged
+        # expert weights (base + adapters) rounded.
         if not adapters_only:
             reader = _merged_with_base(run, folder, reader)
     elif run.qat == "mxfp4":
@@ -216,6 +217,8 @@ def _merged_with_base(run, folder: Path, adapters):
             base_source.close()
         adapters.close()
         raise
+    if run.lora.get("base_experts") == "mxfp4":  # the model stored the base's experts encoded: W is Q(W)
+        base = Mxfp4QatReader(base)
     merged = LoraMergedReader(base, adapters, float(run.lora["alpha"]) / int(run.lora["rank"]))
     # QAT rounded the merged expert weights, W + scaling * B @ A, in the forward: so does the reader
     return Mxfp4QatReader(merged) if run.qat == "mxfp4" else merged
@@ -240,7 +243,8 @@ def _is_expert_weight(name: str) -> bool:
 
 
 class Mxfp4QatReader:
-    """A training checkpoint of a `precision.qat=mxfp4` run, read as its forward computed: every expert
+    """A training checkpoint of a `precision.qat=mxfp4` run (or the base of a `lora.base_experts=mxfp4`
+    run, which the model stored encoded), read as its forward computed: every expert
     weight rounded to MXFP4 along its input axis (`round_to_mxfp4`, the export's own codec), every
     other tensor as stored. Rows are rounded independently, so row-range reads round the same."""
 

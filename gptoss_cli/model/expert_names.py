@@ -10,7 +10,7 @@ layout"). So any EP layout writes and reads the same names.
 
 `expert_name` writes such a name and `parse_expert_name` reads one back; `PerExpertParams` (the
 module that holds stacks) and `checkpoint_slots` (a module's parameters under their checkpoint
-names) are built on them, and `is_expert_name` says which parameters are the experts' (split over
+names; a stack kept in another form, MXFP4, offers load slots through `packed_slots`) are built on them, and `is_expert_name` says which parameters are the experts' (split over
 EP, reduced over the expert data-parallel group).
 """
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -92,6 +92,11 @@ class PerExpertParams(nn.Module):
         self.register_load_state_dict_pre_hook(PerExpertParams._join_state_dict)
         self.register_load_state_dict_post_hook(PerExpertParams._drop_stacked_missing)
 
+    def packed_slots(self) -> dict[str, Any]:
+        """Stacks held in another form than a parameter: {stack name: local expert -> its load
+        destination} (model/mxfp4_experts.py's MXFP4 weights); none here."""
+        return {}
+
     def global_ids(self) -> range:
         """The global ids of the experts this module holds, in stack order."""
         return range(self.expert_offset, self.expert_offset + self.num_local_experts)
@@ -141,16 +146,27 @@ def checkpoint_slots(
     names prefixed by `prefix`). Expert names map to a row of their stacked parameter; with
     all_experts, names of experts this module does not hold come with None."""
     owners = {name: m for name, m in module.named_modules() if isinstance(m, PerExpertParams)}
+    seen: set[str] = set()
     for name, param in module.named_parameters():
-        owner = owners.get(name.rpartition(".")[0])
+        owner_name = name.rpartition(".")[0]
+        owner = owners.get(owner_name)
         if owner is None:
             yield prefix + name, param
             continue
-        ids = range(num_experts) if all_experts and num_experts is not None else owner.global_ids()
-        for e in ids:
-            local = e - owner.expert_offset
-            held = 0 <= local < owner.num_local_experts
-            yield expert_name(prefix + name, e), (param[local] if held else None)
+        if owner_name not in seen:  # stacks held in another form (MXFP4 weights) come before the parameters
+            seen.add(owner_name)
+            for stack, slot in owner.packed_slots().items():
+                yield from _per_expert(owner, prefix + (f"{owner_name}." if owner_name else "") + stack, slot,
+                                       all_experts, num_experts)
+        yield from _per_expert(owner, prefix + name, lambda local, p=param: p[local], all_experts, num_experts)
+
+
+def _per_expert(owner: PerExpertParams, stack: str, slot, all_experts: bool, num_experts: int | None):
+    ids = range(num_experts) if all_experts and num_experts is not None else owner.global_ids()
+    for e in ids:
+        local = e - owner.expert_offset
+        held = 0 <= local < owner.num_local_experts
+        yield expert_name(stack, e), (slot(local) if held else None)
 
 
 __all__ = ["EXPERTS", "BASE_MODULES", "ExpertName", "expert_name", "parse_expert_name", "ep_slice", "is_expert_name",

@@ -17,13 +17,18 @@ kernel may add never receive one.
 weight gradients"): backward computes dx at once and queues (x, dy); `q.execute()` later runs
 the wgrad GEMMs and accumulates into the parameters. `WgradQueue.finish_step()` raises when work
 is left, so a schedule that forgot to run it fails instead of training on missing gradients.
+
+`frozen_grouped_linear` is the form for a frozen weight kept in another storage (MXFP4 blocks and
+scales, model/mxfp4_experts.py): `make_weight()` builds the weight for the fprop GEMM and again for
+the dgrad GEMM, and nothing keeps it in between, so at most one layer's weight exists at a time.
+There is no wgrad, so nothing is queued under delayed wgrad either.
 """
 
 from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -254,6 +259,42 @@ class _DelayedWgradGroupedLinear(torch.autograd.Function):
 _ANCHOR = torch.zeros((), requires_grad=True)
 
 
+class _FrozenWeightGroupedLinear(torch.autograd.Function):
+    """fprop and dgrad on a weight built on demand by `make_weight()` (twice: it is never saved); the
+    weight has no gradient. The bias's gradient, if it wants one, is computed at once."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, bias: torch.Tensor, tokens_per_expert: torch.Tensor,
+                make_weight: Callable[[], torch.Tensor], gemm: GroupedGemm) -> torch.Tensor:
+        ctx.save_for_backward(tokens_per_expert)
+        ctx.make_weight, ctx.gemm = make_weight, gemm
+        return _add_bias(gemm.fprop(x, make_weight(), tokens_per_expert), bias.detach(), tokens_per_expert)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor):
+        (tokens_per_expert,) = ctx.saved_tensors
+        dy = dy.contiguous()
+        dx = ctx.gemm.dgrad(dy, ctx.make_weight(), tokens_per_expert) if ctx.needs_input_grad[0] else None
+        db = _bias_grad(dy, tokens_per_expert) if ctx.needs_input_grad[1] else None
+        return dx, db, None, None, None
+
+
+def frozen_grouped_linear(
+    x: torch.Tensor,
+    make_weight: Callable[[], torch.Tensor],
+    bias: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    *,
+    gemm: GroupedGemm | None = None,
+) -> torch.Tensor:
+    """`grouped_linear` for a frozen weight `[E, out, in]` that `make_weight()` builds for each GEMM
+    (fprop, then dgrad in backward) and that is dropped after it: no wgrad, nothing saved but the counts."""
+    gemm = gemm or DEFAULT_GEMM
+    if not torch.is_grad_enabled():
+        return _add_bias(gemm.fprop(x, make_weight(), tokens_per_expert), bias, tokens_per_expert)
+    return _FrozenWeightGroupedLinear.apply(x, bias, tokens_per_expert, make_weight, gemm)
+
+
 def grouped_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -274,4 +315,4 @@ def grouped_linear(
     return _GroupedLinear.apply(x, weight, bias, tokens_per_expert, gemm)
 
 
-__all__ = ["GroupedGemm", "DEFAULT_GEMM", "WgradQueue", "grouped_linear", "expert_of_row", "map_experts"]
+__all__ = ["GroupedGemm", "DEFAULT_GEMM", "WgradQueue", "grouped_linear", "frozen_grouped_linear", "expert_of_row", "map_experts"]

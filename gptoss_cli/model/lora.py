@@ -15,8 +15,9 @@ group like the experts). The low-rank path runs in the params dtype with the def
 whatever gemm (FP8) the frozen base layer uses. Under delayed wgrad the expert adapters' weight
 gradients wait in the schedule's queue (model/grouped_gemm.py); the frozen base queues none.
 Under MXFP4 QAT (model/qat.py) an expert layer computes with its merged weight rounded,
-Q(W + scaling * B @ A) (`merged_weight`, the formula the merged export uses too), with the
-straight-through estimator's gradients (`ExpertLoraAdapter.adapted`; docs/lora.md).
+Q(W + scaling * B @ A) (`merged_weight`, the formula the merged export uses too; W decoded from
+the blocks/scales when lora.base_experts=mxfp4), with the straight-through estimator's gradients
+(`ExpertLoraAdapter.adapted`; docs/lora.md).
 
 `attach_lora` freezes every base parameter (no gradient, hence no gradient buffer and no optimizer
 state: both are built for trainable parameters only) and adds the adapters.
@@ -39,6 +40,7 @@ from gptoss_cli.model.expert_names import PerExpertParams, checkpoint_slots
 from gptoss_cli.model.grouped_gemm import WgradQueue, grouped_linear
 from gptoss_cli.model.init import name_generator
 from gptoss_cli.model.moe import ExpertLinear
+from gptoss_cli.model.mxfp4_experts import Mxfp4ExpertLinear
 from gptoss_cli.model.qat import Mxfp4QatGemm
 
 # Megatron's names of the layers LoRA can target.
@@ -109,7 +111,7 @@ class ExpertLoraAdapter(nn.Module):
 
     def __init__(self, base: ExpertLinear, settings: LoraSettings, device=None, dtype=None):
         super().__init__()
-        e, out_features, in_features = base.weight.shape
+        e, out_features, in_features = base.weight_shape  # whatever the base's storage (bf16 or MXFP4)
         self.scaling = settings.scaling
         self.dropout = nn.Dropout(settings.dropout) if settings.dropout > 0 else nn.Identity()
         self.linear_in = _ExpertFactor(e, base.expert_offset, settings.rank, in_features, device, dtype)
@@ -135,7 +137,8 @@ class ExpertLoraAdapter(nn.Module):
                 wgrad_queue: WgradQueue | None = None, name: str = "expert adapter") -> torch.Tensor:
         """The adapted layer's output: base(x) + the low-rank path, or, when the base's gemm rounds its
         weight to MXFP4 (QAT), x @ Q(W + scaling * B @ A)^T + b per expert: the merged weight is what
-        is rounded, so the forward is what the merged MXFP4 export computes.
+        is rounded, so the forward is what the merged MXFP4 export computes. An MXFP4-stored base
+        (lora.base_experts=mxfp4) gives W as its decoded blocks/scales, decoded for each GEMM.
 
         QAT's gradients are the straight-through estimator's (dQ/dM = identity): dx = dy @ Q(M) (the
         base gemm's dgrad, with the same rounded merged weight), and the adapters get the ordinary
@@ -146,11 +149,9 @@ class ExpertLoraAdapter(nn.Module):
         the ordinary dropout-LoRA ones and the input gradient gains that perturbation's term."""
         gemm = base.gemm
         if not isinstance(gemm, Mxfp4QatGemm):
-            y = grouped_linear(x, base.weight, base.bias, tokens_per_expert, gemm=gemm, wgrad_queue=wgrad_queue,
-                               name=name)
-            return y + self(x, tokens_per_expert, wgrad_queue, name)
-        y = grouped_linear(x, base.weight, base.bias, tokens_per_expert, gemm=gemm.merged_with(self.merged_expert),
-                           wgrad_queue=wgrad_queue, name=name)
+            return base(x, tokens_per_expert, wgrad_queue, name) + self(x, tokens_per_expert, wgrad_queue, name)
+        # the base layer's own GEMM (a bf16 parameter, or MXFP4 blocks decoded per GEMM: never `.weight`)
+        y = base(x, tokens_per_expert, wgrad_queue, name, gemm=gemm.merged_with(self.merged_expert))
         if not torch.is_grad_enabled() or not self.linear_in.weight.requires_grad:
             return y  # the low-rank path would only carry gradients
         xd = x.detach()
@@ -202,10 +203,11 @@ def attach_lora(model: nn.Module, settings: LoraSettings, seed: int = 0) -> list
         p.requires_grad_(False)
     named = []
     for name, layer in list(_targets(model, settings.target_modules)):
-        w = layer.weight
-        if isinstance(layer, ExpertLinear):
-            adapter = ExpertLoraAdapter(layer, settings, device=w.device, dtype=w.dtype)
+        if isinstance(layer, ExpertLinear):  # the bias: an MXFP4-stored base has no `weight`
+            b = layer.bias
+            adapter = ExpertLoraAdapter(layer, settings, device=b.device, dtype=b.dtype)
         else:
+            w = layer.weight
             adapter = LoraAdapter(w.shape[1], w.shape[0], settings, device=w.device, dtype=w.dtype)
         setattr(layer, ADAPTER, adapter)
         named.append(name)
@@ -288,6 +290,10 @@ def merge_lora_(model: nn.Module) -> int:
     with torch.no_grad():
         for layer_name, adapter in list(adapter_modules(model)):
             layer = model.get_submodule(layer_name)
+            if isinstance(layer, Mxfp4ExpertLinear):
+                raise ConfigError(f"{layer_name}: the base keeps these experts in MXFP4 (lora.base_experts=mxfp4); "
+                                  "merging the adapters into it would re-quantise the fine-tune away",
+                                  hint="merge from the training checkpoint: gptoss convert CKPT OUT --to hf (or hybrid)")
             a, b = adapter.linear_in.weight, adapter.linear_out.weight
             layer.weight.copy_(merged_weight(layer.weight, a, b, adapter.scaling).to(layer.weight.dtype))
             delattr(layer, ADAPTER)

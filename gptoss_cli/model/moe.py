@@ -115,7 +115,9 @@ class ExpertLinear(PerExpertParams):
     """Stacked weights of the local experts, `weight [E_local, out, in]`, `bias [E_local, out]`,
     saved and loaded per expert (see `PerExpertParams`).
 
-    `gemm` computes its grouped GEMMs (model/grouped_gemm.py; None: the default numerics).
+    `gemm` computes its grouped GEMMs (model/grouped_gemm.py; None: the default numerics). A frozen
+    base may keep the weight as MXFP4 blocks and scales instead (`Mxfp4ExpertLinear`,
+    model/mxfp4_experts.py); code that needs only the shape reads `weight_shape`.
     """
 
     gemm: GroupedGemm | None = None
@@ -127,6 +129,18 @@ class ExpertLinear(PerExpertParams):
             torch.empty(num_local_experts, out_features, in_features, device=device, dtype=dtype)
         )
         self.bias = nn.Parameter(torch.zeros(num_local_experts, out_features, device=device, dtype=dtype))
+
+    @property
+    def weight_shape(self) -> tuple[int, int, int]:
+        """`[E_local, out, in]` of the weight, whatever its storage."""
+        return tuple(self.weight.shape)
+
+    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor, wgrad_queue: WgradQueue | None = None,
+                name: str = "expert linear", gemm: GroupedGemm | None = None) -> torch.Tensor:
+        """Rows of x sorted by local expert -> `[N, out]` (`grouped_linear`; `name` names it in errors).
+        `gemm` replaces the layer's own for this call (LoRA under QAT: the gemm that rounds the merge)."""
+        return grouped_linear(x, self.weight, self.bias, tokens_per_expert, gemm=gemm or self.gemm,
+                              wgrad_queue=wgrad_queue, name=name)
 
 
 class GroupedExperts(nn.Module):
@@ -174,8 +188,7 @@ def _expert_linear(layer: ExpertLinear, x: torch.Tensor, tokens_per_expert: torc
     adapter = getattr(layer, "adapter", None)
     if adapter is not None:
         return adapter.adapted(layer, x, tokens_per_expert, wgrad_queue, name)
-    return grouped_linear(x, layer.weight, layer.bias, tokens_per_expert, gemm=layer.gemm,
-                          wgrad_queue=wgrad_queue, name=name)
+    return layer(x, tokens_per_expert, wgrad_queue, name)
 
 
 class MoEMLP(nn.Module):

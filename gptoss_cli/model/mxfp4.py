@@ -46,8 +46,11 @@ _table_cache: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 _scratch = threading.local()  # per thread: the int32 index buffer of one slice, reused
 # Block bytes decoded per step. The slice's int32 indices (4 bytes per block byte, 1 MiB) stay in
 # the L2 cache between being built and being used, and the per-step overhead of three torch calls
-# stays small against the work.
+# stays small against the work. On a GPU the three calls are kernel launches, which would dominate
+# small slices (a 20B MoE layer's fc1 is about 1,000 of them): there a slice is 16 MiB of blocks
+# (a 64 MiB index buffer per thread).
 SLICE_BYTES = 256 * 1024
+DEVICE_SLICE_BYTES = 16 * 1024 * 1024
 
 
 def _value_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -92,7 +95,8 @@ def decode(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torc
     b = blocks.reshape(groups, GROUP // 2)
     s = scales.reshape(groups, 1).to(torch.int32) << 8
     out = torch.empty(groups * (GROUP // 2), dtype=table.dtype, device=blocks.device)
-    step = max(1, SLICE_BYTES // (GROUP // 2))  # groups per slice
+    slice_bytes = SLICE_BYTES if blocks.device.type == "cpu" else DEVICE_SLICE_BYTES
+    step = max(1, slice_bytes // (GROUP // 2))  # groups per slice
     idx = _index_buffer(min(groups, step) * (GROUP // 2), blocks.device)
     for g0 in range(0, groups, step):
         g1 = min(groups, g0 + step)

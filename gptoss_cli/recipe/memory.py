@@ -26,6 +26,9 @@ Pure Python: validation must not need torch. The layout is gptoss train's (DP x 
   layer's gradient (an fp32 accumulator, then its params-dtype copy held until backward) and the
   hidden states' gradient (b*h per token, counted with the head).
 - Transients: the largest parameter's gradient before it is added into its buffer.
+- LoRA: the frozen base in the params dtype (no gradient, no optimizer state) and the adapters as
+  parameters; with `lora.base_experts=mxfp4` the expert weights at 4.25 bits each plus one expert
+  layer's weight decoded to the params dtype for the GEMM that runs (twice that under MXFP4 QAT).
 
 Not included: the CUDA context, NCCL and allocator slack; the 90% warning leaves room for them.
 """
@@ -52,6 +55,7 @@ FP32 = 4
 ADAM_STATE_BYTES = 3 * FP32  # fp32 master, exp_avg, exp_avg_sq
 # fp32 parameters are their own master weights (train/optimizer.py): only the two moments
 ADAM_MOMENT_BYTES = 2 * FP32
+MXFP4_BITS = 4 + 8 / 32  # per weight: an E2M1 code, and one E8M0 scale per 32 (gptoss_cli/model/mxfp4_experts.py)
 
 
 def size_text(n: float) -> str:
@@ -273,6 +277,26 @@ class MemoryEstimate:
         }
 
 
+def _is_expert_weight(spec: ParamSpec) -> bool:
+    return spec.expert and spec.name.endswith(("linear_fc1.weight", "linear_fc2.weight"))
+
+
+def _mxfp4_base_items(cfg: RecipeConfig, frozen: list[ParamSpec], b: int, ep_knob: str) -> list[MemoryItem]:
+    """A frozen base whose expert weights are MXFP4 (lora.base_experts=mxfp4): those at 4.25 bits per
+    weight, the rest in the params dtype, and the one layer's weight decoded for each GEMM."""
+    dtype = cfg.precision.params_dtype
+    mx_n = sum(p.numel for p in frozen if _is_expert_weight(p))
+    rest_n = sum(p.numel for p in frozen if not _is_expert_weight(p))
+    largest = max((p.numel for p in frozen if _is_expert_weight(p)), default=0)
+    copies = 2 if cfg.precision.qat == "mxfp4" else 1  # QAT's rounded copy of the decoded weight
+    return [
+        MemoryItem("params.frozen", f"frozen base ({dtype}, experts MXFP4)", b * rest_n + mx_n * MXFP4_BITS / 8,
+                   f"{b} B x {rest_n:,} + {MXFP4_BITS / 8} B x {mx_n:,} MXFP4 expert weights", ep_knob),
+        MemoryItem("transient.decode", "one expert layer's weight decoded for a GEMM", copies * b * largest,
+                   f"{copies} x {b} B x {largest:,}", ep_knob),
+    ]
+
+
 def estimate_memory(cfg: RecipeConfig, arch: GptOssArch, pattern: HybridPattern | str, world_size: int,
                     gpu: str | None = None) -> MemoryEstimate | None:
     """The per-GPU estimate of `cfg` at `world_size`; None when the layout is not DP x CP x EP (TP, PP
@@ -295,6 +319,7 @@ def estimate_memory(cfg: RecipeConfig, arch: GptOssArch, pattern: HybridPattern 
     distributed = opt.use_distributed_optimizer
     layout = parameter_layout(arch, pattern, arch.num_local_experts // ep)
     lora = cfg.lora.rank > 0
+    frozen_layout = layout
     frozen_n = sum(p.numel for p in layout) if lora else 0
     if lora:  # a frozen base (no gradient, no optimizer state): buffers hold the adapters only
         layout = lora_layout(arch, pattern, cfg.lora.rank, cfg.lora.target_modules, arch.num_local_experts // ep)
@@ -339,8 +364,11 @@ def estimate_memory(cfg: RecipeConfig, arch: GptOssArch, pattern: HybridPattern 
     if lora:
         items[0] = MemoryItem("params", f"LoRA adapters ({dtype})", b * (dense_n + expert_n),
                               f"{b} B x ({dense_n:,} dense + {expert_n:,} expert adapter elements)", "lora.rank")
-        items.insert(0, MemoryItem("params.frozen", f"frozen base ({dtype})", b * frozen_n,
-                                   f"{b} B x {frozen_n:,} elements", ep_knob))
+        if cfg.lora.base_experts == "mxfp4":
+            items[0:0] = _mxfp4_base_items(cfg, frozen_layout, b, ep_knob)
+        else:
+            items.insert(0, MemoryItem("params.frozen", f"frozen base ({dtype})", b * frozen_n,
+                                       f"{b} B x {frozen_n:,} elements", ep_knob))
     names = {ATTENTION: "attention", MOE: "MoE", MLP: "dense MLP"}
     for s in (ATTENTION, MOE, MLP):
         if counts[s]:

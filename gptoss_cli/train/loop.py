@@ -68,7 +68,7 @@ class TrainJob:
         lo = self.config.lora
         lora = None if lo.rank == 0 else {
             "rank": lo.rank, "alpha": float(lo.alpha), "dropout": float(lo.dropout),
-            "target_modules": list(lo.target_modules), "base": lora_base}
+            "target_modules": list(lo.target_modules), "base": lora_base, "base_experts": lo.base_experts}
         return run_record(arch=self.arch, hybrid_layer_pattern=self.hybrid_layer_pattern,
                           params_dtype=self.config.precision.params_dtype, name=self.name, run_dir=self.run_dir,
                           recipe=self.recipe, pretrained=self.config.checkpoint.pretrained,

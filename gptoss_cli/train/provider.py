@@ -10,7 +10,8 @@ With `precision.fp8_recipe` set, the attention projections and expert GEMMs get 
 expert GEMMs compute with MXFP4-rounded weights (gptoss_cli/model/qat.py), wrapping the FP8 gemm if any.
 
 With a `lora` section the base is frozen and adapters are added after the weights are loaded
-(gptoss_cli/model/lora.py). Weights come from one of: a seed (every tensor drawn from a generator seeded by the seed and the
+(gptoss_cli/model/lora.py); with `lora.base_experts=mxfp4` the frozen experts are built as MXFP4
+blocks/scales (gptoss_cli/model/mxfp4_experts.py) and each rank loads its own experts into them. Weights come from one of: a seed (every tensor drawn from a generator seeded by the seed and the
 tensor's checkpoint name, so any EP layout gets the same initial model), a Hybrid checkpoint
 (each rank reads only its own experts' tensors) or a Hugging Face checkpoint (mapped on the fly).
 """
@@ -24,6 +25,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from gptoss_cli.errors import ConfigError
 from gptoss_cli.fp8.recipe import Fp8Settings, select_gemms
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.model.lora import LoraSettings, attach_lora
@@ -55,6 +57,7 @@ class ModelRuntimeConfig:
     recompute: RecomputePlan = RecomputePlan()  # what backward recomputes (model/recompute.py)
     qat: str = "none"  # precision.qat: "mxfp4" gives the experts Mxfp4QatGemm (gptoss_cli/model/qat.py)
     lora: LoraSettings | None = None  # LoRA: the provider freezes the base and adds adapters (model/lora.py)
+    base_experts: str = "bf16"  # lora.base_experts with LoRA on: "mxfp4" keeps the frozen experts in MXFP4
     # Set at run time: the FP8 gemms the provider selected (which path runs, GEMM counts), and the
     # training callbacks, installed by setup on the model's own copy of this config.
     fp8_gemms: Any = None
@@ -73,6 +76,7 @@ class ModelRuntimeConfig:
             qat=cfg.precision.qat, z_loss_coeff=cfg.moe.z_loss_coeff, freeze_router=cfg.moe.freeze_router,
             recompute=recompute_plan(cfg, parse_pattern(hybrid_layer_pattern)),
             lora=lora_settings(cfg),
+            base_experts=cfg.lora.base_experts if cfg.lora.rank > 0 else "bf16",
         )
 
     @property
@@ -116,8 +120,10 @@ class HybridModelProvider:
         cfg = self.config
         arch = cfg.arch
         offset, n_local = state.local_expert_range(arch.num_local_experts)
+        if cfg.base_experts != "bf16" and cfg.lora is None:
+            raise ConfigError(f"base_experts={cfg.base_experts} keeps frozen experts; it needs LoRA (a frozen base)")
         model = build_model(arch, cfg.hybrid_layer_pattern, device=state.device, dtype=cfg.torch_dtype,
-                            expert_offset=offset, num_local_experts=n_local,
+                            base_experts=cfg.base_experts, expert_offset=offset, num_local_experts=n_local,
                             token_dispatcher_factory=dispatcher_factory(arch.num_local_experts, state))
         if state.cp_size > 1:
             model.set_context_parallel(state.cp_group)  # each rank holds S/CP positions of every row

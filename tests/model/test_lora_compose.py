@@ -7,16 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gptoss_cli.checkpoint.load import model_from_checkpoint
 from gptoss_cli.model.grouped_gemm import WgradQueue
-from gptoss_cli.model.lora import LoraSettings, adapter_modules, attach_lora, is_adapter_name, merge_lora_
+from gptoss_cli.model.lora import is_adapter_name, merge_lora_
 from gptoss_cli.model.moe import ExpertLinear
 from gptoss_cli.model.qat import qat_gemms
 from gptoss_cli.model.recompute_plan import SELECTIVE_MODULES, RecomputePlan
+from tests.model.hybrid_helpers import adapted_from
 from tests.model.tiny_checkpoints import write_converted_pair
 from tests.tolerances import reassociation_rel
 
-ALL = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 CU = (0, 5, 12, 16, 23, 32)  # documents over 2 rows of 16 tokens (each row start is an offset)
 
 
@@ -26,15 +25,7 @@ def hybrid(tmp_path_factory):
 
 
 def _adapted(hybrid):
-    model = model_from_checkpoint(hybrid, dtype=torch.float32)
-    attach_lora(model, LoraSettings(rank=4, alpha=8.0, target_modules=ALL), seed=5)
-    g = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for _, adapter in adapter_modules(model):
-            w = adapter.linear_out.weight
-            w.copy_(torch.randn(w.shape, generator=g) * 0.05)
-    model.aux_loss_coef = 0.01
-    return model
+    return adapted_from(hybrid)
 
 
 def _step(model):

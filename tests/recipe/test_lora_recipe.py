@@ -71,3 +71,37 @@ def test_lora_with_context_parallelism_is_refused_before_launch():
     report = validate_recipe(load_recipe("gpt_oss_20b_lora", overrides=overrides))
     [finding] = [f for f in report.findings if f.rule == "lora.combinations"]
     assert "context_parallel_size=2 is not supported yet" in finding.message, finding.message
+
+
+def test_20b_lora_with_mxfp4_base_experts_validates_and_counts_its_experts_at_4_25_bits():
+    """validate-config of the 20B LoRA recipe with the frozen experts in MXFP4: VALID, the expert
+    weights counted at 4.25 bits (4-bit code + one 8-bit scale per 32), everything else of the base in
+    bf16, plus one MoE layer's fc1 stack decoded to bf16 for its GEMM; the rest of the estimate unchanged."""
+    result = runner.invoke(app, ["validate-config", "gpt_oss_20b_lora", "lora.base_experts=mxfp4"])
+    assert result.exit_code == 0 and "VALID" in result.output, result.output
+    bf16 = load_recipe("gpt_oss_20b_lora")
+    mx = load_recipe("gpt_oss_20b_lora", overrides=["lora.base_experts=mxfp4"])
+    arch, pattern = mx.arch, mx.pattern
+    est = estimate_memory(mx.config, arch, pattern, 1, "h100")
+    ref = estimate_memory(bf16.config, arch, pattern, 1, "h100")
+    h, i, e, layers = arch.hidden_size, arch.intermediate_size, arch.num_local_experts, arch.num_hidden_layers
+    expert_weights = layers * e * (2 * i * h + h * i)
+    base_n = sum(p.numel for p in parameter_layout(arch, pattern))
+    assert est.bytes_of("params.frozen") == 2 * (base_n - expert_weights) + expert_weights * 4.25 / 8
+    assert est.bytes_of("transient.decode") == 2 * e * 2 * i * h
+    assert est.total_bytes == ref.total_bytes - ref.bytes_of("params.frozen") + est.bytes_of("params.frozen") \
+        + est.bytes_of("transient.decode")
+    assert est.total_bytes < 0.6 * ref.total_bytes  # 20B: about 33 GB instead of 60 GB
+
+
+def test_mxfp4_base_experts_need_lora_and_blocks_of_32():
+    """A full fine-tune trains the experts (nothing to keep frozen in MXFP4), and a width that is not a
+    multiple of 32 has no MXFP4 blocks: rule lora.base_experts names each, exit 1."""
+    for overrides, words in ((["lora.rank=0", "lora.target_modules=[]", "lora.base_experts=mxfp4"], "lora.rank=0"),
+                             (["lora.base_experts=mxfp4", "model.architecture.intermediate_size=2888"],
+                              "intermediate_size=2888 is not a multiple of 32")):
+        result = runner.invoke(app, ["validate-config", "gpt_oss_20b_lora", *overrides])
+        assert result.exit_code == 1 and "lora.base_experts" in result.output, result.output
+        report = validate_recipe(load_recipe("gpt_oss_20b_lora", overrides=overrides))
+        [finding] = [f for f in report.findings if f.rule == "lora.base_experts"]
+        assert words in finding.message, finding.message

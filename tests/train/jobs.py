@@ -39,7 +39,7 @@ FIELDS = {
     "checkpoint_dir": "checkpoint.dir", "save_interval": "checkpoint.save_interval", "resume": "checkpoint.resume",
     "pretrained": "checkpoint.pretrained", "log_interval": "logging.log_interval",
     "lora_rank": "lora.rank", "lora_alpha": "lora.alpha", "lora_dropout": "lora.dropout",
-    "lora_targets": "lora.target_modules",
+    "lora_targets": "lora.target_modules", "lora_base_experts": "lora.base_experts",
 }
 
 BASE: dict[str, Any] = dict(

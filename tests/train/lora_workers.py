@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from gptoss_cli.model.expert_names import checkpoint_slots
-from gptoss_cli.model.lora import adapter_modules, is_adapter_name
+from gptoss_cli.model.lora import adapter_modules, adapter_tensors, is_adapter_name
 from gptoss_cli.parallel.grads import unwrap_model
 from gptoss_cli.parallel.state import ParallelState, init_parallel
 from gptoss_cli.schedule import get_forward_backward_func
@@ -49,38 +49,56 @@ def adapter_grads(wrapped: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def lora_grads(state: ParallelState) -> dict[str, Any]:
-    """One global batch of 4 through the real schedule on a LoRA model; adapter grads and what is trainable."""
-    cfg = runtime_config(aux_loss_coeff=0.01, ep_size=state.ep_size, lora_rank=4, lora_alpha=8.0, lora_targets=TARGETS)
+def lora_grads(state: ParallelState, base_experts: str = "bf16") -> dict[str, Any]:
+    """One global batch of 4 through the real schedule on a LoRA model; adapter grads and what is trainable.
+
+    With `base_experts="mxfp4"` (frozen experts in MXFP4) the run then takes two optimizer steps and says
+    whether the base's buffers (blocks, scales) and frozen parameters kept every bit."""
+    cfg = runtime_config(aux_loss_coeff=0.01, ep_size=state.ep_size, lora_rank=4, lora_alpha=8.0, lora_targets=TARGETS,
+                         lora_base_experts=base_experts)
     setup = setup_model_and_optimizer(HybridModelProvider(cfg, seed=7), state,
                                       optimizer_config(use_distributed_optimizer=True), 1e-3)
     inner = unwrap_model(setup.model)
     randomize_b_(inner)
+    frozen = {n: t.clone() for n, t in [*inner.named_buffers(), *inner.named_parameters()] if ".adapter." not in n}
     data = DataLoaderState(RandomTokens(TINY.vocab_size, SEQ), global_batch_size=4, micro_batch_size=2,
                            dp_rank=state.dp_rank, dp_size=state.dp_size)
     logs = get_forward_backward_func(setup.config)(forward_step_func=forward_step, data_iterator=data.step_iterator(),
                                                    model=setup.model, num_microbatches=data.num_microbatches)
     buffered = sorted(n for buf in setup.model.grad_buffers.buffers() for n in buf.names)
-    return {"grads": adapter_grads(setup.model), "loss_sum": float(sum(l["lm_loss_sum"] for l in logs)),
-            "trainable": sorted(n for n, p in inner.named_parameters() if p.requires_grad),
-            "grad_buffer_elements": sum(b.data.numel() for b in setup.model.grad_buffers.buffers()),
-            "buffered": buffered}
+    out = {"grads": adapter_grads(setup.model), "loss_sum": float(sum(l["lm_loss_sum"] for l in logs)),
+           "trainable": sorted(n for n, p in inner.named_parameters() if p.requires_grad),
+           "grad_buffer_elements": sum(b.data.numel() for b in setup.model.grad_buffers.buffers()),
+           "buffered": buffered}
+    if base_experts == "mxfp4":
+        before = adapter_tensors(inner)
+        before = {n: t.clone() for n, t in before.items()}
+        setup.optimizer.step(1e-2)
+        setup.model.zero_grad_buffer()
+        get_forward_backward_func(setup.config)(forward_step_func=forward_step, data_iterator=data.step_iterator(),
+                                                model=setup.model, num_microbatches=data.num_microbatches)
+        setup.optimizer.step(1e-2)
+        now = dict([*inner.named_buffers(), *inner.named_parameters()])
+        out["packed"] = sorted(n for n in frozen if n.endswith((".blocks", ".scales")))
+        out["base_changed"] = sorted(n for n, t in frozen.items() if not torch.equal(now[n], t))
+        out["adapters_moved"] = all(not torch.equal(t, before[n]) for n, t in adapter_tensors(inner).items())
+    return out
 
 
-def lora_ep_worker(rank: int, ep: int) -> dict[str, Any]:
-    return lora_grads(init_parallel(ep, "cpu"))
+def lora_ep_worker(rank: int, ep: int, base_experts: str = "bf16") -> dict[str, Any]:
+    return lora_grads(init_parallel(ep, "cpu"), base_experts)
 
 
-def lora_overlap_worker(rank: int, ep: int, qat: str = "none") -> dict[str, Any]:
+def lora_overlap_worker(rank: int, ep: int, base_experts: str = "bf16", qat: str = "none") -> dict[str, Any]:
     """One global batch of 12 (3 microbatches per rank) through the plain schedule and through combined
     1F1B with delayed wgrad and overlap_grad_reduce, on the same LoRA model (same base, same adapters):
-    the adapter gradients of each (`qat`: precision.qat of both)."""
+    the adapter gradients of each (`base_experts`: lora.base_experts, `qat`: precision.qat of both)."""
     state = init_parallel(ep, "cpu")
     out = {}
     for name, overlap in (("plain", False), ("overlap", True)):
         cfg = runtime_config(aux_loss_coeff=0.01, ep_size=state.ep_size, lora_rank=4, lora_alpha=8.0,
                              lora_targets=TARGETS, overlap_moe_expert_parallel_comm=overlap,
-                             delay_wgrad_compute=overlap, qat=qat)
+                             delay_wgrad_compute=overlap, lora_base_experts=base_experts, qat=qat)
         setup = setup_model_and_optimizer(HybridModelProvider(cfg, seed=7), state,
                                           optimizer_config(bucket_size=2_000 if overlap else None), 1e-3,
                                           overlap_grad_reduce=overlap)

@@ -266,29 +266,88 @@ def test_another_base_is_refused_by_resume_and_export(base, tmp_path):
         assert_clean_failure(result, output, "sha256", "(a different base)", dst=tmp_path / f"out-{to}")
 
 
-@pytest.mark.parametrize("experts", ["bf16", "mxfp4"])
-def test_merged_exports_of_a_run_on_an_hf_base_equal_peft_merged(experts, tmp_path):
-    """A LoRA run trained on an HF folder (experts bf16, or MXFP4 as released) exports merged: `--to hf`
-    loads in transformers and `--to hybrid` in our model, and both give the logits of transformers +
-    PEFT with the run's `--to peft` adapter on the same HF base, merged by PEFT (`merge_and_unload`)."""
+@pytest.mark.parametrize("experts,storage", [("bf16", "bf16"), ("mxfp4", "bf16"), ("mxfp4", "mxfp4")])
+def test_merged_exports_of_a_run_on_an_hf_base_equal_peft_merged(experts, storage, tmp_path):
+    """A LoRA run trained on an HF folder (experts bf16, or MXFP4 as released; held in the params dtype,
+    or with lora.base_experts=mxfp4 as MXFP4 blocks/scales) exports merged: `--to hf` loads in
+    transformers and `--to hybrid` in our model, and both give the logits of transformers + PEFT with
+    the run's `--to peft` adapter on the same HF base (its MXFP4 experts dequantised by transformers),
+    merged by PEFT (`merge_and_unload`); unmerged, PEFT's logits are those of our model read from the
+    training checkpoint."""
     from tests.model.tiny_checkpoints import write_hf_checkpoint
 
     hf = write_hf_checkpoint(tmp_path / "base", experts, seed=12)
     arch, _ = checkpoint_architecture(hf)
-    run_worker(_job(tmp_path, hf, arch, iters=2))
+    run_worker(_job(tmp_path, hf, arch, iters=2, lora_base_experts=storage))
     ckpt = tmp_path / "ckpt"
     for to, dtype in (("peft", []), ("hf", ["--dtype", "float32"]), ("hybrid", ["--dtype", "float32"])):
         cli = CliRunner().invoke(app, ["convert", str(ckpt), str(tmp_path / to), "--to", to, *dtype])
         assert cli.exit_code == 0, cli.output
+        if to == "peft":  # the adapters were trained against MXFP4 experts: one note says so
+            assert ("lora.base_experts=mxfp4" in " ".join(cli.output.split())) == (storage == "mxfp4"), cli.output
     ids = torch.randint(0, arch.vocab_size, (2, 10), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         base_logits = load_hf_reference(hf)(ids).logits
-        want = peft.PeftModel.from_pretrained(load_hf_reference(hf), str(tmp_path / "peft")).merge_and_unload()
-        want = want.eval()(ids).logits
+        adapted = peft.PeftModel.from_pretrained(load_hf_reference(hf), str(tmp_path / "peft")).eval()
+        unmerged = adapted(ids).logits
+        want = adapted.merge_and_unload().eval()(ids).logits
         merged_hf = load_hf_reference(tmp_path / "hf")(ids).logits
         merged_hybrid = model_from_checkpoint(tmp_path / "hybrid").eval()(ids).logits
+        ours = model_from_checkpoint(ckpt).eval()(ids).logits
     rel = reassociation_rel(arch.intermediate_size, depth=4 * arch.num_hidden_layers)
     scale = want.abs().max().item()
     assert (base_logits - want).abs().max().item() > 100 * rel * scale  # training moved the logits
     assert (merged_hf - want).abs().max().item() <= rel * scale
     assert (merged_hybrid - want).abs().max().item() <= rel * scale
+    assert (unmerged - ours).abs().max().item() <= rel * scale
+
+
+def test_resume_on_an_mxfp4_base_is_bitwise(tmp_path):
+    """lora.base_experts=mxfp4 on an HF MXFP4 base: step 2 saved and resumed to step 3 in a new run gives the
+    adapters of a straight 3-step run, bit for bit (the base is loaded again, byte for byte as released)."""
+    from tests.model.tiny_checkpoints import write_hf_checkpoint
+
+    hf = write_hf_checkpoint(tmp_path / "base", "mxfp4", seed=12)
+    arch, _ = checkpoint_architecture(hf)
+    run_worker(_job(tmp_path / "straight", hf, arch, iters=3, lora_base_experts="mxfp4"))
+    run_worker(_job(tmp_path / "resumed", hf, arch, iters=2, lora_base_experts="mxfp4"))
+    result = run_worker(_job(tmp_path / "resumed", hf, arch, iters=3, lora_base_experts="mxfp4"))
+    assert result.resumed_from is not None and result.steps == 1
+    straight, again = _adapters(tmp_path / "straight" / "ckpt"), _adapters(tmp_path / "resumed" / "ckpt")
+    assert set(again) == set(straight) and straight
+    for name, t in straight.items():
+        assert torch.equal(t, again[name]), name
+
+
+def test_merged_export_of_a_bf16_base_trained_as_mxfp4_is_what_the_run_computed(tmp_path):
+    """lora.base_experts=mxfp4 on a base with bf16 experts: the run computed with the experts rounded to
+    MXFP4 (quantised as loaded), so reading the checkpoint merged gives the logits of that model: an
+    MXFP4-stored base with the trained adapters attached, not the unrounded base plus the adapters."""
+    from gptoss_cli.model.expert_names import checkpoint_slots
+    from gptoss_cli.model.lora import LoraSettings, attach_lora
+    from tests.model.tiny_checkpoints import write_hf_checkpoint
+
+    hf = write_hf_checkpoint(tmp_path / "base", "bf16", seed=12)
+    arch, _ = checkpoint_architecture(hf)
+    run_worker(_job(tmp_path, hf, arch, iters=2, lora_base_experts="mxfp4"))
+
+    def with_adapters(storage):
+        model = model_from_checkpoint(hf, base_experts=storage)
+        attach_lora(model, LoraSettings(rank=4, alpha=8.0, target_modules=tuple(ALL)))
+        adapters = _adapters(tmp_path / "ckpt")
+        with torch.no_grad():
+            for name, dest in checkpoint_slots(model):
+                if name in adapters:
+                    dest.copy_(adapters.pop(name))
+        assert not adapters
+        return model.eval()
+
+    ids = torch.randint(0, arch.vocab_size, (2, 10), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want = with_adapters("mxfp4")(ids).logits
+        unrounded = with_adapters("bf16")(ids).logits
+        merged = model_from_checkpoint(tmp_path / "ckpt").eval()(ids).logits
+    rel = reassociation_rel(arch.intermediate_size, depth=4 * arch.num_hidden_layers)
+    scale = want.abs().max().item()
+    assert (merged - want).abs().max().item() <= rel * scale
+    assert (unrounded - want).abs().max().item() > 100 * rel * scale  # rounding the experts matters here

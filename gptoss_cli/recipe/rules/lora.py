@@ -1,8 +1,10 @@
-"""LoRA: targets that exist, rank bounds, a base to adapt, and what LoRA does not combine with yet.
+"""LoRA: targets that exist, rank bounds, a base to adapt, MXFP4 base experts, and what LoRA does not combine with yet.
 
 The overlap schedule and delayed wgrad combine with LoRA (tests/train/test_lora_ep.py): the frozen
 base queues no weight gradients, the expert adapters' wait in the queue. So do the FP8 recipes
-(tests/fp8/test_lora_fp8.py): the frozen base's GEMMs in FP8, the adapters in the params dtype."""
+(tests/fp8/test_lora_fp8.py): the frozen base's GEMMs in FP8, the adapters in the params dtype. So does
+lora.base_experts=mxfp4 with all of them (gptoss_cli/model/mxfp4_experts.py): the GEMMs get the decoded
+weight, FP8 quantises it as it would a bf16 base's, QAT rounds it with the adapters merged in."""
 
 from __future__ import annotations
 
@@ -66,17 +68,33 @@ def lora_base(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
                   "a random initialisation)")]
 
 
-@rule("lora.combinations", "what LoRA does not combine with yet: MXFP4 base experts, context parallelism",
-      fix="lora.base_experts=bf16 and parallelism.context_parallel_size=1")
+@rule("lora.base_experts", "lora.base_experts=mxfp4 keeps a LoRA run's frozen experts as MXFP4 blocks/scales: it "
+      "needs LoRA on and hidden_size, intermediate_size divisible by 32 (one scale per 32 inputs)",
+      fix="lora.base_experts=bf16, or a lora.rank with a model whose hidden_size and intermediate_size are multiples of 32")
+def lora_base_experts(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
+    lo = cfg.lora
+    if lo.base_experts != "mxfp4":
+        return []
+    if lo.rank == 0:
+        return [error({"lora.base_experts": "mxfp4", "lora.rank": 0},
+                      "lora.base_experts=mxfp4 keeps the experts frozen in MXFP4, but lora.rank=0 is a full "
+                      "fine-tune, which trains them", "set lora.base_experts=bf16, or a lora.rank")]
+    a = ctx.arch
+    bad = {k: v for k, v in (("hidden_size", a.hidden_size), ("intermediate_size", a.intermediate_size)) if v % 32}
+    if not bad:
+        return []
+    return [error({"lora.base_experts": "mxfp4", **bad},
+                  "MXFP4 scales blocks of 32 values along each expert GEMM's input, but "
+                  f"{', '.join(f'{k}={v}' for k, v in bad.items())} is not a multiple of 32")]
+
+
+@rule("lora.combinations", "what LoRA does not combine with yet: context parallelism",
+      fix="parallelism.context_parallel_size=1")
 def lora_combinations(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     lo = cfg.lora
     if lo.rank == 0:
         return []
     out = []
-    if lo.base_experts != "bf16":
-        out.append(error({"lora.base_experts": lo.base_experts},
-                         f"lora.base_experts={lo.base_experts}: keeping the frozen experts in MXFP4 is not "
-                         "implemented yet", "set lora.base_experts=bf16 (the experts in precision.params_dtype)"))
     cp = cfg.parallelism.context_parallel_size
     if cp > 1:
         # the adapters' gradient reduction over DP x CP has no test yet: refuse rather than risk it
