@@ -4,7 +4,8 @@ merged MXFP4 export holds), with the straight-through estimator's gradients.
 Reference: float64 autograd of x @ (M + (Q(M) - M).detach())^T + b with M = W + s B @ A, the rounding
 Q by torchao's MX quantiser (FLOOR scale rule, an implementation independent of ours), so the
 adapters' gradients are the ordinary low-rank ones and dx = dy @ Q(M). The old behaviour (Q(W) + the
-unrounded low-rank path) fails every check below: its forward and dx use Q(W) + s B A instead."""
+unrounded low-rank path) fails every check below: its forward and dx use Q(W) + s B A instead. With
+the frozen experts stored in MXFP4 (lora.base_experts=mxfp4) W is the decoded blocks/scales."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from gptoss_cli.model.grouped_gemm import WgradQueue, grouped_linear
 from gptoss_cli.model.lora import ExpertLoraAdapter, LoraSettings, merged_weight
 from gptoss_cli.model.moe import ExpertLinear
+from gptoss_cli.model.mxfp4_experts import Mxfp4ExpertLinear, Mxfp4WeightSlot
 from gptoss_cli.model.qat import Mxfp4QatGemm, rounded_weight
 from tests.tolerances import reassociation_rel
 
@@ -175,3 +177,42 @@ def test_dropout_perturbs_the_rounded_merged_layer_by_the_low_rank_paths_dropout
     y_eval, *_ = _ours(base, adapter, x, dy)
     with torch.no_grad():
         assert torch.equal(y_eval, adapter.adapted(base, x, COUNTS))
+
+
+def _mxfp4_stored(seed: int):
+    """`_layer(seed)` with the base's experts stored as MXFP4 blocks/scales (lora.base_experts=mxfp4), and
+    the plain layer changed to hold their decoded values W_dec as its parameter: (packed, plain, adapter, x, dy)."""
+    plain, adapter, x, dy = _layer(seed)
+    packed = Mxfp4ExpertLinear(E, 0, OUT, IN, dtype=torch.float32)
+    with torch.no_grad():
+        for e in range(E):
+            Mxfp4WeightSlot(packed, e).copy_(plain.weight[e])  # encoded as the loader stores a bf16 base
+        packed.bias.copy_(plain.bias)
+        plain.weight.copy_(packed.decoded_weight())
+    packed.gemm = Mxfp4QatGemm()
+    return packed, plain, adapter, x, dy
+
+
+def test_an_mxfp4_stored_base_rounds_its_decoded_weight_merged_with_the_adapters():
+    """lora.base_experts=mxfp4 with QAT: the merge reads the decoded blocks/scales (the layer has no
+    `.weight`) and the layer computes with Q(W_dec + s B A) and the straight-through gradients: against
+    the float64 reference on W_dec, and bit for bit what a base holding W_dec as a parameter gives, also
+    with delayed wgrad. Adding the adapters' path unrounded to the decoded base (the forward of an
+    MXFP4-stored base without QAT, which QAT's rounding of W_dec alone would leave) is far off."""
+    packed, plain, adapter, x, dy = _mxfp4_stored(5)
+    with pytest.raises(AttributeError):
+        packed.weight
+    y, dx, da, db = got = _ours(packed, adapter, x, dy)
+    y_ref, dx_ref, da_ref, db_ref = _reference(plain, adapter, x, dy)
+    _close(y, y_ref, IN, what="y")
+    _close(dx, dx_ref, OUT, what="dx")
+    _close(da, da_ref, max(N, OUT), depth=2, what="dA")
+    _close(db, db_ref, max(N, IN), depth=2, what="dB")
+    plain.gemm = Mxfp4QatGemm()
+    for what, other in (("a parameter base", _ours(plain, adapter, x, dy)),
+                        ("delayed wgrad", _ours(packed, adapter, x, dy, WgradQueue()))):
+        for name, g, o in zip(("y", "dx", "dA", "dB"), got, other):
+            assert torch.equal(g, o), f"{what}: {name}"
+    with torch.no_grad():
+        unrounded = packed(x, COUNTS) + adapter(x, COUNTS)
+    assert (unrounded - y_ref.float()).abs().max() > 100 * reassociation_rel(IN) * y_ref.abs().max()
