@@ -244,11 +244,15 @@ def convert(
     )
 
 
-# --to peft of a LoRA run whose experts computed in MXFP4 (precision.qat=mxfp4, or lora.base_experts=mxfp4):
-# PEFT adds the adapters to whatever base it is given.
-MXFP4_PEFT_NOTE = ("these adapters were trained against the base's experts rounded to MXFP4 ({why}): "
+# --to peft of a LoRA run whose experts computed in MXFP4. PEFT adds the adapters, unrounded, to whatever base
+# it is given: what a run on MXFP4-stored experts computed, when that base has them; not what a QAT run
+# computed, whose forward rounded the merged expert weights.
+MXFP4_PEFT_NOTE = ("these adapters were trained against the base's experts rounded to MXFP4 (lora.base_experts=mxfp4): "
                    "apply them to a base with MXFP4 experts (as released), or merge them with --to hf, which adds "
                    "them to the rounded base")
+QAT_PEFT_NOTE = ("these adapters were trained with the merged expert weights (base + adapters) rounded to MXFP4 "
+                 "(precision.qat=mxfp4{also}); PEFT adds them unrounded, which is not quite the trained model: for that, "
+                 "merge them with --to hf --experts mxfp4 (or --to hf), which rounds the merged experts as training did")
 
 
 def _convert_to_peft(src, dst: Path, *, experts: str | None, weights: str | None, force: bool,
@@ -279,10 +283,11 @@ def _convert_to_peft(src, dst: Path, *, experts: str | None, weights: str | None
             raise UsageError(f"{src}: trained with the layer pattern {source.hybrid_layer_pattern!r}; a PEFT adapter "
                              f"for transformers needs {arch.hybrid_layer_pattern!r} (one '*E' per HF block)")
         check_base(lora["base"], source.folder)  # the adapters belong to this base, byte for byte
-        why = [w for w, on in (("precision.qat=mxfp4", source.provenance.get("qat") == "mxfp4"),
-                               ("lora.base_experts=mxfp4", lora.get("base_experts") == "mxfp4")) if on]
-        if why:
-            notes.append(MXFP4_PEFT_NOTE.format(why=", ".join(why)))
+        mxfp4_base = lora.get("base_experts") == "mxfp4"
+        if source.provenance.get("qat") == "mxfp4":
+            notes.append(QAT_PEFT_NOTE.format(also=", on lora.base_experts=mxfp4" if mxfp4_base else ""))
+        elif mxfp4_base:
+            notes.append(MXFP4_PEFT_NOTE)
         names = source.reader.names()
         if progress:
             progress.start(len(names), sum(source.reader.spec(n).nbytes for n in names))

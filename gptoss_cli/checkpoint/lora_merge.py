@@ -2,9 +2,10 @@
 
 `LoraMergedReader` has the reader interface of CheckpointReader / DcpReader over Hybrid names: the
 base's tensors, and for every adapted weight (`<layer>.weight`, or `<layer>.weight{e}` of an
-expert) the base tensor plus its adapter's delta, computed in fp32 (the caller casts once to its
-output dtype, so the fine-tune is rounded once, not twice). Conversion, loading and parity read a
-LoRA checkpoint through it as if it were a full one. `HfHybridView` serves an HF (or OpenAI original)
+expert) the base tensor plus its adapter's delta, in fp32 by `model.lora.merged_weight` (the formula
+a QAT run's forward rounds; the caller casts once to its output dtype, so the fine-tune is rounded
+once, not twice). Conversion, loading and parity read a LoRA checkpoint through it as if it were a
+full one. `HfHybridView` serves an HF (or OpenAI original)
 base under Hybrid names, so adapters trained on a released checkpoint merge by name too.
 """
 
@@ -20,7 +21,7 @@ from gptoss_cli.checkpoint.mapping import Unit, hybrid_shapes, identity, units
 from gptoss_cli.checkpoint.safetensors_io import TensorSpec
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.model.expert_names import expert_name, parse_expert_name
-from gptoss_cli.model.lora import ADAPTER, LINEAR_IN, LINEAR_OUT
+from gptoss_cli.model.lora import ADAPTER, LINEAR_IN, LINEAR_OUT, merged_weight
 
 
 def adapter_names(name: str) -> tuple[str, str] | None:
@@ -115,10 +116,10 @@ class LoraMergedReader:
             return t
         if self._held is None:  # adapters are small (about 1% of the base): read them once, in order
             self._held = {n: self.adapters.read(n) for n in self.adapters.names()}
-        a = self._held[pair[0]].float()
-        b = self._held[pair[1]][start:stop].float()  # rows of the output = rows of B
+        a = self._held[pair[0]]
+        b = self._held[pair[1]][start:stop]  # rows of the output = rows of B
         self.merged += 1
-        return t.float() + (b @ a) * self.scaling
+        return merged_weight(t, a, b, self.scaling)
 
 
 __all__ = ["HfHybridView", "LoraMergedReader", "adapter_names"]

@@ -184,8 +184,9 @@ def open_training(src: str, root: Path, weights: str = MODEL, *, adapters_only: 
     # Tokenizer files come from the weights the run started from, when that folder is still there.
     extras = Path(run.pretrained) if run.pretrained and Path(run.pretrained).is_dir() else folder
     if run.lora is not None:
-        # A LoRA run's state is its adapters; under QAT its forward rounded the frozen base's experts,
-        # so the merge adds the adapters to the rounded base (what the run computed with).
+        # A LoRA run's state is its adapters, merged into the base as the forward computed: the base's
+        # experts rounded when it kept them in MXFP4 (lora.base_experts=mxfp4), and under QAT the merged
+        # expert weights (base + adapters) rounded.
         if not adapters_only:
             reader = _merged_with_base(run, folder, reader)
     elif run.qat == "mxfp4":
@@ -195,7 +196,7 @@ def open_training(src: str, root: Path, weights: str = MODEL, *, adapters_only: 
                   lora=run.lora)
 
 
-def _merged_with_base(run, folder: Path, adapters) -> "LoraMergedReader":
+def _merged_with_base(run, folder: Path, adapters):
     """The base a LoRA run names (checked byte for byte), read under Hybrid names (an HF or OpenAI-original
     base through `HfHybridView`) with the run's adapters merged in."""
     from gptoss_cli.checkpoint.lora_merge import HfHybridView, LoraMergedReader
@@ -216,9 +217,11 @@ def _merged_with_base(run, folder: Path, adapters) -> "LoraMergedReader":
             base_source.close()
         adapters.close()
         raise
-    if run.qat == "mxfp4" or run.lora.get("base_experts") == "mxfp4":  # the experts the forward computed with
+    if run.lora.get("base_experts") == "mxfp4":  # the model stored the base's experts encoded: W is Q(W)
         base = Mxfp4QatReader(base)
-    return LoraMergedReader(base, adapters, float(run.lora["alpha"]) / int(run.lora["rank"]))
+    merged = LoraMergedReader(base, adapters, float(run.lora["alpha"]) / int(run.lora["rank"]))
+    # QAT rounded the merged expert weights, W + scaling * B @ A, in the forward: so does the reader
+    return Mxfp4QatReader(merged) if run.qat == "mxfp4" else merged
 
 
 def open_megatron(src: str, root: Path) -> Source:

@@ -231,11 +231,14 @@ class _DelayedWgradGroupedLinear(torch.autograd.Function):
 
     The parameters reach the Function inside a tuple, not as tensor inputs: autograd then has no
     gradient edge to them at all (returning None for a parameter input would still fire its
-    post-accumulate hook with no gradient). The queue accumulates their gradients instead."""
+    post-accumulate hook with no gradient). The queue accumulates their gradients instead. An
+    input that needs no gradient (LoRA's low-rank path under QAT reads a detached input) would
+    leave the output outside the graph and backward would never queue the weight gradients:
+    `anchor`, a scalar leaf that requires grad, keeps it inside (it gets no gradient, nor does x)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, params: tuple[torch.Tensor, torch.Tensor], tokens_per_expert: torch.Tensor,
-                gemm: GroupedGemm, queue: WgradQueue, name: str) -> torch.Tensor:
+                gemm: GroupedGemm, queue: WgradQueue, name: str, anchor: torch.Tensor | None = None) -> torch.Tensor:
         weight, bias = params
         ctx.save_for_backward(x, tokens_per_expert)
         ctx.params, ctx.gemm, ctx.queue, ctx.name = params, gemm, queue, name
@@ -249,7 +252,11 @@ class _DelayedWgradGroupedLinear(torch.autograd.Function):
         dx = ctx.gemm.dgrad(dy, weight.detach(), tokens_per_expert) if ctx.needs_input_grad[0] else None
         if weight.requires_grad or bias.requires_grad:
             ctx.queue.push(_Pending(weight, bias, x.detach(), dy, tokens_per_expert, ctx.gemm, ctx.name))
-        return dx, None, None, None, None, None
+        return dx, None, None, None, None, None, None
+
+
+# `_DelayedWgradGroupedLinear`'s anchor: a leaf that requires grad and never receives one.
+_ANCHOR = torch.zeros((), requires_grad=True)
 
 
 class _FrozenWeightGroupedLinear(torch.autograd.Function):
@@ -301,7 +308,8 @@ def grouped_linear(
     """Rows of x sorted by expert -> `[N, out]`; with `wgrad_queue`, dW and db wait in the queue."""
     gemm = gemm or DEFAULT_GEMM
     if wgrad_queue is not None and torch.is_grad_enabled():
-        return _DelayedWgradGroupedLinear.apply(x, (weight, bias), tokens_per_expert, gemm, wgrad_queue, name)
+        anchor = _ANCHOR if not x.requires_grad and (weight.requires_grad or bias.requires_grad) else None
+        return _DelayedWgradGroupedLinear.apply(x, (weight, bias), tokens_per_expert, gemm, wgrad_queue, name, anchor)
     if not torch.is_grad_enabled():
         return _add_bias(gemm.fprop(x, weight, tokens_per_expert), bias, tokens_per_expert)
     return _GroupedLinear.apply(x, weight, bias, tokens_per_expert, gemm)

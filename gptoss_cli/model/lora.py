@@ -14,6 +14,10 @@ expert parallelism and their names contain `.mlp.experts.` (reduced over the exp
 group like the experts). The low-rank path runs in the params dtype with the default GEMMs,
 whatever gemm (FP8) the frozen base layer uses. Under delayed wgrad the expert adapters' weight
 gradients wait in the schedule's queue (model/grouped_gemm.py); the frozen base queues none.
+Under MXFP4 QAT (model/qat.py) an expert layer computes with its merged weight rounded,
+Q(W + scaling * B @ A) (`merged_weight`, the formula the merged export uses too; W decoded from
+the blocks/scales when lora.base_experts=mxfp4), with the straight-through estimator's gradients
+(`ExpertLoraAdapter.adapted`; docs/lora.md).
 
 `attach_lora` freezes every base parameter (no gradient, hence no gradient buffer and no optimizer
 state: both are built for trainable parameters only) and adds the adapters.
@@ -37,6 +41,7 @@ from gptoss_cli.model.grouped_gemm import WgradQueue, grouped_linear
 from gptoss_cli.model.init import name_generator
 from gptoss_cli.model.moe import ExpertLinear
 from gptoss_cli.model.mxfp4_experts import Mxfp4ExpertLinear
+from gptoss_cli.model.qat import Mxfp4QatGemm
 
 # Megatron's names of the layers LoRA can target.
 ATTENTION_TARGETS = ("linear_qkv", "linear_proj")
@@ -114,18 +119,68 @@ class ExpertLoraAdapter(nn.Module):
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor, wgrad_queue: WgradQueue | None = None,
                 name: str = "expert adapter") -> torch.Tensor:
-        """With `wgrad_queue` (delayed wgrad) the adapters' weight gradients wait in the queue like their
-        base layer's would; `name` is the base layer's (errors name it)."""
+        """The low-rank path `scaling * B_e @ A_e @ dropout(x)`. With `wgrad_queue` (delayed wgrad) the
+        adapters' weight gradients wait in the queue like their base layer's would; `name` is the base
+        layer's (errors name it)."""
+        return self._low_rank(self.dropout(x), tokens_per_expert, wgrad_queue, name)
+
+    def _low_rank(self, x: torch.Tensor, tokens_per_expert: torch.Tensor, wgrad_queue: WgradQueue | None,
+                  name: str) -> torch.Tensor:
         a, b = self.linear_in.weight, self.linear_out.weight
         no_bias = a.new_zeros(a.shape[0], a.shape[1])
-        h = grouped_linear(self.dropout(x), a, no_bias, tokens_per_expert, wgrad_queue=wgrad_queue,
+        h = grouped_linear(x, a, no_bias, tokens_per_expert, wgrad_queue=wgrad_queue,
                            name=f"{name}.{ADAPTER}.{LINEAR_IN}")
         return grouped_linear(h, b, a.new_zeros(b.shape[0], b.shape[1]), tokens_per_expert, wgrad_queue=wgrad_queue,
                               name=f"{name}.{ADAPTER}.{LINEAR_OUT}") * self.scaling
 
+    def adapted(self, base: ExpertLinear, x: torch.Tensor, tokens_per_expert: torch.Tensor,
+                wgrad_queue: WgradQueue | None = None, name: str = "expert adapter") -> torch.Tensor:
+        """The adapted layer's output: base(x) + the low-rank path, or, when the base's gemm rounds its
+        weight to MXFP4 (QAT), x @ Q(W + scaling * B @ A)^T + b per expert: the merged weight is what
+        is rounded, so the forward is what the merged MXFP4 export computes. An MXFP4-stored base
+        (lora.base_experts=mxfp4) gives W as its decoded blocks/scales, decoded for each GEMM.
+
+        QAT's gradients are the straight-through estimator's (dQ/dM = identity): dx = dy @ Q(M) (the
+        base gemm's dgrad, with the same rounded merged weight), and the adapters get the ordinary
+        low-rank gradients, from the low-rank path run on a detached input whose value is subtracted
+        again (it adds exactly zero). With dropout the adapters' input is dropout(x) in training as
+        without QAT: the forward adds the low-rank path's dropout perturbation
+        scaling * B @ A @ (dropout(x) - x) to the rounded merged layer, so the adapters' gradients are
+        the ordinary dropout-LoRA ones and the input gradient gains that perturbation's term."""
+        gemm = base.gemm
+        if not isinstance(gemm, Mxfp4QatGemm):
+            return base(x, tokens_per_expert, wgrad_queue, name) + self(x, tokens_per_expert, wgrad_queue, name)
+        # the base layer's own GEMM (a bf16 parameter, or MXFP4 blocks decoded per GEMM: never `.weight`)
+        y = base(x, tokens_per_expert, wgrad_queue, name, gemm=gemm.merged_with(self.merged_expert))
+        if not torch.is_grad_enabled() or not self.linear_in.weight.requires_grad:
+            return y  # the low-rank path would only carry gradients
+        xd = x.detach()
+        if isinstance(self.dropout, nn.Identity):
+            low = self._low_rank(xd, tokens_per_expert, wgrad_queue, name)
+            return y + (low - low.detach())
+        # value dropout(x), gradient to x that of dropout(x) - x (the rounded merged layer has the rest)
+        low = self._low_rank(xd + (self.dropout(x) - x), tokens_per_expert, wgrad_queue, name)
+        with torch.no_grad():
+            undropped = self._low_rank(xd, tokens_per_expert, None, name)
+        return y + (low - undropped)
+
+    def merged_expert(self, e: int, weight: torch.Tensor) -> torch.Tensor:
+        """Local expert e's base weight with its adapter merged in (`merged_weight`, fp32)."""
+        return merged_weight(weight, self.linear_in.weight[e].detach(), self.linear_out.weight[e].detach(),
+                             self.scaling)
+
     def delta(self) -> torch.Tensor:
         """scaling * B_e @ A_e for every local expert, [E_local, out, in] in fp32."""
         return torch.bmm(self.linear_out.weight.float(), self.linear_in.weight.float()) * self.scaling
+
+
+def merged_weight(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """`weight + scaling * b @ a` in fp32, computed in float64 and rounded once: the one formula of a
+    merged adapted weight (QAT's forward rounds it to MXFP4; the merged export recomputes it from the
+    checkpoint). Products of fp32 factors are exact in float64, so the fp32 result does not depend on
+    how a GEMM orders the rank-long sums (bmm in training, one expert's rows in the export) unless the
+    exact value lies within float64 rounding of an fp32 rounding boundary."""
+    return (weight.double() + (b.double() @ a.double()) * scaling).float()
 
 
 def _targets(model: nn.Module, targets: tuple[str, ...]) -> Iterator[tuple[str, nn.Module]]:
@@ -239,7 +294,8 @@ def merge_lora_(model: nn.Module) -> int:
                 raise ConfigError(f"{layer_name}: the base keeps these experts in MXFP4 (lora.base_experts=mxfp4); "
                                   "merging the adapters into it would re-quantise the fine-tune away",
                                   hint="merge from the training checkpoint: gptoss convert CKPT OUT --to hf (or hybrid)")
-            layer.weight.copy_((layer.weight.float() + adapter.delta()).to(layer.weight.dtype))
+            a, b = adapter.linear_in.weight, adapter.linear_out.weight
+            layer.weight.copy_(merged_weight(layer.weight, a, b, adapter.scaling).to(layer.weight.dtype))
             delattr(layer, ADAPTER)
             merged += 1
     return merged
@@ -248,4 +304,5 @@ def merge_lora_(model: nn.Module) -> int:
 __all__ = [
     "TARGET_MODULES", "ATTENTION_TARGETS", "MLP_TARGETS", "LoraSettings", "LoraAdapter", "ExpertLoraAdapter",
     "attach_lora", "adapter_modules", "adapter_tensors", "has_lora", "is_adapter_name", "init_lora_", "lora_deltas", "merge_lora_",
+    "merged_weight",
 ]

@@ -141,9 +141,10 @@ class ExpertLinear(PerExpertParams):
         return tuple(self.weight.shape)
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor, wgrad_queue: WgradQueue | None = None,
-                name: str = "expert linear") -> torch.Tensor:
-        """Rows of x sorted by local expert -> `[N, out]` (`grouped_linear`; `name` names it in errors)."""
-        return grouped_linear(x, self.weight, self.bias, tokens_per_expert, gemm=self.gemm,
+                name: str = "expert linear", gemm: GroupedGemm | None = None) -> torch.Tensor:
+        """Rows of x sorted by local expert -> `[N, out]` (`grouped_linear`; `name` names it in errors).
+        `gemm` replaces the layer's own for this call (LoRA under QAT: the gemm that rounds the merge)."""
+        return grouped_linear(x, self.weight, self.bias, tokens_per_expert, gemm=gemm or self.gemm,
                               wgrad_queue=wgrad_queue, name=name)
 
 
@@ -178,17 +179,23 @@ class GroupedExperts(nn.Module):
     def _mlp(self, expert_input: torch.Tensor, tokens_per_expert: torch.Tensor, wgrad_queue: WgradQueue | None,
              name: str, discard_act: bool) -> torch.Tensor:
         fc1, fc2 = self.linear_fc1, self.linear_fc2
-        gate_up = fc1(expert_input, tokens_per_expert, wgrad_queue, f"{name}.linear_fc1")
-        adapter = getattr(fc1, "adapter", None)  # LoRA (model/lora.py): one pair per expert
-        if adapter is not None:
-            gate_up = gate_up + adapter(expert_input, tokens_per_expert, wgrad_queue, f"{name}.linear_fc1")
+        gate_up = _expert_linear(fc1, expert_input, tokens_per_expert, wgrad_queue, f"{name}.linear_fc1")
         act = clamped_swiglu(gate_up, self.limit, self.alpha, self.swiglu_kernel)
         with discard_saved(act, lambda: clamped_swiglu(gate_up, self.limit, self.alpha, self.swiglu_kernel)) \
                 if discard_act \
                 else contextlib.nullcontext():
-            out = fc2(act, tokens_per_expert, wgrad_queue, f"{name}.linear_fc2")
-            adapter = getattr(fc2, "adapter", None)  # its saved copy of `act` is discarded too
-            return out if adapter is None else out + adapter(act, tokens_per_expert, wgrad_queue, f"{name}.linear_fc2")
+            # an fc2 adapter's saved copy of `act` is discarded too
+            return _expert_linear(fc2, act, tokens_per_expert, wgrad_queue, f"{name}.linear_fc2")
+
+
+def _expert_linear(layer: ExpertLinear, x: torch.Tensor, tokens_per_expert: torch.Tensor,
+                   wgrad_queue: WgradQueue | None, name: str) -> torch.Tensor:
+    """One expert layer's grouped linear; with a LoRA adapter (model/lora.py, one pair per expert) the
+    adapter computes the adapted layer (under MXFP4 QAT the merged weight is what gets rounded)."""
+    adapter = getattr(layer, "adapter", None)
+    if adapter is not None:
+        return adapter.adapted(layer, x, tokens_per_expert, wgrad_queue, name)
+    return layer(x, tokens_per_expert, wgrad_queue, name)
 
 
 class MoEMLP(nn.Module):

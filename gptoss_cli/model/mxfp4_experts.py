@@ -11,7 +11,8 @@ forward and dgrad in backward, and drops it after (model/grouped_gemm.py, `froze
 the bf16 copy of one layer's experts exists at a time, never of the whole model. Decoding is exact
 (every MXFP4 value is a bf16 value), so the GEMMs see bit for bit the weights a bf16 base holding
 the decoded values would: same logits, same adapter gradients. Whatever gemm the layer has (FP8,
-MXFP4 QAT) gets the decoded weight, as it would get a bf16 parameter.
+MXFP4 QAT) gets the decoded weight, as it would get a bf16 parameter; under QAT with adapters that
+gemm rounds the decoded weight with the adapters merged in, Q(W_dec + scaling * B @ A) (model/lora.py).
 
 Checkpoint names do not change: the layer offers `weight{e}` slots (`Mxfp4WeightSlot`) that take an
 expert's weight in the params dtype and encode it as they store it (OCP floor rule; a bf16 base is
@@ -30,7 +31,7 @@ from torch import nn
 
 from gptoss_cli.errors import ConfigError
 from gptoss_cli.model.expert_names import PerExpertParams
-from gptoss_cli.model.grouped_gemm import WgradQueue, frozen_grouped_linear
+from gptoss_cli.model.grouped_gemm import GroupedGemm, WgradQueue, frozen_grouped_linear
 from gptoss_cli.model.mxfp4 import GROUP, decode, encode
 from gptoss_cli.model.moe import ExpertLinear
 
@@ -72,9 +73,10 @@ class Mxfp4ExpertLinear(ExpertLinear):
         return decode(self.blocks, self.scales, self.params_dtype)
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor, wgrad_queue: WgradQueue | None = None,
-                name: str = "expert linear") -> torch.Tensor:
-        # A frozen weight has no wgrad to delay: `wgrad_queue` gets nothing from the base.
-        return frozen_grouped_linear(x, self.decoded_weight, self.bias, tokens_per_expert, gemm=self.gemm)
+                name: str = "expert linear", gemm: GroupedGemm | None = None) -> torch.Tensor:
+        # A frozen weight has no wgrad to delay: `wgrad_queue` gets nothing from the base. `gemm` as in
+        # ExpertLinear.forward (LoRA under QAT: it rounds the decoded weight with the adapters merged in).
+        return frozen_grouped_linear(x, self.decoded_weight, self.bias, tokens_per_expert, gemm=gemm or self.gemm)
 
     def packed_slots(self):
         """The `weight` stack's checkpoint slots, one per local expert (expert_names.checkpoint_slots)."""

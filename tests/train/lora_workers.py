@@ -89,16 +89,16 @@ def lora_ep_worker(rank: int, ep: int, base_experts: str = "bf16") -> dict[str, 
     return lora_grads(init_parallel(ep, "cpu"), base_experts)
 
 
-def lora_overlap_worker(rank: int, ep: int, base_experts: str = "bf16") -> dict[str, Any]:
+def lora_overlap_worker(rank: int, ep: int, base_experts: str = "bf16", qat: str = "none") -> dict[str, Any]:
     """One global batch of 12 (3 microbatches per rank) through the plain schedule and through combined
     1F1B with delayed wgrad and overlap_grad_reduce, on the same LoRA model (same base, same adapters):
-    the adapter gradients of each."""
+    the adapter gradients of each (`base_experts`: lora.base_experts, `qat`: precision.qat of both)."""
     state = init_parallel(ep, "cpu")
     out = {}
     for name, overlap in (("plain", False), ("overlap", True)):
         cfg = runtime_config(aux_loss_coeff=0.01, ep_size=state.ep_size, lora_rank=4, lora_alpha=8.0,
                              lora_targets=TARGETS, overlap_moe_expert_parallel_comm=overlap,
-                             delay_wgrad_compute=overlap, lora_base_experts=base_experts)
+                             delay_wgrad_compute=overlap, lora_base_experts=base_experts, qat=qat)
         setup = setup_model_and_optimizer(HybridModelProvider(cfg, seed=7), state,
                                           optimizer_config(bucket_size=2_000 if overlap else None), 1e-3,
                                           overlap_grad_reduce=overlap)

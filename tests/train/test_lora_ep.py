@@ -44,12 +44,14 @@ def test_ep2_adapter_grads_equal_ep1(ep2_vs_ep1):
     assert all(ref["grads"][n].abs().sum() > 0 for n in ref["grads"])  # B random: A's gradients too
 
 
-@pytest.mark.parametrize("base_experts", ["bf16", "mxfp4"])
-def test_overlap_schedule_with_delayed_wgrad_gives_the_plain_adapter_grads(base_experts, tmp_path):
+@pytest.mark.parametrize("base_experts,qat", [("bf16", "none"), ("mxfp4", "none"), ("bf16", "mxfp4"),
+                                             ("mxfp4", "mxfp4")])
+def test_overlap_schedule_with_delayed_wgrad_gives_the_plain_adapter_grads(base_experts, qat, tmp_path):
     """EP=2, combined 1F1B + delayed wgrad + overlap_grad_reduce against the plain schedule, same model
     and data: the frozen base (bf16, or MXFP4 blocks/scales) queues no weight gradients, the adapters'
-    gradients agree."""
-    ranks = run_distributed(lora_overlap_worker, 2, tmp_path, 2, base_experts, timeout=240)
+    gradients agree (also under MXFP4 QAT, where the adapters' low-rank path reads a detached input and
+    only its queued weight gradients reach them)."""
+    ranks = run_distributed(lora_overlap_worker, 2, tmp_path, 2, base_experts, qat, timeout=240)
     rel = reassociation_rel(12 * SEQ, DEPTH)
     for rank, r in enumerate(ranks):
         assert r["overlap"]["schedule"] == "forward_backward_combined_1f1b"

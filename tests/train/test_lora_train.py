@@ -54,6 +54,23 @@ def _adapters(ckpt: Path) -> dict[str, torch.Tensor]:
         source.close()
 
 
+def _with_adapters(folder: Path, ckpt: Path, **load):
+    """The model of `folder` (fp32; `load` goes to model_from_checkpoint, e.g. base_experts) with the LoRA
+    adapters of the training checkpoint `ckpt` attached, in evaluation mode."""
+    from gptoss_cli.model.expert_names import checkpoint_slots
+    from gptoss_cli.model.lora import LoraSettings, attach_lora
+
+    model = model_from_checkpoint(folder, **load)
+    attach_lora(model, LoraSettings(rank=4, alpha=8.0, target_modules=tuple(ALL)))
+    adapters = _adapters(ckpt)
+    with torch.no_grad():
+        for name, dest in checkpoint_slots(model):
+            if name in adapters:
+                dest.copy_(adapters.pop(name))
+    assert not adapters
+    return model.eval()
+
+
 @pytest.fixture(scope="module")
 def trained(base, tmp_path_factory):
     """3 LoRA steps, saved at step 2 and 3."""
@@ -137,15 +154,92 @@ def test_peft_export_and_merged_export_compute_the_trained_model(base, trained, 
     assert (merged - want).abs().max().item() <= rel * scale
 
 
-def test_peft_export_after_mxfp4_qat_notes_the_rounded_base_in_one_line(base, tmp_path):
-    """PEFT adds the adapters to whatever base it loads; a run that trained them against MXFP4-rounded
-    experts says so on export (one note line; the export itself succeeds)."""
+def test_peft_export_after_mxfp4_qat_notes_the_rounded_merge_in_one_line(base, tmp_path):
+    """PEFT adds the adapters unrounded; a run whose forward rounded the merged experts to MXFP4 says so
+    on export and points at the merged export (one note line; the export itself succeeds)."""
     _, hybrid, arch = base
     run_worker(_job(tmp_path, hybrid, arch, iters=1, qat="mxfp4"))
     cli = CliRunner().invoke(app, ["convert", str(tmp_path / "ckpt"), str(tmp_path / "adapter"), "--to", "peft"])
     assert cli.exit_code == 0 and (tmp_path / "adapter" / "adapter_model.safetensors").is_file(), cli.output
     notes = [line for line in cli.output.splitlines() if "rounded to MXFP4" in line]
     assert len(notes) == 1 and notes[0].startswith("note: ") and "precision.qat=mxfp4" in notes[0], cli.output
+    assert "--to hf --experts mxfp4" in cli.output.replace("\n", " "), cli.output
+
+
+def test_lora_qat_mxfp4_export_holds_the_rounded_merge_and_computes_the_training_forward(base, tmp_path):
+    """After LoRA + precision.qat=mxfp4, `--to hf --experts mxfp4` writes blocks and scales that encode
+    Q(W + s B @ A) (W the base, A and B the checkpoint's, Q torchao's MXFP4 rounding) bit for bit, and
+    transformers on that export gives the logits of the training forward (base + adapters + the QAT
+    gemm), within reassociation: the same weights. `--to hybrid` writes Q(W + s B A) for the experts and
+    the unrounded merge for attention (QAT rounds experts only). Rounding the base alone and adding the
+    adapters unrounded (the behaviour before) is far from the export."""
+    from safetensors import safe_open
+
+    from gptoss_cli.model import mxfp4
+    from gptoss_cli.model.lora import merged_weight
+    from gptoss_cli.model.moe import ExpertLinear
+    from gptoss_cli.model.qat import qat_gemms
+    from tests.model.test_lora_qat import torchao_round
+    from tests.train.reference import HfView
+
+    _, hybrid, arch = base
+    run_worker(_job(tmp_path, hybrid, arch, iters=2, qat="mxfp4", lr=3e-2))
+    ckpt = tmp_path / "ckpt"
+    adapters = _adapters(ckpt)
+    scaling = 8.0 / 4
+    plain = dict(model_from_checkpoint(hybrid).state_dict())  # the base, fp32
+    want = dict(plain)  # every Hybrid tensor as the export should hold it
+    for name, w in plain.items():
+        stem, _, e = name.rpartition(".weight")
+        a_name = f"{stem}.adapter.linear_in.weight{e}"
+        if a_name not in adapters:
+            continue
+        b = adapters[f"{stem}.adapter.linear_out.weight{e}"].double()
+        m = (w.double() + scaling * (b @ adapters[a_name].double())).float()
+        want[name] = torchao_round(m) if ".mlp.experts." in name else m
+    experts = [n for n in want if ".mlp.experts.linear_fc" in n and ".weight" in n]
+    assert len(experts) == arch.num_hidden_layers * 2 * arch.num_local_experts
+    moved = [n for n in experts if not torch.equal(want[n], torchao_round(plain[n]))]
+    assert moved == experts  # the adapters moved every expert's rounded weights
+
+    out = tmp_path / "hf-mx"
+    convert(str(ckpt), out, to="hf", experts="mxfp4", dtype="float32")
+    reference = load_hf_reference(out)  # transformers' own MXFP4 dequantiser
+    view = HfView(reference)
+    want_hf = view.to_hf({n: want[n] for n in view.index})
+    stored = {}
+    for f in out.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as st:
+            stored.update({k: st.get_tensor(k) for k in st.keys() if k.endswith(("_blocks", "_scales"))})
+    assert stored
+    for name, p in reference.named_parameters():
+        if ".experts." in name and not name.endswith("bias"):
+            assert torch.equal(p.detach(), want_hf[name]), name
+            blocks, scales = mxfp4.encode(want_hf[name].transpose(1, 2))  # HF stores [E, out, in/32, 16]
+            assert torch.equal(stored[f"{name}_blocks"], blocks) and torch.equal(stored[f"{name}_scales"], scales), name
+
+    ours = _with_adapters(hybrid, ckpt)  # the training forward: base, adapters, the QAT gemm
+    ours.set_gemms(grouped=qat_gemms("mxfp4"))
+    before = _with_adapters(hybrid, ckpt)  # the behaviour before: rounded base + unrounded adapters
+    with torch.no_grad():
+        for m in before.modules():
+            if isinstance(m, ExpertLinear):
+                m.weight.copy_(torchao_round(m.weight))
+    ids = torch.randint(0, arch.vocab_size, (2, 10), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        theirs, got, old = reference(ids).logits, ours.eval()(ids).logits, before.eval()(ids).logits
+    rel = reassociation_rel(max(arch.hidden_size, arch.intermediate_size), depth=4 * arch.num_hidden_layers)
+    scale = theirs.abs().max().item()
+    assert (got - theirs).abs().max().item() <= rel * scale
+    assert (old - theirs).abs().max().item() > 100 * rel * scale
+
+    convert(str(ckpt), tmp_path / "hybrid", to="hybrid", dtype="float32")
+    written = dict(model_from_checkpoint(tmp_path / "hybrid").state_dict())
+    for name in want:
+        assert torch.equal(written[name], want[name]), name
+    a_name = "decoder.layers.0.self_attention.linear_qkv.weight"
+    assert torch.equal(written[a_name], merged_weight(plain[a_name], adapters[a_name.replace(".weight", ".adapter.linear_in.weight")],
+                                                      adapters[a_name.replace(".weight", ".adapter.linear_out.weight")], scaling))
 
 
 def test_peft_export_of_a_full_fine_tune_is_a_one_line_error(base, tmp_path):
@@ -236,31 +330,77 @@ def test_merged_export_of_a_bf16_base_trained_as_mxfp4_is_what_the_run_computed(
     """lora.base_experts=mxfp4 on a base with bf16 experts: the run computed with the experts rounded to
     MXFP4 (quantised as loaded), so reading the checkpoint merged gives the logits of that model: an
     MXFP4-stored base with the trained adapters attached, not the unrounded base plus the adapters."""
-    from gptoss_cli.model.expert_names import checkpoint_slots
-    from gptoss_cli.model.lora import LoraSettings, attach_lora
     from tests.model.tiny_checkpoints import write_hf_checkpoint
 
     hf = write_hf_checkpoint(tmp_path / "base", "bf16", seed=12)
     arch, _ = checkpoint_architecture(hf)
     run_worker(_job(tmp_path, hf, arch, iters=2, lora_base_experts="mxfp4"))
 
-    def with_adapters(storage):
-        model = model_from_checkpoint(hf, base_experts=storage)
-        attach_lora(model, LoraSettings(rank=4, alpha=8.0, target_modules=tuple(ALL)))
-        adapters = _adapters(tmp_path / "ckpt")
-        with torch.no_grad():
-            for name, dest in checkpoint_slots(model):
-                if name in adapters:
-                    dest.copy_(adapters.pop(name))
-        assert not adapters
-        return model.eval()
-
     ids = torch.randint(0, arch.vocab_size, (2, 10), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
-        want = with_adapters("mxfp4")(ids).logits
-        unrounded = with_adapters("bf16")(ids).logits
+        want = _with_adapters(hf, tmp_path / "ckpt", base_experts="mxfp4")(ids).logits
+        unrounded = _with_adapters(hf, tmp_path / "ckpt", base_experts="bf16")(ids).logits
         merged = model_from_checkpoint(tmp_path / "ckpt").eval()(ids).logits
     rel = reassociation_rel(arch.intermediate_size, depth=4 * arch.num_hidden_layers)
     scale = want.abs().max().item()
     assert (merged - want).abs().max().item() <= rel * scale
     assert (unrounded - want).abs().max().item() > 100 * rel * scale  # rounding the experts matters here
+
+
+def test_lora_qat_on_an_mxfp4_stored_base_exports_the_rounded_merge_of_the_decoded_experts(tmp_path):
+    """lora.base_experts=mxfp4 + precision.qat=mxfp4 on a base with fp32 experts (storing them in MXFP4
+    rounds them to W_dec = Q(W)): the run computed with Q(W_dec + s B A), so `--to hybrid` holds exactly
+    that for every expert (Q torchao's MXFP4 rounding, both times), neither Q(W + s B A) (the base's
+    storage forgotten) nor W_dec + s B A (the merge unrounded, the no-QAT export); `--to hf --experts
+    mxfp4` loads in transformers with the same expert weights and gives the logits of the training
+    forward (the MXFP4-stored base, the adapters, the QAT gemm) within reassociation; `--to peft` notes
+    the rounded merge once."""
+    from gptoss_cli.model.qat import qat_gemms
+    from tests.model.test_lora_qat import torchao_round
+    from tests.model.tiny_checkpoints import write_hf_checkpoint
+    from tests.train.reference import HfView
+
+    hf = write_hf_checkpoint(tmp_path / "base", "bf16", seed=12)
+    arch, _ = checkpoint_architecture(hf)
+    run_worker(_job(tmp_path, hf, arch, iters=2, lora_base_experts="mxfp4", qat="mxfp4", lr=3e-2))
+    ckpt = tmp_path / "ckpt"
+    adapters = _adapters(ckpt)
+    plain = dict(model_from_checkpoint(hf).state_dict())  # the base as stored (fp32)
+    want, base_forgotten, merge_unrounded = {}, {}, {}
+    for name, w in plain.items():
+        stem, _, e = name.rpartition(".weight")
+        if ".mlp.experts.linear_fc" not in name or not stem:
+            continue
+        b, a = adapters[f"{stem}.adapter.linear_out.weight{e}"].double(), adapters[f"{stem}.adapter.linear_in.weight{e}"].double()
+        delta = 2.0 * (b @ a)  # alpha / rank = 8 / 4
+        merge_unrounded[name] = (torchao_round(w).double() + delta).float()
+        want[name] = torchao_round(merge_unrounded[name])
+        base_forgotten[name] = torchao_round((w.double() + delta).float())
+    assert len(want) == arch.num_hidden_layers * 2 * arch.num_local_experts
+
+    cli = CliRunner().invoke(app, ["convert", str(ckpt), str(tmp_path / "adapter"), "--to", "peft"])
+    assert cli.exit_code == 0, cli.output
+    notes = " ".join(cli.output.split())
+    assert notes.count("note: ") == 1 and "precision.qat=mxfp4, on lora.base_experts=mxfp4" in notes, cli.output
+    convert(str(ckpt), tmp_path / "hybrid", to="hybrid", dtype="float32")
+    written = dict(model_from_checkpoint(tmp_path / "hybrid").state_dict())
+    for name, w in want.items():
+        assert torch.equal(written[name], w), name
+        assert not torch.equal(w, base_forgotten[name]) and not torch.equal(w, merge_unrounded[name]), name
+
+    out = tmp_path / "hf-mx"
+    convert(str(ckpt), out, to="hf", experts="mxfp4", dtype="float32")
+    reference = load_hf_reference(out)  # transformers' own MXFP4 dequantiser
+    view = HfView(reference)
+    want_hf = view.to_hf({n: written[n] for n in view.index})
+    experts = [(n, p) for n, p in reference.named_parameters() if ".experts." in n and not n.endswith("bias")]
+    assert experts
+    for name, p in experts:
+        assert torch.equal(p.detach(), want_hf[name]), name
+    ours = _with_adapters(hf, ckpt, base_experts="mxfp4")
+    ours.set_gemms(grouped=qat_gemms("mxfp4"))
+    ids = torch.randint(0, arch.vocab_size, (2, 10), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        theirs, got = reference(ids).logits, ours(ids).logits
+    rel = reassociation_rel(max(arch.hidden_size, arch.intermediate_size), depth=4 * arch.num_hidden_layers)
+    assert (got - theirs).abs().max().item() <= rel * theirs.abs().max().item()
