@@ -6,7 +6,9 @@ layout (dense parameters: the data-parallel group = world; experts: the expert-d
 group). Every parameter's `.data` becomes a view into the parameter buffer and its `main_grad` a
 view into the gradient buffer. A post-accumulate-grad hook adds every backward's `.grad` into
 `main_grad` and frees `.grad`, so the buffers hold the sum over all microbatches of the step
-whatever the parameter dtype.
+whatever the parameter dtype. The experts' and the output layer's backward add their weight
+gradients into `main_grad` themselves where its dtype is the parameter's
+(gptoss_cli/model/main_grad.py), and the hook skips their add.
 
 Buffers are split into *buckets* of whole parameters (in reverse order of `named_parameters`, so
 buckets fill in the order backward produces gradients), each padded to a multiple of
@@ -38,6 +40,7 @@ from torch import nn
 from gptoss_cli.buckets import ALIGN, default_bucket_size
 from gptoss_cli.errors import ConfigError, TrainingError
 from gptoss_cli.model.expert_names import is_expert_name
+from gptoss_cli.model.main_grad import take_added
 from gptoss_cli.parallel.state import ParallelState, all_reduce, group_rank, group_size, reduce_scatter
 
 
@@ -204,7 +207,10 @@ class GradBuffers:
         return (self.dense, self.expert)
 
     def _accumulate(self, param: torch.Tensor) -> None:
-        param.main_grad.add_(param.grad)
+        # A backward that added its gradient into main_grad itself hands autograd a stand-in
+        # (gptoss_cli/model/main_grad.py): nothing left to add.
+        if not take_added(param, param.grad):
+            param.main_grad.add_(param.grad)
         param.grad = None
         self.grad_ready(param)
 
