@@ -24,7 +24,12 @@ backward has produced all its gradients (the accumulation hook counts them), and
 `finalize_model_grads` runs once per step after the last microbatch (the schedule calls it through
 the model's own config, see `get_model_config`): it finishes every bucket's reduction, then
 divides the reduced gradients by the number of tokens in the global batch (docs/megatron-rules.md,
-"Gradient finalisation").
+"Gradient finalisation"). The division is a pass over every gradient of its own, unless the
+optimizer takes it over (`GradBuffer.defer_division`, set by DistributedAdamW on fp32 buffers):
+then finalize only records the count (`pending_divisor`), the optimizer's fused step divides each
+gradient as it reads it and writes the divided gradient back, so after the step main_grad holds
+the per-token mean either way. Anything that reads main_grad between finalize and the optimizer
+step divides by `pending_divisor` itself (or calls `divide_pending()`).
 """
 
 from __future__ import annotations
@@ -142,6 +147,10 @@ class GradBuffer:
                 p.main_grad = self.data[lo:hi].view(p.shape)
         self.buckets = [Bucket(self, b, lo, hi, members) for b, (lo, hi, members) in enumerate(spans)]
         self.bucket_of = {i: b for b in self.buckets for i in b.params}
+        # The global token count the reduced gradients are still to be divided by (see the module's
+        # docstring); None once divided. finalize leaves it pending when `defer_division` is set.
+        self.pending_divisor: torch.Tensor | None = None
+        self.defer_division = False
 
     @property
     def sharded(self) -> bool:
@@ -154,6 +163,14 @@ class GradBuffer:
                 b.handle = None
             b.ready.clear()
         self.data.zero_()
+        self.pending_divisor = None
+
+    def divide_pending(self) -> None:
+        """Divide the reduced gradients by the pending token count now (nothing when none is pending)."""
+        if self.pending_divisor is not None:
+            for grad in self.reduced_grads():
+                grad.div_(self.pending_divisor)
+            self.pending_divisor = None
 
     # --- reduction ---------------------------------------------------------------------------
     def start_grad_sync(self, bucket: Bucket) -> None:
@@ -302,7 +319,8 @@ def finalize_model_grads(
     model_chunks: list[nn.Module], num_tokens: torch.Tensor | None = None, *, parallel_state: ParallelState
 ) -> None:
     """Reduce dense grads over DP and expert grads over expert-DP (one collective per bucket,
-    reduce-scatter with the distributed optimizer); divide the reduced grads by the global token count."""
+    reduce-scatter with the distributed optimizer); divide the reduced grads by the global token count
+    (or leave the division to the optimizer's step where it takes it over: `GradBuffer.defer_division`)."""
     ps = parallel_state
     for chunk in model_chunks:
         chunk.grad_buffers.finish_grad_sync()
@@ -314,8 +332,9 @@ def finalize_model_grads(
         total.clamp_(min=1.0)
         for chunk in model_chunks:
             for buf in chunk.grad_buffers.buffers():
-                for grad in buf.reduced_grads():
-                    grad.div_(total)
+                buf.pending_divisor = total
+                if not buf.defer_division:
+                    buf.divide_pending()
 
 
 __all__ = [
