@@ -4,7 +4,7 @@ The training buffers (gptoss_cli/parallel/grads.py) give every trained parameter
 view of the flat fp32 gradient buffer, and add each backward's `.grad` into it from a
 post-accumulate-grad hook: the weight-gradient GEMM writes a fresh tensor as large as the weight,
 then the hook reads it and main_grad and writes main_grad again. For the large weights (the
-experts', the output layer's) a backward can instead accumulate into main_grad itself (a GEMM with
+experts', the output layer's, the embedding's) a backward can instead accumulate into main_grad itself (a GEMM with
 beta = 1, per expert) and hand autograd a stand-in: `added_to_main_grad(param)` returns an
 uninitialised tensor of the parameter's shape (never read, never filled) and remembers it; the
 hook asks `take_added(param, grad)` whether the gradient it received is that stand-in and, if so,
@@ -24,6 +24,7 @@ its rounding: a bf16 gradient added into an fp32 main_grad, or summed in a bf16 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from gptoss_cli.errors import TrainingError
 
@@ -64,4 +65,34 @@ def take_added(param: torch.Tensor, grad: torch.Tensor | None) -> bool:
     )
 
 
-__all__ = ["added_to_main_grad", "main_grad_target", "take_added"]
+class _EmbeddingIntoMainGrad(torch.autograd.Function):
+    """F.embedding whose backward index-adds the rows' gradients into the weight's main_grad: no
+    zero-filled [vocab, hidden] gradient (the native backward's) for the buffers' hook to add."""
+
+    @staticmethod
+    def forward(ctx, input_ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(input_ids)
+        ctx.weight = weight
+        return F.embedding(input_ids, weight)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        (input_ids,) = ctx.saved_tensors
+        weight, ctx.weight = ctx.weight, None
+        rows, ids = dy.reshape(-1, dy.shape[-1]), input_ids.reshape(-1)
+        target = main_grad_target(weight)
+        if target is None:  # the buffers went away between forward and backward
+            return None, torch.zeros_like(weight).index_add_(0, ids, rows.to(weight.dtype))
+        target.index_add_(0, ids, rows.to(target.dtype))
+        return None, added_to_main_grad(weight)
+
+
+def embedding(input_ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`F.embedding(input_ids, weight)`; in training with fp32 buffers its weight gradient goes
+    straight into main_grad."""
+    if torch.is_grad_enabled() and main_grad_target(weight) is not None:
+        return _EmbeddingIntoMainGrad.apply(input_ids, weight)
+    return F.embedding(input_ids, weight)
+
+
+__all__ = ["embedding", "added_to_main_grad", "main_grad_target", "take_added"]

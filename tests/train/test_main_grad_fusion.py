@@ -1,9 +1,9 @@
 """Weight gradients a backward adds straight into main_grad (gptoss_cli/model/main_grad.py).
 
-The experts' grouped linear and the chunked LM head accumulate their weight gradients into the
+The experts' grouped linear, the chunked LM head and the embedding accumulate their weight gradients into the
 training buffers' main_grad themselves and hand autograd a stand-in the buffers' hook discards.
-References are independent of that path: per-expert matmuls and F.linear + F.cross_entropy under
-plain autograd, on clones of the same weights. main_grad starts from a non-zero value (an earlier
+References are independent of that path: per-expert matmuls, F.linear + F.cross_entropy and
+F.embedding under plain autograd, on clones of the same weights. main_grad starts from a non-zero value (an earlier
 microbatch's gradient), so a kernel that overwrote instead of adding fails, and the loss is
 scaled by a factor that is not 1, so a backward that ignored its incoming gradient fails.
 The whole-model check (every parameter, two microbatches, dense and expert) is
@@ -20,7 +20,7 @@ from torch import nn
 from gptoss_cli.errors import TrainingError
 from gptoss_cli.model.grouped_gemm import grouped_linear
 from gptoss_cli.model.loss import chunked_lm_loss_sum
-from gptoss_cli.model.main_grad import take_added
+from gptoss_cli.model.main_grad import embedding, take_added
 from gptoss_cli.parallel import grads
 from gptoss_cli.parallel.grads import GradAccumulatingModel, unwrap_model
 from gptoss_cli.parallel.state import ParallelState
@@ -80,6 +80,23 @@ def test_lm_head_weight_gradient_is_scaled_and_added_into_main_grad():
     _close(w.main_grad - before, ref_w.grad, hidden.shape[0], "output layer gradient")
 
 
+def test_embedding_gradient_is_index_added_into_main_grad():
+    g = torch.Generator().manual_seed(3)
+    ids = torch.tensor([[4, 1, 4], [0, 4, 6]])  # a repeated row sums its tokens' gradients
+    w = nn.Parameter(torch.randn(7, 5, generator=g))
+    dy = torch.randn(2, 3, 5, generator=g)
+    before = torch.randn(7, 5, generator=g)
+    w.main_grad = before.clone()
+
+    embedding(ids, w).backward(dy * SCALE)
+    assert take_added(w, w.grad)
+
+    ref_w = w.detach().clone().requires_grad_(True)
+    F.embedding(ids, ref_w).backward(dy * SCALE)
+    _close(w.main_grad - before, ref_w.grad, 3, "embedding gradient")
+    assert torch.equal(w.main_grad[[2, 3, 5]], before[[2, 3, 5]])  # rows without tokens untouched
+
+
 def test_without_training_buffers_the_gradients_are_returned_as_before():
     g = torch.Generator().manual_seed(2)
     counts = torch.tensor([3, 4])
@@ -92,9 +109,9 @@ def test_without_training_buffers_the_gradients_are_returned_as_before():
     assert not take_added(w, w.grad)
 
 
-def test_the_training_step_fuses_every_expert_weight_and_the_output_layer(monkeypatch):
+def test_the_training_step_fuses_the_expert_weights_the_output_layer_and_the_embedding(monkeypatch):
     """Which parameters the hook found already in main_grad in a real step (two microbatches):
-    every expert weight and the output layer, and nothing else."""
+    every expert weight, the output layer and the embedding, and nothing else."""
     fused, seen = set(), set()
     names = {}
 
@@ -114,7 +131,7 @@ def test_the_training_step_fuses_every_expert_weight_and_the_output_layer(monkey
                            dp_rank=0, dp_size=1)
     get_forward_backward_func(setup.config)(forward_step_func=forward_step, data_iterator=data.step_iterator(),
                                             model=setup.model, num_microbatches=data.num_microbatches)
-    expected = {n for n in names.values() if n == "output_layer.weight" or
+    expected = {n for n in names.values() if n in ("output_layer.weight", "embedding.word_embeddings.weight") or
                 (".mlp.experts." in n and n.endswith(".weight"))}
     assert seen == set(names.values())
     assert fused == expected and any("linear_fc2" in n for n in fused)
