@@ -6,8 +6,8 @@ layout (dense parameters: the data-parallel group = world; experts: the expert-d
 group). Every parameter's `.data` becomes a view into the parameter buffer and its `main_grad` a
 view into the gradient buffer. A post-accumulate-grad hook adds every backward's `.grad` into
 `main_grad` and frees `.grad`, so the buffers hold the sum over all microbatches of the step
-whatever the parameter dtype. The experts' and the output layer's backward add their weight
-gradients into `main_grad` themselves where its dtype is the parameter's
+whatever the parameter dtype. The experts', the output layer's and the embedding's backward add
+their weight gradients into `main_grad` themselves where both are fp32
 (gptoss_cli/model/main_grad.py), and the hook skips their add.
 
 Buffers are split into *buckets* of whole parameters (in reverse order of `named_parameters`, so
