@@ -19,7 +19,9 @@ waiting. Prints tokens/s from the median step time, the ratio ours / transformer
 model FLOPs per step (`model_flops_per_step`: 6 x matmul parameters touched per token x tokens,
 plus the attention scores and their products over the visible keys) divided by the step time and
 by the fp32 `torch.mm` rate of this CPU measured between the repeats of the same run
-(`gemm_peak_gflops`, the median, with its min-max).
+(`gemm_peak_gflops`, the median, with its min-max). `--profile` adds one profiled step of each side
+after the timings: the top operators by self CPU time, each side's GEMM share, and the ceilings of
+the ratio and of the share of the GEMM peak if every non-GEMM operator of ours were free.
 
     python bench/train.py --batch 4 --seq 128 --steps 5 --repeats 3 [--dtype fp32] [--json out.json]
     python bench/train.py --preset wide --batch 2 --seq 512     # hidden 512, 16 experts top-4
@@ -433,6 +435,30 @@ def run_optimizer_bench(args: argparse.Namespace) -> dict:
     return result
 
 
+# The explicit GEMM operators of a step (the inner GEMMs of _grouped_mm appear as `mm`); attention's
+# fused kernel, elementwise ops, reductions, copies and the optimizer are the rest.
+GEMM_OPS = ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm", "aten::_grouped_mm")
+
+
+def profile_step(name: str, step, top: int = 25) -> dict:
+    """torch.profiler's operators of one `step` by self CPU time: prints the `top` ones with their
+    share, returns the step's total and GEMM self time (seconds) and the non-GEMM operators."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    total = sum(e.self_cpu_time_total for e in events) / 1e6
+    gemm = sum(e.self_cpu_time_total for e in events if e.key in GEMM_OPS) / 1e6
+    print(f"\n{name}: one step, {total:.3f} s of operator self time, GEMMs {100 * gemm / total:.1f}%; "
+          f"the top {top} operators:")
+    for e in events[:top]:
+        print(f"  {e.key[:52]:<52} {e.count:>6} calls {e.self_cpu_time_total / 1e3:>9.1f} ms "
+              f"{100 * e.self_cpu_time_total / 1e6 / total:5.1f}%{'  GEMM' if e.key in GEMM_OPS else ''}")
+    rest = [(e.key, e.self_cpu_time_total / 1e6) for e in events if e.key not in GEMM_OPS][:top]
+    return {"total_s": total, "gemm_s": gemm, "top_non_gemm": rest}
+
+
 def run_step_bench(args: argparse.Namespace) -> dict:
     """Ours vs transformers, steps alternating, from the same weights on the same batch."""
     from gptoss_cli.resources import keep_freed_memory
@@ -473,6 +499,16 @@ def run_step_bench(args: argparse.Namespace) -> dict:
     ours_s, hf_s = statistics.median(ours_t), statistics.median(hf_t)
     flops = model_flops_per_step(arch, args.batch, args.seq)
     peak = statistics.median(rates)
+    ceilings = {}
+    if args.profile:
+        # What bounds the goals: with every non-GEMM operator free, our step would be its GEMM share
+        # of the measured median (GEMMs as fast as they ran).
+        prof, peer_prof = profile_step("ours", ours), profile_step("transformers", hf)
+        gemm_share = prof["gemm_s"] / prof["total_s"]
+        ceilings = {"ours_gemm_share_of_step": gemm_share,
+                    "transformers_gemm_share_of_step": peer_prof["gemm_s"] / peer_prof["total_s"],
+                    "ratio_ceiling_non_gemm_free": hf_s / (ours_s * gemm_share),
+                    "share_of_gemm_peak_ceiling_non_gemm_free": flops / (ours_s * gemm_share) / 1e9 / peak}
     return {
         "preset": args.preset, "arch": args.arch or "", "batch": args.batch, "seq": args.seq, "dtype": args.dtype,
         "threads": args.threads, "clock": args.clock, "swiglu_kernel": args.swiglu_kernel,
@@ -492,6 +528,7 @@ def run_step_bench(args: argparse.Namespace) -> dict:
         "transformers_attn_implementation": peer.config._attn_implementation,
         "transformers_experts_implementation": getattr(peer.config, "_experts_implementation", None),
         "transformers_optimizer": "torch.optim.AdamW(fused=True)",
+        **ceilings,
     }
 
 
@@ -515,6 +552,9 @@ def main() -> None:
     p.add_argument("--optimizer", action="store_true",
                    help="time finalize + optimizer step, new vs the optimizer it replaced, at W=1 and W=2")
     p.add_argument("--arch", default=None, help="architecture overrides, e.g. hidden_size=512,num_local_experts=16")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile one step of each side (torch.profiler, self CPU time per operator) and "
+                        "print the GEMM shares and the ceilings with every non-GEMM operator free")
     args = p.parse_args()
     global CLOCK, SWIGLU_KERNEL
     CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter

@@ -33,6 +33,7 @@ from typing import Any, Callable
 import torch
 
 from gptoss_cli.errors import TrainingError
+from gptoss_cli.model.main_grad import added_to_main_grad, main_grad_target
 
 # Devices whose grouped kernel raised once (older GPUs): the loop computes the same thing.
 _GROUPED_MM_BROKEN: set[str] = set()
@@ -97,6 +98,23 @@ class GroupedGemm:
         grads = [d.t() @ xe for d, xe in zip(torch.split(dy, counts), torch.split(x, counts))]
         return torch.stack(grads) if grads else dy.new_zeros(0, dy.shape[1], x.shape[1])
 
+    def wgrad_accumulate(self, x: torch.Tensor, dy: torch.Tensor, tokens_per_expert: torch.Tensor,
+                         out: torch.Tensor) -> bool:
+        """out [E, out, in] += wgrad(x, dy, tokens_per_expert) by one accumulating GEMM (beta = 1) per
+        expert, with no [E, out, in] temporary and no separate add; True when done. Only where the
+        counts are on the host (the CPU: no device sync; the CUDA grouped kernel writes a fresh
+        tensor and stays as it is) and the dtypes agree; False, with nothing done, elsewhere and for
+        GEMMs with numerics of their own (FP8), which then take `wgrad`."""
+        if type(self).wgrad is not GroupedGemm.wgrad or not _counts_on_host(x.device):
+            return False
+        if not (x.dtype == dy.dtype == out.dtype) or out.shape != (tokens_per_expert.numel(), dy.shape[1], x.shape[1]):
+            return False
+        counts = tokens_per_expert.tolist()
+        for e, (d, xe) in enumerate(zip(torch.split(dy, counts), torch.split(x, counts))):
+            if d.shape[0]:
+                out[e].addmm_(d.t(), xe)
+        return True
+
 
 DEFAULT_GEMM = GroupedGemm()
 
@@ -155,7 +173,15 @@ class _GroupedLinear(torch.autograd.Function):
         x, weight, tokens_per_expert = ctx.saved_tensors
         dy = dy.contiguous()
         dx = ctx.gemm.dgrad(dy, weight, tokens_per_expert) if ctx.needs_input_grad[0] else None
-        dw = ctx.gemm.wgrad(x, dy, tokens_per_expert).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        dw = None
+        if ctx.needs_input_grad[1]:
+            # In training, straight into the buffers' main_grad where the GEMM can accumulate there
+            # (model/main_grad.py); else a fresh gradient for autograd and the buffers' hook.
+            target = main_grad_target(weight)
+            if target is not None and ctx.gemm.wgrad_accumulate(x, dy, tokens_per_expert, target):
+                dw = added_to_main_grad(weight)
+            else:
+                dw = ctx.gemm.wgrad(x, dy, tokens_per_expert).to(weight.dtype)
         db = _bias_grad(dy, tokens_per_expert) if ctx.needs_input_grad[2] else None
         return dx, dw, db, None, None
 
@@ -190,7 +216,9 @@ class WgradQueue:
         while self._pending:
             p = self._pending.pop(0)
             if p.weight.requires_grad:
-                _accumulate_grad(p.weight, p.gemm.wgrad(p.x, p.dy, p.tokens_per_expert))
+                target = main_grad_target(p.weight)
+                if target is None or not p.gemm.wgrad_accumulate(p.x, p.dy, p.tokens_per_expert, target):
+                    _accumulate_grad(p.weight, p.gemm.wgrad(p.x, p.dy, p.tokens_per_expert))
             if p.bias.requires_grad:  # a LoRA factor's stand-in zero bias has none
                 _accumulate_grad(p.bias, _bias_grad(p.dy, p.tokens_per_expert))
             n += 1

@@ -34,6 +34,7 @@ from gptoss_cli.model.gemm_selection import set_gemms
 from gptoss_cli.model.grouped_gemm import GroupedGemm
 from gptoss_cli.model.init import init_weights_
 from gptoss_cli.model.loss import LM_LOSS_CHUNK_TOKENS, HybridOutput
+from gptoss_cli.model.main_grad import embedding
 from gptoss_cli.model.moe import DenseMLPLayer, GroupedExperts, MoELayer, RouterStats, RouterStatsRequest
 from gptoss_cli.model.norm import RMSNorm
 from gptoss_cli.model.pattern import ATTENTION, MLP, MOE, HybridPattern, parse_pattern
@@ -217,7 +218,9 @@ class HybridModel(nn.Module):
 
     # --- forward --------------------------------------------------------------------------
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embedding.word_embeddings(input_ids)
+        # the lookup of nn.Embedding (no padding row, no max_norm); in training, its gradient goes
+        # straight into the buffers' main_grad (model/main_grad.py)
+        return embedding(input_ids, self.embedding.word_embeddings.weight)
 
     def rope(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, dtype: torch.dtype,
              cu_seqlens: tuple[int, ...] | None = None):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from gptoss_cli.model.main_grad import added_to_main_grad, main_grad_target
 from gptoss_cli.model.moe import RouterStats, load_balancing_loss, router_table, router_z_loss
 
 IGNORE_INDEX = -100
@@ -47,7 +48,8 @@ class _ChunkedLMLoss(torch.autograd.Function):
         # dW adds up over chunks: in fp32, then cast once (as a single GEMM would round once).
         # A frozen output layer (LoRA) gets no gradient: its V x H accumulator is never allocated.
         want_w = want_grad and weight.requires_grad
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
+        # Written by the first chunk's GEMM, accumulated by the others: no pass to zero it first.
+        grad_w = torch.empty(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
         for start in range(0, hidden.shape[0], chunk):
             h = hidden[start:start + chunk]
             logits = F.linear(h, weight)
@@ -63,19 +65,36 @@ class _ChunkedLMLoss(torch.autograd.Function):
             if grad_w is None:
                 continue
             if grad_w.dtype == dlogits.dtype:
-                grad_w.addmm_(dlogits.t(), h)
+                if start == 0:
+                    torch.mm(dlogits.t(), h, out=grad_w)
+                else:
+                    grad_w.addmm_(dlogits.t(), h)
+            elif start == 0:
+                grad_w.copy_(dlogits.t() @ h)
             else:
                 grad_w += dlogits.t() @ h
-        ctx.grads = (grad_h, grad_w.to(weight.dtype) if grad_w is not None else None)
+        if grad_w is not None and hidden.shape[0] == 0:
+            grad_w.zero_()
+        ctx.grads = (grad_h, grad_w)
+        ctx.weight = weight
         return total
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         grad_h, grad_w = ctx.grads
-        ctx.grads = None
+        weight, ctx.grads, ctx.weight = ctx.weight, None, None
         if grad_h is None:
             raise RuntimeError("the chunked LM loss was computed without gradients (no_grad) and cannot back-propagate")
-        grad_w = None if grad_w is None else grad_w * grad_out.to(grad_w.dtype)
+        if grad_w is not None:
+            # In training, scaled and added into the buffers' fp32 main_grad in one pass
+            # (model/main_grad.py) instead of a scaled copy that the buffers' hook adds.
+            target = main_grad_target(weight)
+            if target is not None and target.dtype == grad_w.dtype:
+                target.addcmul_(grad_w, grad_out.to(grad_w.dtype))
+                grad_w = added_to_main_grad(weight)
+            else:
+                grad_w = grad_w.to(weight.dtype)
+                grad_w = grad_w * grad_out.to(grad_w.dtype)
         return grad_h * grad_out.to(grad_h.dtype), grad_w, None, None, None
 
 

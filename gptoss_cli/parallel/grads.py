@@ -6,7 +6,9 @@ layout (dense parameters: the data-parallel group = world; experts: the expert-d
 group). Every parameter's `.data` becomes a view into the parameter buffer and its `main_grad` a
 view into the gradient buffer. A post-accumulate-grad hook adds every backward's `.grad` into
 `main_grad` and frees `.grad`, so the buffers hold the sum over all microbatches of the step
-whatever the parameter dtype.
+whatever the parameter dtype. The experts', the output layer's and the embedding's backward add
+their weight gradients into `main_grad` themselves where both are fp32
+(gptoss_cli/model/main_grad.py), and the hook skips their add.
 
 Buffers are split into *buckets* of whole parameters (in reverse order of `named_parameters`, so
 buckets fill in the order backward produces gradients), each padded to a multiple of
@@ -22,7 +24,12 @@ backward has produced all its gradients (the accumulation hook counts them), and
 `finalize_model_grads` runs once per step after the last microbatch (the schedule calls it through
 the model's own config, see `get_model_config`): it finishes every bucket's reduction, then
 divides the reduced gradients by the number of tokens in the global batch (docs/megatron-rules.md,
-"Gradient finalisation").
+"Gradient finalisation"). The division is a pass over every gradient of its own, unless the
+optimizer takes it over (`GradBuffer.defer_division`, set by DistributedAdamW on fp32 buffers):
+then finalize only records the count (`pending_divisor`), the optimizer's fused step divides each
+gradient as it reads it and writes the divided gradient back, so after the step main_grad holds
+the per-token mean either way. Anything that reads main_grad between finalize and the optimizer
+step divides by `pending_divisor` itself (or calls `divide_pending()`).
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from torch import nn
 from gptoss_cli.buckets import ALIGN, default_bucket_size
 from gptoss_cli.errors import ConfigError, TrainingError
 from gptoss_cli.model.expert_names import is_expert_name
+from gptoss_cli.model.main_grad import take_added
 from gptoss_cli.parallel.state import ParallelState, all_reduce, group_rank, group_size, reduce_scatter
 
 
@@ -139,6 +147,10 @@ class GradBuffer:
                 p.main_grad = self.data[lo:hi].view(p.shape)
         self.buckets = [Bucket(self, b, lo, hi, members) for b, (lo, hi, members) in enumerate(spans)]
         self.bucket_of = {i: b for b in self.buckets for i in b.params}
+        # The global token count the reduced gradients are still to be divided by (see the module's
+        # docstring); None once divided. finalize leaves it pending when `defer_division` is set.
+        self.pending_divisor: torch.Tensor | None = None
+        self.defer_division = False
 
     @property
     def sharded(self) -> bool:
@@ -151,6 +163,14 @@ class GradBuffer:
                 b.handle = None
             b.ready.clear()
         self.data.zero_()
+        self.pending_divisor = None
+
+    def divide_pending(self) -> None:
+        """Divide the reduced gradients by the pending token count now (nothing when none is pending)."""
+        if self.pending_divisor is not None:
+            for grad in self.reduced_grads():
+                grad.div_(self.pending_divisor)
+            self.pending_divisor = None
 
     # --- reduction ---------------------------------------------------------------------------
     def start_grad_sync(self, bucket: Bucket) -> None:
@@ -204,7 +224,10 @@ class GradBuffers:
         return (self.dense, self.expert)
 
     def _accumulate(self, param: torch.Tensor) -> None:
-        param.main_grad.add_(param.grad)
+        # A backward that added its gradient into main_grad itself hands autograd a stand-in
+        # (gptoss_cli/model/main_grad.py): nothing left to add.
+        if not take_added(param, param.grad):
+            param.main_grad.add_(param.grad)
         param.grad = None
         self.grad_ready(param)
 
@@ -296,7 +319,8 @@ def finalize_model_grads(
     model_chunks: list[nn.Module], num_tokens: torch.Tensor | None = None, *, parallel_state: ParallelState
 ) -> None:
     """Reduce dense grads over DP and expert grads over expert-DP (one collective per bucket,
-    reduce-scatter with the distributed optimizer); divide the reduced grads by the global token count."""
+    reduce-scatter with the distributed optimizer); divide the reduced grads by the global token count
+    (or leave the division to the optimizer's step where it takes it over: `GradBuffer.defer_division`)."""
     ps = parallel_state
     for chunk in model_chunks:
         chunk.grad_buffers.finish_grad_sync()
@@ -308,8 +332,9 @@ def finalize_model_grads(
         total.clamp_(min=1.0)
         for chunk in model_chunks:
             for buf in chunk.grad_buffers.buffers():
-                for grad in buf.reduced_grads():
-                    grad.div_(total)
+                buf.pending_divisor = total
+                if not buf.defer_division:
+                    buf.divide_pending()
 
 
 __all__ = [

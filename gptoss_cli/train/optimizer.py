@@ -103,15 +103,21 @@ class _Run:
     decays: bool
 
 
-def _sum_of_squares(flat: torch.Tensor, row: int = 4096) -> torch.Tensor:
-    """sum(flat**2) in fp32 in one pass over the tensor, as accurate as `pow(2).sum()`.
+def _sum_of_squares(flat: torch.Tensor, row: int = 4096, divisor: torch.Tensor | None = None) -> torch.Tensor:
+    """sum((flat / divisor)**2) in fp32 in one pass over the tensor, as accurate as `pow(2).sum()`.
 
     `pow(2).sum()` writes a temporary as large as the buffer (8% of a CPU step on 61M parameters);
     one `vector_norm` over tens of millions of elements accumulates with about 0.5% error on CPU.
-    Norms of `row`-element rows, squared and summed pairwise, avoid both."""
+    Norms of `row`-element rows, squared and summed pairwise, avoid both. The divisor (a token
+    count finalize left pending) divides the row norms, so undivided sums never get squared."""
     n = flat.numel() // row * row
-    sq = torch.linalg.vector_norm(flat[:n].view(-1, row), dim=1).square().sum()
-    return sq + torch.linalg.vector_norm(flat[n:]).square() if n < flat.numel() else sq
+    norms = [torch.linalg.vector_norm(flat[:n].view(-1, row), dim=1)]
+    if n < flat.numel():
+        norms.append(torch.linalg.vector_norm(flat[n:]).view(1))
+    norms = torch.cat(norms) if len(norms) > 1 else norms[0]
+    if divisor is not None:
+        norms = norms / divisor
+    return norms.square().sum()
 
 
 class _Shard:
@@ -185,18 +191,38 @@ class DistributedAdamW:
                          "(gptoss_cli.train.setup.setup_model_and_optimizer)",
                 )
         self.shards = [_Shard(b) for b in buffers.dense.buckets] + [_Shard(b) for b in buffers.expert.buckets]
+        # The fused step divides each gradient by the global token count as it reads it and writes
+        # the divided gradient back, so finalize leaves that division to it instead of a pass of
+        # its own over the buffers (parallel/grads.py). bf16 gradient buffers are stepped from an
+        # fp32 copy: their division stays in finalize.
+        self._buffers = list(buffers.buffers())
+        if all(buf.data.dtype == torch.float32 for buf in self._buffers):
+            for buf in self._buffers:
+                buf.defer_division = True
         self._dense_shards = len(buffers.dense.buckets)
         # One step count for every element (all are stepped together), on the parameters' device
         # as the fused kernel requires.
         self._step = torch.zeros((), dtype=torch.float32, device=buffers.dense.data.device)
 
     # --- gradient norm and clipping ------------------------------------------------------
+    def _pending_divisor(self) -> torch.Tensor | None:
+        """The token count finalize left for the step to divide by (the same for every buffer), or
+        None; buffers in any other state are divided here, at once."""
+        pending = [buf.pending_divisor for buf in self._buffers]
+        if pending and all(d is pending[0] for d in pending):
+            return pending[0]
+        for buf in self._buffers:
+            buf.divide_pending()
+        return None
+
     def grad_norm(self) -> float:
-        """sqrt(sum of squares) with every dense parameter and every expert counted exactly once."""
+        """sqrt(sum of squares) with every dense parameter and every expert counted exactly once, of
+        the per-token mean gradient (a division finalize left pending applies to the row norms)."""
+        divisor = self._pending_divisor()
         dense = torch.zeros((), dtype=torch.float32, device=self._step.device)
         expert = torch.zeros_like(dense)
         for k, s in enumerate(self.shards):
-            sq = _sum_of_squares(s.grad.float())  # padding elements are zero; bf16 grads summed in fp32
+            sq = _sum_of_squares(s.grad.float(), divisor=divisor)  # padding is zero; bf16 grads summed in fp32
             (dense if k < self._dense_shards else expert).add_(sq)
         if self.distributed:
             # Dense shards partition the dense parameters over the world; expert shards partition
@@ -217,20 +243,25 @@ class DistributedAdamW:
                 f"gradient norm is {norm}; stopping before the optimizer step (no checkpoint of this state)",
                 hint="lower lr, enable clip_grad, or check the data for bad tokens",
             )
-        unscale = None
+        # The fused kernel divides each gradient by `unscale` as it reads it and writes the divided
+        # gradient back: the token division finalize left pending and the clip, without a pass of
+        # their own over the buffers.
+        unscale = self._pending_divisor()
         if self.clip_grad and self.clip_grad > 0:
             coef = self.clip_grad / (norm + 1e-6)
             if coef < 1.0:
-                # The fused kernel divides each gradient by this as it reads it and writes the
-                # clipped gradient back: clipping without a pass of its own over the buffers.
-                unscale = torch.full((), 1.0 / coef, dtype=torch.float32, device=self._step.device)
+                clip = torch.full((), 1.0 / coef, dtype=torch.float32, device=self._step.device)
+                unscale = clip if unscale is None else unscale * clip
         self.lr = lr
         self._adamw(lr, unscale)
+        for buf in self._buffers:
+            buf.pending_divisor = None  # main_grad now holds the per-token mean (clipped)
         self._share()
         return norm
 
     def _adamw(self, lr: float, unscale: torch.Tensor | None = None) -> None:
-        """One fused AdamW update of every run; gradients are divided by `unscale` first (the clip)."""
+        """One fused AdamW update of every run; gradients are divided by `unscale` first (the token
+        count and the clip)."""
         self._step.add_(1)  # torch's AdamW counts the step before its update, too
         groups: dict[bool, list[list[torch.Tensor]]] = {True: [[], [], [], []], False: [[], [], [], []]}
         for s in self.shards:

@@ -99,7 +99,9 @@ def reduced_main_grads(buffers) -> dict[int, torch.Tensor]:
     """id(param) -> its finalised main_grad, whole on every rank (a collective: call it on every rank).
 
     With the distributed optimizer a rank holds the reduced gradient only in its own shard of each
-    bucket; the shards are all-gathered here, test-side, so tests compare whole tensors."""
+    bucket; the shards are all-gathered here, test-side, so tests compare whole tensors. A token
+    division finalize left to the optimizer (`pending_divisor`) is applied to the copy, so the
+    optimizer's step still does it."""
     from gptoss_cli.parallel.state import all_gather
 
     out: dict[int, torch.Tensor] = {}
@@ -108,6 +110,8 @@ def reduced_main_grads(buffers) -> dict[int, torch.Tensor]:
         if buf.sharded:
             for b in buf.buckets:
                 all_gather(full[b.start : b.end], b.grad_shard.detach().clone(), buf.group)
+        if buf.pending_divisor is not None:
+            full /= buf.pending_divisor
         for p, (lo, hi) in zip(buf.params, buf.offsets):
             out[id(p)] = full[lo:hi].view(p.shape)
     return out

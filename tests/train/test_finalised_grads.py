@@ -18,6 +18,7 @@ from gptoss_cli.train.loop import forward_step
 from gptoss_cli.train.provider import HybridModelProvider
 from gptoss_cli.train.setup import setup_model_and_optimizer
 from tests.tolerances import reassociation_rel
+from tests.train.dist_helpers import reduced_main_grads
 from tests.train.jobs import optimizer_config, runtime_config
 from tests.train.workers import SEQ, TINY, RandomTokens
 
@@ -34,7 +35,8 @@ def test_finalised_grads_are_autograd_of_the_mean_token_loss_dense_and_expert():
                            dp_rank=0, dp_size=1)
     get_forward_backward_func(setup.config)(forward_step_func=forward_step, data_iterator=data.step_iterator(),
                                             model=setup.model, num_microbatches=data.num_microbatches)
-    ours = {n: p.main_grad.detach().clone() for n, p in unwrap_model(setup.model).named_parameters()}
+    grad_of = reduced_main_grads(setup.model.grad_buffers.buffers())  # with the division the optimizer would do
+    ours = {n: grad_of[id(p)] for n, p in unwrap_model(setup.model).named_parameters()}
 
     plain = provider.provide(state)  # same seed: the same weights, never wrapped
     with torch.no_grad():
