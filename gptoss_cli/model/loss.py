@@ -75,6 +75,10 @@ class _ChunkedLMLoss(torch.autograd.Function):
                 grad_w += dlogits.t() @ h
         if grad_w is not None and hidden.shape[0] == 0:
             grad_w.zero_()
+        if grad_w is not None and grad_w.dtype != weight.dtype:
+            # Held until backward in the weight's dtype (the memory estimate's b*V*h): a bf16 layer
+            # keeps its bf16 gradient; only an fp32 layer's accumulator goes straight into main_grad.
+            grad_w = grad_w.to(weight.dtype)
         ctx.grads = (grad_h, grad_w)
         ctx.weight = weight
         return total
