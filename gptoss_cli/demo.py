@@ -105,10 +105,10 @@ def learnable_tokens(arch: Any, n_tokens: int, seed: int = 0) -> "Any":
 
 
 def write_token_file(prefix: Path, tokens: Any, vocab_size: int, eos_token_id: int | None) -> None:
-    """The token format of `gptoss prepare-data` (gptoss_cli/token_format.py), one document."""
+    """The token format of `gptoss prepare-data` (gptoss_cli/data/token_format.py), one document."""
     import torch
 
-    from gptoss_cli.token_format import token_dtype_for, token_file_paths, write_token_header
+    from gptoss_cli.data.token_format import token_dtype_for, token_file_paths, write_token_header
 
     dtype = token_dtype_for(vocab_size)
     bin_path, json_path = token_file_paths(prefix)

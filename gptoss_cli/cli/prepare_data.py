@@ -73,13 +73,13 @@ def prepare_data_cmd(
             bar.update(task, completed=done, total=total)
 
         if fmt == "harmony":
-            from gptoss_cli.train.prepare_conversations import prepare_conversations
+            from gptoss_cli.data.prepare_conversations import prepare_conversations
 
             result = prepare_conversations(list(inputs), out, tokenizer, analysis=analysis or "keep",
                                            train_on=train_on or "last", max_length=max_length, truncate=truncate,
                                            seq_length=seq_length, errors=errors, progress=progress)
         else:
-            from gptoss_cli.train.prepare_data import prepare_data
+            from gptoss_cli.data.prepare_text import prepare_data
 
             result = prepare_data(list(inputs), out, tokenizer, text_key=text_key, eos_token_id=eos_id,
                                   progress=progress, errors=errors)

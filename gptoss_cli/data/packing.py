@@ -2,7 +2,7 @@
 
 A row of capacity S (training.seq_length) holds documents laid end to end; a document of L tokens
 takes L positions. Documents are never split: one longer than S is an error. Used by training on
-version-2 token files (gptoss_cli/token_format.py) and by prepare-data's packing report.
+version-2 token files (gptoss_cli/data/token_format.py) and by prepare-data's packing report.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Training data: a deterministic learnable mock source and memory-mapped token files, sharded by DP rank.
 
-Token files are gptoss_cli/token_format.py's format (what `gptoss prepare-data` writes); epochs
+Token files are gptoss_cli/data/token_format.py's format (what `gptoss prepare-data` writes); epochs
 reshuffle the sample order with the seed. A version-1 file is cut into windows of S+1 tokens; a
 version-2 file (documents, maybe a loss mask) is packed once into rows of S tokens holding whole
 documents (gptoss_cli/data/packing.py), and a row's microbatch carries the document boundaries
@@ -32,10 +32,10 @@ from gptoss_cli.errors import ConfigError
 from gptoss_cli.model.attention import document_offsets, document_positions
 from gptoss_cli.model.context_parallel import slice_sequence
 from gptoss_cli.model.loss import IGNORE_INDEX
-from gptoss_cli.token_format import INDEX_DTYPE, check_token_files, document_file_paths, has_documents, read_token_header
+from gptoss_cli.data.token_format import INDEX_DTYPE, TOKEN_ITEMSIZE, check_token_files, document_file_paths, has_documents, read_token_header
 
-# The format's dtype names as torch dtypes (gptoss_cli/token_format.py).
-TOKEN_DTYPES = {"uint16": torch.uint16, "uint32": torch.uint32, "int32": torch.int32, "int64": torch.int64}
+# The format's dtype names (gptoss_cli/data/token_format.py) as the torch dtypes the reader maps them to.
+TOKEN_DTYPES = {name: getattr(torch, name) for name in TOKEN_ITEMSIZE}
 
 
 class MockSource:

@@ -23,7 +23,7 @@ import torch
 from gptoss_cli.errors import ConfigError
 from gptoss_cli.model.dtypes import dtype_name
 from gptoss_cli.model.loss import IGNORE_INDEX, chunked_lm_loss_sum
-from gptoss_cli.token_format import INDEX_DTYPE, document_file_paths, has_documents, read_token_header
+from gptoss_cli.data.token_format import INDEX_DTYPE, document_file_paths, has_documents, read_token_header
 from gptoss_cli.train.data import PackedDocumentSource, TokenFileSource, packed_microbatch
 
 EvalProgress = Callable[[int, int], None]  # (rows done, rows in all)

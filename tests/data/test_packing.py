@@ -69,11 +69,12 @@ def test_efficiency_counts_real_tokens_over_row_positions():
     assert packing_efficiency([], [], 6) == 0.0
 
 
-def test_packing_the_renderer_and_the_token_format_do_not_need_torch():
+def test_packing_the_renderer_the_token_format_and_prepare_data_do_not_need_torch():
     """The launch rule and prepare-data's report use them on machines without the trainer's stack."""
     import subprocess
     import sys
 
-    code = ("import sys, gptoss_cli.data.packing, gptoss_cli.data.harmony, gptoss_cli.token_format; "
+    code = ("import sys, gptoss_cli.data.packing, gptoss_cli.data.harmony, gptoss_cli.data.token_format, "
+            "gptoss_cli.data.prepare_text, gptoss_cli.data.prepare_conversations; "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True)

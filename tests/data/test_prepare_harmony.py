@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from gptoss_cli.cli import app
 from gptoss_cli.data.packing import pack_documents, packing_efficiency
-from gptoss_cli.token_format import check_token_files, read_token_header
+from gptoss_cli.data.token_format import check_token_files, read_token_header
 from tests.data.test_harmony import CONVERSATIONS, RETURN, as_json
 
 h = pytest.importorskip("openai_harmony")

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from gptoss_cli.errors import ConfigError
-from gptoss_cli.token_format import (
+from gptoss_cli.data.token_format import (
     check_token_files, document_file_paths, read_token_header, write_document_index, write_token_header,
 )
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gptoss_cli.token_format import document_file_paths, token_file_paths, write_atomically, write_document_index, write_token_header
+from gptoss_cli.data.token_format import document_file_paths, token_file_paths, write_atomically, write_document_index, write_token_header
 
 
 def sft_documents(lengths: list[int], vocab: int, seed: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from gptoss_cli.cli import app
 from gptoss_cli.errors import ConfigError
 from gptoss_cli.model.config import preset
-from gptoss_cli.token_format import read_token_header
+from gptoss_cli.data.token_format import read_token_header
 from gptoss_cli.train.data import DataLoaderState, MockSource, TokenFileSource
 from gptoss_cli.train.loop import run_worker
 from tests.train.jobs import train_job
@@ -227,7 +227,7 @@ def test_text_key_errors_name_the_file_line_and_key_and_write_nothing(second_lin
 
 
 def test_token_header_is_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
-    from gptoss_cli import token_format
+    from gptoss_cli.data import token_format
 
     json_path = tmp_path / "t.json"
     fields = dict(dtype="uint16", num_tokens=9, num_documents=2, vocab_size=50, eos_token_id=49, tokenizer=None,

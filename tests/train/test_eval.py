@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from typer.testing import CliRunner
 
 from gptoss_cli.cli import app
-from gptoss_cli.token_format import token_file_paths, write_atomically, write_token_header
+from gptoss_cli.data.token_format import token_file_paths, write_atomically, write_token_header
 from tests.model.tiny_checkpoints import load_hf_reference, write_converted_pair
 from tests.train.sft_files import sft_documents, write_sft_file
 

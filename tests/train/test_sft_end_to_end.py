@@ -15,7 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from gptoss_cli.cli import app
-from gptoss_cli.token_format import read_token_header
+from gptoss_cli.data.token_format import read_token_header
 from gptoss_cli.train.loop import run_worker
 from tests.train.jobs import TINY, train_job
 

@@ -68,7 +68,7 @@ def data_source(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
         return []
     # Only at launch (train): the files are on the training machine, not necessarily here.
     from gptoss_cli.errors import GptossError  # noqa: PLC0415
-    from gptoss_cli.token_format import check_token_files  # noqa: PLC0415
+    from gptoss_cli.data.token_format import check_token_files  # noqa: PLC0415
 
     try:
         check_token_files(d.path, ctx.arch.vocab_size)
@@ -90,7 +90,7 @@ def documents_fit(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     # Only at launch, like data.source (which reports unreadable or inconsistent files).
     import numpy as np  # noqa: PLC0415
 
-    from gptoss_cli.token_format import INDEX_DTYPE, document_file_paths, has_documents, read_token_header  # noqa: PLC0415
+    from gptoss_cli.data.token_format import INDEX_DTYPE, document_file_paths, has_documents, read_token_header  # noqa: PLC0415
 
     try:
         if not has_documents(read_token_header(d.path)):

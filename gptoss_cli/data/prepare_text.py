@@ -3,7 +3,7 @@
 Streaming: documents are read and tokenized in batches and appended to `OUT.bin`; memory use
 does not grow with the input. Each document's tokens are followed by the EOS id. The header
 `OUT.json` is written last, and both files appear under their final names only when complete.
-Format: see `gptoss_cli.train.data`.
+Format: gptoss_cli/data/token_format.py.
 
 Inputs: `.jsonl` / `.json` lines files (one JSON object per line, the text under `text_key`), or
 any other file as plain UTF-8 text where one or more blank lines separate documents. Invalid UTF-8
@@ -21,14 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-import torch
-
 from gptoss_cli import outputs
 from gptoss_cli.errors import ConfigError, UsageError, file_system_error
 from gptoss_cli.data.tokenizer import read_tokenizer, tokenizer_path
 from gptoss_cli.json_input import jsonl_lines, parse_json
-from gptoss_cli.token_format import token_dtype_for, token_file_paths, write_token_header
-from gptoss_cli.train.data import TOKEN_DTYPES
+from gptoss_cli.data.token_format import TOKEN_ITEMSIZE, token_dtype_for, token_file_paths, write_token_header
 
 BATCH_DOCS = 512
 DECODE_ERRORS = ("strict", "replace")
@@ -195,7 +192,6 @@ def prepare_data(
     vocab_size = tok.get_vocab_size(with_added_tokens=True)
     eos = _eos_id(tok, tok_file, eos_token_id, vocab_size)
     dtype_name = token_dtype_for(vocab_size)
-    dtype = TOKEN_DTYPES[dtype_name]
     bin_path, header_path = token_file_paths(out)
     prepare_outputs(out, [bin_path, header_path], [*map(Path, inputs), tok_file])
     tmp = outputs.temp_path(bin_path, outputs.TMP)
@@ -208,7 +204,7 @@ def prepare_data(
         for enc in encodings:
             ids.extend(enc.ids)
             ids.append(eos)
-        fh.write(to_bytes(ids, dtype))
+        fh.write(to_bytes(ids, dtype_name))
         return len(ids)
 
     try:
@@ -257,11 +253,12 @@ def _check_not_overwritten(out: Path, targets: tuple[Path, ...], sources: list[P
                                  hint="choose another --out prefix")
 
 
-def to_bytes(ids: list[int], dtype: torch.dtype) -> bytes:
-    """Little-endian bytes of the ids in `dtype` (uint16/uint32) without numpy."""
-    arr = array.array("H" if dtype == torch.uint16 else "I", ids)
-    if arr.itemsize != dtype.itemsize:  # pragma: no cover - exotic platforms
-        arr = array.array("L" if dtype == torch.uint32 else "H", ids)
+def to_bytes(ids: list[int], dtype: str) -> bytes:
+    """Little-endian bytes of the ids as the token format's unsigned `dtype` ("uint16"/"uint32"), without numpy or torch."""
+    itemsize = TOKEN_ITEMSIZE[dtype]
+    arr = array.array("H" if itemsize == 2 else "I", ids)
+    if arr.itemsize != itemsize:  # pragma: no cover - exotic platforms
+        arr = array.array("L" if itemsize == 4 else "H", ids)
     if sys.byteorder != "little":  # pragma: no cover
         arr.byteswap()
     return arr.tobytes()

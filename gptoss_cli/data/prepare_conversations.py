@@ -21,11 +21,10 @@ from gptoss_cli.data.harmony import (
 )
 from gptoss_cli.data.packing import pack_documents, packing_efficiency
 from gptoss_cli.errors import UsageError, file_system_error
-from gptoss_cli.token_format import (
+from gptoss_cli.data.token_format import (
     document_file_paths, token_dtype_for, token_file_paths, write_document_index, write_token_header,
 )
-from gptoss_cli.train.data import TOKEN_DTYPES
-from gptoss_cli.train.prepare_data import (
+from gptoss_cli.data.prepare_text import (
     DECODE_ERRORS, check_inputs, line_decoder, load_tokenizer, prepare_outputs, to_bytes,
 )
 
@@ -101,7 +100,6 @@ def prepare_conversations(
         raise UsageError(str(exc), hint="use the checkpoint's own tokenizer.json") from None
     vocab_size = tok.get_vocab_size(with_added_tokens=True)
     dtype_name = token_dtype_for(vocab_size)
-    dtype = TOKEN_DTYPES[dtype_name]
     bin_path, header_path = token_file_paths(out)
     idx_path, mask_path = document_file_paths(out)
     prepare_outputs(out, [bin_path, idx_path, mask_path, header_path], [*map(Path, inputs), tok_file])
@@ -130,7 +128,7 @@ def prepare_conversations(
                             continue
                         ids, mask = ids[:max_length], mask[:max_length]
                         num_truncated += 1
-                    fb.write(to_bytes(ids, dtype))
+                    fb.write(to_bytes(ids, dtype_name))
                     fm.write(bytes(mask))
                     lengths.append(len(ids))
                     offsets.append(offsets[-1] + len(ids))
