@@ -105,7 +105,9 @@ class _Screen:
     def hooks(self) -> GenerateHooks:
         return GenerateHooks(loading=lambda name: self.status.update(f"generate: loading {escape(name)}"),
                              started=self._started, write_out=_write(sys.stdout), write_err=_write(sys.stderr),
-                             row_done=lambda row: self.bar.advance(self.task))
+                             # per-row progress only for a person watching: otherwise the batch decodes
+                             # without reading each step's tokens back
+                             row_done=(lambda row: self.bar.advance(self.task)) if err_console.is_terminal else None)
 
 
 def _render(result: GenerateResult) -> None:
