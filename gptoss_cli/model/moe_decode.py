@@ -10,7 +10,8 @@ math on the assignments alone:
     fc1 + bias, the clamped SwiGLU, fc2 + bias, times the routing weight, added back per token.
 
 Where the GEMMs run: on the CPU, one `addmm` per expert that got rows, into slices of one
-preallocated output (the counts are read on the host, where they already are); elsewhere, the
+preallocated output (the counts are read on the host, where they already are; a single token
+takes its k experts in the order chosen, without sorting); elsewhere, the
 grouped GEMM of model/grouped_gemm.py over device-side counts, so nothing is read back to the host
 (no device sync per layer and step, which the dispatcher's split sizes would cost).
 
@@ -52,7 +53,7 @@ class DecodeExperts:
         return [(w.t(), b) for w, b in zip(lin.weight.unbind(0), lin.bias.unbind(0))]
 
 
-def _expert_gemm(x: torch.Tensor, lin: ExpertLinear, views, counts: torch.Tensor, expert_of_row: torch.Tensor,
+def _expert_gemm(x: torch.Tensor, lin: ExpertLinear, views, counts: torch.Tensor, expert_of_row: torch.Tensor | None,
                  host_counts: list[int] | None) -> torch.Tensor:
     """Rows of x sorted by expert -> x_e @ W_e^T + b_e per row."""
     if host_counts is None:
@@ -62,6 +63,19 @@ def _expert_gemm(x: torch.Tensor, lin: ExpertLinear, views, counts: torch.Tensor
         if n:
             torch.addmm(b, rows, w_t, out=dest)
     return out
+
+
+def _one_token(experts_of: DecodeExperts, hidden: torch.Tensor, probs: torch.Tensor,
+               chosen: torch.Tensor) -> torch.Tensor:
+    """One token on the CPU (a single prompt's step): its k experts in the order chosen, no sorting,
+    and the routing weights applied by one [1, k] x [k, H] product."""
+    experts = experts_of.layer.mlp.experts
+    chosen_ids = chosen[0].tolist()
+    gate_up = torch.cat([torch.addmm(experts_of.fc1[e][1], hidden, experts_of.fc1[e][0]) for e in chosen_ids])
+    act = clamped_swiglu(gate_up, experts.limit, experts.alpha)
+    out = torch.cat([torch.addmm(experts_of.fc2[e][1], row, experts_of.fc2[e][0])
+                     for e, row in zip(chosen_ids, act.split(1))])
+    return torch.mm(probs.to(out.dtype), out)
 
 
 @torch.no_grad()
@@ -75,12 +89,14 @@ def decode_moe(experts_of: DecodeExperts, x: torch.Tensor) -> torch.Tensor:
     logits = F.linear(hidden, router.weight, router.bias)
     top, chosen = torch.topk(logits, router.top_k, dim=-1)
     probs = torch.softmax(top, dim=-1)
+    if experts_of.on_host and hidden.shape[0] == 1:
+        return x + _one_token(experts_of, hidden, probs, chosen).view_as(x)
     flat = chosen.flatten()
     order = torch.argsort(flat, stable=True)  # assignments grouped by expert
     token = order.div(router.top_k, rounding_mode="floor")
     counts = torch.bincount(flat, minlength=layer.num_experts)
     host_counts = counts.tolist() if experts_of.on_host else None
-    expert_of_row = flat.index_select(0, order)
+    expert_of_row = None if host_counts is not None else flat.index_select(0, order)
     rows = hidden.index_select(0, token)
     gate_up = _expert_gemm(rows, experts.linear_fc1, experts_of.fc1, counts, expert_of_row, host_counts)
     act = clamped_swiglu(gate_up, experts.limit, experts.alpha)
