@@ -20,7 +20,7 @@ the full rows first, so per-document attention (after the all-to-all, on full ro
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -204,6 +204,9 @@ class Microbatch:
     # the document start offsets into the flattened [mbs*S] tokens (model/attention.py)
     position_ids: torch.Tensor | None = None
     cu_seqlens: tuple[int, ...] | None = None
+    # per-position tensors [mbs, S] a training objective attaches (advantages, old log-probs, ...:
+    # train/objective.py, `prepare_step`); sliced with the labels under context parallel
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def model_inputs(self) -> dict:
         """Keyword arguments of the model's forward (and schedule plan) besides the tokens."""
@@ -222,7 +225,8 @@ class Microbatch:
             positions = torch.arange(s, device=self.tokens.device).expand(b, -1)
         return Microbatch(tokens=slice_sequence(self.tokens, cp_size, cp_rank),
                           labels=slice_sequence(self.labels, cp_size, cp_rank),
-                          position_ids=slice_sequence(positions, cp_size, cp_rank), cu_seqlens=self.cu_seqlens)
+                          position_ids=slice_sequence(positions, cp_size, cp_rank), cu_seqlens=self.cu_seqlens,
+                          extras={k: slice_sequence(v, cp_size, cp_rank) for k, v in self.extras.items()})
 
 
 class DataLoaderState:

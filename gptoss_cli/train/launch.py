@@ -38,8 +38,9 @@ from gptoss_cli.errors import ConfigError, GptossError, Terminated, TrainingErro
 from gptoss_cli.outputs import FolderLock
 from gptoss_cli.parallel.state import torchrun_env
 from gptoss_cli.train.heartbeat import Watchdog
-from gptoss_cli.train.loop import TrainJob, TrainResult, run_worker
-from gptoss_cli.train.progress import TrainProgress
+from gptoss_cli.train.job import TrainJob
+from gptoss_cli.train.loop import run_worker
+from gptoss_cli.train.progress import TrainProgress, TrainResult
 
 
 def default_nproc(recipe: Any) -> int:

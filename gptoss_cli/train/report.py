@@ -1,6 +1,6 @@
 """`gptoss report`'s library side: read a run folder's metrics.jsonl, summarise the run, draw its PNG plots.
 
-A run's metrics.jsonl (train/loop.py) holds one line per rank and step; the step's global values
+A run's metrics.jsonl (written by train/metrics.py) holds one line per rank and step; the step's global values
 (loss, lr, grad norm, tokens/s, i23's mfu when present, the router telemetry) are on rank 0's
 line. A resumed run appends again from its checkpoint's step: the later line of a (step, rank)
 wins. A run killed while rank 0 wrote a line leaves that last line torn (no newline at its end):

@@ -11,7 +11,7 @@ from typing import Any
 
 from gptoss_cli.model.config import GptOssArch, preset
 from gptoss_cli.recipe.schema import OptimizerConfig, RecipeConfig
-from gptoss_cli.train.loop import TrainJob
+from gptoss_cli.train.job import TrainJob
 from gptoss_cli.train.provider import ModelRuntimeConfig
 
 TINY = preset("tiny")
