@@ -117,7 +117,11 @@ def generate_cmd(
     if len(results) == 1:
         r = results[0]
         write_out("\n")
-        if not raw and not r.text:
+        if not raw and not r.text and not r.extra.get("harmony", True):
+            err_console.print("[yellow]note:[/] the reply did not parse as harmony (no message text); its raw text:",
+                              highlight=False)
+            write_out(r.extra.get("raw_text", "") + "\n")
+        elif not raw and not r.text:
             has = ", ".join(r.extra.get("channels", {})) or "nothing"
             calls = [m["recipient"] for m in r.extra.get("reply_messages", []) if m["recipient"]]
             note = f"a call to {calls[-1]}" if calls else f"no final-channel answer (the reply holds: {has})"
