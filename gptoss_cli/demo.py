@@ -192,7 +192,7 @@ def run_demo(workdir: str | Path | None = None, steps: int = DEFAULT_STEPS, *, h
     r.run("train", f"{steps} steps, 2 processes, EP=2, overlap + delayed wgrad, from the converted checkpoint",
           lambda: _train(hooks, hybrid, data, run_dir, steps), needs=("convert", "validate"))
     r.run("sft", "harmony conversations -> prepare-data -> fine-tune with validation -> eval -> generate, offline",
-          lambda: _sft(hooks, hf, hybrid, folder / "sft"), needs=("convert",))
+          lambda: _sft(hooks, hf, hybrid, folder / "sft"), needs=("convert", "validate"))
     r.run("export", "training checkpoint -> HF (MXFP4 experts), reloaded: next-token predictions",
           lambda: _export(hooks, run_dir / "checkpoints", export), needs=("train",))
     return DemoResult(str(folder), steps, r.stages, time.perf_counter() - t0)

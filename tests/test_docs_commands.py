@@ -58,3 +58,21 @@ def test_tiny_commands_run_as_written_from_another_directory(name, tmp_path, mon
     for argv in DOCUMENTED[name]:
         result = runner.invoke(app, argv)
         assert result.exit_code == 0, f"{name}: gptoss {shlex.join(argv)} exited {result.exit_code}:\n{result.output}"
+
+
+def test_no_documented_command_names_a_recipe_by_its_repository_path():
+    """Recipes are found by name from anywhere; `recipes/x.yaml` works only from the repository root."""
+    bad = []
+    for path in FILES:
+        for block in re.findall(r"^```[^\n]*\n(.*?)^```", path.read_text(), re.M | re.S):
+            bad += [f"{path.name}: {line.strip()}" for line in block.splitlines()
+                    if line.lstrip().startswith("gptoss ") and re.search(r"\brecipes/\w+\.ya?ml", line)]
+    assert not bad, bad
+
+
+def test_every_command_in_a_recipes_comments_names_its_recipe_with_recipe():
+    bad = []
+    for recipe in sorted((ROOT / "recipes").glob("*.yaml")):
+        comments = " ".join(line for line in recipe.read_text().splitlines() if line.startswith("#"))
+        bad += [f"{recipe.name}: {m}" for m in re.findall(r"gptoss train(?! --recipe \w)[^.;]{0,40}", comments)]
+    assert not bad, bad
