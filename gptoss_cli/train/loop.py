@@ -227,8 +227,8 @@ class Trainer:
         self.heartbeat.progress(step + 1, "step")
         t0 = time.perf_counter()
         self.model.zero_grad_buffer()
-        microbatches = self.objective.prepare_step(self.data.step_iterator(),
-                                                   StepContext(step=step, model=self.model, state=self.state))
+        context = StepContext(step=step, model=self.model, state=self.state, schedule=self.schedule)
+        microbatches = self.objective.prepare_step(self.data.step_iterator(), context)
         logs = self.schedule(forward_step_func=self.objective.forward_step,
                              data_iterator=self.heartbeat.beating(microbatches, step + 1),
                              model=self.model, num_microbatches=self.data.num_microbatches, forward_only=False)

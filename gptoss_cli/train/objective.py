@@ -50,19 +50,24 @@ LossResult = "tuple[torch.Tensor, torch.Tensor, dict[str, Any]]"
 
 @dataclass
 class StepContext:
-    """What `prepare_step` may use: the step number, the wrapped model and a forward-only pass."""
+    """What `prepare_step` may use: the step number, the wrapped model, and forward-only passes through
+    the run's own schedule (`schedule`: `get_forward_backward_func`'s choice; a pipeline schedule runs
+    them stage by stage as it runs the step)."""
 
     step: int  # 0-based: optimizer steps done before this one
     model: torch.nn.Module
     state: Any  # the rank's ParallelState
+    schedule: Callable[..., list[dict[str, Any]]] | None = None  # None: the plain schedule
 
     def forward_only(self, forward_step_func: Callable[..., Any], microbatches: list[Microbatch]) -> list[dict[str, Any]]:
         """Run `forward_step_func` over `microbatches` without gradients (no backward, no gradient
         reduction); one log dict per microbatch, as its loss_func returned them."""
-        from gptoss_cli.schedule.plain import forward_backward_no_pipelining  # noqa: PLC0415
-
-        return forward_backward_no_pipelining(forward_step_func=forward_step_func, data_iterator=iter(microbatches),
-                                              model=self.model, num_microbatches=len(microbatches), forward_only=True)
+        schedule = self.schedule
+        if schedule is None:
+            from gptoss_cli.schedule.plain import forward_backward_no_pipelining as schedule  # noqa: PLC0415
+        with torch.no_grad():
+            return schedule(forward_step_func=forward_step_func, data_iterator=iter(microbatches), model=self.model,
+                            num_microbatches=len(microbatches), forward_only=True)
 
 
 class TrainingObjective(abc.ABC):

@@ -194,3 +194,20 @@ def _stop_after_save(step: int):
         if isinstance(event, CheckpointSaved) and event.step == step:
             raise _Stop(step)
     return progress
+
+
+def test_validation_on_two_expert_parallel_ranks_equals_eval_in_one_process(tmp_path, files):
+    """EP=2 on 2 processes: each rank scores every other of the file's 7 packed rows, the rank left
+    without one in the last round runs a padding row (so the experts' all-to-alls stay matched), and
+    the reduced loss is `gptoss eval`'s in one process."""
+    from tests.train.dist_helpers import run_distributed
+    from tests.train.workers import run_plan_worker
+
+    plan = tiny_plan(str(tmp_path / "run"), ep_size=2, train_iters=1, seq_length=SEQ, micro_batch_size=1,
+                     checkpoint_dir=str(tmp_path / "ckpt"), validation_data=str(files["sft"]))
+    run_distributed(run_plan_worker, 2, tmp_path / "out", plan)
+    (record,) = _records(tmp_path / "run")
+    scored = evaluate(tmp_path / "ckpt", files["sft"], seq_length=SEQ, dtype=torch.float32)
+    assert scored.rows % 2 == 1 and record["val_tokens"] == scored.loss_tokens
+    rel = reassociation_rel(n_terms=scored.loss_tokens + TINY.vocab_size, depth=2 * TINY.num_hidden_layers)
+    assert record["val_loss"] == pytest.approx(scored.loss, rel=rel)
