@@ -23,7 +23,8 @@ computes it on the last stage only. Per-token log-probabilities (what policy-gra
 need instead of one mean loss) come from `token_log_probs(output, labels)`, chunked over tokens
 like the loss itself. `prepare_step` sees the step's microbatches before the schedule does, with a
 `StepContext` that can run forward-only passes over them (`forward_only`), which is where an
-objective that needs the current or a reference policy's log-probabilities of the batch gets them.
+objective that needs the current or a reference policy's log-probabilities of the batch gets them;
+per-position inputs such as advantages or those log-probabilities ride on `Microbatch.extras`.
 
 `build_objective(config)` is the one place an objective is chosen from the recipe; a `TrainJob`
 may carry its own instead (`TrainJob.objective`), which is how a new objective is run without
@@ -44,9 +45,6 @@ from torch.utils.checkpoint import checkpoint
 from gptoss_cli.model.loss import IGNORE_INDEX, LM_LOSS_CHUNK_TOKENS, lm_loss_sum
 from gptoss_cli.parallel.grads import get_attr_wrapped_model, get_model_config
 from gptoss_cli.train.data import Microbatch
-
-LossResult = "tuple[torch.Tensor, torch.Tensor, dict[str, Any]]"
-
 
 @dataclass
 class StepContext:
