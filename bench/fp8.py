@@ -33,7 +33,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from gptoss_cli.fp8.catalog import RECIPES as FP8_RECIPES  # noqa: E402
-from gptoss_cli.fp8.recipe import Fp8Settings, select_gemms  # noqa: E402
+from gptoss_cli.fp8.selection import Fp8Settings, select_gemms  # noqa: E402
 from gptoss_cli.model.grouped_gemm import grouped_linear  # noqa: E402
 
 RECIPES = ("bf16", *FP8_RECIPES)

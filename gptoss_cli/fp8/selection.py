@@ -1,4 +1,4 @@
-"""Recipe selection: `precision.fp8_*` -> the numerics, the kernel path, and the model's gemm objects.
+"""Kernel selection: `precision.fp8_*` -> the numerics, the kernel path (native or emulated), and the model's gemm objects.
 
   fp8_recipe   scaling                                     native kernel (device)
   tensorwise   one scale per operand                       torch._scaled_mm, CUDA sm90+
