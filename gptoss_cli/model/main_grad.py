@@ -56,13 +56,14 @@ def addmm_fp32_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Te
     return out.addmm_(a.to(out.dtype), b.to(out.dtype))
 
 
-def mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b in fp32 for bf16/fp16 operands, summed in fp32 by the GEMM and returned unrounded."""
+def mm_fp32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """a @ b in fp32 for bf16/fp16 operands, summed in fp32 by the GEMM and returned unrounded
+    (into `out`, fp32, when given)."""
     if a.dtype == torch.float32:
-        return a @ b
+        return torch.mm(a, b, out=out)
     if a.is_cuda:
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return a.float() @ b.float()
+        return torch.mm(a, b, out_dtype=torch.float32, out=out)
+    return torch.mm(a.float(), b.float(), out=out)
 
 
 def main_grad_target(param: torch.Tensor) -> torch.Tensor | None:
