@@ -22,7 +22,6 @@ import torch
 
 from gptoss_cli.fp8.scaling import nonfinite_error
 
-_WHEN = " (checked once after the step's forward and backward, before the optimizer step)"
 
 
 class NonFiniteGuard:
@@ -46,17 +45,20 @@ class NonFiniteGuard:
         flat = torch.cat([p.reshape(-1).to(device=device, dtype=torch.float64) for p, _ in self._peaks])
         return flat.sum()
 
-    def check(self, value: float) -> None:
-        """After the flag was read as `value`: clear the record, or raise for the first non-finite operand."""
+    def check(self, value: float, step: int | None = None) -> None:
+        """After the flag was read as `value`: clear the record, or raise for the first non-finite
+        operand (`step`, when given, is named in the error)."""
         peaks, self._peaks = self._peaks, []
         if math.isfinite(value):
             return
+        at = f" at step {step}" if step is not None else ""
+        when = f" (checked once after the forward and backward{at}, before the optimizer step)"
         for peak, where in peaks:
             values = peak.reshape(-1).tolist()
             for expert, v in enumerate(values):
                 if not math.isfinite(v):
-                    raise nonfinite_error(where.replace("{expert}", str(expert)), v, _WHEN)
-        raise nonfinite_error("an FP8 operand of this step", value, _WHEN)  # not reached: amaxes cannot overflow the sum
+                    raise nonfinite_error(where.replace("{expert}", str(expert)), v, when)
+        raise nonfinite_error("an FP8 operand of this step", value, when)  # not reached: amaxes cannot overflow the sum
 
     def clear(self) -> None:
         self._peaks.clear()

@@ -101,7 +101,8 @@ def dispatcher_factory(num_experts: int, state: ParallelState) -> Callable[[int,
         return None
 
     def factory(_j: int, _layer: Any) -> AllToAllTokenDispatcher:
-        return AllToAllTokenDispatcher(num_experts, state.ep_size, state.ep_rank, state.ep_group)
+        return AllToAllTokenDispatcher(num_experts, state.ep_size, state.ep_rank, state.ep_group,
+                                       control_group=state.ep_control_group)
 
     return factory
 
