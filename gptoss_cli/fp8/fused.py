@@ -7,8 +7,9 @@ very functions the eager path calls (`scaling.tensor_math`, `row_math`, `mx_math
 grouped path's in fp8/grouped_kernel.py), compiled once each with dynamic shapes (token
 counts change every step).
 
-`kernel(fn, device)` returns the compiled `fn` where `fused_available(device)` holds, else `fn`
-itself. The verdict is taken once per device type, in the calling thread: every registered
+`kernel(fn, device)` returns the compiled `fn` on a GPU where `fused_available(device)` holds, else
+`fn` itself. The CPU keeps the eager ops: there FP8 is an emulation for checking numerics, and
+compiling every quantiser would cost a CPU run about a minute before its first step. The verdict is taken once per device type, in the calling thread: every registered
 function runs compiled and eager on probe operands that hold what the rules treat specially
 (zeros, negative zeros, values that round to ties, subnormal results, values past the format's
 max, a block clamped to 2^-127, powers of two on the MX boundary) and the fp8 bytes, scales and
@@ -47,9 +48,12 @@ def compiled(fn: Callable) -> Callable:
     return _compiled[fn]
 
 
+FUSED_DEVICE_TYPES = ("cuda",)
+
+
 def kernel(fn: Callable, device: torch.device) -> Callable:
-    """The compiled `fn` where the fused kernels are verified on this device type, else `fn`."""
-    return compiled(fn) if fused_available(device) else fn
+    """The compiled `fn` on a GPU where the fused kernels are verified, else `fn`."""
+    return compiled(fn) if device.type in FUSED_DEVICE_TYPES and fused_available(device) else fn
 
 
 def fused_available(device: torch.device) -> bool:
@@ -116,4 +120,4 @@ def edge_values(device: torch.device, rows: int = 6, cols: int = 64, seed: int =
     return x.to(device)
 
 
-__all__ = ["register", "compiled", "kernel", "fused_available", "edge_values"]
+__all__ = ["register", "compiled", "kernel", "fused_available", "edge_values", "FUSED_DEVICE_TYPES"]
