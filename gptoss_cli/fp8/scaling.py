@@ -30,9 +30,13 @@ axis (gptoss_cli/fp8/matmul.py), with a scale computed from the tensor itself at
           cast unscaled, as torchao's `to_mx` does, so its elements are zeros.
 
 NaN or inf in an input is a `TrainingError` naming the layer, the GEMM and the operand (casting
-would turn inf into +-max for e4m3 and hide a NaN inside a block's scale); it costs one host
-synchronisation per quantised operand, or one per grouped GEMM, which collects its experts' checks
-(`checks`) and runs them together in order, so the error names the same expert and operand.
+would turn inf into +-max for e4m3 and hide a NaN inside a block's scale). Checked at once it costs
+one host synchronisation per quantised operand, or one per grouped GEMM, which collects its
+experts' checks (`checks`) and runs them together in order, so the error names the same expert and
+operand; in training the checks are recorded on the device and read once per step (fp8/guard.py).
+
+The math of each scaling is a pure function of the tensor (`tensor_math`, `row_math`, `mx_math`),
+which fp8/fused.py compiles into single-pass kernels on a GPU where they equal it bit for bit.
 """
 
 from __future__ import annotations

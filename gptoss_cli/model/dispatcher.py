@@ -30,11 +30,13 @@ GPU run still blocks the host:
     exchange runs on its own process group (`control_group`, parallel/state.py's
     `ep_control_group`): on the EP group's communicator it would queue behind the other
     microbatch's token all-to-all in flight there, and the `.tolist()` would wait for that too;
-  * the per-expert loop of grouped GEMMs (model/grouped_gemm.py: GPUs or dtypes without
-    `torch._grouped_mm`, e.g. fp32 or pre-Hopper) and the FP8 grouped GEMMs (fp8/grouped.py) read
-    the counts once per GEMM, FP8 tensorwise scaling reads each amax (fp8/scaling.py);
-  * once per step, outside the MoE layers: the global token count in `finalize_model_grads`, the
-    gradient norm (clipping, the NaN check) and the logged loss.
+  * the per-expert loops (model/grouped_gemm.py for dtypes without `torch._grouped_mm`, e.g. fp32
+    on a GPU; fp8/grouped.py for what `torch._scaled_grouped_mm` does not take: MXFP8, e5m2
+    gradients, fp32 activations) read the counts once per GEMM; torch's own `_grouped_mm` loops
+    on GPUs other than sm90/sm100 and reads them inside the kernel call;
+  * once per step, outside the MoE layers: the logged loss totals (the FP8 NaN/inf flag read with
+    them, fp8/guard.py) and the gradient norm (clipping, the NaN check). The token count of
+    `finalize_model_grads` stays on the device.
 
 Every all-to-all goes through the dispatcher's communication object (`comm`, default `DIST_COMM`:
 torch.distributed); benchmarks inject their own (bench/simlink.py), the package has no other.
