@@ -96,7 +96,7 @@ def measure_gemm_tflops(device: str | torch.device = "cuda", *, tokens: int = 81
                      ("grouped", "as trained", lambda: grouped.fprop(x, we, counts))]
             path, kernel = gemms.path, gemms.numerics.kernel
             fmt = gemms.numerics.forward
-            grouped_kernel = grouped._grouped(x, fmt, fmt, hidden, out_features, experts)
+            grouped_kernel = grouped.uses_grouped_kernel(x, fmt, fmt, hidden, out_features, experts)
         for gemm, timing, fn in cases:
             if recipe != "bf16" and gemm == "grouped":
                 kernel = "_scaled_grouped_mm" if grouped_kernel else f"{gemms.numerics.kernel} per expert"

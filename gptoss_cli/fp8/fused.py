@@ -73,7 +73,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     t = t.detach().contiguous()
     if t.dtype.itemsize == 1:
         return t.view(torch.uint8)
-    return t.view(torch.int32) if t.dtype.itemsize == 4 else t.view(torch.int16 if t.dtype.itemsize == 2 else torch.int64)
+    return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.dtype.itemsize])
 
 
 def _same(a, b) -> bool:

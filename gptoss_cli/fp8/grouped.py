@@ -50,7 +50,8 @@ class Fp8GroupedGemm(Fp8GemmBase, GroupedGemm):
     """fprop / dgrad / wgrad of one grouped expert layer (`layer` names it in errors)."""
 
     def fprop(self, x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        if self._grouped(x, self.numerics.forward, self.numerics.forward, x.shape[1], weight.shape[1], weight.shape[0]):
+        f = self.numerics.forward
+        if self.uses_grouped_kernel(x, f, f, x.shape[1], weight.shape[1], weight.shape[0]):
             return self._run_grouped(grouped_kernel.fprop, "fprop", x, weight, tokens_per_expert, self.numerics.forward)
         counts = tokens_per_expert.tolist()
         out = self._checked_once(lambda checks: map_experts(x, counts, lambda e, rows: self.numerics.matmul(
@@ -61,7 +62,7 @@ class Fp8GroupedGemm(Fp8GemmBase, GroupedGemm):
 
     def dgrad(self, dy: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         g = self.numerics.gradient
-        if self._grouped(dy, g, self.numerics.forward, dy.shape[1], weight.shape[2], weight.shape[0]):
+        if self.uses_grouped_kernel(dy, g, self.numerics.forward, dy.shape[1], weight.shape[2], weight.shape[0]):
             return self._run_grouped(grouped_kernel.dgrad, "dgrad", dy, weight, tokens_per_expert, g)
         counts = tokens_per_expert.tolist()
         out = self._checked_once(lambda checks: map_experts(dy, counts, lambda e, rows: self.numerics.matmul(
@@ -72,7 +73,7 @@ class Fp8GroupedGemm(Fp8GemmBase, GroupedGemm):
 
     def wgrad(self, x: torch.Tensor, dy: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         g = self.numerics.gradient
-        if self._grouped(x, g, self.numerics.forward, x.shape[1], dy.shape[1], tokens_per_expert.numel(),
+        if self.uses_grouped_kernel(x, g, self.numerics.forward, x.shape[1], dy.shape[1], tokens_per_expert.numel(),
                          out_dtype=dy.dtype):
             return self._run_grouped(grouped_kernel.wgrad, "wgrad", x, dy, tokens_per_expert, g)
         counts = tokens_per_expert.tolist()
@@ -84,7 +85,7 @@ class Fp8GroupedGemm(Fp8GemmBase, GroupedGemm):
         return torch.stack(grads) if grads else dy.new_zeros(0, dy.shape[1], x.shape[1])
 
     # --- the grouped kernel --------------------------------------------------------------------
-    def _grouped(self, rows: torch.Tensor, fa: Fp8Format, fb: Fp8Format, k: int, n: int, groups: int,
+    def uses_grouped_kernel(self, rows: torch.Tensor, fa: Fp8Format, fb: Fp8Format, k: int, n: int, groups: int,
                  out_dtype: torch.dtype | None = None) -> bool:
         """Whether this GEMM runs as one grouped kernel call (else the per-expert loop)."""
         return (self.numerics.kernel == SCALED_MM and rows.shape[0] > 0 and grouped_kernel.available(rows.device)

@@ -63,7 +63,7 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, what: s
         raise TrainingError(
             f"torch._grouped_mm failed for the experts' {what} GEMM ({list(a.shape)} x {list(b.shape)}, "
             f"{str(a.dtype).removeprefix('torch.')}, {a.device}): {(str(exc).strip().splitlines() or [''])[0][:200]}",
-            hint="report it with these shapes and the torch version; the per-expert loop is not used as a silent fallback",
+            hint="report it with these shapes and the torch version (the per-expert loop is no silent fallback)",
         ) from None
 
 

@@ -314,6 +314,7 @@ def barrier(group: Any = None) -> None:
 
 
 __all__ = [
-    "ParallelState", "init_parallel", "check_local_gpus", "interruptible_wait", "state_from_world", "destroy_parallel", "pick_device", "torchrun_env",
+    "ParallelState", "init_parallel", "check_local_gpus", "interruptible_wait", "state_from_world", "destroy_parallel",
+    "pick_device", "torchrun_env",
     "all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier", "group_size", "group_rank",
 ]
