@@ -50,6 +50,8 @@ class Fp8GroupedGemm(Fp8GemmBase, GroupedGemm):
     """fprop / dgrad / wgrad of one grouped expert layer (`layer` names it in errors)."""
 
     def fprop(self, x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 0:  # no rows: nothing to read or compute, on any path
+            return x.new_zeros(0, weight.shape[1])
         f = self.numerics.forward
         if self.uses_grouped_kernel(x, f, f, x.shape[1], weight.shape[1], weight.shape[0]):
             return self._run_grouped(grouped_kernel.fprop, "fprop", x, weight, tokens_per_expert, self.numerics.forward)
@@ -61,6 +63,8 @@ class Fp8GroupedGemm(Fp8GemmBase, GroupedGemm):
         return out
 
     def dgrad(self, dy: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        if dy.shape[0] == 0:
+            return dy.new_zeros(0, weight.shape[2])
         g = self.numerics.gradient
         if self.uses_grouped_kernel(dy, g, self.numerics.forward, dy.shape[1], weight.shape[2], weight.shape[0]):
             return self._run_grouped(grouped_kernel.dgrad, "dgrad", dy, weight, tokens_per_expert, g)
@@ -72,6 +76,8 @@ class Fp8GroupedGemm(Fp8GemmBase, GroupedGemm):
         return out
 
     def wgrad(self, x: torch.Tensor, dy: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 0:
+            return dy.new_zeros(tokens_per_expert.numel(), dy.shape[1], x.shape[1])
         g = self.numerics.gradient
         if self.uses_grouped_kernel(x, g, self.numerics.forward, x.shape[1], dy.shape[1], tokens_per_expert.numel(),
                          out_dtype=dy.dtype):
@@ -88,7 +94,7 @@ class Fp8GroupedGemm(Fp8GemmBase, GroupedGemm):
     def uses_grouped_kernel(self, rows: torch.Tensor, fa: Fp8Format, fb: Fp8Format, k: int, n: int, groups: int,
                  out_dtype: torch.dtype | None = None) -> bool:
         """Whether this GEMM runs as one grouped kernel call (else the per-expert loop)."""
-        return (self.numerics.kernel == SCALED_MM and rows.shape[0] > 0 and grouped_kernel.available(rows.device)
+        return (self.numerics.kernel == SCALED_MM and grouped_kernel.available(rows.device)
                 and grouped_kernel.supports(self.numerics.scaling, fa, fb, k, n, out_dtype or rows.dtype, groups))
 
     def _run_grouped(self, gemm: Callable, kind: str, a: torch.Tensor, b: torch.Tensor, tokens_per_expert: torch.Tensor,

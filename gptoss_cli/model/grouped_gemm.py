@@ -79,18 +79,24 @@ class GroupedGemm:
     name = "default"
 
     def fprop(self, x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] and _grouped_mm_usable(x, weight.shape):
+        if x.shape[0] == 0:  # no rows (a rank that received no tokens): nothing to read or compute
+            return x.new_zeros(0, weight.shape[1])
+        if _grouped_mm_usable(x, weight.shape):
             return _grouped_mm(x, weight.transpose(-2, -1), _offsets(tokens_per_expert), "fprop")
         return map_experts(x, tokens_per_expert.tolist(), lambda e, rows: rows @ weight[e].t(), weight.shape[1])
 
     def dgrad(self, dy: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        if dy.shape[0] and _grouped_mm_usable(dy, weight.shape):
+        if dy.shape[0] == 0:
+            return dy.new_zeros(0, weight.shape[2])
+        if _grouped_mm_usable(dy, weight.shape):
             return _grouped_mm(dy, weight, _offsets(tokens_per_expert), "dgrad")
         return map_experts(dy, tokens_per_expert.tolist(), lambda e, rows: rows @ weight[e], weight.shape[2])
 
     def wgrad(self, x: torch.Tensor, dy: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         num_experts = tokens_per_expert.numel()
-        if x.shape[0] and _grouped_mm_usable(x, (num_experts, dy.shape[1], x.shape[1])):
+        if x.shape[0] == 0:
+            return dy.new_zeros(num_experts, dy.shape[1], x.shape[1])
+        if _grouped_mm_usable(x, (num_experts, dy.shape[1], x.shape[1])):
             return _grouped_mm(dy.t(), x, _offsets(tokens_per_expert), "wgrad")
         counts = tokens_per_expert.tolist()
         grads = [d.t() @ xe for d, xe in zip(torch.split(dy, counts), torch.split(x, counts))]

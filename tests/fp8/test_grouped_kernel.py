@@ -87,3 +87,19 @@ def test_a_non_finite_operand_names_the_expert_on_the_grouped_path(grouped_kerne
     dy[-1, 0] = float("nan")  # expert 4's output gradient
     with pytest.raises(TrainingError, match=r"linear_fc2 \(local expert 4\) dgrad output gradient contains NaN"):
         gemm.dgrad(dy, w, counts)
+
+
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
+def test_a_rank_that_received_no_rows_reads_nothing_and_gets_zeros(grouped_kernel_on, fp8):
+    # Under expert parallelism a rank can receive no tokens: no count is read, no kernel called.
+    from gptoss_cli.model.grouped_gemm import DEFAULT_GEMM
+    from tests.schedule.host_syncs import HostSyncCounter
+
+    gemm = select_gemms(Fp8Settings("rowwise", "e4m3", emulation=True), "cpu").grouped("l") if fp8 else DEFAULT_GEMM
+    x, dy, w, counts = torch.zeros(0, 64).bfloat16(), torch.zeros(0, 96).bfloat16(), _operands()[1], torch.zeros(5, dtype=torch.long)
+    counter = HostSyncCounter()
+    with counter:
+        y, dx, dw = gemm.fprop(x, w, counts), gemm.dgrad(dy, w, counts), gemm.wgrad(x, dy, counts)
+    assert counter.total == 0 and grouped_kernel_on == []
+    assert (y.shape, dx.shape, dw.shape) == ((0, 96), (0, 64), (5, 96, 64)) and not dw.any()
+    assert y.dtype == dx.dtype == dw.dtype == torch.bfloat16
