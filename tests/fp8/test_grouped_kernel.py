@@ -96,7 +96,8 @@ def test_a_rank_that_received_no_rows_reads_nothing_and_gets_zeros(grouped_kerne
     from tests.schedule.host_syncs import HostSyncCounter
 
     gemm = select_gemms(Fp8Settings("rowwise", "e4m3", emulation=True), "cpu").grouped("l") if fp8 else DEFAULT_GEMM
-    x, dy, w, counts = torch.zeros(0, 64).bfloat16(), torch.zeros(0, 96).bfloat16(), _operands()[1], torch.zeros(5, dtype=torch.long)
+    x, dy, w = torch.zeros(0, 64).bfloat16(), torch.zeros(0, 96).bfloat16(), _operands()[1]
+    counts = torch.zeros(5, dtype=torch.long)
     counter = HostSyncCounter()
     with counter:
         y, dx, dw = gemm.fprop(x, w, counts), gemm.dgrad(dy, w, counts), gemm.wgrad(x, dy, counts)
