@@ -38,9 +38,14 @@ class LogConsole(Console):
     (tables at their natural width) unless COLUMNS says otherwise. Decided at each print, so the
     module-level consoles follow wherever stdout goes (a test runner swaps it)."""
 
+    def __init__(self, **kwargs: Any):
+        super().__init__(**kwargs)
+        if kwargs.get("width") is None:
+            self._width = None  # rich froze COLUMNS of the moment in here; `size` reads it when printing
+
     @property
     def size(self) -> ConsoleDimensions:
-        if self.is_terminal:
+        if self.is_terminal or self._width is not None:  # a terminal, or a width set on purpose
             return super().size
         columns = os.environ.get("COLUMNS", "")  # now, not when the console was made
         return ConsoleDimensions(int(columns) if columns.isdigit() else LOG_WIDTH, super().size.height)
