@@ -16,8 +16,9 @@ from typing import Any, Callable
 
 from gptoss_cli.json_input import jsonl_lines
 from gptoss_cli import outputs
+from gptoss_cli.data.conversation import parse_conversation
 from gptoss_cli.data.harmony import (
-    ANALYSIS_MODES, TRAIN_ON, ConversationError, HarmonyTokenizer, parse_conversation, render_for_training,
+    ANALYSIS_MODES, TRAIN_ON, ConversationError, HarmonyTokenizer, render_for_training,
 )
 from gptoss_cli.data.packing import pack_documents, packing_efficiency
 from gptoss_cli.errors import UsageError, file_system_error

@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from gptoss_cli.json_input import parse_json
+from gptoss_cli.data.conversation import parse_conversation
 from gptoss_cli.data.harmony import (
-    REASONING_EFFORTS, ConversationError, HarmonyTokenizer, Message, parse_completion, parse_conversation,
-    render_prompt,
+    REASONING_EFFORTS, ConversationError, HarmonyTokenizer, Message, parse_completion, render_prompt,
 )
 from gptoss_cli.errors import UsageError
 from gptoss_cli.generate.decode import Generation
