@@ -179,7 +179,8 @@ def conversation_from_row(row: Any, field_name: str = MESSAGES_FIELD) -> dict[st
     if not isinstance(row, dict):
         raise ConversationError("not a conversation: expected an object with a \"messages\" list")
     if field_name not in row:
-        raise ConversationError(f"no {field_name!r} field (the messages); pass --field with the one that holds them")
+        raise ConversationError(f"not a conversation: no {field_name!r} field (the messages); --field names the one "
+                                "that holds them")
     value = row[field_name]
     if isinstance(value, str):
         try:

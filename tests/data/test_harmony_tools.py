@@ -202,30 +202,32 @@ HF_TOOLS = [{"type": "function", "function": {"name": t.name, "description": t.d
             for t in (WEATHER, SEARCH, PING)]
 
 
+HF_SEVERAL_CALLS = {"developer": "Use tools when useful.", "conversation_start_date": "2025-08-05", "tools": HF_TOOLS,
+      "messages": [
+          {"role": "user", "content": "Compare Paris and Oslo weather, and ping."},
+          {"role": "assistant", "thinking": "Two lookups.", "content": "Checking both cities now.", "tool_calls": [
+              {"id": "a", "type": "function", "function": {"name": "get_weather",
+                                                           "arguments": {"location": "Paris"}}},
+              {"id": "b", "type": "function", "function": {"name": "get_weather", "arguments":
+                                                           '{"location": "Oslo", "details": {"wind": true, '
+                                                           '"hours": [1, 2.5]}}'}}]},
+          {"role": "tool", "tool_call_id": "a", "content": {"temp_c": 18}},
+          {"role": "tool", "content": "Error: upstream timeout after 30s"},
+          {"role": "assistant", "thinking": "Oslo failed; retry.", "tool_calls": [
+              {"function": {"name": "get_weather", "arguments": {"location": "Oslo"}}}]},
+          {"role": "tool", "name": "get_weather", "content": [{"type": "text", "text": '{"temp_c": 9}'}]},
+          {"role": "assistant", "tool_calls": [{"name": "ping", "arguments": {}}]},
+          {"role": "tool", "content": "pong"},
+          {"role": "assistant", "content": "Paris 18 °C, Oslo 9 °C."},
+      ]}
+
+
 def test_hugging_face_chat_form_with_tools_is_the_equivalent_harmony_conversation(harmony, harmony_tok):
     """tools -> the developer message's functions namespace; tool_calls -> commentary calls with
     <|constrain|>json (each call its own message); thinking -> analysis; content beside tool_calls -> analysis
     (with thinking too: a commentary preamble); role tool -> a result named by its call (id, name or order)."""
-    hf = {"developer": "Use tools when useful.", "conversation_start_date": "2025-08-05", "tools": HF_TOOLS,
-          "messages": [
-              {"role": "user", "content": "Compare Paris and Oslo weather, and ping."},
-              {"role": "assistant", "thinking": "Two lookups.", "content": "Checking both cities now.", "tool_calls": [
-                  {"id": "a", "type": "function", "function": {"name": "get_weather",
-                                                               "arguments": {"location": "Paris"}}},
-                  {"id": "b", "type": "function", "function": {"name": "get_weather", "arguments":
-                                                               '{"location": "Oslo", "details": {"wind": true, '
-                                                               '"hours": [1, 2.5]}}'}}]},
-              {"role": "tool", "tool_call_id": "a", "content": {"temp_c": 18}},
-              {"role": "tool", "content": "Error: upstream timeout after 30s"},
-              {"role": "assistant", "thinking": "Oslo failed; retry.", "tool_calls": [
-                  {"function": {"name": "get_weather", "arguments": {"location": "Oslo"}}}]},
-              {"role": "tool", "name": "get_weather", "content": [{"type": "text", "text": '{"temp_c": 9}'}]},
-              {"role": "assistant", "tool_calls": [{"name": "ping", "arguments": {}}]},
-              {"role": "tool", "content": "pong"},
-              {"role": "assistant", "content": "Paris 18 °C, Oslo 9 °C."},
-          ]}
     reference = TOOL_CONVERSATIONS["several-calls-and-errors"]
-    ours = parse_conversation(hf)
+    ours = parse_conversation(HF_SEVERAL_CALLS)
     for analysis in ("keep", "drop"):
         got = render_for_training(ours, harmony_tok, analysis=analysis)
         assert (got.ids, got.mask) == expected(harmony, reference, analysis, "last"), analysis
