@@ -66,8 +66,7 @@ def test_parquet_hf_datasets_and_the_hub_cache_give_the_jsonl_token_files(lines,
     for name, source, extra in [("parquet", tmp_path / "chats.parquet", []),
                                 ("saved", tmp_path / "saved", ["--split", "train"]),
                                 ("single", tmp_path / "single", []),
-                                ("hub", "acme/agent-traces", ["--split", "train"]),
-                                ("hub-default", "acme/agent-traces", [])]:
+                                ("hub", "acme/agent-traces", [])]:  # the default split: train
         result = prepare(source, "--field", "conversation", "--tokenizer", gpt_oss_tokenizer_file,
                          "--out", tmp_path / name, *extra, "--batch-rows", "3")
         assert result.exit_code == 0, (name, result.output)
