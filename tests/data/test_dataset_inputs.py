@@ -76,9 +76,16 @@ def test_parquet_hf_datasets_and_the_hub_cache_give_the_jsonl_token_files(lines,
     assert result.exit_code == 2 and "pass --split with one of train, test" in result.output, result.output
 
 
-def _flat_chat_form(conv):
-    """The chat form as a nested Parquet column holds it: JSON values as strings (a column has one type)."""
-    out = {k: v for k, v in conv.items() if k != "tools"} | {"tools": json.dumps(conv["tools"])}
+def _column_chat_form(conv, nested: bool):
+    """The chat form as a dataset column holds it. A column has one type: tool results as strings; with `nested`
+    the tools and arguments as nested structs (arrow merges the tools' schemas and the calls' arguments into
+    one struct type each, null where a row lacks a field), else as strings of JSON."""
+    def args(a):
+        a = json.loads(a) if isinstance(a, str) else a
+        return a if nested else json.dumps(a, ensure_ascii=False)
+
+    out = {k: v for k, v in conv.items() if k != "tools"} | {"tools": conv["tools"] if nested else json.dumps(
+        conv["tools"])}
     messages = []
     for m in conv["messages"]:
         m = dict(m)
@@ -86,10 +93,9 @@ def _flat_chat_form(conv):
             c = m["content"]
             m["content"] = "".join(p["text"] for p in c) if isinstance(c, list) else json.dumps(c)
         if "tool_calls" in m:
-            m["tool_calls"] = [{"id": c.get("id"), "function": {
-                "name": (c.get("function") or c)["name"],
-                "arguments": (lambda a: a if isinstance(a, str) else json.dumps(a, ensure_ascii=False))(
-                    (c.get("function") or c)["arguments"])}} for c in m["tool_calls"]]
+            m["tool_calls"] = [{"id": c.get("id"), "function": {"name": (c.get("function") or c)["name"],
+                                                                "arguments": args((c.get("function") or c)["arguments"])}}
+                               for c in m["tool_calls"]]
         messages.append(m)
     return out | {"messages": messages}
 
@@ -99,12 +105,15 @@ def test_the_chat_form_in_jsonl_and_nested_parquet_gives_the_harmony_forms_token
     harmony_line = json.dumps(as_json(TOOL_CONVERSATIONS["several-calls-and-errors"]), ensure_ascii=False)
     (tmp_path / "harmony.jsonl").write_text(harmony_line + "\n" + harmony_line + "\n")
     (tmp_path / "chat.jsonl").write_text(json.dumps(HF_SEVERAL_CALLS) + "\n" +
-                                         json.dumps(_flat_chat_form(HF_SEVERAL_CALLS)) + "\n")
-    pq.write_table(pa.Table.from_pylist([_flat_chat_form(HF_SEVERAL_CALLS)] * 2), tmp_path / "chat.parquet")
+                                         json.dumps(_column_chat_form(HF_SEVERAL_CALLS, nested=False)) + "\n")
+    rows = [_column_chat_form(HF_SEVERAL_CALLS, nested) for nested in (True, False)]
+    pq.write_table(pa.Table.from_pylist(rows[:1]), tmp_path / "nested.parquet")
+    pq.write_table(pa.Table.from_pylist(rows[1:]), tmp_path / "strings.parquet")
     for name in ("harmony", "chat"):
         result = prepare(tmp_path / f"{name}.jsonl", "--tokenizer", gpt_oss_tokenizer_file, "--out", tmp_path / name)
         assert result.exit_code == 0, result.output
-    result = prepare(tmp_path / "chat.parquet", "--tokenizer", gpt_oss_tokenizer_file, "--out", tmp_path / "pq")
+    result = prepare(tmp_path / "nested.parquet", tmp_path / "strings.parquet", "--tokenizer", gpt_oss_tokenizer_file,
+                     "--out", tmp_path / "pq")
     assert result.exit_code == 0, result.output
     assert token_files(tmp_path / "chat") == token_files(tmp_path / "harmony") == token_files(tmp_path / "pq")
 

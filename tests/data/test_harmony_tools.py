@@ -37,8 +37,11 @@ WEATHER = h.ToolDescription.new("get_weather", "Gets the current weather.\nUse m
     "required": ["location"],
 })
 SEARCH = h.ToolDescription.new("search_docs", "Searches the docs.", parameters={
-    "type": "object", "properties": {"query": {"type": "string"}, "k": {"type": "integer"}}, "required": ["query"]})
-PING = h.ToolDescription.new("ping", "No arguments.")
+    "type": "object", "required": ["query"], "properties": {
+        "query": {"type": "string"}, "k": {"type": "integer"},
+        # serde_json (harmony) reads this float one unit in the last place off: 2.0324116564254335e23
+        "boost": {"type": "number", "default": 2.0324116564254338e+23}}})
+PING = h.ToolDescription.new("ping", "No arguments.\r\nNone at all.\r")  # Rust's lines(): only \r\n ends a line
 DEV_TOOLS = msg(Role.DEVELOPER, DeveloperContent.new().with_instructions("Use tools when useful.")
                 .with_function_tools([WEATHER, SEARCH, PING]))
 SYSTEM = msg(Role.SYSTEM, SystemContent.new().with_conversation_start_date("2025-08-05"))
@@ -75,7 +78,7 @@ TOOL_CONVERSATIONS = {
         msg(Role.ASSISTANT, "Two lookups.", "analysis"),
         msg(Role.ASSISTANT, "Checking both cities now.", "commentary"),  # a preamble
         call("functions.get_weather", '{"location": "Paris"}'),
-        call("functions.get_weather", '{"location": "Oslo", "details": {"wind": true, "hours": [1, 2.5]}}'),
+        call("functions.get_weather", '{"location": "Oslo", "details": {"wind": true, "hours": [1.5, 2.5]}}'),
         result("functions.get_weather", '{"temp_c": 18}'),
         result("functions.get_weather", "Error: upstream timeout after 30s"),
         msg(Role.ASSISTANT, "Oslo failed; retry.", "analysis"),
@@ -143,7 +146,7 @@ def test_every_assistant_message_of_the_last_exchange_is_trained_and_no_tool_res
         "<|channel|>analysis<|message|>Two lookups.<|end|><|start|>assistant<|channel|>commentary<|message|>Checking "
         "both cities now.<|end|><|start|>assistant to=functions.get_weather<|channel|>commentary <|constrain|>json"
         '<|message|>{"location": "Paris"}<|call|><|start|>assistant to=functions.get_weather<|channel|>commentary '
-        '<|constrain|>json<|message|>{"location": "Oslo", "details": {"wind": true, "hours": [1, 2.5]}}<|call|>',
+        '<|constrain|>json<|message|>{"location": "Oslo", "details": {"wind": true, "hours": [1.5, 2.5]}}<|call|>',
         "<|channel|>analysis<|message|>Oslo failed; retry.<|end|><|start|>assistant to=functions.get_weather<|channel|>"
         'commentary <|constrain|>json<|message|>{"location": "Oslo"}<|call|>',
         ' to=functions.ping<|channel|>commentary <|constrain|>json<|message|>{}<|call|>',
@@ -210,7 +213,7 @@ HF_SEVERAL_CALLS = {"developer": "Use tools when useful.", "conversation_start_d
                                                            "arguments": {"location": "Paris"}}},
               {"id": "b", "type": "function", "function": {"name": "get_weather", "arguments":
                                                            '{"location": "Oslo", "details": {"wind": true, '
-                                                           '"hours": [1, 2.5]}}'}}]},
+                                                           '"hours": [1.5, 2.5]}}'}}]},
           {"role": "tool", "tool_call_id": "a", "content": {"temp_c": 18}},
           {"role": "tool", "content": "Error: upstream timeout after 30s"},
           {"role": "assistant", "thinking": "Oslo failed; retry.", "tool_calls": [
