@@ -2,7 +2,8 @@
 
 Synthetic agent traces (a developer message declaring two function tools, a user question, analysis, one to
 three tool calls with results, a final answer; words drawn from a fixed vocabulary with some Unicode, so the
-text tokenizes like prose) are written as harmony's JSON, one conversation per row: a JSONL file and a
+text tokenizes like prose; 40,000 distinct ones, repeated to fill the large file) are written as harmony's JSON,
+one conversation per row: a JSONL file and a
 Parquet file (snappy, the column `conversation`) of the same rows for the comparison, and one Parquet file
 of --gb gigabytes for the memory bound. Each prepare-data run is its own process (`python -m gptoss_cli`),
 timed by wall clock, its peak RSS read from wait4's rusage. The comparison alternates JSONL and Parquet runs
@@ -29,6 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 WORDS: list[str] = []
+UNIQUE_CHUNKS = 8  # of 5,000 conversations (about 190 MB of JSON); the large file repeats them
 
 
 def _words(rng: random.Random) -> list[str]:
@@ -79,8 +81,11 @@ def write_data(folder: Path, gb: float, compare_mb: float, compression: str, see
     with pq.ParquetWriter(big, schema, compression=compression) as w_big, \
             pq.ParquetWriter(small_pq, schema, compression=compression) as w_small, small_jl.open("w") as jl:
         small_bytes = 0
+        chunks: list[list[str]] = []
         while not big.exists() or big.stat().st_size < gb * 1e9:
-            rows = [json.dumps(conversation(rng), ensure_ascii=False) for _ in range(5000)]
+            if len(chunks) < UNIQUE_CHUNKS:  # then cycled: the text generator, not the file, is the slow part
+                chunks.append([json.dumps(conversation(rng), ensure_ascii=False) for _ in range(5000)])
+            rows = chunks[(n // 5000) % len(chunks)]
             table = pa.table({"id": list(range(n, n + len(rows))), "conversation": rows})
             w_big.write_table(table, row_group_size=5000)
             if small_bytes < compare_mb * 1e6:
@@ -107,7 +112,12 @@ def run_prepare(source: Path, tokenizer: Path, out: Path, field: bool) -> dict:
                                                                                    if field else [])
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT)
-    _, status, usage = os.wait4(proc.pid, 0)
+    try:
+        _, status, usage = os.wait4(proc.pid, 0)
+    except BaseException:  # Ctrl-C or SIGTERM of the bench: no prepare-data left behind
+        proc.terminate()
+        proc.wait()
+        raise
     seconds = time.perf_counter() - start
     if os.waitstatus_to_exitcode(status) != 0:
         raise SystemExit(f"prepare-data failed on {source}")
