@@ -99,10 +99,11 @@ def prepare_data_cmd(
 
             result = prepare_data([Path(p) for p in inputs], out, tokenizer, text_key=text_key, eos_token_id=eos_id,
                                   progress=progress, errors=errors)
-    for line in getattr(result, "skipped", []):
+    skipped = getattr(result, "skipped", [])  # harmony only: rows --errors skip left out
+    for line in skipped:
         err_console.print(f"[yellow]skipped[/] {escape(line)}", highlight=False)
-    if getattr(result, "num_skipped", 0) > len(result.skipped):
-        err_console.print(f"[yellow]skipped[/] {result.num_skipped - len(result.skipped)} more rows", highlight=False)
+    if getattr(result, "num_skipped", 0) > len(skipped):
+        err_console.print(f"[yellow]skipped[/] {result.num_skipped - len(skipped)} more rows", highlight=False)
     if not quiet:
         table = Table(title="prepare-data", title_justify="left", show_header=False)
         table.add_column("", style="bold")
