@@ -104,8 +104,15 @@ def _open(checkpoint: str):
         source.close()
 
 
-def _engine(options: ServeCheckOptions, arch: GptOssArch, max_len: int, served, dtype: str, timings: dict):
+def _engine(options: ServeCheckOptions, arch: GptOssArch, max_len: int, served, dtype: str, timings: dict,
+            running=None):
     t0 = time.perf_counter()
+    if running is not None:  # an engine process already started (tests, train's hook): load this model into it
+        timings["engine_load"] = running.load_model(
+            served.model, dtype=dtype, max_model_len=max_len, vocab_size=arch.vocab_size,
+            enable_lora=served.adapter is not None, max_lora_rank=_adapter_rank(served.adapter))
+        timings["engine_start"] = time.perf_counter() - t0
+        return running
     if options.endpoint is not None:
         from gptoss_cli.generate.engines.endpoint import EndpointEngine
 
@@ -143,8 +150,12 @@ def _engine_probe(options: ServeCheckOptions) -> tuple[bool, bool]:
     return False, False
 
 
-def serve_check(checkpoint: str, options: ServeCheckOptions | None = None, progress: Progress | None = None) -> ServeReport:
-    """Run the whole check (module docstring); raises UsageError/EngineError for bad input or a missing engine."""
+def serve_check(checkpoint: str, options: ServeCheckOptions | None = None, progress: Progress | None = None,
+                engine=None) -> ServeReport:
+    """Run the whole check (module docstring); raises UsageError/EngineError for bad input or a missing engine.
+
+    `engine`: a VllmEngine already started (its interpreter imported vLLM once), into which this
+    checkpoint's export is loaded; it is left running. Otherwise one is started and closed here."""
     import torch
 
     from gptoss_cli.parity.serve_export import prepare_served
@@ -153,6 +164,7 @@ def serve_check(checkpoint: str, options: ServeCheckOptions | None = None, progr
 
     options = options or ServeCheckOptions()
     options.check()
+    running = engine
     say = progress or (lambda text: None)
     t_start = time.perf_counter()
     timings: dict[str, float] = {}
@@ -162,7 +174,7 @@ def serve_check(checkpoint: str, options: ServeCheckOptions | None = None, progr
     dtype = SERVE_DTYPES[options.dtype]
     torch_dtype = torch.float32 if dtype == "float32" else torch.bfloat16
     top_k = options.top_k if options.top_k is not None else (None if arch.vocab_size <= FULL_VOCAB_LIMIT else DEFAULT_TOP_K)
-    serves_lora, runs_mxfp4 = _engine_probe(options)
+    serves_lora, runs_mxfp4 = (engine.info.lora_experts, False) if engine is not None else _engine_probe(options)
 
     work = Path(options.work_dir) if options.work_dir else Path(tempfile.mkdtemp(prefix="gptoss-serve-check-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -181,7 +193,7 @@ def serve_check(checkpoint: str, options: ServeCheckOptions | None = None, progr
         timings["gptoss_forward"] = time.perf_counter() - t0
         max_len = max(len(r.ids) for r in refs) + options.greedy_tokens + 8
         say("starting the engine")
-        engine = _engine(options, arch, max_len, served, dtype, timings)
+        engine = _engine(options, arch, max_len, served, dtype, timings, running)
         say("scoring")
         t0 = time.perf_counter()
         lora_kw = {"lora": served.adapter} if served.adapter else {}
@@ -198,7 +210,7 @@ def serve_check(checkpoint: str, options: ServeCheckOptions | None = None, progr
         findings += _form_findings(served, options)
         info = engine.info.to_json()
     finally:
-        if engine is not None:
+        if engine is not None and engine is not running:
             engine.close()
         if options.work_dir is None:
             shutil.rmtree(work, ignore_errors=True)
