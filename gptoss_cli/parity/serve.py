@@ -237,4 +237,22 @@ def _form_findings(served, options: ServeCheckOptions) -> list[Finding]:
     return out
 
 
-__all__ = ["ServeCheckOptions", "serve_check", "known_findings", "alternating", "ENGINES", "LORA_MODES"]
+
+
+
+# --- the end of a training run ------------------------------------------------------------------
+REPORT_FILE = "serve_check.json"
+
+
+def check_after_training(checkpoint: str, run_dir: str | Path, engine: str, engine_python: str | None,
+                         dtype: str) -> tuple[ServeReport, Path]:
+    """`train`'s `serve_check` section: the check of the final checkpoint, written to RUN_DIR/serve_check.json
+    (whole or not at all) whatever the verdict; the caller decides what a failure does."""
+    from gptoss_cli import outputs
+
+    report = serve_check(checkpoint, ServeCheckOptions(engine=engine, engine_python=engine_python, dtype=dtype))
+    path = Path(run_dir) / REPORT_FILE
+    outputs.replace_text(path, json.dumps(report.to_json(), indent=2, default=str) + "\n")
+    return report, path
+__all__ = ["ServeCheckOptions", "serve_check", "check_after_training", "known_findings", "alternating", "ENGINES",
+           "LORA_MODES", "REPORT_FILE"]

@@ -186,3 +186,29 @@ def test_mxfp4_on_this_cpu_checks_the_dequantised_layout_and_says_so(hybrid, eng
     assert report.verdict == "pass", report.failure_line()
     assert [f.name for f in report.findings] == ["mxfp4_kernel"]
     assert json.dumps(report.to_json())  # the JSON report serialises
+
+
+def test_train_checks_its_final_checkpoint_and_writes_the_proof_into_the_run(hybrid, root, engine, python,
+                                                                              monkeypatch):
+    """`serve_check.engine=vllm`: after the last save, train runs the check and writes serve_check.json
+    (the module's engine process stands in for a fresh one, so vLLM is not imported again)."""
+    from typer.testing import CliRunner
+
+    from gptoss_cli.cli import app
+    from gptoss_cli.parity import serve
+
+    real = serve.serve_check
+    monkeypatch.setattr(serve, "serve_check", lambda ckpt, options, **kw: real(ckpt, options, engine=engine))
+    run = root / "train-hook"
+    args = ["train", "--recipe", "tiny_cpu_ep2", "--nproc-per-node", "1", "--quiet",
+            "parallelism.world_size=1", "parallelism.expert_model_parallel_size=1", "precision.params_dtype=fp32",
+            f"model.checkpoint={hybrid}", "model.preset=null", f"checkpoint.pretrained={hybrid}",
+            "training.train_iters=1", "training.warmup_iters=0", "training.seq_length=16", "training.global_batch_size=2",
+            "training.micro_batch_size=2", "checkpoint.save_interval=null",
+            f"checkpoint.dir={run / 'ckpt'}", f"logging.run_dir={run / 'run'}",
+            "serve_check.engine=vllm", f"serve_check.engine_python={python}"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    proof = json.loads((run / "run" / "serve_check.json").read_text())
+    assert proof["verdict"] == "pass" and proof["kind"] == "training"
+    assert proof["max_abs_logprob_diff"] < 1e-4
