@@ -198,6 +198,8 @@ def serve_check(checkpoint: str, options: ServeCheckOptions | None = None, progr
         t0 = time.perf_counter()
         lora_kw = {"lora": served.adapter} if served.adapter else {}
         scores = engine.score([r.ids for r in refs], top_k=top_k, **lora_kw)
+        if getattr(engine, "last_seconds", None) is not None:  # the engine's own prefill time (vLLM's generate call)
+            timings["engine_prefill"] = engine.last_seconds
         from gptoss_cli.generate.engines.base import Sampling
 
         greedy = engine.generate([r.ids[:r.prompt_len] for r in refs],
