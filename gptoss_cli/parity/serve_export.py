@@ -61,6 +61,26 @@ def _convert(src: str, dst: Path, **kwargs) -> Path:
     return dst
 
 
+def _kind(folder: str) -> str:
+    from gptoss_cli.checkpoint.sources import open_source
+
+    source = open_source(folder)
+    try:
+        return source.kind
+    finally:
+        source.close()
+
+
+def _hf_export(checkpoint: str, kind: str, work: Path, name: str, dtype: str, experts: str | None = None) -> Path:
+    """An HF folder of `checkpoint` in `dtype` (convert writes the other layout than an HF source's: an HF
+    source goes through Hybrid in fp32 first)."""
+    from gptoss_cli.checkpoint.sources import HF
+
+    if kind == HF:
+        checkpoint = str(_convert(checkpoint, work / f"{name}-hybrid", to="hybrid", dtype="float32"))
+    return _convert(checkpoint, work / name, to="hf", dtype=dtype, experts=experts)
+
+
 def lora_base(checkpoint: str) -> str | None:
     """The base a LoRA run names (its checkpoint.pretrained), or None for a checkpoint that is not a LoRA run."""
     from gptoss_cli.checkpoint.sources import open_source
@@ -111,11 +131,11 @@ def prepare_served(checkpoint: str, kind: str, work: Path, *, dtype: str, expert
             return _dequantised(checkpoint, work, dtype, served.artifacts)
         return served
     if experts == "mxfp4":
-        mx = _convert(checkpoint, work / "hf-mxfp4", to="hf", dtype=dtype, experts="mxfp4")
+        mx = _hf_export(checkpoint, kind, work, "hf-mxfp4", dtype, "mxfp4")
         if engine_runs_mxfp4:
             return Served(str(mx), HF_FOLDER)
         return _dequantised(str(mx), work, dtype, {"mxfp4 export": str(mx)})
-    return Served(str(_convert(checkpoint, work / "hf", to="hf", dtype=dtype)), HF_FOLDER)
+    return Served(str(_hf_export(checkpoint, kind, work, "hf", dtype, experts)), HF_FOLDER)
 
 
 def _hf_has_mxfp4(folder: Path) -> bool:
@@ -135,7 +155,7 @@ def _dequantised(mx_folder: str, work: Path, dtype: str, artifacts: dict[str, st
 def _lora_served(checkpoint: str, base: str, work: Path, *, dtype: str, lora_mode: str,
                  engine_serves_expert_lora: bool, export: str | None) -> Served:
     adapter = Path(export) if export is not None else _convert(checkpoint, work / "adapter", to="peft")
-    base_hf = _convert(base, work / "base-hf", to="hf", dtype=dtype)
+    base_hf = _hf_export(base, _kind(base), work, "base-hf", dtype)
     artifacts = {"peft adapter": str(adapter), "base hf": str(base_hf)}
     use_adapter = lora_mode == "adapter" or (lora_mode == "auto" and engine_serves_expert_lora)
     if use_adapter:
