@@ -40,8 +40,12 @@ def test_a_missing_engine_interpreter_is_exit_2_in_one_line(tiny, monkeypatch):
     one_line_error(run(tiny, "--engine-python", "/nonexistent/python"), 2, "not an executable Python interpreter")
 
 
-def test_an_interpreter_without_vllm_is_exit_2_with_the_engines_own_message(tiny):
-    """The worker runs, fails to import vLLM and answers that on the protocol: the message is Python's own."""
+def test_an_interpreter_without_vllm_is_exit_2_with_the_engines_own_message(tiny, tmp_path, monkeypatch):
+    """The worker runs, fails to import vLLM and answers that on the protocol: the message is Python's own
+    (and the engine's log, kept for the user, lands in this test's folder)."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     one_line_error(run(tiny, "--engine-python", sys.executable, "--greedy-tokens", "0"), 2,
                    "No module named 'vllm'")
 
