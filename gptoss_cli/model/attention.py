@@ -28,9 +28,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from gptoss_cli.model import sink_flash
+from gptoss_cli.model.catalog import SLIDING_QUERY_BLOCK
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.model.context_parallel import head_range, heads_to_seq, seq_to_heads
-from gptoss_cli.model.dense_gemm import DenseGemm, Linear, linear
+from gptoss_cli.model.dense_gemm import DenseAdapter, DenseGemm, Linear, attached_adapter, linear
 from gptoss_cli.model.norm import rms_norm
 from gptoss_cli.model.recompute import checkpointed, without_output
 from gptoss_cli.model.rope import apply_rotary
@@ -69,10 +70,6 @@ def _window_block_bias(rows: int, keys: int, offset: int, window: int, device: t
     the form the CPU flash kernel takes."""
     visible = _window_block_mask(rows, keys, offset, window, device)[:, 1:]
     return torch.zeros(rows, keys, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
-
-
-# Query block of a sliding-window layer: at least this many queries, and at least the window.
-SLIDING_QUERY_BLOCK = 64
 
 
 def sink_attention(
@@ -196,36 +193,11 @@ def document_attention(
     return torch.cat(outs, dim=1).view(nh, b, s, d).transpose(0, 1)
 
 
-def document_offsets(seqlens: list[list[int]], seq_len: int) -> tuple[int, ...]:
-    """cu_seqlens of `document_attention` from each row's document lengths (a row's lengths summing
-    to less than seq_len leave the rest of the row as one more segment, its padding)."""
-    offsets = [0]
-    for row, lengths in enumerate(seqlens):
-        for n in lengths:
-            if n < 1:
-                raise ValueError(f"row {row}: document length {n} < 1")
-            offsets.append(offsets[-1] + n)
-        end = (row + 1) * seq_len
-        if offsets[-1] > end:
-            raise ValueError(f"row {row}: documents of {sum(lengths)} tokens exceed the row of {seq_len}")
-        if offsets[-1] < end:
-            offsets.append(end)
-    return tuple(offsets)
-
-
-def document_positions(cu_seqlens: tuple[int, ...], batch: int, seq_len: int, device=None) -> torch.Tensor:
-    """position_ids [B, S] that restart at 0 at every offset of cu_seqlens."""
-    idx = torch.arange(batch * seq_len)
-    starts = torch.tensor(cu_seqlens[:-1])
-    lengths = torch.tensor(cu_seqlens[1:]) - starts
-    pos = idx - torch.repeat_interleave(starts, lengths)
-    return pos.view(batch, seq_len).to(device)
-
-
 class LayerNormLinear(nn.Module):
     """RMSNorm fused with a linear projection: Megatron's `linear_qkv` with `layer_norm_weight`.
 
-    The norm stays in high precision; the projection's GEMMs are `gemm`'s (model/dense_gemm.py).
+    The norm stays in high precision; the projection's GEMMs are `gemm`'s (model/dense_gemm.py); an adapter
+    (`adapter`, LoRA's) adds its output, computed from the normalised input.
     With `recompute_norm` the norm's output is not kept for backward (model/recompute.py, layernorm)."""
 
     gemm: DenseGemm | None = None
@@ -238,6 +210,10 @@ class LayerNormLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype))
 
+    @property
+    def adapter(self) -> DenseAdapter | None:
+        return attached_adapter(self)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.recompute_norm:
             return without_output(rms_norm, (x, self.layer_norm_weight, self.eps), self._project)
@@ -245,7 +221,7 @@ class LayerNormLinear(nn.Module):
 
     def _project(self, normed: torch.Tensor) -> torch.Tensor:
         y = linear(normed, self.weight, self.bias, gemm=self.gemm)
-        adapter = getattr(self, "adapter", None)  # LoRA (model/lora.py), on the normalised input
+        adapter = self.adapter
         return y if adapter is None else y + adapter(normed)
 
 

@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from gptoss_cli.buckets import ALIGN, default_bucket_size
+from gptoss_cli.model.catalog import SLIDING_QUERY_BLOCK
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.model.pattern import ATTENTION, MLP, MOE, HybridPattern, parse_pattern
 from gptoss_cli.model.recompute_plan import RecomputePlan
@@ -49,7 +50,6 @@ GB = 1e9
 GPU_MEMORY_GB = {"h100": 80, "h200": 141, "b200": 180, "gb200": 186, "gb300": 288}
 WARN_FRACTION = 0.9
 LM_LOSS_CHUNK = 256  # gptoss_cli.model.loss.LM_LOSS_CHUNK_TOKENS (recipe/ stays torch-free)
-SLIDING_QUERY_BLOCK = 64  # gptoss_cli.model.attention.SLIDING_QUERY_BLOCK
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 FP32 = 4
 ADAM_STATE_BYTES = 3 * FP32  # fp32 master, exp_avg, exp_avg_sq

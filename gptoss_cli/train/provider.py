@@ -27,6 +27,7 @@ from torch import nn
 
 from gptoss_cli.errors import ConfigError
 from gptoss_cli.fp8.recipe import Fp8Settings, select_gemms
+from gptoss_cli.model.catalog import SWIGLU_KERNEL_DEFAULT
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.model.lora import LoraSettings, attach_lora
 from gptoss_cli.model.dtypes import torch_dtype
@@ -58,7 +59,7 @@ class ModelRuntimeConfig:
     qat: str = "none"  # precision.qat: "mxfp4" gives the experts Mxfp4QatGemm (gptoss_cli/model/qat.py)
     lora: LoraSettings | None = None  # LoRA: the provider freezes the base and adds adapters (model/lora.py)
     base_experts: str = "bf16"  # lora.base_experts with LoRA on: "mxfp4" keeps the frozen experts in MXFP4
-    swiglu_kernel: str = "eager"  # model.swiglu_kernel (model/swiglu_kernel.py); the recipe's default is auto
+    swiglu_kernel: str = SWIGLU_KERNEL_DEFAULT  # model.swiglu_kernel (model/swiglu_kernel.py), the recipe's default
     # Set at run time: the FP8 gemms the provider selected (which path runs, GEMM counts), and the
     # training callbacks, installed by setup on the model's own copy of this config.
     fp8_gemms: Any = None

@@ -6,11 +6,13 @@ import pytest
 import torch
 
 from gptoss_cli.errors import ConfigError
-from gptoss_cli.model.attention import SLIDING_QUERY_BLOCK, attention_mask, sink_attention
+from gptoss_cli.model.attention import attention_mask, sink_attention
+from gptoss_cli.model.catalog import SLIDING_QUERY_BLOCK
 from gptoss_cli.model.hybrid import HybridModel, layer_windows
 from gptoss_cli.model.dispatcher import AllToAllTokenDispatcher
 from gptoss_cli.model.grouped_gemm import grouped_linear
-from gptoss_cli.model.moe import MoELayer, clamped_swiglu
+from gptoss_cli.model.mlp import clamped_swiglu
+from gptoss_cli.model.moe import MoELayer
 from gptoss_cli.model.pattern import parse_pattern, schedule_plan_support
 from tests.model.conftest import TINY, tokens
 from tests.tolerances import assert_tensors_close, reassociation_rel

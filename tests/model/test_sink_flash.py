@@ -18,7 +18,9 @@ import pytest
 import torch
 
 from gptoss_cli.model import sink_flash
-from gptoss_cli.model.attention import SLIDING_QUERY_BLOCK, document_attention, document_offsets, sink_attention
+from gptoss_cli.model.attention import document_attention, sink_attention
+from gptoss_cli.model.catalog import SLIDING_QUERY_BLOCK
+from gptoss_cli.model.positions import document_offsets
 from tests.tolerances import assert_tensors_close, reassociation_rel
 
 modeling = pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss")
