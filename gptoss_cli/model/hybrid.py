@@ -223,6 +223,13 @@ class HybridModel(nn.Module):
             if isinstance(m, (GroupedExperts, DenseMLPLayer)):
                 m.swiglu_kernel = kernel
 
+    def set_attention_backend(self, backend: str) -> None:
+        """Which kernel computes every attention layer's core (model.attention_backend; model/attention_backends.py).
+        A name that is not a backend is a ConfigError."""
+        for layer in self.decoder.layers:
+            if isinstance(layer, AttentionLayer):
+                layer.self_attention.core_attention.set_backend(backend)
+
     def set_gemms(self, *, dense: Callable[[str], DenseGemm] | None = None,
                   grouped: Callable[[str], GroupedGemm] | None = None) -> list[str]:
         """The numerics of the attention projections and expert GEMMs; see `set_gemms`."""

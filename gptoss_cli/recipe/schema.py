@@ -18,7 +18,8 @@ from typing import Any, Dict, List, Optional
 
 from gptoss_cli.fp8.catalog import FORMATS as FP8_FORMATS, RECIPES as FP8_RECIPES
 from gptoss_cli.limits import INT32_MAX
-from gptoss_cli.model.catalog import SWIGLU_KERNEL_DEFAULT, SWIGLU_KERNELS
+from gptoss_cli.model.catalog import (ATTENTION_BACKEND_DEFAULT, ATTENTION_BACKENDS, SWIGLU_KERNEL_DEFAULT,
+                                      SWIGLU_KERNELS)
 from gptoss_cli.model.dtypes import RECIPE_DTYPES
 
 # numpy and Megatron seed with at most 2**32 - 1; the data sources seed torch generators with
@@ -67,6 +68,13 @@ class ModelConfig:
         SWIGLU_KERNEL_DEFAULT, "clamped SwiGLU: auto = one compiled (torch.compile) kernel for forward and one for backward "
         "where they work, else eager with a warning; eager = elementwise torch ops (docs/benchmarks.md)",
         choices=SWIGLU_KERNELS,
+    )
+    attention_backend: str = _f(
+        ATTENTION_BACKEND_DEFAULT, "kernel of attention with sinks: auto = per device and layer (CPU: the flash "
+        "kernel; CUDA: the flash kernel on full layers, FlexAttention on sliding-window layers and packed "
+        "documents); flash = a flash kernel's log-sum-exp rescaled by the sink (CUDA: full layers only); flex = "
+        "FlexAttention with a block mask; sdpa = SDPA with the sink as a padded extra key (docs/architecture.md)",
+        choices=ATTENTION_BACKENDS,
     )
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gptoss_cli.model.attention import document_attention, sink_attention
+from gptoss_cli.model.attention_backends import document_attention, sink_attention
 from gptoss_cli.model.positions import document_offsets, document_positions
 from gptoss_cli.model.hybrid import HybridModel
 from gptoss_cli.model.loss import IGNORE_INDEX

@@ -32,7 +32,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
 }
 # name: the (module, attribute) places of the function whose calls show what ran again (the experts
 # call the clamped SwiGLU as model/moe.py imported it, the `-` layers as model/mlp.py defines it)
-COUNTED = {"sink_attention": ((attention, "sink_attention"),),
+COUNTED = {"sink_attention": ((attention, "document_attention"),),  # the core's one call per forward
            "clamped_swiglu": ((moe, "clamped_swiglu"), (mlp, "clamped_swiglu")),
            "qkv_norm": ((attention, "rms_norm"),), "mlp_norm": ((norm, "rms_norm"),),
            "all_to_all": ((dist, "all_to_all_single"),)}
