@@ -32,6 +32,7 @@ FORBIDDEN = {
     "parity": ("cli", "train"),
     "generate": ("cli", "train", "schedule"),
     "data": ("cli", "train", "model", "checkpoint", "parallel", "schedule", "fp8", "recipe", "parity"),
+    "doctor": ("cli", "train", "checkpoint", "schedule"),
 }
 
 
