@@ -106,14 +106,26 @@ def _compiled_flex() -> Callable[..., Any]:
         return _compiled["flex"]
 
 
+# Compiled variants one process may need: (sequence, heads, head dim, dtype) x (window or none) x (documents
+# or not) x grad mode; dynamo's default limit of 8 per function would silently send the rest to the
+# unfused reference, which materialises every score.
+RECOMPILE_LIMIT = 64
+
+
 def _fused(q, k, v, mask, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The compiled kernels: (out, natural log-sum-exp fp32)."""
+    import torch._dynamo
+
     flex = _compiled_flex()
     try:
         from torch.nn.attention.flex_attention import AuxRequest
     except ImportError:  # torch < 2.9: the older keyword
-        return flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=True, return_lse=True)
-    out, aux = flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=True, return_aux=AuxRequest(lse=True))
+        AuxRequest = None
+    limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"  # torch < 2.7
+    with torch._dynamo.config.patch(**{limit: RECOMPILE_LIMIT}):
+        if AuxRequest is None:
+            return flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=True, return_lse=True)
+        out, aux = flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=True, return_aux=AuxRequest(lse=True))
     return out, aux.lse
 
 
