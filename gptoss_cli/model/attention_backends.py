@@ -151,6 +151,18 @@ def layer_kernels(backend: str, device: torch.device | str, dtype: torch.dtype, 
     return {"full": choose(backend, q, None, documents), "sliding": choose(backend, q, window, documents)}
 
 
+def warm_up(device: torch.device, dtype: torch.dtype, head_dim: int) -> None:
+    """Probe the CUDA kernels `auto` may pick for this device, dtype and head dim now (HybridModel.
+    set_attention_backend calls it), not inside the first training forward."""
+    if device.type != "cuda":
+        return
+    q = torch.empty(1, 1, 1, head_dim, device=device, dtype=dtype)
+    if sink_flash.available(q):
+        kernel_works("flash", q)
+    if sink_flex.available() and sink_flex.compiles(device):
+        kernel_works("flex", q)
+
+
 _verdicts: dict[tuple[str, str, torch.dtype, int], bool] = {}
 _lock = threading.Lock()
 
@@ -208,4 +220,4 @@ def _forward_backward(fn, inputs: list[torch.Tensor], grad: torch.Tensor) -> lis
 
 
 __all__ = ["KERNELS", "check_backend", "choose", "sink_attention", "document_attention", "describe", "layer_kernels",
-           "kernel_works"]
+           "kernel_works", "warm_up"]

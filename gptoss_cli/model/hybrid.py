@@ -26,6 +26,7 @@ from torch import nn
 
 from gptoss_cli.errors import ConfigError
 from gptoss_cli.model.attention import AttentionLayer
+from gptoss_cli.model.attention_backends import warm_up
 from gptoss_cli.model.catalog import SWIGLU_KERNELS
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.model.context_parallel import cp_size_of
@@ -225,10 +226,13 @@ class HybridModel(nn.Module):
 
     def set_attention_backend(self, backend: str) -> None:
         """Which kernel computes every attention layer's core (model.attention_backend; model/attention_backends.py).
-        A name that is not a backend is a ConfigError."""
+        A name that is not a backend is a ConfigError. On a GPU, `auto` probes its kernels here, once."""
         for layer in self.decoder.layers:
             if isinstance(layer, AttentionLayer):
                 layer.self_attention.core_attention.set_backend(backend)
+        weight = self.output_layer.weight
+        if backend == "auto":
+            warm_up(weight.device, weight.dtype, self.arch.head_dim)
 
     def set_gemms(self, *, dense: Callable[[str], DenseGemm] | None = None,
                   grouped: Callable[[str], GroupedGemm] | None = None) -> list[str]:
