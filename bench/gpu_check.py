@@ -146,7 +146,7 @@ def tiny_parity(device: str) -> dict[str, Any]:
 def gemm_throughput(device: str, dry: bool, repeats: int) -> dict[str, Any]:
     from gptoss_cli.errors import ConfigError
     from gptoss_cli.fp8.catalog import RECIPES
-    from gptoss_cli.fp8.recipe import Fp8Settings, select_gemms
+    from gptoss_cli.fp8.selection import Fp8Settings, select_gemms
     from gptoss_cli.model.grouped_gemm import DEFAULT_GEMM
 
     h, i, m, e, per = (64, 96, 256, 4, 64) if dry else (2880, 2880, 16384, 32, 512)

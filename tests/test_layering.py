@@ -152,8 +152,11 @@ def test_the_size_check_sees_a_long_function(tmp_path):
 # --- no import circle among the package's modules ------------------------------------------------
 # Every import statement counts: module-level, function-local (a lazy import that closes a loop
 # still ties the two modules to each other) and under `if TYPE_CHECKING:` (a type-only circle is one
-# too, as the one below). TEMPORARY, must go: train/loop.py <-> train/progress.py (TrainResult), h35-train's.
-CIRCLES_ALLOWED = {frozenset({"gptoss_cli.train.loop", "gptoss_cli.train.progress"})}
+# too, as the ones below). TEMPORARY, each must go: train/loop.py <-> train/progress.py (TrainResult),
+# h35-train's; fp8/fused.py's function-local import of the modules that register with it (grouped_kernel.py,
+# scaling.py, which import fused.py), h36-fp8's.
+CIRCLES_ALLOWED = {frozenset({"gptoss_cli.train.loop", "gptoss_cli.train.progress"}),
+                   frozenset({"gptoss_cli.fp8.fused", "gptoss_cli.fp8.grouped_kernel", "gptoss_cli.fp8.scaling"})}
 
 
 def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:

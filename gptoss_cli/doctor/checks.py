@@ -189,7 +189,7 @@ def check_fp8(device: str, recipe: str) -> tuple[str, str]:
     """The FP8 GEMMs `recipe` gets here (native where the GPU has the kernel, else emulated: same
     numerics), dense (fprop, dgrad, wgrad) and grouped, against float64 products of the unquantised
     operands: every element within the FP8 error bound of its sum of |terms|."""
-    from gptoss_cli.fp8.recipe import Fp8Settings, select_gemms
+    from gptoss_cli.fp8.selection import Fp8Settings, select_gemms
     from gptoss_cli.model.dense_gemm import linear
     from gptoss_cli.model.grouped_gemm import grouped_linear
 

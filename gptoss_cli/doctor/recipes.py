@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from gptoss_cli.errors import GptossError
-from gptoss_cli.fp8.recipe import native_kernel
+from gptoss_cli.fp8.selection import native_kernel
 from gptoss_cli.model.attention_backends import layer_kernels
 from gptoss_cli.model.dtypes import torch_dtype
 from gptoss_cli.recipe.load import available_recipes, load_recipe
