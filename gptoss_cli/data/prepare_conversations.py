@@ -22,6 +22,7 @@ from gptoss_cli.data.harmony import ANALYSIS_MODES, TRAIN_ON, ConversationError,
 from gptoss_cli.data.rows import BATCH_ROWS, Row, iter_rows, resolve_inputs
 from gptoss_cli.data.packing import pack_documents, packing_efficiency
 from gptoss_cli.errors import UsageError, file_system_error
+from gptoss_cli.limits import INT32_MAX
 from gptoss_cli.data.token_format import (
     document_file_paths, token_dtype_for, token_file_paths, write_document_index, write_token_header,
 )
@@ -52,7 +53,6 @@ class PrepareConversationsResult:
     skipped: list[str] = field(default_factory=list)  # the first MAX_REPORTED of them: "FILE:LINE: why"
 
 
-INT32_MAX = 2**31 - 1  # training.seq_length's bound (recipe/schema.py): a row is a tensor dimension
 
 
 def _check_options(analysis: str, train_on: str, max_length: int | None, truncate: bool, seq_length: int | None,
