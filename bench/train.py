@@ -70,7 +70,7 @@ if str(ROOT) not in sys.path:  # tests/train/dist_helpers.py runs the 2-process 
 import torch  # noqa: E402
 
 from gptoss_cli.checkpoint.hf_config import to_hf_config
-from gptoss_cli.model.config import SWIGLU_KERNELS
+from gptoss_cli.model.catalog import SWIGLU_KERNELS
 from gptoss_cli.recipe.flops import model_flops_per_token
 
 sys.path.insert(0, str(ROOT / "bench"))
@@ -118,7 +118,7 @@ def ours_step_fn(arch, tokens: torch.Tensor, dtype: str, state=None, microbatche
     from gptoss_cli.parallel.state import ParallelState
     from gptoss_cli.schedule import get_forward_backward_func
     from gptoss_cli.train.data import Microbatch
-    from gptoss_cli.train.loop import forward_step
+    from gptoss_cli.train.objective import forward_step
     from gptoss_cli.train.provider import HybridModelProvider, ModelRuntimeConfig
     from gptoss_cli.train.setup import install_training_callbacks, wrap_model_and_optimizer
 

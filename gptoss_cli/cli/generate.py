@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import typer
 from rich.markup import escape
@@ -18,6 +18,20 @@ from gptoss_cli.generate.command import GenerateHooks, GenerateOptions, Generate
 def _short(text: str, width: int = 60) -> str:
     text = " ".join(text.split())
     return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _note_empty_answer(r: Any, write_out: Callable[[str], None]) -> None:
+    """A harmony reply without a final answer: what it holds instead; a reply that did not parse as
+    harmony at all (an untrained model's) is shown as its raw text."""
+    if not r.extra.get("harmony", True):
+        err_console.print("[yellow]note:[/] the reply did not parse as harmony (no message text); its raw text:",
+                          highlight=False)
+        write_out(r.extra.get("raw_text", "") + "\n")
+        return
+    has = ", ".join(r.extra.get("channels", {})) or "nothing"
+    calls = [m["recipient"] for m in r.extra.get("reply_messages", []) if m["recipient"]]
+    note = f"a call to {calls[-1]}" if calls else f"no final-channel answer (the reply holds: {has})"
+    err_console.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
 
 
 @app.command("generate")
@@ -115,13 +129,10 @@ def _render(result: GenerateResult) -> None:
     results = result.replies
     if len(results) == 1:
         r = results[0]
-        sys.stdout.write("\n")
-        sys.stdout.flush()
+        write_out = _write(sys.stdout)
+        write_out("\n")
         if not result.options.raw and not r.text:
-            has = ", ".join(r.extra.get("channels", {})) or "nothing"
-            calls = [m["recipient"] for m in r.extra.get("reply_messages", []) if m["recipient"]]
-            note = f"a call to {calls[-1]}" if calls else f"no final-channel answer (the reply holds: {has})"
-            err_console.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
+            _note_empty_answer(r, write_out)
         err_console.print(f"[dim]{escape(r.stop_text())}; {len(r.generation.output_ids)} new tokens, "
                           f"{r.tokens_per_s:.1f} tokens/s[/]", highlight=False)
         return

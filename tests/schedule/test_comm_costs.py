@@ -24,7 +24,8 @@ from tests.train.dist_helpers import once_per_session, run_distributed
 
 MICROBATCHES = SYNC_MICROBATCHES
 MOE_LAYERS = TINY.num_hidden_layers  # "*E*E*E"
-MODEL_FILES = ("model/dispatcher.py", "model/grouped_gemm.py", "model/moe.py", "model/schedule_plan.py")
+MODEL_FILES = ("model/dispatcher.py", "model/grouped_gemm.py", "model/moe.py", "model/router_stats.py", "model/mlp.py",
+               "model/schedule_plan.py")
 SCHEDULE_FILES = ("schedule/plain.py", "schedule/combined_1f1b.py")
 # A sleeping wait costs the process (its gloo threads included) well under a millisecond of CPU
 # per all-to-all; a spinning one costs the whole wait. A quarter of the wait separates the two
@@ -56,6 +57,14 @@ def test_expert_parallel_step_syncs_at_most_once_per_moe_layer_and_microbatch(ep
         assert _in(sites, SCHEDULE_FILES) == 0, f"rank {rank}, {schedule}:\n{_report(sites)}"
         # forward + backward of every microbatch and the one gradient finalisation
         assert sum(sites.values()) <= budget + 1, f"rank {rank}, {schedule}:\n{_report(sites)}"
+
+
+@pytest.mark.parametrize("schedule", ["plain", "overlap"])
+def test_the_count_exchange_runs_on_its_own_group_and_the_tokens_on_the_ep_group(ep2, schedule):
+    # On the EP group's communicator the count exchange (and its .tolist()) would queue behind the
+    # other microbatch's token all-to-all in flight there (NCCL: one stream per communicator).
+    for result in ep2:
+        assert result["groups"][schedule] == {"control": ["ep_control"], "bulk": ["ep"]}
 
 
 def test_without_expert_parallelism_the_moe_layers_never_sync():

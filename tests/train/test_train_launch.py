@@ -112,3 +112,28 @@ def test_a_worker_the_oom_killer_ended_is_reported_as_out_of_memory(tmp_path, mo
     monkeypatch.setattr(launch, "oom_kills", lambda vmstat="": 4)
     err = launch._worker_error(1, _killed_worker(-9), oom_before=4)
     assert "out of memory" not in str(err) and "SIGKILL" in str(err)
+
+
+def test_a_missing_data_path_is_bad_input_exit_2_before_any_process(tmp_path):
+    """docs/commands.md: a missing file is bad input (exit 2), one line naming the field and the path."""
+    missing = tmp_path / "nowhere" / "corpus"
+    result = CliRunner().invoke(app, ["train", "--recipe", "tiny_cpu_ep2", "data.kind=tokens", f"data.path={missing}",
+                                      f"logging.run_dir={tmp_path / 'run'}", "checkpoint.dir=null",
+                                      "checkpoint.save_interval=null"])
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert result.exit_code == 2 and len(lines) == 1 and str(missing) in lines[0], result.output
+    assert not (tmp_path / "run").exists()
+
+
+def test_pretrained_weights_of_another_architecture_are_refused_before_any_process(tmp_path):
+    from gptoss_cli.checkpoint.make_tiny import make_tiny
+
+    make_tiny(tmp_path / "hf")  # the tiny preset: 3 blocks
+    result = CliRunner().invoke(app, ["train", "--recipe", "tiny_cpu_ep2", f"checkpoint.pretrained={tmp_path / 'hf'}",
+                                      "model.architecture={num_hidden_layers: 2}", "lora.rank=8",
+                                      f"logging.run_dir={tmp_path / 'run'}", "checkpoint.dir=null",
+                                      "checkpoint.save_interval=null"])
+    text = " ".join(result.output.split())
+    assert result.exit_code == 1 and "checkpoint.settings" in text, result.output
+    assert "has num_hidden_layers=3, the recipe's model has num_hidden_layers=2" in text
+    assert not (tmp_path / "run").exists()
