@@ -81,7 +81,7 @@ def run_parity(
     CheckpointError for bad input. The caller decides pass/fail from `report.passed`."""
     require_transformers()
     from gptoss_cli.checkpoint.hybrid_format import read_hybrid_config
-    from gptoss_cli.checkpoint.safetensors_io import CheckpointReader
+    from gptoss_cli.checkpoint.storage.safetensors_io import CheckpointReader
     from gptoss_cli.checkpoint.sources import HF, check_tensors, open_source
     from gptoss_cli.parity.forward import Ours, Reference, forward_parity
     from gptoss_cli.parity.weights import check_weights

@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from gptoss_cli.checkpoint.convert import convert
-from gptoss_cli.checkpoint.dcp_io import read_metadata
+from gptoss_cli.checkpoint.storage.dcp_io import read_metadata
 from gptoss_cli.checkpoint.load import model_from_checkpoint
 from gptoss_cli.cli import app
 from tests.checkpoint import megatron_worker as ref
@@ -352,13 +352,14 @@ def test_tracker_naming_an_iteration_folder(megatron_out, hf_bf16, tmp_path):
 
 def test_an_expert_parallel_rank_reads_only_its_experts(megatron_out, hf_bf16, monkeypatch):
     """checkpoint.pretrained at EP=2: rank 1's model (experts 2..3) gets the HF weights of exactly those."""
-    from gptoss_cli.checkpoint import megatron_format
-    from gptoss_cli.checkpoint.load import build_model, checkpoint_architecture, load_weights
+    from gptoss_cli.checkpoint.megatron import reader as megatron_reader
+    from gptoss_cli.checkpoint.load import checkpoint_architecture, load_weights
+    from gptoss_cli.model.build import build_model
 
     arch, _ = checkpoint_architecture(megatron_out)
     read = []
-    real = megatron_format.MegatronReader.read
-    monkeypatch.setattr(megatron_format.MegatronReader, "read",
+    real = megatron_reader.MegatronReader.read
+    monkeypatch.setattr(megatron_reader.MegatronReader, "read",
                         lambda self, name, *a: read.append(name) or real(self, name, *a))
     a = build_model(arch, expert_offset=2, num_local_experts=2)
     load_weights(a, megatron_out)
@@ -390,7 +391,7 @@ def test_streams_in_chunks_both_ways(hf_bf16, tmp_path, monkeypatch):
     """With a 4 KiB chunk budget the embedding (and its padding) is written as row chunks of at most that
     size, and reading back never loads a stored chunk bigger than one expert half, one row range or the
     largest tensor group convert holds anyway."""
-    from gptoss_cli.checkpoint import megatron_format
+    from gptoss_cli.checkpoint.megatron import reader as megatron_reader
 
     budget = 4096
     convert(str(hf_bf16), tmp_path / "mg", to="megatron", dtype="float32", chunk_bytes=budget)
@@ -399,8 +400,8 @@ def test_streams_in_chunks_both_ways(hf_bf16, tmp_path, monkeypatch):
     H = emb.size[1]
     assert len(emb.chunks) > 10 and max(c.sizes[0] * H * 4 for c in emb.chunks) <= max(budget, H * 4)
     loaded = []
-    real = megatron_format.MegatronReader._chunk
-    monkeypatch.setattr(megatron_format.MegatronReader, "_chunk",
+    real = megatron_reader.MegatronReader._chunk
+    monkeypatch.setattr(megatron_reader.MegatronReader, "_chunk",
                         lambda self, k, o, s: loaded.append(torch.Size(s).numel() * 4) or real(self, k, o, s))
     convert(str(tmp_path / "mg"), tmp_path / "hf", to="hf", dtype="float32", chunk_bytes=budget)
     assert_same_tensors(hf_tensors(tmp_path / "hf"), hf_tensors(hf_bf16))
