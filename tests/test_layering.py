@@ -4,7 +4,7 @@ Function-local imports count too (they used to hide cycles). The rules:
 - model/ only computes: it imports nothing from checkpoint/, parallel/, schedule/, train/ (nor the
   CLI, parity or recipes);
 - recipe/ never imports train/ (validation must not need the trainer);
-- checkpoint/ never imports train/;
+- checkpoint/ never imports train/ nor recipe/ (conversion knows no recipes);
 - data/ (conversations, packing) is torch-free and imports none of the other layers;
 - the library never imports the CLI (gptoss_cli/cli/) or rich;
 - nothing under gptoss_cli/ imports benchmark or test scaffolding: bench/, tests/, or
@@ -23,7 +23,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "gptoss_cli"
 FORBIDDEN = {
     "model": ("checkpoint", "parallel", "schedule", "train", "cli", "parity", "recipe"),
     "recipe": ("train", "cli"),
-    "checkpoint": ("train", "cli", "parallel", "schedule"),
+    "checkpoint": ("train", "cli", "parallel", "schedule", "recipe"),
     "parallel": ("train", "cli", "checkpoint", "recipe"),
     "schedule": ("train", "cli", "checkpoint", "recipe"),
     "fp8": ("train", "cli", "checkpoint", "recipe", "parallel", "schedule"),
