@@ -133,7 +133,8 @@ def test_keys_global_shapes_and_expert_chunks(megatron_out, hf_bf16):
     assert "decoder.layers.0.self_attention.linear_qkv._extra_state/shard_0_1" in objects
     assert "decoder.layers.0.self_attention.core_attention._extra_state/shard_0_1" in objects
     assert f"decoder.layers.{2 * L - 1}.mlp.experts.experts.linear_fc2._extra_state/shard_{E - 1}_{E}" in objects
-    assert len(objects) == L * (3 + 1 + 2 * E) + 1
+    assert "output_layer._extra_state/shard_0_1" in objects
+    assert len(objects) == L * (3 + 1 + 2 * E) + 2  # + the final norm's and the output layer's
 
 
 def test_torch_dcp_reads_the_hf_values_and_zero_padding(megatron_out, hf_bf16):
@@ -224,6 +225,40 @@ def test_megatron_core_loads_our_output_strictly(megatron_out, hf_bf16, tmp_path
     assert_same_tensors(loaded, want)
     info = json.loads(Path(str(out) + ".json").read_text())
     assert info["checkpoint_version"] == 3.0 and info["iteration"] == 0
+
+
+# What the Transformer Engine spec adds to the local spec's requests: TEDotProductAttention and TENorm carry
+# _extra_state, their local counterparts (DotProductAttention, torch's RMSNorm) do not.
+TE_ONLY = ("self_attention.core_attention._extra_state", "pre_mlp_layernorm._extra_state", "final_norm._extra_state")
+
+
+def test_megatron_core_model_loads_every_key_it_asks_for_and_computes_transformers_logits(megatron_out, hf_bf16,
+                                                                                          tmp_path):
+    """megatron-core's own MambaModel ('*E' hybrid stack, local spec) built from our args, loaded by its own
+    dist_checkpointing.load at EP=2 and at EP=1 (2 gloo ranks): nothing it asks for is absent (0.16.1 stopped
+    at "Missing key in checkpoint state_dict: output_layer._extra_state/shard_0_1"), and its logits are
+    transformers' on the HF checkpoint the conversion started from."""
+    pytest.importorskip("megatron.core")
+    from tests.model.tiny_checkpoints import load_hf_reference
+    from tests.tolerances import reassociation_rel
+
+    out = tmp_path / "logits.safetensors"
+    worker("model", str(megatron_out / "release"), str(out), "2")
+    report = json.loads(Path(str(out) + ".json").read_text())
+    logits = load_file(out)
+    cfg = hf_config(hf_bf16)
+    with torch.no_grad():
+        want = load_hf_reference(hf_bf16).eval()(torch.tensor(ref.TOKENS)).logits  # [batch, seq, vocab]
+    rel = reassociation_rel(max(cfg["hidden_size"], cfg["intermediate_size"]), depth=4 * cfg["num_hidden_layers"])
+    for ep in (2, 1):
+        found = report[f"ep{ep}"]
+        assert found["absent"] == [], found["absent"]
+        assert found["not_asked"] and all(k.endswith(TE_ONLY) for k in found["not_asked"]), found["not_asked"]
+        assert "output_layer._extra_state" in found["requested"]
+        got = logits[f"logits_ep{ep}"][..., :cfg["vocab_size"]]  # [batch, seq, padded vocab]: the padding dropped
+        err = (got - want).abs().max().item()
+        assert err <= rel * want.abs().max().item(), (ep, err)
+        assert not logits[f"logits_ep{ep}"][..., cfg["vocab_size"]:].any()  # the padding rows are zero
 
 
 @pytest.mark.parametrize("ep,singleton", [(1, False), (2, False), (2, True)])

@@ -94,6 +94,7 @@ def extra_state_keys(arch: GptOssArch) -> list[str]:
             keys.extend(f"decoder.layers.{m}.mlp.experts.experts.{mod}._extra_state/shard_{e}_{arch.num_local_experts}"
                         for e in range(arch.num_local_experts))
     keys.append("decoder.final_norm._extra_state/shard_0_1")
+    keys.append("output_layer._extra_state/shard_0_1")  # a ColumnParallelLinear in both specs: it has one too
     return keys
 
 
