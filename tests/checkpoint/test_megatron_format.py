@@ -422,6 +422,28 @@ def test_args_that_describe_no_gpt_oss_model_are_one_line(field, value, mg_copy,
     assert_clean_failure(r, out, "common.pt", dst=tmp_path / "o")
 
 
+@pytest.mark.parametrize("field", ["window_size", "window_attn_skip_freq", "max_position_embeddings"])
+def test_args_that_cannot_say_the_architecture_are_one_line_unless_it_comes_from_elsewhere(field, mg_copy, hf_bf16,
+                                                                                           tmp_path):
+    """Args without the sliding window or the position limit were read as full attention everywhere and
+    GPT-OSS's 131072 positions; now: one line naming the field, or --arch-from (an HF config.json or a
+    preset), or Megatron-Bridge's run_config.yaml beside the weights (its `model:` names: seq_length)."""
+    recorded = {}
+    _rewrite_common(mg_copy, lambda c: recorded.update(vars(c["args"])) or delattr(c["args"], field))
+    r, out = run_convert(mg_copy, tmp_path / "o", "--to", "hf")
+    assert_clean_failure(r, out, f"args record no {field}", "--arch-from", dst=tmp_path / "o")
+    r, out = run_convert(mg_copy, tmp_path / "o", "--to", "hf", "--arch-from", hf_bf16 / "config.json")
+    assert r.exit_code == 0, out
+    assert_same_architecture(tmp_path / "o", hf_bf16)
+    r, out = run_convert(mg_copy, tmp_path / "o2", "--to", "hf", "--arch-from", "gpt_oss_20b")  # another model
+    assert_clean_failure(r, out, "--arch-from disagree", "num_hidden_layers", dst=tmp_path / "o2")
+    bridge = {"max_position_embeddings": "seq_length"}.get(field, field)
+    value = list(recorded[field]) if isinstance(recorded[field], (list, tuple)) else recorded[field]
+    (mg_copy / "release" / "run_config.yaml").write_text(json.dumps({"model": {bridge: value}}))  # YAML holds JSON
+    convert(str(mg_copy), tmp_path / "o3", to="hf", dtype="float32")
+    assert_same_architecture(tmp_path / "o3", hf_bf16)
+
+
 def test_streams_in_chunks_both_ways(hf_bf16, tmp_path, monkeypatch):
     """With a 4 KiB chunk budget the embedding (and its padding) is written as row chunks of at most that
     size, and reading back never loads a stored chunk bigger than one expert half, one row range or the

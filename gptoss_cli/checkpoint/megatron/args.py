@@ -102,10 +102,14 @@ def arch_from_args(recorded: RecordedArgs, arch_from: GptOssArch | None = None) 
     except (TypeError, ValueError, IndexError, KeyError, AttributeError) as exc:  # e.g. a field of the wrong type
         raise CheckpointError(f"{source}: args describe no valid GPT-OSS architecture ({first_line(exc)})") from None
     if arch_from is not None and arch.differences(arch_from):
-        raise CheckpointError(f"{source}: the checkpoint's args and --arch-from disagree "
-                              f"(args vs --arch-from: {'; '.join(arch.differences(arch_from)[:3])})",
-                              hint="--arch-from must describe the model the checkpoint holds")
+        raise _disagree(source, arch.differences(arch_from))
     return arch
+
+
+def _disagree(source: Path, differences: list[str]) -> CheckpointError:
+    return CheckpointError(f"{source}: the checkpoint's args and --arch-from disagree "
+                           f"(args vs --arch-from: {'; '.join(differences[:3])})",
+                           hint="--arch-from must describe the model the checkpoint holds")
 
 
 def _windows(recorded: RecordedArgs, blocks: int, num_layers: int, arch_from: GptOssArch | None) -> tuple[int, list[str]]:
@@ -114,6 +118,8 @@ def _windows(recorded: RecordedArgs, blocks: int, num_layers: int, arch_from: Gp
     if absent:
         if arch_from is None:
             raise recorded.missing(absent[0], "which attention layers slide, and how far,")
+        if arch_from.num_hidden_layers != blocks:
+            raise _disagree(recorded.where, [f"num_hidden_layers: {blocks} vs {arch_from.num_hidden_layers}"])
         return arch_from.sliding_window, list(arch_from.layer_types)
     window, skip = recorded.get("window_size"), recorded.get("window_attn_skip_freq")
     if not window:  # recorded as None: Megatron computed full attention on every layer
