@@ -4,7 +4,6 @@ files (metadata.json, common.pt)."""
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import pickle
 import time
@@ -20,13 +19,12 @@ from gptoss_cli.checkpoint.megatron.names import (
 )
 from gptoss_cli.checkpoint.storage.dcp_io import METADATA
 from gptoss_cli.checkpoint.storage.safetensors_io import TensorSpec
+from gptoss_cli.checkpoint.storage.torch_bytes import save_bytes
 from gptoss_cli.model.config import GptOssArch
 
 
 def _empty_extra_state() -> bytes:
-    buf = io.BytesIO()
-    torch.save([None], buf)  # what Megatron writes for a module without FP8 state: a list of one None
-    return buf.getvalue()
+    return bytes(save_bytes([None]))  # what Megatron writes for a module without FP8 state: a list of one None
 
 
 class MegatronWriter:
@@ -61,7 +59,8 @@ class MegatronWriter:
     def _stream(self, nbytes: int):
         if self._file is None or (self._file.tell() and self._file.tell() + nbytes > self.max_shard_bytes):
             if self._file is not None:
-                self._file.close()
+                with outputs.naming(self.folder / self.file_names[-1]):
+                    self._file.close()
             name = f"__0_{len(self.file_names)}.distcp"
             with outputs.naming(self.folder / name):
                 self._file = open(self.folder / name, "wb")
@@ -69,21 +68,22 @@ class MegatronWriter:
         return self._file
 
     def _put(self, key: str, offsets: tuple[int, ...] | None, payload: torch.Tensor | bytes) -> None:
+        """Append one chunk (a tensor, or an object's bytes) to the current file and record where it went."""
         t0 = time.perf_counter()
-        nbytes = len(payload) if isinstance(payload, bytes) else payload.numel() * payload.element_size()
-        f = self._stream(nbytes)
+        tensor = isinstance(payload, torch.Tensor)
+        nbytes = payload.numel() * payload.element_size() if tensor else len(payload)
+        if tensor:  # torch.save stores the whole storage: a view is saved as a copy
+            payload = save_bytes(payload.contiguous().clone() if payload.storage_offset() or not payload.is_contiguous()
+                                 or payload.untyped_storage().nbytes() != nbytes else payload)
+        f = self._stream(len(payload))
         start = f.tell()
         with outputs.naming(self.folder / self.file_names[-1]):
-            if isinstance(payload, bytes):
-                f.write(payload)
-            else:
-                torch.save(payload.contiguous().clone() if payload.storage_offset() or not payload.is_contiguous()
-                           or payload.untyped_storage().nbytes() != nbytes else payload, f)
+            f.write(payload)
         length = f.tell() - start
         self._storage.append((key, offsets, self.file_names[-1], start, length))
         self.bytes_written += length
         self.io_seconds += time.perf_counter() - t0
-        if self.on_bytes and not isinstance(payload, bytes):  # the planned tensor bytes, as the progress total
+        if self.on_bytes and tensor:  # the planned tensor bytes, as the progress total
             self.on_bytes(nbytes)
 
     def _tensor(self, key: str, global_shape: tuple[int, ...], offsets: tuple[int, ...], data: torch.Tensor) -> None:
@@ -131,7 +131,8 @@ class MegatronWriter:
         for key in extra_state_keys(self.arch):
             self._put(key, None, extra)
         if self._file is not None:
-            self._file.close()
+            with outputs.naming(self.folder / self.file_names[-1]):
+                self._file.close()
             self._file = None
         state: dict[str, Any] = {}
         for key, shape in self._global.items():
@@ -152,7 +153,10 @@ class MegatronWriter:
 
     def abort(self) -> None:
         if self._file is not None:
-            self._file.close()
+            try:
+                self._file.close()
+            except OSError:  # a full disk again while flushing: the folder is removed anyway
+                pass
             self._file = None
 
 
@@ -161,13 +165,12 @@ def write_folder_files(folder: Path, args: argparse.Namespace, iteration: int, p
     outputs.write_text(folder / METADATA_JSON, json.dumps(
         {"sharded_backend": BACKEND, "sharded_backend_version": 1, "common_backend": "torch",
          "common_backend_version": 1}) + "\n")
-    buf = io.BytesIO()
-    torch.save({"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
-                "num_floating_point_operations_so_far": 0, "gptoss_provenance": provenance}, buf)
-    _write_bytes(folder / COMMON, buf.getvalue())
+    _write_bytes(folder / COMMON, save_bytes({"args": args, "checkpoint_version": CHECKPOINT_VERSION,
+                                              "iteration": iteration, "num_floating_point_operations_so_far": 0,
+                                              "gptoss_provenance": provenance}))
 
 
-def _write_bytes(path: Path, data: bytes) -> None:
+def _write_bytes(path: Path, data: bytes | memoryview) -> None:
     with outputs.naming(path):
         path.write_bytes(data)
 
