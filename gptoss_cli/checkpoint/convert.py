@@ -22,6 +22,7 @@ import torch
 from gptoss_cli import __version__, outputs
 from gptoss_cli.checkpoint import formats
 from gptoss_cli.checkpoint.convert_plan import PROVENANCE_KEY, ConvertPlan, make_plan, target_for
+from gptoss_cli.checkpoint.export_cost import measure_model
 from gptoss_cli.checkpoint.formats.registry import Format
 from gptoss_cli.checkpoint.sources import Source, open_source
 from gptoss_cli.checkpoint.storage.finite import NonFiniteCheck
@@ -71,6 +72,7 @@ class ConvertResult:
     architecture: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)  # e.g. leftovers of killed runs that were removed
     provenance: dict = field(default_factory=dict)  # what the output records about its source
+    export_cost: dict | None = None  # --experts mxfp4 of experts not trained in MXFP4: checkpoint/export_cost.py
 
     @property
     def throughput_bytes_per_s(self) -> float:
@@ -148,8 +150,14 @@ def convert(
             outputs.commit(tmp, dst)
     finally:
         source.close()
-    return _result(plan, source, target, run, src=str(src), dst=dst, revision=revision, t0=t0,
-                   notes=notes + plan.notes, provenance=provenance)
+    result = _result(plan, source, target, run, src=str(src), dst=dst, revision=revision, t0=t0,
+                     notes=notes + plan.notes, provenance=provenance)
+    meter = getattr(plan, "meter", None)
+    if meter is not None and meter.err_sq > 0:  # experts rounded to MXFP4 that were not trained so: what it cost
+        cost = measure_model(str(src), source, meter, weights=weights)
+        result.notes.append(cost.note())
+        result.export_cost = asdict(cost)
+    return result
 
 
 def _check_options(to: str | None, experts: str | None, vocab_multiple: int | None, max_shard_bytes: int) -> Format | None:

@@ -23,6 +23,7 @@ import torch
 from gptoss_cli import outputs
 from gptoss_cli.checkpoint import formats
 from gptoss_cli.checkpoint.formats.hf import EXTRA_FILES
+from gptoss_cli.checkpoint.export_cost import RoundingMeter
 from gptoss_cli.checkpoint.formats.registry import Format
 from gptoss_cli.checkpoint.hf_config import to_hf_config
 from gptoss_cli.checkpoint.hybrid_format import HybridCheckpointConfig, write_hybrid_config
@@ -157,8 +158,12 @@ def _tasks_to_hybrid(reader: RowReader, arch: GptOssArch, layout: Layout, job: J
     yield partial(_unit_to_hybrid, reader, arch, layout, unit, dtype)
 
 
-def _experts_to_hf(reader: RowReader, arch: GptOssArch, layout: Layout, unit: Unit, dtype: torch.dtype, e0: int, e1: int):
+def _experts_to_hf(reader: RowReader, arch: GptOssArch, layout: Layout, unit: Unit, dtype: torch.dtype, e0: int, e1: int,
+                   meter=None):
     per_expert = [_read_hybrid(reader, arch, name, dtype) for name in unit.hybrid[e0:e1]]
+    if meter is not None and unit.hybrid[0].split(".")[-1].startswith("weight"):  # what MXFP4 will make of them
+        for name, t in zip(unit.hybrid[e0:e1], per_expert):  # [out, in], rounded along `in` as stored
+            meter.add(name, t, mxfp4.round_to_mxfp4(t))
     (chunk,) = unit.to_hf(arch, per_expert)
     try:
         stored = layout.store(unit.hf[0], chunk)
@@ -178,7 +183,8 @@ def _unit_to_hf(reader: RowReader, arch: GptOssArch, layout: Layout, unit: Unit,
     return out, []
 
 
-def _tasks_to_hf(reader: RowReader, arch: GptOssArch, job: Job, dtype: torch.dtype, layout: Layout, budget: int):
+def _tasks_to_hf(reader: RowReader, arch: GptOssArch, job: Job, dtype: torch.dtype, layout: Layout, budget: int,
+                 meter=None):
     unit, out = job.unit, job.outputs[0]
     if _streams_rows(unit, out) and len(job.outputs) == 1:
         for r0, r1 in _row_ranges(out, budget):
@@ -187,7 +193,8 @@ def _tasks_to_hf(reader: RowReader, arch: GptOssArch, job: Job, dtype: torch.dty
     if unit.per_expert:
         n = _expert_chunk(arch, unit, dtype, budget)
         for e0 in range(0, arch.num_local_experts, n):
-            yield partial(_experts_to_hf, reader, arch, layout, unit, dtype, e0, min(arch.num_local_experts, e0 + n))
+            yield partial(_experts_to_hf, reader, arch, layout, unit, dtype, e0, min(arch.num_local_experts, e0 + n),
+                          meter)
         yield RELEASE_HELD
         return
     yield partial(_unit_to_hf, reader, arch, layout, unit, dtype)
@@ -267,9 +274,10 @@ class ToHf(ConvertPlan):
 
     target: ClassVar[str] = "hf"
     layout: Layout = HF_LAYOUTS["bf16"]
+    meter: Any = None  # export_cost.RoundingMeter: MXFP4 experts the source was not trained with
 
     def tasks(self, reader: RowReader, job: Job, budget: int, empty: Empty = fresh) -> Iterator[Task | object]:
-        return _tasks_to_hf(reader, self.source.arch, job, self.dtype, self.layout, budget)
+        return _tasks_to_hf(reader, self.source.arch, job, self.dtype, self.layout, budget, self.meter)
 
     def close_writer(self, writer, provenance: dict) -> None:
         writer.close(index_metadata={PROVENANCE_KEY: provenance})
@@ -288,7 +296,10 @@ def to_hf_plan(source: Source, *, experts: str | None, dtype: torch.dtype) -> To
             f"(got {arch.hidden_size}, {arch.intermediate_size})"
         )
     layout = HF_LAYOUTS[out_form]
-    return ToHf(source, dtype, plan_to_hf(arch, layout, dtype), source.experts_form, out_form, layout=layout)
+    # Experts stored or trained in MXFP4 lose nothing more; any other experts are rounded: measured
+    rounds = out_form == "mxfp4" and source.experts_form != "mxfp4" and source.provenance.get("qat") != "mxfp4"
+    return ToHf(source, dtype, plan_to_hf(arch, layout, dtype), source.experts_form, out_form, layout=layout,
+                meter=RoundingMeter() if rounds else None)
 
 
 def target_for(source: Source, to: str | None, src: str) -> Format:

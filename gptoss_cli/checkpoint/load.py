@@ -222,12 +222,13 @@ def checkpoint_architecture(folder: str | Path) -> tuple[GptOssArch, str | None]
 
 def model_from_checkpoint(folder: str | Path, *, dtype: torch.dtype = torch.float32,
                           device: str | torch.device = "cpu", progress: LoadProgress | None = None,
-                          **kwargs) -> HybridModel:
+                          weights: str | None = None, **kwargs) -> HybridModel:
     """Build a HybridModel from a folder's own config (hybrid_config.json, config.json, or a training
     run's record) and load it; the folder is opened once.
 
-    kwargs go to HybridModel (expert_offset, num_local_experts, token_dispatcher_factory)."""
-    source = open_source(str(folder))
+    `weights`: a training checkpoint's model state or master weights (open_source's option). kwargs go
+    to HybridModel (expert_offset, num_local_experts, token_dispatcher_factory)."""
+    source = open_source(str(folder), weights=weights)
     try:
         model = build_model(source.arch, source.hybrid_layer_pattern, device=device, dtype=dtype, **kwargs)
         _fill_from_source(model, source, progress)

@@ -59,7 +59,8 @@ def convert_cmd(
 
     Example: gptoss convert openai/gpt-oss-20b ./gpt-oss-20b-hybrid
 
-    Example: gptoss convert runs/ft/checkpoints ./ft-hf --to hf --experts mxfp4
+    Example: gptoss convert runs/ft/checkpoints ./ft-hf --to hf   (bf16 experts; --experts mxfp4 says what
+    rounding them costs a run trained without precision.qat=mxfp4)
 
     Example: gptoss convert openai/gpt-oss-20b ./gpt-oss-20b-megatron --to megatron
     """
