@@ -30,8 +30,8 @@ NUM_TOKENS = 700
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """(a 2-step full fine-tune on token data, the same on mock data, the token list): bf16-form HF base,
-    whose expert values are not MXFP4 values, trained without QAT."""
+    """(a 2-step full fine-tune on token data, trained without QAT from a bf16-form HF base whose expert
+    values are not MXFP4 values; its Hybrid export, which records no data and has no tokenizer; the tokens)."""
     root = tmp_path_factory.mktemp("export-cost")
     hf = write_hf_checkpoint(root / "hf", experts="bf16", seed=5)
     cfg = json.loads((hf / "config.json").read_text())
@@ -40,18 +40,16 @@ def runs(tmp_path_factory):
     write_atomically(bin_path, tokens.numpy().astype(np.uint16))
     write_token_header(json_path, dtype="uint16", num_tokens=NUM_TOKENS, num_documents=1,
                        vocab_size=cfg["vocab_size"], eos_token_id=None, tokenizer=None, sources=["test"])
-    out = []
-    for name, data in (("tokens", dict(data_kind="tokens", data_path=str(root / "data"))), ("mock", {})):
-        from gptoss_cli.checkpoint.load import checkpoint_architecture
+    from gptoss_cli.checkpoint.load import checkpoint_architecture
 
-        arch, _ = checkpoint_architecture(hf)
-        job = train_job(root / name, arch=arch, pretrained=str(hf), seq_length=16, global_batch_size=2,
-                        micro_batch_size=1, train_iters=2, save_interval=2, lr=1e-3,
-                        checkpoint_dir=str(root / name / "ckpt"), use_distributed_optimizer=False, **data)
-        # the resolved recipe, as `gptoss train` records it in the run (train_job leaves it out)
-        run_worker(dataclasses.replace(job, recipe=json.loads(json.dumps(dataclasses.asdict(job.config), default=str))))
-        out.append(root / name / "ckpt")
-    return out[0], out[1], tokens
+    arch, _ = checkpoint_architecture(hf)
+    job = train_job(root / "run", arch=arch, pretrained=str(hf), seq_length=16, global_batch_size=2,
+                    micro_batch_size=1, train_iters=2, save_interval=2, lr=1e-3, checkpoint_dir=str(root / "ckpt"),
+                    use_distributed_optimizer=False, data_kind="tokens", data_path=str(root / "data"))
+    # the resolved recipe, as `gptoss train` records it in the run (train_job leaves it out)
+    run_worker(dataclasses.replace(job, recipe=json.loads(json.dumps(dataclasses.asdict(job.config), default=str))))
+    convert(str(root / "ckpt"), root / "hybrid", dtype="float32")
+    return root / "ckpt", root / "hybrid", tokens
 
 
 def _loss(model, seqs) -> float:
@@ -82,7 +80,7 @@ def test_the_mxfp4_export_of_a_run_without_qat_says_what_it_cost(runs, tmp_path)
 
 
 def test_without_data_or_a_tokenizer_the_weight_error_is_said(runs, tmp_path):
-    _, ckpt, _ = runs
+    _, ckpt, _ = runs  # the run's Hybrid export: no run data recorded, no tokenizer.json
     result = convert(str(ckpt), tmp_path / "mx", to="hf", experts="mxfp4", dtype="float32")
     convert(str(ckpt), tmp_path / "exact", to="hf", dtype="float32")
     cost = result.export_cost
@@ -101,7 +99,7 @@ def test_without_data_or_a_tokenizer_the_weight_error_is_said(runs, tmp_path):
 
 def test_an_export_that_rounds_nothing_says_nothing(runs, tmp_path):
     """Rounding an MXFP4 export again loses nothing (OCP floor rule): no cost note."""
-    _, ckpt, _ = runs
+    ckpt, _, _ = runs
     convert(str(ckpt), tmp_path / "mx", to="hf", experts="mxfp4", dtype="float32")
     convert(str(tmp_path / "mx"), tmp_path / "hyb", dtype="float32")
     again = convert(str(tmp_path / "hyb"), tmp_path / "mx2", experts="mxfp4", dtype="float32")
