@@ -75,13 +75,14 @@ def _experts(hidden: int, ffn: int, num_local: int, args=None):
 
 
 def _te_extra_states(num_blocks: int) -> list[tuple[str, tuple, tuple]]:
-    """(key, global_shape, global_offset) of the TE modules' non-expert _extra_state objects."""
+    """(key, global_shape, global_offset) of the non-expert _extra_state objects of the TE spec's modules."""
     out = []
     for b in range(num_blocks):
         for mod in ("linear_qkv", "core_attention", "linear_proj"):
             out.append((f"decoder.layers.{2 * b}.self_attention.{mod}._extra_state", (1,), (0,)))
         out.append((f"decoder.layers.{2 * b + 1}.pre_mlp_layernorm._extra_state", (1,), (0,)))
     out.append(("decoder.final_norm._extra_state", (1,), (0,)))
+    out.append(("output_layer._extra_state", (1,), (0,)))  # a ColumnParallelLinear, in every spec
     return out
 
 

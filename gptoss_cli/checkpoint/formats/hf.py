@@ -29,13 +29,11 @@ EXTRA_FILES = (
 
 
 def load_json(path: Path) -> dict:
-    """A JSON object from `path`; CheckpointError naming the file otherwise."""
+    """A JSON object from `path`; CheckpointError naming the file otherwise (an OSError names it itself)."""
     try:
         data = parse_json(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
-    except OSError as exc:
-        raise CheckpointError(f"{path}: cannot read ({exc.strerror or exc})") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: expected a JSON object")
     return data
@@ -51,7 +49,8 @@ def is_openai_config(path: Path) -> bool:
 
 
 def detect(root: Path) -> bool:
-    return (root / CONFIG).is_file() and not is_openai_config(root / CONFIG)
+    """A config.json that is not OpenAI's (whatever else is wrong with it, the read says in one line)."""
+    return (root / CONFIG).exists() and not is_openai_config(root / CONFIG)
 
 
 def architecture(root: Path, options: OpenOptions | None = None) -> tuple[GptOssArch, str | None]:
