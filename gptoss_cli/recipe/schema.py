@@ -242,6 +242,16 @@ class LoggingConfig:
 
 
 @dataclass
+class ServeCheckConfig:
+    engine: Optional[str] = _f(None, "at the end of the run, `gptoss serve-check` the final checkpoint with this engine "
+                               "and write serve_check.json into the run folder (docs/serve-check.md); a failed check "
+                               "ends train with exit 1 after the checkpoint is saved; null = off",
+                               choices=(None, "vllm"))
+    engine_python: Optional[str] = _f(None, "the Python of the engine's venv; null = $GPTOSS_ENGINE_PYTHON")
+    dtype: str = _f("float32", "what the engine computes in", choices=("float32", "bfloat16"))
+
+
+@dataclass
 class SystemConfig:
     device: str = _f("auto", "where to train; auto = cuda if available", choices=("auto", "cpu", "cuda"))
     gpu: str = _f(
@@ -272,6 +282,7 @@ class RecipeConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     system: SystemConfig = field(default_factory=SystemConfig)
+    serve_check: ServeCheckConfig = field(default_factory=ServeCheckConfig)
 
 
 def iter_fields(cls: type = RecipeConfig, prefix: str = ""):
@@ -325,12 +336,12 @@ _GROUPS: dict[str, type] = {
     c.__name__: c for c in (
         ModelConfig, ParallelismConfig, MoEConfig, OverlapConfig, PrecisionConfig, CudaGraphConfig,
         RecomputeConfig, TrainingConfig, OptimizerConfig, DataConfig, CheckpointConfig, LoraConfig, LoggingConfig,
-        SystemConfig,
+        SystemConfig, ServeCheckConfig,
     )
 }
 
 __all__ = [
     "RecipeConfig", "ModelConfig", "ParallelismConfig", "MoEConfig", "OverlapConfig", "PrecisionConfig",
     "CudaGraphConfig", "RecomputeConfig", "TrainingConfig", "OptimizerConfig", "DataConfig",
-    "CheckpointConfig", "LoraConfig", "LoggingConfig", "SystemConfig", "iter_fields", "get_field", "describe_schema",
+    "CheckpointConfig", "LoraConfig", "LoggingConfig", "SystemConfig", "ServeCheckConfig", "iter_fields", "get_field", "describe_schema",
 ]

@@ -2,7 +2,8 @@
 
 Before any process starts, the recipe goes through the same rule registry as `validate-config`
 (`gptoss_cli.recipe.validate.preflight`, with the real world size and path checks); an error
-stops it there. Then:
+stops it there, as do more ranks on this node than visible GPUs for a CUDA run (one line, exit 2:
+ranks would otherwise share a GPU and NCCL fail later). Then:
 - inside a torchrun-started process (RANK/WORLD_SIZE/LOCAL_RANK set): train in this process, so
   multi-node jobs are plain `torchrun --nnodes ... -m gptoss_cli train --recipe R`;
 - one process: train in this process;
@@ -36,7 +37,7 @@ from typing import Any, Iterator
 from gptoss_cli import errors
 from gptoss_cli.errors import ConfigError, GptossError, Terminated, TrainingError
 from gptoss_cli.outputs import FolderLock
-from gptoss_cli.parallel.state import torchrun_env
+from gptoss_cli.parallel.state import check_local_gpus, torchrun_env
 from gptoss_cli.train.heartbeat import Watchdog
 from gptoss_cli.train.loop import TrainJob, TrainResult, run_worker
 from gptoss_cli.train.progress import TrainProgress
@@ -78,7 +79,32 @@ def _detect_gpu(device: str) -> str:
 
 
 def train(recipe: Any, *, nproc_per_node: int | None = None, progress: TrainProgress | None = None) -> TrainResult:
-    """Validate, then train: in this process (torchrun or one process) or on N local workers."""
+    """Validate, then train: in this process (torchrun or one process) or on N local workers; then, when the
+    recipe asks (`serve_check.engine`), check the final checkpoint against the serving engine."""
+    result = _train(recipe, nproc_per_node=nproc_per_node, progress=progress)
+    if recipe.config.serve_check.engine and int(os.environ.get("RANK", "0")) == 0:
+        _serve_check(recipe.config.serve_check, result)
+    return result
+
+
+def _serve_check(section: Any, result: TrainResult) -> None:
+    """serve-check the final checkpoint into the run folder; a failed check is a TrainingError (exit 1)."""
+    from gptoss_cli.parity.serve import check_after_training
+
+    if not result.checkpoint:
+        raise TrainingError("serve_check: the run saved no checkpoint to check")
+    report, path = check_after_training(result.checkpoint, result.run_dir, section.engine, section.engine_python,
+                                        section.dtype)
+    failure = report.failure_line()
+    if failure is not None:
+        raise TrainingError(f"serve_check ({path}): {failure}",
+                            hint=f"the checkpoint {result.checkpoint} is saved; see docs/serve-check.md")
+    worst = report.overall()["max_abs_logprob_diff"]
+    result.notes.append(f"serve-check passed ({report.engine['name']} {report.engine['version']}, {report.dtype}, "
+                        f"max |dlogprob| {worst:.3g}): {path}")
+
+
+def _train(recipe: Any, *, nproc_per_node: int | None, progress: TrainProgress | None) -> TrainResult:
     env = torchrun_env()
     if env is not None:
         if nproc_per_node is not None and int(os.environ.get("LOCAL_WORLD_SIZE", nproc_per_node)) != nproc_per_node:
@@ -87,6 +113,7 @@ def train(recipe: Any, *, nproc_per_node: int | None = None, progress: TrainProg
                 hint="drop --nproc-per-node when running under torchrun",
             )
         preflight_recipe(recipe, env["WORLD_SIZE"])
+        check_local_gpus(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), recipe.config.system.device)
         job = TrainJob.from_recipe(recipe)
         with run_folders(job, owner=env["RANK"] == 0) as notes:
             return _with_notes(run_worker(job, progress), notes)
@@ -94,6 +121,7 @@ def train(recipe: Any, *, nproc_per_node: int | None = None, progress: TrainProg
     if nproc < 1:
         raise ConfigError(f"--nproc-per-node {nproc} must be at least 1")
     preflight_recipe(recipe, nproc)
+    check_local_gpus(nproc, recipe.config.system.device)
     job = TrainJob.from_recipe(recipe)
     with run_folders(job) as notes:
         if nproc == 1:

@@ -293,6 +293,8 @@ def _train(job: TrainJob, state: ParallelState, progress: TrainProgress | None, 
     totals_layout = StepTotals([j for j, _ in model.module.moe_layers()], job.arch.num_local_experts)
     schedule = get_forward_backward_func(setup.config)
     fp8 = setup.config.fp8_gemms  # the FP8 gemms the provider selected: which path runs, what ran
+    if fp8 is not None:
+        fp8.guard.deferred = True  # NaN/inf checks recorded on the device, read once per step below
     emit = progress if (progress is not None and state.rank == 0) else None
     flops_per_token = model_flops_per_token(job.arch, t.seq_length, job.hybrid_layer_pattern)
     # recompute's repeated forward work: hardware FLOPs, reported apart from the model's
@@ -319,7 +321,11 @@ def _train(job: TrainJob, state: ParallelState, progress: TrainProgress | None, 
         totals = local.clone()
         if state.distributed:
             dist.all_reduce(totals, group=state.dp_group)  # one small collective for every step total
-        local_values, values = torch.stack([local, totals]).tolist()  # the step's one host sync
+        # The step's one host sync; the FP8 NaN/inf flag (fp8/guard.py) rides on it and is checked first.
+        read = torch.cat([local, totals, fp8.guard.flag(state.device).view(1) if fp8 else local[:0]]).tolist()
+        local_values, values = read[:local.numel()], read[local.numel():2 * local.numel()]
+        if fp8 is not None:
+            fp8.guard.check(read[-1], step + 1)
         reduced = totals_layout.scalars(values)
         loss = reduced["lm_loss_sum"] / reduced["num_tokens"] if reduced["num_tokens"] else math.nan
         if not math.isfinite(loss):

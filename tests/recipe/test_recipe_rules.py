@@ -114,6 +114,8 @@ CASES = {
     "lora.rank": ([*LORA, "lora.rank=65"], "error", [*LORA, "lora.rank=48"]),
     "lora.base": (LORA, "error", [*LORA, "checkpoint.pretrained=checkpoints/base"]),
     "lora.base_experts": (["lora.base_experts=mxfp4"], "error", [*LORA, "lora.base_experts=mxfp4"]),
+    "serve_check.engine": (["serve_check.engine=vllm", "checkpoint.dir=null", "checkpoint.save_interval=null"], "error",
+                           ["serve_check.engine=vllm"]),
     "lora.combinations": ([*LORA, "parallelism.context_parallel_size=2", "parallelism.world_size=2"], "error",
                           [*LORA, "parallelism.world_size=2"]),
     "unsupported.tensor_parallel": (["parallelism.tensor_model_parallel_size=2"], "error", []),
