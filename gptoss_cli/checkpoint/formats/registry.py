@@ -19,10 +19,6 @@ if TYPE_CHECKING:
     from gptoss_cli.checkpoint.convert_plan import ConvertPlan
     from gptoss_cli.checkpoint.sources import Source
 
-# (root, what the options say) -> the architecture and the stored layer pattern (None: one '*E' per block)
-ArchitectureRead = Callable[..., "tuple[GptOssArch, str | None]"]
-
-
 @dataclass(frozen=True)
 class OpenOptions:
     """What the caller asked of an opened checkpoint; a row refuses the options it does not take."""
