@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gptoss_cli.checkpoint.hybrid_format import check_pattern
+from gptoss_cli.checkpoint.hybrid_format import check_stored_pattern
 from gptoss_cli.errors import CheckpointError, ConfigError
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.limits import INT32_MAX
@@ -315,7 +315,7 @@ def read_training_run(folder: str | Path) -> TrainingRun:
         raise CheckpointError(exc.message, exc.hint) from None
     if not isinstance(pattern, str):
         raise CheckpointError(f"{path}: run.hybrid_layer_pattern must be a string, got {pattern!r}")
-    check_pattern(pattern, arch, path)
+    check_stored_pattern(pattern, arch, path)
     if params_dtype not in RECIPE_DTYPES:
         raise CheckpointError(f"{path}: run.params_dtype {params_dtype!r} is not one of {' | '.join(RECIPE_DTYPES)}")
     for key, kind in (("name", str), ("run_dir", str), ("pretrained", str), ("recipe", dict)):

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from gptoss_cli import outputs
 from gptoss_cli.checkpoint.formats.hf import EXTRA_FILES, load_json
 from gptoss_cli.checkpoint.formats.registry import Format, OpenOptions
-from gptoss_cli.checkpoint.hybrid_format import FORMAT_NAME, HYBRID_CONFIG, check_pattern, read_hybrid_config
+from gptoss_cli.checkpoint.hybrid_format import FORMAT_NAME, HYBRID_CONFIG, check_stored_pattern, read_hybrid_config
 from gptoss_cli.errors import CheckpointError, ConfigError
 from gptoss_cli.json_input import parse_json
 from gptoss_cli.model.config import GptOssArch
@@ -37,7 +37,7 @@ def architecture(root: Path, options: OpenOptions | None = None) -> tuple[GptOss
         raise CheckpointError(exc.message, exc.hint) from None
     pattern = data.get("hybrid_layer_pattern")
     if pattern is not None:
-        check_pattern(pattern, arch, path)
+        check_stored_pattern(pattern, arch, path)
     return arch, pattern
 
 
