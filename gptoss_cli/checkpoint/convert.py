@@ -21,10 +21,11 @@ import torch
 
 from gptoss_cli import __version__, outputs
 from gptoss_cli.checkpoint import formats
-from gptoss_cli.checkpoint.convert_plan import PROVENANCE_KEY, ConvertPlan, make_plan, target_for
+from gptoss_cli.checkpoint.convert_plan import PROVENANCE_KEY, ConvertPlan
 from gptoss_cli.checkpoint.export_cost import measure_model
-from gptoss_cli.checkpoint.formats.registry import Format
-from gptoss_cli.checkpoint.sources import Source, open_source
+from gptoss_cli.checkpoint.formats.registry import Format, Source, check_tensors
+from gptoss_cli.checkpoint.mapping import VOCAB_PADDED_HYBRID, hybrid_shapes
+from gptoss_cli.checkpoint.sources import open_source
 from gptoss_cli.checkpoint.storage.finite import NonFiniteCheck
 from gptoss_cli.checkpoint.storage.pipeline import Pipeline, StageClock, torch_threads, worker_count
 from gptoss_cli.errors import UsageError
@@ -94,6 +95,27 @@ def parse_dtype(name: str) -> torch.dtype:
     return torch_dtype(name, "--dtype", allowed=OUTPUT_DTYPES)
 
 
+def target_for(source: Source, to: str | None, src: str) -> Format:
+    """The output format: `to`, or by default the source's (`Format.default_target`: the other layout
+    than SRC's, hybrid for a training or Megatron checkpoint); refuses rewriting SRC's own layout."""
+    target = formats.writer(to or source.format.default_target)
+    if target.name == source.format.same_layout:
+        raise UsageError(f"{src}: is already {target.title} checkpoint ({source.kind}); "
+                         f"convert writes the other layout", hint="drop --to, or choose the other value")
+    return target
+
+
+def make_plan(source: Source, target: Format, *, experts: str | None, dtype: torch.dtype,
+              vocab_multiple: int | None = None) -> ConvertPlan:
+    """The plan converting `source` to `target` (from `target_for`), after checking that the source's
+    tensors are what its record says."""
+    if source.format.hybrid_named and not target.reads_adapters:
+        check_tensors(source, {n: (s, "float") for n, s in hybrid_shapes(source.arch).items()},
+                      padded_rows=VOCAB_PADDED_HYBRID)
+    return target.plan(source, experts=experts, dtype=dtype, vocab_multiple=vocab_multiple)
+
+
+
 # --- the command -------------------------------------------------------------------------
 def convert(
     src: str,
@@ -154,7 +176,9 @@ def convert(
                      notes=notes + plan.notes, provenance=provenance)
     meter = getattr(plan, "meter", None)
     if meter is not None and meter.err_sq > 0:  # experts rounded to MXFP4 that were not trained so: what it cost
-        cost = measure_model(str(src), source, meter, weights=weights)
+        from gptoss_cli.checkpoint.load import model_from_checkpoint  # noqa: PLC0415
+
+        cost = measure_model(source, meter, lambda: model_from_checkpoint(str(src), weights=weights))
         result.notes.append(cost.note())
         result.export_cost = asdict(cost)
     return result

@@ -1,10 +1,10 @@
 """Conversion plans: one object per output layout, saying what a conversion reads, computes and writes.
 
-`ConvertPlan` is what every plan answers; `make_plan` checks a source and asks the target's
+`ConvertPlan` is what every plan answers; convert's `make_plan` checks a source and asks the target's
 registry row (checkpoint/formats/) for its plan: `ToHybrid` here (HF or OpenAI original decoded
 through its layout, or a training / Megatron checkpoint copied by Hybrid name), `ToHf` here (any
 Hybrid-named source re-laid out for transformers, experts bf16 or MXFP4), `ToMegatron`
-(checkpoint/megatron/plan.py) and `ToPeft` (checkpoint/peft_format.py). `convert()` then runs any
+(checkpoint/megatron/plan.py) and `ToPeft` (checkpoint/peft_plan.py). `convert()` then runs any
 plan the same way: its jobs, cut into tasks, through the thread pipeline into the plan's writer,
 then the plan's folder files.
 """
@@ -21,18 +21,15 @@ from typing import Any, Callable, ClassVar, Iterator
 import torch
 
 from gptoss_cli import outputs
-from gptoss_cli.checkpoint import formats
-from gptoss_cli.checkpoint.formats.hf import EXTRA_FILES
 from gptoss_cli.checkpoint.export_cost import RoundingMeter
-from gptoss_cli.checkpoint.formats.registry import Format
-from gptoss_cli.checkpoint.hf_config import to_hf_config
+from gptoss_cli.checkpoint.formats.registry import Source, check_tensors
+from gptoss_cli.checkpoint.hf_config import EXTRA_FILES, to_hf_config
 from gptoss_cli.checkpoint.hybrid_format import HybridCheckpointConfig, write_hybrid_config
 from gptoss_cli.checkpoint.layouts import HF_LAYOUTS, UINT8, Layout
 from gptoss_cli.checkpoint.mapping import VOCAB_PADDED_HYBRID, Unit, hybrid_shapes, identity, units
 from gptoss_cli.checkpoint.storage.pipeline import RELEASE_HELD, Task
 from gptoss_cli.checkpoint.storage.readers import RowReader
 from gptoss_cli.checkpoint.storage.safetensors_io import ShardedWriter, TensorSpec
-from gptoss_cli.checkpoint.sources import Source, check_tensors
 from gptoss_cli.errors import CheckpointError, UsageError
 from gptoss_cli.model import mxfp4
 from gptoss_cli.model.config import GptOssArch
@@ -302,25 +299,5 @@ def to_hf_plan(source: Source, *, experts: str | None, dtype: torch.dtype) -> To
                 meter=RoundingMeter() if rounds else None)
 
 
-def target_for(source: Source, to: str | None, src: str) -> Format:
-    """The output format: `to`, or by default the source's (`Format.default_target`: the other layout
-    than SRC's, hybrid for a training or Megatron checkpoint); refuses rewriting SRC's own layout."""
-    target = formats.writer(to or source.format.default_target)
-    if target.name == source.format.same_layout:
-        raise UsageError(f"{src}: is already {target.title} checkpoint ({source.kind}); "
-                         f"convert writes the other layout", hint="drop --to, or choose the other value")
-    return target
-
-
-def make_plan(source: Source, target: Format, *, experts: str | None, dtype: torch.dtype,
-              vocab_multiple: int | None = None) -> ConvertPlan:
-    """The plan converting `source` to `target` (from `target_for`), after checking that the source's
-    tensors are what its record says."""
-    if source.format.hybrid_named and not target.reads_adapters:
-        check_tensors(source, {n: (s, "float") for n, s in hybrid_shapes(source.arch).items()},
-                      padded_rows=VOCAB_PADDED_HYBRID)
-    return target.plan(source, experts=experts, dtype=dtype, vocab_multiple=vocab_multiple)
-
-
-__all__ = ["ConvertPlan", "ToHybrid", "ToHf", "Job", "Empty", "fresh", "make_plan", "target_for", "to_hf_plan",
-           "plan_to_hf", "plan_to_hybrid", "PROVENANCE_KEY"]
+__all__ = ["ConvertPlan", "ToHybrid", "ToHf", "Job", "Empty", "fresh", "to_hf_plan", "plan_to_hf", "plan_to_hybrid",
+           "PROVENANCE_KEY"]

@@ -22,7 +22,7 @@ import math
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -150,9 +150,10 @@ def available_bytes() -> int | None:
     return None
 
 
-def measure_model(src: str, source, meter: RoundingMeter, *, weights: str | None = None) -> ExportCost:
+def measure_model(source, meter: RoundingMeter, build: Callable[[], Any]) -> ExportCost:
     """The weight error, and, when the model fits and tokens are at hand, its loss and KL before and
-    after rounding its experts (one fp32 model in memory: the rounding is done in place between)."""
+    after rounding its experts (one fp32 model in memory, `build()`: the source loaded again; the
+    rounding is done in place between)."""
     cost = ExportCost(meter.relative_rms, meter.worst, meter.worst_name, meter.tensors)
     seqs, where = token_sequences(source, source.arch)
     need, have = model_bytes(source.arch), available_bytes()
@@ -163,17 +164,16 @@ def measure_model(src: str, source, meter: RoundingMeter, *, weights: str | None
         cost.skipped = f"{need / 1e9:.1f} GB in fp32 is too large to run here; compare `gptoss eval` of both"
         return cost
     try:
-        _run_both(src, seqs, where, cost, weights)
+        _run_both(build, seqs, where, cost)
     except (Exception, MemoryError) as exc:  # noqa: BLE001 - the export is complete; the measurement is extra
         cost.skipped = f"running it failed: {first_line(exc)}"
     return cost
 
 
-def _run_both(src: str, seqs: list[torch.Tensor], where: str, cost: ExportCost, weights: str | None) -> None:
-    from gptoss_cli.checkpoint.load import model_from_checkpoint  # noqa: PLC0415 (reads the source again)
+def _run_both(build: Callable[[], Any], seqs: list[torch.Tensor], where: str, cost: ExportCost) -> None:
     from gptoss_cli.model.mxfp4 import round_to_mxfp4  # noqa: PLC0415
 
-    model = model_from_checkpoint(src, weights=weights).eval()
+    model = build().eval()
     before = [_logits(model, s) for s in seqs]
     with torch.no_grad():  # the stacked experts [E, out, in], rounded along their input axis as exported
         for name, param in model.named_parameters():

@@ -25,7 +25,8 @@ from gptoss_cli.checkpoint import formats
 from gptoss_cli.checkpoint.hybrid_format import HYBRID_CONFIG, read_hybrid_config
 from gptoss_cli.checkpoint.layouts import EXPERT_CHUNK
 from gptoss_cli.checkpoint.mapping import VOCAB_PADDED_HYBRID, check_vocab_padding, units
-from gptoss_cli.checkpoint.sources import Source, check_tensors, open_source
+from gptoss_cli.checkpoint.formats.registry import Source, check_tensors
+from gptoss_cli.checkpoint.sources import open_source
 from gptoss_cli.checkpoint.storage.readers import TensorReader
 from gptoss_cli.checkpoint.storage.safetensors_io import CheckpointReader
 from gptoss_cli.checkpoint.training_format import MODEL

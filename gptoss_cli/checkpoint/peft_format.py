@@ -17,30 +17,22 @@ ours are `[gate; up]` rows, so B's rows are interleaved on export.
 Our fused linear_qkv has one A for q, k and v: the PEFT adapters of q_proj, k_proj and v_proj share
 that A and take their rows of B (rank unchanged, the deltas exactly the same).
 
-`ToPeft` is `convert --to peft`'s plan: one job per HF block, through convert's pipeline and its
-finiteness check like every other output.
+Torch-free at import (the registry's PEFT row reads the file names here); `convert --to peft`'s plan
+is checkpoint/peft_plan.py.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Callable, ClassVar, Iterator
+from typing import TYPE_CHECKING, Any, Callable
 
-import torch
-
-from gptoss_cli import outputs
-from gptoss_cli.checkpoint.convert_plan import PROVENANCE_KEY, ConvertPlan, Empty, Job, fresh
-from gptoss_cli.checkpoint.formats.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-from gptoss_cli.checkpoint.mapping import interleave_experts, split_qkv
-from gptoss_cli.checkpoint.sources import Source
-from gptoss_cli.checkpoint.storage.pipeline import Task
-from gptoss_cli.checkpoint.storage.readers import RowReader
-from gptoss_cli.checkpoint.storage.safetensors_io import ShardedWriter, TensorSpec
-from gptoss_cli.errors import UsageError
 from gptoss_cli.model.config import GptOssArch
-from gptoss_cli.model.expert_names import expert_name
+
+if TYPE_CHECKING:
+    import torch
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 PEFT_PREFIX = "base_model.model."
 ATTENTION_MODULES = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",)}
@@ -60,6 +52,11 @@ def peft_tensors(arch: GptOssArch, adapters: dict[str, torch.Tensor], target_mod
 def peft_block_tensors(arch: GptOssArch, i: int, read: Callable[[str], torch.Tensor],
                        target_modules: tuple[str, ...]) -> dict[str, torch.Tensor]:
     """PEFT's tensors of HF block i, in file order, from our adapter tensors as `read(name)` gives them."""
+    import torch  # noqa: PLC0415 (this module is torch-free at import)
+
+    from gptoss_cli.checkpoint.mapping import interleave_experts, split_qkv  # noqa: PLC0415
+    from gptoss_cli.model.expert_names import expert_name  # noqa: PLC0415
+
     out: dict[str, torch.Tensor] = {}
     nested = all(t in target_modules for t in EXPERT_PARAMETERS)  # both expert parameters wrapped
     num_experts = arch.num_local_experts
@@ -119,73 +116,5 @@ def adapter_config_text(config: dict[str, Any]) -> str:
     return json.dumps(config, indent=2, default=str) + "\n"
 
 
-# --to peft of a LoRA run whose experts computed in MXFP4. PEFT adds the adapters, unrounded, to whatever base
-# it is given: what a run on MXFP4-stored experts computed, when that base has them; not what a QAT run
-# computed, whose forward rounded the merged expert weights.
-MXFP4_PEFT_NOTE = ("these adapters were trained against the base's experts rounded to MXFP4 (lora.base_experts=mxfp4): "
-                   "apply them to a base with MXFP4 experts (as released), or merge them with --to hf, which adds "
-                   "them to the rounded base")
-QAT_PEFT_NOTE = ("these adapters were trained with the merged expert weights (base + adapters) rounded to MXFP4 "
-                 "(precision.qat=mxfp4{also}); PEFT adds them unrounded, which is not quite the trained model: for that, "
-                 "merge them with --to hf --experts mxfp4 (or --to hf), which rounds the merged experts as training did")
-
-
-@dataclass
-class ToPeft(ConvertPlan):
-    """A LoRA training checkpoint's adapters (read alone) -> a PEFT adapter folder (adapter_config.json,
-    adapter_model.safetensors) for transformers' GptOssForCausalLM of the base: one job per HF block."""
-
-    target: ClassVar[str] = "peft"
-    extra_files: ClassVar[tuple[str, ...]] = ()
-    targets: tuple[str, ...] = ()
-
-    @classmethod
-    def for_source(cls, source: Source, src: str) -> "ToPeft":
-        from gptoss_cli.checkpoint.formats.training import TRAINING  # noqa: PLC0415
-        from gptoss_cli.checkpoint.training_format import check_base  # noqa: PLC0415
-
-        lora, arch = source.lora, source.arch
-        if source.format is not TRAINING or lora is None:
-            what = "a full fine-tune (no LoRA adapters)" if source.format is TRAINING else f"{source.format.title} checkpoint"
-            raise UsageError(f"{src}: --to peft exports the LoRA adapters of a training checkpoint, but this is {what}",
-                             hint="use --to hf or --to hybrid for full weights")
-        if source.hybrid_layer_pattern != arch.hybrid_layer_pattern:
-            raise UsageError(f"{src}: trained with the layer pattern {source.hybrid_layer_pattern!r}; a PEFT adapter "
-                             f"for transformers needs {arch.hybrid_layer_pattern!r} (one '*E' per HF block)")
-        check_base(lora["base"], source.folder)  # the adapters belong to this base, byte for byte
-        notes = []
-        mxfp4_base = lora.get("base_experts") == "mxfp4"
-        if source.provenance.get("qat") == "mxfp4":
-            notes.append(QAT_PEFT_NOTE.format(also=", on lora.base_experts=mxfp4" if mxfp4_base else ""))
-        elif mxfp4_base:
-            notes.append(MXFP4_PEFT_NOTE)
-        targets = tuple(lora["target_modules"])
-        reader = source.reader
-
-        def meta(name: str) -> torch.Tensor:  # shapes and dtypes only: the plan is fixed before any read
-            return torch.empty(reader.shape(name), dtype=reader.dtype(name), device="meta")
-
-        jobs = [Job(i, [TensorSpec(n, tuple(t.shape), t.dtype) for n, t in peft_block_tensors(arch, i, meta, targets).items()])
-                for i in range(arch.num_hidden_layers)]
-        dtype = next((s.dtype for job in jobs for s in job.outputs), torch.float32)
-        return cls(source, dtype, jobs, "-", "-", notes, targets=targets)
-
-    def tasks(self, reader: RowReader, job: Job, budget: int, empty: Empty = fresh) -> Iterator[Task | object]:
-        def block():
-            return list(peft_block_tensors(self.source.arch, job.unit, reader.read, self.targets).items()), []
-        yield block
-
-    def open_writer(self, folder: Path, *, provenance: dict, max_shard_bytes: int,
-                    on_bytes: Callable[[int], None] | None):
-        return ShardedWriter(folder, self.specs, single_file=ADAPTER_WEIGHTS, on_bytes=on_bytes,
-                             metadata={PROVENANCE_KEY: json.dumps(provenance, default=str)})
-
-    def write_files(self, folder: Path, provenance: dict) -> None:
-        lora = self.source.lora
-        config = adapter_config(rank=int(lora["rank"]), alpha=float(lora["alpha"]), dropout=float(lora.get("dropout", 0.0)),
-                                target_modules=self.targets, base_model=lora["base"]["path"])
-        outputs.write_text(folder / ADAPTER_CONFIG, adapter_config_text(config))
-
-
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "peft_tensors", "peft_block_tensors", "adapter_config",
-           "adapter_config_text", "ToPeft", "MXFP4_PEFT_NOTE", "QAT_PEFT_NOTE"]
+           "adapter_config_text"]

@@ -83,7 +83,8 @@ def run_parity(
     from gptoss_cli.checkpoint.hybrid_format import read_hybrid_config
     from gptoss_cli.checkpoint.storage.safetensors_io import CheckpointReader
     from gptoss_cli.checkpoint import formats
-    from gptoss_cli.checkpoint.sources import check_tensors, open_source
+    from gptoss_cli.checkpoint.formats.registry import check_tensors
+    from gptoss_cli.checkpoint.sources import open_source
     from gptoss_cli.parity.forward import Ours, Reference, forward_parity
     from gptoss_cli.parity.weights import check_weights
 

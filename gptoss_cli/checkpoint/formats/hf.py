@@ -8,24 +8,16 @@ from typing import TYPE_CHECKING, Any
 
 from gptoss_cli import outputs
 from gptoss_cli.checkpoint.formats.registry import Format, OpenOptions
-from gptoss_cli.checkpoint.hf_config import from_hf_config
+from gptoss_cli.checkpoint.hf_config import EXTRA_FILES, from_hf_config
 from gptoss_cli.errors import CheckpointError, ConfigError
 from gptoss_cli.json_input import parse_json
 from gptoss_cli.model.config import GptOssArch
 
 if TYPE_CHECKING:
     from gptoss_cli.checkpoint.layouts import Layout
-    from gptoss_cli.checkpoint.sources import Source
+    from gptoss_cli.checkpoint.formats.registry import Source
 
 CONFIG = "config.json"
-# Files copied alongside the weights in both directions (and fetched with them from the Hub).
-EXTRA_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-    "generation_config.json",
-)
 
 
 def load_json(path: Path) -> dict:
@@ -65,8 +57,8 @@ def architecture(root: Path, options: OpenOptions | None = None) -> tuple[GptOss
 
 
 def open_hf(src: str, root: Path, revision: str | None, options: OpenOptions) -> Source:
-    from gptoss_cli.checkpoint.sources import Source  # noqa: PLC0415 (imports torch)
-    from gptoss_cli.checkpoint.storage.safetensors_io import CheckpointReader  # noqa: PLC0415
+    from gptoss_cli.checkpoint.formats.registry import Source  # noqa: PLC0415
+    from gptoss_cli.checkpoint.storage.safetensors_io import CheckpointReader  # noqa: PLC0415 (imports torch)
 
     arch, _ = architecture(root)
     reader = CheckpointReader(root)

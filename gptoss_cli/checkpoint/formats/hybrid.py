@@ -6,15 +6,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gptoss_cli import outputs
-from gptoss_cli.checkpoint.formats.hf import EXTRA_FILES, load_json
+from gptoss_cli.checkpoint.formats.hf import load_json
 from gptoss_cli.checkpoint.formats.registry import Format, OpenOptions
+from gptoss_cli.checkpoint.hf_config import EXTRA_FILES
 from gptoss_cli.checkpoint.hybrid_format import FORMAT_NAME, HYBRID_CONFIG, check_stored_pattern, read_hybrid_config
 from gptoss_cli.errors import CheckpointError, ConfigError
 from gptoss_cli.json_input import parse_json
 from gptoss_cli.model.config import GptOssArch
 
 if TYPE_CHECKING:
-    from gptoss_cli.checkpoint.sources import Source
+    from gptoss_cli.checkpoint.formats.registry import Source
 
 
 def detect(root: Path) -> bool:
@@ -42,8 +43,8 @@ def architecture(root: Path, options: OpenOptions | None = None) -> tuple[GptOss
 
 
 def open_hybrid(src: str, root: Path, revision: str | None, options: OpenOptions) -> Source:
-    from gptoss_cli.checkpoint.sources import Source  # noqa: PLC0415 (imports torch)
-    from gptoss_cli.checkpoint.storage.safetensors_io import CheckpointReader  # noqa: PLC0415
+    from gptoss_cli.checkpoint.formats.registry import Source  # noqa: PLC0415
+    from gptoss_cli.checkpoint.storage.safetensors_io import CheckpointReader  # noqa: PLC0415 (imports torch)
 
     cfg = read_hybrid_config(root)
     return Source(HYBRID, src, revision, root, root, cfg.arch, CheckpointReader(root),

@@ -16,7 +16,7 @@ from gptoss_cli.errors import UsageError
 from gptoss_cli.model.config import GptOssArch
 
 if TYPE_CHECKING:
-    from gptoss_cli.checkpoint.sources import Source
+    from gptoss_cli.checkpoint.formats.registry import Source
 
 
 def architecture(root: Path, options: OpenOptions | None = None) -> tuple[GptOssArch, str | None]:
@@ -28,7 +28,7 @@ def open_megatron(src: str, root: Path, revision: str | None, options: OpenOptio
     """The architecture from common.pt's args (or run_config.yaml, or --arch-from), the model weights
     under Hybrid names."""
     from gptoss_cli.checkpoint.megatron.reader import MegatronReader  # noqa: PLC0415 (imports torch)
-    from gptoss_cli.checkpoint.sources import Source, expert_dtype_form  # noqa: PLC0415
+    from gptoss_cli.checkpoint.formats.registry import Source, expert_dtype_form  # noqa: PLC0415
 
     ckpt = read_megatron_checkpoint(root, options.arch_from)
     reader = MegatronReader(ckpt.folder, ckpt.arch)

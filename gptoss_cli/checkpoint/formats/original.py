@@ -16,7 +16,7 @@ from gptoss_cli.errors import CheckpointError, ConfigError
 from gptoss_cli.model.config import GptOssArch
 
 if TYPE_CHECKING:
-    from gptoss_cli.checkpoint.sources import Source
+    from gptoss_cli.checkpoint.formats.registry import Source
 
 ORIGINAL_DIR = "original"
 
@@ -42,7 +42,7 @@ def architecture(root: Path, options: OpenOptions | None = None) -> tuple[GptOss
 
 def open_original(src: str, root: Path, revision: str | None, options: OpenOptions) -> Source:
     from gptoss_cli.checkpoint.layouts import OPENAI_ORIGINAL  # noqa: PLC0415 (imports torch)
-    from gptoss_cli.checkpoint.sources import Source  # noqa: PLC0415
+    from gptoss_cli.checkpoint.formats.registry import Source  # noqa: PLC0415
     from gptoss_cli.checkpoint.storage.safetensors_io import CheckpointReader  # noqa: PLC0415
 
     folder = weights_folder(root)

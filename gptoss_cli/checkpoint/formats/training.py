@@ -24,7 +24,7 @@ from gptoss_cli.model.config import GptOssArch
 if TYPE_CHECKING:
     import torch
 
-    from gptoss_cli.checkpoint.sources import Source
+    from gptoss_cli.checkpoint.formats.registry import Source
 
 
 def architecture(root: Path, options: OpenOptions | None = None) -> tuple[GptOssArch, str | None]:
@@ -34,8 +34,8 @@ def architecture(root: Path, options: OpenOptions | None = None) -> tuple[GptOss
 
 def open_training(src: str, root: Path, revision: str | None, options: OpenOptions) -> Source:
     """The iter_* folder `root` is or `latest` names, read as the options say. Nothing is written into it."""
-    from gptoss_cli.checkpoint.sources import Source, expert_dtype_form  # noqa: PLC0415 (imports torch)
-    from gptoss_cli.checkpoint.storage.dcp_io import DcpReader  # noqa: PLC0415
+    from gptoss_cli.checkpoint.formats.registry import Source, expert_dtype_form  # noqa: PLC0415
+    from gptoss_cli.checkpoint.storage.dcp_io import DcpReader  # noqa: PLC0415 (imports torch)
 
     weights = options.weights or MODEL
     if weights not in WEIGHT_SOURCES:
@@ -56,7 +56,7 @@ def open_training(src: str, root: Path, revision: str | None, options: OpenOptio
         # experts rounded when it kept them in MXFP4 (lora.base_experts=mxfp4), and under QAT the merged
         # expert weights (base + adapters) rounded.
         if not options.adapters_only:
-            reader = _merged_with_base(run, folder, reader)
+            reader = _merged_with_base(run, folder, reader, options.open_source)
     elif run.qat == "mxfp4":
         reader = Mxfp4QatReader(reader)
     form = "-" if options.adapters_only and run.lora is not None else expert_dtype_form(reader, run.arch)
@@ -65,11 +65,12 @@ def open_training(src: str, root: Path, revision: str | None, options: OpenOptio
                   lora=run.lora, experts_form=form)
 
 
-def _merged_with_base(run, folder: Path, adapters):
-    """The base a LoRA run names (checked byte for byte), read under Hybrid names (an HF or OpenAI-original
-    base through `HfHybridView`) with the run's adapters merged in."""
+def _merged_with_base(run, folder: Path, adapters, open_source):
+    """The base a LoRA run names (checked byte for byte), opened by `open_source` (sources.open_source, handed
+    in: the rows sit below it) and read under Hybrid names (an HF or OpenAI-original base through
+    `HfHybridView`) with the run's adapters merged in."""
+    from gptoss_cli.checkpoint.formats.registry import check_tensors  # noqa: PLC0415
     from gptoss_cli.checkpoint.lora_merge import HfHybridView, LoraMergedReader  # noqa: PLC0415
-    from gptoss_cli.checkpoint.sources import check_tensors, open_source  # noqa: PLC0415
 
     base_source = None
     try:
@@ -128,7 +129,7 @@ class Mxfp4QatReader:
 TRAINING = Format(
     name="training", title="a training", detect=looks_like_training_checkpoint, architecture=architecture,
     open=open_training, options=frozenset({"weights"}), hybrid_named=True, default_target="hybrid",
-    arch_file=TRAIN_STATE,
+    arch_file=TRAIN_STATE, training_run=True,
 )
 
 __all__ = ["TRAINING", "Mxfp4QatReader", "open_training"]
