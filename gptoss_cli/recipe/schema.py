@@ -17,13 +17,11 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from gptoss_cli.fp8.catalog import FORMATS as FP8_FORMATS, RECIPES as FP8_RECIPES
-from gptoss_cli.model.config import SWIGLU_KERNELS
+from gptoss_cli.limits import INT32_MAX
+from gptoss_cli.model.catalog import (ATTENTION_BACKEND_DEFAULT, ATTENTION_BACKENDS, SWIGLU_KERNEL_DEFAULT,
+                                      SWIGLU_KERNELS)
+from gptoss_cli.model.dtypes import RECIPE_DTYPES
 
-DTYPES = ("fp32", "bf16", "fp16")
-# Sizes (tensor dimensions, process counts, bucket elements) and counts (steps, intervals): int32, what
-# torch's index kernels, NCCL counts and rank numbers take; with it the sample index (step x
-# global_batch_size) stays far inside int64.
-INT32_MAX = 2**31 - 1
 # numpy and Megatron seed with at most 2**32 - 1; the data sources seed torch generators with
 # seed x 1_000_003 + sample index, which must stay below 2**64 (torch.Generator.manual_seed).
 SEED_MAX = 2**32 - 1
@@ -67,9 +65,16 @@ class ModelConfig:
         None, "multi-token-prediction layers; GPT-OSS has none, so null or 0", min=0, max=INT32_MAX,
     )
     swiglu_kernel: str = _f(
-        "auto", "clamped SwiGLU: auto = one compiled (torch.compile) kernel for forward and one for backward "
+        SWIGLU_KERNEL_DEFAULT, "clamped SwiGLU: auto = one compiled (torch.compile) kernel for forward and one for backward "
         "where they work, else eager with a warning; eager = elementwise torch ops (docs/benchmarks.md)",
         choices=SWIGLU_KERNELS,
+    )
+    attention_backend: str = _f(
+        ATTENTION_BACKEND_DEFAULT, "kernel of attention with sinks: auto = per device and layer (CPU: the flash "
+        "kernel; CUDA: the flash kernel on full layers, FlexAttention on sliding-window layers and packed "
+        "documents); flash = a flash kernel's log-sum-exp rescaled by the sink (CUDA: full layers only); flex = "
+        "FlexAttention with a block mask; sdpa = SDPA with the sink as a padded extra key (docs/architecture.md)",
+        choices=ATTENTION_BACKENDS,
     )
 
 
@@ -122,7 +127,7 @@ class OverlapConfig:
 
 @dataclass
 class PrecisionConfig:
-    params_dtype: str = _f("bf16", "dtype of parameters and activations", choices=DTYPES)
+    params_dtype: str = _f("bf16", "dtype of parameters and activations", choices=RECIPE_DTYPES)
     fp8_recipe: str = _f("none", "FP8 GEMM recipe", choices=("none", *FP8_RECIPES))
     fp8_format: str = _f("e4m3", "FP8 element format (hybrid = e4m3 forward, e5m2 backward)", choices=FP8_FORMATS)
     fp8_emulation: bool = _f(
@@ -242,6 +247,16 @@ class LoggingConfig:
 
 
 @dataclass
+class ServeCheckConfig:
+    engine: Optional[str] = _f(None, "at the end of the run, `gptoss serve-check` the final checkpoint with this engine "
+                               "and write serve_check.json into the run folder (docs/serve-check.md); a failed check "
+                               "ends train with exit 1 after the checkpoint is saved; null = off",
+                               choices=(None, "vllm"))
+    engine_python: Optional[str] = _f(None, "the Python of the engine's venv; null = $GPTOSS_ENGINE_PYTHON")
+    dtype: str = _f("float32", "what the engine computes in", choices=("float32", "bfloat16"))
+
+
+@dataclass
 class SystemConfig:
     device: str = _f("auto", "where to train; auto = cuda if available", choices=("auto", "cpu", "cuda"))
     gpu: str = _f(
@@ -272,6 +287,7 @@ class RecipeConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     system: SystemConfig = field(default_factory=SystemConfig)
+    serve_check: ServeCheckConfig = field(default_factory=ServeCheckConfig)
 
 
 def iter_fields(cls: type = RecipeConfig, prefix: str = ""):
@@ -325,12 +341,12 @@ _GROUPS: dict[str, type] = {
     c.__name__: c for c in (
         ModelConfig, ParallelismConfig, MoEConfig, OverlapConfig, PrecisionConfig, CudaGraphConfig,
         RecomputeConfig, TrainingConfig, OptimizerConfig, DataConfig, CheckpointConfig, LoraConfig, LoggingConfig,
-        SystemConfig,
+        SystemConfig, ServeCheckConfig,
     )
 }
 
 __all__ = [
     "RecipeConfig", "ModelConfig", "ParallelismConfig", "MoEConfig", "OverlapConfig", "PrecisionConfig",
     "CudaGraphConfig", "RecomputeConfig", "TrainingConfig", "OptimizerConfig", "DataConfig",
-    "CheckpointConfig", "LoraConfig", "LoggingConfig", "SystemConfig", "iter_fields", "get_field", "describe_schema",
+    "CheckpointConfig", "LoraConfig", "LoggingConfig", "SystemConfig", "ServeCheckConfig", "iter_fields", "get_field", "describe_schema",
 ]

@@ -79,7 +79,32 @@ def _detect_gpu(device: str) -> str:
 
 
 def train(recipe: Any, *, nproc_per_node: int | None = None, progress: TrainProgress | None = None) -> TrainResult:
-    """Validate, then train: in this process (torchrun or one process) or on N local workers."""
+    """Validate, then train: in this process (torchrun or one process) or on N local workers; then, when the
+    recipe asks (`serve_check.engine`), check the final checkpoint against the serving engine."""
+    result = _train(recipe, nproc_per_node=nproc_per_node, progress=progress)
+    if recipe.config.serve_check.engine and int(os.environ.get("RANK", "0")) == 0:
+        _serve_check(recipe.config.serve_check, result)
+    return result
+
+
+def _serve_check(section: Any, result: TrainResult) -> None:
+    """serve-check the final checkpoint into the run folder; a failed check is a TrainingError (exit 1)."""
+    from gptoss_cli.parity.serve import check_after_training
+
+    if not result.checkpoint:
+        raise TrainingError("serve_check: the run saved no checkpoint to check")
+    report, path = check_after_training(result.checkpoint, result.run_dir, section.engine, section.engine_python,
+                                        section.dtype)
+    failure = report.failure_line()
+    if failure is not None:
+        raise TrainingError(f"serve_check ({path}): {failure}",
+                            hint=f"the checkpoint {result.checkpoint} is saved; see docs/serve-check.md")
+    worst = report.overall()["max_abs_logprob_diff"]
+    result.notes.append(f"serve-check passed ({report.engine['name']} {report.engine['version']}, {report.dtype}, "
+                        f"max |dlogprob| {worst:.3g}): {path}")
+
+
+def _train(recipe: Any, *, nproc_per_node: int | None, progress: TrainProgress | None) -> TrainResult:
     env = torchrun_env()
     if env is not None:
         if nproc_per_node is not None and int(os.environ.get("LOCAL_WORLD_SIZE", nproc_per_node)) != nproc_per_node:
