@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import signal
 import sys
@@ -97,8 +98,21 @@ def check_json_path(path: Path | None) -> None:
     outputs.check_writable_location(path, "--json")
 
 
+def strict_json(value: Any) -> Any:
+    """`value` with every NaN or infinite float as None: JSON has no such numbers (Python's `NaN` and
+    `Infinity` are rejected by strict readers), so a value that is not a number is written as null."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(v) for v in value]
+    return value
+
+
 def write_json(path: Path, payload: Any, done: str | None = None) -> None:
-    """Write a machine-readable result atomically (temporary name, then rename).
+    """Write a machine-readable result atomically (temporary name, then rename), as strict JSON
+    (`strict_json`: NaN and infinities become null).
 
     `done` says what already succeeded (e.g. "converted to /x"): a failure here must not read as
     if that work had been lost.
@@ -107,7 +121,8 @@ def write_json(path: Path, payload: Any, done: str | None = None) -> None:
     tmp = outputs.temp_path(path, outputs.TMP)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+        text = json.dumps(strict_json(payload), indent=2, default=str, allow_nan=False)
+        tmp.write_text(text + "\n")
         os.replace(tmp, path)
     except OSError as exc:
         try:
