@@ -320,7 +320,7 @@ def find_iteration_folder(root: Path) -> Path:
         raise CheckpointError(f"{tracker}: cannot read ({getattr(exc, 'strerror', None) or exc})") from None
     if text == RELEASE:
         folder = root / RELEASE
-    elif text.isdigit():
+    elif re.fullmatch(r"[0-9]{1,20}", text):  # ASCII digits that fit in 64 bits (int() of 5000 digits raises)
         folder = root / iter_folder_name(int(text))
     else:
         raise CheckpointError(f"{tracker}: holds {text[:40]!r}, neither 'release' nor an iteration number")
