@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -14,11 +15,45 @@ from typing import Any, Callable
 import typer
 from rich.console import Console
 from rich.text import Text
+from typer.core import TyperGroup
 
 from gptoss_cli import outputs
 from gptoss_cli.errors import FileSystemError, GptossError, Terminated, UsageError, describe_os_error
 
+class _OneLineUsageErrors(TyperGroup):
+    """Click's usage errors (an option value outside its range or of the wrong type, a missing argument,
+    an unknown option or command) as one `error:` line pointing at the command's --help, exit 2, instead
+    of Typer's boxed usage text. Asking for help (no arguments) still prints the help."""
+
+    def make_context(self, *args: Any, **kwargs: Any) -> Any:
+        with _one_line_usage():
+            return super().make_context(*args, **kwargs)
+
+    def invoke(self, ctx: Any) -> Any:
+        with _one_line_usage():
+            return super().invoke(ctx)
+
+
+try:  # typer >= 0.2x parses with its own copy of click
+    from typer._click import exceptions as _click_errors
+except ImportError:  # pragma: no cover  (older typer: click itself)
+    from click import exceptions as _click_errors
+
+
+@contextlib.contextmanager
+def _one_line_usage() -> Any:
+    try:
+        yield
+    except _click_errors.NoArgsIsHelpError:
+        raise
+    except _click_errors.UsageError as exc:
+        where = exc.ctx.command_path if exc.ctx is not None else "gptoss"
+        print_error(f"{exc.format_message()} (see `{where} --help`)")
+        raise typer.Exit(exc.exit_code) from None
+
+
 app = typer.Typer(
+    cls=_OneLineUsageErrors,
     name="gptoss",
     help=(
         "Convert, validate, train and parity-check OpenAI GPT-OSS (20B/120B) models.\n\n"
