@@ -99,7 +99,7 @@ def training_step(arch, device: str, dtype: str, seq: int, microbatches: int,
     from gptoss_cli.recipe.schema import RecipeConfig
     from gptoss_cli.schedule import get_forward_backward_func
     from gptoss_cli.train.data import Microbatch
-    from gptoss_cli.train.loop import forward_step
+    from gptoss_cli.train.objective import forward_step
     from gptoss_cli.train.provider import HybridModelProvider, ModelRuntimeConfig
     from gptoss_cli.train.setup import install_training_callbacks, wrap_model_and_optimizer
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from gptoss_cli.data.conversation import check_role, effort, optional_text, text
+from gptoss_cli.data.fields import check_role, effort, optional_text, text
 from gptoss_cli.data.harmony import SYSTEM_DEFAULTS, ConversationError, Message
 from gptoss_cli.data.harmony_tools import BUILTIN_TOOLS, FUNCTIONS, ToolError, builtin_namespace, check_tool
 

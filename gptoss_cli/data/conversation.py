@@ -14,29 +14,17 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from gptoss_cli.data.harmony import (
-    DEFAULT_CHANNELS, REASONING_EFFORTS, ROLES, SYSTEM_DEFAULTS, ConversationError, Message,
+    DEFAULT_CHANNELS, SYSTEM_DEFAULTS, ConversationError, Message,
 )
+from gptoss_cli.data.chat_form import parse_chat_form
+from gptoss_cli.data.fields import check_role, effort, optional_text, text
 from gptoss_cli.data.harmony_tools import ToolError, check_namespaces
 from gptoss_cli.json_input import parse_json
 
 MESSAGES_FIELD = "messages"
 
 
-def text(value: Any, where: str) -> str:
-    if not isinstance(value, str):
-        raise ConversationError(f"{where} must be a string, not {type(value).__name__}")
-    return value
 
-
-def optional_text(raw: dict, key: str, where: str) -> str | None:
-    value = raw.get(key)
-    return None if value is None else text(value, f"{where} {key!r}")
-
-
-def effort(value: Any, where: str) -> str:
-    if not isinstance(value, str) or value.lower() not in REASONING_EFFORTS:
-        raise ConversationError(f"{where} reasoning_effort {value!r} is not one of {', '.join(REASONING_EFFORTS)}")
-    return value.lower()
 
 
 def namespaces(raw: Any, where: str) -> list[dict[str, Any]] | None:
@@ -96,12 +84,6 @@ def _harmony_parts(raw: Any, role: str, where: str) -> tuple[Any, ...]:
             raise ConversationError(f"{at}: a {role} message cannot hold a part of type {kind!r} "
                                     "(text; system_content in system, developer_content in developer messages)")
     return tuple(parts)
-
-
-def check_role(role: Any, where: str) -> str:
-    if role not in ROLES:
-        raise ConversationError(f"{where}: unknown role {role!r} (one of {', '.join(ROLES)})")
-    return role
 
 
 def _is_harmony_form(messages: list) -> bool:
@@ -164,8 +146,6 @@ def parse_conversation(conv: Any) -> list[Message]:
     if _is_harmony_form(messages):
         parsed = _parse_harmony(messages)
     else:
-        from gptoss_cli.data.chat_form import parse_chat_form
-
         parsed = parse_chat_form(conv, messages)
     _check_channels(parsed)
     return parsed

@@ -26,7 +26,7 @@ from gptoss_cli.limits import INT32_MAX
 from gptoss_cli.data.token_format import (
     document_file_paths, token_dtype_for, token_file_paths, write_document_index, write_token_header,
 )
-from gptoss_cli.data.prepare_text import DECODE_ERRORS, load_tokenizer, prepare_outputs, to_bytes
+from gptoss_cli.data.prepare_text import DECODE_ERRORS, open_tokenizer, prepare_outputs, to_bytes
 
 ROW_ERRORS = DECODE_ERRORS + ("skip",)
 MAX_REPORTED = 20  # skipped rows named in the result (all are counted)
@@ -154,7 +154,7 @@ def prepare_conversations(
     if not field_name:
         raise UsageError("--field must name the column that holds the messages")
     files = resolve_inputs(list(inputs), split)
-    tok, tok_file = load_tokenizer(tokenizer)
+    tok, tok_file = open_tokenizer(tokenizer)
     try:
         harmony_tok = HarmonyTokenizer(tok, str(tok_file))
     except ConversationError as exc:

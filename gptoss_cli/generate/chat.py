@@ -141,8 +141,12 @@ class HarmonyReplies:
             text = "".join(p for p in m.content if isinstance(p, str))
             channels[key] = channels[key] + "\n" + text if key in channels else text
         calls = [c for c in map(tool_call_json, messages) if c is not None]
+        # a reply with no message text and no tool call did not parse as harmony (an untrained or
+        # non-GPT-OSS model): its raw text is what there is to show
+        harmony = any(text for text in channels.values()) or bool(calls)
         return channels.get(FINAL, ""), {"channels": channels, "reply_messages": [_message_json(m) for m in messages],
-                                         "tool_calls": calls}
+                                         "tool_calls": calls, "harmony": harmony,
+                                         "raw_text": self.htok.decode(g.output_ids)}
 
 
 def prepare_prompts(tok, tokenizer_file: str, *, raw: bool, prompt: str | None = None, messages: Path | None = None,

@@ -24,7 +24,8 @@ from gptoss_cli.parallel.grads import unwrap_model
 from gptoss_cli.parallel.state import ParallelState, init_parallel
 from gptoss_cli.schedule import get_forward_backward_func
 from gptoss_cli.train.data import DataLoaderState, PackedDocumentSource, build_source
-from gptoss_cli.train.loop import forward_step, run_worker
+from gptoss_cli.train.loop import run_worker
+from gptoss_cli.train.objective import forward_step
 from tests.tolerances import assert_tensors_close, reassociation_rel
 from tests.schedule.workers import build as build_overlap
 from tests.train.dist_helpers import named_grads, run_distributed
@@ -180,8 +181,8 @@ def test_train_cli_refuses_a_v2_file_whose_mask_is_missing(sft_file, tmp_path):
                                       "parallelism.expert_model_parallel_size=1", "data.kind=tokens",
                                       f"data.path={prefix}", f"training.seq_length={S}", "training.train_iters=2",
                                       "training.warmup_iters=0", f"logging.run_dir={tmp_path / 'r'}", f"checkpoint.dir={tmp_path / 'c'}"])
-    assert result.exit_code == 1, result.output
-    assert "data.source" in result.output and "sft.mask not found" in result.output
+    assert result.exit_code == 2, result.output  # a missing file is bad input
+    assert "data.path" in result.output and "sft.mask not found" in result.output
     assert "Traceback" not in result.output
 
 
