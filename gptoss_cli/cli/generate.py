@@ -32,6 +32,11 @@ def _check_options(prompt: str | None, messages: Path | None, prompts: Path | No
         raise UsageError("give exactly one of --prompt TEXT, --messages FILE.json or --prompts FILE.jsonl")
     if prompt is not None and not prompt:
         raise UsageError("--prompt is empty")
+    for name, text in (("--prompt", prompt), ("--system", prompt_options[0]), ("--developer", prompt_options[1])):
+        try:
+            (text or "").encode("utf-8")
+        except UnicodeEncodeError as exc:  # a byte that is not UTF-8 in argv comes in as a lone surrogate
+            raise UsageError(f"{name}: character {exc.start} is not valid UTF-8 text") from None
     if raw and (messages is not None or show_analysis):
         raise UsageError("--raw takes a plain-text --prompt or --prompts, not --messages or --show-analysis")
     if (raw or prompt is None and prompts is None) and any(x is not None for x in prompt_options):
