@@ -11,10 +11,11 @@ the final names unless every row rendered (or was skipped); the header OUT.json 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
+
+import numpy as np
 
 from gptoss_cli import outputs
 from gptoss_cli.data.conversation import MESSAGES_FIELD, conversation_from_row, parse_conversation
@@ -24,7 +25,7 @@ from gptoss_cli.data.packing import pack_documents, packing_efficiency
 from gptoss_cli.errors import UsageError, file_system_error
 from gptoss_cli.limits import INT32_MAX
 from gptoss_cli.data.token_format import (
-    document_file_paths, token_dtype_for, token_file_paths, write_document_index, write_token_header,
+    INDEX_DTYPE, commit_token_set, document_file_paths, token_dtype_for, token_file_paths, token_header,
 )
 from gptoss_cli.data.prepare_text import DECODE_ERRORS, open_tokenizer, prepare_outputs, to_bytes
 
@@ -164,7 +165,7 @@ def prepare_conversations(
     bin_path, header_path = token_file_paths(out)
     idx_path, mask_path = document_file_paths(out)
     prepare_outputs(out, [bin_path, idx_path, mask_path, header_path], [f.path for f in files] + [tok_file])
-    tmp_bin, tmp_mask = outputs.temp_path(bin_path, outputs.TMP), outputs.temp_path(mask_path, outputs.TMP)
+    tmp_bin, tmp_mask, tmp_idx = (outputs.temp_path(p, outputs.TMP) for p in (bin_path, mask_path, idx_path))
     total_bytes = sum(f.path.stat().st_size for f in files)
     done_bytes = 0
     rendering = {"analysis": analysis, "train_on": train_on, "max_length": max_length, "truncate": truncate}
@@ -189,21 +190,21 @@ def prepare_conversations(
             rows_ = pack_documents(lengths, seq_length)  # every length <= max_length <= seq_length
             packing = {"seq_length": seq_length, "rows": len(rows_),
                        "efficiency": round(packing_efficiency(lengths, rows_, seq_length), 6)}
-        os.replace(tmp_bin, bin_path)
-        os.replace(tmp_mask, mask_path)
-        write_document_index(idx_path, w.offsets)
+        documents = {"loss_mask": True, "kind": "harmony", "num_loss_tokens": w.num_loss,
+                     "max_document_length": max(lengths), "num_dropped": w.num_dropped,
+                     "num_skipped": w.num_skipped, "rendering": rendering, "packing": packing}
+        sources = [str(p) for p in inputs]
+        header = token_header(dtype=dtype_name, num_tokens=w.offsets[-1], num_documents=len(lengths),
+                              vocab_size=vocab_size, eos_token_id=None, tokenizer=str(tok_file), sources=sources,
+                              documents=documents)
+        with outputs.naming(idx_path):
+            tmp_idx.write_bytes(np.asarray(w.offsets, dtype=INDEX_DTYPE).tobytes())
+        commit_token_set([(tmp_bin, bin_path), (tmp_mask, mask_path), (tmp_idx, idx_path)], header_path, header)
     except OSError as exc:
         raise file_system_error(exc, f"writing {bin_path} failed") from None
     finally:
-        tmp_bin.unlink(missing_ok=True)
-        tmp_mask.unlink(missing_ok=True)
-    documents = {"loss_mask": True, "kind": "harmony", "num_loss_tokens": w.num_loss,
-                 "max_document_length": max(lengths), "num_dropped": w.num_dropped, "num_skipped": w.num_skipped,
-                 "rendering": rendering, "packing": packing}
-    sources = [str(p) for p in inputs]
-    write_token_header(header_path, dtype=dtype_name, num_tokens=w.offsets[-1], num_documents=len(lengths),
-                       vocab_size=vocab_size, eos_token_id=None, tokenizer=str(tok_file), sources=sources,
-                       documents=documents)
+        for tmp in (tmp_bin, tmp_mask, tmp_idx):
+            tmp.unlink(missing_ok=True)
     return PrepareConversationsResult(
         str(bin_path), str(header_path), str(idx_path), str(mask_path), w.offsets[-1], len(lengths), w.num_loss,
         w.num_dropped, w.num_truncated, max(lengths), dtype_name, vocab_size, rendering, packing, sources,

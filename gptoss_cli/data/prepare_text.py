@@ -25,7 +25,9 @@ from gptoss_cli import outputs
 from gptoss_cli.errors import ConfigError, UsageError, file_system_error
 from gptoss_cli.data.tokenizer import read_tokenizer, tokenizer_path
 from gptoss_cli.json_input import jsonl_lines, parse_json
-from gptoss_cli.data.token_format import TOKEN_ITEMSIZE, token_dtype_for, token_file_paths, write_token_header
+from gptoss_cli.data.token_format import (
+    TOKEN_ITEMSIZE, commit_token_set, token_dtype_for, token_file_paths, token_header,
+)
 
 BATCH_DOCS = 512
 DECODE_ERRORS = ("strict", "replace")
@@ -227,15 +229,14 @@ def prepare_data(
                     progress(done_bytes, total_bytes)
         if num_docs == 0:
             raise UsageError(f"no documents found in {[str(p) for p in inputs]}")
-        os.replace(tmp, bin_path)
+        header = token_header(dtype=dtype_name, num_tokens=num_tokens, num_documents=num_docs,
+                              vocab_size=vocab_size, eos_token_id=eos, tokenizer=str(tok_file),
+                              sources=[str(p) for p in inputs])
+        commit_token_set([(tmp, bin_path)], header_path, header)
     except OSError as exc:
         raise file_system_error(exc, f"writing {bin_path} failed") from None
     finally:
-        if tmp.exists():
-            tmp.unlink()
-    write_token_header(header_path, dtype=dtype_name, num_tokens=num_tokens, num_documents=num_docs,
-                       vocab_size=vocab_size, eos_token_id=eos, tokenizer=str(tok_file),
-                       sources=[str(p) for p in inputs])
+        tmp.unlink(missing_ok=True)
     return PrepareResult(str(bin_path), str(header_path), num_tokens, num_docs, dtype_name, vocab_size, eos,
                          [str(p) for p in inputs])
 

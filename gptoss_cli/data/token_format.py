@@ -30,6 +30,7 @@ checks the files at launch, which must not need torch.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -84,15 +85,9 @@ def write_document_index(path: str | Path, offsets: Sequence[int] | np.ndarray) 
     write_atomically(idx_path, np.asarray(offsets, dtype=INDEX_DTYPE))
 
 
-def write_token_header(json_path: str | Path, *, dtype: str, num_tokens: int, num_documents: int, vocab_size: int,
-                       eos_token_id: int | None, tokenizer: str | None, sources: list[str],
-                       documents: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Write the header of a token file atomically (a temporary name, then a rename); returns it.
-
-    `documents` (the DOCUMENT_FIELDS but "documents") makes it a version-2 header; write it last,
-    after OUT.bin, OUT.idx and OUT.mask are in place.
-    """
-    json_path = Path(json_path)
+def token_header(*, dtype: str, num_tokens: int, num_documents: int, vocab_size: int, eos_token_id: int | None,
+                 tokenizer: str | None, sources: list[str], documents: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The header of a token file; `documents` (the DOCUMENT_FIELDS but "documents") makes it version 2."""
     header = {
         "format": TOKEN_FORMAT, "version": TOKEN_FORMAT_VERSION, "dtype": dtype, "num_tokens": num_tokens,
         "num_documents": num_documents, "vocab_size": vocab_size, "eos_token_id": eos_token_id,
@@ -103,8 +98,39 @@ def write_token_header(json_path: str | Path, *, dtype: str, num_tokens: int, nu
         if unknown:
             raise ValueError(f"unknown version-2 header fields {unknown}")
         header.update(version=DOCUMENTS_FORMAT_VERSION, documents=True, **documents)
-    write_atomically(json_path, (json.dumps(header, indent=2) + "\n").encode())
     return header
+
+
+def _header_bytes(header: dict[str, Any]) -> bytes:
+    return (json.dumps(header, indent=2) + "\n").encode()
+
+
+def write_token_header(json_path: str | Path, **fields: Any) -> dict[str, Any]:
+    """Write the header of a token file atomically (a temporary name, then a rename); returns it.
+    Takes token_header's fields. A command writing a whole set uses commit_token_set instead."""
+    header = token_header(**fields)
+    write_atomically(json_path, _header_bytes(header))
+    return header
+
+
+def commit_token_set(parts: Sequence[tuple[Path, Path]], header_path: Path, header: dict[str, Any]) -> None:
+    """Put a finished token set in place. `parts` are (temporary, final) pairs already written whole.
+    The header is written beside them under its temporary name first (the disk can still fill there,
+    and then nothing at the prefix has changed); then the previous set's header is removed, the parts
+    are renamed, and the header is renamed last. A set at this prefix is therefore the old one whole,
+    the new one whole, or, if the process dies between renames, one without a header (which readers
+    refuse as incomplete): never the old parts under a new header or new parts under an old one."""
+    header_path = Path(header_path)
+    tmp = outputs.temp_path(header_path, outputs.TMP)
+    try:
+        with outputs.naming(header_path):
+            tmp.write_bytes(_header_bytes(header))
+            header_path.unlink(missing_ok=True)
+            for staged, final in parts:
+                os.replace(staged, final)
+            os.replace(tmp, header_path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def read_token_header(path: str | Path) -> dict[str, Any]:
@@ -242,5 +268,5 @@ def check_token_files(path: str | Path, vocab_size: int | None) -> tuple[Path, P
 
 __all__ = ["TOKEN_FORMAT", "TOKEN_FORMAT_VERSION", "DOCUMENTS_FORMAT_VERSION", "TOKEN_FORMAT_VERSIONS", "TOKEN_ITEMSIZE",
            "INDEX_DTYPE", "MASK_DTYPE", "DOCUMENT_FIELDS", "token_dtype_for", "token_file_paths", "document_file_paths",
-           "write_atomically", "write_document_index", "write_token_header", "read_token_header", "has_documents",
+           "write_atomically", "write_document_index", "token_header", "write_token_header", "commit_token_set", "read_token_header", "has_documents",
            "check_document_files", "check_header_fits_model", "check_token_files"]

@@ -148,3 +148,29 @@ def test_option_mistakes_are_one_line(args, message, tmp_path):
     path.write_text(json.dumps(HF_LINE) + "\n")
     result = prepare(path, "--tokenizer", tmp_path, "--out", tmp_path / "o", *args)
     assert result.exit_code == 2 and message in result.output, result.output
+
+
+@pytest.mark.parametrize("part", [".idx", ".json"])
+def test_a_full_disk_at_the_index_or_header_leaves_the_older_set_whole(part, corpus, tmp_path, gpt_oss_tokenizer_file,
+                                                                        monkeypatch):
+    """Rewriting a prefix: every part is written under a temporary name before any is renamed, so a disk that fills
+    at the last parts leaves the previous set byte for byte (not its .bin and .mask replaced under an old header)."""
+    import errno
+    from pathlib import Path
+
+    out = tmp_path / "set"
+    assert prepare(corpus, "--format", "harmony", "--tokenizer", gpt_oss_tokenizer_file, "--out", out).exit_code == 0
+    before = {s: out.with_suffix(s).read_bytes() for s in (".bin", ".idx", ".mask", ".json")}
+    corpus.write_text(json.dumps(HF_LINE) + "\n")  # another corpus: every part would change
+    write_bytes = Path.write_bytes
+
+    def full_at_part(self, data):
+        if self.name.startswith(f".set{part}."):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write_bytes(self, data)
+
+    monkeypatch.setattr(Path, "write_bytes", full_at_part)
+    result = prepare(corpus, "--format", "harmony", "--tokenizer", gpt_oss_tokenizer_file, "--out", out)
+    assert result.exit_code != 0 and "No space left on device" in result.output, result.output
+    assert {s: out.with_suffix(s).read_bytes() for s in before} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chats.jsonl", *sorted(f"set{s}" for s in before)]
