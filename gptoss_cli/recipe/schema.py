@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Optional
 
 from gptoss_cli.fp8.catalog import FORMATS as FP8_FORMATS, RECIPES as FP8_RECIPES
 from gptoss_cli.model.config import SWIGLU_KERNELS
+from gptoss_cli.pipeline.layout import SCHEDULES as PIPELINE_SCHEDULES
 
 DTYPES = ("fp32", "bf16", "fp16")
 # Sizes (tensor dimensions, process counts, bucket elements) and counts (steps, intervals): int32, what
@@ -79,6 +80,16 @@ class ParallelismConfig:
     pipeline_model_parallel_size: int = _f(1, "pipeline parallel size (PP)", min=1, max=INT32_MAX)
     virtual_pipeline_model_parallel_size: Optional[int] = _f(
         None, "virtual pipeline (interleaved) stages per pipeline rank; null = off", min=1, max=INT32_MAX,
+    )
+    pipeline_schedule: str = _f(
+        "1f1b", "pipeline schedule (torch.distributed.pipelining, docs/pipeline-parallel.md): 1f1b; "
+        "interleaved_1f1b (VPP >= 2); interleaved_zero_bubble (ZB1P); zbv_zero_bubble and dualpipev "
+        "(VPP = 2, two stages per rank in a V)", choices=PIPELINE_SCHEDULES,
+    )
+    pipeline_model_parallel_layout: Optional[str] = _f(
+        None, "the stages in Megatron's --pipeline-model-parallel-layout grammar: E embedding, t one decoder "
+        "block (*E), L loss, | stage boundary, X*N repeats, e.g. 'Et*8|t*10|t*10|t*8L'; null = the blocks "
+        "split evenly over PP x VPP stages",
     )
     context_parallel_size: int = _f(1, "context parallel size (CP)", min=1, max=INT32_MAX)
     expert_model_parallel_size: int = _f(1, "expert parallel size (EP)", min=1, max=INT32_MAX)

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from gptoss_cli import outputs
 from gptoss_cli.checkpoint.training_format import RUN_KEY
 from gptoss_cli.errors import TrainingError
+from gptoss_cli.model.pattern import MOE
 from gptoss_cli.parallel.state import ParallelState, barrier, destroy_parallel, init_parallel
 from gptoss_cli.recipe.environment import gpu_from_device_name
 from gptoss_cli.recipe.flops import model_flops_per_token, peak_tflops, recompute_flops_per_token, throughput
@@ -68,7 +69,8 @@ def run_worker(job: TrainJob, progress: TrainProgress | None = None) -> TrainRes
         # Under torchrun a peer that never starts would hold this rank in the rendezvous for 10 minutes.
         state = init_parallel(cfg.parallelism.expert_model_parallel_size, cfg.system.device, cfg.parallelism.backend,
                               join_timeout_s=cfg.system.heartbeat_timeout_s if self_watch else None,
-                              cp_size=cfg.parallelism.context_parallel_size)
+                              cp_size=cfg.parallelism.context_parallel_size,
+                              pp_size=cfg.parallelism.pipeline_model_parallel_size)
         if state.device.type == "cpu":
             # The step frees and reallocates the same activations every step: keep them in the
             # heap instead of paying page faults for fresh mappings each time (resources.py).
@@ -146,8 +148,9 @@ class Trainer:
         self.data = self._build_data()
         self.objective = job.objective or build_objective(cfg)
         self.schedule = get_forward_backward_func(self.model_config)
-        self.totals = StepTotals([j for j, _ in self.model.module.moe_layers()], job.arch.num_local_experts,
-                                 tuple(self.objective.sums))
+        # every MoE layer of the model, also those other pipeline stages hold
+        self.totals = StepTotals([j for j, s in enumerate(self.model.module.pattern.layers) if s == MOE],
+                                 job.arch.num_local_experts, tuple(self.objective.sums))
         self.metrics = MetricsWriter(self.run_dir, state)
         self.fp8 = self.model_config.fp8_gemms  # the FP8 gemms the provider selected: which path runs, what ran
         self._flops_setup()
@@ -216,7 +219,9 @@ class Trainer:
         local = self.totals.vector(logs, self.state.device)
         totals = local.clone()
         if self.state.distributed:
-            dist.all_reduce(totals, group=self.state.dp_group)  # one small collective for every step total
+            # one small collective for every step total, over every rank: with pipeline parallelism
+            # the loss sums come from the last stage, each MoE layer's router rows from its own stage
+            dist.all_reduce(totals, group=self.state.global_group)
         local_values, values = torch.stack([local, totals]).tolist()  # the step's one host sync
         metrics = self.objective.metrics(self.totals.scalars(values))
         if not math.isfinite(metrics["loss"]):

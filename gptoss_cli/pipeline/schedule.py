@@ -1,0 +1,172 @@
+"""A training step through one of torch's pipeline schedules, with the microbatch schedules' contract.
+
+`forward_backward_pipelining` has the keyword signature of `forward_backward_no_pipelining`
+(gptoss_cli/schedule/plain.py) and returns one log dict per microbatch on the ranks that hold the
+last stage (none elsewhere), plus one log carrying the step's router telemetry rows on every rank.
+`get_forward_backward_func` picks it when the model's runtime config has PP > 1.
+
+torch.distributed.pipelining runs the stages (`PipelineStage`s built once per model and reused,
+gptoss_cli/pipeline/stage.py) under the schedule the recipe names (`SCHEDULE_CLASSES`); what gptoss
+adds around it:
+- the objective's loss: `forward_step_func(iter([microbatch]), stand_in)` is called once per
+  microbatch with a stand-in model that only records the call, to get the objective's `loss_func`;
+  torch's `loss_fn(output, target)` is handed the microbatch's index as its target and applies that
+  `loss_func` to the last stage's output (a HybridOutput: final-norm hidden states, the output
+  layer, the router losses from the accumulator). The objective's loss stays a SUM; torch's own
+  gradient scaling is off (`scale_grads=False`);
+- gradient finalisation, once after the schedule, by the config's `finalize_model_grads_func`
+  (parallel/grads.py): every bucket of every stage reduced over the stage's data-parallel group,
+  then divided by the normaliser summed over the last stages of every data-parallel rank (the
+  world group: the other stages contribute zero), so every stage divides by the same global count;
+- the step's router telemetry: each stage's rows placed in one [MoE layers, E + 2] table.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from gptoss_cli.errors import ConfigError
+from gptoss_cli.model.pattern import MOE
+from gptoss_cli.parallel.grads import get_attr_wrapped_model, get_model_config, unwrap_model
+from gptoss_cli.pipeline.layout import SPLIT_BACKWARD, PipelineLayout, schedule_problems
+from gptoss_cli.pipeline.stage import StageModule, StepTables, rank_stage_class, stage_metas
+from gptoss_cli.schedule.plain import ForwardStep, StepAccounting, finalizer
+
+SCHEDULE_CLASSES = {
+    "1f1b": "Schedule1F1B",
+    "interleaved_1f1b": "ScheduleInterleaved1F1B",
+    "interleaved_zero_bubble": "ScheduleInterleavedZeroBubble",
+    "zbv_zero_bubble": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
+}
+SINGLE_STAGE = frozenset({"1f1b"})  # torch's PipelineScheduleSingle classes take one stage, not a list
+
+
+class _StandIn(nn.Module):
+    """What forward_step_func sees as the model under PP: the real model's config; calling it returns nothing."""
+
+    def __init__(self, config: Any):
+        super().__init__()
+        self.config = config
+
+    def forward(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def build_schedule_plan(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+class PipelineRuntime:
+    """A rank's stages and the torch schedule over them, for one microbatch count and shape."""
+
+    def __init__(self, model: nn.Module, state: Any, layout: PipelineLayout, num_microbatches: int,
+                 micro_shape: tuple[int, int]):
+        import torch.distributed.pipelining as pipelining
+
+        inner = unwrap_model(model)
+        config = get_model_config(model)
+        problems = schedule_problems(layout.schedule, layout.pp, layout.vpp, num_microbatches)
+        if problems:
+            raise ConfigError(problems[0][0], hint=problems[0][1])
+        self.layout, self.num_microbatches, self.micro_shape = layout, num_microbatches, micro_shape
+        self.tables = StepTables()
+        carry = bool(inner.aux_loss_coef > 0 or inner.z_loss_coef > 0)
+        stage_cls = rank_stage_class()
+        no_sync = getattr(config, "no_sync_func", None)
+        self.modules: list[StageModule] = []
+        self.stages = []
+        for spec in layout.rank_stages(state.pp_rank):
+            module = StageModule(inner, spec, self.tables, carry)
+            inputs, outputs = stage_metas(spec, micro_shape, inner.arch.hidden_size, inner.params_dtype, carry,
+                                          inner.arch.num_local_experts)
+            self.modules.append(module)
+            self.stages.append(stage_cls(module, index=spec.index, num_stages=layout.num_stages, device=state.device,
+                                         input_args=inputs, output_args=outputs, group=state.pp_group,
+                                         microbatches=num_microbatches, no_sync=no_sync,
+                                         defer_wgrad=layout.schedule in SPLIT_BACKWARD))
+        self.holds_first = any(s.embedding for s in layout.rank_stages(state.pp_rank))
+        self.last = next((m for m in self.modules if m.stage.loss), None)
+        cls = getattr(pipelining, SCHEDULE_CLASSES[layout.schedule])
+        stages = self.stages[0] if layout.schedule in SINGLE_STAGE else self.stages
+        self.schedule = cls(stages, num_microbatches, loss_fn=self._loss, scale_grads=False)
+        self.moe_layers = [j for j, s in enumerate(inner.pattern.layers) if s == MOE]
+        self._accounting: StepAccounting | None = None
+        self._loss_funcs: list[Any] = []
+        self._logs: dict[int, dict[str, Any]] = {}
+
+    def _loss(self, output: Any, target: torch.Tensor, **_: Any) -> torch.Tensor:
+        index = int(target.reshape(-1)[0])
+        outputs = output if isinstance(output, tuple) else (output,)
+        loss_sum, num_tokens, extra = self._loss_funcs[index](self.last.output(outputs))
+        self._logs[index] = {"loss_sum": loss_sum.detach(), "num_tokens": num_tokens.detach(), **extra}
+        self._accounting.total_tokens = self._accounting.total_tokens + num_tokens.detach().float().to(
+            self._accounting.total_tokens.device)
+        return self._accounting.scaled(loss_sum)
+
+    def router_log(self, device: torch.device, num_experts: int) -> dict[str, Any] | None:
+        """The step's router rows of this rank's stages in the table of every MoE layer (zeros elsewhere)."""
+        if not self.tables.router_rows:
+            return None
+        table = torch.zeros(len(self.moe_layers), num_experts + 2, dtype=torch.float64, device=device)
+        for first, rows in self.tables.router_rows.items():
+            at = next(i for i, j in enumerate(self.moe_layers) if j >= first)
+            table[at:at + rows.shape[0]] += rows
+        return {"router_table": table}
+
+    def run(self, microbatches: list[Any], loss_funcs: list[Any], accounting: StepAccounting) -> list[dict[str, Any]]:
+        """One step over `microbatches`; the per-microbatch logs of this rank (last stage only)."""
+        n = len(microbatches)
+        self.tables.start(microbatches)
+        self._loss_funcs, self._logs, self._accounting = loss_funcs, {}, accounting
+        args = (torch.cat([mb.tokens for mb in microbatches]),) if self.holds_first else ()
+        kwargs: dict[str, Any] = {"target": torch.arange(n), "losses": None, "mb": torch.arange(n)}
+        if "return_outputs" in inspect.signature(self.schedule.step).parameters:
+            kwargs["return_outputs"] = False  # torch >= 2.12: the last stage keeps no outputs for the caller
+        self.schedule.step(*args, **kwargs)
+        return [self._logs[i] for i in sorted(self._logs)]
+
+
+def pipeline_runtime(model: nn.Module, microbatches: list[Any]) -> PipelineRuntime:
+    """The model's pipeline runtime, built on first use and rebuilt when the microbatches change count or shape."""
+    inner = unwrap_model(model)
+    config = get_model_config(model)
+    state = get_attr_wrapped_model(model, "parallel_state")
+    shape = tuple(microbatches[0].tokens.shape)
+    runtime = getattr(inner, "pipeline_runtime", None)
+    if runtime is None or runtime.num_microbatches != len(microbatches) or runtime.micro_shape != shape:
+        runtime = PipelineRuntime(model, state, config.pipeline_layout(), len(microbatches), shape)
+        inner.pipeline_runtime = runtime
+    return runtime
+
+
+def forward_backward_pipelining(
+    *,
+    forward_step_func: ForwardStep,
+    data_iterator: Iterator[Any],
+    model: nn.Module,
+    num_microbatches: int,
+    forward_only: bool = False,
+) -> list[dict[str, Any]]:
+    """The step through torch's pipeline schedule (see the module docstring); logs as the other schedules'."""
+    if forward_only:
+        raise ConfigError("forward-only passes (an objective's prepare_step) are not implemented under pipeline "
+                          "parallelism", hint="set parallelism.pipeline_model_parallel_size=1")
+    config = get_model_config(model)
+    finalize = finalizer(config)
+    microbatches = [next(data_iterator) for _ in range(num_microbatches)]
+    stand_in = _StandIn(config)
+    loss_funcs = [forward_step_func(iter([mb]), stand_in)[1] for mb in microbatches]
+    runtime = pipeline_runtime(model, microbatches)
+    step = StepAccounting(config)
+    logs = runtime.run(microbatches, loss_funcs, step)
+    state = get_attr_wrapped_model(model, "parallel_state")
+    finalize([model], step.total_tokens.to(state.device))
+    router = runtime.router_log(state.device, unwrap_model(model).arch.num_local_experts)
+    return logs + ([router] if router is not None else [])
+
+
+__all__ = ["forward_backward_pipelining", "PipelineRuntime", "pipeline_runtime", "SCHEDULE_CLASSES"]
