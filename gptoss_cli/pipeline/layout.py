@@ -269,6 +269,26 @@ def schedule_problems(schedule: str, pp: int, vpp: int | None, microbatches: int
     return out
 
 
+def in_flight(schedule: str, pp: int, vpp: int | None, microbatches: int, rank: int) -> float:
+    """Microbatches whose activations pipeline rank `rank` holds at its peak, in units of one microbatch
+    through ALL of its stages (a chunk holds 1 / VPP of that): the schedules' warm-up depth.
+
+    1F1B: PP - rank (the first stage holds PP). Interleaved 1F1B and ZB1P run torch's warm-up of
+    (VPP - 1) x microbatches-per-round + 2 (PP - 1 - rank) chunk forwards (once, not twice, the
+    distance for ZB1P), plus the one in progress. ZBV holds PP (ZB-V's claim: 1F1B's memory), DualPipeV
+    PP + 1 (DeepSeek's table)."""
+    vpp = vpp or 1
+    m = microbatches
+    if schedule == "1f1b" or pp <= 1:
+        return float(min(m, pp - rank))
+    if schedule in ("interleaved_1f1b", "interleaved_zero_bubble"):
+        per_round = m // max(1, m // pp)
+        factor = 2 if schedule == "interleaved_1f1b" else 1
+        chunks = min(vpp * m, (vpp - 1) * per_round + factor * (pp - 1 - rank) + 1)
+        return chunks / vpp
+    return float(min(m, pp + (1 if schedule == "dualpipev" else 0)))
+
+
 def bubble_fraction(schedule: str, pp: int, vpp: int | None, microbatches: int, f: float = 1.0, b: float = 1.0,
                     w: float = 1.0) -> float:
     """The share of a step a rank idles in theory (equal stages, no communication time): idle /
@@ -292,5 +312,5 @@ def bubble_fraction(schedule: str, pp: int, vpp: int | None, microbatches: int, 
     return idle / (idle + work)
 
 
-__all__ = ["SCHEDULES", "V_SCHEDULES", "SPLIT_BACKWARD", "BLOCK_RULE", "Stage", "PipelineLayout", "expand_layout",
+__all__ = ["SCHEDULES", "V_SCHEDULES", "SPLIT_BACKWARD", "BLOCK_RULE", "Stage", "PipelineLayout", "expand_layout", "in_flight",
            "block_starts", "stage_place", "balanced_layout", "pipeline_layout", "schedule_problems", "bubble_fraction"]

@@ -40,12 +40,14 @@ TABLE: tuple[Unsupported, ...] = (
         lambda c: "tensor/sequence parallelism",
         "set parallelism.tensor_model_parallel_size=1 parallelism.sequence_parallel=false"),
     Unsupported(
-        "pipeline_parallel", "pipeline and virtual pipeline parallelism",
-        ("parallelism.pipeline_model_parallel_size", "parallelism.virtual_pipeline_model_parallel_size"),
-        lambda c, x: (c.parallelism.pipeline_model_parallel_size == 1
-                      and c.parallelism.virtual_pipeline_model_parallel_size is None and not x.pattern.pipeline_splits),
-        lambda c: "pipeline parallelism",
-        "set parallelism.pipeline_model_parallel_size=1, virtual size null, no '|' in the pattern"),
+        # The combined-1F1B overlap runs schedule plans of whole models; under pipelining each stage's
+        # forward and backward run inside torch's PipelineStage (docs/pipeline-parallel.md, "EP overlap").
+        "pipeline_ep_overlap", "EP all-to-all overlap under pipeline parallelism",
+        ("parallelism.pipeline_model_parallel_size", "overlap.overlap_moe_expert_parallel_comm"),
+        lambda c, x: c.parallelism.pipeline_model_parallel_size == 1 or not c.overlap.overlap_moe_expert_parallel_comm,
+        lambda c: "EP all-to-all overlap under pipeline parallelism",
+        "set overlap.overlap_moe_expert_parallel_comm=false overlap.delay_wgrad_compute=false (the zero-bubble "
+        "schedules defer the experts' weight gradients themselves), or PP=1"),
     Unsupported(
         "expert_tensor_parallel", "expert tensor parallelism", ("parallelism.expert_tensor_parallel_size",),
         lambda c, x: c.parallelism.expert_tensor_parallel_size == 1,
