@@ -27,6 +27,7 @@ import inspect
 from typing import Any, Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from gptoss_cli.errors import ConfigError
@@ -65,8 +66,6 @@ class PipelineRuntime:
 
     def __init__(self, model: nn.Module, state: Any, layout: PipelineLayout, num_microbatches: int,
                  micro_shape: tuple[int, int]):
-        import torch.distributed.pipelining as pipelining
-
         inner = unwrap_model(model)
         config = get_model_config(model)
         problems = schedule_problems(layout.schedule, layout.pp, layout.vpp, num_microbatches)
@@ -78,25 +77,35 @@ class PipelineRuntime:
         stage_cls = rank_stage_class()
         no_sync = getattr(config, "no_sync_func", None)
         self.modules: list[StageModule] = []
+        self.metas: list[tuple[tuple, tuple]] = []  # (input_args, output_args) of each stage
         self.stages = []
         for spec in layout.rank_stages(state.pp_rank):
             module = StageModule(inner, spec, self.tables, carry)
             inputs, outputs = stage_metas(spec, micro_shape, inner.arch.hidden_size, inner.params_dtype, carry,
                                           inner.arch.num_local_experts)
             self.modules.append(module)
+            self.metas.append((inputs, outputs))
             self.stages.append(stage_cls(module, index=spec.index, num_stages=layout.num_stages, device=state.device,
                                          input_args=inputs, output_args=outputs, group=state.pp_group,
                                          microbatches=num_microbatches, no_sync=no_sync,
                                          defer_wgrad=layout.schedule in SPLIT_BACKWARD))
         self.holds_first = any(s.embedding for s in layout.rank_stages(state.pp_rank))
         self.last = next((m for m in self.modules if m.stage.loss), None)
-        cls = getattr(pipelining, SCHEDULE_CLASSES[layout.schedule])
-        stages = self.stages[0] if layout.schedule in SINGLE_STAGE else self.stages
-        self.schedule = cls(stages, num_microbatches, loss_fn=self._loss, scale_grads=False)
+        self.schedule = self._schedule(self.stages, self._loss)
+        # forward-only passes: the same modules in stages of their own, the schedule without a loss
+        # (torch runs only its forward actions then), built on first use
+        self._state, self._eval = state, None
         self.moe_layers = [j for j, s in enumerate(inner.pattern.layers) if s == MOE]
         self._accounting: StepAccounting | None = None
         self._loss_funcs: list[Any] = []
         self._logs: dict[int, dict[str, Any]] = {}
+
+    def _schedule(self, stages: list[Any], loss_fn: Any) -> Any:
+        import torch.distributed.pipelining as pipelining
+
+        cls = getattr(pipelining, SCHEDULE_CLASSES[self.layout.schedule])
+        return cls(stages[0] if self.layout.schedule in SINGLE_STAGE else stages, self.num_microbatches,
+                   loss_fn=loss_fn, scale_grads=False)
 
     def _loss(self, output: Any, target: torch.Tensor, **_: Any) -> torch.Tensor:
         index = int(target.reshape(-1)[0])
@@ -130,6 +139,35 @@ class PipelineRuntime:
         return [self._logs[i] for i in sorted(self._logs)]
 
 
+    def forward_only(self, microbatches: list[Any], loss_funcs: list[Any]) -> list[dict[str, Any]]:
+        """Every microbatch through the stages without gradients; the logs its loss_func returns on the
+        last stage (with loss_sum and num_tokens), handed to every pipeline rank (an objective's
+        prepare_step attaches them to the microbatches, whichever stage it runs on)."""
+        if self._eval is None:
+            cls, state = rank_stage_class(), self._state
+            stages = [cls(m, index=m.stage.index, num_stages=self.layout.num_stages, device=state.device,
+                          input_args=ins, output_args=outs, group=state.pp_group, microbatches=self.num_microbatches,
+                          no_sync=None, defer_wgrad=False) for m, (ins, outs) in zip(self.modules, self.metas)]
+            self._eval = (stages, self._schedule(stages, None))
+        stages, schedule = self._eval
+        self.tables.start(microbatches)
+        args = (torch.cat([mb.tokens for mb in microbatches]),) if self.holds_first else ()
+        with torch.no_grad():
+            schedule.step(*args, mb=torch.arange(len(microbatches)))
+        last = next((st for st in stages if st.submod.stage.loss), None)
+        logs: list[dict[str, Any]] = []
+        if last is not None:
+            with torch.no_grad():
+                for output, loss_func in zip(last.output_chunks, loss_funcs):
+                    outputs = output if isinstance(output, tuple) else (output,)
+                    loss_sum, num_tokens, extra = loss_func(self.last.output(outputs))
+                    logs.append({"loss_sum": loss_sum, "num_tokens": num_tokens, **extra})
+        box = [logs]
+        holder = dist.get_global_rank(self._state.pp_group, self.layout.stages[-1].rank)
+        dist.broadcast_object_list(box, src=holder, group=self._state.pp_group, device=self._state.device)
+        return box[0]
+
+
 def pipeline_runtime(model: nn.Module, microbatches: list[Any]) -> PipelineRuntime:
     """The model's pipeline runtime, built on first use and rebuilt when the microbatches change count or shape."""
     inner = unwrap_model(model)
@@ -152,15 +190,18 @@ def forward_backward_pipelining(
     forward_only: bool = False,
 ) -> list[dict[str, Any]]:
     """The step through torch's pipeline schedule (see the module docstring); logs as the other schedules'."""
-    if forward_only:
-        raise ConfigError("forward-only passes (an objective's prepare_step) are not implemented under pipeline "
-                          "parallelism", hint="set parallelism.pipeline_model_parallel_size=1")
     config = get_model_config(model)
-    finalize = finalizer(config)
+    if getattr(config, "overlap_moe_expert_parallel_comm", False):
+        raise ConfigError("EP all-to-all overlap is not implemented under pipeline parallelism "
+                          "(rule unsupported.pipeline_ep_overlap)",
+                          hint="set overlap.overlap_moe_expert_parallel_comm=false overlap.delay_wgrad_compute=false")
     microbatches = [next(data_iterator) for _ in range(num_microbatches)]
     stand_in = _StandIn(config)
     loss_funcs = [forward_step_func(iter([mb]), stand_in)[1] for mb in microbatches]
     runtime = pipeline_runtime(model, microbatches)
+    if forward_only:
+        return runtime.forward_only(microbatches, loss_funcs)
+    finalize = finalizer(config)
     step = StepAccounting(config)
     logs = runtime.run(microbatches, loss_funcs, step)
     state = get_attr_wrapped_model(model, "parallel_state")

@@ -122,7 +122,7 @@ class StageModule(nn.Module):
         model, (start, end) = self.model, self.stage.layers
         x = model.embed(inputs[0]) if self.stage.embedding else inputs[0]
         acc = None if self.stage.embedding or not self.carry_router else inputs[1]
-        queue = WgradQueue() if self.defer_wgrad and self.moe_layers else None
+        queue = WgradQueue() if self.defer_wgrad and self.moe_layers and torch.is_grad_enabled() else None
         if queue is not None:
             self.wgrad_queues[index] = queue
         for layer in self.moe_layers:
@@ -171,9 +171,9 @@ def rank_stage_class():
         def __init__(self, module: StageModule, *, index: int, num_stages: int, device: torch.device,
                      input_args: tuple, output_args: tuple, group: Any, microbatches: int,
                      no_sync: Callable[[], Any] | None, defer_wgrad: bool):
-            module.defer_wgrad = defer_wgrad
             kwargs: dict[str, Any] = {"input_args": input_args, "output_args": output_args, "group": group}
-            if defer_wgrad:
+            if defer_wgrad:  # (a forward-only stage over the same module leaves the flag alone)
+                module.defer_wgrad = True
                 kwargs["dw_builder"] = self._dw_runner
             super().__init__(module, index, num_stages, device, **kwargs)
             self.microbatches = microbatches

@@ -234,7 +234,10 @@ class Trainer:
         grad_norm = self.optimizer.step(lr)
         if self.state.device.type == "cuda":
             torch.cuda.synchronize()
-        return StepOutcome(step=step + 1, metrics=metrics, local=self.objective.metrics(self.totals.scalars(local_values)),
+        # a pipeline rank without the last stage computes no loss: nothing of its own to report
+        local = (self.objective.metrics(self.totals.scalars(local_values)) if self.model.module.post_process
+                 else {"loss": 0.0, "tokens": 0.0})
+        return StepOutcome(step=step + 1, metrics=metrics, local=local,
                            lr=lr, grad_norm=grad_norm, step_time_s=time.perf_counter() - t0,
                            router=self.totals.router_record(values))
 

@@ -58,11 +58,14 @@ class StepContext:
 
     def forward_only(self, forward_step_func: Callable[..., Any], microbatches: list[Microbatch]) -> list[dict[str, Any]]:
         """Run `forward_step_func` over `microbatches` without gradients (no backward, no gradient
-        reduction); one log dict per microbatch, as its loss_func returned them."""
-        from gptoss_cli.schedule.plain import forward_backward_no_pipelining  # noqa: PLC0415
+        reduction) through the step's own schedule (with pipeline parallelism: its stages, the logs
+        handed from the last stage to every rank); one log dict per microbatch, as its loss_func
+        returned them."""
+        from gptoss_cli.schedule import get_forward_backward_func  # noqa: PLC0415
 
-        return forward_backward_no_pipelining(forward_step_func=forward_step_func, data_iterator=iter(microbatches),
-                                              model=self.model, num_microbatches=len(microbatches), forward_only=True)
+        schedule = get_forward_backward_func(get_model_config(self.model))
+        return schedule(forward_step_func=forward_step_func, data_iterator=iter(microbatches), model=self.model,
+                        num_microbatches=len(microbatches), forward_only=True)
 
 
 class TrainingObjective(abc.ABC):

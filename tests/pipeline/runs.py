@@ -22,6 +22,7 @@ losses left out of the accumulator.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import shutil
 import time
@@ -71,6 +72,9 @@ _add("pp2-aux-zbv", 2, pp_size=2, vpp_size=2, pipeline_schedule="zbv_zero_bubble
      aux_loss_coeff=0.01, z_loss_coeff=0.001)
 # context parallel inside the stages
 _add("pp2xcp2", 4, pp_size=2, cp_size=2, pipeline_layout=PP2)
+# an objective of one's own whose prepare_step scores the microbatches forward-only (GRPO's shape,
+# tests/train/test_objective.py): at the old policy its gradient is cross-entropy's
+_add("pp2-objective", 2, pp_size=2, pipeline_layout=PP2, objective="clipped_ratio")
 # mutations: each finalisation rule broken once
 MUTATIONS = ("stage_clip_norm", "stage_token_division", "stage_router_loss_left_out")
 _add("mut-stage_clip_norm", 2, "stage_clip_norm", pp_size=2, pipeline_layout=PP2)
@@ -95,13 +99,19 @@ def job(name: str, run_dir: Path, hf: Path, prefix: Path):
     _, fields, _ = CONFIGS[name]
     fields = dict(fields)
     ckpt = fields.pop("checkpoint_dir", None)
+    objective = fields.pop("objective", None)
     base = dict(device="cpu", params_dtype="fp32", aux_loss_coeff=0.0, seq_length=R.SEQ, micro_batch_size=1,
                 global_batch_size=R.GLOBAL_BATCH, train_iters=1, lr=R.LR, min_lr=R.LR, warmup_iters=0,
                 lr_decay_style="constant", weight_decay=R.WEIGHT_DECAY, adam_beta1=R.BETAS[0], adam_beta2=R.BETAS[1],
                 adam_eps=R.EPS, clip_grad=R.CLIP, use_distributed_optimizer=True, data_kind="tokens",
                 data_path=str(prefix), pretrained=str(hf),
                 checkpoint_dir=str(run_dir.parent.parent / "checkpoints" / ckpt) if ckpt else None)
-    return train_job(run_dir, name=f"pp-{name}", **{**base, **fields})
+    plan = train_job(run_dir, name=f"pp-{name}", **{**base, **fields})
+    if objective == "clipped_ratio":
+        from tests.train.test_objective import ClippedRatioObjective
+
+        plan = dataclasses.replace(plan, objective=ClippedRatioObjective())
+    return plan
 
 
 @contextlib.contextmanager
@@ -221,9 +231,8 @@ def compute(folder: Path) -> dict[str, Any]:
                  "after": [R.merge_ranks(run["ranks"], "after", t)[0] for t in range(len(run["ranks"][0]))],
                  "norms": [[r["norm"] for r in records] for records in run["ranks"]],
                  "spread": max(R.merge_ranks(run["ranks"], key, 0)[1] for key in ("before", "grads", "after"))}
-        if fields.get("aux_loss_coeff", 0.0) == 0.0 and name not in ("resume-b", "resume-pp4"):
-            # transformers + torch AdamW, from the fixture's weights
-            entry["reference"] = reference.judge(run, fields.get("clip_grad", R.CLIP))
+        if fields.get("aux_loss_coeff", 0.0) == 0.0 and not name.startswith(("ckpt", "resume", "pp2-objective")):
+            entry["reference"] = reference.judge(run)  # transformers + torch AdamW, from the fixture's weights
         result[name] = entry
     result["launch_seconds"] = seconds
     result["reference"] = {"loss": reference.loss, "norm": reference.norm, "margin_over_bound": reference.margin}
@@ -272,11 +281,22 @@ class Reference:
             ratios.append(((top[:, k - 1] - top[:, k]) / (2 * bound.max(dim=-1).values)).min())
         return float(min(ratios))
 
-    def judge(self, run: dict[str, Any], clip: float = R.CLIP) -> dict[str, Any]:
+    def to_hf(self, hybrid: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """R.HfView.to_hf as one scatter through the permutation, built once."""
+        if not hasattr(self, "_order"):
+            self._names = sorted(self.view.index)
+            self._order = torch.cat([self.view.index[n] for n in self._names])
+        assert sorted(hybrid) == self._names, sorted(set(hybrid) ^ set(self._names))[:5]
+        flat = torch.empty(sum(self.view.sizes), dtype=torch.float32)
+        flat[self._order] = torch.cat([hybrid[n].reshape(-1).to(torch.float32) for n in self._names])
+        parts = torch.split(flat, self.view.sizes)
+        return {n: part.view(self.params[n].shape) for n, part in zip(self.view.names, parts)}
+
+    def judge(self, run: dict[str, Any]) -> dict[str, Any]:
         before, _ = R.merge_ranks(run["ranks"], "before", 0)
         grads, _ = R.merge_ranks(run["ranks"], "grads", 0)
         after, _ = R.merge_ranks(run["ranks"], "after", 0)
-        ours_before, ours_grads, ours_after = (self.view.to_hf(t) for t in (before, grads, after))
+        ours_before, ours_grads, ours_after = (self.to_hf(t) for t in (before, grads, after))
         out: dict[str, Any] = {
             "initial_diff": max(float((ours_before[n] - self.initial[n]).abs().max()) for n in self.params),
             "grad_diff": {n: (float((ours_grads[n] - g).norm()), float(g.norm())) for n, g in self.grads.items()},
@@ -289,8 +309,7 @@ class Reference:
             [{"params": [p for n, p in self.params.items() if R.hf_decays(n)], "weight_decay": R.WEIGHT_DECAY},
              {"params": [p for n, p in self.params.items() if not R.hf_decays(n)], "weight_decay": 0.0}],
             lr=R.LR, betas=R.BETAS, eps=R.EPS, foreach=False)
-        if clip > 0:
-            torch.nn.utils.clip_grad_norm_(list(self.params.values()), clip)
+        torch.nn.utils.clip_grad_norm_(list(self.params.values()), R.CLIP)
         optimizer.step()
         out["update_excess"] = {}
         for n, p in self.params.items():

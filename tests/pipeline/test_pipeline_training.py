@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 
 from tests.pipeline import runs as P
-from tests.tolerances import reassociation_rel
+from tests.tolerances import U_FP32, reassociation_rel
 from tests.train import reference as R
 
 # PP vs PP = 1 (error model of tests/tolerances.py): the same per-microbatch arithmetic, the
@@ -107,3 +107,14 @@ def test_each_finalisation_rule_broken_fails(runs, mutation, failing):
     found = problems(runs, f"mut-{mutation}")
     for what in failing:
         assert any(p.startswith(what) for p in found), (mutation, found)
+
+
+def test_forward_only_passes_of_an_objective(runs):
+    """An objective whose prepare_step scores the step's microbatches forward-only (the old policy's
+    log-probabilities, tests/train/test_objective.py): under PP the scores come from the last stage to
+    every rank, the ratio is 1 and the gradient that of cross-entropy at PP = 1."""
+    (m,) = P.rank0(runs["pp2-objective"])
+    assert abs(m["mean_ratio"] - 1.0) <= 8 * U_FP32
+    assert m["loss"] == pytest.approx(P.rank0(runs["pp1"])[0]["loss"], rel=PP_REL)
+    tensor, rel = P.max_rel_diff(runs["pp2-objective"]["grads"], runs["pp1"]["grads"])
+    assert rel <= PP_REL, (tensor, rel)
