@@ -33,7 +33,9 @@ from torch import nn
 from gptoss_cli.errors import ConfigError
 from gptoss_cli.model.pattern import MOE
 from gptoss_cli.parallel.grads import get_attr_wrapped_model, get_model_config, unwrap_model
+from gptoss_cli.model.grouped_gemm import WgradQueue
 from gptoss_cli.pipeline.layout import SPLIT_BACKWARD, PipelineLayout, schedule_problems
+from gptoss_cli.pipeline.plan_stage import overlap_f_b, plan_stage_class
 from gptoss_cli.pipeline.stage import StageModule, StepTables, rank_stage_class, stage_metas
 from gptoss_cli.schedule.plain import ForwardStep, StepAccounting, finalizer
 
@@ -74,7 +76,10 @@ class PipelineRuntime:
         self.layout, self.num_microbatches, self.micro_shape = layout, num_microbatches, micro_shape
         self.tables = StepTables()
         carry = bool(inner.aux_loss_coef > 0 or inner.z_loss_coef > 0)
-        stage_cls = rank_stage_class()
+        # EP overlap (DualPipeV only): the stages run as schedule-plan nodes (pipeline/plan_stage.py)
+        self.overlap = bool(getattr(config, "overlap_moe_expert_parallel_comm", False))
+        self.queue = WgradQueue() if self.overlap and getattr(config, "delay_wgrad_compute", False) else None
+        stage_cls = plan_stage_class() if self.overlap else rank_stage_class()
         no_sync = getattr(config, "no_sync_func", None)
         self.modules: list[StageModule] = []
         self.metas: list[tuple[tuple, tuple]] = []  # (input_args, output_args) of each stage
@@ -88,10 +93,16 @@ class PipelineRuntime:
             self.stages.append(stage_cls(module, index=spec.index, num_stages=layout.num_stages, device=state.device,
                                          input_args=inputs, output_args=outputs, group=state.pp_group,
                                          microbatches=num_microbatches, no_sync=no_sync,
-                                         defer_wgrad=layout.schedule in SPLIT_BACKWARD))
+                                         defer_wgrad=layout.schedule in SPLIT_BACKWARD and not self.overlap))
+        for stage in self.stages if self.overlap else ():
+            stage.queue = self.queue
         self.holds_first = any(s.embedding for s in layout.rank_stages(state.pp_rank))
         self.last = next((m for m in self.modules if m.stage.loss), None)
         self.schedule = self._schedule(self.stages, self._loss)
+        if self.overlap:
+            from torch.distributed.pipelining.schedules import OVERLAP_F_B
+
+            self.schedule.register_custom_function(OVERLAP_F_B, overlap_f_b)
         # forward-only passes: the same modules in stages of their own, the schedule without a loss
         # (torch runs only its forward actions then), built on first use
         self._state, self._eval = state, None
@@ -135,8 +146,20 @@ class PipelineRuntime:
         kwargs: dict[str, Any] = {"target": torch.arange(n), "losses": None, "mb": torch.arange(n)}
         if "return_outputs" in inspect.signature(self.schedule.step).parameters:
             kwargs["return_outputs"] = False  # torch >= 2.12: the last stage keeps no outputs for the caller
-        self.schedule.step(*args, **kwargs)
+        try:
+            self.schedule.step(*args, **kwargs)
+        except BaseException:
+            if self.queue is not None:
+                self.queue.clear()  # the step failed anyway; do not mask its error with a second one
+            raise
+        if self.queue is not None:
+            self.queue.finish_step()  # raises if a delayed weight gradient was queued but never run
         return [self._logs[i] for i in sorted(self._logs)]
+
+    def set_observer(self, observer: Any) -> None:
+        """Watch the all-to-alls of the overlapped plans (bench/pipeline.py); None: stop."""
+        for stage in self.stages if self.overlap else ():
+            stage.observer = observer
 
 
     def forward_only(self, microbatches: list[Any], loss_funcs: list[Any]) -> list[dict[str, Any]]:
@@ -191,10 +214,12 @@ def forward_backward_pipelining(
 ) -> list[dict[str, Any]]:
     """The step through torch's pipeline schedule (see the module docstring); logs as the other schedules'."""
     config = get_model_config(model)
-    if getattr(config, "overlap_moe_expert_parallel_comm", False):
-        raise ConfigError("EP all-to-all overlap is not implemented under pipeline parallelism "
+    if getattr(config, "overlap_moe_expert_parallel_comm", False) and config.pipeline_schedule != "dualpipev":
+        raise ConfigError("EP all-to-all overlap under pipeline parallelism runs with the dualpipev schedule only "
+                          f"(its overlapped forward and backward), not {config.pipeline_schedule} "
                           "(rule unsupported.pipeline_ep_overlap)",
-                          hint="set overlap.overlap_moe_expert_parallel_comm=false overlap.delay_wgrad_compute=false")
+                          hint="set parallelism.pipeline_schedule=dualpipev, or overlap.overlap_moe_expert_parallel_comm"
+                               "=false overlap.delay_wgrad_compute=false")
     microbatches = [next(data_iterator) for _ in range(num_microbatches)]
     stand_in = _StandIn(config)
     loss_funcs = [forward_step_func(iter([mb]), stand_in)[1] for mb in microbatches]

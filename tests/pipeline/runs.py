@@ -70,6 +70,13 @@ for short, (schedule, vpp, lay2, lay4) in SCHEDULES.items():
 _add("pp2-aux", 2, pp_size=2, pipeline_layout=PP2, aux_loss_coeff=0.01, z_loss_coeff=0.001)
 _add("pp2-aux-zbv", 2, pp_size=2, vpp_size=2, pipeline_schedule="zbv_zero_bubble", pipeline_layout=PP2V,
      aux_loss_coeff=0.01, z_loss_coeff=0.001)
+# EP all-to-all overlap in DualPipeV's overlapped forward-backward, with delayed expert wgrad
+OVERLAP = dict(pipeline_schedule="dualpipev", vpp_size=2, overlap_moe_expert_parallel_comm=True,
+               delay_wgrad_compute=True)
+_add("pp2xep2-overlap", 4, pp_size=2, ep_size=2, pipeline_layout=PP2V, global_batch_size=8, **OVERLAP)
+_add("pp2xep2-overlap-aux", 4, pp_size=2, ep_size=2, pipeline_layout=PP2V, global_batch_size=8,
+     aux_loss_coeff=0.01, z_loss_coeff=0.001, **OVERLAP)
+_add("pp4xep2-overlap", 8, pp_size=4, ep_size=2, pipeline_layout=PP4V, global_batch_size=16, **OVERLAP)
 # context parallel inside the stages
 _add("pp2xcp2", 4, pp_size=2, cp_size=2, pipeline_layout=PP2)
 # an objective of one's own whose prepare_step scores the microbatches forward-only (GRPO's shape,
@@ -174,6 +181,7 @@ def _remember_stage_group():
 
 def train_configs(rank: int, plans: list[tuple[Any, str | None]]) -> list[list[dict[str, Any]]]:
     """run_worker for each (job, mutation) in turn, in one gloo group; this rank's step records per job."""
+    from gptoss_cli.pipeline.plan_stage import OVERLAPPED
     from gptoss_cli.train.loop import run_worker
 
     module, real, spy = _remember_stage_group()
@@ -182,8 +190,10 @@ def train_configs(rank: int, plans: list[tuple[Any, str | None]]) -> list[list[d
     try:
         for plan, mutation in plans:
             records: list[dict[str, Any]] = []
+            before = OVERLAPPED["pairs"]
             with R.recording_optimizer_steps(records), mutated(mutation):
                 run_worker(plan)
+            records[-1]["overlapped"] = OVERLAPPED["pairs"] - before  # DualPipeV's overlapped F-B actions run here
             out.append(records)
     finally:
         module.state_from_world = real
@@ -230,7 +240,8 @@ def compute(folder: Path) -> dict[str, Any]:
                  "before": [R.merge_ranks(run["ranks"], "before", t)[0] for t in range(len(run["ranks"][0]))],
                  "after": [R.merge_ranks(run["ranks"], "after", t)[0] for t in range(len(run["ranks"][0]))],
                  "norms": [[r["norm"] for r in records] for records in run["ranks"]],
-                 "spread": max(R.merge_ranks(run["ranks"], key, 0)[1] for key in ("before", "grads", "after"))}
+                 "spread": max(R.merge_ranks(run["ranks"], key, 0)[1] for key in ("before", "grads", "after")),
+                 "overlapped": [records[-1]["overlapped"] for records in run["ranks"]]}
         if fields.get("aux_loss_coeff", 0.0) == 0.0 and not name.startswith(("ckpt", "resume", "pp2-objective")):
             entry["reference"] = reference.judge(run)  # transformers + torch AdamW, from the fixture's weights
         result[name] = entry

@@ -23,7 +23,8 @@ from tests.train import reference as R
 # contributions of up to 16 microbatches summed in another order (DP split, pipeline order), the
 # router statistics of 6 layers summed in another grouping, through a backward of 6 layers.
 PP_REL = reassociation_rel(16, depth=6)
-PIPELINED = [f"{pp}-{s}" for pp in ("pp2", "pp2xep2", "pp4", "pp4xep2") for s in P.SCHEDULES] + ["pp2xcp2"]
+PIPELINED = ([f"{pp}-{s}" for pp in ("pp2", "pp2xep2", "pp4", "pp4xep2") for s in P.SCHEDULES]
+             + ["pp2xcp2", "pp2xep2-overlap", "pp4xep2-overlap"])
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +85,16 @@ def test_pp1_baselines_equal_transformers(runs):
 def test_pipelined_first_step_equals_transformers_and_pp1(runs, name):
     assert runs[name]["world"] == {"pp2": 2, "pp2xep2": 4, "pp4": 4, "pp4xep2": 8, "pp2xcp2": 4}[name.split("-")[0]]
     assert problems(runs, name) == []
+
+
+@pytest.mark.parametrize("name", ["pp2xep2-overlap", "pp2xep2-overlap-aux", "pp4xep2-overlap"])
+def test_ep_overlap_under_pipelining_ran_and_equals_pp1(runs, name):
+    """DualPipeV's overlapped forward-backward actions, each a forward and a backward plan interleaved
+    around their all-to-alls (pipeline/plan_stage.py), ran on every rank and change nothing: the same
+    checks as every schedule (router losses included)."""
+    assert all(n > 0 for n in runs[name]["overlapped"]), runs[name]["overlapped"]
+    assert problems(runs, name) == []
+    assert sum(runs["pp2xep2-dualpipev"]["overlapped"]) == 0  # the plain DualPipeV runs them in sequence
 
 
 @pytest.mark.parametrize("name", ["pp2-aux", "pp2-aux-zbv"])

@@ -40,14 +40,16 @@ TABLE: tuple[Unsupported, ...] = (
         lambda c: "tensor/sequence parallelism",
         "set parallelism.tensor_model_parallel_size=1 parallelism.sequence_parallel=false"),
     Unsupported(
-        # The combined-1F1B overlap runs schedule plans of whole models; under pipelining each stage's
-        # forward and backward run inside torch's PipelineStage (docs/pipeline-parallel.md, "EP overlap").
-        "pipeline_ep_overlap", "EP all-to-all overlap under pipeline parallelism",
-        ("parallelism.pipeline_model_parallel_size", "overlap.overlap_moe_expert_parallel_comm"),
-        lambda c, x: c.parallelism.pipeline_model_parallel_size == 1 or not c.overlap.overlap_moe_expert_parallel_comm,
-        lambda c: "EP all-to-all overlap under pipeline parallelism",
-        "set overlap.overlap_moe_expert_parallel_comm=false overlap.delay_wgrad_compute=false (the zero-bubble "
-        "schedules defer the experts' weight gradients themselves), or PP=1"),
+        # Under pipelining the overlap runs in DualPipeV's OVERLAP_F_B actions (gptoss_cli/pipeline/plan_stage.py).
+        "pipeline_ep_overlap", "EP all-to-all overlap under pipeline parallelism with a schedule other than dualpipev",
+        ("parallelism.pipeline_model_parallel_size", "parallelism.pipeline_schedule",
+         "overlap.overlap_moe_expert_parallel_comm"),
+        lambda c, x: (c.parallelism.pipeline_model_parallel_size == 1 or not c.overlap.overlap_moe_expert_parallel_comm
+                      or c.parallelism.pipeline_schedule == "dualpipev"),
+        lambda c: f"EP all-to-all overlap under pipeline parallelism with {c.parallelism.pipeline_schedule} "
+                  "(only DualPipeV's overlapped forward and backward)",
+        "set parallelism.pipeline_schedule=dualpipev (VPP=2), or overlap.overlap_moe_expert_parallel_comm=false "
+        "overlap.delay_wgrad_compute=false"),
     Unsupported(
         "expert_tensor_parallel", "expert tensor parallelism", ("parallelism.expert_tensor_parallel_size",),
         lambda c, x: c.parallelism.expert_tensor_parallel_size == 1,
