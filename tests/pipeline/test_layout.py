@@ -100,3 +100,17 @@ def test_microbatches_in_flight():
     # interleaved: torch's warm-up (v-1) x per-round + 2(p-1-rank) chunk forwards, plus one
     assert in_flight("interleaved_1f1b", 4, 2, 32, 0) == pytest.approx((4 + 6 + 1) / 2)
     assert in_flight("dualpipev", 4, 2, 32, 0) == 5
+
+
+def test_bench_replay_of_1f1b_matches_the_closed_form():
+    """bench/pipeline.py's event replay of torch's 1F1B order, equal stages and free communication: each
+    rank idles (PP - 1)(f + b) of m (f + b) + (PP - 1)(f + b), the closed form."""
+    from torch.distributed.pipelining.schedules import _Action
+
+    from bench.pipeline import one_f_one_b_order, replay
+
+    for pp, m in ((2, 8), (4, 8)):
+        order = {r: [_Action.from_str(a) for a in acts] for r, acts in one_f_one_b_order(pp, m).items()}
+        durations = {(s, k): t for s in range(pp) for k, t in (("F", 1.0), ("B", 2.0))}
+        idle = replay(order, durations, pp)
+        assert all(v == pytest.approx(bubble_fraction("1f1b", pp, None, m, 1.0, 2.0, 0.0)) for v in idle.values())
