@@ -16,6 +16,12 @@ tensorwise/rowwise, sm100+ for MXFP8) or emulated.
 
     python bench/fp8.py
     python bench/fp8.py --device cuda --hidden 2880 --tokens 4096 --rounds 20
+    python bench/fp8.py --gemm-tflops --device cuda     # measure_gemm_tflops: FP8 vs bf16 TFLOP/s
+
+`measure_gemm_tflops(device, ...)` is the same comparison as a function (bench/gpu_check.py calls
+it): the forward GEMM of a dense layer and of a grouped expert layer, bf16 against each FP8 recipe
+that runs natively on the device (emulated on a CPU), timed as training runs them (operands
+quantised at every call) and, for the dense GEMM, the FP8 kernel alone on pre-quantised operands.
 """
 
 from __future__ import annotations
@@ -32,15 +38,109 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
+from gptoss_cli.errors import ConfigError  # noqa: E402
 from gptoss_cli.fp8.catalog import RECIPES as FP8_RECIPES  # noqa: E402
-from gptoss_cli.fp8.recipe import Fp8Settings, select_gemms  # noqa: E402
-from gptoss_cli.model.grouped_gemm import grouped_linear  # noqa: E402
+from gptoss_cli.fp8.matmul import run_kernel  # noqa: E402
+from gptoss_cli.fp8.scaling import quantize  # noqa: E402
+from gptoss_cli.fp8.selection import Fp8Settings, select_gemms  # noqa: E402
+from gptoss_cli.model.grouped_gemm import DEFAULT_GEMM, grouped_linear  # noqa: E402
 
 RECIPES = ("bf16", *FP8_RECIPES)
 
 
+def measure_gemm_tflops(device: str | torch.device = "cuda", *, tokens: int = 8192, hidden: int = 2880,
+                        out_features: int = 5760, experts: int = 8, recipes: tuple[str, ...] = RECIPES,
+                        fp8_format: str = "e4m3", rounds: int = 10, warmup: int = 3) -> list[dict]:
+    """FP8 against bf16 GEMM throughput on `device`, one row per (GEMM, recipe, timing).
+
+    GEMMs: "dense", `x [tokens, hidden] @ W [out_features, hidden]^T`; "grouped", the same rows
+    split evenly over `experts`, each expert its own `W_e` (the model's grouped layer: one
+    `torch._grouped_mm` in bf16; for FP8 one `torch._scaled_grouped_mm` where fp8/grouped_kernel.py
+    takes it, else the per-expert loop). FLOPs are 2 x tokens x hidden x out_features either way.
+    Timings: "as trained", both operands quantised at every call (what a training step pays); for
+    the dense GEMM also "kernel", the FP8 kernel alone on operands quantised once. bf16 rows are the
+    baseline of their GEMM. Recipes without a native kernel on a GPU (MXFP8 before Blackwell) get a
+    row with `skipped` set; on a CPU every FP8 recipe is emulated (no FP8 speed-up to measure).
+
+    Each row: {"gemm", "recipe", "timing", "path", "kernel", "ms" (median of `rounds` after `warmup`),
+    "tflops", "x_bf16" (time of bf16 / time of this row: > 1 is faster than bf16), "skipped"}.
+    """
+    device = torch.device(device)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, hidden, generator=g).to(device, torch.bfloat16)
+    w = (torch.randn(out_features, hidden, generator=g) / hidden**0.5).to(device, torch.bfloat16)
+    we = (torch.randn(experts, out_features, hidden, generator=g) / hidden**0.5).to(device, torch.bfloat16)
+    counts = torch.full((experts,), tokens // experts, dtype=torch.long)
+    counts[: tokens % experts] += 1
+    counts = counts.to(device)
+    flops = 2.0 * tokens * hidden * out_features
+    rows: list[dict] = []
+    base: dict[str, float] = {}
+    for recipe in recipes:
+        if recipe == "bf16":
+            cases = [("dense", "as trained", lambda: x @ w.t()),
+                     ("grouped", "as trained", lambda: DEFAULT_GEMM.fprop(x, we, counts))]
+            path, kernel = "torch", "mm / _grouped_mm"
+        else:
+            try:
+                gemms = select_gemms(Fp8Settings(recipe, fp8_format, emulation=device.type == "cpu"), device)
+            except ConfigError as exc:
+                rows.append({"gemm": "dense, grouped", "recipe": recipe, "timing": "-", "path": "-", "kernel": "-",
+                             "ms": None, "tflops": None, "x_bf16": None, "skipped": str(exc)})
+                continue
+            dense, grouped = gemms.dense("bench.dense"), gemms.grouped("bench.grouped")
+            qa = quantize(x, gemms.numerics.forward, gemms.numerics.scaling)
+            qb = quantize(w, gemms.numerics.forward, gemms.numerics.scaling)
+            cases = [("dense", "as trained", lambda: dense.fprop(x, w)),
+                     ("dense", "kernel", lambda: run_kernel(gemms.numerics.kernel, qa, qb, torch.bfloat16)),
+                     ("grouped", "as trained", lambda: grouped.fprop(x, we, counts))]
+            path, kernel = gemms.path, gemms.numerics.kernel
+            fmt = gemms.numerics.forward
+            grouped_kernel = grouped.uses_grouped_kernel(x, fmt, fmt, hidden, out_features, experts)
+        for gemm, timing, fn in cases:
+            if recipe != "bf16" and gemm == "grouped":
+                kernel = "_scaled_grouped_mm" if grouped_kernel else f"{gemms.numerics.kernel} per expert"
+            ms = _median_ms(fn, device, rounds, warmup)
+            if recipe == "bf16":
+                base[gemm] = ms
+            rows.append({"gemm": gemm, "recipe": recipe, "timing": timing, "path": path, "kernel": kernel, "ms": ms,
+                         "tflops": flops / (ms * 1e-3) / 1e12, "x_bf16": base.get(gemm, ms) / ms, "skipped": None})
+    return rows
+
+
+def _median_ms(fn, device: torch.device, rounds: int, warmup: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(rounds):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def print_gemm_tflops(rows: list[dict]) -> None:
+    print(f"{'gemm':<8} {'recipe':<11} {'timing':<11} {'path':<9} {'kernel':<17} {'ms':>8} {'TFLOP/s':>8} {'x bf16':>7}")
+    for r in rows:
+        if r["skipped"]:
+            print(f"{r['gemm']:<8} {r['recipe']:<11} skipped: {r['skipped']}")
+            continue
+        print(f"{r['gemm']:<8} {r['recipe']:<11} {r['timing']:<11} {r['path']:<9} {r['kernel']:<17} {r['ms']:8.3f} "
+              f"{r['tflops']:8.1f} {r['x_bf16']:7.2f}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--gemm-tflops", action="store_true", help="FP8 vs bf16 GEMM and grouped-GEMM TFLOP/s instead")
+    p.add_argument("--experts", type=int, default=8, help="--gemm-tflops: experts of the grouped GEMM")
     p.add_argument("--tokens", type=int, default=500)
     p.add_argument("--hidden", type=int, default=960)
     p.add_argument("--intermediate", type=int, default=None, help="default: the hidden size (as in 120B)")
@@ -51,6 +151,14 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    if args.gemm_tflops:
+        print(f"forward GEMM, tokens {args.tokens}, hidden {args.hidden}, out {2 * (args.intermediate or args.hidden)}, "
+              f"{args.experts} experts for the grouped one, fp8_format={args.format}, device {device}, "
+              f"{args.rounds} rounds (medians)")
+        print_gemm_tflops(measure_gemm_tflops(device, tokens=args.tokens, hidden=args.hidden,
+                                              out_features=2 * (args.intermediate or args.hidden), experts=args.experts,
+                                              fp8_format=args.format, rounds=args.rounds))
+        return
     inter = args.intermediate or args.hidden
     g = torch.Generator().manual_seed(0)
     x64 = torch.randn(args.tokens, args.hidden, generator=g, dtype=torch.float64)

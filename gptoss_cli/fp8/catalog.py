@@ -1,7 +1,7 @@
 """The FP8 recipes and formats gptoss implements and what each needs: the one list every consumer reads (no torch here).
 
 The recipe schema (`precision.fp8_recipe` / `fp8_format` choices), the precision rules and
-fp8/recipe.py (kernel selection) all read these; the recipe layer stays torch-free, so this module
+fp8/selection.py (kernel selection) all read these; the recipe layer stays torch-free, so this module
 imports nothing heavier than dataclasses.
 """
 

@@ -17,6 +17,7 @@ The bias is not the gemm's business: `linear` adds it in the activation dtype ou
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -42,10 +43,17 @@ class Fp8GemmBase:
 
     name = "fp8"
 
-    def __init__(self, numerics: Fp8Numerics, layer: str, stats: Fp8Stats | None = None):
+    def __init__(self, numerics: Fp8Numerics, layer: str, stats: Fp8Stats | None = None, checks: Any = None):
         self.numerics = numerics
         self.layer = layer
         self.stats = stats if stats is not None else Fp8Stats()
+        # Where the NaN/inf checks go (fp8/guard.py's NonFiniteGuard, shared by the model's gemms):
+        # None or not deferred = each operand checked at once.
+        self.checks = checks
+
+    def _deferred(self) -> Any:
+        """The checks object when checks are deferred to the step's flag, else None (check at once)."""
+        return self.checks if self.checks is not None and getattr(self.checks, "deferred", False) else None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.layer!r}, {self.numerics.scaling}, {self.numerics.kernel})"
@@ -57,17 +65,17 @@ class Fp8LinearGemm(Fp8GemmBase):
     def fprop(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         self.stats.count("fprop")
         return self.numerics.matmul(x, weight, grad_operand=None, where=f"{self.layer} fprop",
-                                    names=("input", "weight"), out_dtype=x.dtype)
+                                    names=("input", "weight"), out_dtype=x.dtype, checks=self._deferred())
 
     def dgrad(self, dy: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         self.stats.count("dgrad")
         return self.numerics.matmul(dy, weight.t(), grad_operand="a", where=f"{self.layer} dgrad",
-                                    names=("output gradient", "weight"), out_dtype=dy.dtype)
+                                    names=("output gradient", "weight"), out_dtype=dy.dtype, checks=self._deferred())
 
     def wgrad(self, x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
         self.stats.count("wgrad")
         return self.numerics.matmul(dy.t(), x.t(), grad_operand="a", where=f"{self.layer} wgrad",
-                                    names=("output gradient", "input"), out_dtype=dy.dtype)
+                                    names=("output gradient", "input"), out_dtype=dy.dtype, checks=self._deferred())
 
 
 __all__ = ["Fp8GemmBase", "Fp8LinearGemm", "Fp8Stats"]

@@ -11,7 +11,7 @@ K is padded with zeros to a multiple of 32 for MX (whole blocks) and of 16 for t
 `torch._scaled_mm` (its alignment rule, as N is); zero padding changes neither a scale nor a
 product.
 
-Kernels (chosen once per run by gptoss_cli/fp8/recipe.py, never switched silently):
+Kernels (chosen once per run by gptoss_cli/fp8/selection.py, never switched silently):
   scaled_mm        `torch._scaled_mm` with fp32 tensorwise or rowwise scales. FP8 tensor cores
                    on CUDA sm90+ (native); on CPU torch's reference kernel computes the same
                    numerics (emulated: no FP8 hardware).

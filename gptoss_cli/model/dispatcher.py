@@ -26,12 +26,17 @@ GPU run still blocks the host:
   * that `.tolist()`: the host waits for the count exchange and for everything queued before it
     on the stream (attention, router, permutation), so it cannot queue further kernels meanwhile.
     In the overlap schedule it sits in the `pre_dispatch` node of one microbatch; the other
-    microbatch's work queued before it keeps the GPU busy, what follows is queued after it;
-  * the per-expert loop of grouped GEMMs (model/grouped_gemm.py: GPUs or dtypes without
-    `torch._grouped_mm`, e.g. fp32 or pre-Hopper) and the FP8 grouped GEMMs (fp8/grouped.py) read
-    the counts once per GEMM, FP8 tensorwise scaling reads each amax (fp8/scaling.py);
-  * once per step, outside the MoE layers: the global token count in `finalize_model_grads`, the
-    gradient norm (clipping, the NaN check) and the logged loss.
+    microbatch's work queued before it keeps the GPU busy, what follows is queued after it. The
+    exchange runs on its own process group (`control_group`, parallel/state.py's
+    `ep_control_group`): on the EP group's communicator it would queue behind the other
+    microbatch's token all-to-all in flight there, and the `.tolist()` would wait for that too;
+  * the per-expert loops (model/grouped_gemm.py for dtypes without `torch._grouped_mm`, e.g. fp32
+    on a GPU; fp8/grouped.py for what `torch._scaled_grouped_mm` does not take: MXFP8, e5m2
+    gradients, fp32 activations) read the counts once per GEMM; torch's own `_grouped_mm` loops
+    on GPUs other than sm90/sm100 and reads them inside the kernel call;
+  * once per step, outside the MoE layers: the logged loss totals (the FP8 NaN/inf flag read with
+    them, fp8/guard.py) and the gradient norm (clipping, the NaN check). The token count of
+    `finalize_model_grads` stays on the device.
 
 Every all-to-all goes through the dispatcher's communication object (`comm`, default `DIST_COMM`:
 torch.distributed); benchmarks inject their own (bench/simlink.py), the package has no other.
@@ -174,13 +179,16 @@ class AllToAllTokenDispatcher:
     """Dropless token dispatcher over one EP group (ep_size=1 and no group: every expert is local)."""
 
     def __init__(self, num_experts: int, ep_size: int = 1, ep_rank: int = 0, ep_group: Any = None,
-                 comm: Comm | None = None):
+                 comm: Comm | None = None, control_group: Any = None):
         if num_experts % ep_size:
             raise ValueError(f"num_experts={num_experts} not divisible by ep_size={ep_size}")
         self.num_experts = num_experts
         self.ep_size = ep_size if ep_group is not None else 1
         self.ep_rank = ep_rank if ep_group is not None else 0
         self.ep_group = ep_group
+        # The count exchange's group: the EP ranks on a communicator of their own (parallel/state.py,
+        # ep_control_group), else the EP group itself.
+        self.control_group = control_group if control_group is not None else ep_group
         self.comm: Comm = DIST_COMM if comm is None else comm  # carries the all-to-alls (count exchange included)
         held = ep_slice(num_experts, self.ep_size, self.ep_rank)
         self.num_local_experts, self.expert_offset = len(held), held.start
@@ -209,7 +217,7 @@ class AllToAllTokenDispatcher:
         send_counts = counts.view(ep, e_loc).contiguous()
         recv_counts = torch.empty_like(send_counts)
         # A few integers, synchronously: row r of recv_counts = rows rank r sends to each of my experts.
-        self.comm.all_to_all(recv_counts, send_counts, None, None, self.ep_group, control=True)
+        self.comm.all_to_all(recv_counts, send_counts, None, None, self.control_group, control=True)
         splits = torch.stack([send_counts.sum(1), recv_counts.sum(1)]).tolist()  # the one host sync
         received = int(sum(splits[1]))
         # Received rows are ordered (source rank, local expert); regroup to (local expert, source rank).

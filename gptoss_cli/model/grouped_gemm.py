@@ -7,11 +7,13 @@ expert owns; `weight [E, out, in]`, `bias [E, out]`. The three GEMMs of the laye
     dgrad  dx_e = dy_e @ W_e
     wgrad  dW_e = dy_e^T @ x_e,  db_e = sum over the rows of dy_e
 
-and `GroupedGemm` computes them: `torch._grouped_mm` where it runs (CPU fp32/bf16, CUDA bf16 on
-Hopper and newer), else a loop over the experts (never over tokens). Low-precision recipes (FP8)
+and `GroupedGemm` computes them: `torch._grouped_mm` where it takes the operands (CPU fp32/bf16,
+CUDA bf16: torch's grouped kernel on sm90/sm100, torch's own loop elsewhere), else a loop over the
+experts (never over tokens). A `torch._grouped_mm` error stops the run naming the GEMM: never a
+silent switch to the loop for the rest of the run. Low-precision recipes (FP8)
 provide the same three methods with other numerics; the autograd functions below do not change.
-Biases are added and reduced in the activation dtype outside the GEMM, so padding rows that a
-kernel may add never receive one.
+Biases are added in the activation dtype outside the GEMM, so padding rows that a kernel may add
+never receive one; their gradients are summed in fp32 and rounded once (`_bias_grad`).
 
 `grouped_linear(..., wgrad_queue=q)` is the delayed-wgrad form (docs/megatron-rules.md, "Delayed
 weight gradients"): backward computes dx at once and queues (x, dy); `q.execute()` later runs
@@ -26,41 +28,43 @@ There is no wgrad, so nothing is queued under delayed wgrad either.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
 from gptoss_cli.errors import TrainingError
-from gptoss_cli.model.main_grad import added_to_main_grad, main_grad_target
-
-# Devices whose grouped kernel raised once (older GPUs): the loop computes the same thing.
-_GROUPED_MM_BROKEN: set[str] = set()
+from gptoss_cli.model.main_grad import added_to_main_grad, main_grad_target, mm_fp32
 
 
 def _grouped_mm_usable(a: torch.Tensor, b_shape: tuple[int, ...]) -> bool:
+    """Whether torch._grouped_mm takes these operands: CPU fp32/bf16, CUDA bf16 (torch runs its fast
+    kernel on sm90/sm100 and its own per-group loop elsewhere), every row stride a multiple of 16 bytes."""
     if not hasattr(torch, "_grouped_mm") or a.dtype not in (torch.float32, torch.bfloat16):
         return False
     if a.is_cuda and a.dtype != torch.bfloat16:
         return False  # the CUDA grouped kernel is bf16-only
-    if not (a.is_cuda or a.device.type == "cpu") or a.device.type in _GROUPED_MM_BROKEN:
+    if not (a.is_cuda or a.device.type == "cpu"):
         return False
-    # The kernels need every row stride to be a multiple of 16 bytes.
     align = 16 // a.element_size()
     return all(d % align == 0 for d in b_shape[-2:])
 
 
-def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor | None:
-    """torch._grouped_mm, or None when the kernel is unavailable here (then the caller loops)."""
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, what: str) -> torch.Tensor:
+    """torch._grouped_mm. `_grouped_mm_usable` has already excluded every operand it documents as
+    unsupported, so an error here is a bug or a failing device, which a loop over the experts would
+    only hide (and run slower for the rest of the run): it stops the run with the GEMM's shapes and
+    torch's reason. Out-of-memory passes through unchanged."""
     try:
         return torch._grouped_mm(a, b, offs=offsets)
+    except torch.OutOfMemoryError:
+        raise
     except RuntimeError as exc:
-        if not a.is_cuda:
-            return None  # a CPU kernel that wants another operand layout: loop
-        _GROUPED_MM_BROKEN.add(a.device.type)
-        warnings.warn(f"torch._grouped_mm unavailable on this GPU ({exc}); looping over experts instead")
-        return None
+        raise TrainingError(
+            f"torch._grouped_mm failed for the experts' {what} GEMM ({list(a.shape)} x {list(b.shape)}, "
+            f"{str(a.dtype).removeprefix('torch.')}, {a.device}): {(str(exc).strip().splitlines() or [''])[0][:200]}",
+            hint="report it with these shapes and the torch version (the per-expert loop is no silent fallback)",
+        ) from None
 
 
 def expert_of_row(tokens_per_expert: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -75,25 +79,25 @@ class GroupedGemm:
     name = "default"
 
     def fprop(self, x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] and _grouped_mm_usable(x, weight.shape):
-            out = _grouped_mm(x, weight.transpose(-2, -1), _offsets(tokens_per_expert))
-            if out is not None:
-                return out
+        if x.shape[0] == 0:  # no rows (a rank that received no tokens): nothing to read or compute
+            return x.new_zeros(0, weight.shape[1])
+        if _grouped_mm_usable(x, weight.shape):
+            return _grouped_mm(x, weight.transpose(-2, -1), _offsets(tokens_per_expert), "fprop")
         return map_experts(x, tokens_per_expert.tolist(), lambda e, rows: rows @ weight[e].t(), weight.shape[1])
 
     def dgrad(self, dy: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        if dy.shape[0] and _grouped_mm_usable(dy, weight.shape):
-            out = _grouped_mm(dy, weight, _offsets(tokens_per_expert))
-            if out is not None:
-                return out
+        if dy.shape[0] == 0:
+            return dy.new_zeros(0, weight.shape[2])
+        if _grouped_mm_usable(dy, weight.shape):
+            return _grouped_mm(dy, weight, _offsets(tokens_per_expert), "dgrad")
         return map_experts(dy, tokens_per_expert.tolist(), lambda e, rows: rows @ weight[e], weight.shape[2])
 
     def wgrad(self, x: torch.Tensor, dy: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         num_experts = tokens_per_expert.numel()
-        if x.shape[0] and _grouped_mm_usable(x, (num_experts, dy.shape[1], x.shape[1])):
-            out = _grouped_mm(dy.t(), x, _offsets(tokens_per_expert))
-            if out is not None:
-                return out
+        if x.shape[0] == 0:
+            return dy.new_zeros(num_experts, dy.shape[1], x.shape[1])
+        if _grouped_mm_usable(x, (num_experts, dy.shape[1], x.shape[1])):
+            return _grouped_mm(dy.t(), x, _offsets(tokens_per_expert), "wgrad")
         counts = tokens_per_expert.tolist()
         grads = [d.t() @ xe for d, xe in zip(torch.split(dy, counts), torch.split(x, counts))]
         return torch.stack(grads) if grads else dy.new_zeros(0, dy.shape[1], x.shape[1])
@@ -151,13 +155,19 @@ def _add_bias(y: torch.Tensor, bias: torch.Tensor, tokens_per_expert: torch.Tens
 
 
 def _bias_grad(dy: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-    """db [E, out]: the sum of each expert's rows of dy (on the CPU a column sum per expert; elsewhere
-    one index_add_ over the rows' expert ids, without a host read of the counts)."""
+    """db [E, out]: the sum of each expert's rows of dy, in fp32 and rounded once to dy's dtype.
+
+    On the CPU a column sum per expert (the counts are on the host). Elsewhere, without a host read
+    of the counts: one GEMM of the rows' one-hot expert ids against dy, which sums the products in
+    fp32 (`mm_fp32`; a one-hot product is exact) in a fixed order. The index_add_ it replaces rounded
+    after every add in dy's dtype (bf16 atomics on a GPU, in no fixed order): 11-32x the error
+    (tests/model/test_expert_bias_grad.py)."""
     if _counts_on_host(dy.device):
         sums = [rows.sum(0) for rows in torch.split(dy, tokens_per_expert.tolist())]
         return torch.stack(sums) if sums else dy.new_zeros(0, dy.shape[1])
     rows = expert_of_row(tokens_per_expert, dy.shape[0])
-    return dy.new_zeros(tokens_per_expert.numel(), dy.shape[1]).index_add_(0, rows, dy)
+    one_hot = dy.new_zeros(dy.shape[0], tokens_per_expert.numel()).scatter_(1, rows.unsqueeze(1), 1.0)
+    return mm_fp32(one_hot.t(), dy).to(dy.dtype)
 
 
 class _GroupedLinear(torch.autograd.Function):

@@ -38,7 +38,7 @@ from gptoss_cli.model.expert_names import checkpoint_slots
 from gptoss_cli.model.gemm_selection import set_gemms
 from gptoss_cli.model.grouped_gemm import GroupedGemm
 from gptoss_cli.model.init import init_weights_
-from gptoss_cli.model.loss import LM_LOSS_CHUNK_TOKENS, HybridOutput
+from gptoss_cli.model.loss import HybridOutput
 from gptoss_cli.model.main_grad import embedding
 from gptoss_cli.model.moe import DenseMLPLayer, GroupedExperts, MoELayer, RouterStats, RouterStatsRequest
 from gptoss_cli.model.norm import RMSNorm
@@ -147,7 +147,7 @@ class HybridModel(nn.Module):
         self.is_stage = not (pre_process and post_process and len(held) == self.pattern.num_layers)
         self.aux_loss_coef = arch.router_aux_loss_coef
         self.z_loss_coef = 0.0  # Megatron's moe_z_loss_coeff; HF GPT-OSS has none
-        self.loss_chunk_tokens = LM_LOSS_CHUNK_TOKENS
+        self.loss_chunk_tokens: int | None = None  # tokens per LM-head chunk; None: the device's (model/loss_chunk.py)
         self.recompute = RecomputePlan()  # set_recompute
         windows = layer_windows(arch, self.pattern)
         self.embedding = nn.Module()

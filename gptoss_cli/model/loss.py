@@ -11,7 +11,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from gptoss_cli.model.main_grad import added_to_main_grad, main_grad_target
+from gptoss_cli.model.loss_chunk import LM_LOSS_CHUNK_TOKENS, lm_loss_chunk_tokens
+from gptoss_cli.model.main_grad import (added_to_main_grad, addmm_fp32_, fp32_accumulating_gemm, main_grad_target,
+                                        mm_fp32)
 from gptoss_cli.model.moe import RouterStats, load_balancing_loss, router_table, router_z_loss
 
 IGNORE_INDEX = -100
@@ -25,10 +27,6 @@ def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, reduction: s
                            ignore_index=IGNORE_INDEX, reduction=reduction)
 
 
-# Tokens per chunk of the LM head + loss. The logits of one chunk (chunk x vocabulary, fp32 for the
-# loss) stay small: 256 x 201,088 x 4 bytes = 206 MB for GPT-OSS, against 3.3 GB for 4096 tokens
-# at once; on CPUs a chunk of a 20k vocabulary also stays in cache (bench/train.py, 11% faster).
-LM_LOSS_CHUNK_TOKENS = 256
 
 
 class _ChunkedLMLoss(torch.autograd.Function):
@@ -38,7 +36,9 @@ class _ChunkedLMLoss(torch.autograd.Function):
     fused linear + cross-entropy of Liger and Megatron): per chunk, the logits, the loss and its
     gradient with respect to the logits (autograd of token_cross_entropy), then dhidden = dlogits @ W
     and dW += dlogits^T @ hidden. backward scales them by the incoming gradient; no chunk's logits
-    outlive it."""
+    outlive it. dW is summed over the chunks in fp32: for a bf16 layer on a device with
+    fp32-accumulating GEMMs (model/main_grad.py) by the GEMM itself, elsewhere by adding each
+    chunk's bf16 product (the CPU's path). Chunk sizes: model/loss_chunk.py."""
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int,
@@ -50,6 +50,7 @@ class _ChunkedLMLoss(torch.autograd.Function):
         want_w = want_grad and weight.requires_grad
         # Written by the first chunk's GEMM, accumulated by the others: no pass to zero it first.
         grad_w = torch.empty(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
+        fused_fp32 = fp32_accumulating_gemm(hidden.device)
         for start in range(0, hidden.shape[0], chunk):
             h = hidden[start:start + chunk]
             logits = F.linear(h, weight)
@@ -64,11 +65,11 @@ class _ChunkedLMLoss(torch.autograd.Function):
             torch.mm(dlogits, weight, out=grad_h[start:start + chunk])
             if grad_w is None:
                 continue
-            if grad_w.dtype == dlogits.dtype:
+            if grad_w.dtype == dlogits.dtype or fused_fp32:
                 if start == 0:
-                    torch.mm(dlogits.t(), h, out=grad_w)
+                    mm_fp32(dlogits.t(), h, out=grad_w)
                 else:
-                    grad_w.addmm_(dlogits.t(), h)
+                    addmm_fp32_(grad_w, dlogits.t(), h)
             elif start == 0:
                 grad_w.copy_(dlogits.t() @ h)
             else:
@@ -92,9 +93,11 @@ class _ChunkedLMLoss(torch.autograd.Function):
         if grad_w is not None:
             # In training, scaled and added into the buffers' fp32 main_grad in one pass
             # (model/main_grad.py) instead of a scaled copy that the buffers' hook adds.
+            # A bf16 layer's gradient goes in too where main_grad_target allows it (an fp32 add of
+            # the bf16 gradient held since forward, in the same pass as the scaling).
             target = main_grad_target(weight)
-            if target is not None and target.dtype == grad_w.dtype:
-                target.addcmul_(grad_w, grad_out.to(grad_w.dtype))
+            if target is not None:
+                target.addcmul_(grad_w, grad_out.to(target.dtype))
                 grad_w = added_to_main_grad(weight)
             else:
                 grad_w = grad_w.to(weight.dtype)
@@ -103,10 +106,13 @@ class _ChunkedLMLoss(torch.autograd.Function):
 
 
 def chunked_lm_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                        chunk_tokens: int = LM_LOSS_CHUNK_TOKENS) -> torch.Tensor:
+                        chunk_tokens: int | None = None) -> torch.Tensor:
     """`token_cross_entropy(hidden @ weight^T, labels, reduction="sum")` without the logits of every
-    token in memory at once: hidden [..., H] (after the final norm), weight [V, H], labels [...]."""
+    token in memory at once: hidden [..., H] (after the final norm), weight [V, H], labels [...];
+    `chunk_tokens` None: the device's chunk (model/loss_chunk.py)."""
     h = hidden.reshape(-1, hidden.shape[-1])
+    if chunk_tokens is None:
+        chunk_tokens = lm_loss_chunk_tokens(weight.shape[0], hidden.element_size(), hidden.device.type)
     want_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     return _ChunkedLMLoss.apply(h, weight, labels.reshape(-1), max(1, int(chunk_tokens)), want_grad)
 
@@ -117,7 +123,7 @@ class HybridOutput:
     computes the loss chunk by chunk without them (or from the logits, once they exist)."""
 
     def __init__(self, logits: torch.Tensor | None = None, *, hidden: torch.Tensor | None = None,
-                 head_weight: torch.Tensor | None = None, loss_chunk_tokens: int = LM_LOSS_CHUNK_TOKENS):
+                 head_weight: torch.Tensor | None = None, loss_chunk_tokens: int | None = None):
         if logits is None and (hidden is None or head_weight is None):
             raise ValueError("HybridOutput needs logits, or hidden and head_weight")
         self._logits, self.hidden, self.head_weight = logits, hidden, head_weight

@@ -14,10 +14,15 @@ gradient: `take_added` reports that as an error instead of adding garbage. Only 
 return the stand-in, so nothing in the library asks for one (the training buffers are only built
 for `backward()` training).
 
-`main_grad_target(param)` says where a backward may accumulate: only where both the parameter and
-main_grad are fp32 (fp32 training, on the CPU or a GPU). bf16 parameters keep the unfused path and
-its rounding: a bf16 gradient added into an fp32 main_grad, or summed in a bf16 one
-(`grad_reduce_in_fp32=false`, tests/train/test_grad_reduce_dtype.py). Without the buffers
+`main_grad_target(param)` says where a backward may accumulate: where both the parameter and
+main_grad are fp32 (fp32 training, on the CPU or a GPU), and where a bf16/fp16 parameter has an
+fp32 main_grad on a device whose GEMMs sum bf16 products into an fp32 output themselves
+(`fp32_accumulating_gemm`: CUDA, torch 2.10+, `torch.addmm(..., out_dtype=torch.float32)` with an
+fp32 `self`, pytorch/pytorch#167931). There the gradient is never rounded to bf16 on its way into
+main_grad; `addmm_fp32_` / `mm_fp32` are those GEMMs (elsewhere the same sums, with the operands
+upcast first: a product of two bf16 values is exact in fp32). Elsewhere bf16 parameters keep the
+unfused path and its rounding: a bf16 gradient added into an fp32 main_grad, or summed in a bf16
+one (`grad_reduce_in_fp32=false`, tests/train/test_grad_reduce_dtype.py). Without the buffers
 (inference, plain autograd) it is None and the backward returns the gradient as before.
 """
 
@@ -25,20 +30,52 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.torch_version import TorchVersion
 
 from gptoss_cli.errors import TrainingError
 
 _STAND_IN = "_grad_added_to_main_grad"  # the data_ptr of the stand-in handed to autograd, until the hook takes it
 
 
+# torch.addmm / torch.mm with `out_dtype=torch.float32` for bf16 operands and an fp32 `self`
+# (CUDA kernels only; the fp32 `self` since torch 2.10).
+_HAS_FP32_ADDMM = TorchVersion(torch.__version__) >= "2.10"
+
+
+def fp32_accumulating_gemm(device: torch.device) -> bool:
+    """Whether GEMMs on `device` add bf16/fp16 products into an fp32 output in one kernel."""
+    return device.type == "cuda" and _HAS_FP32_ADDMM
+
+
+def addmm_fp32_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """out (fp32) += a @ b, the products summed in fp32 by the GEMM (no rounded copy of a @ b)."""
+    if a.dtype == out.dtype:
+        return out.addmm_(a, b)
+    if out.is_cuda:
+        return torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
+    return out.addmm_(a.to(out.dtype), b.to(out.dtype))
+
+
+def mm_fp32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """a @ b in fp32 for bf16/fp16 operands, summed in fp32 by the GEMM and returned unrounded
+    (into `out`, fp32, when given)."""
+    if a.dtype == torch.float32:
+        return torch.mm(a, b, out=out)
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32, out=out)
+    return torch.mm(a.float(), b.float(), out=out)
+
+
 def main_grad_target(param: torch.Tensor) -> torch.Tensor | None:
     """param.main_grad when a backward may add the parameter's gradient into it itself, else None."""
     main = getattr(param, "main_grad", None)
-    if main is None or not param.requires_grad or main.shape != param.shape:
+    if main is None or not param.requires_grad or main.shape != param.shape or main.dtype != torch.float32:
         return None
-    if not (main.dtype == param.dtype == torch.float32):
-        return None
-    return main
+    if param.dtype == torch.float32:
+        return main
+    if param.dtype in (torch.bfloat16, torch.float16) and fp32_accumulating_gemm(main.device):
+        return main
+    return None
 
 
 def added_to_main_grad(param: torch.Tensor) -> torch.Tensor:
@@ -95,4 +132,5 @@ def embedding(input_ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.embedding(input_ids, weight)
 
 
-__all__ = ["embedding", "added_to_main_grad", "main_grad_target", "take_added"]
+__all__ = ["embedding", "added_to_main_grad", "main_grad_target", "take_added", "fp32_accumulating_gemm", "addmm_fp32_",
+           "mm_fp32"]

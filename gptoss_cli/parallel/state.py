@@ -59,6 +59,10 @@ class ParallelState:
     mesh: Any = None  # torch.distributed.device_mesh.DeviceMesh when distributed
     dp_group: Any = None  # dense parameters: the whole world
     ep_group: Any = None
+    # The same ranks as ep_group on a communicator of their own: the MoE dispatcher's token-count
+    # exchange, so that it never queues behind the other microbatch's token all-to-all in flight on
+    # ep_group (NCCL runs each communicator on its own stream; model/dispatcher.py).
+    ep_control_group: Any = None
     expert_dp_group: Any = None
     cp_size: int = 1
     cp_rank: int = 0
@@ -130,11 +134,32 @@ def pick_device(device: str = "auto") -> torch.device:
     if device == "cuda":
         if not torch.cuda.is_available():
             raise ConfigError("device=cuda but no CUDA device is visible", hint="use device=cpu")
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        if local_rank >= torch.cuda.device_count():
+            raise ConfigError(_too_many_ranks(local_rank + 1, torch.cuda.device_count()), hint=_TOO_MANY_HINT)
+        torch.cuda.set_device(local_rank)
         return torch.device("cuda", torch.cuda.current_device())
     if device != "cpu":
         raise ConfigError(f"device={device!r} is not one of auto, cuda, cpu")
     return torch.device("cpu")
+
+
+_TOO_MANY_HINT = ("start at most one rank per GPU (--nproc-per-node, torchrun's --nproc-per-node), make more "
+                  "GPUs visible (CUDA_VISIBLE_DEVICES), or train on system.device=cpu")
+
+
+def _too_many_ranks(ranks: int, gpus: int) -> str:
+    return (f"{ranks} ranks on this node but {gpus} CUDA device(s) visible: each rank needs a GPU of its own "
+            "(ranks sharing a GPU make NCCL fail later)")
+
+
+def check_local_gpus(local_ranks: int, device: str = "auto") -> None:
+    """Before any rank starts: refuse more local ranks than visible GPUs when they would train on
+    CUDA (`device` cuda, or auto with a GPU visible). A ConfigError, exit 2; nothing to check on the CPU."""
+    if device == "cpu" or not torch.cuda.is_available():
+        return
+    gpus = torch.cuda.device_count()
+    if local_ranks > gpus:
+        raise ConfigError(_too_many_ranks(local_ranks, gpus), hint=_TOO_MANY_HINT)
 
 
 def init_parallel(
@@ -244,6 +269,9 @@ def state_from_world(ep_size: int, device: torch.device, cp_size: int = 1, pp_si
     mesh_device = "cpu" if dev.type == "meta" else dev.type
     mesh = init_device_mesh(mesh_device, (world // ep_size, ep_size), mesh_dim_names=("expert_dp", "ep"))
     rank = dist.get_rank()
+    # One control group per EP group, created by every rank in the same order (new_group is collective).
+    ep_ranks = mesh.mesh.reshape(world // ep_size, ep_size).tolist()
+    ep_control_group = dist.new_subgroups_by_enumeration(ep_ranks)[0] if ep_size > 1 else None
     cp_group, cp_rank = None, 0
     if cp_size > 1:
         cp_mesh = init_device_mesh(mesh_device, (world // cp_size, cp_size), mesh_dim_names=("dp", "cp"))
@@ -259,6 +287,7 @@ def state_from_world(ep_size: int, device: torch.device, cp_size: int = 1, pp_si
         mesh=mesh,
         dp_group=dist.group.WORLD,
         ep_group=mesh.get_group("ep"),
+        ep_control_group=ep_control_group,
         expert_dp_group=mesh.get_group("expert_dp"),
         cp_size=cp_size,
         cp_rank=cp_rank,
@@ -275,6 +304,9 @@ def _pipeline_state(ep_size: int, device: torch.device, cp_size: int, pp_size: i
     stage = world // pp_size
     mesh_device = "cpu" if dev.type == "meta" else dev.type
     mesh = init_device_mesh(mesh_device, (pp_size, stage // ep_size, ep_size), mesh_dim_names=("pp", "expert_dp", "ep"))
+    # the EP groups' control groups, as above (every rank creates all of them, in one order)
+    ep_ranks = mesh.mesh.reshape(world // ep_size, ep_size).tolist()
+    ep_control_group = dist.new_subgroups_by_enumeration(ep_ranks)[0] if ep_size > 1 else None
     dense = init_device_mesh(mesh_device, (pp_size, stage), mesh_dim_names=("pp", "dp"))
     cp_group, cp_rank = None, 0
     if cp_size > 1:
@@ -283,7 +315,8 @@ def _pipeline_state(ep_size: int, device: torch.device, cp_size: int, pp_size: i
     return ParallelState(
         world_size=world, rank=dist.get_rank(), ep_size=ep_size, ep_rank=mesh["ep"].get_local_rank(),
         expert_dp_size=stage // ep_size, expert_dp_rank=mesh["expert_dp"].get_local_rank(), device=dev, mesh=mesh,
-        dp_group=dense.get_group("dp"), ep_group=mesh.get_group("ep"), expert_dp_group=mesh.get_group("expert_dp"),
+        dp_group=dense.get_group("dp"), ep_group=mesh.get_group("ep"), ep_control_group=ep_control_group,
+        expert_dp_group=mesh.get_group("expert_dp"),
         cp_size=cp_size, cp_rank=cp_rank, cp_group=cp_group, pp_size=pp_size, pp_rank=mesh["pp"].get_local_rank(),
         pp_group=mesh.get_group("pp"), world_group=dist.group.WORLD,
     )
@@ -342,6 +375,7 @@ def barrier(group: Any = None) -> None:
 
 
 __all__ = [
-    "ParallelState", "init_parallel", "interruptible_wait", "state_from_world", "destroy_parallel", "pick_device", "torchrun_env",
+    "ParallelState", "init_parallel", "check_local_gpus", "interruptible_wait", "state_from_world", "destroy_parallel",
+    "pick_device", "torchrun_env",
     "all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier", "group_size", "group_rank",
 ]

@@ -37,6 +37,10 @@ V_SCHEDULES = frozenset({"zbv_zero_bubble", "dualpipev"})
 SPLIT_BACKWARD = frozenset({"interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev"})
 BLOCK_RULE = ("a stage boundary never separates an HF block's attention layer from its MoE layer "
               "(`*E` stays whole)")
+# Bounds that keep a hostile recipe from expanding into millions of stages (validate-config must answer
+# at once): far beyond any pipeline anyone runs (Megatron's largest published layouts have tens of stages).
+MAX_STAGES = 4096
+MAX_LAYOUT_SYMBOLS = 1_000_000
 LAYOUT_SYMBOLS = {"E": "the embedding", "t": "one decoder block (`*E`)", "L": "the output layer and loss",
                   "|": "a stage boundary"}
 
@@ -118,9 +122,12 @@ def _parse_sequence(text: str, pos: int, depth: int) -> tuple[list[str], int]:
             if end == pos + 1:
                 raise ConfigError(f"pipeline_model_parallel_layout {text!r}: '*' without a count at position {pos}")
             count = int(text[pos + 1:end])
-            if count > 1_000_000:
-                raise ConfigError(f"pipeline_model_parallel_layout {text!r}: repetition {count} is absurdly large")
+            if len(item) * count + len(out) > MAX_LAYOUT_SYMBOLS:
+                raise ConfigError(f"pipeline_model_parallel_layout {text!r} expands to more than "
+                                  f"{MAX_LAYOUT_SYMBOLS:,} symbols")
             item, pos = item * count, end
+        if len(out) + len(item) > MAX_LAYOUT_SYMBOLS:
+            raise ConfigError(f"pipeline_model_parallel_layout {text!r} expands to more than {MAX_LAYOUT_SYMBOLS:,} symbols")
         out += item
     if depth:
         raise ConfigError(f"pipeline_model_parallel_layout {text!r}: '(' is never closed")
@@ -210,6 +217,9 @@ def pipeline_layout(pattern: HybridPattern, pp: int, vpp: int | None = None, sch
     """The stages of `pattern` over PP (x VPP) ranks for `schedule`; ConfigError naming what does not fit."""
     vpp = vpp or 1
     num_stages = pp * vpp
+    if num_stages > MAX_STAGES:
+        raise ConfigError(f"PP x VPP = {num_stages} pipeline stages: more than {MAX_STAGES} is not a pipeline",
+                          hint="use fewer pipeline stages")
     starts = block_starts(pattern)
     num_blocks = len(starts) - 1
     if layout and pattern.pipeline_splits:

@@ -21,8 +21,8 @@ Pure Python: validation must not need torch. The layout is gptoss train's (PP x 
   layer kinds' bytes per token (`activation_bytes_per_token(..., modules)`); a full unit keeps only
   its input (b*h per token) and its layers' activations come back, one unit at a time, during its
   backward (the largest unit is counted once on top).
-- The LM head and loss run LM_LOSS_CHUNK tokens at a time with their gradients computed in the
-  forward pass (`gptoss_cli.model.hybrid`): one chunk's logits and fp32 loss tensors, the output
+- The LM head and loss run a GPU's chunk of tokens at a time (gptoss_cli/model/loss_chunk.py: 1280
+  at GPT-OSS's vocabulary in bf16) with their gradients computed in the forward pass (`gptoss_cli.model.hybrid`): one chunk's logits and fp32 loss tensors, the output
   layer's gradient (an fp32 accumulator, then its params-dtype copy held until backward) and the
   hidden states' gradient (b*h per token, counted with the head).
 - Transients: the largest parameter's gradient before it is added into its buffer.
@@ -47,6 +47,8 @@ from typing import Any
 
 from gptoss_cli.buckets import ALIGN, default_bucket_size
 from gptoss_cli.model.config import GptOssArch
+from gptoss_cli.model.loss_chunk import LM_LOSS_CHUNK_TOKENS as LM_LOSS_CHUNK
+from gptoss_cli.model.loss_chunk import lm_loss_chunk_tokens
 from gptoss_cli.model.pattern import ATTENTION, MLP, MOE, HybridPattern, parse_pattern
 from gptoss_cli.model.recompute_plan import RecomputePlan
 from gptoss_cli.recipe.parameters import ParamSpec, buffer_numel, lora_layout, parameter_layout
@@ -56,7 +58,6 @@ GB = 1e9
 # Memory of one GPU of each `system.gpu` generation, in GB (10^9 bytes), as the vendors state it.
 GPU_MEMORY_GB = {"h100": 80, "h200": 141, "b200": 180, "gb200": 186, "gb300": 288}
 WARN_FRACTION = 0.9
-LM_LOSS_CHUNK = 256  # gptoss_cli.model.loss.LM_LOSS_CHUNK_TOKENS (recipe/ stays torch-free)
 SLIDING_QUERY_BLOCK = 64  # gptoss_cli.model.attention.SLIDING_QUERY_BLOCK
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 FP32 = 4
@@ -290,7 +291,7 @@ def _head_items(cfg: RecipeConfig, arch: GptOssArch, t: int, b: int, per_token: 
     layer's gradient."""
     items = [MemoryItem("activations.head", "activations, head", f * t * per_token["head"],
                         f"{t:,} tokens x {per_token['head']:,.0f} B{times}", act_knob)]
-    chunk = min(t, LM_LOSS_CHUNK)
+    chunk = min(t, lm_loss_chunk_tokens(arch.vocab_size, b, "cuda"))  # the GPU's chunk
     head_n = arch.vocab_size * arch.hidden_size
     head_grad = 0 if lora else (FP32 + b) * head_n  # a frozen output layer has no gradient
     items.append(MemoryItem("activations.logits", "logits and loss (chunked) + output-layer gradient",

@@ -2,7 +2,8 @@
 
 Before any process starts, the recipe goes through the same rule registry as `validate-config`
 (`gptoss_cli.recipe.validate.preflight`, with the real world size and path checks); an error
-stops it there. Then:
+stops it there, as do more ranks on this node than visible GPUs for a CUDA run (one line, exit 2:
+ranks would otherwise share a GPU and NCCL fail later). Then:
 - inside a torchrun-started process (RANK/WORLD_SIZE/LOCAL_RANK set): train in this process, so
   multi-node jobs are plain `torchrun --nnodes ... -m gptoss_cli train --recipe R`;
 - one process: train in this process;
@@ -36,7 +37,7 @@ from typing import Any, Iterator
 from gptoss_cli import errors
 from gptoss_cli.errors import ConfigError, GptossError, Terminated, TrainingError
 from gptoss_cli.outputs import FolderLock
-from gptoss_cli.parallel.state import torchrun_env
+from gptoss_cli.parallel.state import check_local_gpus, torchrun_env
 from gptoss_cli.train.heartbeat import Watchdog
 from gptoss_cli.train.job import TrainJob
 from gptoss_cli.train.loop import run_worker
@@ -88,6 +89,7 @@ def train(recipe: Any, *, nproc_per_node: int | None = None, progress: TrainProg
                 hint="drop --nproc-per-node when running under torchrun",
             )
         preflight_recipe(recipe, env["WORLD_SIZE"])
+        check_local_gpus(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), recipe.config.system.device)
         job = TrainJob.from_recipe(recipe)
         with run_folders(job, owner=env["RANK"] == 0) as notes:
             return _with_notes(run_worker(job, progress), notes)
@@ -95,6 +97,7 @@ def train(recipe: Any, *, nproc_per_node: int | None = None, progress: TrainProg
     if nproc < 1:
         raise ConfigError(f"--nproc-per-node {nproc} must be at least 1")
     preflight_recipe(recipe, nproc)
+    check_local_gpus(nproc, recipe.config.system.device)
     job = TrainJob.from_recipe(recipe)
     with run_folders(job) as notes:
         if nproc == 1:

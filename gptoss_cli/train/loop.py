@@ -153,6 +153,8 @@ class Trainer:
                                  job.arch.num_local_experts, tuple(self.objective.sums))
         self.metrics = MetricsWriter(self.run_dir, state)
         self.fp8 = self.model_config.fp8_gemms  # the FP8 gemms the provider selected: which path runs, what ran
+        if self.fp8 is not None:
+            self.fp8.guard.deferred = True  # NaN/inf checks recorded on the device, read once per step (train_step)
         self._flops_setup()
         self.lora_base = lora_base(cfg, state)
         self.start_step, self.resumed_from = 0, None
@@ -222,7 +224,12 @@ class Trainer:
             # one small collective for every step total, over every rank: with pipeline parallelism
             # the loss sums come from the last stage, each MoE layer's router rows from its own stage
             dist.all_reduce(totals, group=self.state.global_group)
-        local_values, values = torch.stack([local, totals]).tolist()  # the step's one host sync
+        # The step's one host sync; the FP8 NaN/inf flag (fp8/guard.py) rides on it and is checked first.
+        fp8 = self.fp8
+        read = torch.cat([local, totals, fp8.guard.flag(self.state.device).view(1) if fp8 else local[:0]]).tolist()
+        local_values, values = read[:local.numel()], read[local.numel():2 * local.numel()]
+        if fp8 is not None:
+            fp8.guard.check(read[-1], step + 1)
         metrics = self.objective.metrics(self.totals.scalars(values))
         if not math.isfinite(metrics["loss"]):
             raise TrainingError(

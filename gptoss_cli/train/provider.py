@@ -6,7 +6,7 @@ it builds keeps its own deep copy as `model.config`, which is the object the sch
 `provider.config` (see `gptoss_cli.train.setup.install_training_callbacks`).
 
 With `precision.fp8_recipe` set, the attention projections and expert GEMMs get FP8 gemms
-(gptoss_cli/fp8/recipe.py, `select_gemms`) for this rank's device; with `precision.qat=mxfp4` the
+(gptoss_cli/fp8/selection.py, `select_gemms`) for this rank's device; with `precision.qat=mxfp4` the
 expert GEMMs compute with MXFP4-rounded weights (gptoss_cli/model/qat.py), wrapping the FP8 gemm if any.
 
 With a `lora` section the base is frozen and adapters are added after the weights are loaded
@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from gptoss_cli.errors import ConfigError
-from gptoss_cli.fp8.recipe import Fp8Settings, select_gemms
+from gptoss_cli.fp8.selection import Fp8Settings, select_gemms
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.model.lora import LoraSettings, attach_lora
 from gptoss_cli.model.dtypes import torch_dtype
@@ -119,7 +119,8 @@ def dispatcher_factory(num_experts: int, state: ParallelState) -> Callable[[int,
         return None
 
     def factory(_j: int, _layer: Any) -> AllToAllTokenDispatcher:
-        return AllToAllTokenDispatcher(num_experts, state.ep_size, state.ep_rank, state.ep_group)
+        return AllToAllTokenDispatcher(num_experts, state.ep_size, state.ep_rank, state.ep_group,
+                                       control_group=state.ep_control_group)
 
     return factory
 

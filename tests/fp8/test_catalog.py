@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gptoss_cli.fp8.catalog import RECIPES
-from gptoss_cli.fp8.recipe import native_kernel
+from gptoss_cli.fp8.selection import native_kernel
 from tests.recipe.recipe_helpers import run_rule
 
 # NVIDIA's compute capabilities of the GPUs `system.gpu` names (CUDA programming guide, "Compute

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gptoss_cli.fp8.recipe import Fp8Settings, select_gemms
+from gptoss_cli.fp8.selection import Fp8Settings, select_gemms
 from gptoss_cli.model.config import preset
 from gptoss_cli.model.hybrid import HybridModel
 from gptoss_cli.model.recompute_plan import RecomputePlan

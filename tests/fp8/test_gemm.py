@@ -21,7 +21,7 @@ from gptoss_cli.fp8.catalog import RECIPES as FP8_RECIPES
 from gptoss_cli.fp8.grouped import Fp8GroupedGemm
 from gptoss_cli.fp8.linear import Fp8LinearGemm
 from gptoss_cli.fp8.matmul import BLOCK_SCALED_MM, DEQUANTIZE, SCALED_MM, Fp8Numerics
-from gptoss_cli.fp8.recipe import Fp8Settings, select_gemms
+from gptoss_cli.fp8.selection import Fp8Settings, select_gemms
 from gptoss_cli.fp8.scaling import E4M3, E5M2
 from gptoss_cli.model.dense_gemm import linear
 from gptoss_cli.model.grouped_gemm import WgradQueue, grouped_linear

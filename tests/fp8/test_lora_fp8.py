@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from gptoss_cli.fp8.recipe import Fp8Settings, select_gemms
+from gptoss_cli.fp8.selection import Fp8Settings, select_gemms
 from gptoss_cli.model.lora import LoraSettings, adapter_tensors, attach_lora
 from tests.model.hybrid_helpers import tiny_batch, tiny_model
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gptoss_cli.fp8.recipe import Fp8Settings, select_gemms
+from gptoss_cli.fp8.selection import Fp8Settings, select_gemms
 from gptoss_cli.model.config import preset
 from gptoss_cli.model.dense_gemm import DenseGemm
 from gptoss_cli.model.grouped_gemm import GroupedGemm, WgradQueue

@@ -16,7 +16,7 @@ from safetensors import safe_open
 from gptoss_cli.checkpoint.load import model_from_checkpoint
 from gptoss_cli.checkpoint.mapping import deinterleave_experts
 from gptoss_cli.errors import CheckpointError, ConfigError
-from gptoss_cli.fp8.recipe import Fp8Settings, select_gemms
+from gptoss_cli.fp8.selection import Fp8Settings, select_gemms
 from gptoss_cli.model.grouped_gemm import WgradQueue
 from gptoss_cli.model.lora import merge_lora_
 from gptoss_cli.model.moe import ExpertLinear

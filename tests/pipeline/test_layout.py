@@ -114,3 +114,10 @@ def test_bench_replay_of_1f1b_matches_the_closed_form():
         durations = {(s, k): t for s in range(pp) for k, t in (("F", 1.0), ("B", 2.0))}
         idle = replay(order, durations, pp)
         assert all(v == pytest.approx(bubble_fraction("1f1b", pp, None, m, 1.0, 2.0, 0.0)) for v in idle.values())
+
+
+def test_absurd_sizes_are_refused_at_once():
+    with pytest.raises(ConfigError, match="more than 4096"):
+        pipeline_layout(P36, 2**31 - 1)
+    with pytest.raises(ConfigError, match="expands to more than"):
+        expand_layout("((t|)*1000000)*1000000")

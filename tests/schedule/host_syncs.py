@@ -10,15 +10,23 @@ GPU are still the same calls. `HostSyncCounter` counts them while it is active:
 The aten ops are seen by a TorchDispatchMode, so autograd's backward is counted too.
 
 Each count is attributed to the innermost frame inside gptoss_cli/ (file:line), so a failing test
-names the site.
+names the site. `suspended()` stops counting for a stretch (a test's CPU stand-in for a CUDA kernel,
+which reads its own arguments on the host, is not the code under test).
+
+What it cannot see: waits inside a kernel's own host code below the dispatcher (a C++ kernel that
+copies its offsets to the host, as torch's `_grouped_mm` does on GPUs without its fast path), waits
+that are not a value read (`torch.cuda.synchronize()`, a pageable-memory copy, an allocator retry,
+a collective's `wait()` in NCCL's blocking mode), and branches taken only on a GPU that the test
+did not force onto the CPU. It counts calls, not their cost: a read right after another costs little.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -61,13 +69,24 @@ class HostSyncCounter:
         self.sites: collections.Counter[str] = collections.Counter()
         self._saved: dict[str, Any] = {}
         self._mode = _Mode(self)
+        self._suspended = 0
 
     @property
     def total(self) -> int:
         return sum(self.sites.values())
 
     def hit(self, what: str) -> None:
-        self.sites[f"{_site()} ({what})"] += 1
+        if not self._suspended:
+            self.sites[f"{_site()} ({what})"] += 1
+
+    @contextlib.contextmanager
+    def suspended(self) -> Iterator[None]:
+        """Nothing inside is counted."""
+        self._suspended += 1
+        try:
+            yield
+        finally:
+            self._suspended -= 1
 
     def in_files(self, *names: str) -> int:
         """Counts at sites in files whose path ends with one of `names` (e.g. 'model/dispatcher.py')."""

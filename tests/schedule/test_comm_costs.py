@@ -58,6 +58,14 @@ def test_expert_parallel_step_syncs_at_most_once_per_moe_layer_and_microbatch(ep
         assert sum(sites.values()) <= budget + 1, f"rank {rank}, {schedule}:\n{_report(sites)}"
 
 
+@pytest.mark.parametrize("schedule", ["plain", "overlap"])
+def test_the_count_exchange_runs_on_its_own_group_and_the_tokens_on_the_ep_group(ep2, schedule):
+    # On the EP group's communicator the count exchange (and its .tolist()) would queue behind the
+    # other microbatch's token all-to-all in flight there (NCCL: one stream per communicator).
+    for result in ep2:
+        assert result["groups"][schedule] == {"control": ["ep_control"], "bulk": ["ep"]}
+
+
 def test_without_expert_parallelism_the_moe_layers_never_sync():
     sites = count_step_host_syncs(build(ParallelState(), overlap=False, pattern="*E*E*E"), ParallelState(),
                                   microbatches=MICROBATCHES)

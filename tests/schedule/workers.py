@@ -168,6 +168,42 @@ def model_link_counts(setup: Any, state: ParallelState, microbatches: int, mbs: 
             "restored": [d.comm is DIST_COMM for d in token_dispatchers(setup.model)]}
 
 
+def step_groups(setup: Any, state: ParallelState, microbatches: int, mbs: int = 2) -> dict[str, list[str]]:
+    """Which process group each all-to-all of one step ran on, by kind: the token-count exchange
+    ("control") and the token rows ("bulk"), as "ep_control", "ep" or "other"."""
+    from bench.simlink import token_dispatchers
+    from gptoss_cli.model.dispatcher import DistComm
+
+    def name(group: Any) -> str:
+        return "ep_control" if group is state.ep_control_group else "ep" if group is state.ep_group else "other"
+
+    seen: dict[str, set[str]] = {"control": set(), "bulk": set()}
+
+    class Recording(DistComm):
+        def all_to_all(self, out, x, output_splits, input_splits, group, *, control=False):
+            seen["control" if control else "bulk"].add(name(group))
+            super().all_to_all(out, x, output_splits, input_splits, group, control=control)
+
+        def start_all_to_all(self, out, x, output_splits, input_splits, group):
+            seen["bulk"].add(name(group))
+            return super().start_all_to_all(out, x, output_splits, input_splits, group)
+
+    data = DataLoaderState(RandomTokens(TINY.vocab_size, SEQ, seed=5), global_batch_size=microbatches * mbs * state.dp_size,
+                           micro_batch_size=mbs, dp_rank=state.dp_rank, dp_size=state.dp_size)
+    dispatchers = token_dispatchers(setup.model)
+    saved = [d.comm for d in dispatchers]
+    for d in dispatchers:
+        d.comm = Recording()
+    try:
+        setup.model.zero_grad_buffer()
+        get_forward_backward_func(setup.config)(forward_step_func=forward_step, data_iterator=data.step_iterator(),
+                                                model=setup.model, num_microbatches=microbatches)
+    finally:
+        for d, comm in zip(dispatchers, saved):
+            d.comm = comm
+    return {kind: sorted(names) for kind, names in seen.items()}
+
+
 def comm_costs_worker(rank: int) -> dict[str, Any]:
     """One 2-process launch for the communication-cost tests: the host syncs of a training step at
     EP=2 (plain and overlap schedules, SYNC_MICROBATCHES microbatches, 3 MoE layers), the link model's
@@ -177,4 +213,5 @@ def comm_costs_worker(rank: int) -> dict[str, Any]:
                                                                                           ("overlap", True))}
     syncs = {name: count_step_host_syncs(setup, state, microbatches=SYNC_MICROBATCHES) for name, setup in setups.items()}
     model_link = {name: model_link_counts(setup, state, microbatches=SYNC_MICROBATCHES) for name, setup in setups.items()}
-    return {"syncs": syncs, "link": link_timings(state.ep_group), "model_link": model_link}
+    groups = {name: step_groups(setup, state, microbatches=SYNC_MICROBATCHES) for name, setup in setups.items()}
+    return {"syncs": syncs, "link": link_timings(state.ep_group), "model_link": model_link, "groups": groups}

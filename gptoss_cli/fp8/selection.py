@@ -1,4 +1,4 @@
-"""Recipe selection: `precision.fp8_*` -> the numerics, the kernel path, and the model's gemm objects.
+"""Kernel selection: `precision.fp8_*` -> the numerics, the kernel path (native or emulated), and the model's gemm objects.
 
   fp8_recipe   scaling                                     native kernel (device)
   tensorwise   one scale per operand                       torch._scaled_mm, CUDA sm90+
@@ -28,6 +28,7 @@ import torch
 from gptoss_cli.errors import ConfigError
 from gptoss_cli.fp8.catalog import FORMATS, RECIPES
 from gptoss_cli.fp8.grouped import Fp8GroupedGemm
+from gptoss_cli.fp8.guard import NonFiniteGuard
 from gptoss_cli.fp8.linear import Fp8LinearGemm, Fp8Stats
 from gptoss_cli.fp8.matmul import BLOCK_SCALED_MM, DEQUANTIZE, SCALED_MM, Fp8Numerics
 from gptoss_cli.fp8.scaling import E4M3, E5M2
@@ -61,12 +62,15 @@ class Fp8Gemms:
     path: str  # "native" | "emulated"
     device: str
     stats: Fp8Stats = field(default_factory=Fp8Stats)
+    # The NaN/inf checks of every gemm below: at once by default; the training loop sets
+    # `guard.deferred` and reads one flag per step (fp8/guard.py).
+    guard: NonFiniteGuard = field(default_factory=NonFiniteGuard)
 
     def dense(self, layer: str) -> Fp8LinearGemm:
-        return Fp8LinearGemm(self.numerics, layer, self.stats)
+        return Fp8LinearGemm(self.numerics, layer, self.stats, self.guard)
 
     def grouped(self, layer: str) -> Fp8GroupedGemm:
-        return Fp8GroupedGemm(self.numerics, layer, self.stats)
+        return Fp8GroupedGemm(self.numerics, layer, self.stats, self.guard)
 
     def describe(self) -> str:
         """One line for the run's summary, e.g. 'mxfp8 e4m3, emulated (dequantize) on cpu'."""

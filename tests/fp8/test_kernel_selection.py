@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from gptoss_cli.errors import ConfigError
-from gptoss_cli.fp8.recipe import Fp8Settings, select_gemms
-from gptoss_cli.fp8.recipe import emulated_kernel, native_kernel
+from gptoss_cli.fp8.selection import Fp8Settings, select_gemms
+from gptoss_cli.fp8.selection import emulated_kernel, native_kernel
 from gptoss_cli.recipe.load import load_recipe
 from gptoss_cli.train.provider import ModelRuntimeConfig
 
