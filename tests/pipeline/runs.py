@@ -82,6 +82,19 @@ _add("pp2xcp2", 4, pp_size=2, cp_size=2, pipeline_layout=PP2)
 # an objective of one's own whose prepare_step scores the microbatches forward-only (GRPO's shape,
 # tests/train/test_objective.py): at the old policy its gradient is cross-entropy's
 _add("pp2-objective", 2, pp_size=2, pipeline_layout=PP2, objective="clipped_ratio")
+# features under PP, each against itself at PP = 1 in the same launch (FEATURES): LoRA on the frozen
+# fixture, MXFP4 QAT, emulated MXFP8, full recompute in units of 3 layers (cut at the stage boundary
+# after layer 4), packed documents with per-document attention (a version-2 token file)
+FEATURES = {
+    "lora": dict(lora_rank=4, lora_alpha=8.0, lora_targets=["linear_qkv", "linear_fc1"]),
+    "qat": dict(qat="mxfp4"),
+    "fp8": dict(fp8_recipe="mxfp8", fp8_emulation=True),
+    "recompute": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=3),
+    "packed": dict(data="packed"),
+}
+for feature, changes in FEATURES.items():
+    _add(f"feat-{feature}-pp1", 2, **changes)
+    _add(f"feat-{feature}-pp2", 2, pp_size=2, pipeline_layout=PP2, **changes)
 # mutations: each finalisation rule broken once
 MUTATIONS = ("stage_clip_norm", "stage_token_division", "stage_router_loss_left_out")
 _add("mut-stage_clip_norm", 2, "stage_clip_norm", pp_size=2, pipeline_layout=PP2)
@@ -100,6 +113,15 @@ _add("resume-full", 2, pp_size=2, pipeline_layout=PP2, train_iters=2)
 _add("resume-pp4", 4, pp_size=4, pipeline_layout=PP4, train_iters=2, checkpoint_dir="resume-at-pp4")
 
 
+def write_packed(prefix: Path) -> None:
+    """A version-2 token file: documents of 3 to 13 tokens with loss masks, packed into rows of R.SEQ."""
+    from tests.train.sft_files import sft_documents, write_sft_file
+
+    lengths = [5, 9, 3, 12, 7, 4, 10, 6, 8, 11, 13, 5, 6, 9, 4, 7]
+    docs, masks = sft_documents(lengths, R.TINY.vocab_size, seed=5)
+    write_sft_file(prefix, docs, masks, R.TINY.vocab_size)
+
+
 def job(name: str, run_dir: Path, hf: Path, prefix: Path):
     from tests.train.jobs import train_job
 
@@ -107,6 +129,8 @@ def job(name: str, run_dir: Path, hf: Path, prefix: Path):
     fields = dict(fields)
     ckpt = fields.pop("checkpoint_dir", None)
     objective = fields.pop("objective", None)
+    if fields.pop("data", None) == "packed":
+        prefix = prefix.parent / "packed"
     base = dict(device="cpu", params_dtype="fp32", aux_loss_coeff=0.0, seq_length=R.SEQ, micro_batch_size=1,
                 global_batch_size=R.GLOBAL_BATCH, train_iters=1, lr=R.LR, min_lr=R.LR, warmup_iters=0,
                 lr_decay_style="constant", weight_decay=R.WEIGHT_DECAY, adam_beta1=R.BETAS[0], adam_beta2=R.BETAS[1],
@@ -165,6 +189,52 @@ def mutated(mutation: str | None):
 _STAGE_GROUP: list[Any] = [None]
 
 
+@contextlib.contextmanager
+def recording_steps(records: list[dict[str, Any]]):
+    """tests/train/reference.py's optimizer spy, the gradients of trained tensors only (a LoRA run's frozen
+    base has no gradient buffer)."""
+    from gptoss_cli.train.optimizer import DistributedAdamW
+    from tests.train.dist_helpers import reduced_main_grads
+
+    real = DistributedAdamW.step
+
+    def weights(module) -> dict[str, torch.Tensor]:
+        return {n: t.detach().clone() for n, t in module.named_checkpoint_slots()}
+
+    def grads(module, buffers) -> dict[str, torch.Tensor]:
+        by_id = reduced_main_grads(buffers)
+        out = {}
+        for name, param in module.named_parameters():
+            if id(param) in by_id:
+                out.update(_per_checkpoint_name(module, name, by_id[id(param)]))
+        return out
+
+    def step(self, lr):
+        buffers = list(dict.fromkeys(s.buffer for s in self.shards))
+        record = {"before": weights(self._module), "grads": grads(self._module, buffers), "lr_arg": lr}
+        record["norm"] = real(self, lr)
+        record["after"] = weights(self._module)
+        records.append(record)
+        return record["norm"]
+
+    DistributedAdamW.step = step
+    try:
+        yield records
+    finally:
+        DistributedAdamW.step = real
+
+
+def _per_checkpoint_name(module, name: str, grad: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A parameter's gradient under its checkpoint name(s): a stacked expert parameter per global expert id."""
+    from gptoss_cli.model.expert_names import PerExpertParams
+
+    owner_name = name.rpartition(".")[0]
+    owner = module.get_submodule(owner_name) if owner_name else module
+    if not isinstance(owner, PerExpertParams):
+        return {name: grad.clone()}
+    return {key: grad[i].clone() for i, key in enumerate(owner.expert_names(name))}
+
+
 def _remember_stage_group():
     """Record the stage's data-parallel group when the state is built (for the per-stage mutations)."""
     from gptoss_cli.parallel import state as state_module
@@ -191,7 +261,7 @@ def train_configs(rank: int, plans: list[tuple[Any, str | None]]) -> list[list[d
         for plan, mutation in plans:
             records: list[dict[str, Any]] = []
             before = OVERLAPPED["pairs"]
-            with R.recording_optimizer_steps(records), mutated(mutation):
+            with recording_steps(records), mutated(mutation):
                 run_worker(plan)
             records[-1]["overlapped"] = OVERLAPPED["pairs"] - before  # DualPipeV's overlapped F-B actions run here
             out.append(records)
@@ -217,6 +287,7 @@ def compute(folder: Path) -> dict[str, Any]:
     """Every configuration, launch by launch (world 2, 4, 8), then the reference per configuration."""
     folder = Path(folder)
     hf, prefix = R.write_fixture(folder / "fixture")
+    write_packed(prefix.parent / "packed")
     runs: dict[str, dict[str, Any]] = {}
     seconds: dict[int, float] = {}  # wall time of each launch (the tests' cost, docs/pipeline-parallel.md)
     for world in (2, 4, 8):
@@ -242,7 +313,7 @@ def compute(folder: Path) -> dict[str, Any]:
                  "norms": [[r["norm"] for r in records] for records in run["ranks"]],
                  "spread": max(R.merge_ranks(run["ranks"], key, 0)[1] for key in ("before", "grads", "after")),
                  "overlapped": [records[-1]["overlapped"] for records in run["ranks"]]}
-        if fields.get("aux_loss_coeff", 0.0) == 0.0 and not name.startswith(("ckpt", "resume", "pp2-objective")):
+        if fields.get("aux_loss_coeff", 0.0) == 0.0 and not name.startswith(("ckpt", "resume", "pp2-objective", "feat")):
             entry["reference"] = reference.judge(run)  # transformers + torch AdamW, from the fixture's weights
         result[name] = entry
     result["launch_seconds"] = seconds
