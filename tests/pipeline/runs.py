@@ -260,10 +260,11 @@ def train_configs(rank: int, plans: list[tuple[Any, str | None]]) -> list[list[d
     try:
         for plan, mutation in plans:
             records: list[dict[str, Any]] = []
-            before = OVERLAPPED["pairs"]
+            before, cpu = OVERLAPPED["pairs"], time.process_time()
             with recording_steps(records), mutated(mutation):
                 run_worker(plan)
             records[-1]["overlapped"] = OVERLAPPED["pairs"] - before  # DualPipeV's overlapped F-B actions run here
+            records[-1]["cpu_s"] = time.process_time() - cpu  # this rank's CPU time (the tests' cost, load-free)
             out.append(records)
     finally:
         module.state_from_world = real
@@ -312,7 +313,8 @@ def compute(folder: Path) -> dict[str, Any]:
                  "after": [R.merge_ranks(run["ranks"], "after", t)[0] for t in range(len(run["ranks"][0]))],
                  "norms": [[r["norm"] for r in records] for records in run["ranks"]],
                  "spread": max(R.merge_ranks(run["ranks"], key, 0)[1] for key in ("before", "grads", "after")),
-                 "overlapped": [records[-1]["overlapped"] for records in run["ranks"]]}
+                 "overlapped": [records[-1]["overlapped"] for records in run["ranks"]],
+                 "cpu_s": sum(records[-1]["cpu_s"] for records in run["ranks"])}
         if fields.get("aux_loss_coeff", 0.0) == 0.0 and not name.startswith(("ckpt", "resume", "pp2-objective", "feat")):
             entry["reference"] = reference.judge(run)  # transformers + torch AdamW, from the fixture's weights
         result[name] = entry
