@@ -41,7 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from gptoss_cli.model.loss import IGNORE_INDEX, LM_LOSS_CHUNK_TOKENS, lm_loss_sum
+from gptoss_cli.model.loss import IGNORE_INDEX, lm_loss_sum
+from gptoss_cli.model.loss_chunk import lm_loss_chunk_tokens
 from gptoss_cli.parallel.grads import get_attr_wrapped_model, get_model_config
 from gptoss_cli.train.data import Microbatch
 
@@ -175,7 +176,9 @@ def token_log_probs(output: Any, labels: torch.Tensor, chunk_tokens: int | None 
         picked = -F.cross_entropy(logits, safe, reduction="none")
         return torch.where(valid, picked, torch.zeros_like(picked)).reshape(labels.shape)
     h = hidden.reshape(-1, hidden.shape[-1])
-    chunk = max(1, int(chunk_tokens or getattr(output, "loss_chunk_tokens", LM_LOSS_CHUNK_TOKENS)))
+    # the output's own chunk, else the device's (model/loss_chunk.py), as the loss takes it
+    chunk = max(1, int(chunk_tokens or getattr(output, "loss_chunk_tokens", None)
+                       or lm_loss_chunk_tokens(output.head_weight.shape[0], hidden.element_size(), hidden.device.type)))
     parts = []
     for start in range(0, h.shape[0], chunk):
         args = (h[start:start + chunk], output.head_weight, safe[start:start + chunk])
