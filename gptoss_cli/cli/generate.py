@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import typer
 from rich.markup import escape
@@ -23,6 +23,43 @@ MAX_TEMPERATURE = 100.0
 def _short(text: str, width: int = 60) -> str:
     text = " ".join(text.split())
     return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _check_options(prompt: str | None, messages: Path | None, prompts: Path | None, raw: bool, show_analysis: bool,
+                   prompt_options: tuple, max_new_tokens: int, temperature: float, top_p: float, seed: int) -> None:
+    """The option combinations and bounds generate refuses before it loads anything (one line, exit 2)."""
+    if sum(x is not None for x in (prompt, messages, prompts)) != 1:
+        raise UsageError("give exactly one of --prompt TEXT, --messages FILE.json or --prompts FILE.jsonl")
+    if prompt is not None and not prompt:
+        raise UsageError("--prompt is empty")
+    if raw and (messages is not None or show_analysis):
+        raise UsageError("--raw takes a plain-text --prompt or --prompts, not --messages or --show-analysis")
+    if (raw or prompt is None and prompts is None) and any(x is not None for x in prompt_options):
+        raise UsageError("--system, --developer and --reasoning-effort go with a harmony --prompt or --prompts; "
+                         "write them into the conversation of --messages")
+    if max_new_tokens < 1 or max_new_tokens > 1 << 20:
+        raise UsageError(f"--max-new-tokens {max_new_tokens} must be in [1, {1 << 20}]")
+    # logits / temperature is fp32: below ~1e-38 it overflows to inf and the softmax turns NaN
+    if temperature != 0.0 and not (math.isfinite(temperature) and MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE):
+        raise UsageError(f"--temperature {temperature!r} must be 0 (greedy) or a finite number in "
+                         f"[{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]")
+    check_number("--top-p", top_p, low=0.0, high=1.0, low_inclusive=False)
+    if not 0 <= seed < 1 << 63:
+        raise UsageError(f"--seed {seed} must be in [0, 2**63)")
+
+
+def _note_empty_answer(r: Any, write_out: Callable[[str], None]) -> None:
+    """A harmony reply without a final answer: what it holds instead; a reply that did not parse as
+    harmony at all (an untrained model's) is shown as its raw text."""
+    if not r.extra.get("harmony", True):
+        err_console.print("[yellow]note:[/] the reply did not parse as harmony (no message text); its raw text:",
+                          highlight=False)
+        write_out(r.extra.get("raw_text", "") + "\n")
+        return
+    has = ", ".join(r.extra.get("channels", {})) or "nothing"
+    calls = [m["recipient"] for m in r.extra.get("reply_messages", []) if m["recipient"]]
+    note = f"a call to {calls[-1]}" if calls else f"no final-channel answer (the reply holds: {has})"
+    err_console.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
 
 
 @app.command("generate")
@@ -65,24 +102,8 @@ def generate_cmd(
         default_device, load_model, load_tokenizer, open_checkpoint, resolve_dtype, run_generation,
     )
 
-    if sum(x is not None for x in (prompt, messages, prompts)) != 1:
-        raise UsageError("give exactly one of --prompt TEXT, --messages FILE.json or --prompts FILE.jsonl")
-    if prompt is not None and not prompt:
-        raise UsageError("--prompt is empty")
-    if raw and (messages is not None or show_analysis):
-        raise UsageError("--raw takes a plain-text --prompt or --prompts, not --messages or --show-analysis")
-    if (raw or prompt is None and prompts is None) and any(x is not None for x in (system, developer, reasoning_effort)):
-        raise UsageError("--system, --developer and --reasoning-effort go with a harmony --prompt or --prompts; "
-                         "write them into the conversation of --messages")
-    if max_new_tokens < 1 or max_new_tokens > 1 << 20:
-        raise UsageError(f"--max-new-tokens {max_new_tokens} must be in [1, {1 << 20}]")
-    # logits / temperature is fp32: below ~1e-38 it overflows to inf and the softmax turns NaN
-    if temperature != 0.0 and not (math.isfinite(temperature) and MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE):
-        raise UsageError(f"--temperature {temperature!r} must be 0 (greedy) or a finite number in "
-                         f"[{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]")
-    check_number("--top-p", top_p, low=0.0, high=1.0, low_inclusive=False)
-    if not 0 <= seed < 1 << 63:
-        raise UsageError(f"--seed {seed} must be in [0, 2**63)")
+    _check_options(prompt, messages, prompts, raw, show_analysis, (system, developer, reasoning_effort),
+                   max_new_tokens, temperature, top_p, seed)
     check_json_path(json_path)
     device = device or default_device()
     torch_dtype = resolve_dtype(dtype, device)
@@ -118,10 +139,7 @@ def generate_cmd(
         r = results[0]
         write_out("\n")
         if not raw and not r.text:
-            has = ", ".join(r.extra.get("channels", {})) or "nothing"
-            calls = [m["recipient"] for m in r.extra.get("reply_messages", []) if m["recipient"]]
-            note = f"a call to {calls[-1]}" if calls else f"no final-channel answer (the reply holds: {has})"
-            err_console.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
+            _note_empty_answer(r, write_out)
         err_console.print(f"[dim]{escape(r.stop_text())}; {len(r.generation.output_ids)} new tokens, "
                           f"{r.tokens_per_s:.1f} tokens/s[/]", highlight=False)
     else:

@@ -38,7 +38,8 @@ from torch import nn
 
 from gptoss_cli.model.grouped_gemm import WgradQueue
 from gptoss_cli.model.loss import HybridOutput
-from gptoss_cli.model.moe import MoELayer, RouterStats, router_table
+from gptoss_cli.model.moe import MoELayer
+from gptoss_cli.model.router_stats import RouterStats, router_table
 from gptoss_cli.pipeline.layout import Stage
 
 

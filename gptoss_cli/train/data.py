@@ -29,7 +29,7 @@ import torch
 
 from gptoss_cli.data.packing import pack_documents, packing_efficiency
 from gptoss_cli.errors import ConfigError
-from gptoss_cli.model.attention import document_offsets, document_positions
+from gptoss_cli.model.positions import document_offsets, document_positions
 from gptoss_cli.model.context_parallel import slice_sequence
 from gptoss_cli.model.loss import IGNORE_INDEX
 from gptoss_cli.data.token_format import INDEX_DTYPE, TOKEN_ITEMSIZE, check_token_files, document_file_paths, has_documents, read_token_header
@@ -281,6 +281,15 @@ def packed_microbatch(rows: list[PackedRow], device: torch.device) -> Microbatch
                       position_ids=document_positions(cu, len(rows), seq, device), cu_seqlens=cu)
 
 
+def file_rows(source: Any, js: list[int], device: torch.device) -> Microbatch:
+    """The microbatch of rows `js` of a token-file source in file order (not shuffled): windows of a
+    version-1 file, packed rows of a version-2 file. What `gptoss eval` and validation score."""
+    if getattr(source, "documents", False):
+        return packed_microbatch([source.row(j) for j in js], device)
+    batch = torch.stack([source.window(j) for j in js]).to(device)
+    return Microbatch(tokens=batch[:, :-1].contiguous(), labels=batch[:, 1:].contiguous())
+
+
 def token_file_source(path: str | Path, seq_length: int, seed: int, vocab_size: int | None = None):
     """The source of a token file: packed documents for a version-2 file, windows for version 1."""
     cls = PackedDocumentSource if has_documents(read_token_header(path)) else TokenFileSource
@@ -297,5 +306,5 @@ def build_source(kind: str, *, path: str | None, seq_length: int, seed: int, voc
     raise ConfigError(f"data.kind={kind!r} is not one of mock, tokens")
 
 
-__all__ = ["MockSource", "TokenFileSource", "PackedDocumentSource", "PackedRow", "packed_microbatch",
+__all__ = ["MockSource", "TokenFileSource", "PackedDocumentSource", "PackedRow", "packed_microbatch", "file_rows",
            "token_file_source", "DataLoaderState", "Microbatch", "build_source", "TOKEN_DTYPES"]

@@ -42,6 +42,7 @@ from gptoss_cli.train.heartbeat import Watchdog
 from gptoss_cli.train.job import TrainJob
 from gptoss_cli.train.loop import run_worker
 from gptoss_cli.train.progress import TrainProgress, TrainResult
+from gptoss_cli.train.resume import check_resume_point
 
 
 def default_nproc(recipe: Any) -> int:
@@ -80,7 +81,32 @@ def _detect_gpu(device: str) -> str:
 
 
 def train(recipe: Any, *, nproc_per_node: int | None = None, progress: TrainProgress | None = None) -> TrainResult:
-    """Validate, then train: in this process (torchrun or one process) or on N local workers."""
+    """Validate, then train: in this process (torchrun or one process) or on N local workers; then, when the
+    recipe asks (`serve_check.engine`), check the final checkpoint against the serving engine."""
+    result = _train(recipe, nproc_per_node=nproc_per_node, progress=progress)
+    if recipe.config.serve_check.engine and int(os.environ.get("RANK", "0")) == 0:
+        _serve_check(recipe.config.serve_check, result)
+    return result
+
+
+def _serve_check(section: Any, result: TrainResult) -> None:
+    """serve-check the final checkpoint into the run folder; a failed check is a TrainingError (exit 1)."""
+    from gptoss_cli.parity.serve import check_after_training
+
+    if not result.checkpoint:
+        raise TrainingError("serve_check: the run saved no checkpoint to check")
+    report, path = check_after_training(result.checkpoint, result.run_dir, section.engine, section.engine_python,
+                                        section.dtype)
+    failure = report.failure_line()
+    if failure is not None:
+        raise TrainingError(f"serve_check ({path}): {failure}",
+                            hint=f"the checkpoint {result.checkpoint} is saved; see docs/serve-check.md")
+    worst = report.overall()["max_abs_logprob_diff"]
+    result.notes.append(f"serve-check passed ({report.engine['name']} {report.engine['version']}, {report.dtype}, "
+                        f"max |dlogprob| {worst:.3g}): {path}")
+
+
+def _train(recipe: Any, *, nproc_per_node: int | None, progress: TrainProgress | None) -> TrainResult:
     env = torchrun_env()
     if env is not None:
         if nproc_per_node is not None and int(os.environ.get("LOCAL_WORLD_SIZE", nproc_per_node)) != nproc_per_node:
@@ -92,6 +118,7 @@ def train(recipe: Any, *, nproc_per_node: int | None = None, progress: TrainProg
         check_local_gpus(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), recipe.config.system.device)
         job = TrainJob.from_recipe(recipe)
         with run_folders(job, owner=env["RANK"] == 0) as notes:
+            check_resume_point(job.config)
             return _with_notes(run_worker(job, progress), notes)
     nproc = nproc_per_node if nproc_per_node is not None else default_nproc(recipe)
     if nproc < 1:
@@ -100,6 +127,9 @@ def train(recipe: Any, *, nproc_per_node: int | None = None, progress: TrainProg
     check_local_gpus(nproc, recipe.config.system.device)
     job = TrainJob.from_recipe(recipe)
     with run_folders(job) as notes:
+        # Holding the folders: a resume that would change the lr schedule or the blend is one line,
+        # before any worker starts.
+        check_resume_point(job.config)
         if nproc == 1:
             return _with_notes(run_worker(job, progress), notes)
         return _with_notes(launch_local(job, nproc, progress), notes)

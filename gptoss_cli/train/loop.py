@@ -3,10 +3,12 @@
 `run_worker` joins the process group (torchrun's environment, or a single process), starts the
 heartbeat and the loggers, and runs a `Trainer`, which is built in named steps as torchtitan's is:
 `Trainer(job, state)` builds the model, optimizer, data and schedule; `resume()` loads the latest
-checkpoint of `checkpoint.dir`; `train_step(step)` runs one optimizer step through the selected
-schedule with the job's training objective (train/objective.py) and returns its numbers;
-`record_step` writes them; `save_checkpoint(done)`; `train()` runs it all and returns the
-`TrainResult` (train/progress.py).
+checkpoint of `checkpoint.dir` (train/resume.py: refusing one whose lr schedule or data blend the
+recipe would change); `train_step(step)` runs one optimizer step through the selected schedule
+with the job's training objective (train/objective.py) and returns its numbers; `validate(done)`
+scores the held-out data when due (train/validation.py); `record_step` writes the step's numbers;
+`save_checkpoint(done)` saves and applies checkpoint retention; `train()` runs it all and returns
+the `TrainResult` (train/progress.py).
 
 Only rank 0 calls `progress(event)` with the typed events of gptoss_cli/train/progress.py (the CLI
 renders them); every rank's metrics go to `<run_dir>/metrics.jsonl` (train/metrics.py: written by rank
@@ -29,8 +31,8 @@ import torch
 import torch.distributed as dist
 
 from gptoss_cli import outputs
-from gptoss_cli.checkpoint.training_format import RUN_KEY
-from gptoss_cli.errors import TrainingError
+from gptoss_cli.checkpoint.training_format import RUN_KEY, read_train_state
+from gptoss_cli.errors import ConfigError, TrainingError
 from gptoss_cli.model.pattern import MOE
 from gptoss_cli.parallel.state import ParallelState, barrier, destroy_parallel, init_parallel
 from gptoss_cli.recipe.environment import gpu_from_device_name
@@ -38,7 +40,8 @@ from gptoss_cli.recipe.flops import model_flops_per_token, peak_tflops, recomput
 from gptoss_cli.recipe.schema import RecipeConfig
 from gptoss_cli.resources import keep_freed_memory
 from gptoss_cli.schedule import get_forward_backward_func
-from gptoss_cli.train.checkpointing import latest_checkpoint, load_checkpoint, save_checkpoint
+from gptoss_cli.train.blend import BlendedSource, blended_source
+from gptoss_cli.train.checkpointing import latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
 from gptoss_cli.train.data import DataLoaderState, build_source
 from gptoss_cli.train.heartbeat import Heartbeat
 from gptoss_cli.train.job import TrainJob
@@ -50,9 +53,10 @@ from gptoss_cli.train.progress import (
     CheckpointSaved, StepDone, TrainFinished, TrainProgress, TrainResult, TrainStarted,
 )
 from gptoss_cli.train.provider import HybridModelProvider, ModelRuntimeConfig
-from gptoss_cli.train.resume import check_resume_base, lora_base
+from gptoss_cli.train.resume import check_resume_base, check_resume_recipe, lora_base
 from gptoss_cli.train.setup import setup_model_and_optimizer
 from gptoss_cli.train.telemetry import StepTotals
+from gptoss_cli.train.validation import Validator
 
 
 def run_worker(job: TrainJob, progress: TrainProgress | None = None) -> TrainResult:
@@ -143,9 +147,9 @@ class Trainer:
                                           overlap_grad_reduce=cfg.overlap.overlap_grad_reduce)
         self.model, self.optimizer, self.model_config = setup.model, setup.optimizer, setup.config
         self.model.train()
-        self.lr_schedule = WarmupCosineLR(t.lr, t.min_lr, t.warmup_iters, t.lr_decay_iters or t.train_iters,
-                                          t.lr_decay_style)
+        self.lr_schedule = WarmupCosineLR.from_training(t)
         self.data = self._build_data()
+        self.validator = Validator(cfg, state, job.arch.vocab_size) if cfg.validation.data else None
         self.objective = job.objective or build_objective(cfg)
         self.schedule = get_forward_backward_func(self.model_config)
         # every MoE layer of the model, also those other pipeline stages hold
@@ -164,9 +168,13 @@ class Trainer:
         self.last_checkpoint: Path | None = None
 
     def _build_data(self) -> DataLoaderState:
-        t, state = self.cfg.training, self.state
-        source = build_source(self.cfg.data.kind, path=self.cfg.data.path, seq_length=t.seq_length, seed=t.seed,
-                              vocab_size=self.job.arch.vocab_size)
+        t, state, d = self.cfg.training, self.state, self.cfg.data
+        if d.kind == "tokens" and d.blend:
+            source: Any = blended_source([(b.path, b.weight) for b in d.blend], t.seq_length, t.seed,
+                                         self.job.arch.vocab_size)
+        else:
+            source = build_source(d.kind, path=d.path, seq_length=t.seq_length, seed=t.seed,
+                                  vocab_size=self.job.arch.vocab_size)
         self.packing = ({"efficiency": source.efficiency, "rows": source.num_samples, "seq_length": t.seq_length}
                         if getattr(source, "documents", False) else None)
         return DataLoaderState(source, global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size,
@@ -191,9 +199,11 @@ class Trainer:
         folder = latest_checkpoint(ckpt.dir) if ckpt.dir and ckpt.resume else None
         if folder is not None:
             check_resume_base(folder, self.lora_base)
+            check_resume_recipe(folder, read_train_state(folder), self.cfg)
             meta = load_checkpoint(folder, model=self.model.module, optimizer=self.optimizer, state=self.state)
             self.start_step = int(meta["step"])
             self.data.consumed_samples = int(meta["consumed_samples"])
+            self._resume_blend(folder, meta.get("blend"))
             self.resumed_from = str(folder)
         if self.state.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -205,6 +215,15 @@ class Trainer:
                                    fp8=self.fp8.describe() if self.fp8 else None, packing=self.packing,
                                    qat=self.cfg.precision.qat))
 
+    def _resume_blend(self, folder: Path, saved: dict[str, Any] | None) -> None:
+        source = self.data.source
+        if isinstance(source, BlendedSource):
+            source.load_state_dict(saved, self.data.consumed_samples, folder)
+        elif saved is not None:
+            raise ConfigError(f"{folder}: the checkpoint trained on the blend data.blend={saved.get('files')}, this "
+                              "recipe trains on data.path", hint="resume with the checkpoint's data.blend, or start "
+                              "a new checkpoint.dir")
+
     # -- one step --------------------------------------------------------------------------------
     def train_step(self, step: int) -> StepOutcome:
         """Optimizer step `step` (0-based: steps done before it): the schedule over the step's
@@ -213,8 +232,8 @@ class Trainer:
         self.heartbeat.progress(step + 1, "step")
         t0 = time.perf_counter()
         self.model.zero_grad_buffer()
-        microbatches = self.objective.prepare_step(self.data.step_iterator(),
-                                                   StepContext(step=step, model=self.model, state=self.state))
+        context = StepContext(step=step, model=self.model, state=self.state, schedule=self.schedule)
+        microbatches = self.objective.prepare_step(self.data.step_iterator(), context)
         logs = self.schedule(forward_step_func=self.objective.forward_step,
                              data_iterator=self.heartbeat.beating(microbatches, step + 1),
                              model=self.model, num_microbatches=self.data.num_microbatches, forward_only=False)
@@ -248,8 +267,16 @@ class Trainer:
                            lr=lr, grad_norm=grad_norm, step_time_s=time.perf_counter() - t0,
                            router=self.totals.router_record(values))
 
-    def record_step(self, out: StepOutcome) -> dict[str, Any]:
-        """The step's metrics.jsonl lines, loggers and progress event; returns its global fields."""
+    def validate(self, done: int) -> dict[str, Any]:
+        """The held-out loss after step `done` when validation is on and due (metrics.jsonl fields), else {}."""
+        if self.validator is None or not self.validator.due(done):
+            return {}
+        self.heartbeat.progress(done, "validation")
+        return self.validator.run(self.model, beat=lambda: self.heartbeat.progress(done, "validation"))
+
+    def record_step(self, out: StepOutcome, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The step's metrics.jsonl lines (with `extra`, e.g. the validation fields), loggers and progress
+        event; returns its global fields."""
         t, dt = self.cfg.training, out.step_time_s
         tokens = out.metrics["tokens"]
         if out.step - 1 > self.start_step or t.train_iters - self.start_step == 1:  # the first step warms up
@@ -263,7 +290,7 @@ class Trainer:
                   "step_time_s": dt, "consumed_samples": self.data.consumed_samples,
                   "model_flops_per_token": self.flops_per_token, "tflops_per_gpu": tflops, "mfu": mfu,
                   "hardware_tflops_per_gpu": tflops * self.hardware_flops / self.flops_per_token,
-                  **{k: v for k, v in out.metrics.items() if k not in ("loss", "tokens")}}
+                  **{k: v for k, v in out.metrics.items() if k not in ("loss", "tokens")}, **(extra or {})}
         if self.fp8 is not None:
             common["fp8"] = self.fp8.summary()
         local_tokens = out.local["tokens"]
@@ -283,14 +310,17 @@ class Trainer:
 
     def save_checkpoint(self, done: int) -> Path:
         """Checkpoint `iter_{done}` with the data position, the lr schedule and the run record."""
+        ckpt = self.cfg.checkpoint
         self.heartbeat.progress(done, "checkpoint save", watched=False)  # disks may be slow; a stopped rank still shows
-        self.last_checkpoint = save_checkpoint(
-            self.cfg.checkpoint.dir, step=done, model=self.model.module, optimizer=self.optimizer, state=self.state,
-            train_state={"consumed_samples": self.data.consumed_samples, "lr_schedule": self.lr_schedule.state_dict(),
-                         "name": self.job.name, RUN_KEY: self.job.run_record(self.lora_base)},
-        )
+        train_state = {"consumed_samples": self.data.consumed_samples, "lr_schedule": self.lr_schedule.state_dict(),
+                       "name": self.job.name, RUN_KEY: self.job.run_record(self.lora_base)}
+        if isinstance(self.data.source, BlendedSource):
+            train_state["blend"] = self.data.source.state_dict(self.data.consumed_samples)
+        self.last_checkpoint = save_checkpoint(ckpt.dir, step=done, model=self.model.module, optimizer=self.optimizer,
+                                               state=self.state, train_state=train_state)
+        removed = prune_checkpoints(ckpt.dir, ckpt.keep_last, ckpt.keep_every) if self.state.rank == 0 else []
         if self.emit:
-            self.emit(CheckpointSaved(step=done, path=str(self.last_checkpoint)))
+            self.emit(CheckpointSaved(step=done, path=str(self.last_checkpoint), removed=[str(p) for p in removed]))
         return self.last_checkpoint
 
     # -- the run ---------------------------------------------------------------------------------
@@ -298,7 +328,8 @@ class Trainer:
         """Steps from the resumed one to training.train_iters, saving as checkpoint.* says; the result."""
         t = self.cfg.training
         for step in range(self.start_step, t.train_iters):
-            self.record_step(self.train_step(step))
+            outcome = self.train_step(step)
+            self.record_step(outcome, self.validate(step + 1))
             if self.should_save(step + 1):
                 self.save_checkpoint(step + 1)
         self.heartbeat.progress(t.train_iters, "finishing", watched=False)

@@ -23,7 +23,8 @@ computes it on the last stage only. Per-token log-probabilities (what policy-gra
 need instead of one mean loss) come from `token_log_probs(output, labels)`, chunked over tokens
 like the loss itself. `prepare_step` sees the step's microbatches before the schedule does, with a
 `StepContext` that can run forward-only passes over them (`forward_only`), which is where an
-objective that needs the current or a reference policy's log-probabilities of the batch gets them.
+objective that needs the current or a reference policy's log-probabilities of the batch gets them;
+per-position inputs such as advantages or those log-probabilities ride on `Microbatch.extras`.
 
 `build_objective(config)` is the one place an objective is chosen from the recipe; a `TrainJob`
 may carry its own instead (`TrainJob.objective`), which is how a new objective is run without
@@ -46,27 +47,27 @@ from gptoss_cli.model.loss_chunk import lm_loss_chunk_tokens
 from gptoss_cli.parallel.grads import get_attr_wrapped_model, get_model_config
 from gptoss_cli.train.data import Microbatch
 
-LossResult = "tuple[torch.Tensor, torch.Tensor, dict[str, Any]]"
-
-
 @dataclass
 class StepContext:
-    """What `prepare_step` may use: the step number, the wrapped model and a forward-only pass."""
+    """What `prepare_step` may use: the step number, the wrapped model, and forward-only passes through
+    the run's own schedule (`schedule`: `get_forward_backward_func`'s choice; a pipeline schedule runs
+    them stage by stage as it runs the step)."""
 
     step: int  # 0-based: optimizer steps done before this one
     model: torch.nn.Module
     state: Any  # the rank's ParallelState
+    schedule: Callable[..., list[dict[str, Any]]] | None = None  # None: the plain schedule
 
     def forward_only(self, forward_step_func: Callable[..., Any], microbatches: list[Microbatch]) -> list[dict[str, Any]]:
         """Run `forward_step_func` over `microbatches` without gradients (no backward, no gradient
-        reduction) through the step's own schedule (with pipeline parallelism: its stages, the logs
-        handed from the last stage to every rank); one log dict per microbatch, as its loss_func
-        returned them."""
-        from gptoss_cli.schedule import get_forward_backward_func  # noqa: PLC0415
-
-        schedule = get_forward_backward_func(get_model_config(self.model))
-        return schedule(forward_step_func=forward_step_func, data_iterator=iter(microbatches), model=self.model,
-                        num_microbatches=len(microbatches), forward_only=True)
+        reduction; with pipeline parallelism the logs are handed from the last stage to every
+        rank); one log dict per microbatch, as its loss_func returned them."""
+        schedule = self.schedule
+        if schedule is None:
+            from gptoss_cli.schedule.plain import forward_backward_no_pipelining as schedule  # noqa: PLC0415
+        with torch.no_grad():
+            return schedule(forward_step_func=forward_step_func, data_iterator=iter(microbatches), model=self.model,
+                            num_microbatches=len(microbatches), forward_only=True)
 
 
 class TrainingObjective(abc.ABC):
@@ -176,9 +177,9 @@ def token_log_probs(output: Any, labels: torch.Tensor, chunk_tokens: int | None 
         picked = -F.cross_entropy(logits, safe, reduction="none")
         return torch.where(valid, picked, torch.zeros_like(picked)).reshape(labels.shape)
     h = hidden.reshape(-1, hidden.shape[-1])
-    # the output's own chunk, else the device's (model/loss_chunk.py), as the loss takes it
-    chunk = max(1, int(chunk_tokens or getattr(output, "loss_chunk_tokens", None)
-                       or lm_loss_chunk_tokens(output.head_weight.shape[0], hidden.element_size(), hidden.device.type)))
+    chunk = chunk_tokens or getattr(output, "loss_chunk_tokens", None)
+    # the loss's own chunk where the output does not set one (model/loss_chunk.py: per vocabulary and device)
+    chunk = max(1, int(chunk or lm_loss_chunk_tokens(output.head_weight.shape[0], h.element_size(), h.device.type)))
     parts = []
     for start in range(0, h.shape[0], chunk):
         args = (h[start:start + chunk], output.head_weight, safe[start:start + chunk])

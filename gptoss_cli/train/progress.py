@@ -71,12 +71,14 @@ class StepDone:
     aux_loss: float | None = None  # when moe.aux_loss_coeff > 0
     z_loss: float | None = None  # when moe.z_loss_coeff > 0
     fp8: dict[str, Any] | None = None  # `Fp8Gemms.summary()` when FP8 runs
+    val_loss: float | None = None  # the held-out loss, at the steps validation ran (validation.*)
 
 
 @dataclass(frozen=True)
 class CheckpointSaved:
     step: int
     path: str  # the checkpoint's folder
+    removed: list[str] = field(default_factory=list)  # older checkpoints retention deleted (checkpoint.keep_last)
 
 
 @dataclass(frozen=True)

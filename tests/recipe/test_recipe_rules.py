@@ -21,6 +21,8 @@ CASES = {
     "model.pattern_matches_architecture": (
         ["model.hybrid_layer_pattern=*E*E"], "error", ["model.hybrid_layer_pattern=[*E][*E][*E]"]),
     "model.mtp_layers": (["model.mtp_num_layers=2"], "error", ["model.mtp_num_layers=0"]),
+    "model.attention_backend": (
+        ["model.attention_backend=flash", "system.device=cuda"], "error", ["model.attention_backend=auto", "system.device=cuda"]),
     "model.seq_within_positions": (
         ["model.architecture.max_position_embeddings=16"], "error", ["model.architecture.max_position_embeddings=32"]),
     "parallel.world_size_consistent": (
@@ -109,15 +111,19 @@ CASES = {
         ["overlap.overlap_param_gather=true", "overlap.overlap_grad_reduce=true"]),
     "data.source": (["data.kind=tokens"], "error", ["data.kind=tokens", "data.path=data/tokens"]),
     "checkpoint.settings": (["checkpoint.dir=null"], "error", ["checkpoint.dir=null", "checkpoint.save_interval=null"]),
+    "checkpoint.retention": (["checkpoint.keep_every=5"], "warning", ["checkpoint.keep_every=5", "checkpoint.keep_last=2"]),
+    "validation.source": (["validation.interval=10"], "warning", ["validation.interval=10", "validation.data=data/val"]),
     # ~130 GB per GPU: 4M tokens per microbatch of the tiny model's activations and logits
     "memory.fits": (["system.gpu=h100", "training.seq_length=65536", "training.micro_batch_size=128"], "error",
                     ["system.gpu=gb300", "training.seq_length=65536", "training.micro_batch_size=128"]),
     "system.backend": (["parallelism.backend=nccl"], "error", ["parallelism.backend=auto"]),
-    "lora.targets": (["lora.rank=4"], "error",
+    "lora.targets": (["lora.rank=4", "lora.target_modules=[linear_qkv, linear_qkv]"], "error",
                      ["lora.rank=4", "lora.target_modules=[linear_qkv]"]),
     "lora.rank": ([*LORA, "lora.rank=65"], "error", [*LORA, "lora.rank=48"]),
     "lora.base": (LORA, "error", [*LORA, "checkpoint.pretrained=checkpoints/base"]),
     "lora.base_experts": (["lora.base_experts=mxfp4"], "error", [*LORA, "lora.base_experts=mxfp4"]),
+    "serve_check.engine": (["serve_check.engine=vllm", "checkpoint.dir=null", "checkpoint.save_interval=null"], "error",
+                           ["serve_check.engine=vllm"]),
     "lora.combinations": ([*LORA, "parallelism.context_parallel_size=2", "parallelism.world_size=2"], "error",
                           [*LORA, "parallelism.world_size=2"]),
     "unsupported.tensor_parallel": (["parallelism.tensor_model_parallel_size=2"], "error", []),
@@ -233,6 +239,20 @@ def test_overlap_needs_torch_2_6():
     assert [f.rule for f in rule(cfg, ctx)] == ["overlap.torch_version"]
     cfg, ctx = make_ctx(overrides=OVERLAP, torch_version="2.6.0")
     assert rule(cfg, ctx) == []
+
+
+def test_flex_attention_needs_torch_2_5_and_flash_on_an_unknown_device_is_a_warning():
+    rule = RULES["model.attention_backend"]
+    cfg, ctx = make_ctx(overrides=["model.attention_backend=flex"], torch_version="2.4.1")
+    assert [f.severity for f in rule(cfg, ctx)] == ["error"]
+    cfg, ctx = make_ctx(overrides=["model.attention_backend=flex"], torch_version="2.11.0+cu128")
+    assert rule(cfg, ctx) == []
+    assert [f.severity for f in run_rule("model.attention_backend", ["model.attention_backend=flash", "system.device=auto"])] \
+        == ["warning"]
+    assert run_rule("model.attention_backend", ["model.attention_backend=flash", "system.device=cpu"]) == []
+    # a window no shorter than the sequence masks nothing: the CUDA flash kernel takes those layers
+    assert run_rule("model.attention_backend", ["model.attention_backend=flash", "system.device=cuda",
+                                                "model.architecture.sliding_window=32"]) == []
 
 
 # --- rules with a second trigger worth pinning -------------------------------------------------

@@ -1,0 +1,188 @@
+"""vLLM offline, in a separate interpreter: the engine's own venv pins its torch and transformers.
+
+`VllmEngine.start(model_dir, python=...)` runs vllm_worker.py under that interpreter (the `python`
+argument, else $GPTOSS_ENGINE_PYTHON, else this interpreter when it can import vllm), builds vLLM's
+`LLM` on the HF folder and answers the Engine interface of base.py. vLLM's own output goes to a log
+file; a failure is one line with vLLM's message (EngineError, exit 2).
+
+Settings that make the served model the one gptoss computes: `skip_tokenizer_init` (prompts are
+token ids), `enforce_eager`, prefix caching off (a reload must never serve stale keys and values),
+and `logprobs_mode` raw (the model's log-softmax, before temperature or penalties).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Sequence
+
+from gptoss_cli.generate.engines.base import (
+    ENGINE_PYTHON_ENV, Completion, EngineError, EngineInfo, PromptScores, Sampling, one_line,
+)
+
+WORKER = Path(__file__).with_name("vllm_worker.py")
+DEFAULT_KV_CACHE_BYTES = 256 << 20  # vLLM's CPU backend would reserve most of the host otherwise
+
+
+def engine_python(python: str | None = None) -> str:
+    """The interpreter with vLLM: `python`, else $GPTOSS_ENGINE_PYTHON, else this one if it has vLLM."""
+    chosen = python or os.environ.get(ENGINE_PYTHON_ENV)
+    if chosen:
+        path = shutil.which(chosen) or chosen
+        if not Path(path).is_file() or not os.access(path, os.X_OK):
+            where = "--engine-python" if python else f"${ENGINE_PYTHON_ENV}"
+            raise EngineError(f"{where} {chosen}: not an executable Python interpreter",
+                              hint="the python of the venv vLLM is installed in (docs/serve-check.md)")
+        return path
+    if importlib.util.find_spec("vllm") is not None:
+        return sys.executable
+    raise EngineError("no Python interpreter with vLLM: pass --engine-python PATH or set "
+                      f"{ENGINE_PYTHON_ENV}", hint="install vLLM in its own venv (docs/serve-check.md)")
+
+
+class VllmEngine:
+    """vLLM's LLM on one HF folder, in a worker process (see the module docstring)."""
+
+    def __init__(self, python: str | None = None, *, log_dir: str | Path | None = None):
+        self.python = engine_python(python)
+        self._tmp = Path(tempfile.mkdtemp(prefix="gptoss-vllm-", dir=log_dir))
+        self.log_path = self._tmp / "engine.log"
+        self._log = open(self.log_path, "wb")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env.pop("PYTHONPATH", None)  # the engine's venv, not ours
+        try:
+            self._proc = subprocess.Popen([self.python, str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                          stderr=self._log, env=env, cwd=str(self._tmp))
+        except OSError as exc:
+            self._cleanup()
+            raise EngineError(f"--engine-python {self.python}: cannot start ({exc.strerror or exc})") from None
+        self._closed, self._keep_log = False, False
+        hello = self._call({"op": "hello"}, what=f"importing vLLM in {self.python}")
+        self.info = EngineInfo("vllm", hello["version"], device=hello.get("device", "unknown"), python=self.python,
+                               lora_experts=hello.get("device") == "cuda")
+        if self.info.device != "cuda":
+            self.info.notes.append("vLLM's LoRA layers for MoE experts are Triton GPU kernels; on "
+                                   f"{self.info.device} a PEFT expert adapter cannot be served")
+        self.model: str | None = None
+        self.vocab_size: int | None = None
+
+    @classmethod
+    def start(cls, model_dir: str | Path, *, dtype: str, max_model_len: int, vocab_size: int,
+              python: str | None = None, **options: Any) -> "VllmEngine":
+        engine = cls(python)
+        try:
+            engine.load_model(model_dir, dtype=dtype, max_model_len=max_model_len, vocab_size=vocab_size, **options)
+        except BaseException:
+            engine.close()
+            raise
+        return engine
+
+    # --- the worker ----------------------------------------------------------------------
+    def _call(self, request: dict[str, Any], what: str) -> dict[str, Any]:
+        if self._closed or self._proc.poll() is not None:
+            raise EngineError(f"vLLM {what}: the engine process is not running{self._log_tail()}")
+        try:
+            self._proc.stdin.write((json.dumps(request) + "\n").encode())
+            self._proc.stdin.flush()
+            line = self._proc.stdout.readline()
+        except BrokenPipeError:
+            line = b""
+        if not line:
+            code = self._proc.wait()
+            self._keep_log = True
+            raise EngineError(f"vLLM {what}: the engine process ended (exit {code}){self._log_tail()}")
+        answer = json.loads(line)
+        if not answer.get("ok"):
+            self._keep_log = True
+            raise EngineError(f"vLLM {what}: {one_line(answer.get('error', 'failed'))}",
+                              hint=f"the engine's log: {self.log_path}")
+        return answer
+
+    def _log_tail(self) -> str:
+        """The last line of the engine's log that reads like an error, for the one-line message."""
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        for line in reversed(lines):
+            if "Error" in line or "error" in line:
+                return f": {one_line(line, 400)}"
+        return ""
+
+    # --- the Engine interface -------------------------------------------------------------
+    def load_model(self, model_dir: str | Path, *, dtype: str, max_model_len: int, vocab_size: int,
+                   enable_lora: bool = False, max_lora_rank: int = 16, seed: int = 0,
+                   kv_cache_bytes: int | None = DEFAULT_KV_CACHE_BYTES, logprobs_mode: str = "raw_logprobs",
+                   engine_args: dict[str, Any] | None = None) -> float:
+        """Build vLLM's LLM on `model_dir` (the previous one, if any, is shut down first); its seconds."""
+        answer = self._call({"op": "start", "model": str(model_dir), "dtype": dtype, "max_model_len": max_model_len,
+                             "enable_lora": enable_lora, "max_lora_rank": max_lora_rank, "seed": seed,
+                             "kv_cache_bytes": kv_cache_bytes, "logprobs_mode": logprobs_mode,
+                             "engine_args": engine_args or {}}, what=f"loading {model_dir}")
+        self.info.kernels = answer.get("kernels", {})
+        self.model, self.vocab_size = str(model_dir), vocab_size
+        return float(answer["seconds"])
+
+    def score(self, prompts: Sequence[Sequence[int]], top_k: int | None = None,
+              lora: str | None = None) -> list[PromptScores]:
+        out = self._tmp / "scores.safetensors"
+        self.last_seconds = float(self._call(
+            {"op": "score", "prompts": [list(map(int, p)) for p in prompts], "top_k": top_k, "lora": lora,
+             "vocab_size": self.vocab_size, "out": str(out)}, what="scoring the prompts")["seconds"])
+        from safetensors.numpy import load_file
+
+        tensors = load_file(str(out))
+        out.unlink()
+        return [PromptScores(list(map(int, p)), tensors[f"logprobs.{i}"],
+                             None if top_k is None else tensors[f"ids.{i}"]) for i, p in enumerate(prompts)]
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling,
+                 lora: str | None = None) -> list[Completion]:
+        answer = self._call({"op": "generate", "prompts": [list(map(int, p)) for p in prompts],
+                             "sampling": sampling.to_json(), "lora": lora}, what="generating")
+        return [Completion(c["ids"], c["logprobs"], c.get("finish_reason")) for c in answer["completions"]]
+
+    def load_weights(self, folder: str | Path) -> float:
+        """vLLM's in-place reload from an HF folder of the same architecture (what RL weight pushes use)."""
+        return float(self._call({"op": "load_weights", "folder": str(folder)},
+                                what=f"reloading weights from {folder}")["seconds"])
+
+    def close(self) -> None:
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        try:
+            if self._proc.poll() is None:
+                self._proc.stdin.write(b'{"op": "close"}\n')
+                self._proc.stdin.flush()
+                self._proc.wait(timeout=60)
+        except (OSError, subprocess.TimeoutExpired, ValueError):
+            pass
+        finally:
+            if self._proc.poll() is None:
+                self._proc.kill()
+                self._proc.wait()
+            self._cleanup()
+
+    def _cleanup(self) -> None:
+        try:
+            self._log.close()
+        except (AttributeError, OSError):
+            pass
+        if not getattr(self, "_keep_log", False):  # a failure's log stays for the user to read
+            shutil.rmtree(self._tmp, ignore_errors=True)
+
+    def __enter__(self) -> "VllmEngine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+__all__ = ["VllmEngine", "engine_python", "WORKER"]

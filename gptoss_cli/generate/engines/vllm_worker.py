@@ -1,0 +1,226 @@
+"""The vLLM side of gptoss's offline engine: a script run by the interpreter that has vLLM installed.
+
+It never imports gptoss (that interpreter pins its own torch and transformers): only the standard
+library at import, vLLM and torch inside the operations. The parent (vllm_offline.py) starts it as
+`PYTHON vllm_worker.py` and talks JSON, one object per line: requests on stdin, answers on the
+protocol stream (the process's original stdout; everything else vLLM and its libraries print goes to
+stderr, which the parent keeps in a log file). Every answer is {"ok": true, ...} or {"ok": false,
+"error": "<the exception's type and message on one line>"}. Large results (prompt logprobs) go to
+a safetensors file the request names.
+
+Operations: hello (versions), start (build an LLM on an HF folder; one at a time), score (prompt
+logprobs), generate (ids and sampled-token logprobs), load_weights (vLLM's in-place reload from a
+folder, then the prefix cache reset), close.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+
+# The engine core runs in this process, so the model is reachable (kernels, reload) and vLLM is
+# imported once; set before vLLM is imported.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# This script's folder holds gptoss modules, never what vLLM imports.
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+
+STATE: dict = {}
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return f"{type(exc).__name__}: {text}"[:2000]
+
+
+def op_hello(req: dict) -> dict:
+    import platform
+
+    import torch
+    import vllm
+
+    return {"version": getattr(vllm, "__version__", "unknown"), "torch": torch.__version__,
+            "python": sys.executable, "machine": platform.machine(), "device": _device()}
+
+
+def _device() -> str:
+    try:
+        from vllm.platforms import current_platform
+
+        return str(current_platform.device_type or "unknown")
+    except Exception:  # noqa: BLE001 - only a label
+        return "unknown"
+
+
+def _model():
+    llm = STATE["llm"]
+    try:
+        return llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+    except AttributeError:
+        return None
+
+
+def _kernels() -> dict:
+    """Class names of the attention and MoE kernels vLLM chose for the model (best effort)."""
+    model = _model()
+    out: dict = {}
+    if model is None:
+        return out
+    for name, module in model.named_modules():
+        impl = getattr(module, "impl", None)
+        if "attention" not in out and impl is not None and "Attention" in type(module).__name__:
+            out["attention"] = type(impl).__name__
+        quant = getattr(module, "quant_method", None)
+        if "moe" not in out and quant is not None and "experts" in name:
+            kernel = getattr(quant, "moe_kernel", None)
+            inner = getattr(getattr(kernel, "impl", None), "fused_experts", None) if kernel is not None else None
+            out["moe"] = type(inner if inner is not None else quant).__name__
+    return out
+
+
+def op_start(req: dict) -> dict:
+    from vllm import LLM
+
+    if STATE.get("llm") is not None:
+        _shutdown()
+    t0 = time.perf_counter()
+    kwargs = dict(model=req["model"], dtype=req["dtype"], max_model_len=int(req["max_model_len"]),
+                  max_num_batched_tokens=int(req["max_model_len"]), enforce_eager=True, skip_tokenizer_init=True,
+                  max_logprobs=-1, seed=int(req.get("seed", 0)), enable_prefix_caching=False,
+                  logprobs_mode=req.get("logprobs_mode", "raw_logprobs"))
+    if req.get("kv_cache_bytes"):
+        kwargs["kv_cache_memory_bytes"] = int(req["kv_cache_bytes"])
+    if req.get("enable_lora"):
+        kwargs.update(enable_lora=True, max_lora_rank=int(req["max_lora_rank"]), max_loras=1)
+    kwargs.update(req.get("engine_args") or {})
+    STATE["llm"] = LLM(**kwargs)
+    STATE["lora_ids"] = {}
+    return {"seconds": time.perf_counter() - t0, "kernels": _kernels()}
+
+
+def _lora(path):
+    if not path:
+        return None
+    from vllm.lora.request import LoRARequest
+
+    ids = STATE["lora_ids"]
+    ids.setdefault(path, len(ids) + 1)
+    return LoRARequest(f"adapter{ids[path]}", ids[path], path)
+
+
+def op_score(req: dict) -> dict:
+    import torch
+    from safetensors.torch import save_file
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    top_k = req.get("top_k")
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=-1 if top_k is None else int(top_k),
+                            detokenize=False)
+    t0 = time.perf_counter()
+    outs = STATE["llm"].generate([TokensPrompt(prompt_token_ids=list(p)) for p in req["prompts"]], params,
+                                 use_tqdm=False, lora_request=_lora(req.get("lora")))
+    seconds = time.perf_counter() - t0
+    tensors = {}
+    for i, out in enumerate(outs):
+        rows = out.prompt_logprobs[1:]  # position 0 has no prefix
+        if top_k is None:
+            vocab = int(req["vocab_size"])
+            lp = torch.full((len(rows), vocab), float("-inf"), dtype=torch.float32)
+            for p, row in enumerate(rows):
+                keys = list(row)
+                lp[p, keys] = torch.tensor([row[k].logprob for k in keys], dtype=torch.float32)
+            tensors[f"logprobs.{i}"] = lp
+        else:
+            width = int(top_k) + 1
+            ids = torch.full((len(rows), width), -1, dtype=torch.int64)
+            lp = torch.full((len(rows), width), float("-inf"), dtype=torch.float32)
+            for p, row in enumerate(rows):
+                keys = list(row)[:width]
+                ids[p, :len(keys)] = torch.tensor(keys, dtype=torch.int64)
+                lp[p, :len(keys)] = torch.tensor([row[k].logprob for k in keys], dtype=torch.float32)
+            tensors[f"logprobs.{i}"], tensors[f"ids.{i}"] = lp, ids
+    save_file(tensors, req["out"])
+    return {"seconds": seconds}
+
+
+def op_generate(req: dict) -> dict:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    s = req["sampling"]
+    params = SamplingParams(max_tokens=int(s["max_tokens"]), temperature=float(s["temperature"]),
+                            top_p=float(s["top_p"]), seed=int(s["seed"]), stop_token_ids=list(s["stop_token_ids"]),
+                            logprobs=int(s.get("logprobs", 0)), detokenize=False)
+    t0 = time.perf_counter()
+    outs = STATE["llm"].generate([TokensPrompt(prompt_token_ids=list(p)) for p in req["prompts"]], params,
+                                 use_tqdm=False, lora_request=_lora(req.get("lora")))
+    completions = []
+    for out in outs:
+        c = out.outputs[0]
+        lps = [float(step[t].logprob) for t, step in zip(c.token_ids, c.logprobs or [])]
+        completions.append({"ids": list(c.token_ids), "logprobs": lps, "finish_reason": c.finish_reason})
+    return {"completions": completions, "seconds": time.perf_counter() - t0}
+
+
+def op_load_weights(req: dict) -> dict:
+    t0 = time.perf_counter()
+    llm = STATE["llm"]
+    llm.collective_rpc("reload_weights", kwargs={"weights_path": req["folder"]})
+    llm.reset_prefix_cache()
+    return {"seconds": time.perf_counter() - t0}
+
+
+def _shutdown() -> None:
+    import gc
+
+    llm = STATE.pop("llm", None)
+    if llm is not None:
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        except Exception:  # noqa: BLE001 - best effort before the next model
+            pass
+        del llm
+        gc.collect()
+
+
+OPS = {"hello": op_hello, "start": op_start, "score": op_score, "generate": op_generate,
+       "load_weights": op_load_weights}
+
+
+def main() -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it closes or ends this process
+    protocol = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # whatever vLLM prints goes to stderr, never into the protocol stream
+    sys.stdout = sys.stderr
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        try:
+            req = json.loads(line)
+        except ValueError as exc:
+            protocol.write(json.dumps({"ok": False, "error": f"bad request: {exc}"}) + "\n")
+            continue
+        op = req.get("op")
+        if op == "close":
+            _shutdown()
+            protocol.write(json.dumps({"ok": True}) + "\n")
+            return 0
+        try:
+            answer = {"ok": True, **OPS[op](req)}
+        except BaseException as exc:  # noqa: BLE001 - every failure is answered, the parent decides
+            traceback.print_exc(file=sys.stderr)
+            answer = {"ok": False, "error": _one_line(exc) if op in OPS else f"unknown op {op!r}"}
+        protocol.write(json.dumps(answer) + "\n")
+    _shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
