@@ -266,6 +266,7 @@ def train_configs(rank: int, plans: list[tuple[Any, str | None]]) -> list[list[d
             records[-1]["overlapped"] = OVERLAPPED["pairs"] - before  # DualPipeV's overlapped F-B actions run here
             records[-1]["cpu_s"] = time.process_time() - cpu  # this rank's CPU time (the tests' cost, load-free)
             out.append(records)
+        out[-1][-1]["launch_cpu_s"] = time.process_time()  # this rank's CPU time since it started (imports too)
     finally:
         module.state_from_world = real
     return out
@@ -319,6 +320,8 @@ def compute(folder: Path) -> dict[str, Any]:
             entry["reference"] = reference.judge(run)  # transformers + torch AdamW, from the fixture's weights
         result[name] = entry
     result["launch_seconds"] = seconds
+    result["launch_cpu_s"] = {w: sum(records[-1].get("launch_cpu_s", 0.0) for n, r in runs.items() if r["world"] == w
+                                     for records in r["ranks"]) for w in seconds}
     result["reference"] = {"loss": reference.loss, "norm": reference.norm, "margin_over_bound": reference.margin}
     result["checkpoints"] = {name: str(folder / "checkpoints" / name) for name in ("ckpt-pp1-ep2", "ckpt-pp2xep2")
                              if name in CONFIGS}

@@ -20,21 +20,29 @@ def runs(tmp_path_factory):
     return P.load(tmp_path_factory)
 
 
-def test_pp_checkpoint_converts_to_hf_bit_identical_with_pp1(runs, tmp_path):
+@pytest.mark.parametrize("to", ["hf", "hybrid"])
+def test_pp_checkpoint_converts_bit_identical_with_pp1(runs, tmp_path, to):
     """Two steps at PP = 2 x EP = 2 and at PP = 1 x EP = 2 (no clip: the norm's summation order cannot
-    reach the weights), each converted by `gptoss convert --to hf`: the same tensors, bit for bit."""
+    reach the weights), each converted by `gptoss convert --to hf` / `--to hybrid`: the same tensors,
+    bit for bit."""
     from gptoss_cli.checkpoint.convert import convert
 
     out = {}
     for name, folder in runs["checkpoints"].items():
-        convert(folder, tmp_path / name, to="hf", dtype="float32")
+        convert(folder, tmp_path / name, to=to, dtype="float32")
         shards = sorted((tmp_path / name).glob("*.safetensors"))
         out[name] = [(s.name, s.read_bytes()) for s in shards]
-        index = json.loads((tmp_path / name / "model.safetensors.index.json").read_text())
-        out[name + ".map"] = index["weight_map"]
     assert len(out["ckpt-pp1-ep2"]) >= 1
     assert out["ckpt-pp2xep2"] == out["ckpt-pp1-ep2"]  # file names and bytes
-    assert out["ckpt-pp2xep2.map"] == out["ckpt-pp1-ep2.map"]
+    if to == "hybrid":
+        shards = sorted((tmp_path / "ckpt-pp2xep2").glob("*.safetensors"))
+        tensors = {k: v for shard in shards for k, v in load_file(str(shard)).items()}
+        assert "decoder.layers.5.mlp.experts.linear_fc1.weight0" in tensors and "output_layer.weight" in tensors
+        assert torch.equal(tensors["output_layer.weight"], runs["ckpt-pp2xep2"]["after"][-1]["output_layer.weight"])
+        return
+    maps = [json.loads((tmp_path / n / "model.safetensors.index.json").read_text())["weight_map"]
+            for n in ("ckpt-pp2xep2", "ckpt-pp1-ep2")]
+    assert maps[0] == maps[1]
     tensors = load_file(str(tmp_path / "ckpt-pp2xep2" / out["ckpt-pp2xep2"][0][0]))
     assert "model.layers.2.mlp.experts.gate_up_proj" in tensors and "lm_head.weight" in tensors
     trained = runs["ckpt-pp2xep2"]["after"][-1]

@@ -87,6 +87,22 @@ def test_pipelined_first_step_equals_transformers_and_pp1(runs, name):
     assert problems(runs, name) == []
 
 
+@pytest.mark.parametrize("name", ["pp2-1f1b", "pp4xep2-i1f1b", "pp4-dualpipev", "pp2xep2-overlap"])
+def test_telemetry_and_mfu_count_every_stage_once(runs, name):
+    """Each stage adds its own MoE layers' router rows to the step's totals: the expert load of every
+    layer equals the PP = 1 run's (token counts, exact; times the repeats of the 4 samples in a larger
+    global batch), its entropy and CV within PP_REL; the model FLOPs per token (MFU's numerator) are the
+    whole model's, counted once, not per stage."""
+    m, base = P.rank0(runs[name])[0], P.rank0(runs[baseline(name)])[0]
+    repeats = P.CONFIGS[name][1].get("global_batch_size", R.GLOBAL_BATCH) // R.GLOBAL_BATCH
+    assert m["expert_load"] == {j: [repeats * c for c in v] for j, v in base["expert_load"].items()}
+    assert len(m["expert_load"]) == 3
+    for key in ("router_entropy", "router_cv"):
+        assert m[key].keys() == base[key].keys()
+        assert all(m[key][j] == pytest.approx(v, rel=PP_REL) for j, v in base[key].items()), key
+    assert m["model_flops_per_token"] == base["model_flops_per_token"] > 0
+
+
 @pytest.mark.parametrize("name", ["pp2xep2-overlap", "pp2xep2-overlap-aux", "pp4xep2-overlap"])
 def test_ep_overlap_under_pipelining_ran_and_equals_pp1(runs, name):
     """DualPipeV's overlapped forward-backward actions, each a forward and a backward plan interleaved
