@@ -211,7 +211,9 @@ class Trainer:
         if self.emit:
             self.emit(TrainStarted(start_step=self.start_step, train_iters=self.cfg.training.train_iters,
                                    world_size=self.state.world_size, ep_size=self.state.ep_size,
-                                   cp_size=self.state.cp_size, resumed_from=self.resumed_from,
+                                   cp_size=self.state.cp_size, pp_size=self.state.pp_size,
+                                   pipeline_schedule=self.cfg.parallelism.pipeline_schedule
+                                   if self.state.pp_size > 1 else None, resumed_from=self.resumed_from,
                                    fp8=self.fp8.describe() if self.fp8 else None, packing=self.packing,
                                    qat=self.cfg.precision.qat))
 
