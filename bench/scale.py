@@ -56,6 +56,22 @@ def memory_table(sims: list[RankSimulation], est) -> list[str]:
     return lines
 
 
+def memory_tables(sims: list[RankSimulation], cfg, arch, pattern, world: int) -> tuple[list[str], list]:
+    """One memory table per pipeline rank among `sims` (one table without PP), each against that rank's
+    estimate; the lines and the estimates."""
+    by_stage: dict[int, list[RankSimulation]] = {}
+    for s in sims:
+        by_stage.setdefault(s.pp_rank, []).append(s)
+    lines, estimates = [], []
+    for pp_rank, group in by_stage.items():
+        est = estimate_memory(cfg, arch, pattern, world, pipeline_rank=pp_rank if group[0].pp_size > 1 else None)
+        estimates.append(est)
+        if group[0].pp_size > 1:
+            lines.append(f"pipeline rank {pp_rank} of {group[0].pp_size} ({est.stages[pp_rank]['stages']}):")
+        lines += memory_table(group, est)
+    return lines, estimates
+
+
 def formula_lines(cfg, arch) -> list[str]:
     b = DTYPE_BYTES[cfg.precision.params_dtype]
     per = activation_bytes_per_token(arch, b, aux_loss=cfg.moe.aux_loss_coeff > 0)
@@ -99,7 +115,7 @@ def optimizer_collectives(sim: RankSimulation) -> dict:
     rs = sim.count("reduce_scatter", "finalize_model_grads")
     ag = sim.count("all_gather", "optimizer step")
     ar = sim.count("all_reduce", "optimizer step")
-    sharded = [g for g, size in (("dense", sim.world_size), ("expert", sim.expert_dp_size)) if size > 1]
+    sharded = [g for g, size in (("dense", sim.world_size // sim.pp_size), ("expert", sim.expert_dp_size)) if size > 1]
     buckets = sum(sim.buckets[g] for g in sharded)
     return {"world_size": sim.world_size, "buckets": dict(sim.buckets), "reduced_buckets": buckets,
             "reduce_scatter": rs, "all_gather": ag, "all_reduce": ar,
@@ -121,16 +137,18 @@ def main() -> None:
     world, _ = resolve_world_size(cfg, args.world_size)
     ranks = [int(r) for r in args.ranks.split(",")] if args.ranks else sorted({0, world - 1})
     sims = [simulate_rank(cfg, arch, recipe.pattern, world, r) for r in ranks]
-    est = estimate_memory(cfg, arch, recipe.pattern, world)
+    tables, estimates = memory_tables(sims, cfg, arch, recipe.pattern, world)
+    est = estimates[0]
     s0 = sims[0]
     bucket = cfg.optimizer.bucket_size or "Megatron's default max(40M, 1M x DP)"
     name = cfg.name or args.recipe
-    print(f"{name}: {cfg.model.preset or 'model'}, world {world} = expert-DP {s0.expert_dp_size} x EP {s0.ep_size}, "
+    pp = f"PP {s0.pp_size} x " if s0.pp_size > 1 else ""
+    print(f"{name}: {cfg.model.preset or 'model'}, world {world} = {pp}expert-DP {s0.expert_dp_size} x EP {s0.ep_size}, "
           f"{cfg.precision.params_dtype}, {'distributed' if cfg.optimizer.use_distributed_optimizer else 'replicated'} "
           f"optimizer, buckets of {bucket} elements ({s0.buckets['dense']} dense, {s0.buckets['expert']} expert)")
     print(f"simulated rank(s) {', '.join(map(str, ranks))} on torch's fake process group: meta tensors, the real "
           "buffers, optimizer, finaliser and dispatcher; balanced routing\n")
-    for line in memory_table(sims, est):
+    for line in tables:
         print(line)
     print()
     for line in formula_lines(cfg, arch):
@@ -155,7 +173,8 @@ def main() -> None:
         args.json.write_text(json.dumps({
             "recipe": name, "world_size": world, "ranks": [
                 {"rank": s.rank, "memory": s.memory, "buckets": s.buckets} for s in sims],
-            "estimate": est.to_dict() if est else None, "collectives": collective_rows(s0),
+            "estimate": est.to_dict() if est else None,
+            "estimates": [e.to_dict() if e else None for e in estimates], "collectives": collective_rows(s0),
             "collectives_per_step": s0.count(), "sent_bytes_per_step": s0.wire_bytes(),
             "optimizer": opt, "sweep": sweep,
         }, indent=2) + "\n")

@@ -7,6 +7,12 @@ costs no memory), the bucketed gradient and parameter buffers, the distributed o
 `finalize_model_grads`, `DistributedAdamW.step`, and the MoE token dispatcher's dispatch and
 combine, forward and backward, on CPU tensors of the real size.
 
+With pipeline parallelism the rank builds the model of its pipeline stages (the provider's
+`stage_parts`: its layers, the embedding or the head when it holds them) over the (pp, dp, ep)
+groups of gptoss_cli/parallel/state.py; the activations and gradients its stages send to and receive
+from their neighbours (torch's point-to-point sends, not collectives) are added by hand per
+microbatch, from the stage boundaries of the layout.
+
 Simulated: the process group is torch's fake one (`torch.testing._internal.distributed.fake_pg`)
 at the recipe's world size and EP size, so no rank talks to another. `CollectiveRecorder` notes
 every collective the code issues (operation, group, bytes) and stands in for it: an all-to-all
@@ -187,6 +193,8 @@ class RankSimulation:
     buckets: dict[str, int]  # dense / expert buckets
     bucket_numel: dict[str, list[int]]
     phases: list[Phase] = field(default_factory=list)
+    pp_size: int = 1
+    pp_rank: int = 0
 
     def collectives(self) -> list[tuple[str, Collective, int]]:
         """(phase, call, times per step) for every call."""
@@ -212,25 +220,32 @@ def simulate_rank(cfg: RecipeConfig, arch: GptOssArch, pattern: HybridPattern | 
     from gptoss_cli.model.hybrid import HybridModel
     from gptoss_cli.parallel.grads import finalize_model_grads
     from gptoss_cli.parallel.state import all_gather, state_from_world
-    from gptoss_cli.train.provider import dispatcher_factory
+    from gptoss_cli.train.provider import ModelRuntimeConfig, dispatcher_factory, stage_parts
     from gptoss_cli.train.setup import wrap_model_and_optimizer
 
     pattern = parse_pattern(pattern) if isinstance(pattern, str) else pattern
-    ep = cfg.parallelism.expert_model_parallel_size
+    ep, pp = cfg.parallelism.expert_model_parallel_size, cfg.parallelism.pipeline_model_parallel_size
     t = cfg.training
-    if world_size % ep or (t.global_batch_size % (t.micro_batch_size * world_size)):
-        raise ConfigError(f"world size {world_size} does not fit EP={ep} and global batch {t.global_batch_size} "
-                          f"of microbatches of {t.micro_batch_size}")
+    dp = world_size // pp if world_size % pp == 0 else 0
+    if not dp or dp % ep or (t.global_batch_size % (t.micro_batch_size * dp)):
+        raise ConfigError(f"world size {world_size} does not fit PP={pp}, EP={ep} and global batch "
+                          f"{t.global_batch_size} of microbatches of {t.micro_batch_size}")
     dtype = torch_dtype(cfg.precision.params_dtype)
+    runtime = ModelRuntimeConfig.from_recipe(cfg, arch, pattern.text)
     with fake_world(world_size, rank):
-        state = replace(state_from_world(ep, torch.device("cpu")), device=torch.device(device))
+        state = replace(state_from_world(ep, torch.device("cpu"), pp_size=pp), device=torch.device(device))
         names: dict[int, str] = {}
-        for name, group in (("dp", state.dp_group), ("ep", state.ep_group), ("expert_dp", state.expert_dp_group)):
+        groups = [("dp", state.dp_group), ("ep", state.ep_group), ("expert_dp", state.expert_dp_group)]
+        if pp > 1:  # at PP = 1 the world is the dense data-parallel group
+            groups += [("pp", state.pp_group), ("world", state.world_group)]
+        for name, group in groups:
             names[id(group)] = f"{names[id(group)]}={name}" if id(group) in names else name  # one group, two roles
         offset, n_local = state.local_expert_range(arch.num_local_experts)
         dispatcher = dispatcher_factory(arch.num_local_experts, state)  # None when EP = 1
+        layout = runtime.pipeline_layout()
         model = HybridModel(arch, pattern, expert_offset=offset, num_local_experts=n_local,
-                            token_dispatcher_factory=dispatcher, device=device, dtype=dtype)
+                            token_dispatcher_factory=dispatcher, device=device, dtype=dtype,
+                            **stage_parts(layout, state.pp_rank))
         wrapped, optimizer = wrap_model_and_optimizer(model, state, cfg.optimizer, t.lr if lr is None else lr,
                                                       overlap_grad_reduce=cfg.overlap.overlap_grad_reduce)
         buffers = wrapped.grad_buffers
@@ -242,11 +257,11 @@ def simulate_rank(cfg: RecipeConfig, arch: GptOssArch, pattern: HybridPattern | 
             "optimizer.exp_avg": sum(_nbytes(s.exp_avg) for s in optimizer.shards),
             "optimizer.exp_avg_sq": sum(_nbytes(s.exp_avg_sq) for s in optimizer.shards),
         }
-        microbatches = t.global_batch_size // (t.micro_batch_size * world_size)
+        microbatches = t.global_batch_size // (t.micro_batch_size * dp)
         tokens = t.micro_batch_size * t.seq_length
-        moe_layers = pattern.layers.count(MOE)
+        moe_layers = sum(1 for j in model.held_layers() if pattern.layers[j] == MOE)
         sim = RankSimulation(
-            rank=rank, world_size=world_size, ep_size=ep, expert_dp_size=world_size // ep,
+            rank=rank, world_size=world_size, ep_size=ep, expert_dp_size=dp // ep, pp_size=pp, pp_rank=state.pp_rank,
             microbatches=microbatches, tokens_per_microbatch=tokens, moe_layers=moe_layers, memory=memory,
             buckets={"dense": len(buffers.dense.buckets), "expert": len(buffers.expert.buckets)},
             bucket_numel={"dense": [b.numel for b in buffers.dense.buckets],
@@ -263,17 +278,32 @@ def simulate_rank(cfg: RecipeConfig, arch: GptOssArch, pattern: HybridPattern | 
                 d.combine(expert_input, ctx).sum().backward()
                 sim.phases.append(Phase("dispatcher (per MoE layer and microbatch)", rec.take(),
                                         moe_layers * microbatches))
+            if layout is not None:
+                sim.phases.append(_pipeline_sends(layout, state.pp_rank, tokens * arch.hidden_size * dtype.itemsize,
+                                                  microbatches))
             finalize_model_grads([wrapped], torch.tensor(float(tokens * microbatches)), parallel_state=state)
             sim.phases.append(Phase("finalize_model_grads", rec.take()))
             with _MetaScalars() if device == "meta" else contextlib.nullcontext():
                 optimizer.step(optimizer.lr)
             sim.phases.append(Phase("optimizer step", rec.take()))
             # gptoss_cli/train/loop.py and metrics.py: the global loss (2 float64) and the metrics rows (3 float64 per rank)
-            dist.all_reduce(torch.zeros(2, dtype=torch.float64), group=state.dp_group)
+            dist.all_reduce(torch.zeros(2, dtype=torch.float64), group=state.global_group)
             all_gather(torch.zeros(3 * world_size, dtype=torch.float64),
-                       torch.zeros(3, dtype=torch.float64), state.dp_group)
+                       torch.zeros(3, dtype=torch.float64), state.global_group)
             sim.phases.append(Phase("training loop", rec.take()))
         return sim
+
+
+def _pipeline_sends(layout: Any, pp_rank: int, activation_bytes: int, microbatches: int) -> Phase:
+    """Per microbatch, what this rank's stages send to the next stage (activations) and to the previous
+    one (their gradients), when that stage is on another rank; the router accumulator (2 E + 2 floats)
+    is negligible and not counted."""
+    calls = []
+    for stage in layout.rank_stages(pp_rank):
+        nxt = stage.index + 1 < layout.num_stages and layout.stages[stage.index + 1].rank != pp_rank
+        prv = stage.index > 0 and layout.stages[stage.index - 1].rank != pp_rank
+        calls += [Collective("send", "pp", 2, activation_bytes, float(activation_bytes))] * (int(nxt) + int(prv))
+    return Phase("pipeline sends (per microbatch)", calls, microbatches)
 
 
 __all__ = ["Collective", "CollectiveRecorder", "Phase", "RankSimulation", "balanced_routing", "fake_world",

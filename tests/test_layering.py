@@ -27,6 +27,7 @@ FORBIDDEN = {
     "checkpoint": ("train", "cli", "parallel", "schedule", "recipe"),
     "parallel": ("train", "cli", "checkpoint", "recipe"),
     "schedule": ("train", "cli", "checkpoint", "recipe"),
+    "pipeline": ("train", "cli", "checkpoint", "recipe"),
     "fp8": ("train", "cli", "checkpoint", "recipe", "parallel", "schedule"),
     "train": ("cli",),
     "parity": ("cli", "train"),

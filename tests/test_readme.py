@@ -73,7 +73,7 @@ def test_a_new_rule_changes_the_generated_table(monkeypatch):
 def test_table_cells_escape_markdown_that_would_break_the_row():
     """'|' ends a cell and '*' starts emphasis: the pipeline rule's '|' and the '*E' patterns."""
     rows = rows_by_first_cell(rules_markdown())
-    pipeline = rows["parallel.pipeline_layers"]
+    pipeline = rows["parallel.pipeline_layout"]
     assert "'\\|'" in pipeline and pipeline.count(" | ") == 3  # four cells, three separators
     assert "'\\*E'" in rows["model.pattern_matches_architecture"]
 

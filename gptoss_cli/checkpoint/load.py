@@ -138,8 +138,9 @@ def _fill_from_hf(model: HybridModel, source: Source, progress: LoadProgress | N
     folder = source.folder
     _check_architecture(folder, "config.json", source.arch, model)
     check_tensors(source, source.layout.stored_specs(model.arch))
+    # A pipeline stage's model names the other stages' tensors with None (and reads nothing for them).
     slots = dict(model.named_checkpoint_slots(all_experts=True))
-    dtype = model.output_layer.weight.dtype
+    dtype = model.params_dtype
     with torch.no_grad():
         for unit in units(model.arch):
             if unit.per_expert:
@@ -153,9 +154,12 @@ def _fill_from_hf(model: HybridModel, source: Source, progress: LoadProgress | N
                     for name, t in zip(unit.hybrid[e0:e1], unit.to_hybrid(model.arch, [stack])):
                         _copy_checked(slots[name], t, name, folder)
                 continue
+            if all(slots[name] is None for name in unit.hybrid):
+                continue
             ins = [source.layout.read(source.reader, model.arch, n, dtype) for n in unit.hf]
             for name, t in zip(unit.hybrid, unit.to_hybrid(model.arch, ins)):
-                _copy_checked(slots[name], t, name, folder)
+                if slots[name] is not None:
+                    _copy_checked(slots[name], t, name, folder)
             if progress is not None:
                 progress(", ".join(unit.hf))
 

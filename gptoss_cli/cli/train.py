@@ -70,6 +70,8 @@ class TrainProgressBar:
         self._train_iters = event.train_iters
         self._console = make_console()
         where = f"world {event.world_size}, EP {event.ep_size}"
+        if event.pp_size > 1:
+            where += f", PP {event.pp_size} ({event.pipeline_schedule})"
         if event.cp_size > 1:
             where += f", CP {event.cp_size}"
         if event.fp8:

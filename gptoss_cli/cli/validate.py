@@ -41,6 +41,8 @@ def _memory_row(report: ValidationReport) -> tuple[str, str, str] | None:
     lines = [escape(est.summary())]
     lines += [f"[dim]{escape(it.label)}: {size_text(it.bytes)}[/]" for it in est.items]
     lines += [escape(n) for n in est.notes]
+    lines += [escape(f"pipeline rank {s['rank']} ({s['stages']}, {s['in_flight']:g} microbatches in flight): "
+                     f"{size_text(s['total_bytes'])}") for s in est.stages]
     return "[dim]estimate[/]", who, "\n".join(lines)
 
 
@@ -67,6 +69,12 @@ def render_report(report: ValidationReport) -> None:
         f = report.flops
         console.print(f"[dim]model FLOPs per token: {f.model_flops_per_token / 1e9:.2f} GFLOP (6 x {f.matmul_params / 1e9:.2f} B "
                       f"active matmul parameters + attention {f.attention / 1e9:.2f} GFLOP; docs/flops.md)[/]",
+                      soft_wrap=True, highlight=False)
+    if report.pipeline is not None:
+        pl = report.pipeline
+        console.print(escape(f"pipeline: PP {pl['pp']} x VPP {pl['vpp']}, {pl['schedule']}, layout {pl['layout']}; "
+                             f"{pl['microbatches']} microbatches per step: bubble {100 * pl['bubble_fraction']:.1f}% "
+                             "in theory (equal stages, no communication; docs/pipeline-parallel.md)"),
                       soft_wrap=True, highlight=False)
     style = "bold green" if report.ok else "bold red"
     console.print(f"[{style}]{escape(report.verdict)}[/]", soft_wrap=True, highlight=False)

@@ -12,6 +12,11 @@ model/gemm_selection.py's.
 
 Activations are batch-first, [batch, seq, hidden].
 
+A pipeline stage's model (gptoss_cli/pipeline/) is the same class built with `held_layers` (the
+layers of the rank's stages; the others are parameterless `AbsentLayer`s, so every name keeps its
+global index), and without the embedding (`pre_process=False`) or the final norm and output layer
+(`post_process=False`), Megatron's names. `run_layers` runs any range of the held layers.
+
 The attention layer j computes block index b = (number of `*` layers before j); it is sliding iff
 HF block b is (`arch.layer_types[b]`), not by its physical index (docs/architecture.md, "Sliding
 window").
@@ -96,6 +101,20 @@ def build_layer(
     raise ConfigError(f"layer symbol {symbol!r} cannot be built", hint="use '*', 'E' or '-'")
 
 
+class AbsentLayer(nn.Module):
+    """A layer of the stack that another pipeline stage holds: no parameters, never run."""
+
+    def __init__(self, symbol: str):
+        super().__init__()
+        self.symbol = symbol
+
+    def set_recompute(self, pieces: set[str]) -> None:
+        pass
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError(f"a {self.symbol!r} layer held by another pipeline stage was run on this one")
+
+
 def run_layer(layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
               cu_seqlens: tuple[int, ...] | None = None) -> torch.Tensor:
     return layer(x, cos, sin, cu_seqlens) if isinstance(layer, AttentionLayer) else layer(x)
@@ -114,12 +133,14 @@ class LanguageModelEmbedding(nn.Module):
 
 
 class HybridStack(nn.Module):
-    """The decoder: `decoder.layers.{j}` in pattern order and `decoder.final_norm` (Megatron's names)."""
+    """The decoder: `decoder.layers.{j}` in pattern order and `decoder.final_norm` (Megatron's names);
+    a pipeline stage without the last layers has no final norm (`final_norm=None`)."""
 
-    def __init__(self, layers: Iterable[nn.Module], final_norm: RMSNorm):
+    def __init__(self, layers: Iterable[nn.Module], final_norm: RMSNorm | None):
         super().__init__()
         self.layers = nn.ModuleList(layers)
-        self.final_norm = final_norm
+        if final_norm is not None:
+            self.final_norm = final_norm
 
 
 class HybridModel(nn.Module):
@@ -143,23 +164,32 @@ class HybridModel(nn.Module):
         token_dispatcher_factory: Callable[[int, MoELayer], AllToAllTokenDispatcher] | None = None,
         device=None,
         dtype=None,
+        held_layers: Iterable[int] | None = None,
+        pre_process: bool = True,
+        post_process: bool = True,
     ):
         super().__init__()
         self.arch = arch
         self.pattern = buildable_pattern(arch, pattern or arch.hybrid_layer_pattern)
+        held = set(range(self.pattern.num_layers)) if held_layers is None else set(held_layers)
+        self.pre_process, self.post_process = pre_process, post_process
+        self.is_stage = not (pre_process and post_process and len(held) == self.pattern.num_layers)
         self.aux_loss_coef = arch.router_aux_loss_coef
         self.z_loss_coef = 0.0  # Megatron's moe_z_loss_coeff; HF GPT-OSS has none
         self.loss_chunk_tokens: int | None = None  # tokens per LM-head chunk; None: the device's (model/loss_chunk.py)
         self.recompute = RecomputePlan()  # set_recompute
         windows = layer_windows(arch, self.pattern)
-        self.embedding = LanguageModelEmbedding(arch.vocab_size, arch.hidden_size, device, dtype)
+        self.embedding = (LanguageModelEmbedding(arch.vocab_size, arch.hidden_size, device, dtype)
+                          if pre_process else nn.Module())
         self.decoder = HybridStack(
             (build_layer(arch, symbol, windows.get(j), expert_offset=expert_offset,
                          num_local_experts=num_local_experts, device=device, dtype=dtype)
+             if j in held else AbsentLayer(symbol)
              for j, symbol in enumerate(self.pattern.layers)),
-            RMSNorm(arch.hidden_size, arch.rms_norm_eps, device, dtype),
+            RMSNorm(arch.hidden_size, arch.rms_norm_eps, device, dtype) if post_process else None,
         )
-        self.output_layer = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False, device=device, dtype=dtype)
+        if post_process:
+            self.output_layer = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False, device=device, dtype=dtype)
         self.rotary_pos_emb = YarnRotaryEmbedding(arch)
         if token_dispatcher_factory is not None:
             self.set_token_dispatchers(token_dispatcher_factory)
@@ -230,9 +260,8 @@ class HybridModel(nn.Module):
         for layer in self.decoder.layers:
             if isinstance(layer, AttentionLayer):
                 layer.self_attention.core_attention.set_backend(backend)
-        weight = self.output_layer.weight
-        if backend == "auto":
-            warm_up(weight.device, weight.dtype, self.arch.head_dim)
+        if backend == "auto":  # a pipeline stage may hold no output layer: any parameter names the device
+            warm_up(self.params_device, self.params_dtype, self.arch.head_dim)
 
     def set_gemms(self, *, dense: Callable[[str], DenseGemm] | None = None,
                   grouped: Callable[[str], GroupedGemm] | None = None) -> list[str]:
@@ -242,7 +271,20 @@ class HybridModel(nn.Module):
     def reset_buffers(self) -> None:
         """Recompute non-persistent buffers (after `to_empty` from the meta device)."""
         rope = YarnRotaryEmbedding(self.arch)
-        self.rotary_pos_emb.inv_freq = rope.inv_freq.to(self.output_layer.weight.device)
+        self.rotary_pos_emb.inv_freq = rope.inv_freq.to(self.params_device)
+
+    @property
+    def params_device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    @property
+    def params_dtype(self) -> torch.dtype:
+        """The dtype of the model's floating parameters (its params_dtype)."""
+        return next(p.dtype for p in self.parameters() if p.is_floating_point())
+
+    def held_layers(self) -> list[int]:
+        """The layers this model (a pipeline stage's, or the whole stack) holds."""
+        return [j for j, layer in enumerate(self.decoder.layers) if not isinstance(layer, AbsentLayer)]
 
     # --- forward --------------------------------------------------------------------------
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -278,20 +320,30 @@ class HybridModel(nn.Module):
         want = self.router_stats_request()
         x = self.embed(input_ids)
         cos, sin = self.rope(input_ids, position_ids, x.dtype, cu_seqlens)
-        stats: list[RouterStats] = []
-        units = dict(self.recompute.full_units)
-        j = 0
-        while j < len(self.decoder.layers):
-            end = units.get(j, j + 1)
-            if j in units:  # full recompute: the unit keeps only its input
-                x, got = checkpointed(self._run_layers, j, end, x, cos, sin, cu_seqlens, want)
-            else:
-                x, got = self._run_layers(j, end, x, cos, sin, cu_seqlens, want)
-            stats.extend(got)
-            j = end
+        x, stats = self.run_layers(0, len(self.decoder.layers), x, cos, sin, cu_seqlens, want)
         out = self.output(x)
         self.attach_router_stats(out, stats)
         return self.attach_losses(out, labels)
+
+    def run_layers(self, start: int, end: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   cu_seqlens: tuple[int, ...] | None = None, want: RouterStatsRequest | None = None
+                   ) -> tuple[torch.Tensor, list[RouterStats]]:
+        """Layers [start, end) -> (x, the MoE layers' routing statistics when `want` asks for them),
+        a full-recompute unit kept as one checkpoint (cut at `start` and `end`: a pipeline stage
+        recomputes only its own layers)."""
+        stats: list[RouterStats] = []
+        units = self.recompute.full_units
+        j = start
+        while j < end:
+            unit = next(((s, e) for s, e in units if s <= j < e), None)
+            stop = min(unit[1], end) if unit else j + 1
+            if unit:  # full recompute: the unit keeps only its input
+                x, got = checkpointed(self._run_layers, j, stop, x, cos, sin, cu_seqlens, want)
+            else:
+                x, got = self._run_layers(j, stop, x, cos, sin, cu_seqlens, want)
+            stats.extend(got)
+            j = stop
+        return x, stats
 
     def router_stats_request(self) -> RouterStatsRequest | None:
         """What the MoE layers return in a forward: in training, the telemetry and the terms of
@@ -325,9 +377,17 @@ class HybridModel(nn.Module):
     # --- checkpoint names -----------------------------------------------------------------
     def checkpoint_names(self) -> list[str]:
         """Every tensor name of the full Hybrid checkpoint for this architecture and pattern
-        (all experts, whatever slice this instance holds)."""
-        return [name for name, _ in self.named_checkpoint_slots(all_experts=True)]
+        (all experts and all layers, whatever slice or pipeline stage this instance holds)."""
+        if not self.is_stage:
+            return [name for name, _ in self.named_checkpoint_slots(all_experts=True)]
+        full = HybridModel(self.arch, self.pattern, device="meta")
+        return [name for name, _ in checkpoint_slots(full, all_experts=True, num_experts=self.arch.num_local_experts)]
 
     def named_checkpoint_slots(self, all_experts: bool = False) -> Iterator[tuple[str, torch.Tensor | None]]:
-        """(checkpoint name, destination tensor) for every tensor; see `checkpoint_slots`."""
-        return checkpoint_slots(self, all_experts=all_experts, num_experts=self.arch.num_local_experts)
+        """(checkpoint name, destination tensor) for every tensor; see `checkpoint_slots`. With
+        all_experts, a pipeline stage's model also names the other stages' tensors, with None."""
+        slots = checkpoint_slots(self, all_experts=all_experts, num_experts=self.arch.num_local_experts)
+        if not (all_experts and self.is_stage):
+            return slots
+        held = dict(slots)
+        return ((name, held.get(name)) for name in self.checkpoint_names())

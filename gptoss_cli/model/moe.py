@@ -178,6 +178,9 @@ class MoELayer(nn.Module):
 
     symbol = "E"
     recompute_norm = False  # the pre-MLP norm's output is not kept for backward (model/recompute.py)
+    # Where the experts' weight gradients wait when a schedule runs them later (a zero-bubble
+    # pipeline's W actions: gptoss_cli/pipeline/stage.py); None: computed in backward.
+    wgrad_queue: WgradQueue | None = None
 
     def __init__(
         self,
@@ -248,7 +251,7 @@ class MoELayer(nn.Module):
         return self.dispatcher().dispatch(hidden, probs, indices)
 
     def experts(self, expert_input: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        return self.mlp.experts(expert_input, tokens_per_expert)
+        return self.mlp.experts(expert_input, tokens_per_expert, wgrad_queue=self.wgrad_queue)
 
     def combine(self, expert_output: torch.Tensor, ctx: Any, residual: torch.Tensor) -> torch.Tensor:
         out = self.token_dispatcher.combine(expert_output, ctx)

@@ -352,6 +352,17 @@ def _moe_nodes(plan: SchedulePlan, j: int, layer: MoELayer, x: Ref,
     return [pre, dispatch, exp, combine]
 
 
+def moe_layer_nodes(plan: SchedulePlan, j: int, layer: MoELayer, x: Ref,
+                    want: RouterStatsRequest | None) -> list[PlanNode]:
+    """The four nodes of MoE layer `j` reading `x` (pre_dispatch, dispatch, experts, combine; the
+    first outputs `stat_<field>` of RouterStats when `want` asks): what a pipeline stage's plan
+    (gptoss_cli/pipeline/plan_stage.py) strings together for its own layers."""
+    return _moe_nodes(plan, j, layer, x, want)
+
+
+STAT_FIELDS = _STAT_FIELDS
+
+
 def build_hybrid_schedule_plan(
     model: Any,
     input_ids: torch.Tensor,
@@ -429,4 +440,4 @@ def build_hybrid_schedule_plan(
 
 
 __all__ = ["SchedulePlan", "PlanNode", "ComputeNode", "CommNode", "Ref", "ScheduleObserver",
-           "build_hybrid_schedule_plan", "COMPUTE", "COMM"]
+           "build_hybrid_schedule_plan", "moe_layer_nodes", "STAT_FIELDS", "COMPUTE", "COMM"]

@@ -319,14 +319,17 @@ def finalize_model_grads(
     model_chunks: list[nn.Module], num_tokens: torch.Tensor | None = None, *, parallel_state: ParallelState
 ) -> None:
     """Reduce dense grads over DP and expert grads over expert-DP (one collective per bucket,
-    reduce-scatter with the distributed optimizer); divide the reduced grads by the global token count
-    (or leave the division to the optimizer's step where it takes it over: `GradBuffer.defer_division`)."""
+    reduce-scatter with the distributed optimizer); divide the reduced grads by the global token count,
+    summed over every rank (or leave the division to the optimizer's step where it takes it over:
+    `GradBuffer.defer_division`)."""
     ps = parallel_state
     for chunk in model_chunks:
         chunk.grad_buffers.finish_grad_sync()
     if num_tokens is not None:
         total = num_tokens.detach().to(device=ps.device, dtype=torch.float32).clone()
-        all_reduce(total, ps.dp_group)
+        # Over every rank: with pipeline parallelism only the last stage computes the loss, and every
+        # stage must divide by the same global count (parallel/state.py, `global_group`).
+        all_reduce(total, ps.global_group)
         # A step without tokens has zero gradients: dividing by 1 leaves them so, without reading
         # the count back to the host.
         total.clamp_(min=1.0)

@@ -1,4 +1,4 @@
-"""Process groups for data parallel x context parallel x expert parallel, built on torch DeviceMeshes.
+"""Process groups for pipeline x data parallel x context parallel x expert parallel, on torch DeviceMeshes.
 
 Layout (Megatron's, docs/megatron-rules.md, "Token dispatcher and expert data parallel"): EP is
 carved out of data parallel, so
@@ -11,6 +11,15 @@ Context parallel (CP, docs/context-parallel.md) splits every sequence over `cp_s
 ranks; ranks of one CP group read the same microbatches, so the data-parallel size of the data is
 world / CP. Dense parameters stay replicated over the whole world, so their gradients are reduced
 over DP x CP; EP is carved out of the same world and may span the CP ranks (Megatron allows it).
+
+Pipeline parallel (PP, docs/pipeline-parallel.md) is the outermost dimension, as in Megatron's
+order (tp-cp-ep-dp-pp): the world is PP consecutive blocks of world / PP ranks, block p holding
+pipeline stage p (and, with virtual stages, its later chunks). Everything above then applies inside
+one block: the dense parameters of a stage are replicated over the block (`dp_group`), its experts
+split over `ep` with `expert_dp_group` the block's ranks that hold the same experts, and CP groups
+are consecutive ranks of the block. `pp_group` joins the ranks at the same place of every block
+(they pass activations to each other); `world_group` is every rank (the step's token count and
+totals, the global gradient norm). With PP = 1 the block is the world and nothing changes.
 
 A single process without torch.distributed gets a `ParallelState` whose groups are None; every
 collective helper in this package is a no-op then, so the same code trains on one CPU.
@@ -58,25 +67,41 @@ class ParallelState:
     cp_size: int = 1
     cp_rank: int = 0
     cp_group: Any = None  # the ranks that hold slices of the same sequences (None: CP = 1)
+    pp_size: int = 1
+    pp_rank: int = 0
+    pp_group: Any = None  # the ranks of the other pipeline stages at this rank's place (None: PP = 1)
+    world_group: Any = None  # every rank (None: one process)
+
+    @property
+    def global_group(self) -> Any:
+        """Every rank: what the step's normaliser, its totals and the gradient norm are summed over
+        (the data-parallel group when the state was built without a world group: PP = 1)."""
+        return self.world_group if self.world_group is not None else self.dp_group
+
+    @property
+    def stage_world_size(self) -> int:
+        """Ranks per pipeline stage: world / PP."""
+        return self.world_size // self.pp_size
 
     @property
     def dp_size(self) -> int:
-        """The group dense gradients are reduced over: the world (DP x CP)."""
-        return self.world_size
+        """The group dense gradients are reduced over: the ranks of this pipeline stage (DP x CP)."""
+        return self.stage_world_size
 
     @property
     def dp_rank(self) -> int:
-        return self.rank
+        return self.rank % self.stage_world_size
 
     @property
     def data_parallel_size(self) -> int:
-        """How many different microbatch streams the world reads: world / CP."""
-        return self.world_size // self.cp_size
+        """How many different microbatch streams the world reads: world / (PP x CP)."""
+        return self.stage_world_size // self.cp_size
 
     @property
     def data_parallel_rank(self) -> int:
-        """Which stream this rank reads: the ranks of one CP group are consecutive and share it."""
-        return self.rank // self.cp_size
+        """Which stream this rank reads: the ranks of one CP group are consecutive and share it, and
+        the ranks at the same place of every pipeline stage read the same one."""
+        return self.dp_rank // self.cp_size
 
     @property
     def distributed(self) -> bool:
@@ -141,8 +166,9 @@ def init_parallel(
     ep_size: int = 1, device: str | torch.device = "auto", backend: str = "auto", timeout_s: float = 600.0,
     join_timeout_s: float | None = None,
     cp_size: int = 1,
+    pp_size: int = 1,
 ) -> ParallelState:
-    """Join the process group (NCCL on CUDA, gloo on CPU) and build the (expert_dp, ep) and (dp, cp) meshes.
+    """Join the process group (NCCL on CUDA, gloo on CPU) and build the (pp, expert_dp, ep) and (pp, dp, cp) meshes.
 
     `join_timeout_s`: end the process (one line, exit 1) when the other ranks have not joined by then;
     None = torch's rendezvous timeout (`timeout_s`). Ctrl-C and SIGTERM end the wait either way."""
@@ -160,6 +186,12 @@ def init_parallel(
             f"context_parallel_size={cp_size} does not divide the world size {world}",
             hint="use a world size that is a multiple of the CP size",
         )
+    if pp_size < 1 or world % pp_size or (world // pp_size) % ep_size or (world // pp_size) % cp_size:
+        raise ConfigError(
+            f"pipeline_model_parallel_size={pp_size} with EP={ep_size} and CP={cp_size} does not fit the world "
+            f"size {world}: every pipeline stage holds world / PP ranks, a multiple of EP and of CP",
+            hint="use a world size that is a multiple of PP x EP and of PP x CP",
+        )
     if world == 1:
         return ParallelState(ep_size=ep_size, device=dev) if ep_size == 1 else _single_rank_error(ep_size)
     if not dist.is_initialized():
@@ -173,7 +205,7 @@ def init_parallel(
         what = f"rank {rank} was waiting for the other ranks (world size {world}) to join at {where}"
         with interruptible_wait(what, join_timeout_s, "system.heartbeat_timeout_s"):
             dist.init_process_group(**kwargs)
-    return state_from_world(ep_size, dev, cp_size)
+    return state_from_world(ep_size, dev, cp_size, pp_size)
 
 
 @contextlib.contextmanager
@@ -226,9 +258,11 @@ def interruptible_wait(what: str, deadline_s: float | None = None, deadline_name
         writer.close()
 
 
-def state_from_world(ep_size: int, device: torch.device, cp_size: int = 1) -> ParallelState:
+def state_from_world(ep_size: int, device: torch.device, cp_size: int = 1, pp_size: int = 1) -> ParallelState:
     """The (expert_dp, ep) mesh, the (dp, cp) mesh when CP > 1, and their groups over the
-    already-initialised default process group."""
+    already-initialised default process group; with PP > 1 every mesh gets an outer `pp` dimension."""
+    if pp_size > 1:
+        return _pipeline_state(ep_size, device, cp_size, pp_size)
     from torch.distributed.device_mesh import init_device_mesh
 
     world, dev = dist.get_world_size(), device
@@ -258,6 +292,33 @@ def state_from_world(ep_size: int, device: torch.device, cp_size: int = 1) -> Pa
         cp_size=cp_size,
         cp_rank=cp_rank,
         cp_group=cp_group,
+        world_group=dist.group.WORLD,
+    )
+
+
+def _pipeline_state(ep_size: int, device: torch.device, cp_size: int, pp_size: int) -> ParallelState:
+    """PP outermost (Megatron's order): (pp, expert_dp, ep), (pp, dp) and (pp, dp, cp) meshes."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world, dev = dist.get_world_size(), device
+    stage = world // pp_size
+    mesh_device = "cpu" if dev.type == "meta" else dev.type
+    mesh = init_device_mesh(mesh_device, (pp_size, stage // ep_size, ep_size), mesh_dim_names=("pp", "expert_dp", "ep"))
+    # the EP groups' control groups, as above (every rank creates all of them, in one order)
+    ep_ranks = mesh.mesh.reshape(world // ep_size, ep_size).tolist()
+    ep_control_group = dist.new_subgroups_by_enumeration(ep_ranks)[0] if ep_size > 1 else None
+    dense = init_device_mesh(mesh_device, (pp_size, stage), mesh_dim_names=("pp", "dp"))
+    cp_group, cp_rank = None, 0
+    if cp_size > 1:
+        cp_mesh = init_device_mesh(mesh_device, (pp_size, stage // cp_size, cp_size), mesh_dim_names=("pp", "dp", "cp"))
+        cp_group, cp_rank = cp_mesh.get_group("cp"), cp_mesh["cp"].get_local_rank()
+    return ParallelState(
+        world_size=world, rank=dist.get_rank(), ep_size=ep_size, ep_rank=mesh["ep"].get_local_rank(),
+        expert_dp_size=stage // ep_size, expert_dp_rank=mesh["expert_dp"].get_local_rank(), device=dev, mesh=mesh,
+        dp_group=dense.get_group("dp"), ep_group=mesh.get_group("ep"), ep_control_group=ep_control_group,
+        expert_dp_group=mesh.get_group("expert_dp"),
+        cp_size=cp_size, cp_rank=cp_rank, cp_group=cp_group, pp_size=pp_size, pp_rank=mesh["pp"].get_local_rank(),
+        pp_group=mesh.get_group("pp"), world_group=dist.group.WORLD,
     )
 
 

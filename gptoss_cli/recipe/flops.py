@@ -127,6 +127,18 @@ def recompute_flops_per_token(arch: GptOssArch, seq_length: int, pattern: Hybrid
     return total
 
 
+def pipeline_op_flops(arch: GptOssArch, seq_length: int, pattern: HybridPattern | str | None = None
+                      ) -> tuple[float, float, float]:
+    """(forward, backward for inputs, deferred weight gradients) model FLOPs per token, what a pipeline
+    schedule's F, I and W actions compute (gptoss_cli/pipeline/: W is the experts' weight-gradient
+    GEMMs, the rest of the backward runs in I): forward = a third of the training FLOPs, backward
+    twice the forward, W = 2 x the experts' active matmul parameters."""
+    pattern = parse_pattern(pattern or arch.hybrid_layer_pattern) if not isinstance(pattern, HybridPattern) else pattern
+    forward = model_flops_per_token(arch, seq_length, pattern) / 3.0
+    w = 2.0 * pattern.layers.count(MOE) * arch.num_experts_per_tok * 3 * arch.hidden_size * arch.intermediate_size
+    return forward, 2.0 * forward - w, w
+
+
 def throughput(flops_per_token: float, tokens_per_s: float, world_size: int, peak: float | None
                ) -> tuple[float, float | None]:
     """(TFLOP/s per GPU, MFU as a fraction or None without a known peak) of a job processing
@@ -136,4 +148,4 @@ def throughput(flops_per_token: float, tokens_per_s: float, world_size: int, pea
 
 
 __all__ = ["PEAK_TFLOPS", "peak_tflops", "average_keys_per_query", "FlopCount", "count_flops", "layer_matmul_params",
-           "model_flops_per_token", "recompute_flops_per_token", "throughput"]
+           "model_flops_per_token", "recompute_flops_per_token", "pipeline_op_flops", "throughput"]

@@ -1,7 +1,7 @@
 """Per-GPU memory of a recipe at its layout, from formulas: what validate-config and train's pre-flight
 check judge (rule `memory.fits`) and what bench/scale.py prints next to the real buffers.
 
-Pure Python: validation must not need torch. The layout is gptoss train's (DP x EP, no TP/PP/CP):
+Pure Python: validation must not need torch. The layout is gptoss train's (PP x DP x EP x CP, no TP):
 
 - Parameters and gradients live in one flat buffer per reduction group (dense: DP = world;
   experts: expert-DP = world / EP), of the parameters' dtype and of fp32 (`main_grad`; the params
@@ -30,6 +30,13 @@ Pure Python: validation must not need torch. The layout is gptoss train's (DP x 
   parameters; with `lora.base_experts=mxfp4` the expert weights at 4.25 bits each plus one expert
   layer's weight decoded to the params dtype for the GEMM that runs (twice that under MXFP4 QAT).
 
+- Pipeline parallelism (gptoss_cli/pipeline/layout.py): every pipeline rank holds the parameters of its
+  stages' layers (the embedding on the first stage's rank, the final norm and output layer on the
+  last's), its buffers reduced over the stage's world / PP ranks; its activations are those of its
+  layers times the microbatches in flight at its peak (`in_flight`: the first rank of 1F1B holds PP),
+  the head's only on the last stage's rank. The estimate is that of the largest rank; `stages` lists
+  every rank's.
+
 Not included: the CUDA context, NCCL and allocator slack; the 90% warning leaves room for them.
 """
 
@@ -45,6 +52,7 @@ from gptoss_cli.model.loss_chunk import LM_LOSS_CHUNK_TOKENS as LM_LOSS_CHUNK
 from gptoss_cli.model.loss_chunk import lm_loss_chunk_tokens
 from gptoss_cli.model.pattern import ATTENTION, MLP, MOE, HybridPattern, parse_pattern
 from gptoss_cli.model.recompute_plan import RecomputePlan
+from gptoss_cli.recipe.parameters import ParamSpec, buffer_numel, lora_layout, parameter_layout
 from gptoss_cli.recipe.schema import RecipeConfig
 
 GB = 1e9
@@ -65,88 +73,6 @@ def size_text(n: float) -> str:
         if n >= scale:
             return f"{n / scale:.1f} {unit}"
     return f"{n:.0f} B"
-
-
-# --- parameters -----------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ParamSpec:
-    name: str
-    numel: int
-    expert: bool  # reduced over expert-DP (a slice of the experts), else over DP
-
-
-def parameter_layout(arch: GptOssArch, pattern: HybridPattern | str, num_local_experts: int | None = None
-                     ) -> list[ParamSpec]:
-    """One rank's parameters in `HybridModel.named_parameters()` order, with its `num_local_experts`
-    experts per MoE layer (default: all)."""
-    pattern = parse_pattern(pattern) if isinstance(pattern, str) else pattern
-    h, i, e = arch.hidden_size, arch.intermediate_size, arch.num_local_experts
-    e_loc = e if num_local_experts is None else num_local_experts
-    attn_width = arch.num_attention_heads * arch.head_dim
-    out = [ParamSpec("embedding.word_embeddings.weight", arch.vocab_size * h, False)]
-    for j, symbol in enumerate(pattern.layers):
-        p = f"decoder.layers.{j}."
-        if symbol == ATTENTION:
-            out += [ParamSpec(p + "self_attention.linear_qkv.layer_norm_weight", h, False),
-                    ParamSpec(p + "self_attention.linear_qkv.weight", arch.qkv_rows * h, False),
-                    ParamSpec(p + "self_attention.linear_qkv.bias", arch.qkv_rows, False),
-                    ParamSpec(p + "self_attention.core_attention.softmax_offset", arch.num_attention_heads, False),
-                    ParamSpec(p + "self_attention.linear_proj.weight", h * attn_width, False),
-                    ParamSpec(p + "self_attention.linear_proj.bias", h, False)]
-        elif symbol == MOE:
-            out += [ParamSpec(p + "pre_mlp_layernorm.weight", h, False),
-                    ParamSpec(p + "mlp.router.weight", e * h, False),
-                    ParamSpec(p + "mlp.router.bias", e, False),
-                    ParamSpec(p + "mlp.experts.linear_fc1.weight", e_loc * 2 * i * h, True),
-                    ParamSpec(p + "mlp.experts.linear_fc1.bias", e_loc * 2 * i, True),
-                    ParamSpec(p + "mlp.experts.linear_fc2.weight", e_loc * h * i, True),
-                    ParamSpec(p + "mlp.experts.linear_fc2.bias", e_loc * h, True)]
-        elif symbol == MLP:
-            out += [ParamSpec(p + "pre_mlp_layernorm.weight", h, False),
-                    ParamSpec(p + "mlp.linear_fc1.weight", 2 * i * h, False),
-                    ParamSpec(p + "mlp.linear_fc1.bias", 2 * i, False),
-                    ParamSpec(p + "mlp.linear_fc2.weight", h * i, False),
-                    ParamSpec(p + "mlp.linear_fc2.bias", h, False)]
-    out += [ParamSpec("decoder.final_norm.weight", h, False),
-            ParamSpec("output_layer.weight", arch.vocab_size * h, False)]
-    return out
-
-
-def lora_layout(arch: GptOssArch, pattern: HybridPattern | str, rank: int, targets: list[str] | tuple[str, ...],
-                num_local_experts: int | None = None) -> list[ParamSpec]:
-    """One rank's LoRA adapters (gptoss_cli/model/lora.py) in `named_parameters()` order: A [rank, in] and
-    B [out, rank] per targeted layer, one pair per local expert on the experts."""
-    pattern = parse_pattern(pattern) if isinstance(pattern, str) else pattern
-    h, i = arch.hidden_size, arch.intermediate_size
-    e_loc = arch.num_local_experts if num_local_experts is None else num_local_experts
-    attn_width = arch.num_attention_heads * arch.head_dim
-    shapes = {ATTENTION: {"linear_qkv": (h, arch.qkv_rows), "linear_proj": (attn_width, h)},
-              MOE: {"linear_fc1": (h, 2 * i), "linear_fc2": (i, h)}, MLP: {"linear_fc1": (h, 2 * i), "linear_fc2": (i, h)}}
-    where = {ATTENTION: "self_attention.", MOE: "mlp.experts.", MLP: "mlp."}
-    out = []
-    for j, symbol in enumerate(pattern.layers):
-        copies = e_loc if symbol == MOE else 1
-        for name, (fan_in, fan_out) in shapes.get(symbol, {}).items():
-            if name in targets:
-                p = f"decoder.layers.{j}.{where[symbol]}{name}.adapter."
-                out += [ParamSpec(p + "linear_in.weight", copies * rank * fan_in, symbol == MOE),
-                        ParamSpec(p + "linear_out.weight", copies * fan_out * rank, symbol == MOE)]
-    return out
-
-
-def buffer_numel(numels: list[int], shards: int, bucket_size: int) -> tuple[int, int]:
-    """(elements, buckets) of a gradient buffer holding parameters of these sizes (in model order):
-    reverse order, a bucket closes once it holds >= bucket_size elements, each padded to a
-    multiple of ALIGN x shards (the layout of gptoss_cli/parallel/grads.py's GradBuffer)."""
-    total = buckets = 0
-    current = 0
-    for k, n in enumerate(reversed(numels)):
-        current += n
-        if current >= bucket_size or k == len(numels) - 1:
-            total += -(-current // (ALIGN * shards)) * ALIGN * shards
-            buckets += 1
-            current = 0
-    return total, buckets
 
 
 # --- activations ----------------------------------------------------------------------------------
@@ -242,6 +168,9 @@ class MemoryEstimate:
     gpu: str = "auto"
     capacity_bytes: float | None = None
     notes: list[str] = field(default_factory=list)
+    pp_size: int = 1
+    pipeline_rank: int = 0  # with PP > 1, the rank these items are of: the one that needs the most
+    stages: list[dict[str, Any]] = field(default_factory=list)  # every pipeline rank: its stages, total
 
     @property
     def total_bytes(self) -> float:
@@ -262,7 +191,8 @@ class MemoryEstimate:
         cap = (f" of the {self.gpu.upper()}'s {self.capacity_bytes / GB:.0f} GB ({100 * self.fraction:.0f}%)"
                if self.capacity_bytes else "")
         top = ", ".join(f"{it.label} {size_text(it.bytes)}" for it in self.biggest(3))
-        return f"{size_text(self.total_bytes)} per GPU{cap}; biggest: {top}"
+        where = f" (pipeline rank {self.pipeline_rank} of {self.pp_size}, the largest)" if self.pp_size > 1 else ""
+        return f"{size_text(self.total_bytes)} per GPU{where}{cap}; biggest: {top}"
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -275,6 +205,7 @@ class MemoryEstimate:
             "buckets": dict(self.buckets),
             "items": [{**asdict(it), "gb": it.bytes / GB} for it in self.items],
             "notes": list(self.notes),
+            "pp_size": self.pp_size, "pipeline_rank": self.pipeline_rank, "stages": list(self.stages),
         }
 
 
@@ -298,43 +229,54 @@ def _mxfp4_base_items(cfg: RecipeConfig, frozen: list[ParamSpec], b: int, ep_kno
     ]
 
 
+@dataclass(frozen=True)
+class RankView:
+    """What one pipeline rank holds (the whole model without pipeline parallelism)."""
+
+    layers: frozenset[int] | None = None  # None: every layer
+    embedding: bool = True
+    head: bool = True
+    in_flight: float = 1.0  # microbatches whose activations it holds at its peak (pipeline/layout.py)
+    rank: int = 0
+    text: str = ""  # its stages in the layout grammar
+
+
 def _activation_items(cfg: RecipeConfig, arch: GptOssArch, pattern: HybridPattern, plan: RecomputePlan,
-                      t: int, b: int) -> list[MemoryItem]:
-    """Activations of one microbatch of `t` tokens per rank: each layer kind's saved bytes (less the
-    recomputed pieces), full recompute's unit inputs and one unit rebuilt, the head, the chunked
-    logits with the output layer's gradient, and the overlap schedule's extra layer."""
+                      t: int, b: int, view: RankView = RankView()) -> list[MemoryItem]:
+    """Activations of one microbatch of `t` tokens per rank (times the microbatches a pipeline rank holds
+    in flight): each layer kind's saved bytes (less the recomputed pieces), full recompute's unit inputs
+    and one unit rebuilt, the head, the chunked logits with the output layer's gradient (last stage only),
+    and the overlap schedule's extra layer."""
     aux = cfg.moe.aux_loss_coeff > 0
     lora = cfg.lora.rank > 0
     act_knob = "training.micro_batch_size, training.seq_length, parallelism.context_parallel_size"
+    if view.in_flight != 1:
+        act_knob += ", parallelism.pipeline_schedule (microbatches in flight)"
     per_token = activation_bytes_per_token(arch, b, aux, plan.modules)
     plain = activation_bytes_per_token(arch, b, aux)
-    in_units = {j for s, e in plan.full_units for j in range(s, e)}
-    counts = {s: sum(1 for j, x in enumerate(pattern.layers) if x == s and j not in in_units) for s in (ATTENTION, MOE, MLP)}
+    held = set(range(pattern.num_layers)) if view.layers is None else set(view.layers)
+    units = [(s, e) for s, e in plan.full_units if held & set(range(s, e))]
+    in_units = {j for s, e in units for j in range(s, e)}
+    counts = {s: sum(1 for j, x in enumerate(pattern.layers) if x == s and j in held and j not in in_units)
+              for s in (ATTENTION, MOE, MLP)}
+    f, times = view.in_flight, (f" x {view.in_flight:g} in flight" if view.in_flight != 1 else "")
     items = []
     names = {ATTENTION: "attention", MOE: "MoE", MLP: "dense MLP"}
     for s in (ATTENTION, MOE, MLP):
         if counts[s]:
             items.append(MemoryItem(f"activations.{names[s].split()[0].lower()}", f"activations, {names[s]} layers",
-                                    counts[s] * t * per_token[s],
-                                    f"{counts[s]} layers x {t:,} tokens x {per_token[s]:,.0f} B", act_knob))
-    if plan.full_units:
-        units = len(plan.full_units)
-        largest = max(sum(plain[pattern.layers[j]] for j in range(s, e)) for s, e in plan.full_units)
+                                    f * counts[s] * t * per_token[s],
+                                    f"{counts[s]} layers x {t:,} tokens x {per_token[s]:,.0f} B{times}", act_knob))
+    if units:
+        largest = max(sum(plain[pattern.layers[j]] for j in range(s, e) if j in held) for s, e in units)
         items.append(MemoryItem("activations.recompute_inputs", "activations, full recompute unit inputs",
-                                t * units * b * arch.hidden_size,
-                                f"{units} units x {t:,} tokens x {b * arch.hidden_size:,} B", act_knob))
+                                f * t * len(units) * b * arch.hidden_size,
+                                f"{len(units)} units x {t:,} tokens x {b * arch.hidden_size:,} B{times}", act_knob))
         items.append(MemoryItem("activations.recompute_unit", "activations, 1 unit recomputed in backward",
                                 t * largest, f"{t:,} tokens x {largest:,.0f} B",
                                 f"{act_knob}; smaller recompute.recompute_num_layers (uniform)"))
-    items.append(MemoryItem("activations.head", "activations, head", t * per_token["head"],
-                            f"{t:,} tokens x {per_token['head']:,.0f} B", act_knob))
-    chunk = min(t, lm_loss_chunk_tokens(arch.vocab_size, b, "cuda"))  # the GPU's chunk
-    head_n = arch.vocab_size * arch.hidden_size
-    head_grad = 0 if lora else (FP32 + b) * head_n  # a frozen output layer has no gradient
-    items.append(MemoryItem("activations.logits", "logits and loss (chunked) + output-layer gradient",
-                            chunk * per_token["logits"] + head_grad,
-                            f"{chunk:,} tokens x (b + 12) x {arch.vocab_size:,} B + (4 + b) B x {head_n:,}",
-                            "-"))
+    if view.head:
+        items += _head_items(cfg, arch, t, b, per_token, f, times, act_knob, lora)
     if cfg.overlap.overlap_moe_expert_parallel_comm:
         layer = max((per_token[s] for s in (ATTENTION, MOE, MLP) if counts[s]), default=0)
         items.append(MemoryItem("activations.overlap", "activations, 1 layer more (overlap)",
@@ -343,36 +285,97 @@ def _activation_items(cfg: RecipeConfig, arch: GptOssArch, pattern: HybridPatter
     return items
 
 
+def _head_items(cfg: RecipeConfig, arch: GptOssArch, t: int, b: int, per_token: dict[str, float], f: float,
+                times: str, act_knob: str, lora: bool) -> list[MemoryItem]:
+    """The head's activations (of every microbatch in flight) and one chunk's logits with the output
+    layer's gradient."""
+    items = [MemoryItem("activations.head", "activations, head", f * t * per_token["head"],
+                        f"{t:,} tokens x {per_token['head']:,.0f} B{times}", act_knob)]
+    chunk = min(t, lm_loss_chunk_tokens(arch.vocab_size, b, "cuda"))  # the GPU's chunk
+    head_n = arch.vocab_size * arch.hidden_size
+    head_grad = 0 if lora else (FP32 + b) * head_n  # a frozen output layer has no gradient
+    items.append(MemoryItem("activations.logits", "logits and loss (chunked) + output-layer gradient",
+                            chunk * per_token["logits"] + head_grad,
+                            f"{chunk:,} tokens x (b + 12) x {arch.vocab_size:,} B + (4 + b) B x {head_n:,}",
+                            "-"))
+    return items
+
+
 def estimate_memory(cfg: RecipeConfig, arch: GptOssArch, pattern: HybridPattern | str, world_size: int,
-                    gpu: str | None = None) -> MemoryEstimate | None:
-    """The per-GPU estimate of `cfg` at `world_size`; None when the layout is not DP x CP x EP (TP, PP
-    or ETP above 1: not what gptoss train runs) or the sizes do not divide. Under context parallel a
-    rank holds S/CP positions of every row (attention: all S positions of h/CP heads, the same bytes)."""
+                    gpu: str | None = None, pipeline_rank: int | None = None) -> MemoryEstimate | None:
+    """The per-GPU estimate of `cfg` at `world_size` (with PP > 1: of the pipeline rank that needs the
+    most, or of `pipeline_rank`; every rank's total in `stages`); None when TP or ETP is above 1 (not what gptoss train runs),
+    the sizes do not divide or the pipeline layout does not fit (the rules say why). Under context
+    parallel a rank holds S/CP positions of every row (attention: all S positions of h/CP heads, the
+    same bytes)."""
     par = cfg.parallelism
-    if (par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
-            par.expert_tensor_parallel_size) != (1, 1, 1):
+    if (par.tensor_model_parallel_size, par.expert_tensor_parallel_size) != (1, 1):
         return None
-    cp = par.context_parallel_size
-    if world_size % cp or cfg.training.seq_length % cp:
+    cp, ep, pp = par.context_parallel_size, par.expert_model_parallel_size, par.pipeline_model_parallel_size
+    if world_size < 1 or world_size % pp or cfg.training.seq_length % cp:
         return None
-    ep = par.expert_model_parallel_size
-    if world_size < 1 or ep < 1 or world_size % ep or arch.num_local_experts % ep:
+    stage_world = world_size // pp
+    if stage_world % cp or ep < 1 or stage_world % ep or arch.num_local_experts % ep:
         return None
     pattern = parse_pattern(pattern) if isinstance(pattern, str) else pattern
+    views = _rank_views(cfg, pattern, stage_world // cp)
+    if views is None:
+        return None
+    estimates = [_rank_estimate(cfg, arch, pattern, world_size, stage_world, gpu, view) for view in views]
+    worst = max(estimates, key=lambda e: e.total_bytes) if pipeline_rank is None else estimates[pipeline_rank]
+    if pp > 1:
+        worst.stages = [{"rank": v.rank, "stages": v.text, "in_flight": v.in_flight, "total_bytes": e.total_bytes}
+                        for v, e in zip(views, estimates)]
+    return worst
+
+
+def _rank_views(cfg: RecipeConfig, pattern: HybridPattern, data_parallel: int) -> list[RankView] | None:
+    """One view per pipeline rank (one whole view without PP); None when the layout does not fit."""
+    par, t = cfg.parallelism, cfg.training
+    pp, vpp = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size
+    if pp == 1:
+        return [RankView()]
+    from gptoss_cli.errors import ConfigError
+    from gptoss_cli.pipeline.layout import in_flight, pipeline_layout
+
+    try:
+        layout = pipeline_layout(pattern, pp, vpp, par.pipeline_schedule, par.pipeline_model_parallel_layout)
+    except ConfigError:
+        return None
+    step = t.micro_batch_size * data_parallel
+    microbatches = max(1, t.global_batch_size // step) if step else 1
+    views = []
+    for rank in range(pp):
+        stages = layout.rank_stages(rank)
+        views.append(RankView(layers=frozenset(layout.rank_layers(rank)), embedding=any(s.embedding for s in stages),
+                              head=any(s.loss for s in stages), rank=rank, text=" + ".join(s.text() or "-" for s in stages),
+                              in_flight=in_flight(par.pipeline_schedule, pp, vpp, microbatches, rank)))
+    return views
+
+
+def _rank_estimate(cfg: RecipeConfig, arch: GptOssArch, pattern: HybridPattern, world_size: int, stage_world: int,
+                   gpu: str | None, view: RankView) -> MemoryEstimate:
+    """The estimate of one rank holding `view` of the model, its buffers reduced over `stage_world` ranks."""
+    par = cfg.parallelism
+    cp, ep = par.context_parallel_size, par.expert_model_parallel_size
     b = DTYPE_BYTES[cfg.precision.params_dtype]
-    dp, edp = world_size, world_size // ep
+    dp, edp = stage_world, stage_world // ep
     opt = cfg.optimizer
     distributed = opt.use_distributed_optimizer
-    layout = parameter_layout(arch, pattern, arch.num_local_experts // ep)
+    layers = None if view.layers is None else set(view.layers)
+    layout = parameter_layout(arch, pattern, arch.num_local_experts // ep, layers=layers, embedding=view.embedding,
+                              head=view.head)
     lora = cfg.lora.rank > 0
     frozen_layout = layout
     frozen_n = sum(p.numel for p in layout) if lora else 0
     if lora:  # a frozen base (no gradient, no optimizer state): buffers hold the adapters only
-        layout = lora_layout(arch, pattern, cfg.lora.rank, cfg.lora.target_modules, arch.num_local_experts // ep)
+        layout = lora_layout(arch, pattern, cfg.lora.rank, cfg.lora.target_modules, arch.num_local_experts // ep,
+                             layers=layers)
     dense_numels = [p.numel for p in layout if not p.expert]
     expert_numels = [p.numel for p in layout if p.expert]
     dense_shards, expert_shards = (dp, edp) if distributed else (1, 1)
-    dense_n, dense_buckets = buffer_numel(dense_numels, dense_shards, opt.bucket_size or default_bucket_size(dp))
+    dense_n, dense_buckets = (buffer_numel(dense_numels, dense_shards, opt.bucket_size or default_bucket_size(dp))
+                              if dense_numels else (0, 0))
     expert_n, expert_buckets = (buffer_numel(expert_numels, expert_shards, opt.bucket_size or default_bucket_size(edp))
                                 if expert_numels else (0, 0))
     t = cfg.training.micro_batch_size * cfg.training.seq_length // cp  # this rank's tokens of a microbatch
@@ -382,26 +385,10 @@ def estimate_memory(cfg: RecipeConfig, arch: GptOssArch, pattern: HybridPattern 
     except ValueError:  # incomplete full-recompute settings: rule recompute.settings reports them
         plan = RecomputePlan()
         notes.append("recompute settings are incomplete (rule recompute.settings): estimated without recompute")
-    dtype = cfg.precision.params_dtype
-    grad_b = FP32 if opt.grad_reduce_in_fp32 else b  # main_grad's dtype (gptoss_cli/parallel/grads.py)
-    ep_knob = "parallelism.expert_model_parallel_size (fewer experts per GPU)"
-    shard_knob = ("optimizer.use_distributed_optimizer=true" if not distributed
-                  else "more GPUs (larger data-parallel groups shard it thinner)")
-    adam_b = ADAM_MOMENT_BYTES if b == FP32 else ADAM_STATE_BYTES
-    adam_what = "2 moments; fp32 parameters are their own master" if b == FP32 else "fp32 master, 2 moments"
-    items = [
-        MemoryItem("params", f"parameters ({dtype})", b * (dense_n + expert_n),
-                   f"{b} B x ({dense_n:,} dense + {expert_n:,} expert elements, buckets padded)", ep_knob),
-        MemoryItem("grads", f"gradients ({'fp32' if grad_b == FP32 else dtype})", grad_b * (dense_n + expert_n),
-                   f"{grad_b} B x ({dense_n:,} + {expert_n:,})",
-                   ep_knob + ("; optimizer.grad_reduce_in_fp32=false" if grad_b > b else "")),
-        MemoryItem("optimizer.dense", f"Adam state, dense ({adam_what})",
-                   adam_b * dense_n / dense_shards, f"{adam_b} B x {dense_n:,} / {dense_shards}", shard_knob),
-        MemoryItem("optimizer.expert", f"Adam state, experts ({adam_what})",
-                   adam_b * expert_n / expert_shards, f"{adam_b} B x {expert_n:,} / {expert_shards}",
-                   f"{ep_knob}; {shard_knob}"),
-    ]
+    items = _state_items(cfg, b, dense_n, expert_n, dense_shards, expert_shards)
     if lora:
+        ep_knob = "parallelism.expert_model_parallel_size (fewer experts per GPU)"
+        dtype = cfg.precision.params_dtype
         items[0] = MemoryItem("params", f"LoRA adapters ({dtype})", b * (dense_n + expert_n),
                               f"{b} B x ({dense_n:,} dense + {expert_n:,} expert adapter elements)", "lora.rank")
         if cfg.lora.base_experts == "mxfp4":
@@ -409,7 +396,7 @@ def estimate_memory(cfg: RecipeConfig, arch: GptOssArch, pattern: HybridPattern 
         else:
             items.insert(0, MemoryItem("params.frozen", f"frozen base ({dtype})", b * frozen_n,
                                        f"{b} B x {frozen_n:,} elements", ep_knob))
-    items += _activation_items(cfg, arch, pattern, plan, t, b)
+    items += _activation_items(cfg, arch, pattern, plan, t, b, view)
     largest = max((p.numel for p in layout), default=0)  # none: LoRA without targets
     items.append(MemoryItem("transient.grad", "largest parameter .grad", b * largest,
                             f"{b} B x {largest:,}", "-"))
@@ -424,8 +411,34 @@ def estimate_memory(cfg: RecipeConfig, arch: GptOssArch, pattern: HybridPattern 
     cap = GPU_MEMORY_GB.get(gpu)
     return MemoryEstimate(items=items, world_size=world_size, ep_size=ep, dp_size=dp, expert_dp_size=edp,
                           tokens_per_microbatch=t, buckets={"dense": dense_buckets, "expert": expert_buckets},
-                          gpu=gpu, capacity_bytes=cap * GB if cap else None, notes=notes)
+                          gpu=gpu, capacity_bytes=cap * GB if cap else None, notes=notes,
+                          pp_size=par.pipeline_model_parallel_size, pipeline_rank=view.rank)
 
 
-__all__ = ["GB", "size_text", "GPU_MEMORY_GB", "WARN_FRACTION", "ALIGN", "ParamSpec", "parameter_layout", "lora_layout", "buffer_numel",
+def _state_items(cfg: RecipeConfig, b: int, dense_n: int, expert_n: int, dense_shards: int,
+                 expert_shards: int) -> list[MemoryItem]:
+    """Parameters, gradients and the Adam state of the rank's buffers."""
+    dtype = cfg.precision.params_dtype
+    opt = cfg.optimizer
+    grad_b = FP32 if opt.grad_reduce_in_fp32 else b  # main_grad's dtype (gptoss_cli/parallel/grads.py)
+    ep_knob = "parallelism.expert_model_parallel_size (fewer experts per GPU)"
+    shard_knob = ("optimizer.use_distributed_optimizer=true" if not opt.use_distributed_optimizer
+                  else "more GPUs (larger data-parallel groups shard it thinner)")
+    adam_b = ADAM_MOMENT_BYTES if b == FP32 else ADAM_STATE_BYTES
+    adam_what = "2 moments; fp32 parameters are their own master" if b == FP32 else "fp32 master, 2 moments"
+    return [
+        MemoryItem("params", f"parameters ({dtype})", b * (dense_n + expert_n),
+                   f"{b} B x ({dense_n:,} dense + {expert_n:,} expert elements, buckets padded)", ep_knob),
+        MemoryItem("grads", f"gradients ({'fp32' if grad_b == FP32 else dtype})", grad_b * (dense_n + expert_n),
+                   f"{grad_b} B x ({dense_n:,} + {expert_n:,})",
+                   ep_knob + ("; optimizer.grad_reduce_in_fp32=false" if grad_b > b else "")),
+        MemoryItem("optimizer.dense", f"Adam state, dense ({adam_what})",
+                   adam_b * dense_n / dense_shards, f"{adam_b} B x {dense_n:,} / {dense_shards}", shard_knob),
+        MemoryItem("optimizer.expert", f"Adam state, experts ({adam_what})",
+                   adam_b * expert_n / expert_shards, f"{adam_b} B x {expert_n:,} / {expert_shards}",
+                   f"{ep_knob}; {shard_knob}"),
+    ]
+
+
+__all__ = ["RankView", "GB", "size_text", "GPU_MEMORY_GB", "WARN_FRACTION", "ALIGN", "ParamSpec", "parameter_layout", "lora_layout", "buffer_numel",
            "activation_bytes_per_token", "attention_core_bytes_per_token", "default_bucket_size", "MemoryItem", "MemoryEstimate", "estimate_memory"]

@@ -21,6 +21,7 @@ from gptoss_cli.limits import INT32_MAX
 from gptoss_cli.model.catalog import (ATTENTION_BACKEND_DEFAULT, ATTENTION_BACKENDS, SWIGLU_KERNEL_DEFAULT,
                                       SWIGLU_KERNELS, TARGET_MODULES as LORA_TARGETS)
 from gptoss_cli.model.dtypes import RECIPE_DTYPES
+from gptoss_cli.pipeline.layout import SCHEDULES as PIPELINE_SCHEDULES
 
 # numpy and Megatron seed with at most 2**32 - 1; the data sources seed torch generators with
 # seed x 1_000_003 + sample index, which must stay below 2**64 (torch.Generator.manual_seed).
@@ -84,6 +85,16 @@ class ParallelismConfig:
     pipeline_model_parallel_size: int = _f(1, "pipeline parallel size (PP)", min=1, max=INT32_MAX)
     virtual_pipeline_model_parallel_size: Optional[int] = _f(
         None, "virtual pipeline (interleaved) stages per pipeline rank; null = off", min=1, max=INT32_MAX,
+    )
+    pipeline_schedule: str = _f(
+        "1f1b", "pipeline schedule (torch.distributed.pipelining, docs/pipeline-parallel.md): 1f1b; "
+        "interleaved_1f1b (VPP >= 2); interleaved_zero_bubble (ZB1P); zbv_zero_bubble and dualpipev "
+        "(VPP = 2, two stages per rank in a V)", choices=PIPELINE_SCHEDULES,
+    )
+    pipeline_model_parallel_layout: Optional[str] = _f(
+        None, "the stages in Megatron's --pipeline-model-parallel-layout grammar: E embedding, t one decoder "
+        "block (*E), L loss, | stage boundary, X*N repeats, e.g. 'Et*8|t*10|t*10|t*8L'; null = the blocks "
+        "split evenly over PP x VPP stages",
     )
     context_parallel_size: int = _f(1, "context parallel size (CP)", min=1, max=INT32_MAX)
     expert_model_parallel_size: int = _f(1, "expert parallel size (EP)", min=1, max=INT32_MAX)

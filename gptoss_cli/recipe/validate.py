@@ -15,7 +15,9 @@ from typing import Any, Sequence
 from gptoss_cli.errors import ConfigError, UsageError, ValidationFailed
 from gptoss_cli.recipe.load import Recipe, load_recipe, recipe_from_config
 from gptoss_cli.recipe.environment import installed_torch_version
-from gptoss_cli.recipe.flops import FlopCount, count_flops, recompute_flops_per_token
+from gptoss_cli.pipeline.layout import SPLIT_BACKWARD, bubble_fraction, pipeline_layout
+from gptoss_cli.recipe.flops import FlopCount, count_flops, pipeline_op_flops, recompute_flops_per_token
+from gptoss_cli.recipe.rules.parallel import microbatches_per_step
 from gptoss_cli.recipe.memory import MemoryEstimate, recompute_plan
 from gptoss_cli.recipe.rules import ERROR, RULES, SEMANTIC, UNSUPPORTED, WARNING, Context, Finding, Rule
 from gptoss_cli.recipe.sizes import data_parallel_size, expert_data_parallel_size, resolve_world_size
@@ -41,6 +43,7 @@ class ValidationReport:
     memory: MemoryEstimate | None = None  # per-GPU estimate at this layout (recipe/memory.py)
     flops: FlopCount | None = None  # model FLOPs per token at training.seq_length (recipe/flops.py)
     hardware_flops_per_token: float | None = None  # + what the recipe's recompute repeats
+    pipeline: dict[str, Any] | None = None  # with PP > 1: layout, schedule, microbatches, bubble in theory
 
     def severity(self, f: Finding) -> str:
         """error / warning, or note for an unsupported-option finding when judging Megatron semantics."""
@@ -100,6 +103,7 @@ class ValidationReport:
             "memory": self.memory.to_dict() if self.memory is not None else None,
             "model_flops_per_token": self.flops.model_flops_per_token if self.flops is not None else None,
             "hardware_flops_per_token": self.hardware_flops_per_token,
+            "pipeline": self.pipeline,
         }
 
     def raise_for_errors(self) -> None:
@@ -178,6 +182,7 @@ def validate_recipe(
             pieces = {}
         report.hardware_flops_per_token = report.flops.model_flops_per_token + recompute_flops_per_token(
             recipe.arch, cfg.training.seq_length, recipe.pattern, pieces)
+    report.pipeline = pipeline_summary(cfg, recipe, world)
     try:
         report.memory = ctx.memory_estimate(cfg)  # computed once: the memory rule reads the same
     except Exception:  # the estimate is information; the memory rule reports a failure of it
@@ -192,6 +197,27 @@ def validate_recipe(
                 hint="this is a bug in gptoss; please report it with the recipe",
             ))
     return report
+
+
+def pipeline_summary(cfg: RecipeConfig, recipe: Recipe, world: int) -> dict[str, Any] | None:
+    """With PP > 1 and a layout that fits: the stages, the schedule, microbatches per step and the bubble
+    in theory (pipeline/layout.py's `bubble_fraction`, at the model's forward, input-gradient and
+    deferred weight-gradient FLOPs: recipe/flops.py)."""
+    p = cfg.parallelism
+    m = microbatches_per_step(cfg, world)
+    if p.pipeline_model_parallel_size == 1 or m is None or cfg.training.seq_length < 1:
+        return None
+    try:
+        layout = pipeline_layout(recipe.pattern, p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size,
+                                 p.pipeline_schedule, p.pipeline_model_parallel_layout)
+    except UsageError:  # rule parallel.pipeline_layout reports it
+        return None
+    f, b, w = pipeline_op_flops(recipe.arch, cfg.training.seq_length, recipe.pattern)
+    split = p.pipeline_schedule in SPLIT_BACKWARD
+    bubble = bubble_fraction(p.pipeline_schedule, layout.pp, layout.vpp, m, f, b if split else b + w, w if split else 0)
+    return {"pp": layout.pp, "vpp": layout.vpp, "schedule": p.pipeline_schedule, "layout": layout.text(),
+            "layout_source": layout.source, "microbatches": m, "bubble_fraction": bubble,
+            "op_flops": {"forward": f, "backward_input": b, "backward_weight": w}}
 
 
 def load_and_validate(

@@ -131,6 +131,16 @@ def _slots(plan: SchedulePlan) -> list[list]:
     return [[plan.embedding], *plan.units, [plan.post]]
 
 
+def plan_forward_ops(plan: SchedulePlan) -> list:
+    """A plan's forward as one op stream for `run_interleaved` (its slots in order)."""
+    return [op for slot in _slots(plan) for op in _forward_ops(slot)]
+
+
+def plan_backward_ops(plan: SchedulePlan) -> list:
+    """A plan's backward as one op stream for `run_interleaved` (its slots in reverse)."""
+    return [op for slot in reversed(_slots(plan)) for op in _backward_ops(slot)]
+
+
 # --------------------------------------------------------------------------------------------
 # The schedule
 
@@ -183,20 +193,14 @@ def forward_backward_combined_1f1b(
 
         return plan.configure(loss_fn=loss_fn, wgrad_queue=queue, observer=observer)
 
-    def forward_ops(plan: SchedulePlan) -> list:
-        return [op for slot in _slots(plan) for op in _forward_ops(slot)]
-
-    def backward_ops(plan: SchedulePlan) -> list:
-        return [op for slot in reversed(_slots(plan)) for op in _backward_ops(slot)]
-
     def forward(plan: SchedulePlan) -> None:
-        run_interleaved(forward_ops(plan), [])
+        run_interleaved(plan_forward_ops(plan), [])
 
     def backward(plan: SchedulePlan) -> None:
-        run_interleaved([], backward_ops(plan))
+        run_interleaved([], plan_backward_ops(plan))
 
     def forward_and_backward(f_plan: SchedulePlan, b_plan: SchedulePlan) -> None:
-        run_interleaved(forward_ops(f_plan), backward_ops(b_plan))
+        run_interleaved(plan_forward_ops(f_plan), plan_backward_ops(b_plan))
 
     try:
         with step.no_sync():
@@ -223,4 +227,4 @@ def forward_backward_combined_1f1b(
     return step.logs
 
 
-__all__ = ["forward_backward_combined_1f1b", "run_interleaved"]
+__all__ = ["forward_backward_combined_1f1b", "run_interleaved", "plan_forward_ops", "plan_backward_ops"]

@@ -150,7 +150,7 @@ def save_checkpoint(
     barrier()
     if state.rank == 0:
         meta = dict(train_state)
-        meta.update(step=step, world_size=state.world_size, ep_size=state.ep_size)
+        meta.update(step=step, world_size=state.world_size, ep_size=state.ep_size, pp_size=state.pp_size)
         outputs.write_text(tmp / TRAIN_STATE, json.dumps(meta, indent=2) + "\n")  # a full disk names the file
         if final.exists():
             shutil.rmtree(final)
@@ -250,7 +250,8 @@ def load_checkpoint(
     payload: dict[str, Any] = {MODEL: _model_state(model), OPTIMIZER: optimizer.state_dict()}
     _check_against_metadata(folder, payload, metadata)
     # RNG streams belong to ranks: restored only when the layout is the same (else the seed's).
-    same_layout = meta.get("world_size") == state.world_size and meta.get("ep_size") == state.ep_size
+    same_layout = (meta.get("world_size") == state.world_size and meta.get("ep_size") == state.ep_size
+                   and meta.get("pp_size", 1) == state.pp_size)
     rng = _rng_state(state)
     if same_layout and all(f"{RNG}.{k}" in saved for k in rng):
         payload[RNG] = rng

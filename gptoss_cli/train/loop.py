@@ -33,6 +33,7 @@ import torch.distributed as dist
 from gptoss_cli import outputs
 from gptoss_cli.checkpoint.training_format import RUN_KEY, read_train_state
 from gptoss_cli.errors import ConfigError, TrainingError
+from gptoss_cli.model.pattern import MOE
 from gptoss_cli.parallel.state import ParallelState, barrier, destroy_parallel, init_parallel
 from gptoss_cli.recipe.environment import gpu_from_device_name
 from gptoss_cli.recipe.flops import model_flops_per_token, peak_tflops, recompute_flops_per_token, throughput
@@ -71,7 +72,8 @@ def run_worker(job: TrainJob, progress: TrainProgress | None = None) -> TrainRes
         # Under torchrun a peer that never starts would hold this rank in the rendezvous for 10 minutes.
         state = init_parallel(cfg.parallelism.expert_model_parallel_size, cfg.system.device, cfg.parallelism.backend,
                               join_timeout_s=cfg.system.heartbeat_timeout_s if self_watch else None,
-                              cp_size=cfg.parallelism.context_parallel_size)
+                              cp_size=cfg.parallelism.context_parallel_size,
+                              pp_size=cfg.parallelism.pipeline_model_parallel_size)
         # glibc's allocator stays at its defaults here: keeping freed memory in the heap (resources.py)
         # fragments it under a training step's mix of sizes, and a worker grew without bound.
         try:
@@ -147,12 +149,13 @@ class Trainer:
         self.validator = Validator(cfg, state, job.arch.vocab_size) if cfg.validation.data else None
         self.objective = job.objective or build_objective(cfg)
         self.schedule = get_forward_backward_func(self.model_config)
-        self.totals = StepTotals([j for j, _ in self.model.module.moe_layers()], job.arch.num_local_experts,
-                                 tuple(self.objective.sums))
+        # every MoE layer of the model, also those other pipeline stages hold
+        self.totals = StepTotals([j for j, s in enumerate(self.model.module.pattern.layers) if s == MOE],
+                                 job.arch.num_local_experts, tuple(self.objective.sums))
         self.metrics = MetricsWriter(self.run_dir, state)
         self.fp8 = self.model_config.fp8_gemms  # the FP8 gemms the provider selected: which path runs, what ran
         if self.fp8 is not None:
-            self.fp8.guard.deferred = True  # NaN/inf checks recorded on the device, read once per step
+            self.fp8.guard.deferred = True  # NaN/inf checks recorded on the device, read once per step (train_step)
         self._flops_setup()
         self.lora_base = lora_base(cfg, state)
         self.start_step, self.resumed_from = 0, None
@@ -205,7 +208,9 @@ class Trainer:
         if self.emit:
             self.emit(TrainStarted(start_step=self.start_step, train_iters=self.cfg.training.train_iters,
                                    world_size=self.state.world_size, ep_size=self.state.ep_size,
-                                   cp_size=self.state.cp_size, resumed_from=self.resumed_from,
+                                   cp_size=self.state.cp_size, pp_size=self.state.pp_size,
+                                   pipeline_schedule=self.cfg.parallelism.pipeline_schedule
+                                   if self.state.pp_size > 1 else None, resumed_from=self.resumed_from,
                                    fp8=self.fp8.describe() if self.fp8 else None, packing=self.packing,
                                    qat=self.cfg.precision.qat))
 
@@ -234,7 +239,9 @@ class Trainer:
         local = self.totals.vector(logs, self.state.device)
         totals = local.clone()
         if self.state.distributed:
-            dist.all_reduce(totals, group=self.state.dp_group)  # one small collective for every step total
+            # one small collective for every step total, over every rank: with pipeline parallelism
+            # the loss sums come from the last stage, each MoE layer's router rows from its own stage
+            dist.all_reduce(totals, group=self.state.global_group)
         # The step's one host sync; the FP8 NaN/inf flag (fp8/guard.py) rides on it and is checked first.
         fp8 = self.fp8
         read = torch.cat([local, totals, fp8.guard.flag(self.state.device).view(1) if fp8 else local[:0]]).tolist()
@@ -252,7 +259,10 @@ class Trainer:
         grad_norm = self.optimizer.step(lr)
         if self.state.device.type == "cuda":
             torch.cuda.synchronize()
-        return StepOutcome(step=step + 1, metrics=metrics, local=self.objective.metrics(self.totals.scalars(local_values)),
+        # a pipeline rank without the last stage computes no loss: nothing of its own to report
+        local = (self.objective.metrics(self.totals.scalars(local_values)) if self.model.module.post_process
+                 else {"loss": 0.0, "tokens": 0.0})
+        return StepOutcome(step=step + 1, metrics=metrics, local=local,
                            lr=lr, grad_norm=grad_norm, step_time_s=time.perf_counter() - t0,
                            router=self.totals.router_record(values))
 

@@ -60,7 +60,8 @@ class StepContext:
 
     def forward_only(self, forward_step_func: Callable[..., Any], microbatches: list[Microbatch]) -> list[dict[str, Any]]:
         """Run `forward_step_func` over `microbatches` without gradients (no backward, no gradient
-        reduction); one log dict per microbatch, as its loss_func returned them."""
+        reduction; with pipeline parallelism the logs are handed from the last stage to every
+        rank); one log dict per microbatch, as its loss_func returned them."""
         schedule = self.schedule
         if schedule is None:
             from gptoss_cli.schedule.plain import forward_backward_no_pipelining as schedule  # noqa: PLC0415

@@ -20,7 +20,7 @@ steps whole parameters, and constructing any torch.optim.Optimizer imports torch
 The gradient norm is the true global norm: every dense parameter and every expert counted exactly
 once, whether the state is sharded (one all-reduce of the shards' squares over the world: dense
 shards partition the dense parameters, expert shards the experts) or replicated (dense locally,
-experts summed over EP only).
+experts summed over EP only), and with pipeline parallelism over every stage, never per stage.
 
 The saved state is layout-free: `state_dict()` is keyed by parameter name (stacked experts split
 per GLOBAL expert id), so a checkpoint written at one DP/EP layout and bucket size loads at
@@ -225,13 +225,15 @@ class DistributedAdamW:
             sq = _sum_of_squares(s.grad.float(), divisor=divisor)  # padding is zero; bf16 grads summed in fp32
             (dense if k < self._dense_shards else expert).add_(sq)
         if self.distributed:
-            # Dense shards partition the dense parameters over the world; expert shards partition
-            # each EP rank's experts over its expert-DP group: one sum over the world counts each once.
+            # Dense shards partition each stage's dense parameters over its ranks; expert shards
+            # partition each EP rank's experts over its expert-DP group: one sum over every rank
+            # (every pipeline stage) counts each once.
             dense.add_(expert)
-            all_reduce(dense, self.state.dp_group)
+            all_reduce(dense, self.state.global_group)
         else:
             all_reduce(expert, self.state.ep_group)  # replicas hold the same values; EP ranks other experts
             dense.add_(expert)
+            all_reduce(dense, self.state.pp_group)  # the other pipeline stages' parameters (None: PP = 1)
         return math.sqrt(float(dense))
 
     def step(self, lr: float) -> float:

@@ -47,6 +47,8 @@ class TrainStarted:
     world_size: int
     ep_size: int
     cp_size: int = 1
+    pp_size: int = 1
+    pipeline_schedule: str | None = None  # parallelism.pipeline_schedule with PP > 1
     resumed_from: str | None = None  # the checkpoint folder resumed from
     fp8: str | None = None  # `Fp8Gemms.describe()`: recipe, format, path and kernel, device
     packing: dict[str, Any] | None = None  # {"efficiency", "rows", "seq_length"} for packed documents

@@ -32,6 +32,7 @@ from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.model.lora import LoraSettings, attach_lora
 from gptoss_cli.model.dtypes import torch_dtype
 from gptoss_cli.model.pattern import parse_pattern
+from gptoss_cli.pipeline.layout import PipelineLayout, pipeline_layout
 from gptoss_cli.model.recompute_plan import RecomputePlan
 from gptoss_cli.recipe.memory import recompute_plan
 from gptoss_cli.model.qat import qat_gemms
@@ -61,6 +62,11 @@ class ModelRuntimeConfig:
     base_experts: str = "bf16"  # lora.base_experts with LoRA on: "mxfp4" keeps the frozen experts in MXFP4
     swiglu_kernel: str = SWIGLU_KERNEL_DEFAULT  # model.swiglu_kernel (model/swiglu_kernel.py), the recipe's default
     attention_backend: str = ATTENTION_BACKEND_DEFAULT  # model.attention_backend (model/attention_backends.py)
+    # pipeline parallelism (gptoss_cli/pipeline/): the provider builds the layers of this rank's stages
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: int | None = None
+    pipeline_schedule: str = "1f1b"
+    pipeline_model_parallel_layout: str | None = None
     # Set at run time: the FP8 gemms the provider selected (which path runs, GEMM counts), and the
     # training callbacks, installed by setup on the model's own copy of this config.
     fp8_gemms: Any = None
@@ -81,7 +87,19 @@ class ModelRuntimeConfig:
             lora=lora_settings(cfg), swiglu_kernel=cfg.model.swiglu_kernel,
             attention_backend=cfg.model.attention_backend,
             base_experts=cfg.lora.base_experts if cfg.lora.rank > 0 else "bf16",
+            pipeline_model_parallel_size=cfg.parallelism.pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=cfg.parallelism.virtual_pipeline_model_parallel_size,
+            pipeline_schedule=cfg.parallelism.pipeline_schedule,
+            pipeline_model_parallel_layout=cfg.parallelism.pipeline_model_parallel_layout,
         )
+
+    def pipeline_layout(self) -> PipelineLayout | None:
+        """The stages and their ranks (gptoss_cli/pipeline/layout.py); None without pipeline parallelism."""
+        if self.pipeline_model_parallel_size == 1:
+            return None
+        return pipeline_layout(parse_pattern(self.hybrid_layer_pattern), self.pipeline_model_parallel_size,
+                               self.virtual_pipeline_model_parallel_size, self.pipeline_schedule,
+                               self.pipeline_model_parallel_layout)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -110,6 +128,16 @@ def dispatcher_factory(num_experts: int, state: ParallelState) -> Callable[[int,
     return factory
 
 
+def stage_parts(layout: PipelineLayout | None, pp_rank: int) -> dict[str, Any]:
+    """The HybridModel keywords of pipeline rank `pp_rank`'s stages: the layers it holds, whether it
+    holds the embedding (pre_process) and the output layer (post_process); none without PP."""
+    if layout is None:
+        return {}
+    stages = layout.rank_stages(pp_rank)
+    return {"held_layers": layout.rank_layers(pp_rank), "pre_process": any(s.embedding for s in stages),
+            "post_process": any(s.loss for s in stages)}
+
+
 class HybridModelProvider:
     """Builds the HybridModel slice of one rank. `provide(state)` returns the model with `.config` set."""
 
@@ -130,7 +158,8 @@ class HybridModelProvider:
             raise ConfigError(f"base_experts={cfg.base_experts} keeps frozen experts; it needs LoRA (a frozen base)")
         model = build_model(arch, cfg.hybrid_layer_pattern, device=state.device, dtype=cfg.torch_dtype,
                             base_experts=cfg.base_experts, expert_offset=offset, num_local_experts=n_local,
-                            token_dispatcher_factory=dispatcher_factory(arch.num_local_experts, state))
+                            token_dispatcher_factory=dispatcher_factory(arch.num_local_experts, state),
+                            **stage_parts(cfg.pipeline_layout(), state.pp_rank))
         if state.cp_size > 1:
             model.set_context_parallel(state.cp_group)  # each rank holds S/CP positions of every row
         # The aux loss follows the recipe (moe.aux_loss_coeff), not the checkpoint's config.json.
@@ -163,4 +192,4 @@ class HybridModelProvider:
         return model
 
 
-__all__ = ["ModelRuntimeConfig", "HybridModelProvider", "dispatcher_factory", "lora_settings"]
+__all__ = ["ModelRuntimeConfig", "HybridModelProvider", "dispatcher_factory", "lora_settings", "stage_parts"]

@@ -25,6 +25,8 @@ VERDICTS = {
     "gpt_oss_20b_sft": (set(), set()),
     "gpt_oss_120b_sft": (set(), set()),
     "gpt_oss_20b_sft_32k": (set(), set()),  # context parallel 8
+    "h100_pp4_ep8": (set(), set()),  # pipeline parallel 4 x EP 8 (docs/pipeline-parallel.md)
+    "tiny_cpu_pp2_ep2": (set(), set()),
     "h100_bf16": (set(), set()),  # fits 80 GB with selective recompute and bf16 gradient buffers
     "tiny_cpu_ep2": (set(), set()),
     "tiny_cpu_ep2_overlap": (set(), set()),

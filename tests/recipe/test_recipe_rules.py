@@ -38,9 +38,13 @@ CASES = {
     "parallel.heads_divisible": (
         ["parallelism.tensor_model_parallel_size=4", *W4], "error", ["parallelism.tensor_model_parallel_size=2"]),
     "parallel.batch_divisible": (["training.global_batch_size=6"], "error", ["training.global_batch_size=12"]),
-    "parallel.pipeline_layers": (
-        ["parallelism.pipeline_model_parallel_size=4", "parallelism.world_size=8"], "error",
-        ["parallelism.pipeline_model_parallel_size=2", *W4]),
+    "parallel.pipeline_layout": (
+        ["parallelism.pipeline_model_parallel_size=2", *W4], "error",
+        ["parallelism.pipeline_model_parallel_size=2", *W4, "parallelism.pipeline_model_parallel_layout=Et*2|tL"]),
+    "parallel.pipeline_schedule": (
+        ["parallelism.pipeline_model_parallel_size=2", *W4, "parallelism.pipeline_schedule=dualpipev"], "error",
+        ["parallelism.pipeline_model_parallel_size=2", *W4, "parallelism.pipeline_schedule=zbv_zero_bubble",
+         "parallelism.virtual_pipeline_model_parallel_size=2"]),
     "parallel.context_parallel_heads": (
         ["parallelism.context_parallel_size=4", *W4], "error", ["parallelism.context_parallel_size=2", *W4]),
     "parallel.context_parallel_combinations": (
@@ -123,7 +127,9 @@ CASES = {
     "lora.combinations": ([*LORA, "parallelism.context_parallel_size=2", "parallelism.world_size=2"], "error",
                           [*LORA, "parallelism.world_size=2"]),
     "unsupported.tensor_parallel": (["parallelism.tensor_model_parallel_size=2"], "error", []),
-    "unsupported.pipeline_parallel": (["parallelism.pipeline_model_parallel_size=2", *W4], "error", W4),
+    "unsupported.pipeline_ep_overlap": (
+        [*OVERLAP, "parallelism.pipeline_model_parallel_size=2", *W4, "parallelism.virtual_pipeline_model_parallel_size=2",
+         "parallelism.pipeline_schedule=interleaved_1f1b"], "error", [*OVERLAP, W4[0]]),
     "unsupported.expert_tensor_parallel": (["parallelism.expert_tensor_parallel_size=2", *W4], "error", W4),
     "unsupported.megatron_fsdp": (["parallelism.use_megatron_fsdp=true"], "error", []),
     "unsupported.token_dispatcher": (["moe.token_dispatcher_type=flex"], "error", []),
@@ -281,12 +287,15 @@ def test_overlap_with_local_graphs_is_also_rejected():
 
 
 def test_pattern_splits_must_match_pipeline_size():
-    findings = run_rule("parallel.pipeline_layers", ["model.hybrid_layer_pattern=*E*E|*E"])
-    assert findings and "2 stages" in findings[0].message
+    findings = run_rule("parallel.pipeline_layout", ["model.hybrid_layer_pattern=*E*E|*E"])
+    assert findings and "PP > 1" in findings[0].message
+    findings = run_rule("parallel.pipeline_layout", ["model.hybrid_layer_pattern=*E*E|*E", *W4,
+                                                     "parallelism.pipeline_model_parallel_size=4"])
+    assert findings and "make 2 stages but PP x VPP = 4" in findings[0].message
 
 
 def test_virtual_pipeline_needs_pipeline():
-    findings = run_rule("parallel.pipeline_layers", ["parallelism.virtual_pipeline_model_parallel_size=2"])
+    findings = run_rule("parallel.pipeline_layout", ["parallelism.virtual_pipeline_model_parallel_size=2"])
     assert findings and "PP > 1" in findings[0].message
 
 

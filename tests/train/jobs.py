@@ -18,7 +18,9 @@ TINY = preset("tiny")
 
 FIELDS = {
     "ep_size": "parallelism.expert_model_parallel_size", "backend": "parallelism.backend",
-    "cp_size": "parallelism.context_parallel_size",
+    "cp_size": "parallelism.context_parallel_size", "pp_size": "parallelism.pipeline_model_parallel_size",
+    "vpp_size": "parallelism.virtual_pipeline_model_parallel_size", "pipeline_schedule": "parallelism.pipeline_schedule",
+    "pipeline_layout": "parallelism.pipeline_model_parallel_layout", "z_loss_coeff": "moe.z_loss_coeff",
     "device": "system.device", "heartbeat_timeout_s": "system.heartbeat_timeout_s",
     "params_dtype": "precision.params_dtype", "fp8_recipe": "precision.fp8_recipe",
     "fp8_format": "precision.fp8_format", "fp8_emulation": "precision.fp8_emulation", "qat": "precision.qat",

@@ -51,3 +51,10 @@ def test_the_loop_emits_typed_events_that_carry_the_metrics_line_and_pickle(tmp_
     for event, line in zip(steps, lines, strict=True):
         expected = {f.name: line.get(f.name) for f in fields(StepDone)}
         assert asdict(event) == expected
+
+
+def test_start_line_names_the_pipeline(monkeypatch, capsys):
+    monkeypatch.setenv("COLUMNS", "200")
+    TrainProgressBar()(TrainStarted(start_step=0, train_iters=3, world_size=4, ep_size=2, pp_size=2,
+                                    pipeline_schedule="1f1b"))
+    assert "training on world 4, EP 2, PP 2 (1f1b)" in capsys.readouterr().out

@@ -143,3 +143,24 @@ def test_overlap_grad_reduce_issues_every_bucket_during_the_last_backward(overla
     reduce_scatters = [c for c in rec.calls if c.op == "reduce_scatter"]
     assert len(reduce_scatters) > 2 and len(issued_before_finish) == 1
     assert issued_before_finish[0] == (len(reduce_scatters) if overlap else 0)
+
+
+def test_pipeline_ranks_hold_what_the_per_stage_estimate_says():
+    """PP = 2 x EP = 2 (tiny_cpu_pp2_ep2: blocks 2 + 1): each pipeline rank's real buffers and optimizer
+    shards equal its stage's estimate; the stages' dense parameters are the model's, each once; a
+    stage sends each microbatch's activations on, and its gradient back, once per stage boundary."""
+    r = load_recipe("tiny_cpu_pp2_ep2", [f"optimizer.bucket_size={BUCKET}"])
+    sims = [simulate_rank(r.config, r.arch, r.pattern, 4, rank) for rank in (0, 2)]
+    assert [s.pp_rank for s in sims] == [0, 1]
+    for sim in sims:
+        est = estimate_memory(r.config, r.arch, r.pattern, 4, pipeline_rank=sim.pp_rank)
+        assert sim.memory["params"] == est.bytes_of("params") and sim.memory["grads"] == est.bytes_of("grads")
+        assert sum(sim.memory[f"optimizer.{k}"] for k in ("master", "exp_avg", "exp_avg_sq")) == est.bytes_of("optimizer")
+        (sends,) = [p for p in sim.phases if p.name.startswith("pipeline sends")]
+        assert len(sends.calls) == 1 and sends.per_step == sim.microbatches == 2
+    worst = estimate_memory(r.config, r.arch, r.pattern, 4)
+    assert worst.pipeline_rank == 0 and [s["stages"] for s in worst.stages] == ["Et*2", "tL"]
+    params = dict(HybridModel(r.arch, device="meta").named_parameters())
+    dense = sum(p.numel() for n, p in params.items() if ".mlp.experts." not in n)
+    padding = sum(sum(s.bucket_numel["dense"]) for s in sims) - dense
+    assert 0 <= padding < sum(s.buckets["dense"] for s in sims) * ALIGN * 2  # buckets padded, nothing twice

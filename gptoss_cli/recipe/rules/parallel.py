@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+from gptoss_cli.errors import ConfigError
+from gptoss_cli.pipeline.layout import pipeline_layout, schedule_problems
 from gptoss_cli.recipe.rules.core import ERROR, WARNING, Context, Finding, error, rule, short_pattern, warning
 from gptoss_cli.recipe.schema import RecipeConfig
 from gptoss_cli.recipe.sizes import data_parallel_size, expert_model_parallel_product, model_parallel_size
@@ -121,30 +123,72 @@ def batch_divisible(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
                   f"{max(step, t.global_batch_size // step * step)})")]
 
 
-@rule("parallel.pipeline_layers",
-      "pipeline stages: '|' splits match PP, or layers divide evenly into PP (x VPP) stages",
-      fix="mark stage boundaries with '|' in model.hybrid_layer_pattern, or change PP/VPP; VPP needs PP > 1")
-def pipeline_layers(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
+def microbatches_per_step(cfg: RecipeConfig, world_size: int) -> int | None:
+    """Microbatches each data-parallel stream runs per step: GBS / (MBS x world / (TP x PP x CP))."""
+    dp = data_parallel_size(cfg, world_size)
+    step = cfg.training.micro_batch_size * dp if dp else 0
+    return cfg.training.global_batch_size // step if step and cfg.training.global_batch_size % step == 0 else None
+
+
+def _pipeline_fields(cfg: RecipeConfig) -> dict:
+    p = cfg.parallelism
+    return {"parallelism.pipeline_model_parallel_size": p.pipeline_model_parallel_size,
+            "parallelism.virtual_pipeline_model_parallel_size": p.virtual_pipeline_model_parallel_size,
+            "parallelism.pipeline_schedule": p.pipeline_schedule,
+            "parallelism.pipeline_model_parallel_layout": p.pipeline_model_parallel_layout}
+
+
+@rule("parallel.pipeline_layout",
+      "pipeline stages: the layout (parallelism.pipeline_model_parallel_layout, or '|' in the pattern) places "
+      "every decoder block on PP x VPP stages and cuts only between blocks (`*E` stays whole), the embedding "
+      "first and the loss last; without one the blocks divide evenly; every pipeline rank holds something; "
+      "VPP needs PP > 1",
+      fix="set parallelism.pipeline_model_parallel_layout (Megatron's grammar: E, t per block, L, |), or change "
+          "PP/VPP; VPP and a layout need PP > 1")
+def pipeline_layout_rule(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     p, out = cfg.parallelism, []
     pp, vpp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size
-    if vpp is not None and pp == 1:
-        out.append(error({"parallelism.virtual_pipeline_model_parallel_size": vpp,
-                          "parallelism.pipeline_model_parallel_size": pp},
-                         "virtual pipeline stages need pipeline parallelism (PP > 1)",
-                         "set parallelism.virtual_pipeline_model_parallel_size=null"))
-    stages = ctx.pattern.num_pipeline_stages
-    if ctx.pattern.pipeline_splits:
-        if stages != pp * (vpp or 1):
-            out.append(error({"model.hybrid_layer_pattern": short_pattern(ctx.pattern.text), "stages": stages,
-                              "parallelism.pipeline_model_parallel_size": pp},
-                             f"the pattern's '|' splits make {stages} stages but PP x VPP = {pp * (vpp or 1)}",
-                             "add or remove '|' splits, or change the pipeline sizes"))
-    elif pp > 1 and ctx.pattern.num_layers % (pp * (vpp or 1)):
-        out.append(error({"layers": ctx.pattern.num_layers, "parallelism.pipeline_model_parallel_size": pp,
-                          "parallelism.virtual_pipeline_model_parallel_size": vpp},
-                         f"{ctx.pattern.num_layers} layers do not divide into PP x VPP = {pp * (vpp or 1)} stages",
-                         "mark stage boundaries with '|' in model.hybrid_layer_pattern, or change PP/VPP"))
+    fields = _pipeline_fields(cfg)
+    if pp == 1:
+        if vpp is not None:
+            out.append(error(fields, "virtual pipeline stages need pipeline parallelism (PP > 1)",
+                             "set parallelism.virtual_pipeline_model_parallel_size=null"))
+        if p.pipeline_model_parallel_layout or ctx.pattern.pipeline_splits:
+            out.append(error({**fields, "model.hybrid_layer_pattern": short_pattern(ctx.pattern.text)},
+                             "a pipeline layout (or '|' in the pattern) needs pipeline parallelism (PP > 1)",
+                             "set parallelism.pipeline_model_parallel_layout=null and no '|' in the pattern, or PP > 1"))
+        return out
+    try:
+        layout = pipeline_layout(ctx.pattern, pp, vpp, p.pipeline_schedule, p.pipeline_model_parallel_layout)
+    except ConfigError as exc:
+        return [error({**fields, "model.hybrid_layer_pattern": short_pattern(ctx.pattern.text)}, exc.message,
+                      exc.hint)]
+    empty = [r for r in range(pp) if not layout.rank_layers(r)
+             and not any(s.embedding or s.loss for s in layout.rank_stages(r))]
+    if empty:
+        out.append(error(fields, f"pipeline ranks {empty} hold no layer, embedding or output layer "
+                                 f"(layout {layout.text()!r}): nothing to train there",
+                         "give every pipeline rank at least one decoder block"))
     return out
+
+
+@rule("parallel.pipeline_schedule",
+      "the pipeline schedule fits PP, VPP and the microbatches per step (torch.distributed.pipelining's "
+      "requirements: 1f1b one stage per rank and >= PP microbatches; interleaved_1f1b VPP >= 2; zbv_zero_bubble "
+      "and dualpipev VPP = 2, dualpipev >= 2 x PP microbatches); a schedule without PP is ignored (a warning)",
+      fix="choose parallelism.pipeline_schedule for the VPP, or change VPP or the global batch size",
+      severities=(ERROR, WARNING))
+def pipeline_schedule_rule(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
+    p = cfg.parallelism
+    pp, vpp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size
+    if pp == 1:
+        if p.pipeline_schedule != "1f1b":
+            return [warning(_pipeline_fields(cfg), f"pipeline_schedule={p.pipeline_schedule} has no effect "
+                                                   "without pipeline parallelism", "set parallelism.pipeline_schedule=1f1b")]
+        return []
+    m = microbatches_per_step(cfg, ctx.world_size)
+    return [error({**_pipeline_fields(cfg), "microbatches_per_step": m}, what, fix)
+            for what, fix in schedule_problems(p.pipeline_schedule, pp, vpp, m)]
 
 
 @rule("parallel.context_parallel_seq",

@@ -40,12 +40,16 @@ TABLE: tuple[Unsupported, ...] = (
         lambda c: "tensor/sequence parallelism",
         "set parallelism.tensor_model_parallel_size=1 parallelism.sequence_parallel=false"),
     Unsupported(
-        "pipeline_parallel", "pipeline and virtual pipeline parallelism",
-        ("parallelism.pipeline_model_parallel_size", "parallelism.virtual_pipeline_model_parallel_size"),
-        lambda c, x: (c.parallelism.pipeline_model_parallel_size == 1
-                      and c.parallelism.virtual_pipeline_model_parallel_size is None and not x.pattern.pipeline_splits),
-        lambda c: "pipeline parallelism",
-        "set parallelism.pipeline_model_parallel_size=1, virtual size null, no '|' in the pattern"),
+        # Under pipelining the overlap runs in DualPipeV's OVERLAP_F_B actions (gptoss_cli/pipeline/plan_stage.py).
+        "pipeline_ep_overlap", "EP all-to-all overlap under pipeline parallelism with a schedule other than dualpipev",
+        ("parallelism.pipeline_model_parallel_size", "parallelism.pipeline_schedule",
+         "overlap.overlap_moe_expert_parallel_comm"),
+        lambda c, x: (c.parallelism.pipeline_model_parallel_size == 1 or not c.overlap.overlap_moe_expert_parallel_comm
+                      or c.parallelism.pipeline_schedule == "dualpipev"),
+        lambda c: f"EP all-to-all overlap under pipeline parallelism with {c.parallelism.pipeline_schedule} "
+                  "(only DualPipeV's overlapped forward and backward)",
+        "set parallelism.pipeline_schedule=dualpipev (VPP=2), or overlap.overlap_moe_expert_parallel_comm=false "
+        "overlap.delay_wgrad_compute=false"),
     Unsupported(
         "expert_tensor_parallel", "expert tensor parallelism", ("parallelism.expert_tensor_parallel_size",),
         lambda c, x: c.parallelism.expert_tensor_parallel_size == 1,
