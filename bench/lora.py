@@ -55,7 +55,7 @@ def ours_step_fn(arch, tokens: torch.Tensor, dtype: str, rank: int, alpha: float
     from gptoss_cli.recipe.schema import RecipeConfig
     from gptoss_cli.schedule import get_forward_backward_func
     from gptoss_cli.train.data import Microbatch
-    from gptoss_cli.train.loop import forward_step
+    from gptoss_cli.train.objective import forward_step
     from gptoss_cli.train.provider import HybridModelProvider, ModelRuntimeConfig
     from gptoss_cli.train.setup import setup_model_and_optimizer
 

@@ -124,7 +124,7 @@ def worker(rank: int, args: dict) -> dict:
     from gptoss_cli.schedule.combined_1f1b import forward_backward_combined_1f1b
     from gptoss_cli.schedule.plain import forward_backward_no_pipelining
     from gptoss_cli.train.data import DataLoaderState
-    from gptoss_cli.train.loop import forward_step
+    from gptoss_cli.train.objective import forward_step
 
     torch.set_num_threads(args["threads"])
     state = init_parallel(2, args["device"])

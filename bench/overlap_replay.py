@@ -52,7 +52,7 @@ def record(args: argparse.Namespace) -> list[tuple[list, list]]:
     from bench.overlap import build_model
     from gptoss_cli.parallel.state import ParallelState
     from gptoss_cli.train.data import DataLoaderState
-    from gptoss_cli.train.loop import forward_step
+    from gptoss_cli.train.objective import forward_step
 
     _, setup, source = build_model(vars(args), ParallelState())  # the optimizer never steps here
 

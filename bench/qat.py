@@ -53,7 +53,7 @@ from gptoss_cli.parallel.state import ParallelState  # noqa: E402
 from gptoss_cli.recipe.schema import RecipeConfig  # noqa: E402
 from gptoss_cli.schedule import get_forward_backward_func  # noqa: E402
 from gptoss_cli.train.data import DataLoaderState  # noqa: E402
-from gptoss_cli.train.loop import forward_step  # noqa: E402
+from gptoss_cli.train.objective import forward_step  # noqa: E402
 from gptoss_cli.train.provider import HybridModelProvider, ModelRuntimeConfig  # noqa: E402
 from gptoss_cli.train.setup import setup_model_and_optimizer  # noqa: E402
 

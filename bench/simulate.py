@@ -15,7 +15,7 @@ expert gets the same number of tokens from every rank), the assumption of this s
 it every MoE layer and microbatch moves the same, so the dispatcher runs once, for one layer and
 one microbatch, and counts for all of them. Reading a scalar of a meta tensor (the gradient norm)
 gives 1.0. The training loop's own two small collectives (the loss all-reduce and the metrics
-all-gather, gptoss_cli/train/loop.py) are added by hand.
+all-gather, gptoss_cli/train/loop.py and metrics.py) are added by hand.
 """
 
 from __future__ import annotations
@@ -268,7 +268,7 @@ def simulate_rank(cfg: RecipeConfig, arch: GptOssArch, pattern: HybridPattern | 
             with _MetaScalars() if device == "meta" else contextlib.nullcontext():
                 optimizer.step(optimizer.lr)
             sim.phases.append(Phase("optimizer step", rec.take()))
-            # gptoss_cli/train/loop.py: the global loss (2 float64) and the metrics rows (3 float64 per rank)
+            # gptoss_cli/train/loop.py and metrics.py: the global loss (2 float64) and the metrics rows (3 float64 per rank)
             dist.all_reduce(torch.zeros(2, dtype=torch.float64), group=state.dp_group)
             all_gather(torch.zeros(3 * world_size, dtype=torch.float64),
                        torch.zeros(3, dtype=torch.float64), state.dp_group)

@@ -114,7 +114,7 @@ def ours_step_fn(arch, tokens: torch.Tensor, dtype: str, state=None, microbatche
     from gptoss_cli.parallel.state import ParallelState
     from gptoss_cli.schedule import get_forward_backward_func
     from gptoss_cli.train.data import Microbatch
-    from gptoss_cli.train.loop import forward_step
+    from gptoss_cli.train.objective import forward_step
     from gptoss_cli.train.provider import HybridModelProvider, ModelRuntimeConfig
     from gptoss_cli.train.setup import install_training_callbacks, wrap_model_and_optimizer
 

@@ -8,11 +8,15 @@ Stages, in order, each calling the same library function as its own command:
   4. train     2 local processes, EP=2, the overlap schedule and delayed wgrad, from the converted
                checkpoint, on learnable data (a fixed permutation cycle: each token determines the
                next, so the loss must fall);
-  5. export    the training checkpoint -> HF with MXFP4 experts, reloaded (by our loader, and by
+  5. sft       supervised fine-tuning offline: built-in conversations through prepare-data's harmony
+               rendering with the tokenizer make-tiny wrote, a short run from the converted checkpoint
+               with validation on held-out conversations, eval of the result (the same held-out loss),
+               and one generated reply (skipped without the `tokenizers` package, `.[data]`);
+  6. export    the training checkpoint -> HF with MXFP4 experts, reloaded (by our loader, and by
                transformers when installed): its next-token predictions on a prompt against the
                trained model's.
 A stage whose input is missing (an earlier stage failed) is not run. The library reports, the CLI
-renders (gptoss_cli/cli/demo.py).
+renders (gptoss_cli/cli/demo.py); `DemoResult.skipped` names the skipped stages and why.
 """
 
 from __future__ import annotations
@@ -61,6 +65,10 @@ class DemoResult:
     def ok(self) -> bool:
         return all(s.status in (PASSED, SKIPPED) for s in self.stages)
 
+    @property
+    def skipped(self) -> list[StageResult]:
+        return [s for s in self.stages if s.status == SKIPPED]
+
     def to_dict(self) -> dict[str, Any]:
         return {"workdir": self.workdir, "steps": self.steps, "ok": self.ok, "seconds": self.seconds,
                 "stages": [asdict(s) for s in self.stages]}
@@ -90,7 +98,7 @@ def prepare_workdir(workdir: str | Path | None) -> Path:
                              hint="choose a new or empty folder; the demo overwrites only its own workdir")
         folder.mkdir(parents=True, exist_ok=True)
     (folder / MARKER).write_text("made by gptoss demo; its contents are replaced by the next demo run\n")
-    for name in ("hf", "hybrid", "data", "train", "export"):  # an earlier demo's outputs
+    for name in ("hf", "hybrid", "data", "train", "sft", "export"):  # an earlier demo's outputs
         shutil.rmtree(folder / name, ignore_errors=True)
     return folder.resolve()
 
@@ -183,6 +191,8 @@ def run_demo(workdir: str | Path | None = None, steps: int = DEFAULT_STEPS, *, h
     r.run("validate", f"{RECIPE} (must pass) and {REJECTED_RECIPE} (must be rejected)", _validate)
     r.run("train", f"{steps} steps, 2 processes, EP=2, overlap + delayed wgrad, from the converted checkpoint",
           lambda: _train(hooks, hybrid, data, run_dir, steps), needs=("convert", "validate"))
+    r.run("sft", "harmony conversations -> prepare-data -> fine-tune with validation -> eval -> generate, offline",
+          lambda: _sft(hooks, hf, hybrid, folder / "sft"), needs=("convert", "validate"))
     r.run("export", "training checkpoint -> HF (MXFP4 experts), reloaded: next-token predictions",
           lambda: _export(hooks, run_dir / "checkpoints", export), needs=("train",))
     return DemoResult(str(folder), steps, r.stages, time.perf_counter() - t0)
@@ -264,6 +274,85 @@ def _train(hooks: DemoHooks, hybrid: Path, data: Path, run_dir: Path, steps: int
                        details={"losses": res.losses, "tokens_per_s": res.tokens_per_s, "checkpoint": res.checkpoint})
 
 
+SFT_STEPS = 12
+SFT_SEQ = 160  # a row holds one conversation (about 130 tokens with harmony's system message)
+
+
+def sft_conversations(held_out: bool) -> list[dict[str, Any]]:
+    """Short arithmetic exchanges in the Hugging Face form prepare-data reads (held-out: other numbers)."""
+    pairs = [(a, b) for a in range(2, 9) for b in range(1, 5)]
+    chosen = pairs[-4:] if held_out else pairs[:-4]
+    return [{"messages": [{"role": "user", "content": f"What is {a} plus {b}?"},
+                          {"role": "assistant", "content": f"{a} plus {b} is {a + b}."}]} for a, b in chosen]
+
+
+def _tokenizers_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("tokenizers") is not None
+
+
+def _sft(hooks: DemoHooks, hf: Path, hybrid: Path, folder: Path) -> StageResult:
+    if not _tokenizers_available():
+        return StageResult("sft", SKIPPED, "install .[data] (the tokenizers package) for prepare-data", figure="-")
+    import json
+
+    from gptoss_cli.data.prepare_conversations import prepare_conversations
+    from gptoss_cli.recipe.load import load_recipe
+    from gptoss_cli.train.evaluate import evaluate
+    from gptoss_cli.train.launch import train
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, held_out in (("train", False), ("val", True)):
+        (folder / f"{name}.jsonl").write_text("".join(json.dumps(c) + "\n" for c in sft_conversations(held_out)))
+        prepare_conversations([folder / f"{name}.jsonl"], folder / name, hf, seq_length=SFT_SEQ)
+    before = evaluate(hybrid, folder / "val", seq_length=SFT_SEQ)
+    recipe = load_recipe(RECIPE, [
+        "model.preset=null", f"model.checkpoint={hybrid}", f"checkpoint.pretrained={hybrid}",
+        "parallelism.world_size=1", "parallelism.expert_model_parallel_size=1", "precision.params_dtype=fp32",
+        "overlap.overlap_moe_expert_parallel_comm=false", "overlap.delay_wgrad_compute=false",
+        "data.kind=tokens", f"data.path={folder / 'train'}", f"validation.data={folder / 'val'}",
+        f"training.seq_length={SFT_SEQ}", "training.micro_batch_size=1", "training.global_batch_size=4",
+        f"training.train_iters={SFT_STEPS}", f"training.lr={DEMO_LR}", f"training.min_lr={DEMO_LR / 10}",
+        f"checkpoint.dir={folder / 'checkpoints'}", "checkpoint.save_interval=null", "checkpoint.resume=false",
+        f"logging.run_dir={folder / 'run'}",
+    ])
+    res = train(recipe, nproc_per_node=1, progress=hooks.train_progress())
+    after = evaluate(res.checkpoint, folder / "val", seq_length=SFT_SEQ)
+    val = [json.loads(line) for line in (folder / "run" / "metrics.jsonl").read_text().splitlines()][-1]["val_loss"]
+    reply = _sft_reply(res.checkpoint, hf)
+    fell = after.loss < 0.9 * before.loss
+    status = PASSED if fell and abs(val - after.loss) <= 1e-4 * abs(after.loss) else FAILED
+    lines = [f"trained tokens: {res.steps} steps on {folder / 'train'} (harmony, loss on the assistant's tokens)",
+             f"eval {res.checkpoint}: held-out loss {after.loss:.4f} (validation logged {val:.4f})",
+             f"generate 'What is 7 plus 3?': {reply}"]
+    return StageResult("sft", status,
+                       f"held-out loss {before.loss:.3f} -> {after.loss:.3f} after {res.steps} steps"
+                       + ("" if fell else "; it did not fall by 10%"),
+                       figure=f"held-out loss {after.loss:.3f}", lines=lines,
+                       details={"before": before.loss, "after": after.loss, "validation": val, "reply": reply,
+                                "losses": res.losses, "checkpoint": res.checkpoint})
+
+
+def _sft_reply(checkpoint: str, tokenizer: Path) -> str:
+    """The fine-tuned model's greedy reply to a held-out question: its final channel, or the raw text
+    with a note when it is not harmony."""
+    import torch
+
+    from gptoss_cli.generate.chat import prepare_prompts
+    from gptoss_cli.generate.decode import Sampling
+    from gptoss_cli.generate.session import load_model, load_tokenizer, open_checkpoint, run_generation
+
+    ckpt = open_checkpoint(checkpoint, tokenizer)
+    tok = load_tokenizer(ckpt.tokenizer_file, ckpt.arch.vocab_size)
+    items, replies, stops = prepare_prompts(tok, str(ckpt.tokenizer_file), raw=False, prompt="What is 7 plus 3?")
+    model = load_model(ckpt, torch.float32, "cpu")
+    (r,) = run_generation(model, tok, items, replies, max_new_tokens=24, stop_ids=stops, sampling=Sampling())
+    if r.text:
+        return repr(r.text)
+    return f"(not harmony yet) {r.extra.get('raw_text', '')!r}"
+
+
 def _export(hooks: DemoHooks, checkpoints: Path, export: Path) -> StageResult:
     import torch
 
@@ -314,5 +403,5 @@ def _transformers_logits(folder: Path, prompt: "Any") -> "Any":
         return model(prompt).logits[0]
 
 
-__all__ = ["run_demo", "DemoResult", "StageResult", "DemoHooks", "prepare_workdir", "learnable_tokens",
+__all__ = ["run_demo", "sft_conversations", "DemoResult", "StageResult", "DemoHooks", "prepare_workdir", "learnable_tokens",
            "write_token_file", "DEFAULT_STEPS", "PASSED", "FAILED", "SKIPPED", "NOT_RUN"]

@@ -73,14 +73,16 @@ def file_system_error(exc: OSError, action: str | None = None, hint: str | None 
     return FileSystemError(describe_os_error(exc, action), hint)
 
 
-def require_extra(module: str, purpose: str, extra: str, field: str | None = None):
+def require_extra(module: str, purpose: str, extra: str, field: str | None = None, package: str | None = None):
     """Import an optional package, or raise the one-line UsageError that names what needs it and the
-    extra that installs it (`field`: the recipe field that asked for it)."""
+    extra that installs it (`field`: the recipe field that asked for it; `package`: the missing
+    package's name where the module imported belongs to another, as torch.utils.tensorboard does)."""
     import importlib
 
     try:
         return importlib.import_module(module)
     except ImportError:
         asked = f" ({field})" if field else ""
-        raise UsageError(f"{purpose}{asked} needs the `{module.split('.')[0]}` package, which is not installed",
+        raise UsageError(f"{purpose}{asked} needs the `{package or module.split('.')[0]}` package, which is not "
+                         "installed",
                          hint=f"pip install 'gptoss-cli[{extra}]'") from None

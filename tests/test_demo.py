@@ -15,7 +15,7 @@ from gptoss_cli.model.config import preset
 from tests.faults.conftest import assert_one_line, gptoss
 from tests.model.tiny_checkpoints import load_hf_reference
 
-STAGES = ["convert", "parity", "validate", "train", "export"]
+STAGES = ["convert", "parity", "validate", "train", "sft", "export"]
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +31,8 @@ def test_every_stage_passes_in_order_and_the_summary_table_says_so(demo_run):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     assert [s["name"] for s in report["stages"]] == STAGES
-    assert [s["status"] for s in report["stages"]] == ["passed"] * 5 and report["ok"]
-    assert "demo OK" in proc.stdout
+    assert [s["status"] for s in report["stages"]] == ["passed"] * 6 and report["ok"]
+    assert proc.stdout.strip().splitlines()[-1].startswith("demo OK: every stage passed")
     for i, s in enumerate(report["stages"], 1):  # each stage: its result line, and a row with its figure
         assert f"passed: {s['summary']}" in proc.stdout
         assert f"{i}. {s['name']}" in proc.stdout and s["figure"] in proc.stdout and s["seconds"] > 0
@@ -59,7 +59,7 @@ def test_the_exported_mxfp4_checkpoint_predicts_the_cycle_in_transformers(demo_r
     """Independent of our code: transformers loads the export and its greedy next tokens on the start
     of the training data are the ones the permutation cycle dictates."""
     _, report = demo_run
-    export = Path(report["stages"][4]["details"]["hf"])
+    export = Path(report["stages"][5]["details"]["hf"])
     config = json.loads((export / "config.json").read_text())
     assert config["quantization_config"]["quant_method"] == "mxfp4"
     prompt = demo.learnable_tokens(preset("tiny"), demo.PROMPT_TOKENS + 1)
@@ -67,8 +67,18 @@ def test_the_exported_mxfp4_checkpoint_predicts_the_cycle_in_transformers(demo_r
     with torch.no_grad():
         predicted = model(prompt[:-1].view(1, -1)).logits[0].argmax(-1)
     assert predicted.tolist() == prompt[1:].tolist()
-    details = report["stages"][4]["details"]
+    details = report["stages"][5]["details"]
     assert details["top1_agree"] == details["transformers_top1_agree"] == demo.PROMPT_TOKENS
+
+
+def test_the_sft_stage_fine_tunes_offline_and_eval_agrees_with_validation(demo_run):
+    """The SFT path with make-tiny's tokenizer: harmony token files, a fine-tune whose held-out loss
+    falls, `eval` of the result equal to the validation loss the run logged, and a reply."""
+    proc, report = demo_run
+    details = report["stages"][4]["details"]
+    assert details["after"] < 0.9 * details["before"]
+    assert details["validation"] == pytest.approx(details["after"], rel=1e-4)
+    assert details["reply"] and "generate 'What is 7 plus 3?'" in proc.stdout
 
 
 def test_a_failed_stage_exits_1_and_the_stages_that_need_it_do_not_run(tmp_path, monkeypatch):
@@ -80,8 +90,11 @@ def test_a_failed_stage_exits_1_and_the_stages_that_need_it_do_not_run(tmp_path,
     result = CliRunner().invoke(app, ["demo", "--workdir", str(tmp_path / "work"), "--json", str(out), "--quiet"])
     assert result.exit_code == 1, result.output
     stages = json.loads(out.read_text())["stages"]
-    assert [s["status"] for s in stages] == ["passed", "skipped", "failed", "not run", "not run"]
+    assert [s["status"] for s in stages] == ["passed", "skipped", "failed", "not run", "not run", "not run"]
     assert "install .[parity]" in stages[1]["summary"]
+    # the last line names what failed and what was skipped, and why
+    last = result.output.strip().splitlines()[-1]
+    assert last.startswith("demo FAILED: validate") and "skipped: parity (install .[parity]" in last
     assert "should be rejected" in stages[2]["summary"]
     assert not (tmp_path / "work" / "train").exists()
 
@@ -92,3 +105,10 @@ def test_a_workdir_with_other_files_is_refused_untouched(tmp_path):
     (work / "notes.txt").write_text("keep me")
     assert_one_line(gptoss("demo", "--workdir", work), 2, str(work), "not made by `gptoss demo`")
     assert [p.name for p in work.iterdir()] == ["notes.txt"]
+
+
+def test_help_names_the_extras_that_skipped_stages_need():
+    """rich markup must not eat `[parity]` (it reads it as a tag)."""
+    result = CliRunner().invoke(app, ["demo", "--help"], env={"COLUMNS": "200"})
+    text = " ".join(result.output.split())
+    assert result.exit_code == 0 and ".[parity]" in text and ".[data]" in text, result.output

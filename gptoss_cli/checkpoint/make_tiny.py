@@ -1,4 +1,9 @@
-"""`gptoss make-tiny`: write a small GPT-OSS HF checkpoint with the real layout, for demos and tests."""
+"""`gptoss make-tiny`: write a small GPT-OSS HF checkpoint with the real layout, for demos and tests.
+
+Besides the weights and config.json it writes a small tokenizer.json with harmony's special tokens
+(gptoss_cli/data/tiny_tokenizer.py; when the vocabulary has room for them), so the data commands,
+eval and generate run on it without a download.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +20,8 @@ from gptoss_cli.checkpoint.layouts import HF_LAYOUTS
 from gptoss_cli.checkpoint.mapping import canonical_hf_shapes, units
 from gptoss_cli.checkpoint.safetensors_io import ShardedWriter
 from gptoss_cli.checkpoint.sources import HF
+from gptoss_cli.data.tiny_tokenizer import SPECIAL as TINY_SPECIAL, tiny_tokenizer
+from gptoss_cli.data.tokenizer import TOKENIZER_FILE
 from gptoss_cli.errors import UsageError
 from gptoss_cli.checkpoint.hf_config import to_hf_config
 from gptoss_cli.model.config import GptOssArch, preset
@@ -87,5 +94,7 @@ def make_tiny(
         writer.close()
         config = to_hf_config(arch, experts_form=experts, torch_dtype=dtype_name(torch_dtype))
         outputs.write_text(tmp / "config.json", json.dumps(config, indent=2) + "\n")
+        if arch.vocab_size >= 256 + len(TINY_SPECIAL):
+            outputs.write_text(tmp / TOKENIZER_FILE, json.dumps(tiny_tokenizer(arch.vocab_size)) + "\n")
         outputs.commit(tmp, dst)
     return MakeTinyResult(str(dst), experts, seed, len(plan), writer.bytes_written, arch.to_dict(), notes)

@@ -28,8 +28,22 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-console = Console(stderr=False)
-err_console = Console(stderr=True)
+# Lines for a file, a pipe or a batch scheduler's log (sbatch, CI, `| tee`) are never wrapped: rich's
+# default of 80 columns off a terminal split step lines in two and fix commands mid-word.
+LOG_WIDTH = 10_000
+
+
+def make_console(stderr: bool = False) -> Console:
+    """A console that wraps at a terminal's width and, off a terminal, writes every line at full length
+    (tables at their natural width) unless COLUMNS says otherwise."""
+    probe = Console(stderr=stderr)
+    if probe.is_terminal or os.environ.get("COLUMNS"):
+        return probe
+    return Console(stderr=stderr, width=LOG_WIDTH, soft_wrap=True)
+
+
+console = make_console(stderr=False)
+err_console = make_console(stderr=True)
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
 EXIT_TERMINATED = 143  # 128 + SIGTERM

@@ -23,8 +23,12 @@ class _Hooks:
         self.quiet = quiet
 
     def stage(self, index: int, name: str, what: str) -> None:
-        if not self.quiet:
+        if self.quiet:
+            return
+        if console.is_terminal:
             console.rule(Text(f"{index}. {name}: {what}"), align="left")
+        else:  # a log: one line, not a rule as wide as the log's unbounded width
+            console.print(Text(f"--- {index}. {name}: {what}"), highlight=False)
 
     @contextlib.contextmanager
     def convert_progress(self, label: str) -> Iterator[ConvertProgressBar]:
@@ -51,9 +55,21 @@ def render_summary(result: Any) -> None:
         table.add_row(f"{i}. {s.name}", Text(s.status, style=STYLE[s.status]), f"{s.seconds:.1f} s",
                       escape(s.figure or "-"))
     console.print(table)
-    verdict = "every stage passed" if result.ok else "a stage failed"
-    console.print(Text(f"demo {'OK' if result.ok else 'FAILED'}: {verdict} in {result.seconds:.0f} s",
-                       style="bold green" if result.ok else "bold red"), highlight=False)
+    console.print(Text(verdict(result), style="bold green" if result.ok else "bold red"), highlight=False, soft_wrap=True)
+
+
+def verdict(result: Any) -> str:
+    """The demo's last line: whether it passed, and which stages were skipped and why."""
+    failed = [s.name for s in result.stages if s.status not in ("passed", "skipped")]
+    if failed:
+        text = f"demo FAILED: {', '.join(failed)} did not pass"
+    elif result.skipped:
+        text = f"demo OK: {len(result.stages) - len(result.skipped)} of {len(result.stages)} stages passed"
+    else:
+        text = "demo OK: every stage passed"
+    if result.skipped:
+        text += "; skipped: " + "; ".join(f"{s.name} ({s.summary})" for s in result.skipped)
+    return f"{text} in {result.seconds:.0f} s"
 
 
 @app.command("demo")
@@ -71,12 +87,15 @@ def demo_cmd(
 
     1. convert: a deterministic tiny GPT-OSS with MXFP4 experts (as released) -> Hybrid;
     2. parity-check: weights, then block-by-block logits against transformers (skipped without
-    the .[parity] extra); 3. validate-config: the tiny EP=2 overlap recipe passes, a production
+    the .\\[parity] extra); 3. validate-config: the tiny EP=2 overlap recipe passes, a production
     recipe is rejected with the message a user would get; 4. train: 2 local processes, EP=2,
-    overlap schedule + delayed wgrad, from the converted checkpoint, on learnable data; 5. export:
+    overlap schedule + delayed wgrad, from the converted checkpoint, on learnable data; 5. sft:
+    harmony conversations through prepare-data with make-tiny's tokenizer, a fine-tune with
+    validation, eval and one generated reply (skipped without the .\\[data] extra); 6. export:
     the training checkpoint -> HF with MXFP4 experts, reloaded, same next-token predictions.
 
-    Exit 0 when every stage passed (or was skipped), 1 when a stage failed, 2 for a bad option.
+    Exit 0 when every stage passed (or was skipped: the last line names them), 1 when a stage
+    failed, 2 for a bad option.
 
     Example: gptoss demo --workdir /tmp/gptoss-demo --steps 30 --json demo.json
     """

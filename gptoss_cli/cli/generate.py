@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import typer
 from rich.markup import escape
@@ -23,6 +23,20 @@ MAX_TEMPERATURE = 100.0
 def _short(text: str, width: int = 60) -> str:
     text = " ".join(text.split())
     return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _note_empty_answer(r: Any, write_out: Callable[[str], None]) -> None:
+    """A harmony reply without a final answer: what it holds instead; a reply that did not parse as
+    harmony at all (an untrained model's) is shown as its raw text."""
+    if not r.extra.get("harmony", True):
+        err_console.print("[yellow]note:[/] the reply did not parse as harmony (no message text); its raw text:",
+                          highlight=False)
+        write_out(r.extra.get("raw_text", "") + "\n")
+        return
+    has = ", ".join(r.extra.get("channels", {})) or "nothing"
+    calls = [m["recipient"] for m in r.extra.get("reply_messages", []) if m["recipient"]]
+    note = f"a call to {calls[-1]}" if calls else f"no final-channel answer (the reply holds: {has})"
+    err_console.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
 
 
 @app.command("generate")
@@ -118,10 +132,7 @@ def generate_cmd(
         r = results[0]
         write_out("\n")
         if not raw and not r.text:
-            has = ", ".join(r.extra.get("channels", {})) or "nothing"
-            calls = [m["recipient"] for m in r.extra.get("reply_messages", []) if m["recipient"]]
-            note = f"a call to {calls[-1]}" if calls else f"no final-channel answer (the reply holds: {has})"
-            err_console.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
+            _note_empty_answer(r, write_out)
         err_console.print(f"[dim]{escape(r.stop_text())}; {len(r.generation.output_ids)} new tokens, "
                           f"{r.tokens_per_s:.1f} tokens/s[/]", highlight=False)
     else:

@@ -14,7 +14,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from gptoss_cli.cli.app import app, check_json_path, console, handle_errors, print_note, write_json
+from gptoss_cli.cli.app import app, check_json_path, console, handle_errors, make_console, print_note, write_json
 from gptoss_cli.train.progress import CheckpointSaved, StepDone, TrainEvent, TrainFinished, TrainStarted
 
 
@@ -47,7 +47,9 @@ class TrainProgressBar:
         if isinstance(event, TrainStarted):
             self._start(event)
         elif isinstance(event, StepDone):
-            text = (f"loss {event.loss:.4f} lr {event.lr:.1e} gnorm {event.grad_norm:.3f} "
+            text = (f"loss {event.loss:.4f} "
+                    + (f"val {event.val_loss:.4f} " if event.val_loss is not None else "")
+                    + f"lr {event.lr:.1e} gnorm {event.grad_norm:.3f} "
                     f"{event.tokens_per_s:.0f} tok/s {event.step_time_s * 1000:.0f} ms/step "
                     f"{flops_text(event.tflops_per_gpu, event.mfu)}")
             eta = self._eta(event.step)
@@ -58,14 +60,15 @@ class TrainProgressBar:
             elif self._console is not None:
                 self._console.print(f"step {event.step}: {text}", highlight=False)
         elif isinstance(event, CheckpointSaved) and self._console is not None:
+            removed = f" (removed {len(event.removed)} older: {', '.join(Path(p).name for p in event.removed)})"
             (self._progress.console if self._progress else self._console).print(
-                f"saved checkpoint {escape(event.path)}", highlight=False)
+                f"saved checkpoint {escape(event.path)}" + (escape(removed) if event.removed else ""), highlight=False)
         elif isinstance(event, TrainFinished) and self._progress is not None:
             self._progress.stop()
 
     def _start(self, event: TrainStarted) -> None:
         self._train_iters = event.train_iters
-        self._console = Console()
+        self._console = make_console()
         where = f"world {event.world_size}, EP {event.ep_size}"
         if event.cp_size > 1:
             where += f", CP {event.cp_size}"

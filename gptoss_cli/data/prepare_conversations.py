@@ -25,7 +25,7 @@ from gptoss_cli.data.token_format import (
     document_file_paths, token_dtype_for, token_file_paths, write_document_index, write_token_header,
 )
 from gptoss_cli.data.prepare_text import (
-    DECODE_ERRORS, check_inputs, line_decoder, load_tokenizer, prepare_outputs, to_bytes,
+    DECODE_ERRORS, check_inputs, line_decoder, open_tokenizer, prepare_outputs, to_bytes,
 )
 
 
@@ -93,7 +93,7 @@ def prepare_conversations(
     """
     max_length = _check_options(analysis, train_on, max_length, truncate, seq_length, errors)
     check_inputs(inputs)
-    tok, tok_file = load_tokenizer(tokenizer)
+    tok, tok_file = open_tokenizer(tokenizer)
     try:
         harmony_tok = HarmonyTokenizer(tok, str(tok_file))
     except ConversationError as exc:

@@ -148,7 +148,7 @@ def check_inputs(inputs: list[Path]) -> None:
             raise UsageError(f"input file {p} not found")
 
 
-def load_tokenizer(tokenizer: Path) -> tuple[Any, Path]:
+def open_tokenizer(tokenizer: Path) -> tuple[Any, Path]:
     """(tokenizers.Tokenizer, its tokenizer.json path) for a tokenizer.json or a checkpoint folder holding it."""
     tok_file = _tokenizer_file(Path(tokenizer))
     return read_tokenizer(tok_file, "prepare-data"), tok_file
@@ -188,7 +188,7 @@ def prepare_data(
     if not isinstance(text_key, str) or not text_key:
         raise UsageError(f"--text-key {text_key!r} must be a non-empty field name")
     check_inputs(inputs)
-    tok, tok_file = load_tokenizer(tokenizer)
+    tok, tok_file = open_tokenizer(tokenizer)
     vocab_size = tok.get_vocab_size(with_added_tokens=True)
     eos = _eos_id(tok, tok_file, eos_token_id, vocab_size)
     dtype_name = token_dtype_for(vocab_size)
@@ -264,5 +264,5 @@ def to_bytes(ids: list[int], dtype: str) -> bytes:
     return arr.tobytes()
 
 
-__all__ = ["prepare_data", "PrepareResult", "check_inputs", "decode_line", "line_decoder", "load_tokenizer", "prepare_outputs",
+__all__ = ["prepare_data", "PrepareResult", "check_inputs", "decode_line", "line_decoder", "open_tokenizer", "prepare_outputs",
            "to_bytes"]

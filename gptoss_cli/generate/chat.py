@@ -137,7 +137,12 @@ class HarmonyReplies:
             key = m.channel or "none"
             text = "".join(p for p in m.content if isinstance(p, str))
             channels[key] = channels[key] + "\n" + text if key in channels else text
-        return channels.get(FINAL, ""), {"channels": channels, "reply_messages": [_message_json(m) for m in messages]}
+        # a reply with no message text did not parse as harmony (an untrained or non-GPT-OSS model):
+        # its raw text is what there is to show
+        harmony = any(text for text in channels.values())
+        raw = self.htok.decode(g.output_ids)
+        return channels.get(FINAL, ""), {"channels": channels, "reply_messages": [_message_json(m) for m in messages],
+                                         "harmony": harmony, "raw_text": raw}
 
 
 def prepare_prompts(tok, tokenizer_file: str, *, raw: bool, prompt: str | None = None, messages: Path | None = None,

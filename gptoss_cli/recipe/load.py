@@ -24,8 +24,8 @@ import gptoss_cli
 from gptoss_cli.errors import ConfigError, GptossError
 from gptoss_cli.checkpoint.hf_config import from_hf_config
 from gptoss_cli.model.config import PRESETS, GptOssArch
-from gptoss_cli.model.pattern import HybridPattern, parse_pattern
-from gptoss_cli.recipe.schema import RecipeConfig, iter_fields
+from gptoss_cli.model.pattern import MLP, MOE, HybridPattern, parse_pattern
+from gptoss_cli.recipe.schema import LORA_TARGETS, RecipeConfig, iter_fields
 from gptoss_cli.json_input import parse_json
 
 
@@ -412,8 +412,18 @@ def load_recipe(ref: str | Path, overrides: Sequence[str] = (), *, recipes_dir: 
     if not cfg.name:
         cfg.name = path.stem
     arch, pattern = resolve_model(cfg)
+    default_lora_targets(cfg, pattern)
     return Recipe(config=cfg, arch=arch, pattern=pattern, path=path, sources=tuple(sources),
                   overrides=tuple(overrides))
+
+
+def default_lora_targets(cfg: RecipeConfig, pattern: HybridPattern) -> None:
+    """A LoRA rank without targets adapts the usual ones: attention (linear_qkv, linear_proj) and, where
+    the pattern has MoE or MLP layers, linear_fc1 / linear_fc2 (Megatron-Bridge's default, all four)."""
+    lo = cfg.lora
+    if lo.rank > 0 and not lo.target_modules:
+        has_mlp = any(s in (MOE, MLP) for s in pattern.layers)
+        lo.target_modules = [t for t in LORA_TARGETS if has_mlp or t not in ("linear_fc1", "linear_fc2")]
 
 
 def recipe_from_config(cfg: RecipeConfig) -> Recipe:
@@ -422,10 +432,11 @@ def recipe_from_config(cfg: RecipeConfig) -> Recipe:
     if problems:
         raise ConfigError("recipe: " + "; ".join(problems))
     arch, pattern = resolve_model(cfg)
+    default_lora_targets(cfg, pattern)
     return Recipe(config=cfg, arch=arch, pattern=pattern, path=None, sources=(), overrides=())
 
 
 __all__ = [
     "Recipe", "RECIPES_DIR", "available_recipes", "find_recipe", "load_recipe", "parse_overrides",
-    "resolve_model", "architecture_from_checkpoint", "recipe_from_config",
+    "resolve_model", "architecture_from_checkpoint", "recipe_from_config", "default_lora_targets",
 ]

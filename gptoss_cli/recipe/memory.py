@@ -298,6 +298,51 @@ def _mxfp4_base_items(cfg: RecipeConfig, frozen: list[ParamSpec], b: int, ep_kno
     ]
 
 
+def _activation_items(cfg: RecipeConfig, arch: GptOssArch, pattern: HybridPattern, plan: RecomputePlan,
+                      t: int, b: int) -> list[MemoryItem]:
+    """Activations of one microbatch of `t` tokens per rank: each layer kind's saved bytes (less the
+    recomputed pieces), full recompute's unit inputs and one unit rebuilt, the head, the chunked
+    logits with the output layer's gradient, and the overlap schedule's extra layer."""
+    aux = cfg.moe.aux_loss_coeff > 0
+    lora = cfg.lora.rank > 0
+    act_knob = "training.micro_batch_size, training.seq_length, parallelism.context_parallel_size"
+    per_token = activation_bytes_per_token(arch, b, aux, plan.modules)
+    plain = activation_bytes_per_token(arch, b, aux)
+    in_units = {j for s, e in plan.full_units for j in range(s, e)}
+    counts = {s: sum(1 for j, x in enumerate(pattern.layers) if x == s and j not in in_units) for s in (ATTENTION, MOE, MLP)}
+    items = []
+    names = {ATTENTION: "attention", MOE: "MoE", MLP: "dense MLP"}
+    for s in (ATTENTION, MOE, MLP):
+        if counts[s]:
+            items.append(MemoryItem(f"activations.{names[s].split()[0].lower()}", f"activations, {names[s]} layers",
+                                    counts[s] * t * per_token[s],
+                                    f"{counts[s]} layers x {t:,} tokens x {per_token[s]:,.0f} B", act_knob))
+    if plan.full_units:
+        units = len(plan.full_units)
+        largest = max(sum(plain[pattern.layers[j]] for j in range(s, e)) for s, e in plan.full_units)
+        items.append(MemoryItem("activations.recompute_inputs", "activations, full recompute unit inputs",
+                                t * units * b * arch.hidden_size,
+                                f"{units} units x {t:,} tokens x {b * arch.hidden_size:,} B", act_knob))
+        items.append(MemoryItem("activations.recompute_unit", "activations, 1 unit recomputed in backward",
+                                t * largest, f"{t:,} tokens x {largest:,.0f} B",
+                                f"{act_knob}; smaller recompute.recompute_num_layers (uniform)"))
+    items.append(MemoryItem("activations.head", "activations, head", t * per_token["head"],
+                            f"{t:,} tokens x {per_token['head']:,.0f} B", act_knob))
+    chunk = min(t, lm_loss_chunk_tokens(arch.vocab_size, b, "cuda"))  # the GPU's chunk
+    head_n = arch.vocab_size * arch.hidden_size
+    head_grad = 0 if lora else (FP32 + b) * head_n  # a frozen output layer has no gradient
+    items.append(MemoryItem("activations.logits", "logits and loss (chunked) + output-layer gradient",
+                            chunk * per_token["logits"] + head_grad,
+                            f"{chunk:,} tokens x (b + 12) x {arch.vocab_size:,} B + (4 + b) B x {head_n:,}",
+                            "-"))
+    if cfg.overlap.overlap_moe_expert_parallel_comm:
+        layer = max((per_token[s] for s in (ATTENTION, MOE, MLP) if counts[s]), default=0)
+        items.append(MemoryItem("activations.overlap", "activations, 1 layer more (overlap)",
+                                t * layer, f"{t:,} tokens x {layer:,.0f} B",
+                                f"{act_knob}; overlap.overlap_moe_expert_parallel_comm=false"))
+    return items
+
+
 def estimate_memory(cfg: RecipeConfig, arch: GptOssArch, pattern: HybridPattern | str, world_size: int,
                     gpu: str | None = None) -> MemoryEstimate | None:
     """The per-GPU estimate of `cfg` at `world_size`; None when the layout is not DP x CP x EP (TP, PP
@@ -331,21 +376,15 @@ def estimate_memory(cfg: RecipeConfig, arch: GptOssArch, pattern: HybridPattern 
     expert_n, expert_buckets = (buffer_numel(expert_numels, expert_shards, opt.bucket_size or default_bucket_size(edp))
                                 if expert_numels else (0, 0))
     t = cfg.training.micro_batch_size * cfg.training.seq_length // cp  # this rank's tokens of a microbatch
-    aux = cfg.moe.aux_loss_coeff > 0
     notes = []
     try:
         plan = recompute_plan(cfg, pattern)
     except ValueError:  # incomplete full-recompute settings: rule recompute.settings reports them
         plan = RecomputePlan()
         notes.append("recompute settings are incomplete (rule recompute.settings): estimated without recompute")
-    per_token = activation_bytes_per_token(arch, b, aux, plan.modules)
-    plain = activation_bytes_per_token(arch, b, aux)
-    in_units = {j for s, e in plan.full_units for j in range(s, e)}
-    counts = {s: sum(1 for j, x in enumerate(pattern.layers) if x == s and j not in in_units) for s in (ATTENTION, MOE, MLP)}
     dtype = cfg.precision.params_dtype
     grad_b = FP32 if opt.grad_reduce_in_fp32 else b  # main_grad's dtype (gptoss_cli/parallel/grads.py)
     ep_knob = "parallelism.expert_model_parallel_size (fewer experts per GPU)"
-    act_knob = "training.micro_batch_size, training.seq_length, parallelism.context_parallel_size"
     shard_knob = ("optimizer.use_distributed_optimizer=true" if not distributed
                   else "more GPUs (larger data-parallel groups shard it thinner)")
     adam_b = ADAM_MOMENT_BYTES if b == FP32 else ADAM_STATE_BYTES
@@ -370,43 +409,16 @@ def estimate_memory(cfg: RecipeConfig, arch: GptOssArch, pattern: HybridPattern 
         else:
             items.insert(0, MemoryItem("params.frozen", f"frozen base ({dtype})", b * frozen_n,
                                        f"{b} B x {frozen_n:,} elements", ep_knob))
-    names = {ATTENTION: "attention", MOE: "MoE", MLP: "dense MLP"}
-    for s in (ATTENTION, MOE, MLP):
-        if counts[s]:
-            items.append(MemoryItem(f"activations.{names[s].split()[0].lower()}", f"activations, {names[s]} layers",
-                                    counts[s] * t * per_token[s],
-                                    f"{counts[s]} layers x {t:,} tokens x {per_token[s]:,.0f} B", act_knob))
-    if plan.full_units:
-        units = len(plan.full_units)
-        largest = max(sum(plain[pattern.layers[j]] for j in range(s, e)) for s, e in plan.full_units)
-        items.append(MemoryItem("activations.recompute_inputs", "activations, full recompute unit inputs",
-                                t * units * b * arch.hidden_size,
-                                f"{units} units x {t:,} tokens x {b * arch.hidden_size:,} B", act_knob))
-        items.append(MemoryItem("activations.recompute_unit", "activations, 1 unit recomputed in backward",
-                                t * largest, f"{t:,} tokens x {largest:,.0f} B",
-                                f"{act_knob}; smaller recompute.recompute_num_layers (uniform)"))
-    items.append(MemoryItem("activations.head", "activations, head", t * per_token["head"],
-                            f"{t:,} tokens x {per_token['head']:,.0f} B", act_knob))
-    chunk = min(t, lm_loss_chunk_tokens(arch.vocab_size, b, "cuda"))  # the GPU's chunk
-    head_n = arch.vocab_size * arch.hidden_size
-    head_grad = 0 if lora else (FP32 + b) * head_n  # a frozen output layer has no gradient
-    items.append(MemoryItem("activations.logits", "logits and loss (chunked) + output-layer gradient",
-                            chunk * per_token["logits"] + head_grad,
-                            f"{chunk:,} tokens x (b + 12) x {arch.vocab_size:,} B + (4 + b) B x {head_n:,}",
-                            "-"))
-    if cfg.overlap.overlap_moe_expert_parallel_comm:
-        layer = max((per_token[s] for s in (ATTENTION, MOE, MLP) if counts[s]), default=0)
-        items.append(MemoryItem("activations.overlap", "activations, 1 layer more (overlap)",
-                                t * layer, f"{t:,} tokens x {layer:,.0f} B",
-                                f"{act_knob}; overlap.overlap_moe_expert_parallel_comm=false"))
+    items += _activation_items(cfg, arch, pattern, plan, t, b)
     largest = max((p.numel for p in layout), default=0)  # none: LoRA without targets
     items.append(MemoryItem("transient.grad", "largest parameter .grad", b * largest,
                             f"{b} B x {largest:,}", "-"))
     if cfg.precision.fp8_recipe != "none":
         notes.append("FP8: saved activations estimated in the params dtype (an upper bound)")
     if plan.enabled:
+        in_units = sum(e - s for s, e in plan.full_units)
         what = (f"selective: {', '.join(sorted(plan.modules))}" if plan.modules
-                else f"full: {len(plan.full_units)} units of {len(in_units)} layers")
+                else f"full: {len(plan.full_units)} units of {in_units} layers")
         notes.append(f"activation recompute ({what}) is modelled")
     gpu = gpu or cfg.system.gpu
     cap = GPU_MEMORY_GB.get(gpu)

@@ -24,6 +24,8 @@ DTYPES = ("fp32", "bf16", "fp16")
 # torch's index kernels, NCCL counts and rank numbers take; with it the sample index (step x
 # global_batch_size) stays far inside int64.
 INT32_MAX = 2**31 - 1
+# the layers LoRA adapts (Megatron's names); a LoRA rank without lora.target_modules adapts them all
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 # numpy and Megatron seed with at most 2**32 - 1; the data sources seed torch generators with
 # seed x 1_000_003 + sample index, which must stay below 2**64 (torch.Generator.manual_seed).
 SEED_MAX = 2**32 - 1
@@ -191,10 +193,23 @@ class OptimizerConfig:
 
 
 @dataclass
+class BlendSource:
+    """One token file of a dataset blend (`data.blend`)."""
+
+    path: str = _f("", "token file prefix (a `gptoss prepare-data` output)")
+    weight: float = _f(1.0, "share of the samples drawn from this file (weights are normalised)", min=0.0)
+
+
+@dataclass
 class DataConfig:
     kind: str = _f("mock", "mock = random tokens; tokens = a flat binary token file", choices=("mock", "tokens"))
     path: Optional[str] = _f(
         None, "token file prefix OUT (OUT.bin + OUT.json header, written by `gptoss prepare-data`); kind=tokens",
+    )
+    blend: List[BlendSource] = _f(
+        help="kind=tokens from several token files instead of data.path: a list of {path, weight}; samples are "
+        "drawn in proportion to the weights, each file's documents without repetition until it is exhausted "
+        "(Megatron's blended dataset; docs/recipes.md)", factory=list,
     )
 
 
@@ -205,6 +220,18 @@ class CheckpointConfig:
     resume: bool = _f(True, "resume from the latest checkpoint in `dir` if there is one")
     pretrained: Optional[str] = _f(None, "initial weights for fine-tuning (a `gptoss convert` output folder)")
     format: str = _f("gptoss", "checkpoint format", choices=("gptoss", "torch_dist", "fsdp_dtensor"))
+    keep_last: Optional[int] = _f(
+        None, "keep only the newest N checkpoints of this run (older ones are deleted after each save; `latest` "
+        "and the one being written never are); null = keep all", min=1, max=INT32_MAX,
+    )
+    keep_every: Optional[int] = _f(
+        None, "with keep_last, also keep every checkpoint whose step is a multiple of N; null = none extra",
+        min=1, max=INT32_MAX,
+    )
+    override_lr_schedule: bool = _f(
+        False, "resume with this recipe's learning-rate schedule (training.lr, min_lr, warmup_iters, lr_decay_style, "
+        "lr_decay_iters or train_iters) even where it differs from the checkpoint's; false = such a resume is refused",
+    )
 
 
 @dataclass
@@ -214,21 +241,37 @@ class LoraConfig:
     alpha: float = _f(32.0, "LoRA alpha; the low-rank path is scaled by alpha / rank (PEFT's convention)", min=0.0)
     dropout: float = _f(0.0, "dropout on an adapter's input during training", min=0.0)
     target_modules: List[str] = _f(
-        help="layers that get adapters (Megatron's names; Megatron-Bridge's default is all four); linear_fc1 / "
-        "linear_fc2 on the experts: one pair per expert", factory=list,
-        choices=("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"),
+        help="layers that get adapters (Megatron's names); linear_fc1 / linear_fc2 on the experts: one pair per "
+        "expert. Empty with a lora.rank: all four that the layer pattern has (Megatron-Bridge's default)",
+        factory=list, choices=LORA_TARGETS,
     )
     base_experts: str = _f("bf16", "storage of the frozen experts: bf16 (params_dtype) or mxfp4 (as released, "
                            "dequantised per GEMM)", choices=("bf16", "mxfp4"))
 
     def pairing_problems(self) -> list[str]:
         """Targets with LoRA off (rank 0) are a contradiction, malformed input like an unknown target:
-        load_recipe refuses them (exit 2). A rank without targets is the rule lora.targets' finding."""
+        load_recipe refuses them (exit 2). A rank without targets gets the usual ones when the recipe
+        loads (gptoss_cli/recipe/load.py, `default_lora_targets`)."""
         targets = list(self.target_modules)
         if self.rank == 0 and targets:
             return [f"lora.rank=0 turns LoRA off, but lora.target_modules={targets} asks for adapters "
                     "(set lora.rank, e.g. 32, or lora.target_modules=[] for full fine-tuning)"]
         return []
+
+
+@dataclass
+class ValidationConfig:
+    data: Optional[str] = _f(
+        None, "held-out token file prefix (a `gptoss prepare-data` output); its loss over the trained tokens is "
+        "logged as val_loss, computed as `gptoss eval` computes it; null = no validation",
+    )
+    interval: Optional[int] = _f(
+        None, "validate every N steps (and after the last); null = after the last step only", min=1, max=INT32_MAX,
+    )
+    iters: Optional[int] = _f(
+        None, "batches of training.global_batch_size rows scored per validation, in file order; null = the whole "
+        "file", min=1, max=INT32_MAX,
+    )
 
 
 @dataclass
@@ -280,6 +323,7 @@ class RecipeConfig:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     system: SystemConfig = field(default_factory=SystemConfig)
     serve_check: ServeCheckConfig = field(default_factory=ServeCheckConfig)
@@ -335,13 +379,14 @@ def _yaml_text(value: Any) -> str:
 _GROUPS: dict[str, type] = {
     c.__name__: c for c in (
         ModelConfig, ParallelismConfig, MoEConfig, OverlapConfig, PrecisionConfig, CudaGraphConfig,
-        RecomputeConfig, TrainingConfig, OptimizerConfig, DataConfig, CheckpointConfig, LoraConfig, LoggingConfig,
-        SystemConfig, ServeCheckConfig,
+        RecomputeConfig, TrainingConfig, OptimizerConfig, DataConfig, CheckpointConfig, LoraConfig, ValidationConfig,
+        LoggingConfig, SystemConfig, ServeCheckConfig,
     )
 }
 
 __all__ = [
-    "RecipeConfig", "ModelConfig", "ParallelismConfig", "MoEConfig", "OverlapConfig", "PrecisionConfig",
+    "LORA_TARGETS", "RecipeConfig", "ModelConfig", "ParallelismConfig", "MoEConfig", "OverlapConfig", "PrecisionConfig",
     "CudaGraphConfig", "RecomputeConfig", "TrainingConfig", "OptimizerConfig", "DataConfig",
-    "CheckpointConfig", "LoraConfig", "LoggingConfig", "SystemConfig", "ServeCheckConfig", "iter_fields", "get_field", "describe_schema",
+    "CheckpointConfig", "LoraConfig", "ValidationConfig", "BlendSource", "LoggingConfig", "SystemConfig", "ServeCheckConfig",
+    "iter_fields", "get_field", "describe_schema",
 ]

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from gptoss_cli.errors import UsageError, ValidationFailed
+from gptoss_cli.errors import ConfigError, UsageError, ValidationFailed
 from gptoss_cli.recipe.load import Recipe, load_recipe, recipe_from_config
 from gptoss_cli.recipe.environment import installed_torch_version
 from gptoss_cli.recipe.flops import FlopCount, count_flops, recompute_flops_per_token
@@ -102,9 +102,13 @@ class ValidationReport:
         }
 
     def raise_for_errors(self) -> None:
-        """ValidationFailed (exit 1) naming every failing rule, with the first error's fix as hint."""
+        """ValidationFailed (exit 1) naming every failing rule, with the first error's fix as hint; a
+        missing or unreadable input file is bad input instead: ConfigError (exit 2) naming it."""
         if self.ok:
             return
+        bad_input = [f for f in self.errors if f.bad_input]
+        if bad_input:
+            raise ConfigError(bad_input[0].message, hint=bad_input[0].hint)
         first = self.errors[0]
         rules = ", ".join(self.error_rules())
         raise ValidationFailed(

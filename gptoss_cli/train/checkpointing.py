@@ -18,6 +18,11 @@ this model needs are checked against the checkpoint's metadata and every shard f
 bytes the metadata places in it, so a changed architecture or a truncated `.distcp` is one line
 naming the tensor or file. `.iter_*.partial` folders of killed runs are removed by the next run
 (`remove_partial_checkpoints`, called while the run holds the directory's lock).
+
+Retention (`prune_checkpoints`, checkpoint.keep_last / keep_every): after a save, rank 0 deletes the
+complete checkpoints beyond the newest `keep_last` whose step is not a multiple of `keep_every`;
+never the one `latest` names (the one just written). A deleted folder is first renamed to its
+`.iter_*.partial` name, so a kill mid-delete leaves nothing that looks complete.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from gptoss_cli.checkpoint.dcp_io import (
 )
 from gptoss_cli.checkpoint.finite import all_finite
 from gptoss_cli.checkpoint.training_format import (
-    LATEST, MODEL, OPTIMIZER, PARTIAL_NAME, RNG, TRAIN_STATE, iter_name, latest_checkpoint, latest_name,
+    ITER_NAME, LATEST, MODEL, OPTIMIZER, PARTIAL_NAME, RNG, TRAIN_STATE, iter_name, latest_checkpoint, latest_name,
     read_train_state,
 )
 from gptoss_cli.errors import CheckpointError, TrainingError
@@ -61,6 +66,25 @@ def remove_partial_checkpoints(ckpt_dir: str | Path) -> list[str]:
             shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
             notes.append(f"removed {entry} ({size / 1e6:.1f} MB), an incomplete checkpoint of a killed run")
     return notes
+
+
+def prune_checkpoints(ckpt_dir: str | Path, keep_last: int | None, keep_every: int | None = None) -> list[Path]:
+    """Delete the checkpoints retention does not keep (see the module docstring); returns what went.
+    Rank 0 only, while the run holds the directory's lock."""
+    if keep_last is None:
+        return []
+    ckpt_dir = Path(ckpt_dir)
+    protected = latest_name(ckpt_dir)
+    steps = sorted((int(p.name[len("iter_"):]), p) for p in ckpt_dir.iterdir() if ITER_NAME.match(p.name) and p.is_dir())
+    removed = []
+    for step, folder in steps[:max(0, len(steps) - keep_last)]:
+        if folder.name == protected or (keep_every and step % keep_every == 0):
+            continue
+        doomed = folder.with_name(f".{folder.name}.partial")
+        os.replace(folder, doomed)
+        shutil.rmtree(doomed)
+        removed.append(folder)
+    return removed
 
 
 def _model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -248,4 +272,4 @@ def load_checkpoint(
     return meta
 
 
-__all__ = ["remove_partial_checkpoints", "check_finite_state", "save_checkpoint", "load_checkpoint", "latest_checkpoint", "LATEST", "TRAIN_STATE"]
+__all__ = ["remove_partial_checkpoints", "prune_checkpoints", "check_finite_state", "save_checkpoint", "load_checkpoint", "latest_checkpoint", "LATEST", "TRAIN_STATE"]

@@ -20,7 +20,7 @@ the full rows first, so per-document attention (after the all-to-all, on full ro
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -204,6 +204,9 @@ class Microbatch:
     # the document start offsets into the flattened [mbs*S] tokens (model/attention.py)
     position_ids: torch.Tensor | None = None
     cu_seqlens: tuple[int, ...] | None = None
+    # per-position tensors [mbs, S] a training objective attaches (advantages, old log-probs, ...:
+    # train/objective.py, `prepare_step`); sliced with the labels under context parallel
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def model_inputs(self) -> dict:
         """Keyword arguments of the model's forward (and schedule plan) besides the tokens."""
@@ -222,7 +225,8 @@ class Microbatch:
             positions = torch.arange(s, device=self.tokens.device).expand(b, -1)
         return Microbatch(tokens=slice_sequence(self.tokens, cp_size, cp_rank),
                           labels=slice_sequence(self.labels, cp_size, cp_rank),
-                          position_ids=slice_sequence(positions, cp_size, cp_rank), cu_seqlens=self.cu_seqlens)
+                          position_ids=slice_sequence(positions, cp_size, cp_rank), cu_seqlens=self.cu_seqlens,
+                          extras={k: slice_sequence(v, cp_size, cp_rank) for k, v in self.extras.items()})
 
 
 class DataLoaderState:
@@ -277,6 +281,15 @@ def packed_microbatch(rows: list[PackedRow], device: torch.device) -> Microbatch
                       position_ids=document_positions(cu, len(rows), seq, device), cu_seqlens=cu)
 
 
+def file_rows(source: Any, js: list[int], device: torch.device) -> Microbatch:
+    """The microbatch of rows `js` of a token-file source in file order (not shuffled): windows of a
+    version-1 file, packed rows of a version-2 file. What `gptoss eval` and validation score."""
+    if getattr(source, "documents", False):
+        return packed_microbatch([source.row(j) for j in js], device)
+    batch = torch.stack([source.window(j) for j in js]).to(device)
+    return Microbatch(tokens=batch[:, :-1].contiguous(), labels=batch[:, 1:].contiguous())
+
+
 def token_file_source(path: str | Path, seq_length: int, seed: int, vocab_size: int | None = None):
     """The source of a token file: packed documents for a version-2 file, windows for version 1."""
     cls = PackedDocumentSource if has_documents(read_token_header(path)) else TokenFileSource
@@ -293,5 +306,5 @@ def build_source(kind: str, *, path: str | None, seq_length: int, seed: int, voc
     raise ConfigError(f"data.kind={kind!r} is not one of mock, tokens")
 
 
-__all__ = ["MockSource", "TokenFileSource", "PackedDocumentSource", "PackedRow", "packed_microbatch",
+__all__ = ["MockSource", "TokenFileSource", "PackedDocumentSource", "PackedRow", "packed_microbatch", "file_rows",
            "token_file_source", "DataLoaderState", "Microbatch", "build_source", "TOKEN_DTYPES"]

@@ -8,7 +8,8 @@ tokens / their number (the model's chunked LM loss, never the full logits of a r
 exp(loss). For a version-2 file every document's own sum and count are kept too.
 
 Multi-process under torchrun: `expert_parallel` ranks share the experts (training's EP layout),
-every rank scores its share of the rows, and the figures are gathered.
+every rank scores its share of the rows, and the figures are gathered. Validation during training
+(train/validation.py) scores the same rows (`file_rows`) with the same loss.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from gptoss_cli.errors import ConfigError
 from gptoss_cli.model.dtypes import dtype_name
 from gptoss_cli.model.loss import IGNORE_INDEX, chunked_lm_loss_sum
 from gptoss_cli.data.token_format import INDEX_DTYPE, document_file_paths, has_documents, read_token_header
-from gptoss_cli.train.data import PackedDocumentSource, TokenFileSource, packed_microbatch
+from gptoss_cli.train.data import PackedDocumentSource, TokenFileSource, file_rows, packed_microbatch
 
 EvalProgress = Callable[[int, int], None]  # (rows done, rows in all)
 DEFAULT_SEQ_LENGTH = 4096
@@ -75,11 +76,10 @@ def _score_rows(model: Any, source: Any, js: list[int], packed: bool, device: to
     trained tokens and summed loss."""
     seq = source.seq_length
     if not packed:
-        batch = torch.stack([source.window(j) for j in js]).to(device)
-        tokens, labels = batch[:, :-1], batch[:, 1:]
-        out = model(tokens)
+        mb = file_rows(source, js, device)  # the rows validation during training scores too
+        out = model(mb.tokens)
         hidden = out.hidden.reshape(-1, out.hidden.shape[-1])
-        labels = labels.reshape(-1)
+        labels = mb.labels.reshape(-1)
         return [{"index": None, "tokens": seq, "loss_tokens": seq,
                  "loss_sum": float(chunked_lm_loss_sum(hidden[r * seq:(r + 1) * seq], out.head_weight,
                                                        labels[r * seq:(r + 1) * seq], model.loss_chunk_tokens))}

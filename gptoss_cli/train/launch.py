@@ -39,8 +39,9 @@ from gptoss_cli.errors import ConfigError, GptossError, Terminated, TrainingErro
 from gptoss_cli.outputs import FolderLock
 from gptoss_cli.parallel.state import check_local_gpus, torchrun_env
 from gptoss_cli.train.heartbeat import Watchdog
-from gptoss_cli.train.loop import TrainJob, TrainResult, run_worker
-from gptoss_cli.train.progress import TrainProgress
+from gptoss_cli.train.job import TrainJob
+from gptoss_cli.train.loop import run_worker
+from gptoss_cli.train.progress import TrainProgress, TrainResult
 
 
 def default_nproc(recipe: Any) -> int:
@@ -61,11 +62,15 @@ def preflight_recipe(recipe: Any, world_size: int) -> Any:
     from gptoss_cli.recipe.validate import preflight
     from gptoss_cli.train.loggers import check_backends
 
+    from gptoss_cli.train.resume import check_resume_point
+
     check_backends(recipe.config.logging)  # a missing TensorBoard / W&B package: one line, before any process
     gpu = None
     if recipe.config.system.gpu == "auto":
         gpu = _detect_gpu(recipe.config.system.device)
-    return preflight(recipe, world_size=world_size, gpu=gpu)
+    report = preflight(recipe, world_size=world_size, gpu=gpu)
+    check_resume_point(recipe.config)  # a resume that would change the lr schedule or the blend: one line
+    return report
 
 
 def _detect_gpu(device: str) -> str:

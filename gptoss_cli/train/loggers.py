@@ -50,7 +50,8 @@ def scalar_tags(record: dict[str, Any]) -> dict[str, float]:
 def check_backends(logging: LoggingConfig) -> None:
     """Before launch: the packages of the backends the recipe turns on are installed (one-line error)."""
     if logging.tensorboard:
-        require_extra("torch.utils.tensorboard", "TensorBoard logging", "tensorboard", "logging.tensorboard=true")
+        require_extra("torch.utils.tensorboard", "TensorBoard logging", "tensorboard", "logging.tensorboard=true",
+                      package="tensorboard")
     if logging.wandb_project:
         require_extra("wandb", "Weights & Biases logging", "wandb", f"logging.wandb_project={logging.wandb_project}")
 

@@ -373,6 +373,11 @@ class WarmupCosineLR:
         self.warmup_iters, self.decay_iters = warmup_iters, max(decay_iters, 1)
         self.style = style
 
+    @classmethod
+    def from_training(cls, t: Any) -> "WarmupCosineLR":
+        """The schedule of a recipe's `training` section (lr_decay_iters null: decay over train_iters)."""
+        return cls(t.lr, t.min_lr, t.warmup_iters, t.lr_decay_iters or t.train_iters, t.lr_decay_style)
+
     def lr_at(self, step: int) -> float:
         """Learning rate for the 0-based optimizer step `step` (= steps completed before it)."""
         if self.warmup_iters > 0 and step <= self.warmup_iters:
@@ -388,6 +393,10 @@ class WarmupCosineLR:
     def state_dict(self) -> dict[str, Any]:
         return {"max_lr": self.max_lr, "min_lr": self.min_lr, "warmup_iters": self.warmup_iters,
                 "decay_iters": self.decay_iters, "style": self.style}
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Any]) -> "WarmupCosineLR":
+        return cls(state["max_lr"], state["min_lr"], state["warmup_iters"], state["decay_iters"], state["style"])
 
 
 __all__ = ["DistributedAdamW", "WarmupCosineLR", "decays", "flat_range_boxes", "STATE_KINDS"]

@@ -1,18 +1,41 @@
-"""What a training run reports while it runs: typed progress events and the callback type that receives them.
+"""What a training run reports: typed progress events, the callback type that receives them, and the result.
 
 Rank 0's training loop calls `progress(event)` (gptoss_cli/train/loop.py) with one of the events
 below; the CLI renders them (gptoss_cli/cli/train.py, `TrainProgressBar`). The callback object is
 pickled into the spawned workers (gptoss_cli/train/launch.py) and called there; the events are
-plain frozen dataclasses of plain data, so they pickle too.
+plain frozen dataclasses of plain data, so they pickle too. `TrainResult` is what the run returns
+(and `TrainFinished` carries).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Union
+from dataclasses import dataclass, field
+from typing import Any, Callable, Union
 
-if TYPE_CHECKING:
-    from gptoss_cli.train.loop import TrainResult
+
+@dataclass
+class TrainResult:
+    """What a run did: rank 0's view, returned by `run_worker` and `gptoss_cli.train.launch.train`."""
+
+    steps: int  # optimizer steps done by this run
+    final_step: int  # global step count reached
+    losses: list[float]
+    grad_norms: list[float]
+    tokens_per_s: float
+    run_dir: str
+    checkpoint: str | None
+    resumed_from: str | None
+    world_size: int
+    ep_size: int
+    fp8: dict[str, Any] | None = None  # recipe, format, path (native/emulated), kernel, FP8 GEMMs run (rank 0)
+    # packed documents (a version-2 token file): real tokens / row positions, and the number of rows
+    packing: dict[str, Any] | None = None
+    model_flops_per_token: float = 0.0  # training FLOPs per token (gptoss_cli/recipe/flops.py)
+    tflops_per_gpu: float = 0.0  # model TFLOP/s per GPU over the timed steps (the first step excluded)
+    mfu: float | None = None  # tflops_per_gpu / the GPU's dense peak; None when the peak is unknown
+    peak_tflops: float | None = None  # the peak used (bf16 or FP8 by precision.fp8_recipe, per system.gpu)
+    qat: str = "none"  # precision.qat: "mxfp4" when the experts computed with MXFP4-rounded weights (docs/qat.md)
+    notes: list[str] = field(default_factory=list)  # e.g. leftovers of killed runs that were removed
 
 
 @dataclass(frozen=True)
@@ -48,12 +71,14 @@ class StepDone:
     aux_loss: float | None = None  # when moe.aux_loss_coeff > 0
     z_loss: float | None = None  # when moe.z_loss_coeff > 0
     fp8: dict[str, Any] | None = None  # `Fp8Gemms.summary()` when FP8 runs
+    val_loss: float | None = None  # the held-out loss, at the steps validation ran (validation.*)
 
 
 @dataclass(frozen=True)
 class CheckpointSaved:
     step: int
     path: str  # the checkpoint's folder
+    removed: list[str] = field(default_factory=list)  # older checkpoints retention deleted (checkpoint.keep_last)
 
 
 @dataclass(frozen=True)
@@ -64,4 +89,4 @@ class TrainFinished:
 TrainEvent = Union[TrainStarted, StepDone, CheckpointSaved, TrainFinished]
 TrainProgress = Callable[[TrainEvent], None]
 
-__all__ = ["TrainStarted", "StepDone", "CheckpointSaved", "TrainFinished", "TrainEvent", "TrainProgress"]
+__all__ = ["TrainResult", "TrainStarted", "StepDone", "CheckpointSaved", "TrainFinished", "TrainEvent", "TrainProgress"]

@@ -1,8 +1,8 @@
 """`gptoss report`'s library side: read a run folder's metrics.jsonl, summarise the run, draw its PNG plots.
 
-A run's metrics.jsonl (train/loop.py) holds one line per rank and step; the step's global values
-(loss, lr, grad norm, tokens/s, i23's mfu when present, the router telemetry) are on rank 0's
-line. A resumed run appends again from its checkpoint's step: the later line of a (step, rank)
+A run's metrics.jsonl (written by train/metrics.py) holds one line per rank and step; the step's global values
+(loss, lr, grad norm, tokens/s, i23's mfu when present, the validation loss at the steps it ran,
+the router telemetry) are on rank 0's line. A resumed run appends again from its checkpoint's step: the later line of a (step, rank)
 wins. A run killed while rank 0 wrote a line leaves that last line torn (no newline at its end):
 it is dropped with a note naming the file and line, and the rest is summarised. Any other line
 that is not a JSON record is an error naming the file and line (docs/router-telemetry.md).
@@ -22,7 +22,7 @@ METRICS = "metrics.jsonl"
 # Per-step curves drawn when the records carry them (mfu / tflops_per_gpu come from i23's FLOPs accounting).
 CURVES = (("loss", "loss"), ("lr", "learning rate"), ("grad_norm", "gradient norm"),
           ("tokens_per_s", "tokens/s"), ("mfu", "MFU"), ("tflops_per_gpu", "TFLOP/s per GPU"),
-          ("aux_loss", "aux loss"), ("z_loss", "router z-loss"))
+          ("aux_loss", "aux loss"), ("z_loss", "router z-loss"), ("val_loss", "validation loss"))
 
 
 @dataclass
@@ -178,19 +178,24 @@ def write_plots(metrics: RunMetrics, out_dir: str | Path) -> list[Path]:
     written: list[Path] = []
     for key, label in CURVES:
         xs, ys = series(metrics, key)
-        if not ys:
-            continue
-        fig, ax = plt.subplots(figsize=(7, 3.5))
-        ax.plot(xs, ys, marker="." if len(xs) < 50 else None)
-        ax.set_xlabel("step")
-        ax.set_ylabel(label)
-        ax.set_title(f"{label} over steps")
-        ax.grid(alpha=0.3)
-        written.append(_save(fig, out_dir / f"{key}.png"))
+        if ys:
+            written.append(_save(curve_figure(xs, ys, label, plt), out_dir / f"{key}.png"))
     heat = _expert_load_figure(metrics, plt)
     if heat is not None:
         written.append(_save(heat, out_dir / "expert_load.png"))
     return written
+
+
+def curve_figure(xs: list[int], ys: list[float], label: str, plt: Any) -> Any:
+    """One curve over the steps; laid out so the axis labels stay inside the image."""
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.plot(xs, ys, marker="." if len(xs) < 50 else None)
+    ax.set_xlabel("step")
+    ax.set_ylabel(label)
+    ax.set_title(f"{label} over steps")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
 
 
 def _expert_load_figure(metrics: RunMetrics, plt: Any) -> Any:
@@ -235,4 +240,5 @@ def _save(fig: Any, path: Path) -> Path:
     return path
 
 
-__all__ = ["RunMetrics", "read_metrics", "summarise", "write_plots", "series", "trend", "CURVES", "METRICS"]
+__all__ = ["RunMetrics", "read_metrics", "summarise", "write_plots", "curve_figure", "series", "trend", "CURVES",
+           "METRICS"]

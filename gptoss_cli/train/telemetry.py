@@ -1,8 +1,8 @@
 """One training step's loss terms and router telemetry: summed on the device, reduced in one collective, read once.
 
-Every microbatch's log (train/loop.py, `microbatch_loss`) carries device tensors: the summed
-token cross-entropy, the tokens, the aux and z-loss weighted by the microbatch's tokens, and the
-model's router table (model/moe.py, `router_table`: per MoE layer the tokens routed to each
+Every microbatch's log (the training objective's `loss_func`, train/objective.py) carries device
+tensors: the sums the objective names (for cross-entropy: the summed token cross-entropy, the
+tokens, the aux and z-loss weighted by the microbatch's tokens), and the model's router table (model/moe.py, `router_table`: per MoE layer the tokens routed to each
 expert, the summed router entropy and the tokens routed). `StepTotals` adds them up on the
 device into one float64 vector, the loop all-reduces it over the data-parallel world (one small
 collective) and reads it back with one host sync; `router_record` turns the router part into the
@@ -12,46 +12,41 @@ collective) and reads it back with one host sync; `router_record` turns the rout
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from gptoss_cli.model.moe import ENTROPY_COL, TOKENS_COL
 
-# The scalar head of the step vector, in order; the router table (flattened) follows.
-SCALARS = ("lm_loss_sum", "num_tokens", "aux_loss_sum", "z_loss_sum")
-
-
 @dataclass
 class StepTotals:
-    """The layout of one step's vector: the SCALARS, then `layers` x (experts + 2) router values."""
+    """The layout of one step's vector: the `scalars` (the objective's `sums`, in order; a log
+    without one adds 0), then `layers` x (experts + 2) router values."""
 
     layers: list[int]  # the physical decoder-layer number of each MoE layer, in order
     num_experts: int
+    scalars_names: tuple[str, ...] = field(default=("loss_sum", "num_tokens"))
 
     @property
     def width(self) -> int:
-        return len(SCALARS) + len(self.layers) * (self.num_experts + 2)
+        return len(self.scalars_names) + len(self.layers) * (self.num_experts + 2)
 
     def vector(self, logs: list[dict[str, Any]], device: torch.device) -> torch.Tensor:
         """float64 [width]: the step's microbatch logs summed on the device (no host sync)."""
         out = torch.zeros(self.width, dtype=torch.float64, device=device)
+        head = len(self.scalars_names)
         for log in logs:
-            tokens = log["num_tokens"].double()
-            out[0] += log["lm_loss_sum"].double()
-            out[1] += tokens
-            if "aux_loss" in log:
-                out[2] += log["aux_loss"].double() * tokens
-            if "z_loss" in log:
-                out[3] += log["z_loss"].double() * tokens
+            for i, name in enumerate(self.scalars_names):
+                if name in log:
+                    out[i] += log[name].double()
             table = log.get("router_table")
             if table is not None and self.layers:
-                out[len(SCALARS):] += table.reshape(-1)
+                out[head:] += table.reshape(-1)
         return out
 
     def scalars(self, values: list[float]) -> dict[str, float]:
-        return dict(zip(SCALARS, values[:len(SCALARS)]))
+        return dict(zip(self.scalars_names, values[:len(self.scalars_names)]))
 
     def router_record(self, values: list[float]) -> dict[str, Any]:
         """metrics.jsonl's router fields from the reduced vector (as a list): `expert_load`
@@ -61,7 +56,8 @@ class StepTotals:
         if not self.layers:
             return {}
         width = self.num_experts + 2
-        rows = [values[len(SCALARS) + i * width: len(SCALARS) + (i + 1) * width] for i in range(len(self.layers))]
+        head = len(self.scalars_names)
+        rows = [values[head + i * width: head + (i + 1) * width] for i in range(len(self.layers))]
         if not any(row[TOKENS_COL] for row in rows):
             return {}
         load, cv, entropy = {}, {}, {}
@@ -83,4 +79,4 @@ def coefficient_of_variation(counts: list[int]) -> float:
     return math.sqrt(sum((c - mean) ** 2 for c in counts) / n) / mean
 
 
-__all__ = ["StepTotals", "SCALARS", "coefficient_of_variation"]
+__all__ = ["StepTotals", "coefficient_of_variation"]

@@ -258,3 +258,15 @@ def test_a_turn_that_is_only_analysis_cannot_be_trained_with_drop(harmony_tok):
         render_for_training(parse_conversation(conv), harmony_tok, analysis="drop")
     with pytest.raises(ConversationError, match="ends with a analysis message"):
         render_for_training(parse_conversation(conv), harmony_tok, analysis="keep")
+
+
+def test_one_exchange_differs_from_harmonys_auto_drop_as_the_docs_say(harmony, harmony_tok):
+    """docs/sft-data.md compares --analysis keep with harmony's default auto_drop_analysis: for one
+    exchange they differ (harmony drops the only turn's analysis, keep trains it)."""
+    from pathlib import Path
+
+    messages = CONVERSATIONS["one-turn"]
+    default = harmony.render_conversation_for_training(h.Conversation.from_messages(messages))
+    assert render_for_training(parse_conversation(as_json(messages)), harmony_tok).ids != default
+    doc = " ".join((Path(__file__).resolve().parents[2] / "docs" / "sft-data.md").read_text().split())
+    assert "the same for two exchanges, not for one" in doc

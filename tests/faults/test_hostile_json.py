@@ -96,7 +96,7 @@ def test_train_names_a_hostile_token_header(tmp_path, kind):
     code, out = invoke("train", "--recipe", "tiny_cpu_ep2", "--nproc-per-node", "1",
                        "parallelism.expert_model_parallel_size=1", "data.kind=tokens", f"data.path={tmp_path / 'd'}",
                        f"logging.run_dir={tmp_path / 'run'}", *TRAIN_FAST)
-    assert code == 1 and str(tmp_path / "d.json") in out and needle in out, out
+    assert code == 2 and str(tmp_path / "d.json") in out and needle in out, out  # bad input: a malformed file
     assert "Traceback" not in out and not (tmp_path / "run").exists()
 
 

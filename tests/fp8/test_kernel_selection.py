@@ -48,7 +48,7 @@ def test_the_recipe_reaches_the_models_runtime_config():
 def test_the_summary_table_names_the_fp8_path():
     from gptoss_cli.cli.app import console
     from gptoss_cli.cli.train import render_result
-    from gptoss_cli.train.loop import TrainResult
+    from gptoss_cli.train.progress import TrainResult
 
     result = TrainResult(steps=2, final_step=2, losses=[7.0, 6.5], grad_norms=[1.0, 1.0], tokens_per_s=10.0,
                          run_dir="runs/x", checkpoint=None, resumed_from=None, world_size=2, ep_size=2,

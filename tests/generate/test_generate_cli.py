@@ -176,3 +176,21 @@ def test_a_training_checkpoint_generates_what_its_hf_export_generates_in_transfo
     convert(str(ckpt), export, to="hf", dtype="float32")
     (reply,) = data["replies"]
     assert reply["output_ids"] == hf_greedy(load_hf_reference(export), reply["prompt_ids"], 10, {1000, 1001, 1002})
+
+
+def test_a_reply_that_is_not_harmony_is_shown_as_raw_text(tmp_path):
+    """An untrained model's reply does not parse as harmony: generate says so and shows the decoded
+    text (the tokenizer's own decoding of the new ids), not an empty answer."""
+    from tokenizers import Tokenizer
+
+    from gptoss_cli.checkpoint.make_tiny import make_tiny
+
+    make_tiny(tmp_path / "hf")  # random weights, and make-tiny's tokenizer.json
+    result = CliRunner().invoke(app, ["generate", str(tmp_path / "hf"), "-p", "Hi", "-n", "8",
+                                      "--json", str(tmp_path / "r.json")])
+    assert result.exit_code == 0, result.output
+    (reply,) = json.loads((tmp_path / "r.json").read_text())["replies"]
+    raw = Tokenizer.from_file(str(tmp_path / "hf" / "tokenizer.json")).decode(reply["output_ids"],
+                                                                              skip_special_tokens=False)
+    assert reply["harmony"] is False and reply["text"] == "" and reply["raw_text"] == raw and raw
+    assert "did not parse as harmony" in result.output and raw in result.output

@@ -149,7 +149,7 @@ def test_training_loss_is_transformers_loss_with_router_aux_loss(weights, reques
     from types import SimpleNamespace
 
     from gptoss_cli.train.data import Microbatch
-    from gptoss_cli.train.loop import forward_step
+    from gptoss_cli.train.objective import forward_step
 
     hf = request.getfixturevalue(weights)
     ids = tokens()

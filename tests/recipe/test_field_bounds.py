@@ -10,6 +10,7 @@ import typing
 import pytest
 import torch
 
+from gptoss_cli.recipe import schema
 from gptoss_cli.recipe.schema import INT32_MAX, SEED_MAX, iter_fields
 from gptoss_cli.recipe.validate import validate_recipe
 from gptoss_cli.recipe.load import load_recipe
@@ -17,7 +18,8 @@ from tests.recipe.recipe_helpers import run_rule
 
 
 def _numeric(f: dataclasses.Field) -> type | None:
-    tp = f.type if not isinstance(f.type, str) else eval(f.type, vars(typing))  # noqa: S307 - our own annotations
+    names = {**vars(typing), **vars(schema)}  # a field's type may name a schema class (data.blend)
+    tp = f.type if not isinstance(f.type, str) else eval(f.type, names)  # noqa: S307 - our own annotations
     args = [a for a in typing.get_args(tp) if a is not type(None)] or [tp]
     return args[0] if args[0] in (int, float) else None
 

@@ -26,16 +26,14 @@ def test_an_unknown_target_is_one_line_exit_2():
 
 def test_rank_zero_with_targets_is_one_line_exit_2():
     """The issue's bad input: targets with LoRA off (rank 0) are malformed, exit 2 like an unknown target,
-    for validate-config and for train (both load the recipe first); a rank without targets stays the
-    rule lora.targets' finding (exit 1)."""
+    for validate-config and for train (both load the recipe first); a rank without targets gets the
+    usual ones (test_a_rank_alone_trains_the_usual_targets)."""
     for command in (["validate-config"], ["train", "--recipe"]):
         result = runner.invoke(app, [*command, "gpt_oss_20b_lora", "lora.rank=0"])  # the recipe's four targets
         assert result.exit_code == 2, (command, result.output)
         text = " ".join(result.output.split())  # the terminal width may wrap the line
         assert "lora.rank=0 turns LoRA off" in text and "Traceback" not in text, result.output
         assert text.count("error:") == 1, result.output
-    result = runner.invoke(app, ["validate-config", "gpt_oss_20b_lora", "lora.target_modules=[]"])
-    assert result.exit_code == 1 and "lora.targets" in result.output, result.output
     with pytest.raises(ConfigError, match="lora.target_modules"):
         recipe_from_config(RecipeConfig(
             lora=LoraConfig(rank=0, target_modules=["linear_qkv"]), model=ModelConfig(preset="tiny")))
@@ -105,3 +103,15 @@ def test_mxfp4_base_experts_need_lora_and_blocks_of_32():
         report = validate_recipe(load_recipe("gpt_oss_20b_lora", overrides=overrides))
         [finding] = [f for f in report.findings if f.rule == "lora.base_experts"]
         assert words in finding.message, finding.message
+
+
+def test_a_rank_alone_trains_the_usual_targets():
+    """`lora.rank=8` without targets is a LoRA run on attention and the experts (Megatron-Bridge's
+    default, all four), not an error; a pattern without MoE or MLP layers gets the attention ones."""
+    recipe = load_recipe("tiny_cpu_ep2", ["lora.rank=8", "checkpoint.pretrained=base"])
+    assert recipe.config.lora.target_modules == ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+    assert validate_recipe(recipe).ok
+    attention_only = load_recipe("tiny_cpu_ep2", ["lora.rank=8", "checkpoint.pretrained=base",
+                                                  "model.hybrid_layer_pattern=***"])
+    assert attention_only.config.lora.target_modules == ["linear_qkv", "linear_proj"]
+    assert load_recipe("tiny_cpu_ep2").config.lora.target_modules == []  # LoRA off: none

@@ -29,6 +29,7 @@ VERDICTS = {
     "tiny_cpu_ep2": (set(), set()),
     "tiny_cpu_ep2_overlap": (set(), set()),
     "tiny_cpu_ep2_mxfp8": (set(), set()),
+    "tiny_cpu_sft": (set(), set()),
     "gpt_oss_20b_lora": (set(), set()),
     "gpt_oss_120b_lora": (set(), set()),
     "gb200_bf16": (set(), set()),

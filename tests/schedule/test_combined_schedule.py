@@ -12,7 +12,7 @@ from gptoss_cli.schedule import get_forward_backward_func
 from gptoss_cli.schedule.combined_1f1b import FINISH, RUN, START, forward_backward_combined_1f1b, run_interleaved
 from gptoss_cli.schedule.plain import forward_backward_no_pipelining
 from gptoss_cli.train.data import DataLoaderState
-from gptoss_cli.train.loop import forward_step
+from gptoss_cli.train.objective import forward_step
 from tests.schedule.workers import SEQ, TINY, build
 from tests.tolerances import assert_tensors_close, reassociation_rel
 from tests.train.dist_helpers import named_grads

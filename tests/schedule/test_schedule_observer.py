@@ -13,7 +13,7 @@ from bench.overlap import OverlapStats
 from gptoss_cli.parallel.state import ParallelState
 from gptoss_cli.schedule.combined_1f1b import forward_backward_combined_1f1b
 from gptoss_cli.train.data import DataLoaderState
-from gptoss_cli.train.loop import forward_step
+from gptoss_cli.train.objective import forward_step
 from tests.schedule.workers import SEQ, TINY, build
 from tests.train.dist_helpers import named_grads
 from tests.train.workers import RandomTokens

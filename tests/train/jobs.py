@@ -11,7 +11,7 @@ from typing import Any
 
 from gptoss_cli.model.config import GptOssArch, preset
 from gptoss_cli.recipe.schema import OptimizerConfig, RecipeConfig
-from gptoss_cli.train.loop import TrainJob
+from gptoss_cli.train.job import TrainJob
 from gptoss_cli.train.provider import ModelRuntimeConfig
 
 TINY = preset("tiny")
@@ -38,6 +38,10 @@ FIELDS = {
     "data_kind": "data.kind", "data_path": "data.path",
     "checkpoint_dir": "checkpoint.dir", "save_interval": "checkpoint.save_interval", "resume": "checkpoint.resume",
     "pretrained": "checkpoint.pretrained", "log_interval": "logging.log_interval",
+    "keep_last": "checkpoint.keep_last", "keep_every": "checkpoint.keep_every",
+    "override_lr_schedule": "checkpoint.override_lr_schedule", "data_blend": "data.blend",
+    "validation_data": "validation.data", "validation_interval": "validation.interval",
+    "validation_iters": "validation.iters",
     "lora_rank": "lora.rank", "lora_alpha": "lora.alpha", "lora_dropout": "lora.dropout",
     "lora_targets": "lora.target_modules", "lora_base_experts": "lora.base_experts",
 }

@@ -48,7 +48,7 @@ def packed_step_worker(rank: int, prefix: str, ep: int, overlap: bool, seq: int,
     from gptoss_cli.parallel.state import init_parallel
     from gptoss_cli.schedule import get_forward_backward_func
     from gptoss_cli.train.data import DataLoaderState, PackedDocumentSource
-    from gptoss_cli.train.loop import forward_step
+    from gptoss_cli.train.objective import forward_step
     from tests.schedule.workers import build
     from tests.train.dist_helpers import named_grads
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -16,6 +17,7 @@ from gptoss_cli.model.config import preset
 from gptoss_cli.data.token_format import read_token_header
 from gptoss_cli.train.data import DataLoaderState, MockSource, TokenFileSource
 from gptoss_cli.train.loop import run_worker
+from gptoss_cli.train.objective import CrossEntropyObjective
 from tests.train.jobs import train_job
 
 DOCS = [
@@ -120,29 +122,23 @@ def file_windows(prefix, seq: int, dtype: str = "<u2") -> list[list[int]]:
     return [ids[i * seq : i * seq + seq + 1] for i in range((len(ids) - 1) // seq)]
 
 
-def test_training_trains_on_the_token_files_windows(prepared, tmp_path, monkeypatch):
+def test_training_trains_on_the_token_files_windows(prepared, tmp_path):
     """One step whose global batch is the whole file: the microbatches the model sees are exactly
     the file's windows, each once (inputs = the first S tokens, labels = the next S)."""
-    from gptoss_cli.train import loop
-
     seen = []
 
-    def recording_forward_step(data_iterator, model, **kwargs):
-        def tap():
-            for mb in data_iterator:
+    class Recording(CrossEntropyObjective):
+        def prepare_step(self, microbatches, context):
+            for mb in microbatches:
                 seen.extend(torch.cat([mb.tokens, mb.labels[:, -1:]], dim=1).tolist())
                 assert torch.equal(mb.labels[:, :-1], mb.tokens[:, 1:])
                 yield mb
 
-        return real_forward_step(tap(), model, **kwargs)
-
-    real_forward_step = loop.forward_step
-    monkeypatch.setattr(loop, "forward_step", recording_forward_step)
     windows = file_windows(prepared, 8)
     arch = preset("tiny")
     plan = train_job(tmp_path, arch=arch, name="tok", seq_length=8, micro_batch_size=1, global_batch_size=len(windows),
                      train_iters=1, device="cpu", data_kind="tokens", data_path=str(prepared))
-    result = run_worker(plan)
+    result = run_worker(dataclasses.replace(plan, objective=Recording()))
     assert sorted(seen) == sorted(windows) and len(windows) > 8
     assert len(result.losses) == 1 and math.isfinite(result.losses[0])
     (line,) = (tmp_path / "metrics.jsonl").read_text().splitlines()

@@ -142,3 +142,21 @@ def test_missing_matplotlib_is_one_line(tmp_path, monkeypatch):
     assert result.exit_code == 2, result.output
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert len(lines) == 1 and "pip install 'gptoss-cli[plot]'" in lines[0]
+
+
+def test_line_plots_keep_the_step_axis_label_inside_the_image():
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from gptoss_cli.train.report import curve_figure
+
+    fig = curve_figure([1, 2, 3], [3.0, 2.0, 1.0], "validation loss", plt)
+    fig.canvas.draw()
+    renderer, image = fig.canvas.get_renderer(), fig.bbox
+    for label in (fig.axes[0].xaxis.label, fig.axes[0].yaxis.label):
+        box = label.get_window_extent(renderer)
+        assert box.x0 >= image.x0 and box.y0 >= image.y0 and box.x1 <= image.x1 and box.y1 <= image.y1, box
+    plt.close(fig)

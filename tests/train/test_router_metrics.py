@@ -175,9 +175,9 @@ def _wandb_records(data: bytes) -> list[bytes]:
     return out
 
 
-@pytest.mark.parametrize("field,module", [("logging.tensorboard=true", "torch.utils.tensorboard"),
-                                          ("logging.wandb_project=p", "wandb")])
-def test_missing_backend_package_is_one_line_before_launch(tmp_path, monkeypatch, field, module):
+@pytest.mark.parametrize("field,module,package", [("logging.tensorboard=true", "torch.utils.tensorboard", "tensorboard"),
+                                                  ("logging.wandb_project=p", "wandb", "wandb")])
+def test_missing_backend_package_is_one_line_before_launch(tmp_path, monkeypatch, field, module, package):
     monkeypatch.setitem(sys.modules, module, None)  # import raises ImportError
     result = CliRunner().invoke(app, ["train", "--recipe", "tiny_cpu_ep2", field, "checkpoint.dir=null", "checkpoint.save_interval=null",
                                       f"logging.run_dir={tmp_path / 'run'}"])
@@ -185,4 +185,5 @@ def test_missing_backend_package_is_one_line_before_launch(tmp_path, monkeypatch
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:") and field.split("=")[0] in lines[0], result.output
     assert "pip install 'gptoss-cli[" in lines[0]
+    assert f"needs the `{package}` package" in lines[0]  # the missing package, not torch
     assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -85,3 +85,28 @@ def test_inside_torchrun_each_process_trains_directly(tmp_path):
     ranks = run_distributed(torchrun_style_worker, 2, tmp_path / "out", overrides)
     assert [r["world_size"] for r in ranks] == [2, 2]
     assert ranks[0]["losses"] == ranks[1]["losses"] and len(ranks[0]["losses"]) == 2
+
+
+def test_a_missing_data_path_is_bad_input_exit_2_before_any_process(tmp_path):
+    """docs/commands.md: a missing file is bad input (exit 2), one line naming the field and the path."""
+    missing = tmp_path / "nowhere" / "corpus"
+    result = CliRunner().invoke(app, ["train", "--recipe", "tiny_cpu_ep2", "data.kind=tokens", f"data.path={missing}",
+                                      f"logging.run_dir={tmp_path / 'run'}", "checkpoint.dir=null",
+                                      "checkpoint.save_interval=null"])
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert result.exit_code == 2 and len(lines) == 1 and str(missing) in lines[0], result.output
+    assert not (tmp_path / "run").exists()
+
+
+def test_pretrained_weights_of_another_architecture_are_refused_before_any_process(tmp_path):
+    from gptoss_cli.checkpoint.make_tiny import make_tiny
+
+    make_tiny(tmp_path / "hf")  # the tiny preset: 3 blocks
+    result = CliRunner().invoke(app, ["train", "--recipe", "tiny_cpu_ep2", f"checkpoint.pretrained={tmp_path / 'hf'}",
+                                      "model.architecture={num_hidden_layers: 2}", "lora.rank=8",
+                                      f"logging.run_dir={tmp_path / 'run'}", "checkpoint.dir=null",
+                                      "checkpoint.save_interval=null"])
+    text = " ".join(result.output.split())
+    assert result.exit_code == 1 and "checkpoint.settings" in text, result.output
+    assert "has num_hidden_layers=3, the recipe's model has num_hidden_layers=2" in text
+    assert not (tmp_path / "run").exists()

@@ -15,7 +15,7 @@ from gptoss_cli.parallel.grads import unwrap_model
 from gptoss_cli.parallel.state import ParallelState, init_parallel
 from gptoss_cli.schedule import get_forward_backward_func
 from gptoss_cli.train.data import DataLoaderState
-from gptoss_cli.train.loop import forward_step
+from gptoss_cli.train.objective import forward_step
 from gptoss_cli.train.provider import HybridModelProvider
 from gptoss_cli.train.setup import setup_model_and_optimizer
 from tests.train.dist_helpers import named_grads

@@ -49,14 +49,18 @@ class Finding:
     message: str
     hint: str | None = ""  # None (error()/warning() without a hint): the rule's `fix`, filled in by Rule
     kind: str = SEMANTIC  # "semantic" | "unsupported"
+    # a launch-time input (a data or checkpoint path) is missing or unreadable: train exits 2 (bad
+    # input) on it, where a rule error of the recipe itself exits 1
+    bad_input: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
-def error(fields: dict[str, Any], message: str, hint: str | None = None) -> Finding:
-    """An error finding; without a hint it shows the rule's `fix` (write the exact fix there once)."""
-    return Finding(rule="", severity=ERROR, fields=fields, message=message, hint=hint)
+def error(fields: dict[str, Any], message: str, hint: str | None = None, *, bad_input: bool = False) -> Finding:
+    """An error finding; without a hint it shows the rule's `fix` (write the exact fix there once).
+    `bad_input`: a file the recipe names is missing or unreadable (train exits 2 on it)."""
+    return Finding(rule="", severity=ERROR, fields=fields, message=message, hint=hint, bad_input=bad_input)
 
 
 def warning(fields: dict[str, Any], message: str, hint: str | None = None) -> Finding:

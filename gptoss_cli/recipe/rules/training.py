@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
+from gptoss_cli.model.config import NON_ARCHITECTURAL
 from gptoss_cli.recipe.rules.core import ERROR, WARNING, Context, Finding, error, rule, warning
 from gptoss_cli.recipe.schema import RecipeConfig
 
@@ -50,89 +54,185 @@ def param_gather(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
                   "use_distributed_optimizer and overlap_grad_reduce")]
 
 
-@rule("data.source", "data.kind=tokens needs data.path; at launch the token files exist and fit the vocabulary",
-      fix="data.path to a `gptoss prepare-data` output made with the model's tokenizer, or data.kind=mock "
-          "(which ignores data.path: a warning)",
+def token_files(cfg: RecipeConfig) -> list[tuple[str, str]]:
+    """(field, prefix) of every token file the recipe trains or validates on: data.path or each
+    data.blend entry (kind=tokens), and validation.data."""
+    d, out = cfg.data, []
+    if d.kind == "tokens":
+        if d.path:
+            out.append(("data.path", d.path))
+        out += [(f"data.blend[{i}].path", b.path) for i, b in enumerate(d.blend) if b.path]
+    if cfg.validation.data:
+        out.append(("validation.data", cfg.validation.data))
+    return out
+
+
+def _blend_problems(cfg: RecipeConfig) -> list[Finding]:
+    d, out = cfg.data, []
+    if d.path and d.blend:
+        out.append(error({"data.path": d.path, "data.blend": len(d.blend)},
+                         "data.path and data.blend both name training data", "keep one: data.path or data.blend"))
+    for i, b in enumerate(d.blend):
+        if not b.path:
+            out.append(error({f"data.blend[{i}].path": ""}, f"data.blend[{i}] has no path",
+                             "give every blend entry a token file prefix: {path: PREFIX, weight: W}"))
+        if not (math.isfinite(b.weight) and b.weight > 0):
+            out.append(error({f"data.blend[{i}].weight": b.weight},
+                             f"data.blend[{i}].weight={b.weight} must be a finite number above 0",
+                             "give every blend entry a positive weight (they are normalised)"))
+    return out
+
+
+@rule("data.source", "data.kind=tokens needs data.path or data.blend (positive weights); at launch every token "
+      "file exists and fits the vocabulary",
+      fix="data.path (or data.blend) to `gptoss prepare-data` outputs made with the model's tokenizer, or "
+          "data.kind=mock (which ignores data.path: a warning)",
       severities=(ERROR, WARNING))
 def data_source(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     d = cfg.data
     if d.kind == "mock":
-        if d.path:
-            return [warning({"data.kind": "mock", "data.path": d.path}, "data.path is ignored with mock data",
-                            "set data.kind=tokens to train on the file")]
+        if d.path or d.blend:
+            what = "data.path" if d.path else "data.blend"
+            return [warning({"data.kind": "mock", what: d.path or len(d.blend)}, f"{what} is ignored with mock data",
+                            "set data.kind=tokens to train on the files")]
         return []
-    if not d.path:
+    if not d.path and not d.blend:
         return [error({"data.kind": "tokens", "data.path": None}, "token data needs a file",
                       "set data.path to a token file prefix (see `gptoss prepare-data`), or data.kind=mock")]
-    if not ctx.check_paths:
-        return []
-    # Only at launch (train): the files are on the training machine, not necessarily here.
+    out = _blend_problems(cfg)
+    if ctx.check_paths and not out:
+        out += _launch_file_problems([f for f in token_files(cfg) if f[0] != "validation.data"], ctx)
+    return out
+
+
+def _launch_file_problems(files: list[tuple[str, str]], ctx: Context) -> list[Finding]:
+    """Only at launch (train): the files are on the training machine, not necessarily here. A missing
+    or unreadable file is bad input (exit 2)."""
     from gptoss_cli.errors import GptossError  # noqa: PLC0415
     from gptoss_cli.data.token_format import check_token_files  # noqa: PLC0415
 
-    try:
-        check_token_files(d.path, ctx.arch.vocab_size)
-    except GptossError as exc:
-        return [error({"data.path": d.path}, exc.message, exc.hint or "create the files with `gptoss prepare-data`")]
-    except (OSError, ValueError) as exc:  # unreadable, or a name the file system cannot hold
-        return [error({"data.path": d.path}, f"token files for {d.path!r} cannot be read: {exc}",
-                      "create the files with `gptoss prepare-data`")]
-    return []
+    out = []
+    for name, path in files:
+        try:
+            check_token_files(path, ctx.arch.vocab_size)
+        except GptossError as exc:
+            out.append(error({name: path}, exc.message, exc.hint or "create the files with `gptoss prepare-data`",
+                             bad_input=True))
+        except (OSError, ValueError) as exc:  # unreadable, or a name the file system cannot hold
+            out.append(error({name: path}, f"{name}: token files for {path!r} cannot be read: {exc}",
+                             "create the files with `gptoss prepare-data`", bad_input=True))
+    return out
+
+
+@rule("validation.source", "validation.interval and validation.iters need validation.data; at launch its token "
+      "file exists and fits the vocabulary",
+      fix="validation.data to a held-out `gptoss prepare-data` output, or validation.interval=null "
+          "validation.iters=null", severities=(ERROR, WARNING))
+def validation_source(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
+    v = cfg.validation
+    if not v.data:
+        stray = {f"validation.{k}": getattr(v, k) for k in ("interval", "iters") if getattr(v, k) is not None}
+        if stray:
+            return [warning(stray, f"{', '.join(stray)} set without validation.data: nothing is validated",
+                            "set validation.data to a held-out token file")]
+        return []
+    return _launch_file_problems([("validation.data", v.data)], ctx) if ctx.check_paths else []
 
 
 @rule("data.documents_fit", "at launch, every document of a packed (version-2) token file fits in training.seq_length",
       fix="training.seq_length >= the file's longest document (its header's max_document_length), or re-create the "
           "file with `gptoss prepare-data --max-length` <= seq_length")
 def documents_fit(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
-    d = cfg.data
-    if d.kind != "tokens" or not d.path or not ctx.check_paths:
+    if not ctx.check_paths:
         return []
     # Only at launch, like data.source (which reports unreadable or inconsistent files).
+    out = []
+    for name, path in token_files(cfg):
+        longest = _longest_document(path)
+        if longest is not None and longest[0] > cfg.training.seq_length:
+            tokens, doc, idx_path = longest
+            out.append(error({"training.seq_length": cfg.training.seq_length, name: path},
+                             f"{idx_path}: document {doc} has {tokens} tokens, more than a row of training.seq_length="
+                             f"{cfg.training.seq_length} holds (documents are packed whole, never split)",
+                             f"set training.seq_length >= {tokens}, or re-create the file with a smaller --max-length"))
+    return out
+
+
+def _longest_document(path: str) -> tuple[int, int, str] | None:
+    """(tokens, index, index file) of a version-2 file's longest document; None for version 1 or
+    unreadable files (data.source names what is wrong with those)."""
     import numpy as np  # noqa: PLC0415
 
     from gptoss_cli.data.token_format import INDEX_DTYPE, document_file_paths, has_documents, read_token_header  # noqa: PLC0415
 
     try:
-        if not has_documents(read_token_header(d.path)):
-            return []
-        idx_path = document_file_paths(d.path)[0]
+        if not has_documents(read_token_header(path)):
+            return None
+        idx_path = document_file_paths(path)[0]
         offsets = np.fromfile(idx_path, dtype=INDEX_DTYPE)
     except Exception:  # noqa: BLE001 - data.source names what is wrong with the files
-        return []
+        return None
     if len(offsets) < 2:
-        return []
+        return None
     lengths = np.diff(offsets)
-    longest = int(lengths.max())
-    if longest <= cfg.training.seq_length:
-        return []
-    doc = int(lengths.argmax())
-    return [error({"training.seq_length": cfg.training.seq_length, "data.path": d.path},
-                  f"{idx_path}: document {doc} has {longest} tokens, more than a row of training.seq_length="
-                  f"{cfg.training.seq_length} holds (documents are packed whole, never split)",
-                  f"set training.seq_length >= {longest}, or re-create the file with a smaller --max-length")]
+    return int(lengths.max()), int(lengths.argmax()), str(idx_path)
 
 
-@rule("checkpoint.settings", "save_interval needs a checkpoint dir; at launch, pretrained weights exist",
-      fix="set checkpoint.dir or checkpoint.save_interval=null; checkpoint.pretrained must exist (a `gptoss"
-          " convert` output)")
+@rule("checkpoint.settings", "save_interval and keep_last need a checkpoint dir; at launch, pretrained weights "
+      "exist and their architecture is the recipe's",
+      fix="set checkpoint.dir (or checkpoint.save_interval=null, checkpoint.keep_last=null); checkpoint.pretrained "
+          "must exist (a `gptoss convert` output) and match model.*")
 def checkpoint_settings(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     c, out = cfg.checkpoint, []
-    if c.save_interval is not None and not c.dir:
-        out.append(error({"checkpoint.save_interval": c.save_interval, "checkpoint.dir": None},
-                         "save_interval is set but there is no checkpoint directory",
-                         "set checkpoint.dir, or checkpoint.save_interval=null"))
+    for name in ("save_interval", "keep_last"):
+        if getattr(c, name) is not None and not c.dir:
+            out.append(error({f"checkpoint.{name}": getattr(c, name), "checkpoint.dir": None},
+                             f"checkpoint.{name} is set but there is no checkpoint directory",
+                             f"set checkpoint.dir, or checkpoint.{name}=null"))
     if ctx.check_paths and c.pretrained:
-        from pathlib import Path  # noqa: PLC0415
-
-        try:
-            exists = Path(c.pretrained).expanduser().exists()
-        except (OSError, ValueError):  # a name the file system cannot hold
-            exists = False
-        if not exists:
-            out.append(error({"checkpoint.pretrained": c.pretrained},
-                             f"pretrained weights {c.pretrained!r} do not exist",
-                             "convert them first (`gptoss convert`) or fix the path"))
+        out += _pretrained_problems(c.pretrained, ctx)
     return out
+
+
+def _pretrained_problems(pretrained: str, ctx: Context) -> list[Finding]:
+    """The pretrained weights exist (else bad input) and hold the recipe's architecture: a mismatch
+    would otherwise surface in every worker as a shape error after the launch."""
+    from pathlib import Path  # noqa: PLC0415
+
+    from gptoss_cli.errors import GptossError  # noqa: PLC0415
+    from gptoss_cli.recipe.load import architecture_from_checkpoint  # noqa: PLC0415
+
+    try:
+        exists = Path(pretrained).expanduser().exists()
+    except (OSError, ValueError):  # a name the file system cannot hold
+        exists = False
+    if not exists:
+        return [error({"checkpoint.pretrained": pretrained}, f"pretrained weights {pretrained!r} do not exist",
+                      "convert them first (`gptoss convert`) or fix the path", bad_input=True)]
+    try:
+        arch, _ = architecture_from_checkpoint(pretrained)
+    except GptossError:  # a kind the recipe reader does not know: the loader in the workers judges it
+        return []
+    differ = [(f.name, getattr(arch, f.name), getattr(ctx.arch, f.name)) for f in dataclasses.fields(arch)
+              if f.name not in NON_ARCHITECTURAL and getattr(arch, f.name) != getattr(ctx.arch, f.name)]
+    if not differ:
+        return []
+    name, theirs, ours = differ[0]
+    more = f" (and {len(differ) - 1} more field{'s' * (len(differ) > 2)})" if len(differ) > 1 else ""
+    return [error({"checkpoint.pretrained": pretrained, f"model.architecture.{name}": ours},
+                  f"checkpoint.pretrained {pretrained} has {name}={theirs}, the recipe's model has {name}={ours}{more}",
+                  f"set model.checkpoint={pretrained} to take the architecture from the weights, or pretrained "
+                  "weights of the recipe's model")]
+
+
+@rule("checkpoint.retention", "checkpoint.keep_every works with checkpoint.keep_last (alone it deletes nothing)",
+      fix="set checkpoint.keep_last as well, or checkpoint.keep_every=null", severities=(WARNING,))
+def checkpoint_retention(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
+    c = cfg.checkpoint
+    if c.keep_every is not None and c.keep_last is None:
+        return [warning({"checkpoint.keep_every": c.keep_every, "checkpoint.keep_last": None},
+                        "checkpoint.keep_every without keep_last: every checkpoint is kept anyway")]
+    return []
 
 
 @rule("system.backend", "the distributed backend suits the device (nccl needs cuda)",
