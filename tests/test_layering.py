@@ -30,6 +30,7 @@ FORBIDDEN = {
     "train": ("cli",),
     "parity": ("cli", "train"),
     "generate": ("cli", "train", "schedule"),
+    "rl": ("cli",),
     "data": ("cli", "train", "model", "checkpoint", "parallel", "schedule", "fp8", "recipe", "parity"),
 }
 
