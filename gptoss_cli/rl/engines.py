@@ -79,7 +79,7 @@ class VllmRollout:
 
     def __init__(self, model: torch.nn.Module, arch: Any, state: Any, *, sampling: Sampling, max_new_tokens: int,
                  stop_ids: Sequence[int], seed: int, dtype: str, max_model_len: int, qat: bool, probe: Sequence[int],
-                 python: str | None, version: int, log_dir: str | Path | None = None):
+                 python: str | None, version: int, rollout_rows: int = 1, log_dir: str | Path | None = None):
         self.arch, self.state, self.sampling, self.max_new_tokens = arch, state, sampling, max_new_tokens
         self.stop_ids, self.seed, self.dtype, self.qat, self.probe = list(stop_ids), seed, dtype, qat, list(probe)
         self.engine = None
@@ -93,8 +93,13 @@ class VllmRollout:
             self._tmp = Path(tempfile.mkdtemp(prefix="gptoss-rl-weights-", dir=log_dir))
             folder = write_hf_folder(model, arch, self._tmp / "policy", qat=qat, dtype=dtype)
             self.engine = VllmEngine(python, log_dir=log_dir)
+            engine_args = {}
+            if self.engine.info.device == "cpu":
+                # vLLM's CPU build fails a seeded request whose prompt is prefilled in chunks ("CPU Generator
+                # does not use offset"): a token budget that holds every prompt of a rollout avoids the chunks
+                engine_args["max_num_batched_tokens"] = max(max_model_len, rollout_rows * max_model_len)
             self.engine.load_model(folder, dtype=dtype, max_model_len=max_model_len, vocab_size=arch.vocab_size,
-                                   seed=seed, logprobs_mode="processed_logprobs")
+                                   seed=seed, logprobs_mode="processed_logprobs", engine_args=engine_args)
         self._agree(lambda: self._fingerprint(model, "at start"))
 
     def _agree(self, fn) -> None:

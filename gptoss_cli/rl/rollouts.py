@@ -104,7 +104,8 @@ class RolloutData:
         return VllmRollout(inner, self.job.arch, state, sampling=sampling, max_new_tokens=rl.max_new_tokens,
                            stop_ids=self.stop_ids, seed=self.seed, dtype=dtype,
                            max_model_len=self.cfg.training.seq_length, qat=self.cfg.precision.qat == "mxfp4",
-                           probe=self.prompts[0].ids, python=rl.rollout.engine_python, version=0)
+                           probe=self.prompts[0].ids, python=rl.rollout.engine_python, version=0,
+                           rollout_rows=self.prompts_per_rollout * rl.group_size)
 
     def _reference(self):
         if self.rl.kl_coeff <= 0 or self.cfg.lora.rank > 0:
