@@ -29,7 +29,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from gptoss_cli.model.attention import document_attention, sink_attention  # noqa: E402
+from gptoss_cli.model.attention_backends import document_attention, sink_attention  # noqa: E402
 
 
 def masked_peer(q, k, v, sinks, window, cu):

@@ -8,7 +8,7 @@ bench/train.py configs and of GPT-OSS, full (causal) and sliding-window layers, 
 that they agree (outputs and every gradient).
 
 Then the same in a model of the bench/train.py configs, every attention layer set to one path
-(`CoreAttention.padded`): its attention layers' forward + backward (QKV projection, core, output
+(`CoreAttention.backend`: flash or sdpa): its attention layers' forward + backward (QKV projection, core, output
 projection, with the model's strides; 4 x --model-repeats rounds), and the whole model's forward
 + backward (training loss, no optimizer; losses checked equal to rounding), where the attention's
 share of the step dilutes the gain.
@@ -37,7 +37,8 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from bench.train import _arch  # noqa: E402
-from gptoss_cli.model.attention import AttentionLayer, CoreAttention, sink_attention  # noqa: E402
+from gptoss_cli.model.attention import AttentionLayer, CoreAttention  # noqa: E402
+from gptoss_cli.model.attention_backends import sink_attention  # noqa: E402
 from gptoss_cli.model.hybrid import HybridModel  # noqa: E402
 from gptoss_cli.outputs import replace_text  # noqa: E402
 from gptoss_cli.resources import keep_freed_memory  # noqa: E402
@@ -66,7 +67,7 @@ def _inputs(b, h, kv, d, s, dtype):
 def _step(inputs, window, padded: bool, grad) -> list[torch.Tensor]:
     for t in inputs:
         t.grad = None
-    out = sink_attention(*inputs, window, padded=padded)
+    out = sink_attention(*inputs, window, "sdpa" if padded else "flash")
     out.backward(grad)
     return [out.detach(), *(t.grad for t in inputs)]
 
@@ -96,7 +97,7 @@ def _alternate(run, repeats: int) -> tuple[float, float, list[float]]:
 def _set_path(model: HybridModel, padded: bool) -> None:
     for m in model.modules():
         if isinstance(m, CoreAttention):
-            m.padded = padded
+            m.backend = "sdpa" if padded else "flash"
 
 
 def _attention_layers(model: HybridModel, x: torch.Tensor, cos, sin, grad: torch.Tensor, padded: bool) -> None:

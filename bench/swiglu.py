@@ -40,7 +40,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from gptoss_cli.model.moe import clamped_swiglu  # noqa: E402
+from gptoss_cli.model.mlp import clamped_swiglu  # noqa: E402
 
 LIMIT, ALPHA = 7.0, 1.702
 SHAPES = {"512 config / wide [4096, 2x512]": (4096, 512), "GPT-OSS width [1024, 2x2880]": (1024, 2880)}

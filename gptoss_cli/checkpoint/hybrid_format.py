@@ -9,13 +9,13 @@ from typing import Any
 
 from gptoss_cli.errors import CheckpointError, ConfigError
 from gptoss_cli.model.config import GptOssArch
+from gptoss_cli.model.dtypes import CHECKPOINT_DTYPES
 from gptoss_cli.model.pattern import parse_pattern
 from gptoss_cli.json_input import parse_json
 
 HYBRID_CONFIG = "hybrid_config.json"
 FORMAT_NAME = "gptoss-hybrid"
 FORMAT_VERSION = 1
-DTYPES = ("bfloat16", "float32", "float16")
 
 
 @dataclass(frozen=True)
@@ -61,10 +61,10 @@ def read_hybrid_config(folder: str | Path) -> HybridCheckpointConfig:
         raise CheckpointError(f"{path}: missing field {exc.args[0]!r}") from None
     except ConfigError as exc:
         raise CheckpointError(exc.message, exc.hint) from None
-    check_pattern(pattern, arch, path)
+    check_stored_pattern(pattern, arch, path)
     dtype = data.get("dtype", "bfloat16")
-    if dtype not in DTYPES:
-        raise CheckpointError(f"{path}: dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    if dtype not in CHECKPOINT_DTYPES:
+        raise CheckpointError(f"{path}: dtype {dtype!r} is not one of {', '.join(CHECKPOINT_DTYPES)}")
     provenance = data.get("provenance", {})
     if not isinstance(provenance, dict):
         raise CheckpointError(f"{path}: provenance must be a JSON object, got {provenance!r}")
@@ -77,7 +77,7 @@ def read_hybrid_config(folder: str | Path) -> HybridCheckpointConfig:
     )
 
 
-def check_pattern(pattern: Any, arch: GptOssArch, path: Path) -> None:
+def check_stored_pattern(pattern: Any, arch: GptOssArch, path: Path) -> None:
     """The stored pattern parses and is GPT-OSS's '*E' per block (grouped `[*E]` allowed), as the tensors are."""
     try:
         parsed = parse_pattern(pattern)

@@ -30,7 +30,8 @@ from gptoss_cli.json_input import parse_json
 INDEX_NAME = "model.safetensors.index.json"
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 
-DTYPES: dict[str, torch.dtype] = {
+# safetensors' header codes (its own vocabulary; model/dtypes.py names the dtypes recipes and configs use)
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
     "F32": torch.float32,
     "F16": torch.float16,
@@ -44,7 +45,7 @@ DTYPES: dict[str, torch.dtype] = {
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
 }
-DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+SAFETENSORS_CODES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,7 @@ class SafetensorsFile:
                 continue
             if not isinstance(entry, dict):
                 raise self._fail(f"entry {name!r} is not an object")
-            dtype = DTYPES.get(entry.get("dtype"))
+            dtype = SAFETENSORS_DTYPES.get(entry.get("dtype"))
             shape = entry.get("shape")
             offsets = entry.get("data_offsets")
             if dtype is None:
@@ -357,7 +358,7 @@ class ShardedWriter:
         offset = 0
         for spec in shard:
             header[spec.name] = {
-                "dtype": DTYPE_NAMES[spec.dtype],
+                "dtype": SAFETENSORS_CODES[spec.dtype],
                 "shape": list(spec.shape),
                 "data_offsets": [offset, offset + spec.nbytes],
             }

@@ -24,10 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gptoss_cli.checkpoint.hybrid_format import check_pattern
+from gptoss_cli.checkpoint.hybrid_format import check_stored_pattern
 from gptoss_cli.errors import CheckpointError, ConfigError
 from gptoss_cli.model.config import GptOssArch
-from gptoss_cli.recipe.schema import DTYPES, INT32_MAX
+from gptoss_cli.limits import INT32_MAX
+from gptoss_cli.model.dtypes import RECIPE_DTYPES
 from gptoss_cli.json_input import parse_json
 from gptoss_cli.outputs import replace_text
 
@@ -314,9 +315,9 @@ def read_training_run(folder: str | Path) -> TrainingRun:
         raise CheckpointError(exc.message, exc.hint) from None
     if not isinstance(pattern, str):
         raise CheckpointError(f"{path}: run.hybrid_layer_pattern must be a string, got {pattern!r}")
-    check_pattern(pattern, arch, path)
-    if params_dtype not in DTYPES:
-        raise CheckpointError(f"{path}: run.params_dtype {params_dtype!r} is not one of {' | '.join(DTYPES)}")
+    check_stored_pattern(pattern, arch, path)
+    if params_dtype not in RECIPE_DTYPES:
+        raise CheckpointError(f"{path}: run.params_dtype {params_dtype!r} is not one of {' | '.join(RECIPE_DTYPES)}")
     for key, kind in (("name", str), ("run_dir", str), ("pretrained", str), ("recipe", dict)):
         if run.get(key) is not None and not isinstance(run[key], kind):
             raise CheckpointError(f"{path}: run.{key} must be a JSON {'object' if kind is dict else 'string'}, "

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import typer
-from rich.console import Console
+from rich.console import Console, ConsoleDimensions
 from rich.text import Text
 
 from gptoss_cli import outputs
@@ -33,13 +33,26 @@ app = typer.Typer(
 LOG_WIDTH = 10_000
 
 
-def make_console(stderr: bool = False) -> Console:
+class LogConsole(Console):
     """A console that wraps at a terminal's width and, off a terminal, writes every line at full length
-    (tables at their natural width) unless COLUMNS says otherwise."""
-    probe = Console(stderr=stderr)
-    if probe.is_terminal or os.environ.get("COLUMNS"):
-        return probe
-    return Console(stderr=stderr, width=LOG_WIDTH, soft_wrap=True)
+    (tables at their natural width) unless COLUMNS says otherwise. Decided at each print, so the
+    module-level consoles follow wherever stdout goes (a test runner swaps it)."""
+
+    def __init__(self, **kwargs: Any):
+        super().__init__(**kwargs)
+        if kwargs.get("width") is None:
+            self._width = None  # rich froze COLUMNS of the moment in here; `size` reads it when printing
+
+    @property
+    def size(self) -> ConsoleDimensions:
+        if self.is_terminal or self._width is not None:  # a terminal, or a width set on purpose
+            return super().size
+        columns = os.environ.get("COLUMNS", "")  # now, not when the console was made
+        return ConsoleDimensions(int(columns) if columns.isdigit() else LOG_WIDTH, super().size.height)
+
+
+def make_console(stderr: bool = False) -> Console:
+    return LogConsole(stderr=stderr)
 
 
 console = make_console(stderr=False)

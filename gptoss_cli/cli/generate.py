@@ -25,6 +25,29 @@ def _short(text: str, width: int = 60) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
+def _check_options(prompt: str | None, messages: Path | None, prompts: Path | None, raw: bool, show_analysis: bool,
+                   prompt_options: tuple, max_new_tokens: int, temperature: float, top_p: float, seed: int) -> None:
+    """The option combinations and bounds generate refuses before it loads anything (one line, exit 2)."""
+    if sum(x is not None for x in (prompt, messages, prompts)) != 1:
+        raise UsageError("give exactly one of --prompt TEXT, --messages FILE.json or --prompts FILE.jsonl")
+    if prompt is not None and not prompt:
+        raise UsageError("--prompt is empty")
+    if raw and (messages is not None or show_analysis):
+        raise UsageError("--raw takes a plain-text --prompt or --prompts, not --messages or --show-analysis")
+    if (raw or prompt is None and prompts is None) and any(x is not None for x in prompt_options):
+        raise UsageError("--system, --developer and --reasoning-effort go with a harmony --prompt or --prompts; "
+                         "write them into the conversation of --messages")
+    if max_new_tokens < 1 or max_new_tokens > 1 << 20:
+        raise UsageError(f"--max-new-tokens {max_new_tokens} must be in [1, {1 << 20}]")
+    # logits / temperature is fp32: below ~1e-38 it overflows to inf and the softmax turns NaN
+    if temperature != 0.0 and not (math.isfinite(temperature) and MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE):
+        raise UsageError(f"--temperature {temperature!r} must be 0 (greedy) or a finite number in "
+                         f"[{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]")
+    check_number("--top-p", top_p, low=0.0, high=1.0, low_inclusive=False)
+    if not 0 <= seed < 1 << 63:
+        raise UsageError(f"--seed {seed} must be in [0, 2**63)")
+
+
 def _note_empty_answer(r: Any, write_out: Callable[[str], None]) -> None:
     """A harmony reply without a final answer: what it holds instead; a reply that did not parse as
     harmony at all (an untrained model's) is shown as its raw text."""
@@ -79,24 +102,8 @@ def generate_cmd(
         default_device, load_model, load_tokenizer, open_checkpoint, resolve_dtype, run_generation,
     )
 
-    if sum(x is not None for x in (prompt, messages, prompts)) != 1:
-        raise UsageError("give exactly one of --prompt TEXT, --messages FILE.json or --prompts FILE.jsonl")
-    if prompt is not None and not prompt:
-        raise UsageError("--prompt is empty")
-    if raw and (messages is not None or show_analysis):
-        raise UsageError("--raw takes a plain-text --prompt or --prompts, not --messages or --show-analysis")
-    if (raw or prompt is None and prompts is None) and any(x is not None for x in (system, developer, reasoning_effort)):
-        raise UsageError("--system, --developer and --reasoning-effort go with a harmony --prompt or --prompts; "
-                         "write them into the conversation of --messages")
-    if max_new_tokens < 1 or max_new_tokens > 1 << 20:
-        raise UsageError(f"--max-new-tokens {max_new_tokens} must be in [1, {1 << 20}]")
-    # logits / temperature is fp32: below ~1e-38 it overflows to inf and the softmax turns NaN
-    if temperature != 0.0 and not (math.isfinite(temperature) and MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE):
-        raise UsageError(f"--temperature {temperature!r} must be 0 (greedy) or a finite number in "
-                         f"[{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]")
-    check_number("--top-p", top_p, low=0.0, high=1.0, low_inclusive=False)
-    if not 0 <= seed < 1 << 63:
-        raise UsageError(f"--seed {seed} must be in [0, 2**63)")
+    _check_options(prompt, messages, prompts, raw, show_analysis, (system, developer, reasoning_effort),
+                   max_new_tokens, temperature, top_p, seed)
     check_json_path(json_path)
     device = device or default_device()
     torch_dtype = resolve_dtype(dtype, device)

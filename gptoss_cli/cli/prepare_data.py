@@ -21,28 +21,40 @@ from gptoss_cli.errors import UsageError
         "Tokenize text or JSONL files with a checkpoint's tokenizer.json into OUT.bin + OUT.json "
         "(uint16/uint32 tokens, documents separated by EOS), the format `data.kind=tokens` trains on.\n\n"
         "JSONL: one object per line, text under --text-key. Other files: plain text, blank lines separate documents.\n\n"
-        "--format harmony: each JSONL line is a conversation (harmony's JSON or the Hugging Face chat form), "
-        "rendered in harmony with a loss mask on what the assistant writes; writes OUT.idx and OUT.mask too "
-        "(docs/sft-data.md).\n\n"
+        "--format harmony: each JSONL line, Parquet or Arrow row is a conversation (harmony's JSON or the Hugging "
+        "Face chat form, tools and tool calls included), rendered in harmony with a loss mask on what the assistant "
+        "writes; writes OUT.idx and OUT.mask too. Inputs may also be Hugging Face dataset folders (save_to_disk) "
+        "or dataset ids in the Hub cache (docs/sft-data.md).\n\n"
         "Example: gptoss prepare-data corpus.jsonl --tokenizer /models/gpt-oss-20b --out data/corpus\n"
         "then: gptoss train --recipe R data.kind=tokens data.path=data/corpus"
     ),
 )
 @handle_errors
 def prepare_data_cmd(
-    inputs: List[Path] = typer.Argument(..., help="text or .jsonl files", show_default=False),
+    inputs: List[str] = typer.Argument(..., help="text or .jsonl files (harmony: also .parquet, dataset folders "
+                                                 "and ids)", show_default=False),
     out: Path = typer.Option(..., "--out", "-o", help="output prefix: writes OUT.bin and OUT.json"),
     tokenizer: Path = typer.Option(..., "--tokenizer", "-t", help="tokenizer.json, or a checkpoint folder holding it"),
     text_key: str = typer.Option("text", "--text-key", help="JSONL field with the text"),
     eos_id: Optional[int] = typer.Option(None, "--eos-id", min=0, help="end-of-document id (default: config.json's eos_token_id)"),
     errors: str = typer.Option(
-        "strict", "--errors", help="invalid UTF-8: strict (an error naming the file and byte offset) or replace (U+FFFD)",
+        "strict", "--errors", help="invalid UTF-8: strict (an error naming the file and byte offset) or replace (U+FFFD); "
+        "harmony: or skip (rows that do not parse are left out and counted)",
     ),
+    split: Optional[str] = typer.Option(None, "--split", help="harmony: the split of a dataset folder or id "
+                                                              "(default: its only split, else train)", show_default=False),
+    field_name: Optional[str] = typer.Option(None, "--field", help="harmony: the column holding the messages, or a "
+                                                                   "string of a conversation's JSON (default: messages)",
+                                             show_default=False),
+    batch_rows: Optional[int] = typer.Option(None, "--batch-rows", min=1, max=1 << 20,
+                                             help="harmony: rows rendered per batch (memory is bounded by a batch; "
+                                                  "default 256)", show_default=False),
     fmt: str = typer.Option("text", "--format", help="text (token streams) or harmony (conversations, loss mask)"),
     analysis: Optional[str] = typer.Option(
         None, "--analysis", help="harmony: keep (default; the last turn's analysis is trained, earlier ones dropped) "
         "or drop (no analysis messages)", show_default=False),
-    train_on: Optional[str] = typer.Option(None, "--train-on", help="harmony: last (default) or all assistant turns",
+    train_on: Optional[str] = typer.Option(None, "--train-on", help="harmony: last (default: every assistant turn after the "
+                                           "last user message) or all assistant turns",
                                            show_default=False),
     max_length: Optional[int] = typer.Option(
         None, "--max-length", help="harmony: longer conversations are dropped and counted (default: --seq-length)",
@@ -58,7 +70,9 @@ def prepare_data_cmd(
         raise UsageError(f"--format {fmt!r} is not one of text, harmony")
     given = {"--text-key": text_key != "text", "--eos-id": eos_id is not None}
     harmony_only = {"--analysis": analysis is not None, "--train-on": train_on is not None,
-                    "--max-length": max_length is not None, "--truncate": truncate, "--seq-length": seq_length is not None}
+                    "--max-length": max_length is not None, "--truncate": truncate, "--seq-length": seq_length is not None,
+                    "--split": split is not None, "--field": field_name is not None, "--errors skip": errors == "skip",
+                    "--batch-rows": batch_rows is not None}
     wrong = [k for k, v in (harmony_only if fmt == "text" else given).items() if v]
     if wrong:
         raise UsageError(f"{', '.join(wrong)} {'does' if len(wrong) == 1 else 'do'} not apply to --format {fmt}")
@@ -77,12 +91,19 @@ def prepare_data_cmd(
 
             result = prepare_conversations(list(inputs), out, tokenizer, analysis=analysis or "keep",
                                            train_on=train_on or "last", max_length=max_length, truncate=truncate,
-                                           seq_length=seq_length, errors=errors, progress=progress)
+                                           seq_length=seq_length, errors=errors, split=split,
+                                           field_name=field_name or "messages", batch_rows=batch_rows or 256,
+                                           progress=progress)
         else:
             from gptoss_cli.data.prepare_text import prepare_data
 
-            result = prepare_data(list(inputs), out, tokenizer, text_key=text_key, eos_token_id=eos_id,
+            result = prepare_data([Path(p) for p in inputs], out, tokenizer, text_key=text_key, eos_token_id=eos_id,
                                   progress=progress, errors=errors)
+    skipped = getattr(result, "skipped", [])  # harmony only: rows --errors skip left out
+    for line in skipped:
+        err_console.print(f"[yellow]skipped[/] {escape(line)}", highlight=False)
+    if getattr(result, "num_skipped", 0) > len(skipped):
+        err_console.print(f"[yellow]skipped[/] {result.num_skipped - len(skipped)} more rows", highlight=False)
     if not quiet:
         table = Table(title="prepare-data", title_justify="left", show_header=False)
         table.add_column("", style="bold")
@@ -93,6 +114,8 @@ def prepare_data_cmd(
             table.add_row("trained tokens", f"{result.num_loss_tokens:,} ({result.num_loss_tokens / result.num_tokens:.1%})")
             table.add_row("dropped / truncated", f"{result.num_dropped:,} / {result.num_truncated:,} "
                           f"(max length {result.rendering['max_length'] or 'none'})")
+            if result.num_skipped:
+                table.add_row("skipped rows", f"{result.num_skipped:,} (--errors skip)")
             table.add_row("rendering", f"analysis {result.rendering['analysis']}, train on {result.rendering['train_on']}")
             if result.packing:
                 pk = result.packing

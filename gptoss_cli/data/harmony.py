@@ -1,28 +1,33 @@
-"""Conversations in OpenAI's harmony format: parse, render to token ids with a loss mask, render prompts, parse completions.
+"""Conversations in OpenAI's harmony format: render to token ids with a loss mask, render prompts, parse completions.
 
 Pure functions over a `tokenizers.Tokenizer` (the checkpoint's tokenizer.json, whose harmony special
-tokens give the formatting ids); no torch. A message renders as harmony does:
+tokens give the formatting ids); no torch. Parsing the JSON forms is data/conversation.py's, tool
+definitions data/harmony_tools.py's. A message renders as harmony does:
 
     <|start|>{role}[:{name}][ to={recipient}][<|channel|>{channel}][ {content_type}]<|message|>{content}<|end|>
 
-(a tool message shows its name instead of its role; an assistant message with a recipient ends
-with <|call|>; a content type starting with <|constrain|> renders that marker as its special token).
-Every text piece is tokenized on its own, with special-token text in it tokenized as plain text.
+(a tool message shows its name instead of its role; an assistant message with a recipient, a tool
+call, ends with <|call|>; a content type starting with <|constrain|> renders that marker as its
+special token). Every text piece is tokenized on its own, with special-token text in it tokenized
+as plain text.
 
-Training rendering (`render_for_training`): a turn is a run of consecutive assistant messages.
-The document runs through the last trained turn (--train-on last: the last turn; all: every
-turn). The trained tokens (mask 1) of a turn are everything after the prompt's
-`<|start|>assistant` through its last message, whose <|end|> becomes <|return|> when it is on the
-final channel (a tool call keeps its <|call|>). Analysis (chain of thought): "keep" drops the
-analysis of every exchange that a final-channel answer closed before the last trained turn (the
-gpt-oss chat template's rule), so the last turn's analysis is rendered and trained; "drop" removes
-every analysis message.
+Training rendering (`render_for_training`): a turn is a run of consecutive assistant messages; the
+last exchange is everything after the last user message (before the last turn). The document runs
+through the last turn. --train-on last trains every turn of the last exchange (an agent trace: the
+calls, and the answer after the last tool result), all trains every turn. The trained tokens (mask
+1) of a turn are everything after the prompt's `<|start|>assistant` through its last message,
+whose <|end|> becomes <|return|> when it is on the final channel (a tool call keeps its <|call|>);
+tool results and users are never trained. Analysis (chain of thought): "keep" drops the analysis of
+every exchange that a final-channel answer closed before the last exchange (the gpt-oss chat
+template's rule), so the last exchange's analysis is rendered and trained; "drop" removes every
+analysis message.
 """
-
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
+
+from gptoss_cli.data.harmony_tools import has_function_tools, tools_section
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 DEFAULT_CHANNELS = ("analysis", "commentary", "final")
@@ -81,7 +86,10 @@ class Rendered:
 
 class HarmonyTokenizer:
     """A tokenizers.Tokenizer with harmony's special token ids; text is encoded with special-token
-    text treated as ordinary text (as harmony's encode_ordinary does)."""
+    text treated as ordinary text (as harmony's encode_ordinary does). Fixed texts (headers, system and
+    developer messages, which repeat from conversation to conversation) are cached."""
+
+    CACHE_ENTRIES = 4096
 
     def __init__(self, tokenizer: Any, source: str = "tokenizer.json"):
         ids = {}
@@ -95,213 +103,35 @@ class HarmonyTokenizer:
         self.tokenizer = tokenizer
         self.tokenizer.encode_special_tokens = True  # "<|end|>" inside a message is text, never a token
         self.source = source
+        self._cache: dict[str, list[int]] = {}
 
     def encode_texts(self, texts: Sequence[str]) -> list[list[int]]:
-        if not texts:
-            return []
-        return [e.ids for e in self.tokenizer.encode_batch(list(texts), add_special_tokens=False)]
+        """Token ids of each text, in one batch call for those not cached (`Fixed` texts are cached)."""
+        out: list[Any] = [self._cache.get(t) if isinstance(t, Fixed) else None for t in texts]
+        todo = sorted({t for t, o in zip(texts, out) if o is None})
+        if todo:
+            found = dict(zip(todo, (e.ids for e in self.tokenizer.encode_batch(todo, add_special_tokens=False))))
+            if len(self._cache) > self.CACHE_ENTRIES:
+                self._cache.clear()
+            for i, t in enumerate(texts):
+                if out[i] is None:
+                    out[i] = found[t]
+                    if isinstance(t, Fixed):
+                        self._cache[str(t)] = found[t]
+        return out
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
 
 
-# ------------------------------------------------------------------------------------------ parsing
-
-
-def _text(value: Any, where: str) -> str:
-    if not isinstance(value, str):
-        raise ConversationError(f"{where} must be a string, not {type(value).__name__}")
-    return value
-
-
-def _optional_text(raw: dict, key: str, where: str) -> str | None:
-    value = raw.get(key)
-    return None if value is None else _text(value, f"{where} {key!r}")
-
-
-def _effort(value: Any, where: str) -> str:
-    if not isinstance(value, str) or value.lower() not in REASONING_EFFORTS:
-        raise ConversationError(f"{where} reasoning_effort {value!r} is not one of {', '.join(REASONING_EFFORTS)}")
-    return value.lower()
-
-
-def _no_tools(raw: dict, where: str) -> None:
-    if raw.get("tools"):
-        raise ConversationError(f"{where} declares tools; rendering tool definitions is not supported yet "
-                                "(tool calls and tool messages are)")
-
-
-def _system_content(raw: dict, where: str) -> dict[str, Any]:
-    known = set(SYSTEM_DEFAULTS) | {"tools", "type"}
-    unknown = sorted(set(raw) - known)
-    if unknown:
-        raise ConversationError(f"{where}: unknown system_content field(s) {unknown}")
-    _no_tools(raw, where)
-    out = {k: (raw[k] if k in raw else v) for k, v in SYSTEM_DEFAULTS.items()}
-    for key in ("model_identity", "conversation_start_date", "knowledge_cutoff"):
-        if out[key] is not None:
-            _text(out[key], f"{where} {key!r}")
-    if out["reasoning_effort"] is not None:
-        out["reasoning_effort"] = _effort(out["reasoning_effort"], where)
-    cc = out["channel_config"]
-    if cc is not None:
-        if (not isinstance(cc, dict) or not isinstance(cc.get("valid_channels"), list)
-                or not all(isinstance(c, str) for c in cc["valid_channels"])
-                or not isinstance(cc.get("channel_required"), bool)):
-            raise ConversationError(f"{where}: channel_config must be {{\"valid_channels\": [names], "
-                                    f"\"channel_required\": true|false}}, not {cc!r}")
-    return {"type": "system_content", **out}
-
-
-def _developer_content(raw: dict, where: str) -> dict[str, Any]:
-    unknown = sorted(set(raw) - {"instructions", "tools", "type"})
-    if unknown:
-        raise ConversationError(f"{where}: unknown developer_content field(s) {unknown}")
-    _no_tools(raw, where)
-    return {"type": "developer_content", "instructions": _optional_text(raw, "instructions", where)}
-
-
-def _harmony_parts(raw: Any, role: str, where: str) -> tuple[Any, ...]:
-    if isinstance(raw, str):
-        return (raw,)
-    if not isinstance(raw, list):
-        raise ConversationError(f"{where} content must be a string or a list of parts, not {type(raw).__name__}")
-    parts: list[Any] = []
-    for k, part in enumerate(raw):
-        at = f"{where} part {k}"
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind == "text":
-            parts.append(_text(part.get("text"), f"{at} text"))
-        elif kind == "system_content" and role == "system":
-            parts.append(_system_content(part, at))
-        elif kind == "developer_content" and role == "developer":
-            parts.append(_developer_content(part, at))
-        else:
-            raise ConversationError(f"{at}: a {role} message cannot hold a part of type {kind!r} "
-                                    "(text; system_content in system, developer_content in developer messages)")
-    return tuple(parts)
-
-
-def _check_role(role: Any, where: str) -> str:
-    if role not in ROLES:
-        raise ConversationError(f"{where}: unknown role {role!r} (one of {', '.join(ROLES)})")
-    return role
-
-
-def _is_harmony_form(messages: list) -> bool:
-    """harmony's Conversation.to_json() form: typed system/developer parts, channels, recipients or tool names."""
-    for m in messages:
-        if not isinstance(m, dict):
-            continue
-        if any(k in m for k in ("channel", "recipient", "content_type")):
-            return True
-        content = m.get("content")
-        if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") in ("system_content",
-                                                                                       "developer_content")
-                                             for p in content):
-            return True
-    return False
-
-
-def _parse_harmony(messages: list) -> list[Message]:
-    out = []
-    for i, m in enumerate(messages):
-        where = f"message {i}"
-        role = _check_role(m.get("role"), where)
-        out.append(Message(
-            role=role, content=_harmony_parts(m.get("content"), role, where),
-            name=_optional_text(m, "name", where), channel=_optional_text(m, "channel", where),
-            recipient=_optional_text(m, "recipient", where), content_type=_optional_text(m, "content_type", where),
-        ))
-    return out
-
-
-def _hf_text(raw: Any, where: str) -> str:
-    """Hugging Face content: a string, or a list of {"type": "text", "text": ...} parts joined."""
-    if isinstance(raw, str):
-        return raw
-    if isinstance(raw, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                                     for p in raw):
-        return "".join(p["text"] for p in raw)
-    raise ConversationError(f"{where} content must be a string or a list of text parts")
-
-
-def _parse_hf(conv: dict, messages: list) -> list[Message]:
-    """The Hugging Face chat form, rendered as the gpt-oss chat template renders it, but with the date
-    only when the conversation gives one (`conversation_start_date`)."""
-    system = {
-        "type": "system_content", **SYSTEM_DEFAULTS,
-        "reasoning_effort": _effort(conv.get("reasoning_effort", "medium"), "reasoning_effort"),
-        "conversation_start_date": _optional_text(conv, "conversation_start_date", "conversation"),
-    }
-    developer = _optional_text(conv, "developer", "conversation")
-    out = [Message("system", (system,))]
-    body: list[Message] = []
-    for i, m in enumerate(messages):
-        where = f"message {i}"
-        role = _check_role(m.get("role"), where)
-        if role == "tool" or "tool_calls" in m:
-            raise ConversationError(f"{where}: tool calls and tool results in the Hugging Face form are not "
-                                    "supported yet; write the conversation in harmony's JSON form")
-        text = _hf_text(m.get("content", ""), where)
-        if role in ("system", "developer"):
-            if developer is not None:
-                raise ConversationError(f"{where}: a second set of developer instructions (a 'developer' field or an "
-                                        "earlier system/developer message already gave them)")
-            developer = text  # the gpt-oss chat template turns a system message into developer instructions
-        elif role == "user":
-            body.append(Message("user", (text,)))
-        else:
-            thinking = m.get("thinking")
-            if thinking is not None:
-                body.append(Message("assistant", (_text(thinking, f"{where} thinking"),), channel="analysis"))
-            body.append(Message("assistant", (text,), channel="final"))
-    if developer is not None:
-        out.append(Message("developer", ({"type": "developer_content", "instructions": developer},)))
-    return out + body
-
-
-def parse_conversation(conv: Any) -> list[Message]:
-    """The messages of one JSONL conversation: harmony's `Conversation.to_json()` form or the Hugging Face
-    chat form ({"messages": [{"role", "content", "thinking"?}], "reasoning_effort"?, "developer"?,
-    "conversation_start_date"?}). ConversationError for anything else."""
-    if not isinstance(conv, dict) or not isinstance(conv.get("messages"), list):
-        raise ConversationError("not a conversation: expected an object with a \"messages\" list")
-    messages = conv["messages"]
-    if not messages:
-        raise ConversationError("the conversation has no messages")
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise ConversationError(f"message {i} is not an object")
-    parsed = _parse_harmony(messages) if _is_harmony_form(messages) else _parse_hf(conv, messages)
-    _check_channels(parsed)
-    return parsed
-
-
-def _valid_channels(messages: Sequence[Message]) -> tuple[tuple[str, ...], bool]:
-    for m in messages:
-        for part in m.content:
-            if isinstance(part, dict) and part.get("type") == "system_content" and part["channel_config"]:
-                cc = part["channel_config"]
-                return tuple(cc["valid_channels"]), cc["channel_required"]
-    return DEFAULT_CHANNELS, False
-
-
-def _check_channels(messages: Sequence[Message]) -> None:
-    valid, required = _valid_channels(messages)
-    for i, m in enumerate(messages):
-        if m.channel is not None and m.channel not in valid:
-            raise ConversationError(f"message {i}: unknown channel {m.channel!r} (one of {', '.join(valid)})")
-        if m.role == "assistant" and m.channel is None and required:
-            raise ConversationError(f"message {i}: an assistant message needs a channel (one of {', '.join(valid)})")
-        if m.role == "tool" and not m.name:
-            raise ConversationError(f"message {i}: a tool message needs the tool's name")
+class Fixed(str):
+    """A text piece that recurs across conversations (a header, a system or developer message): cached."""
 
 
 # ---------------------------------------------------------------------------------------- rendering
 
 
-def _system_text(c: dict[str, Any]) -> str:
+def _system_text(c: dict[str, Any], function_tools: bool) -> str:
     sections = []
     top = [c["model_identity"]] if c["model_identity"] is not None else []
     if c["knowledge_cutoff"] is not None:
@@ -312,58 +142,70 @@ def _system_text(c: dict[str, Any]) -> str:
         sections.append("\n".join(top))
     if c["reasoning_effort"] is not None:
         sections.append(f"Reasoning: {c['reasoning_effort']}")
+    if c.get("tools"):
+        sections.append(tools_section(c["tools"]))
     cc = c["channel_config"]
     if cc is not None and cc["valid_channels"]:
         header = f"# Valid channels: {', '.join(cc['valid_channels'])}."
         if cc["channel_required"]:
             header += " Channel must be included for every message."
+        if function_tools:
+            header += "\nCalls to these tools must go to the commentary channel: 'functions'."
         sections.append(header)
     return "\n\n".join(sections)
 
 
 def _developer_text(c: dict[str, Any]) -> str:
-    return "\n\n".join(["# Instructions", c["instructions"]]) if c["instructions"] is not None else ""
+    sections = ["# Instructions", c["instructions"]] if c["instructions"] is not None else []
+    if c.get("tools"):
+        sections.append(tools_section(c["tools"]))
+    return "\n\n".join(sections)
 
 
-def _message_pieces(m: Message, end: str | None = None) -> list[Any]:
+def conversation_has_function_tools(messages: Sequence[Message]) -> bool:
+    """Whether a developer message declares function tools (harmony then adds a line to the system message)."""
+    return any(isinstance(p, dict) and p["type"] == "developer_content" and has_function_tools(p.get("tools"))
+               for m in messages for p in m.content)
+
+
+def _message_pieces(m: Message, end: str | None = None, function_tools: bool = False) -> list[Any]:
     """The message as text pieces (str) and formatting tokens (1-tuples of a SPECIAL_TOKENS key), in order."""
-    pieces: list[Any] = [("start",), m.name if m.role == "tool" else m.role]
+    pieces: list[Any] = [("start",), Fixed(m.name if m.role == "tool" else m.role)]
     if m.role != "tool" and m.name is not None:
-        pieces.append(f":{m.name}")
+        pieces.append(Fixed(f":{m.name}"))
     if m.recipient is not None and m.recipient != "all":
-        pieces.append(f" to={m.recipient}")
+        pieces.append(Fixed(f" to={m.recipient}"))
     if m.channel is not None:
-        pieces += [("channel",), m.channel]
+        pieces += [("channel",), Fixed(m.channel)]
     if m.content_type is not None:
         marker = SPECIAL_TOKENS["constrain"]
         if m.content_type.startswith(marker):
-            pieces += [" ", ("constrain",)]
+            pieces += [Fixed(" "), ("constrain",)]
             if m.content_type[len(marker):]:
-                pieces.append(m.content_type[len(marker):])
+                pieces.append(Fixed(m.content_type[len(marker):]))
         else:
-            pieces.append(f" {m.content_type}")
+            pieces.append(Fixed(f" {m.content_type}"))
     pieces.append(("message",))
     for part in m.content:
         if isinstance(part, str):
             pieces.append(part)
         elif part["type"] == "system_content":
-            pieces.append(_system_text(part))
+            pieces.append(Fixed(_system_text(part, function_tools)))
         else:
-            pieces.append(_developer_text(part))
+            pieces.append(Fixed(_developer_text(part)))
     pieces.append((end or ("call" if m.is_tool_call else "end"),))
     return pieces
 
 
-def _encode(pieces: list[Any], tok: HarmonyTokenizer) -> list[int]:
-    texts = [p for p in pieces if isinstance(p, str) and p]
+def _encode_groups(groups: list[list[Any]], tok: HarmonyTokenizer) -> list[list[list[int]]]:
+    """Token ids of each piece of each group (one batch call for every text): [group][piece] -> ids."""
+    texts = [p for g in groups for p in g if isinstance(p, str) and p]
     encoded = iter(tok.encode_texts(texts))
-    ids: list[int] = []
-    for p in pieces:
-        if isinstance(p, tuple):
-            ids.append(tok.ids[p[0]])
-        elif p:
-            ids.extend(next(encoded))
-    return ids
+    return [[[tok.ids[p[0]]] if isinstance(p, tuple) else (next(encoded) if p else []) for p in g] for g in groups]
+
+
+def _encode(pieces: list[Any], tok: HarmonyTokenizer) -> list[int]:
+    return [t for piece in _encode_groups([pieces], tok)[0] for t in piece]
 
 
 def _turns(messages: Sequence[Message]) -> list[tuple[int, int]]:
@@ -382,17 +224,28 @@ def _turns(messages: Sequence[Message]) -> list[tuple[int, int]]:
 
 
 def _drop_analysis(messages: Sequence[Message], analysis: str, before: int) -> list[bool]:
-    """Which messages stay: "drop" removes every analysis message; "keep" removes those of exchanges that a
-    final-channel assistant message closed before message index `before`."""
+    """Which messages stay: "drop" removes every analysis message (chain of thought; a call to a built-in tool on
+    the analysis channel stays); "keep" removes those of exchanges that a final-channel assistant message closed
+    before message index `before`."""
     last_final = max((i for i, m in enumerate(messages[:before]) if m.role == "assistant" and m.channel == "final"),
                      default=-1)
-    return [not (m.channel == "analysis" and m.role == "assistant" and (analysis == "drop" or i < last_final))
-            for i, m in enumerate(messages)]
+    return [not (m.channel == "analysis" and m.role == "assistant" and not m.is_tool_call
+                 and (analysis == "drop" or i < last_final)) for i, m in enumerate(messages)]
 
 
-def render_for_training(messages: Sequence[Message], tok: HarmonyTokenizer, *, analysis: str = "keep",
-                        train_on: str = "last") -> Rendered:
-    """Token ids and loss mask of a conversation for training (module docstring: what is trained)."""
+@dataclass
+class _Plan:
+    """What render_for_training renders: message indices, each one's end token, and which turns are trained."""
+
+    keep: list[bool]
+    stop: int
+    starts: set[int]
+    ends: set[int]
+    num_turns: int
+    trained_turns: int
+
+
+def _plan(messages: Sequence[Message], analysis: str, train_on: str) -> _Plan:
     if analysis not in ANALYSIS_MODES:
         raise ValueError(f"analysis {analysis!r} is not one of {ANALYSIS_MODES}")
     if train_on not in TRAIN_ON:
@@ -400,10 +253,11 @@ def render_for_training(messages: Sequence[Message], tok: HarmonyTokenizer, *, a
     turns = _turns(messages)
     if not turns:
         raise ConversationError("the conversation has no assistant turn to train on")
-    last_start, stop = turns[-1]
-    keep = _drop_analysis(messages, analysis, last_start)
-    trained = turns if train_on == "all" else turns[-1:]
-    ends = set()  # index of the last kept message of each trained turn
+    # the last exchange: everything after the last user message before the last assistant turn
+    exchange = 1 + max((i for i in range(turns[-1][0]) if messages[i].role == "user"), default=-1)
+    keep = _drop_analysis(messages, analysis, exchange)
+    trained = turns if train_on == "all" else [t for t in turns if t[0] >= exchange]
+    starts, ends = set(), set()
     for a, b in trained:
         kept = [i for i in range(a, b) if keep[i]]
         if not kept:
@@ -413,41 +267,80 @@ def render_for_training(messages: Sequence[Message], tok: HarmonyTokenizer, *, a
         if not (last.channel == "final" or last.is_tool_call):
             raise ConversationError(f"the assistant turn at message {a} ends with a {last.channel or 'channel-less'} "
                                     "message; a trained turn ends with a final-channel answer or a tool call")
+        starts.add(kept[0])
         ends.add(kept[-1])
-    starts = {next(i for i in range(a, b) if keep[i]) for a, b in trained}
-    ids: list[int] = []
-    mask: list[int] = []
-    rendered: list[Message] = []
-    training = False
-    for i in range(stop):
-        if not keep[i]:
+    return _Plan(keep, turns[-1][1], starts, ends, len(turns), len(trained))
+
+
+def render_many(conversations: Sequence[Sequence[Message]], tok: HarmonyTokenizer, *, analysis: str = "keep",
+                train_on: str = "last") -> list[Rendered | ConversationError]:
+    """render_for_training of each conversation, tokenized in one batch; a conversation that cannot be
+    rendered gives its ConversationError in its place."""
+    plans: list[Any] = []
+    groups: list[list[Any]] = []
+    for messages in conversations:
+        try:
+            plan = _plan(messages, analysis, train_on)
+        except ConversationError as exc:
+            plans.append(exc)
             continue
-        m = messages[i]
-        end = "return" if i in ends and not m.is_tool_call else None
-        piece_ids = _encode(_message_pieces(m, end), tok)
-        if i in starts:
-            training = True
-            # the prompt ends with <|start|>assistant: those tokens are inputs; the rest is what the model writes
-            prompt = 1 + len(_encode(["assistant"], tok))
-            mask += [0] * prompt + [1] * (len(piece_ids) - prompt)
-        else:
-            mask += [1 if training else 0] * len(piece_ids)
-        ids += piece_ids
-        rendered.append(m)
-        if i in ends:
-            training = False
-    return Rendered(ids, mask, num_turns=len(turns), trained_turns=len(trained), messages=rendered)
+        function_tools = conversation_has_function_tools(messages)
+        plans.append((plan, messages))
+        for i in range(plan.stop):
+            if plan.keep[i]:
+                m = messages[i]
+                end = "return" if i in plan.ends and not m.is_tool_call else None
+                groups.append(_message_pieces(m, end, function_tools))
+    encoded = iter(_encode_groups(groups, tok))
+    out: list[Rendered | ConversationError] = []
+    for item in plans:
+        if isinstance(item, ConversationError):
+            out.append(item)
+            continue
+        plan, messages = item
+        ids: list[int] = []
+        mask: list[int] = []
+        rendered: list[Message] = []
+        training = False
+        for i in range(plan.stop):
+            if not plan.keep[i]:
+                continue
+            pieces = next(encoded)
+            n = sum(map(len, pieces))
+            if i in plan.starts:
+                training = True
+                # the prompt ends with <|start|>assistant (the first two pieces): inputs; the rest the model writes
+                prompt = len(pieces[0]) + len(pieces[1])
+                mask += [0] * prompt + [1] * (n - prompt)
+            else:
+                mask += [1 if training else 0] * n
+            ids += [t for p in pieces for t in p]
+            rendered.append(messages[i])
+            if i in plan.ends:
+                training = False
+        out.append(Rendered(ids, mask, num_turns=plan.num_turns, trained_turns=plan.trained_turns, messages=rendered))
+    return out
+
+
+def render_for_training(messages: Sequence[Message], tok: HarmonyTokenizer, *, analysis: str = "keep",
+                        train_on: str = "last") -> Rendered:
+    """Token ids and loss mask of a conversation for training (module docstring: what is trained)."""
+    result = render_many([messages], tok, analysis=analysis, train_on=train_on)[0]
+    if isinstance(result, ConversationError):
+        raise result
+    return result
 
 
 def render_prompt(messages: Sequence[Message], tok: HarmonyTokenizer) -> list[int]:
     """Token ids of a prompt for generation: the conversation (earlier exchanges' analysis dropped) then
     `<|start|>assistant`, as harmony's render_conversation_for_completion does."""
     keep = _drop_analysis(messages, "keep", len(messages))
+    function_tools = conversation_has_function_tools(messages)
     pieces: list[Any] = []
     for m, k in zip(messages, keep):
         if k:
-            pieces += _message_pieces(m)
-    return _encode(pieces + [("start",), "assistant"], tok)
+            pieces += _message_pieces(m, function_tools=function_tools)
+    return _encode(pieces + [("start",), Fixed("assistant")], tok)
 
 
 def parse_completion(ids: Iterable[int], tok: HarmonyTokenizer) -> list[Message]:
@@ -501,5 +394,6 @@ def parse_completion(ids: Iterable[int], tok: HarmonyTokenizer) -> list[Message]
     return messages
 
 
-__all__ = ["ConversationError", "Message", "Rendered", "HarmonyTokenizer", "parse_conversation", "render_for_training",
-           "render_prompt", "parse_completion", "ROLES", "ANALYSIS_MODES", "TRAIN_ON", "SPECIAL_TOKENS"]
+__all__ = ["ConversationError", "Message", "Rendered", "HarmonyTokenizer", "Fixed", "render_for_training", "render_many",
+           "render_prompt", "parse_completion", "conversation_has_function_tools", "ROLES", "ANALYSIS_MODES",
+           "TRAIN_ON", "SPECIAL_TOKENS", "SYSTEM_DEFAULTS", "DEFAULT_CHANNELS", "REASONING_EFFORTS"]

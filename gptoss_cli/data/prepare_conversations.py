@@ -1,10 +1,12 @@
-"""`prepare-data --format harmony`: render JSONL conversations into a version-2 token file (tokens, index, loss mask).
+"""`prepare-data --format harmony`: render conversations into a version-2 token file (tokens, index, loss mask).
 
-Each non-blank JSONL line is one conversation (harmony's `Conversation.to_json()` form or the
-Hugging Face chat form, gptoss_cli/data/harmony.py) and becomes one document: its harmony tokens
-and, per token, whether it is a trained target. Streaming: tokens and mask are appended to
-temporary files; the index (8 bytes per document) is kept in memory. Nothing appears under the
-final names unless every line rendered; the header OUT.json is written last.
+Each row (a non-blank JSONL line, a Parquet or Arrow row: data/rows.py) is one conversation
+(harmony's `Conversation.to_json()` form or the Hugging Face chat form, data/conversation.py) and
+becomes one document: its harmony tokens and, per token, whether it is a trained target. Streaming:
+rows are rendered a batch at a time (one tokenizer call per batch) and tokens and mask appended to
+temporary files; the index (8 bytes per document) is kept in memory. A row that does not parse is
+an error naming its file and row, or with errors="skip" counted and left out. Nothing appears under
+the final names unless every row rendered (or was skipped); the header OUT.json is written last.
 """
 
 from __future__ import annotations
@@ -14,19 +16,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from gptoss_cli.json_input import jsonl_lines
 from gptoss_cli import outputs
-from gptoss_cli.data.harmony import (
-    ANALYSIS_MODES, TRAIN_ON, ConversationError, HarmonyTokenizer, parse_conversation, render_for_training,
-)
+from gptoss_cli.data.conversation import MESSAGES_FIELD, conversation_from_row, parse_conversation
+from gptoss_cli.data.harmony import ANALYSIS_MODES, TRAIN_ON, ConversationError, HarmonyTokenizer, render_many
+from gptoss_cli.data.rows import BATCH_ROWS, Row, iter_rows, resolve_inputs
 from gptoss_cli.data.packing import pack_documents, packing_efficiency
 from gptoss_cli.errors import UsageError, file_system_error
+from gptoss_cli.limits import INT32_MAX
 from gptoss_cli.data.token_format import (
     document_file_paths, token_dtype_for, token_file_paths, write_document_index, write_token_header,
 )
-from gptoss_cli.data.prepare_text import (
-    DECODE_ERRORS, check_inputs, line_decoder, open_tokenizer, prepare_outputs, to_bytes,
-)
+from gptoss_cli.data.prepare_text import DECODE_ERRORS, open_tokenizer, prepare_outputs, to_bytes
+
+ROW_ERRORS = DECODE_ERRORS + ("skip",)
+MAX_REPORTED = 20  # skipped rows named in the result (all are counted)
 
 
 @dataclass
@@ -46,9 +49,10 @@ class PrepareConversationsResult:
     rendering: dict[str, Any]
     packing: dict[str, Any] | None  # {"seq_length", "rows", "efficiency"} when seq_length was given
     sources: list[str] = field(default_factory=list)
+    num_skipped: int = 0  # rows that did not parse, with errors="skip"
+    skipped: list[str] = field(default_factory=list)  # the first MAX_REPORTED of them: "FILE:LINE: why"
 
 
-INT32_MAX = 2**31 - 1  # training.seq_length's bound (recipe/schema.py): a row is a tensor dimension
 
 
 def _check_options(analysis: str, train_on: str, max_length: int | None, truncate: bool, seq_length: int | None,
@@ -57,8 +61,8 @@ def _check_options(analysis: str, train_on: str, max_length: int | None, truncat
         raise UsageError(f"--analysis {analysis!r} is not one of {', '.join(ANALYSIS_MODES)}")
     if train_on not in TRAIN_ON:
         raise UsageError(f"--train-on {train_on!r} is not one of {', '.join(TRAIN_ON)}")
-    if errors not in DECODE_ERRORS:
-        raise UsageError(f"--errors {errors!r} is not one of {', '.join(DECODE_ERRORS)}")
+    if errors not in ROW_ERRORS:
+        raise UsageError(f"--errors {errors!r} is not one of {', '.join(ROW_ERRORS)}")
     for name, value in (("--max-length", max_length), ("--seq-length", seq_length)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 2 <= value <= INT32_MAX):
             raise UsageError(f"{name} {value!r} must be at least 2 tokens and at most {INT32_MAX}")
@@ -72,8 +76,57 @@ def _check_options(analysis: str, train_on: str, max_length: int | None, truncat
     return max_length
 
 
+class _Writer:
+    """Appends rendered documents to the temporary token and mask files; counts what it keeps and drops."""
+
+    def __init__(self, fb: Any, fm: Any, dtype: str, max_length: int | None, truncate: bool, errors: str):
+        self.fb, self.fm, self.dtype, self.max_length, self.truncate, self.errors = fb, fm, dtype, max_length, truncate, errors
+        self.offsets, self.lengths = [0], []
+        self.num_loss = self.num_dropped = self.num_truncated = self.num_skipped = 0
+        self.skipped: list[str] = []
+
+    def skip(self, where: str, why: str) -> None:
+        if self.errors != "skip":
+            raise UsageError(f"{where}: {why}",
+                             hint="fix the row, or pass --errors skip to leave such rows out (and count them)")
+        self.num_skipped += 1
+        if len(self.skipped) < MAX_REPORTED:
+            self.skipped.append(f"{where}: {why}")
+
+    def add(self, ids: list[int], mask: list[int]) -> None:
+        if self.max_length is not None and len(ids) > self.max_length:
+            if not self.truncate or not any(mask[:self.max_length]):
+                self.num_dropped += 1
+                return
+            ids, mask = ids[:self.max_length], mask[:self.max_length]
+            self.num_truncated += 1
+        self.fb.write(to_bytes(ids, self.dtype))
+        self.fm.write(bytes(mask))
+        self.lengths.append(len(ids))
+        self.offsets.append(self.offsets[-1] + len(ids))
+        self.num_loss += sum(mask)
+
+    def batch(self, rows: list[Row], harmony_tok: HarmonyTokenizer, field_name: str, analysis: str,
+              train_on: str) -> None:
+        parsed: list[tuple[str, Any]] = []
+        for row in rows:
+            if row.error is not None:
+                self.skip(row.where, row.error)
+            elif row.value is not None:
+                try:
+                    parsed.append((row.where, parse_conversation(conversation_from_row(row.value, field_name))))
+                except ConversationError as exc:
+                    self.skip(row.where, str(exc))
+        rendered = render_many([m for _, m in parsed], harmony_tok, analysis=analysis, train_on=train_on)
+        for (where, _), doc in zip(parsed, rendered):
+            if isinstance(doc, ConversationError):
+                self.skip(where, str(doc))
+            else:
+                self.add(doc.ids, doc.mask)
+
+
 def prepare_conversations(
-    inputs: list[Path],
+    inputs: list[Path | str],
     out: Path,
     tokenizer: Path,
     *,
@@ -83,16 +136,24 @@ def prepare_conversations(
     truncate: bool = False,
     seq_length: int | None = None,
     errors: str = "strict",
+    split: str | None = None,
+    field_name: str = MESSAGES_FIELD,
+    batch_rows: int = BATCH_ROWS,
     progress: Callable[[int, int], None] | None = None,
 ) -> PrepareConversationsResult:
-    """Render the conversations of `inputs` into OUT.bin, OUT.idx, OUT.mask and OUT.json (version 2).
+    """Render the conversations of `inputs` (JSONL or Parquet files, dataset folders, dataset ids in the Hub
+    cache; data/rows.py) into OUT.bin, OUT.idx, OUT.mask and OUT.json (version 2).
 
     max_length: longer conversations are dropped and counted, or cut to it with `truncate` (a cut
     conversation with no trained token left is dropped); defaults to seq_length. seq_length: the
-    training row length the packing report is for (recorded in the header).
+    training row length the packing report is for (recorded in the header). errors: strict, replace
+    (invalid UTF-8 as U+FFFD) or skip (rows that do not parse are counted and left out). field_name: the
+    column holding the messages (data/conversation.py's conversation_from_row).
     """
     max_length = _check_options(analysis, train_on, max_length, truncate, seq_length, errors)
-    check_inputs(inputs)
+    if not field_name:
+        raise UsageError("--field must name the column that holds the messages")
+    files = resolve_inputs(list(inputs), split)
     tok, tok_file = open_tokenizer(tokenizer)
     try:
         harmony_tok = HarmonyTokenizer(tok, str(tok_file))
@@ -102,70 +163,51 @@ def prepare_conversations(
     dtype_name = token_dtype_for(vocab_size)
     bin_path, header_path = token_file_paths(out)
     idx_path, mask_path = document_file_paths(out)
-    prepare_outputs(out, [bin_path, idx_path, mask_path, header_path], [*map(Path, inputs), tok_file])
+    prepare_outputs(out, [bin_path, idx_path, mask_path, header_path], [f.path for f in files] + [tok_file])
     tmp_bin, tmp_mask = outputs.temp_path(bin_path, outputs.TMP), outputs.temp_path(mask_path, outputs.TMP)
-    total_bytes = sum(Path(p).stat().st_size for p in inputs)
+    total_bytes = sum(f.path.stat().st_size for f in files)
     done_bytes = 0
-    offsets, lengths = [0], []
-    num_loss = num_dropped = num_truncated = 0
     rendering = {"analysis": analysis, "train_on": train_on, "max_length": max_length, "truncate": truncate}
     try:
         with outputs.naming(tmp_bin), tmp_bin.open("wb") as fb, tmp_mask.open("wb") as fm:
-            for path in map(Path, inputs):
-                for line in jsonl_lines(path, line_decoder(path, errors), not_json="not JSON"):
-                    done_bytes += line.nbytes
-                    if line.blank:
-                        continue
-                    try:
-                        doc = render_for_training(parse_conversation(line.value), harmony_tok, analysis=analysis,
-                                                  train_on=train_on)
-                    except ConversationError as exc:
-                        raise UsageError(f"{path}:{line.number}: {exc}") from None
-                    ids, mask = doc.ids, doc.mask
-                    if max_length is not None and len(ids) > max_length:
-                        if not truncate or not any(mask[:max_length]):
-                            num_dropped += 1
-                            continue
-                        ids, mask = ids[:max_length], mask[:max_length]
-                        num_truncated += 1
-                    fb.write(to_bytes(ids, dtype_name))
-                    fm.write(bytes(mask))
-                    lengths.append(len(ids))
-                    offsets.append(offsets[-1] + len(ids))
-                    num_loss += sum(mask)
-                    if progress and len(lengths) % 256 == 0:
-                        progress(done_bytes, total_bytes)
-            if progress:
-                progress(done_bytes, total_bytes)
+            w = _Writer(fb, fm, dtype_name, max_length, truncate, errors)
+            for rows in iter_rows(files, errors, batch_rows):
+                w.batch(rows, harmony_tok, field_name, analysis, train_on)
+                done_bytes += sum(r.nbytes for r in rows)
+                if progress:
+                    progress(min(done_bytes, total_bytes), total_bytes)
+        lengths = w.lengths
         if not lengths:
             names = [str(p) for p in inputs]
-            if num_dropped:
-                raise UsageError(f"all {num_dropped} conversations in {names} are longer than --max-length {max_length}",
-                                 hint="raise --max-length / --seq-length, or pass --truncate")
-            raise UsageError(f"no conversations found in {names}")
+            if w.num_dropped:
+                raise UsageError(f"all {w.num_dropped} conversations in {names} are longer than --max-length "
+                                 f"{max_length}", hint="raise --max-length / --seq-length, or pass --truncate")
+            raise UsageError(f"no conversations found in {names}"
+                             + (f" ({w.num_skipped} rows skipped: {w.skipped[0]})" if w.num_skipped else ""))
         packing = None
         if seq_length is not None:
-            rows = pack_documents(lengths, seq_length)  # every length <= max_length <= seq_length
-            packing = {"seq_length": seq_length, "rows": len(rows),
-                       "efficiency": round(packing_efficiency(lengths, rows, seq_length), 6)}
+            rows_ = pack_documents(lengths, seq_length)  # every length <= max_length <= seq_length
+            packing = {"seq_length": seq_length, "rows": len(rows_),
+                       "efficiency": round(packing_efficiency(lengths, rows_, seq_length), 6)}
         os.replace(tmp_bin, bin_path)
         os.replace(tmp_mask, mask_path)
-        write_document_index(idx_path, offsets)
+        write_document_index(idx_path, w.offsets)
     except OSError as exc:
         raise file_system_error(exc, f"writing {bin_path} failed") from None
     finally:
         tmp_bin.unlink(missing_ok=True)
         tmp_mask.unlink(missing_ok=True)
-    documents = {"loss_mask": True, "kind": "harmony", "num_loss_tokens": num_loss,
-                 "max_document_length": max(lengths), "num_dropped": num_dropped, "rendering": rendering,
-                 "packing": packing}
+    documents = {"loss_mask": True, "kind": "harmony", "num_loss_tokens": w.num_loss,
+                 "max_document_length": max(lengths), "num_dropped": w.num_dropped, "num_skipped": w.num_skipped,
+                 "rendering": rendering, "packing": packing}
     sources = [str(p) for p in inputs]
-    write_token_header(header_path, dtype=dtype_name, num_tokens=offsets[-1], num_documents=len(lengths),
+    write_token_header(header_path, dtype=dtype_name, num_tokens=w.offsets[-1], num_documents=len(lengths),
                        vocab_size=vocab_size, eos_token_id=None, tokenizer=str(tok_file), sources=sources,
                        documents=documents)
     return PrepareConversationsResult(
-        str(bin_path), str(header_path), str(idx_path), str(mask_path), offsets[-1], len(lengths), num_loss,
-        num_dropped, num_truncated, max(lengths), dtype_name, vocab_size, rendering, packing, sources)
+        str(bin_path), str(header_path), str(idx_path), str(mask_path), w.offsets[-1], len(lengths), w.num_loss,
+        w.num_dropped, w.num_truncated, max(lengths), dtype_name, vocab_size, rendering, packing, sources,
+        w.num_skipped, w.skipped)
 
 
 __all__ = ["prepare_conversations", "PrepareConversationsResult"]

@@ -18,7 +18,8 @@ Version 2 (`prepare-data --format harmony`: conversations with a loss mask) adds
             trained target (predicted from the tokens before it in its document), else 0; the first
             token of every document is 0;
   OUT.json  the v1 header with "version": 2, "documents": true, "loss_mask", "kind" (e.g. "harmony"),
-            "num_loss_tokens", "max_document_length", "num_dropped", "rendering" (the options used) and,
+            "num_loss_tokens", "max_document_length", "num_dropped", "num_skipped" (rows --errors skip
+            left out), "rendering" (the options used) and,
             when prepare-data was given --seq-length, "packing" ({"seq_length", "rows", "efficiency"}).
 Documents are trained whole: packed into rows of seq_length (gptoss_cli/data/packing.py), never split.
 
@@ -46,7 +47,7 @@ INDEX_DTYPE = "<i8"  # OUT.idx: document start offsets
 MASK_DTYPE = "u1"  # OUT.mask: one 0/1 byte per token
 # the header fields a version-2 file adds (written by write_token_header's `documents=`)
 DOCUMENT_FIELDS = ("documents", "loss_mask", "kind", "num_loss_tokens", "max_document_length", "num_dropped",
-                   "rendering", "packing")
+                   "num_skipped", "rendering", "packing")
 # dtype name -> bytes per token; readers also accept the signed widths older tools wrote
 TOKEN_ITEMSIZE = {"uint16": 2, "uint32": 4, "int32": 4, "int64": 8}
 

@@ -2,7 +2,9 @@
 `<|start|>assistant`, the generated tokens split into channels, final printed, analysis on request) or --raw.
 
 The rendering and parsing are gptoss_cli/data/harmony.py's (`render_prompt`, `parse_completion`),
-the same code `prepare-data --format harmony` trains on.
+the same code `prepare-data --format harmony` trains on. A conversation may end with tool results
+(`--messages`): the prompt continues the exchange, its analysis kept. A reply that ends in a tool call
+(`<|call|>`) is described with the call's recipient, constraint and arguments (`tool_calls`).
 """
 
 from __future__ import annotations
@@ -12,10 +14,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from gptoss_cli.json_input import parse_json
+from gptoss_cli.data.conversation import parse_conversation
 from gptoss_cli.data.harmony import (
-    REASONING_EFFORTS, ConversationError, HarmonyTokenizer, Message, parse_completion, parse_conversation,
-    render_prompt,
+    REASONING_EFFORTS, ConversationError, HarmonyTokenizer, Message, parse_completion, render_prompt,
 )
+from gptoss_cli.data.harmony_tools import tool_call_json
 from gptoss_cli.errors import UsageError
 from gptoss_cli.generate.decode import Generation
 from gptoss_cli.generate.session import (
@@ -137,12 +140,13 @@ class HarmonyReplies:
             key = m.channel or "none"
             text = "".join(p for p in m.content if isinstance(p, str))
             channels[key] = channels[key] + "\n" + text if key in channels else text
-        # a reply with no message text did not parse as harmony (an untrained or non-GPT-OSS model):
-        # its raw text is what there is to show
-        harmony = any(text for text in channels.values())
-        raw = self.htok.decode(g.output_ids)
+        calls = [c for c in map(tool_call_json, messages) if c is not None]
+        # a reply with no message text and no tool call did not parse as harmony (an untrained or
+        # non-GPT-OSS model): its raw text is what there is to show
+        harmony = any(text for text in channels.values()) or bool(calls)
         return channels.get(FINAL, ""), {"channels": channels, "reply_messages": [_message_json(m) for m in messages],
-                                         "harmony": harmony, "raw_text": raw}
+                                         "tool_calls": calls, "harmony": harmony,
+                                         "raw_text": self.htok.decode(g.output_ids)}
 
 
 def prepare_prompts(tok, tokenizer_file: str, *, raw: bool, prompt: str | None = None, messages: Path | None = None,

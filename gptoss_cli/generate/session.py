@@ -19,6 +19,7 @@ from gptoss_cli.data.tokenizer import TOKENIZER_FILE, read_tokenizer, tokenizer_
 from gptoss_cli.errors import CheckpointError, UsageError
 from gptoss_cli.generate.decode import MAX_NEW_TOKENS, STOP_TOKEN, Generation, Sampling, generate_ids
 from gptoss_cli.model.config import GptOssArch
+from gptoss_cli.model.dtypes import torch_dtype
 from gptoss_cli.recipe.memory import parameter_layout, size_text
 from gptoss_cli.json_input import jsonl_lines
 
@@ -26,7 +27,7 @@ from gptoss_cli.json_input import jsonl_lines
 HARMONY_STOP_TOKENS = ("<|return|>", "<|call|>")
 # Plain-text (--raw) generation also stops at the end-of-text token.
 RAW_STOP_TOKENS = HARMONY_STOP_TOKENS + ("<|endoftext|>",)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+GENERATE_DTYPES = ("float32", "bfloat16")  # generate's --dtype besides auto
 # Of a device's memory, what the weights may take: the rest is the KV cache, activations, the allocator.
 WEIGHTS_FRACTION = 0.9
 
@@ -88,9 +89,9 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
     """"auto" is bfloat16 on an accelerator (as GPT-OSS is trained and shipped), float32 on CPUs."""
     if name == "auto":
         return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
-    if name not in DTYPES:
-        raise UsageError(f"--dtype {name!r} is not one of auto, {', '.join(DTYPES)}")
-    return DTYPES[name]
+    if name not in GENERATE_DTYPES:
+        raise UsageError(f"--dtype {name!r} is not one of auto, {', '.join(GENERATE_DTYPES)}")
+    return torch_dtype(name)
 
 
 def device_memory(device: str) -> tuple[int, str]:

@@ -9,223 +9,31 @@ The fused QKV rows are grouped by kv head (section 4): for kv group g, the r = h
 heads g*r .. g*r+r-1, then k_g, then v_g.
 
 Sinks are what section 2 says they are: one extra softmax column per query head whose value is
-zero. Two ways compute them (`sink_attention` picks per device):
-  * on the CPU, model/sink_flash.py: the CPU flash kernel's attention over the real keys and its
-    log-sum-exp, rescaled by the sink, with its own backward; q, k, v keep their head dim.
-  * elsewhere (GPU, meta), padded: we append one feature to q (the sink logit) and to k
-    (sqrt(head_dim) on a single extra key, zero on the real keys), so the extra key scores exactly
-    `sink_h` and the real keys score exactly `q.k / sqrt(head_dim)`; its value row is zero. Any
-    SDPA backend then computes the sink softmax, gradients to the sinks included, at head dim
-    d + 8 (72 for GPT-OSS's 64).
+zero. The core (`CoreAttention`) computes them with the kernel `model.attention_backend` chooses per
+device and layer (model/attention_backends.py: the flash kernels' log-sum-exp, FlexAttention, or SDPA
+with the sink as a padded extra key).
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from gptoss_cli.model import sink_flash
+from gptoss_cli.model.attention_backends import check_backend, document_attention
+from gptoss_cli.model.catalog import ATTENTION_BACKEND_DEFAULT
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.model.context_parallel import head_range, heads_to_seq, seq_to_heads
-from gptoss_cli.model.dense_gemm import DenseGemm, Linear, linear
+from gptoss_cli.model.dense_gemm import DenseAdapter, DenseGemm, Linear, attached_adapter, linear
 from gptoss_cli.model.norm import rms_norm
 from gptoss_cli.model.recompute import checkpointed, without_output
 from gptoss_cli.model.rope import apply_rotary
 
 
-@functools.lru_cache(maxsize=16)
-def attention_mask(seq_len: int, window: int | None, device: torch.device) -> torch.Tensor:
-    """Boolean [seq, seq+1] mask; column 0 is the sink key (always visible), then the real keys.
-
-    Key k is visible from query q iff `q - W < k <= q` (W keys including itself, section 2), or
-    `k <= q` without a window.
-    """
-    q = torch.arange(seq_len, device=device)[:, None]
-    k = torch.arange(seq_len, device=device)[None, :]
-    visible = k <= q
-    if window is not None:
-        visible = visible & (k > q - window)
-    sink = torch.ones(seq_len, 1, dtype=torch.bool, device=device)
-    return torch.cat([sink, visible], dim=1)
-
-
-@functools.lru_cache(maxsize=64)
-def _window_block_mask(rows: int, keys: int, offset: int, window: int, device: torch.device) -> torch.Tensor:
-    """Boolean [rows, 1 + keys] mask of one query block: sink column, then keys k0 .. k0+keys-1 for
-    queries a .. a+rows-1, offset = a - k0; the visibility rule of `attention_mask`."""
-    q = torch.arange(rows, device=device)[:, None] + offset
-    k = torch.arange(keys, device=device)[None, :]
-    visible = (k <= q) & (k > q - window)
-    return torch.cat([torch.ones(rows, 1, dtype=torch.bool, device=device), visible], dim=1)
-
-
-@functools.lru_cache(maxsize=64)
-def _window_block_bias(rows: int, keys: int, offset: int, window: int, device: torch.device,
-                       dtype: torch.dtype) -> torch.Tensor:
-    """`_window_block_mask` without the sink column, additive (0 visible, -inf not) in `dtype`:
-    the form the CPU flash kernel takes."""
-    visible = _window_block_mask(rows, keys, offset, window, device)[:, 1:]
-    return torch.zeros(rows, keys, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
-
-
-# Query block of a sliding-window layer: at least this many queries, and at least the window.
-SLIDING_QUERY_BLOCK = 64
-
-
-def sink_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    sinks: torch.Tensor,
-    window: int | None,
-    padded: bool | None = None,
-) -> torch.Tensor:
-    """Attention with one sink logit per query head.
-
-    q [B, heads, S, d], k/v [B, kv_heads, S, d], sinks [heads] -> [B, heads, S, d]. Query head h
-    reads kv head h // (heads/kv_heads) (SDPA's enable_gqa grouping).
-
-    A sliding-window layer runs attention per block of queries on the keys that block can see
-    (the block and the window before it): the kernels take a mask but still compute every
-    masked score, so one call would cost S x S where S x (block + window) is the work.
-
-    padded: None picks per device (the log-sum-exp path of model/sink_flash.py where it is
-    available, the CPU; the padded head dim elsewhere); True / False force one (benchmarks, tests).
-    """
-    if not padded and sink_flash.available(q):
-        blocks = _query_blocks(q.shape[2], window, q)
-        return sink_flash.sink_flash_attention(q, k, v, sinks, blocks, q.shape[-1] ** -0.5)
-    if padded is False:
-        raise ValueError(f"the unpadded sink attention needs the CPU flash kernel; q is {q.dtype} on {q.device}")
-    return _padded_sink_attention(q, k, v, sinks, window)
-
-
-def _query_blocks(s: int, window: int | None, q: torch.Tensor) -> tuple[sink_flash.Block, ...]:
-    """The blocks of `sink_flash`: one causal block without a window (or one as long as the
-    sequence), else query blocks of max(SLIDING_QUERY_BLOCK, window) over the keys each can see."""
-    if window is None or window >= s:
-        return ((0, s, 0, None),)
-    block = max(SLIDING_QUERY_BLOCK, window)
-    blocks = []
-    for start in range(0, s, block):
-        stop, k0 = min(s, start + block), max(0, start - window + 1)
-        blocks.append((start, stop, k0, _window_block_bias(stop - start, stop - k0, start - k0, window, q.device, q.dtype)))
-    return tuple(blocks)
-
-
-def _padded_sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
-                           window: int | None) -> torch.Tensor:
-    """`sink_attention` through SDPA with the sink as one more key: head dim padded to d + 8."""
-    b, nh, s, d = q.shape
-    nkv = k.shape[1]
-    # Extra features padded to a multiple of 8 so fused kernels keep aligned head dims.
-    extra = -(-(d + 1) // 8) * 8 - d
-    sink_q = sinks.to(q.dtype).view(1, nh, 1, 1).expand(b, nh, s, 1)
-    q_aug = torch.cat([q, sink_q, q.new_zeros(b, nh, s, extra - 1)], dim=-1)
-    # sqrt(d) is exact in binary for d = 16, 64 (GPT-OSS), so the sink score is exactly sink_h.
-    sink_k = k.new_zeros(b, nkv, 1, d + extra)
-    sink_k[..., d] = d**0.5
-    k_aug = F.pad(k, (0, extra))
-    # v gets the zero sink row and the same head dim as q/k: SDPA's fused kernels (the CPU flash
-    # kernel among them) need one head dim for q, k and v, else it falls back to its math path.
-    # The padded output features are zero and are dropped.
-    v_aug = F.pad(v, (0, extra))
-
-    def attend(rows: slice, k0: int, mask: torch.Tensor) -> torch.Tensor:
-        keys = torch.cat([sink_k, k_aug[:, :, k0:rows.stop]], dim=2)
-        values = F.pad(v_aug[:, :, k0:rows.stop], (0, 0, 1, 0))
-        return F.scaled_dot_product_attention(
-            q_aug[:, :, rows], keys, values, attn_mask=mask, scale=d**-0.5, enable_gqa=nkv != nh
-        )
-
-    block = max(SLIDING_QUERY_BLOCK, window or 0)
-    if window is None or window >= s:
-        # Causal without a mask, so SDPA skips the blocks above the diagonal (and on GPUs may pick
-        # the flash kernel, which takes no mask): with one all-zero query row in front, SDPA's
-        # causal rule (query i sees keys 0..i) lets query t see the sink and keys 0..t. That row
-        # sees only the sink, whose value row is zero; it is dropped.
-        out = F.scaled_dot_product_attention(
-            F.pad(q_aug, (0, 0, 1, 0)), torch.cat([sink_k, k_aug], dim=2), F.pad(v_aug, (0, 0, 1, 0)),
-            is_causal=True, scale=d**-0.5, enable_gqa=nkv != nh,
-        )[:, :, 1:]
-    else:
-        outs = []
-        for start in range(0, s, block):
-            stop, k0 = min(s, start + block), max(0, start - window + 1)
-            mask = _window_block_mask(stop - start, stop - k0, start - k0, window, q.device)
-            outs.append(attend(slice(start, stop), k0, mask))
-        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
-    return out[..., :d]
-
-
-def document_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    sinks: torch.Tensor,
-    window: int | None,
-    cu_seqlens: tuple[int, ...] | None,
-    padded: bool | None = None,
-) -> torch.Tensor:
-    """`sink_attention` within documents: no query sees a key of another document.
-
-    cu_seqlens: document start offsets into the flattened [B*S] token stream, 0 .. B*S, that include
-    every row start (b*S) (flash-attn's varlen convention; `document_offsets` builds them). Each
-    document runs `sink_attention` alone, so its sinks and sliding window apply within it; None =
-    one document per row.
-    """
-    if cu_seqlens is None:
-        return sink_attention(q, k, v, sinks, window, padded)
-    b, nh, s, d = q.shape
-    nkv = k.shape[1]
-    if cu_seqlens[0] != 0 or cu_seqlens[-1] != b * s:
-        raise ValueError(f"cu_seqlens must run from 0 to batch x seq = {b * s}, got {cu_seqlens[0]} .. {cu_seqlens[-1]}")
-    # [B, h, S, d] -> [h, B*S, d]: one token stream, documents are slices of it.
-    flat_q = q.transpose(0, 1).reshape(nh, b * s, d)
-    flat_k = k.transpose(0, 1).reshape(nkv, b * s, d)
-    flat_v = v.transpose(0, 1).reshape(nkv, b * s, d)
-    outs = []
-    for start, stop in zip(cu_seqlens[:-1], cu_seqlens[1:]):
-        if start // s != (stop - 1) // s:
-            raise ValueError(f"document [{start}, {stop}) crosses a row boundary (rows of {s} tokens)")
-        outs.append(sink_attention(flat_q[None, :, start:stop], flat_k[None, :, start:stop],
-                                   flat_v[None, :, start:stop], sinks, window, padded)[0])
-    return torch.cat(outs, dim=1).view(nh, b, s, d).transpose(0, 1)
-
-
-def document_offsets(seqlens: list[list[int]], seq_len: int) -> tuple[int, ...]:
-    """cu_seqlens of `document_attention` from each row's document lengths (a row's lengths summing
-    to less than seq_len leave the rest of the row as one more segment, its padding)."""
-    offsets = [0]
-    for row, lengths in enumerate(seqlens):
-        for n in lengths:
-            if n < 1:
-                raise ValueError(f"row {row}: document length {n} < 1")
-            offsets.append(offsets[-1] + n)
-        end = (row + 1) * seq_len
-        if offsets[-1] > end:
-            raise ValueError(f"row {row}: documents of {sum(lengths)} tokens exceed the row of {seq_len}")
-        if offsets[-1] < end:
-            offsets.append(end)
-    return tuple(offsets)
-
-
-def document_positions(cu_seqlens: tuple[int, ...], batch: int, seq_len: int, device=None) -> torch.Tensor:
-    """position_ids [B, S] that restart at 0 at every offset of cu_seqlens."""
-    idx = torch.arange(batch * seq_len)
-    starts = torch.tensor(cu_seqlens[:-1])
-    lengths = torch.tensor(cu_seqlens[1:]) - starts
-    pos = idx - torch.repeat_interleave(starts, lengths)
-    return pos.view(batch, seq_len).to(device)
-
-
 class LayerNormLinear(nn.Module):
     """RMSNorm fused with a linear projection: Megatron's `linear_qkv` with `layer_norm_weight`.
 
-    The norm stays in high precision; the projection's GEMMs are `gemm`'s (model/dense_gemm.py).
+    The norm stays in high precision; the projection's GEMMs are `gemm`'s (model/dense_gemm.py); an adapter
+    (`adapter`, LoRA's) adds its output, computed from the normalised input.
     With `recompute_norm` the norm's output is not kept for backward (model/recompute.py, layernorm)."""
 
     gemm: DenseGemm | None = None
@@ -238,6 +46,10 @@ class LayerNormLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype))
 
+    @property
+    def adapter(self) -> DenseAdapter | None:
+        return attached_adapter(self)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.recompute_norm:
             return without_output(rms_norm, (x, self.layer_norm_weight, self.eps), self._project)
@@ -245,7 +57,7 @@ class LayerNormLinear(nn.Module):
 
     def _project(self, normed: torch.Tensor) -> torch.Tensor:
         y = linear(normed, self.weight, self.bias, gemm=self.gemm)
-        adapter = getattr(self, "adapter", None)  # LoRA (model/lora.py), on the normalised input
+        adapter = self.adapter
         return y if adapter is None else y + adapter(normed)
 
 
@@ -255,7 +67,7 @@ class CoreAttention(nn.Module):
     the rotary embedding and the core from it (model/recompute.py, core_attn)."""
 
     recompute = False
-    padded = None  # which sink path (`sink_attention`): None = the device's; benchmarks force one
+    backend = ATTENTION_BACKEND_DEFAULT  # model.attention_backend (model/attention_backends.py); set_backend
 
     def __init__(self, num_heads: int, window: int | None, device=None, dtype=None):
         super().__init__()
@@ -266,7 +78,11 @@ class CoreAttention(nn.Module):
                 cu_seqlens: tuple[int, ...] | None = None, heads: slice | None = None) -> torch.Tensor:
         """`heads`: the query heads q holds (context parallel: this rank's chunk), default all."""
         sinks = self.softmax_offset if heads is None else self.softmax_offset[heads]
-        return document_attention(q, k, v, sinks, self.window, cu_seqlens, self.padded)
+        return document_attention(q, k, v, sinks, self.window, cu_seqlens, self.backend)
+
+    def set_backend(self, name: str) -> None:
+        """Which kernel computes this layer (model.attention_backend: auto, flash, flex, sdpa)."""
+        self.backend = check_backend(name)
 
     def extra_repr(self) -> str:
         return f"window={self.window}"

@@ -15,8 +15,6 @@ from gptoss_cli.errors import ConfigError
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
-# How the clamped SwiGLU is computed (recipe model.swiglu_kernel; model/swiglu_kernel.py).
-SWIGLU_KERNELS = ("auto", "eager")
 # Fields that do not change what the network computes; a checkpoint may differ from a model in them.
 NON_ARCHITECTURAL = frozenset({"router_aux_loss_coef", "initializer_range", "bos_token_id", "eos_token_id", "pad_token_id"})
 
@@ -240,4 +238,4 @@ def preset(name: str) -> GptOssArch:
         raise ConfigError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}") from None
 
 
-__all__ = ["GptOssArch", "PRESETS", "preset", "SLIDING", "FULL", "SWIGLU_KERNELS"]
+__all__ = ["GptOssArch", "PRESETS", "preset", "SLIDING", "FULL"]

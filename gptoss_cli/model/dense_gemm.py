@@ -15,11 +15,27 @@ experts' (model/grouped_gemm.py).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+# The submodule name of a layer's adapter (model/lora.py attaches LoRA's there; checkpoint names
+# `<layer>.adapter.linear_in.weight`).
+ADAPTER = "adapter"
+
+
+class DenseAdapter(Protocol):
+    """What a dense layer adds to its output, computed from the layer's input (LoRA: model/lora.py's LoraAdapter)."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+def attached_adapter(layer: nn.Module) -> DenseAdapter | None:
+    """The adapter attached to `layer` as its `adapter` submodule; None without one."""
+    return layer._modules.get(ADAPTER)
 
 
 class DenseGemm:
@@ -71,14 +87,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 class Linear(nn.Linear):
-    """`nn.Linear` (same parameters and names) whose GEMMs can be swapped: set `.gemm`."""
+    """`nn.Linear` (same parameters and names) whose GEMMs can be swapped: set `.gemm`; an adapter
+    (`adapter`, LoRA's) adds its output."""
 
     gemm: DenseGemm | None = None
 
+    @property
+    def adapter(self) -> DenseAdapter | None:
+        return attached_adapter(self)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(x, self.weight, self.bias, gemm=self.gemm)
-        adapter = getattr(self, "adapter", None)  # LoRA (model/lora.py)
+        adapter = self.adapter
         return y if adapter is None else y + adapter(x)
 
 
-__all__ = ["DenseGemm", "Linear", "linear"]
+__all__ = ["ADAPTER", "DenseAdapter", "DenseGemm", "Linear", "attached_adapter", "linear"]

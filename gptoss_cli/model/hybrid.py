@@ -1,4 +1,5 @@
-"""HybridModel: GPT-OSS in the Megatron Hybrid layer layout, pure PyTorch (no I/O, no process groups).
+"""HybridModel: GPT-OSS in the Megatron Hybrid layer layout, pure PyTorch (no I/O; collectives only over the
+groups handed in: `set_token_dispatchers`, `set_context_parallel`).
 
 Built from a `GptOssArch` and a `hybrid_layer_pattern` (`*` attention, `E` MoE, `-` dense MLP;
 grouping `[..]` and pipeline splits `|` are accepted and only change scheduling, not the math).
@@ -18,14 +19,16 @@ window").
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
 
 from gptoss_cli.errors import ConfigError
 from gptoss_cli.model.attention import AttentionLayer
-from gptoss_cli.model.config import SWIGLU_KERNELS, GptOssArch
+from gptoss_cli.model.attention_backends import warm_up
+from gptoss_cli.model.catalog import SWIGLU_KERNELS
+from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.model.context_parallel import cp_size_of
 from gptoss_cli.model.dense_gemm import DenseGemm
 from gptoss_cli.model.dispatcher import AllToAllTokenDispatcher
@@ -35,12 +38,14 @@ from gptoss_cli.model.grouped_gemm import GroupedGemm
 from gptoss_cli.model.init import init_weights_
 from gptoss_cli.model.loss import HybridOutput
 from gptoss_cli.model.main_grad import embedding
-from gptoss_cli.model.moe import DenseMLPLayer, GroupedExperts, MoELayer, RouterStats, RouterStatsRequest
+from gptoss_cli.model.mlp import DenseMLPLayer
+from gptoss_cli.model.moe import GroupedExperts, MoELayer
 from gptoss_cli.model.norm import RMSNorm
 from gptoss_cli.model.pattern import ATTENTION, MLP, MOE, HybridPattern, parse_pattern
 from gptoss_cli.model.positions import default_position_ids
 from gptoss_cli.model.recompute import RecomputePlan, checkpointed
 from gptoss_cli.model.rope import YarnRotaryEmbedding
+from gptoss_cli.model.router_stats import RouterStats, RouterStatsRequest
 
 def layer_windows(arch: GptOssArch, pattern: HybridPattern) -> dict[int, int | None]:
     """Sliding window of every attention layer, keyed by physical layer index (section 4)."""
@@ -53,7 +58,8 @@ def layer_windows(arch: GptOssArch, pattern: HybridPattern) -> dict[int, int | N
     return windows
 
 
-def check_pattern(arch: GptOssArch, pattern: str | HybridPattern) -> HybridPattern:
+def buildable_pattern(arch: GptOssArch, pattern: str | HybridPattern) -> HybridPattern:
+    """`pattern` parsed, checked buildable and holding one attention layer per HF block of `arch`."""
     parsed = parse_pattern(pattern) if isinstance(pattern, str) else pattern
     parsed.require_buildable()
     n_attn = parsed.layers.count(ATTENTION)
@@ -95,6 +101,27 @@ def run_layer(layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.T
     return layer(x, cos, sin, cu_seqlens) if isinstance(layer, AttentionLayer) else layer(x)
 
 
+class LanguageModelEmbedding(nn.Module):
+    """The token embedding, `embedding.word_embeddings.weight [V, H]` (Megatron's name)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, device=None, dtype=None):
+        super().__init__()
+        # Given weight: nn.Embedding's own normal_ init imports torch._dynamo on the meta device (about
+        # 2 s per process); init_weights_ sets every value anyway.
+        self.word_embeddings = nn.Embedding(
+            vocab_size, hidden_size, _weight=torch.empty(vocab_size, hidden_size, device=device, dtype=dtype),
+        )
+
+
+class HybridStack(nn.Module):
+    """The decoder: `decoder.layers.{j}` in pattern order and `decoder.final_norm` (Megatron's names)."""
+
+    def __init__(self, layers: Iterable[nn.Module], final_norm: RMSNorm):
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        self.final_norm = final_norm
+
+
 class HybridModel(nn.Module):
     """GPT-OSS as a Hybrid layer stack.
 
@@ -119,28 +146,19 @@ class HybridModel(nn.Module):
     ):
         super().__init__()
         self.arch = arch
-        self.pattern = check_pattern(arch, pattern or arch.hybrid_layer_pattern)
+        self.pattern = buildable_pattern(arch, pattern or arch.hybrid_layer_pattern)
         self.aux_loss_coef = arch.router_aux_loss_coef
         self.z_loss_coef = 0.0  # Megatron's moe_z_loss_coeff; HF GPT-OSS has none
         self.loss_chunk_tokens: int | None = None  # tokens per LM-head chunk; None: the device's (model/loss_chunk.py)
         self.recompute = RecomputePlan()  # set_recompute
         windows = layer_windows(arch, self.pattern)
-        self.embedding = nn.Module()
-        # Given weight: nn.Embedding's own normal_ init imports torch._dynamo on the meta device (about
-        # 2 s per process); init_weights_ below sets every value anyway.
-        self.embedding.word_embeddings = nn.Embedding(
-            arch.vocab_size, arch.hidden_size,
-            _weight=torch.empty(arch.vocab_size, arch.hidden_size, device=device, dtype=dtype),
+        self.embedding = LanguageModelEmbedding(arch.vocab_size, arch.hidden_size, device, dtype)
+        self.decoder = HybridStack(
+            (build_layer(arch, symbol, windows.get(j), expert_offset=expert_offset,
+                         num_local_experts=num_local_experts, device=device, dtype=dtype)
+             for j, symbol in enumerate(self.pattern.layers)),
+            RMSNorm(arch.hidden_size, arch.rms_norm_eps, device, dtype),
         )
-        self.decoder = nn.Module()
-        self.decoder.layers = nn.ModuleList(
-            build_layer(
-                arch, symbol, windows.get(j), expert_offset=expert_offset,
-                num_local_experts=num_local_experts, device=device, dtype=dtype,
-            )
-            for j, symbol in enumerate(self.pattern.layers)
-        )
-        self.decoder.final_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, device, dtype)
         self.output_layer = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False, device=device, dtype=dtype)
         self.rotary_pos_emb = YarnRotaryEmbedding(arch)
         if token_dispatcher_factory is not None:
@@ -205,6 +223,16 @@ class HybridModel(nn.Module):
         for m in self.modules():
             if isinstance(m, (GroupedExperts, DenseMLPLayer)):
                 m.swiglu_kernel = kernel
+
+    def set_attention_backend(self, backend: str) -> None:
+        """Which kernel computes every attention layer's core (model.attention_backend; model/attention_backends.py).
+        A name that is not a backend is a ConfigError. On a GPU, `auto` probes its kernels here, once."""
+        for layer in self.decoder.layers:
+            if isinstance(layer, AttentionLayer):
+                layer.self_attention.core_attention.set_backend(backend)
+        weight = self.output_layer.weight
+        if backend == "auto":
+            warm_up(weight.device, weight.dtype, self.arch.head_dim)
 
     def set_gemms(self, *, dense: Callable[[str], DenseGemm] | None = None,
                   grouped: Callable[[str], GroupedGemm] | None = None) -> list[str]:

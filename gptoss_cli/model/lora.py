@@ -35,7 +35,8 @@ from torch import nn
 
 from gptoss_cli.errors import ConfigError
 from gptoss_cli.model.attention import LayerNormLinear
-from gptoss_cli.model.dense_gemm import Linear
+from gptoss_cli.model.catalog import ATTENTION_TARGETS, MLP_TARGETS, TARGET_MODULES
+from gptoss_cli.model.dense_gemm import ADAPTER, Linear
 from gptoss_cli.model.expert_names import PerExpertParams, checkpoint_slots
 from gptoss_cli.model.grouped_gemm import WgradQueue, grouped_linear
 from gptoss_cli.model.init import name_generator
@@ -43,11 +44,6 @@ from gptoss_cli.model.moe import ExpertLinear
 from gptoss_cli.model.mxfp4_experts import Mxfp4ExpertLinear
 from gptoss_cli.model.qat import Mxfp4QatGemm
 
-# Megatron's names of the layers LoRA can target.
-ATTENTION_TARGETS = ("linear_qkv", "linear_proj")
-MLP_TARGETS = ("linear_fc1", "linear_fc2")
-TARGET_MODULES = ATTENTION_TARGETS + MLP_TARGETS
-ADAPTER = "adapter"  # the submodule name of an adapter on its layer
 LINEAR_IN, LINEAR_OUT = "linear_in", "linear_out"  # A and B
 
 

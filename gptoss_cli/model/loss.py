@@ -3,7 +3,7 @@
 `HybridOutput` keeps the final-norm hidden states and the output layer's weight rather than the
 logits; the loss is computed chunk by chunk from them (`chunked_lm_loss_sum`), the logits only when
 asked for. The router losses and telemetry the MoE layers returned are attached to it here too
-(model/moe.py, `RouterStats`; docs/architecture.md, "Aux loss").
+(model/router_stats.py, `RouterStats`; docs/architecture.md, "Aux loss").
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from gptoss_cli.model.loss_chunk import LM_LOSS_CHUNK_TOKENS, lm_loss_chunk_tokens
 from gptoss_cli.model.main_grad import (added_to_main_grad, addmm_fp32_, fp32_accumulating_gemm, main_grad_target,
                                         mm_fp32)
-from gptoss_cli.model.moe import RouterStats, load_balancing_loss, router_table, router_z_loss
+from gptoss_cli.model.router_stats import RouterStats, load_balancing_loss, router_table, router_z_loss
 
 IGNORE_INDEX = -100
 
@@ -133,7 +133,7 @@ class HybridOutput:
         self.lm_loss: torch.Tensor | None = None  # mean token cross-entropy over labels != -100
         self.aux_loss: torch.Tensor | None = None  # unscaled load-balancing loss, when collected
         self.z_loss: torch.Tensor | None = None  # unscaled router z-loss, when collected
-        # float64 [MoE layers, E + 2] routing telemetry in training (model/moe.py, `router_table`)
+        # float64 [MoE layers, E + 2] routing telemetry in training (model/router_stats.py, `router_table`)
         self.router_table: torch.Tensor | None = None
 
     @property

@@ -1,7 +1,8 @@
-"""The MoE layer: router, token dispatcher, grouped experts with the clamped SwiGLU, and a dense MLP.
+"""The MoE layer: router, token dispatcher, grouped experts with the clamped SwiGLU.
 
-Math: docs/architecture.md, "Router", "Experts", "Aux loss"; names: docs/checkpoint-layouts.md,
-"Hybrid layout".
+Math: docs/architecture.md, "Router", "Experts"; names: docs/checkpoint-layouts.md, "Hybrid layout".
+The activation and the dense `-` layer are model/mlp.py's; the routing statistics, router losses and
+router table model/router_stats.py's.
 
 An `E` layer is split along the boundaries the expert-parallel overlap schedule needs
 (docs/megatron-rules.md, "EP all-to-all overlap"): `pre_dispatch` (pre-MLP norm + router) ->
@@ -19,71 +20,23 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from gptoss_cli.errors import ConfigError
+from gptoss_cli.model.catalog import SWIGLU_KERNEL_UNCONFIGURED
 from gptoss_cli.model.config import GptOssArch
-from gptoss_cli.model.dispatcher import AllToAllTokenDispatcher, expert_counts
-from gptoss_cli.model.dense_gemm import Linear
+from gptoss_cli.model.dense_gemm import ADAPTER
+from gptoss_cli.model.dispatcher import AllToAllTokenDispatcher
 from gptoss_cli.model.expert_names import PerExpertParams
 from gptoss_cli.model.grouped_gemm import GroupedGemm, WgradQueue, grouped_linear
+from gptoss_cli.model.mlp import clamped_swiglu
 from gptoss_cli.model.norm import RMSNorm
 from gptoss_cli.model.recompute import checkpointed, discard_saved, without_output
-from gptoss_cli.model.swiglu_kernel import compiled_clamped_swiglu, compiled_swiglu_available
-
-
-class _ClampedSwiGLU(torch.autograd.Function):
-    """The clamped SwiGLU with a hand-written backward that recomputes from the fc1 output.
-
-    Autograd of the composed ops saves four [N, I] intermediates (clamped gate, sigmoid, their
-    product, up + 1) on top of the fc1 output it also keeps, and runs a dozen small kernels in
-    backward; this saves only the fc1 output. Gradients as autograd's: the clamps pass gradient
-    where the input lies inside the bounds, ends included (torch.clamp's convention), and
-    d/dg [g * sigmoid(a*g)] = s * (1 + a*g*(1 - s)) with s = sigmoid(a*g)."""
-
-    @staticmethod
-    def forward(ctx, gate_up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
-        ctx.save_for_backward(gate_up)
-        ctx.limit, ctx.alpha = limit, alpha
-        gate, up = gate_up.chunk(2, dim=-1)
-        gate = gate.clamp(max=limit)
-        glu = torch.sigmoid_(gate * alpha).mul_(gate)
-        return up.clamp(min=-limit, max=limit).add_(1).mul_(glu)
-
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        (gate_up,) = ctx.saved_tensors
-        limit, alpha = ctx.limit, ctx.alpha
-        gate, up = gate_up.chunk(2, dim=-1)
-        grad = torch.empty_like(gate_up)
-        d_gate, d_up = grad.chunk(2, dim=-1)
-        g = gate.clamp(max=limit)
-        s = torch.sigmoid_(g * alpha)
-        torch.mul(g, s, out=d_up).mul_(grad_out).masked_fill_(up.abs() > limit, 0.0)
-        d_glu = up.clamp(min=-limit, max=limit).add_(1).mul_(grad_out)
-        g.mul_(alpha)
-        d_glu_d_gate = torch.addcmul(g, g, s, value=-1.0).add_(1.0).mul_(s)  # s * (1 + a*g*(1 - s))
-        torch.mul(d_glu_d_gate, d_glu, out=d_gate).masked_fill_(gate > limit, 0.0)
-        return grad, None, None
-
-
-def clamped_swiglu(gate_up: torch.Tensor, limit: float, alpha: float, kernel: str = "eager") -> torch.Tensor:
-    """GPT-OSS activation on fc1 output `[gate; up]` (docs/architecture.md, "Experts"): gate<=limit, |up|<=limit,
-    `(up + 1) * gate * sigmoid(alpha * gate)`. `kernel` (model.swiglu_kernel): "auto" computes it with the
-    compiled single-pass kernels where they work (model/swiglu_kernel.py), "eager" with the Function above."""
-    if kernel == "auto" and gate_up.numel() >= 2 * gate_up.shape[-1] > 0 \
-            and compiled_swiglu_available(gate_up.device, gate_up.dtype, _ClampedSwiGLU.apply):
-        return compiled_clamped_swiglu(gate_up, limit, alpha)
-    if torch.is_grad_enabled() and gate_up.requires_grad:
-        return _ClampedSwiGLU.apply(gate_up, limit, alpha)
-    gate, up = gate_up.chunk(2, dim=-1)
-    gate = gate.clamp(max=limit)
-    up = up.clamp(min=-limit, max=limit)
-    return (up + 1) * (gate * torch.sigmoid(alpha * gate))
+from gptoss_cli.model.router_stats import RouterStats, RouterStatsRequest, router_stats
 
 
 # --------------------------------------------------------------------------------------------
@@ -116,6 +69,14 @@ class Router(nn.Module):
 # Experts
 
 
+class ExpertAdapter(Protocol):
+    """What an expert layer's adapter computes (LoRA: model/lora.py's ExpertLoraAdapter, one pair per
+    expert): the adapted layer's whole output, since under MXFP4 QAT the merged weight is what gets rounded."""
+
+    def adapted(self, base: "ExpertLinear", x: torch.Tensor, tokens_per_expert: torch.Tensor,
+                wgrad_queue: WgradQueue | None, name: str) -> torch.Tensor: ...
+
+
 class ExpertLinear(PerExpertParams):
     """Stacked weights of the local experts, `weight [E_local, out, in]`, `bias [E_local, out]`,
     saved and loaded per expert (see `PerExpertParams`).
@@ -134,6 +95,11 @@ class ExpertLinear(PerExpertParams):
             torch.empty(num_local_experts, out_features, in_features, device=device, dtype=dtype)
         )
         self.bias = nn.Parameter(torch.zeros(num_local_experts, out_features, device=device, dtype=dtype))
+
+    @property
+    def adapter(self) -> ExpertAdapter | None:
+        """The adapter model/lora.py attached as the `adapter` submodule; None without one."""
+        return self._modules.get(ADAPTER)
 
     @property
     def weight_shape(self) -> tuple[int, int, int]:
@@ -157,7 +123,7 @@ class GroupedExperts(nn.Module):
 
     recompute_act = False
     recompute_mlp = False
-    swiglu_kernel = "eager"  # model.swiglu_kernel (see clamped_swiglu); set by HybridModel.set_swiglu_kernel
+    swiglu_kernel = SWIGLU_KERNEL_UNCONFIGURED  # model.swiglu_kernel (see clamped_swiglu); HybridModel.set_swiglu_kernel
 
     def __init__(self, arch: GptOssArch, num_local_experts: int, expert_offset: int, device=None, dtype=None):
         super().__init__()
@@ -192,7 +158,7 @@ def _expert_linear(layer: ExpertLinear, x: torch.Tensor, tokens_per_expert: torc
                    wgrad_queue: WgradQueue | None, name: str) -> torch.Tensor:
     """One expert layer's grouped linear; with a LoRA adapter (model/lora.py, one pair per expert) the
     adapter computes the adapted layer (under MXFP4 QAT the merged weight is what gets rounded)."""
-    adapter = getattr(layer, "adapter", None)
+    adapter = layer.adapter
     if adapter is not None:
         return adapter.adapted(layer, x, tokens_per_expert, wgrad_queue, name)
     return layer(x, tokens_per_expert, wgrad_queue, name)
@@ -205,70 +171,6 @@ class MoEMLP(nn.Module):
         super().__init__()
         self.router = Router(arch.hidden_size, arch.num_local_experts, arch.num_experts_per_tok, device, dtype)
         self.experts = GroupedExperts(arch, num_local_experts, expert_offset, device, dtype)
-
-
-@dataclass(frozen=True)
-class RouterStatsRequest:
-    """What a training forward asks each MoE layer to return about its routing: the telemetry
-    (always: counts, entropy) and the differentiable terms of the losses that are on."""
-
-    aux_loss: bool = False  # prob_sum with gradient (load-balancing loss)
-    z_loss: bool = False  # z_loss_sum with gradient (router z-loss)
-
-
-@dataclass
-class RouterStats:
-    """One layer's routing in one forward (docs/architecture.md, "Aux loss"; docs/router-telemetry.md)."""
-
-    tokens_per_expert: torch.Tensor  # [E] float, top-k assignment counts (no gradient)
-    prob_sum: torch.Tensor | None  # [E] float, sum over tokens of softmax(all E logits) (differentiable); aux loss only
-    num_tokens: int
-    entropy_sum: torch.Tensor | None = None  # scalar, sum over tokens of the entropy of softmax(all E logits) (no gradient)
-    z_loss_sum: torch.Tensor | None = None  # scalar, sum over tokens of logsumexp(logits)^2 (differentiable); z-loss only
-
-
-def router_stats(logits: torch.Tensor, indices: torch.Tensor, num_experts: int,
-                 want: RouterStatsRequest) -> RouterStats:
-    """The statistics of one layer's routing: logits [T, E], selected indices [T, k]."""
-    logits32 = logits.float()
-    prob_sum = torch.softmax(logits32, dim=-1).sum(0) if want.aux_loss else None
-    z_sum = torch.logsumexp(logits32, dim=-1).square().sum() if want.z_loss else None
-    with torch.no_grad():
-        log_p = torch.log_softmax(logits32, dim=-1)
-        entropy_sum = -(log_p.exp() * log_p).sum()
-        counts = expert_counts(indices.reshape(-1), num_experts).float()
-    return RouterStats(tokens_per_expert=counts, prob_sum=prob_sum, num_tokens=logits.shape[0],
-                       entropy_sum=entropy_sum, z_loss_sum=z_sum)
-
-
-def load_balancing_loss(stats: list[RouterStats], num_experts: int) -> torch.Tensor:
-    """Mixtral/HF load-balancing loss pooled over layers: `E * sum_e f_e * P_e` with
-    f_e = assignments to e / (layers * tokens) and P_e = mean router probability of e.
-    Equal to transformers' `load_balancing_loss_func` for the same router logits."""
-    total = sum(s.num_tokens for s in stats)
-    f = torch.stack([s.tokens_per_expert for s in stats]).sum(0) / total
-    p = torch.stack([s.prob_sum for s in stats]).sum(0) / total
-    return num_experts * torch.sum(f * p)
-
-
-def router_z_loss(stats: list[RouterStats]) -> torch.Tensor:
-    """Megatron's router z-loss, unscaled, summed over layers as each layer adds its own:
-    sum over layers of mean over tokens of logsumexp(logits)^2 (ST-MoE, Zoph et al. 2022)."""
-    return sum(s.z_loss_sum / s.num_tokens for s in stats)
-
-
-# Columns of a router table row: E expert counts, then these two.
-ENTROPY_COL, TOKENS_COL = -2, -1
-
-
-def router_table(stats: list[RouterStats]) -> torch.Tensor:
-    """float64 [L, E + 2], one row per MoE layer: tokens routed to each expert (top-k assignments),
-    the summed router entropy, the tokens routed. Rows of several microbatches and ranks add up."""
-    return torch.stack([
-        torch.cat([s.tokens_per_expert.double(), s.entropy_sum.double().reshape(1),
-                   s.tokens_per_expert.new_full((1,), float(s.num_tokens), dtype=torch.float64)])
-        for s in stats
-    ]).detach()
 
 
 class MoELayer(nn.Module):
@@ -360,45 +262,3 @@ class MoELayer(nn.Module):
         expert_output = self.experts(expert_input, tokens_per_expert)
         out = self.combine(expert_output, ctx, x)
         return out if stats is None else (out, got)
-
-
-class DenseMLPLayer(nn.Module):
-    """A `-` layer: x + MLP(RMSNorm(x)), with the experts' math on one dense MLP.
-
-    Our definition (GPT-OSS has no dense layers): `linear_fc1 [2I, H]` with rows `[gate; up]`,
-    the clamped SwiGLU of the experts, `linear_fc2 [H, I]`, biases, no routing weight. Names follow
-    Megatron's MLP: `pre_mlp_layernorm.weight`, `mlp.linear_fc1.{weight,bias}`, `mlp.linear_fc2.{weight,bias}`.
-    """
-
-    symbol = "-"
-    recompute_norm = False  # the norm's output is not kept for backward (model/recompute.py, layernorm)
-    recompute_mlp = False  # only the layer's input is kept; backward re-runs norm and MLP (mlp)
-    swiglu_kernel = "eager"  # model.swiglu_kernel, as GroupedExperts
-
-    def __init__(self, arch: GptOssArch, device=None, dtype=None):
-        super().__init__()
-        self.limit = arch.swiglu_limit
-        self.alpha = arch.swiglu_alpha
-        h, i = arch.hidden_size, arch.intermediate_size
-        self.pre_mlp_layernorm = RMSNorm(h, arch.rms_norm_eps, device, dtype)
-        self.mlp = nn.Module()
-        self.mlp.linear_fc1 = Linear(h, 2 * i, bias=True, device=device, dtype=dtype)
-        self.mlp.linear_fc2 = Linear(i, h, bias=True, device=device, dtype=dtype)
-
-    def set_recompute(self, pieces: set[str]) -> None:
-        """The selective recompute pieces of this layer (model/recompute.py): mlp, layernorm (dropped
-        inside mlp: checkpoints do not nest)."""
-        self.recompute_mlp = "mlp" in pieces
-        self.recompute_norm = "layernorm" in pieces and "mlp" not in pieces
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.recompute_mlp:
-            return x + checkpointed(self._mlp, x)
-        return x + self._mlp(x)
-
-    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        if self.recompute_norm:
-            gate_up = without_output(self.pre_mlp_layernorm, (x,), self.mlp.linear_fc1)
-        else:
-            gate_up = self.mlp.linear_fc1(self.pre_mlp_layernorm(x))
-        return self.mlp.linear_fc2(clamped_swiglu(gate_up, self.limit, self.alpha, self.swiglu_kernel))

@@ -1,4 +1,6 @@
-"""Default position ids of a batch: counting from 0 in every row, or in every packed document, on this rank's CP slice."""
+"""Positions of a batch and its packed documents: document offsets (cu_seqlens) from document lengths,
+positions that restart in every document, and the default position ids (from 0 in every row or
+document, on this rank's CP slice)."""
 
 from __future__ import annotations
 
@@ -7,8 +9,33 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gptoss_cli.model.attention import document_positions
 from gptoss_cli.model.context_parallel import cp_size_of, local_positions, slice_sequence
+
+
+def document_offsets(seqlens: list[list[int]], seq_len: int) -> tuple[int, ...]:
+    """cu_seqlens of `document_attention` from each row's document lengths (a row's lengths summing
+    to less than seq_len leave the rest of the row as one more segment, its padding)."""
+    offsets = [0]
+    for row, lengths in enumerate(seqlens):
+        for n in lengths:
+            if n < 1:
+                raise ValueError(f"row {row}: document length {n} < 1")
+            offsets.append(offsets[-1] + n)
+        end = (row + 1) * seq_len
+        if offsets[-1] > end:
+            raise ValueError(f"row {row}: documents of {sum(lengths)} tokens exceed the row of {seq_len}")
+        if offsets[-1] < end:
+            offsets.append(end)
+    return tuple(offsets)
+
+
+def document_positions(cu_seqlens: tuple[int, ...], batch: int, seq_len: int, device=None) -> torch.Tensor:
+    """position_ids [B, S] that restart at 0 at every offset of cu_seqlens."""
+    idx = torch.arange(batch * seq_len)
+    starts = torch.tensor(cu_seqlens[:-1])
+    lengths = torch.tensor(cu_seqlens[1:]) - starts
+    pos = idx - torch.repeat_interleave(starts, lengths)
+    return pos.view(batch, seq_len).to(device)
 
 
 def default_position_ids(input_ids: torch.Tensor, cu_seqlens: tuple[int, ...] | None = None,
@@ -28,4 +55,4 @@ def default_position_ids(input_ids: torch.Tensor, cu_seqlens: tuple[int, ...] | 
     return torch.arange(s, device=input_ids.device).expand(b, -1)
 
 
-__all__ = ["default_position_ids"]
+__all__ = ["document_offsets", "document_positions", "default_position_ids"]

@@ -45,7 +45,9 @@ from gptoss_cli.errors import ConfigError
 from gptoss_cli.model.attention import AttentionLayer
 from gptoss_cli.model.dispatcher import PHASES, AsyncAllToAll, Comm, Routing, start_all_to_all
 from gptoss_cli.model.grouped_gemm import WgradQueue
-from gptoss_cli.model.moe import DenseMLPLayer, MoELayer, RouterStats, RouterStatsRequest
+from gptoss_cli.model.mlp import DenseMLPLayer
+from gptoss_cli.model.moe import MoELayer
+from gptoss_cli.model.router_stats import RouterStats, RouterStatsRequest
 from gptoss_cli.model.pattern import ATTENTION, MLP, MOE, HybridPattern, schedule_plan_support
 
 COMPUTE, COMM = "compute", "comm"

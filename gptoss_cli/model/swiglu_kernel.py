@@ -1,6 +1,6 @@
 """The clamped SwiGLU as two generated single-pass kernels (torch.compile), checked once per device and dtype.
 
-The eager form (model/moe.py, `_ClampedSwiGLU`) runs about 25 elementwise kernels over the
+The eager form (model/mlp.py, `_ClampedSwiGLU`) runs about 25 elementwise kernels over the
 `[rows, I]` activation, each a pass over memory. Here the pure math of its forward and of its
 backward is handed to `torch.compile` (Inductor: one vectorised C++ loop on the CPU, one Triton
 kernel on a GPU), each compiled once for every row count (`dynamic=True`: token counts change every

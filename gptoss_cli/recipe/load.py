@@ -23,9 +23,10 @@ from omegaconf.errors import OmegaConfBaseException
 import gptoss_cli
 from gptoss_cli.errors import ConfigError, GptossError
 from gptoss_cli.checkpoint.hf_config import from_hf_config
-from gptoss_cli.model.config import PRESETS, GptOssArch
+from gptoss_cli.model.catalog import MLP_TARGETS, TARGET_MODULES
+from gptoss_cli.model.config import INT_LIMITS, PRESETS, GptOssArch
 from gptoss_cli.model.pattern import MLP, MOE, HybridPattern, parse_pattern
-from gptoss_cli.recipe.schema import LORA_TARGETS, RecipeConfig, iter_fields
+from gptoss_cli.recipe.schema import RecipeConfig, iter_fields
 from gptoss_cli.json_input import parse_json
 
 
@@ -42,8 +43,6 @@ def _recipes_dir() -> Path:
 
 RECIPES_DIR = _recipes_dir()
 BASE_KEY = "base"
-# A layer count beyond any real model; larger values would only make the pattern string huge.
-MAX_BLOCKS = 4096
 _KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
 
@@ -367,8 +366,10 @@ def resolve_model(cfg: RecipeConfig) -> tuple[GptOssArch, HybridPattern]:
                           hint=f"e.g. model.preset=tiny (presets: {', '.join(sorted(PRESETS))})")
     if model.architecture:
         blocks = model.architecture.get("num_hidden_layers")
-        if isinstance(blocks, int) and blocks > MAX_BLOCKS:
-            raise ConfigError(f"model.architecture.num_hidden_layers={blocks} is implausibly large (max {MAX_BLOCKS})")
+        # checked before replace() builds the '*E' x blocks pattern string
+        most = INT_LIMITS["num_hidden_layers"]
+        if isinstance(blocks, int) and blocks > most:
+            raise ConfigError(f"model.architecture.num_hidden_layers={blocks} is implausibly large (max {most})")
         try:
             arch = arch.replace(**model.architecture)
         except GptossError as exc:
@@ -423,7 +424,7 @@ def default_lora_targets(cfg: RecipeConfig, pattern: HybridPattern) -> None:
     lo = cfg.lora
     if lo.rank > 0 and not lo.target_modules:
         has_mlp = any(s in (MOE, MLP) for s in pattern.layers)
-        lo.target_modules = [t for t in LORA_TARGETS if has_mlp or t not in ("linear_fc1", "linear_fc2")]
+        lo.target_modules = [t for t in TARGET_MODULES if has_mlp or t not in MLP_TARGETS]
 
 
 def recipe_from_config(cfg: RecipeConfig) -> Recipe:

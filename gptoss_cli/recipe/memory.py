@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from gptoss_cli.buckets import ALIGN, default_bucket_size
+from gptoss_cli.model.catalog import SLIDING_QUERY_BLOCK
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.model.loss_chunk import LM_LOSS_CHUNK_TOKENS as LM_LOSS_CHUNK
 from gptoss_cli.model.loss_chunk import lm_loss_chunk_tokens
@@ -50,7 +51,6 @@ GB = 1e9
 # Memory of one GPU of each `system.gpu` generation, in GB (10^9 bytes), as the vendors state it.
 GPU_MEMORY_GB = {"h100": 80, "h200": 141, "b200": 180, "gb200": 186, "gb300": 288}
 WARN_FRACTION = 0.9
-SLIDING_QUERY_BLOCK = 64  # gptoss_cli.model.attention.SLIDING_QUERY_BLOCK
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 FP32 = 4
 ADAM_STATE_BYTES = 3 * FP32  # fp32 master, exp_avg, exp_avg_sq

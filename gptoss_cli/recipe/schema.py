@@ -17,15 +17,11 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from gptoss_cli.fp8.catalog import FORMATS as FP8_FORMATS, RECIPES as FP8_RECIPES
-from gptoss_cli.model.config import SWIGLU_KERNELS
+from gptoss_cli.limits import INT32_MAX
+from gptoss_cli.model.catalog import (ATTENTION_BACKEND_DEFAULT, ATTENTION_BACKENDS, SWIGLU_KERNEL_DEFAULT,
+                                      SWIGLU_KERNELS, TARGET_MODULES as LORA_TARGETS)
+from gptoss_cli.model.dtypes import RECIPE_DTYPES
 
-DTYPES = ("fp32", "bf16", "fp16")
-# Sizes (tensor dimensions, process counts, bucket elements) and counts (steps, intervals): int32, what
-# torch's index kernels, NCCL counts and rank numbers take; with it the sample index (step x
-# global_batch_size) stays far inside int64.
-INT32_MAX = 2**31 - 1
-# the layers LoRA adapts (Megatron's names); a LoRA rank without lora.target_modules adapts them all
-LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 # numpy and Megatron seed with at most 2**32 - 1; the data sources seed torch generators with
 # seed x 1_000_003 + sample index, which must stay below 2**64 (torch.Generator.manual_seed).
 SEED_MAX = 2**32 - 1
@@ -69,9 +65,16 @@ class ModelConfig:
         None, "multi-token-prediction layers; GPT-OSS has none, so null or 0", min=0, max=INT32_MAX,
     )
     swiglu_kernel: str = _f(
-        "auto", "clamped SwiGLU: auto = one compiled (torch.compile) kernel for forward and one for backward "
+        SWIGLU_KERNEL_DEFAULT, "clamped SwiGLU: auto = one compiled (torch.compile) kernel for forward and one for backward "
         "where they work, else eager with a warning; eager = elementwise torch ops (docs/benchmarks.md)",
         choices=SWIGLU_KERNELS,
+    )
+    attention_backend: str = _f(
+        ATTENTION_BACKEND_DEFAULT, "kernel of attention with sinks: auto = per device and layer (CPU: the flash "
+        "kernel; CUDA: the flash kernel on full layers, FlexAttention on sliding-window layers and packed "
+        "documents); flash = a flash kernel's log-sum-exp rescaled by the sink (CUDA: full layers only); flex = "
+        "FlexAttention with a block mask; sdpa = SDPA with the sink as a padded extra key (docs/architecture.md)",
+        choices=ATTENTION_BACKENDS,
     )
 
 
@@ -124,7 +127,7 @@ class OverlapConfig:
 
 @dataclass
 class PrecisionConfig:
-    params_dtype: str = _f("bf16", "dtype of parameters and activations", choices=DTYPES)
+    params_dtype: str = _f("bf16", "dtype of parameters and activations", choices=RECIPE_DTYPES)
     fp8_recipe: str = _f("none", "FP8 GEMM recipe", choices=("none", *FP8_RECIPES))
     fp8_format: str = _f("e4m3", "FP8 element format (hybrid = e4m3 forward, e5m2 backward)", choices=FP8_FORMATS)
     fp8_emulation: bool = _f(
@@ -458,9 +461,9 @@ _GROUPS: dict[str, type] = {
 }
 
 __all__ = [
-    "LORA_TARGETS", "RecipeConfig", "ModelConfig", "ParallelismConfig", "MoEConfig", "OverlapConfig", "PrecisionConfig",
+    "RecipeConfig", "ModelConfig", "ParallelismConfig", "MoEConfig", "OverlapConfig", "PrecisionConfig",
     "CudaGraphConfig", "RecomputeConfig", "TrainingConfig", "OptimizerConfig", "DataConfig",
-    "CheckpointConfig", "LoraConfig", "ValidationConfig", "BlendSource", "LoggingConfig", "SystemConfig", "ServeCheckConfig",
-    "ObjectiveConfig", "RLConfig", "RolloutConfig", "OBJECTIVES", "RL_LOSSES", "ROLLOUT_ENGINES",
+    "CheckpointConfig", "LoraConfig", "ValidationConfig", "BlendSource", "LoggingConfig", "SystemConfig",
+    "ServeCheckConfig", "ObjectiveConfig", "RLConfig", "RolloutConfig", "OBJECTIVES", "RL_LOSSES", "ROLLOUT_ENGINES",
     "iter_fields", "get_field", "describe_schema",
 ]

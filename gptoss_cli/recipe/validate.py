@@ -19,7 +19,8 @@ from gptoss_cli.recipe.flops import FlopCount, count_flops, recompute_flops_per_
 from gptoss_cli.recipe.memory import MemoryEstimate, recompute_plan
 from gptoss_cli.recipe.rules import ERROR, RULES, SEMANTIC, UNSUPPORTED, WARNING, Context, Finding, Rule
 from gptoss_cli.recipe.sizes import data_parallel_size, expert_data_parallel_size, resolve_world_size
-from gptoss_cli.recipe.schema import INT32_MAX, RecipeConfig
+from gptoss_cli.limits import INT32_MAX
+from gptoss_cli.recipe.schema import RecipeConfig
 
 TARGETS = ("gptoss", "megatron")
 NOTE = "note"

@@ -29,7 +29,7 @@ import torch
 
 from gptoss_cli.data.packing import pack_documents, packing_efficiency
 from gptoss_cli.errors import ConfigError
-from gptoss_cli.model.attention import document_offsets, document_positions
+from gptoss_cli.model.positions import document_offsets, document_positions
 from gptoss_cli.model.context_parallel import slice_sequence
 from gptoss_cli.model.loss import IGNORE_INDEX
 from gptoss_cli.data.token_format import INDEX_DTYPE, TOKEN_ITEMSIZE, check_token_files, document_file_paths, has_documents, read_token_header

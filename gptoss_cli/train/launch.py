@@ -42,6 +42,7 @@ from gptoss_cli.train.heartbeat import Watchdog
 from gptoss_cli.train.job import TrainJob
 from gptoss_cli.train.loop import run_worker
 from gptoss_cli.train.progress import TrainProgress, TrainResult
+from gptoss_cli.train.resume import check_resume_point
 
 
 def default_nproc(recipe: Any) -> int:
@@ -62,15 +63,11 @@ def preflight_recipe(recipe: Any, world_size: int) -> Any:
     from gptoss_cli.recipe.validate import preflight
     from gptoss_cli.train.loggers import check_backends
 
-    from gptoss_cli.train.resume import check_resume_point
-
     check_backends(recipe.config.logging)  # a missing TensorBoard / W&B package: one line, before any process
     gpu = None
     if recipe.config.system.gpu == "auto":
         gpu = _detect_gpu(recipe.config.system.device)
-    report = preflight(recipe, world_size=world_size, gpu=gpu)
-    check_resume_point(recipe.config)  # a resume that would change the lr schedule or the blend: one line
-    return report
+    return preflight(recipe, world_size=world_size, gpu=gpu)
 
 
 def _detect_gpu(device: str) -> str:
@@ -121,6 +118,7 @@ def _train(recipe: Any, *, nproc_per_node: int | None, progress: TrainProgress |
         check_local_gpus(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), recipe.config.system.device)
         job = TrainJob.from_recipe(recipe)
         with run_folders(job, owner=env["RANK"] == 0) as notes:
+            check_resume_point(job.config)
             return _with_notes(run_worker(job, progress), notes)
     nproc = nproc_per_node if nproc_per_node is not None else default_nproc(recipe)
     if nproc < 1:
@@ -129,6 +127,9 @@ def _train(recipe: Any, *, nproc_per_node: int | None, progress: TrainProgress |
     check_local_gpus(nproc, recipe.config.system.device)
     job = TrainJob.from_recipe(recipe)
     with run_folders(job) as notes:
+        # Holding the folders: a resume that would change the lr schedule or the blend is one line,
+        # before any worker starts.
+        check_resume_point(job.config)
         if nproc == 1:
             return _with_notes(run_worker(job, progress), notes)
         return _with_notes(launch_local(job, nproc, progress), notes)

@@ -27,6 +27,7 @@ from torch import nn
 
 from gptoss_cli.errors import ConfigError
 from gptoss_cli.fp8.selection import Fp8Settings, select_gemms
+from gptoss_cli.model.catalog import ATTENTION_BACKEND_DEFAULT, SWIGLU_KERNEL_DEFAULT
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.model.lora import LoraSettings, attach_lora
 from gptoss_cli.model.dtypes import torch_dtype
@@ -58,7 +59,8 @@ class ModelRuntimeConfig:
     qat: str = "none"  # precision.qat: "mxfp4" gives the experts Mxfp4QatGemm (gptoss_cli/model/qat.py)
     lora: LoraSettings | None = None  # LoRA: the provider freezes the base and adds adapters (model/lora.py)
     base_experts: str = "bf16"  # lora.base_experts with LoRA on: "mxfp4" keeps the frozen experts in MXFP4
-    swiglu_kernel: str = "eager"  # model.swiglu_kernel (model/swiglu_kernel.py); the recipe's default is auto
+    swiglu_kernel: str = SWIGLU_KERNEL_DEFAULT  # model.swiglu_kernel (model/swiglu_kernel.py), the recipe's default
+    attention_backend: str = ATTENTION_BACKEND_DEFAULT  # model.attention_backend (model/attention_backends.py)
     # Set at run time: the FP8 gemms the provider selected (which path runs, GEMM counts), and the
     # training callbacks, installed by setup on the model's own copy of this config.
     fp8_gemms: Any = None
@@ -77,6 +79,7 @@ class ModelRuntimeConfig:
             qat=cfg.precision.qat, z_loss_coeff=cfg.moe.z_loss_coeff, freeze_router=cfg.moe.freeze_router,
             recompute=recompute_plan(cfg, parse_pattern(hybrid_layer_pattern)),
             lora=lora_settings(cfg), swiglu_kernel=cfg.model.swiglu_kernel,
+            attention_backend=cfg.model.attention_backend,
             base_experts=cfg.lora.base_experts if cfg.lora.rank > 0 else "bf16",
         )
 
@@ -134,6 +137,7 @@ class HybridModelProvider:
         model.z_loss_coef = cfg.z_loss_coeff
         model.set_recompute(cfg.recompute)
         model.set_swiglu_kernel(cfg.swiglu_kernel)
+        model.set_attention_backend(cfg.attention_backend)
         if self.weights is None:
             init_weights_(model, arch.initializer_range, self.seed)
         else:

@@ -2,7 +2,8 @@
 
 Every microbatch's log (the training objective's `loss_func`, train/objective.py) carries device
 tensors: the sums the objective names (for cross-entropy: the summed token cross-entropy, the
-tokens, the aux and z-loss weighted by the microbatch's tokens), and the model's router table (model/moe.py, `router_table`: per MoE layer the tokens routed to each
+tokens, the aux and z-loss weighted by the microbatch's tokens), and the model's router table
+(model/router_stats.py, `router_table`: per MoE layer the tokens routed to each
 expert, the summed router entropy and the tokens routed). `StepTotals` adds them up on the
 device into one float64 vector, the loop all-reduces it over the data-parallel world (one small
 collective) and reads it back with one host sync; `router_record` turns the router part into the
@@ -17,7 +18,7 @@ from typing import Any
 
 import torch
 
-from gptoss_cli.model.moe import ENTROPY_COL, TOKENS_COL
+from gptoss_cli.model.router_stats import ENTROPY_COL, TOKENS_COL
 
 @dataclass
 class StepTotals:

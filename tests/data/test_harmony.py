@@ -10,8 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gptoss_cli.data.conversation import parse_conversation
 from gptoss_cli.data.harmony import (
-    ConversationError, HarmonyTokenizer, parse_completion, parse_conversation, render_for_training, render_prompt,
+    ConversationError, HarmonyTokenizer, parse_completion, render_for_training, render_prompt,
 )
 
 h = pytest.importorskip("openai_harmony")
@@ -86,19 +87,23 @@ def turns(messages):
 
 def expected(harmony, messages, analysis, train_on):
     """ids and mask from openai-harmony: the messages that stay (the chat template's rule: analysis of exchanges
-    a final answer closed before the last turn is dropped; all analysis with "drop"), rendered by harmony;
-    each trained turn's final <|end|> becomes <|return|>; the mask covers what follows harmony's own
-    completion prompt (`render_conversation_for_completion(..., Role.ASSISTANT)`) through the turn's end."""
+    a final answer closed before the last exchange, everything after the last user message, is dropped; all
+    analysis with "drop"; a tool call on the analysis channel is no chain of thought and stays), rendered by
+    harmony; each trained turn's final <|end|> becomes <|return|>; the mask
+    covers what follows harmony's own completion prompt (`render_conversation_for_completion(...,
+    Role.ASSISTANT)`) through the turn's end. Trained turns: those of the last exchange, or all."""
     no_drop = h.RenderConversationConfig(auto_drop_analysis=False)
     ts = turns(messages)
-    last_start = ts[-1][0]
-    finals = [i for i, m in enumerate(messages[:last_start]) if m.channel == "final"]
+    users = [i for i, m in enumerate(messages[:ts[-1][0]]) if m.author.role == Role.USER]
+    exchange = users[-1] + 1 if users else 0
+    finals = [i for i, m in enumerate(messages[:exchange]) if m.channel == "final"]
     cut = finals[-1] if finals else -1
     kept = [i for i, m in enumerate(messages[:ts[-1][1]])
-            if not (m.channel == "analysis" and (analysis == "drop" or i < cut))]
+            if not (m.channel == "analysis" and m.author.role == Role.ASSISTANT and m.recipient is None
+                    and (analysis == "drop" or i < cut))]
     ids = harmony.render_conversation(h.Conversation.from_messages([messages[i] for i in kept]), no_drop)
     mask = [0] * len(ids)
-    for a, b in (ts if train_on == "all" else ts[-1:]):
+    for a, b in (ts if train_on == "all" else [t for t in ts if t[0] >= exchange]):
         before = [messages[i] for i in kept if i < a]
         through = [messages[i] for i in kept if i < b]
         lo = len(harmony.render_conversation_for_completion(h.Conversation.from_messages(before), Role.ASSISTANT,
@@ -232,12 +237,21 @@ def test_a_tokenizer_without_the_harmony_tokens_is_refused(tmp_path):
     ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y", "channel": "secret"}]},
      "message 1: unknown channel 'secret'"),
     ({"messages": [{"role": "user", "content": 5}]}, "message 0 content must be"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "not supported yet"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "message 0: a tool result with no tool call before it"),
     ({"messages": [{"role": "system", "content": "a"}], "developer": "b"}, "a second set of developer instructions"),
     ({"reasoning_effort": "extreme", "messages": []}, "no messages"),
     ({"reasoning_effort": "extreme", "messages": [{"role": "user", "content": "x"}]},
      "reasoning_effort 'extreme' is not one of"),
-    ({"messages": [{"role": "system", "content": [{"type": "system_content", "tools": {"f": {}}}]}]}, "tools"),
+    ({"messages": [{"role": "system", "content": [{"type": "system_content", "tools": {"f": {}}}]}]},
+     r"tools\['f'\] must be \{\"name\""),
+    ({"messages": [{"role": "developer", "content": [{"type": "developer_content", "tools": {"functions": {
+        "name": "functions", "tools": [{"name": "f", "description": "d", "parameters": [1]}]}}}]}]},
+     r"tool 0 \(f\): parameters must be a JSON Schema object"),
+    ({"tools": [{"type": "function", "function": {"description": "no name"}}], "messages": [
+        {"role": "user", "content": "x"}]}, r"tools\[0\]: a tool needs a name"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [{"function": {}}]}]},
+     r"message 1 tool_calls\[0\] needs a function name"),
+    ({"builtin_tools": ["shell"], "messages": [{"role": "user", "content": "x"}]}, "builtin_tools"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "url": "x"}], "channel": "final"}]},
      "part of type 'image'"),
 ])

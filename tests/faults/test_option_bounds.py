@@ -48,6 +48,8 @@ CASES = {
                                        str(I32 + 1), f"--max-length {I32 + 1} must be at least 2 tokens and at most"),
     ("prepare-data", "--seq-length"): (["IN", "--out", "OUT", "--tokenizer", "TOK", "--format", "harmony"],
                                        str(I32 + 1), f"--seq-length {I32 + 1} must be at least 2 tokens and at most"),
+    ("prepare-data", "--batch-rows"): (["IN", "--out", "OUT", "--tokenizer", "TOK", "--format", "harmony"],
+                                       str((1 << 20) + 1), "Invalid value for '--batch-rows'"),
     ("serve-check", "--top-k"): (["CKPT"], str((1 << 20) + 1), "Invalid value for '--top-k'"),
     ("serve-check", "--greedy-tokens"): (["CKPT"], "4097", "Invalid value for '--greedy-tokens'"),
 }

@@ -98,7 +98,8 @@ def test_ctrl_c_ends_training_with_one_line_and_the_next_run_resumes_and_cleans_
     (ckpt / ".iter_0099999.partial").mkdir(exist_ok=True)
     (ckpt / ".iter_0099999.partial" / "__0_0.distcp").write_bytes(b"\0" * 4096)
     (ckpt / ".latest.tmp").write_text("iter_0099999\n")
-    code, out = train_in_process(ckpt, run, f"training.train_iters={step + 1}", "--json", tmp_path / "r.json")
+    code, out = train_in_process(ckpt, run, f"training.train_iters={step + 1}", "checkpoint.override_lr_schedule=true",
+                                 "--json", tmp_path / "r.json")
     assert code == 0, out
     flat = " ".join(out.split())  # rich wraps long lines at the runner's 80 columns
     assert f"note: removed {ckpt / '.iter_0099999.partial'}" in flat and f"note: removed {ckpt / '.latest.tmp'}" in flat
@@ -131,7 +132,7 @@ def test_resume_with_another_architecture_names_the_first_mismatching_tensor(sav
     ckpt = tmp_path / "ckpt"
     shutil.copytree(saved, ckpt)
     code, out = train_in_process(ckpt, tmp_path / "run", "training.train_iters=2", "model.architecture.hidden_size=96",
-                                 "-q")
+                                 "checkpoint.override_lr_schedule=true", "-q")
     assert code == 2 and len(out.strip().splitlines()) == 1, out
     assert ("tensor model.embedding.word_embeddings.weight is [1003, 64] torch.float32 in the checkpoint, "
             "the model has [1003, 96]") in " ".join(out.split()), out
@@ -143,7 +144,8 @@ def test_resume_from_a_truncated_shard_names_the_file_and_tensor(saved, tmp_path
     shard = next((ckpt / "iter_0000001").glob("*.distcp"))
     with open(shard, "r+b") as fh:
         fh.truncate(shard.stat().st_size // 2)
-    code, out = train_in_process(ckpt, tmp_path / "run", "training.train_iters=2", "-q")
+    code, out = train_in_process(ckpt, tmp_path / "run", "training.train_iters=2", "checkpoint.override_lr_schedule=true",
+                                 "-q")
     assert code == 2 and len(out.strip().splitlines()) == 1, out
     assert f"{shard}: has {shard.stat().st_size} bytes, but tensor " in out and "truncated" in out, out
 

@@ -6,11 +6,14 @@ import pytest
 import torch
 
 from gptoss_cli.errors import ConfigError
-from gptoss_cli.model.attention import SLIDING_QUERY_BLOCK, attention_mask, sink_attention
+from gptoss_cli.model.attention_backends import sink_attention
+from gptoss_cli.model.attention_masks import attention_mask
+from gptoss_cli.model.catalog import SLIDING_QUERY_BLOCK
 from gptoss_cli.model.hybrid import HybridModel, layer_windows
 from gptoss_cli.model.dispatcher import AllToAllTokenDispatcher
 from gptoss_cli.model.grouped_gemm import grouped_linear
-from gptoss_cli.model.moe import MoELayer, clamped_swiglu
+from gptoss_cli.model.mlp import clamped_swiglu
+from gptoss_cli.model.moe import MoELayer
 from gptoss_cli.model.pattern import parse_pattern, schedule_plan_support
 from tests.model.conftest import TINY, tokens
 from tests.tolerances import assert_tensors_close, reassociation_rel
@@ -56,17 +59,17 @@ def _sink_inputs(head_dim: int, seq: int = 11):
     return q, k, v, sinks
 
 
-# Both paths of `sink_attention`: the CPU's unpadded one (model/sink_flash.py) and the padded head
-# dim that GPUs run, here on the CPU's SDPA.
-PATHS = pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
+# The CPU flash kernel's unpadded path (model/sink_flash.py) and the padded head dim (SDPA's sink key).
+# FlexAttention's own checks: tests/model/test_attention_backends.py.
+PATHS = pytest.mark.parametrize("backend", ["flash", "sdpa"])
 
 
 @PATHS
 @pytest.mark.parametrize("head_dim", [16, 64], ids=["tiny", "gpt-oss"])
 @pytest.mark.parametrize("window", [None, 4])
-def test_sink_attention_and_its_gradients_match_extra_column_softmax(window, head_dim, padded):
+def test_sink_attention_and_its_gradients_match_extra_column_softmax(window, head_dim, backend):
     q, k, v, sinks = _sink_inputs(head_dim)
-    got = sink_attention(q, k, v, sinks, window, padded=padded)
+    got = sink_attention(q, k, v, sinks, window, backend)
     grad = torch.randn_like(got)
     got_grads = torch.autograd.grad(got, (q, k, v, sinks), grad)
     expected = _naive_sink_attention(q, k, v, sinks, window)
@@ -86,9 +89,9 @@ LONG_SEQ = 2 * SLIDING_QUERY_BLOCK + 29
 
 @PATHS
 @pytest.mark.parametrize("window", [5, SLIDING_QUERY_BLOCK + 3, None])
-def test_long_sequence_attention_matches_extra_column_softmax(window, padded):
+def test_long_sequence_attention_matches_extra_column_softmax(window, backend):
     q, k, v, sinks = _sink_inputs(16, LONG_SEQ)
-    got = sink_attention(q, k, v, sinks, window, padded=padded)
+    got = sink_attention(q, k, v, sinks, window, backend)
     grad = torch.randn_like(got)
     got_grads = torch.autograd.grad(got, (q, k, v, sinks), grad)
     expected = _naive_sink_attention(q, k, v, sinks, window)
@@ -101,7 +104,7 @@ def test_long_sequence_attention_matches_extra_column_softmax(window, padded):
 
 
 @PATHS
-def test_sliding_attention_scores_only_the_keys_a_query_block_can_see(padded):
+def test_sliding_attention_scores_only_the_keys_a_query_block_can_see(backend):
     # A sliding layer's cost must scale with the window, not with the sequence: every SDPA call
     # gets one block of queries and at most block + window keys (the sink included).
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -119,7 +122,7 @@ def test_sliding_attention_scores_only_the_keys_a_query_block_can_see(padded):
     window = 5
     q, k, v, sinks = _sink_inputs(64, LONG_SEQ)
     with Shapes() as seen:
-        sink_attention(q, k, v, sinks, window, padded=padded)
+        sink_attention(q, k, v, sinks, window, backend)
     assert sum(rows for rows, _ in seen.calls) == LONG_SEQ
     assert len(seen.calls) == 3 and all(keys <= rows + window for rows, keys in seen.calls), seen.calls
 
@@ -140,7 +143,7 @@ def test_padded_sink_attention_runs_a_fused_sdpa_kernel_not_the_math_path():
 
     q, k, v, sinks = _sink_inputs(64)
     with Ops() as ops:
-        sink_attention(q, k, v, sinks, None, padded=True).sum().backward()
+        sink_attention(q, k, v, sinks, None, "sdpa").sum().backward()
     fused = {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward"}
     assert fused <= ops.seen and "_safe_softmax" not in ops.seen, sorted(ops.seen)
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gptoss_cli.model.attention import document_attention, document_offsets, document_positions, sink_attention
+from gptoss_cli.model.attention_backends import document_attention, sink_attention
+from gptoss_cli.model.positions import document_offsets, document_positions
 from gptoss_cli.model.hybrid import HybridModel
 from gptoss_cli.model.loss import IGNORE_INDEX
 from tests.model.conftest import TINY, hf_to_hybrid_state_dict

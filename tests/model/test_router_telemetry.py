@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gptoss_cli.model.hybrid import HybridModel
-from gptoss_cli.model.moe import ENTROPY_COL, TOKENS_COL
+from gptoss_cli.model.router_stats import ENTROPY_COL, TOKENS_COL
 from tests.model.conftest import TINY, hf_to_hybrid_state_dict, tokens
 from tests.model.hybrid_helpers import tiny_batch, tiny_model
 from tests.tolerances import reassociation_rel

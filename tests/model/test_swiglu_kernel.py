@@ -1,4 +1,4 @@
-"""The compiled clamped SwiGLU (model/swiglu_kernel.py) against the eager autograd Function (model/moe.py).
+"""The compiled clamped SwiGLU (model/swiglu_kernel.py) against the eager autograd Function (model/mlp.py).
 
 The suite runs with TORCH_COMPILE_DISABLE=1 (tests/conftest.py); the `compiling` fixture lifts it
 for one test. Compiling costs seconds on a shared CPU, so the compiled tests are few and share the
@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import gptoss_cli.model.swiglu_kernel as kernel_module
-from gptoss_cli.model.moe import DenseMLPLayer, GroupedExperts, clamped_swiglu
+from gptoss_cli.model.mlp import DenseMLPLayer, clamped_swiglu
+from gptoss_cli.model.moe import GroupedExperts
 from tests.model.conftest import TINY
 from tests.tolerances import U_BF16, swiglu_error_bounds
 
@@ -140,8 +141,8 @@ def test_zero_and_one_rows_take_the_eager_form_without_compiling(monkeypatch):
         raise AssertionError("compiled for a 0- or 1-row input")
 
     monkeypatch.setattr(kernel_module, "compiled_swiglu_available", no_compile)
-    import gptoss_cli.model.moe as moe
-    monkeypatch.setattr(moe, "compiled_swiglu_available", no_compile)
+    import gptoss_cli.model.mlp as mlp
+    monkeypatch.setattr(mlp, "compiled_swiglu_available", no_compile)
     for rows in (0, 1):
         x = torch.randn(rows, 16, requires_grad=True)
         out = clamped_swiglu(x, LIMIT, ALPHA, "auto")

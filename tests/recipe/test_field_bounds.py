@@ -10,8 +10,9 @@ import typing
 import pytest
 import torch
 
+from gptoss_cli.limits import INT32_MAX
 from gptoss_cli.recipe import schema
-from gptoss_cli.recipe.schema import INT32_MAX, SEED_MAX, iter_fields
+from gptoss_cli.recipe.schema import SEED_MAX, iter_fields
 from gptoss_cli.recipe.validate import validate_recipe
 from gptoss_cli.recipe.load import load_recipe
 from tests.recipe.recipe_helpers import run_rule

@@ -21,6 +21,8 @@ CASES = {
     "model.pattern_matches_architecture": (
         ["model.hybrid_layer_pattern=*E*E"], "error", ["model.hybrid_layer_pattern=[*E][*E][*E]"]),
     "model.mtp_layers": (["model.mtp_num_layers=2"], "error", ["model.mtp_num_layers=0"]),
+    "model.attention_backend": (
+        ["model.attention_backend=flash", "system.device=cuda"], "error", ["model.attention_backend=auto", "system.device=cuda"]),
     "model.seq_within_positions": (
         ["model.architecture.max_position_embeddings=16"], "error", ["model.architecture.max_position_embeddings=32"]),
     "parallel.world_size_consistent": (
@@ -231,6 +233,20 @@ def test_overlap_needs_torch_2_6():
     assert [f.rule for f in rule(cfg, ctx)] == ["overlap.torch_version"]
     cfg, ctx = make_ctx(overrides=OVERLAP, torch_version="2.6.0")
     assert rule(cfg, ctx) == []
+
+
+def test_flex_attention_needs_torch_2_5_and_flash_on_an_unknown_device_is_a_warning():
+    rule = RULES["model.attention_backend"]
+    cfg, ctx = make_ctx(overrides=["model.attention_backend=flex"], torch_version="2.4.1")
+    assert [f.severity for f in rule(cfg, ctx)] == ["error"]
+    cfg, ctx = make_ctx(overrides=["model.attention_backend=flex"], torch_version="2.11.0+cu128")
+    assert rule(cfg, ctx) == []
+    assert [f.severity for f in run_rule("model.attention_backend", ["model.attention_backend=flash", "system.device=auto"])] \
+        == ["warning"]
+    assert run_rule("model.attention_backend", ["model.attention_backend=flash", "system.device=cpu"]) == []
+    # a window no shorter than the sequence masks nothing: the CUDA flash kernel takes those layers
+    assert run_rule("model.attention_backend", ["model.attention_backend=flash", "system.device=cuda",
+                                                "model.architecture.sliding_window=32"]) == []
 
 
 # --- rules with a second trigger worth pinning -------------------------------------------------

@@ -8,19 +8,15 @@ import pytest
 from typer.testing import CliRunner
 
 from gptoss_cli.cli import app
-from gptoss_cli.cli.app import console
 from gptoss_cli.recipe.rules import RULES
 
 runner = CliRunner()
 
 
 @pytest.fixture(autouse=True)
-def wide_console():
-    """The shared console measures its width once; make it wide so rule ids are never folded."""
-    old = console.width
-    console.width = 200
-    yield
-    console.width = old
+def wide_console(monkeypatch):
+    """A wide console (it reads COLUMNS when it prints), so rule ids are never folded."""
+    monkeypatch.setenv("COLUMNS", "200")
 
 
 def invoke(*args: str):

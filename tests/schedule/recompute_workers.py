@@ -9,6 +9,7 @@ from typing import Any, Iterator
 import torch.distributed as dist
 
 import gptoss_cli.model.attention as attention
+import gptoss_cli.model.mlp as mlp
 import gptoss_cli.model.moe as moe
 import gptoss_cli.model.norm as norm
 from gptoss_cli.parallel.state import init_parallel
@@ -29,15 +30,17 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "full_uniform": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2),
     "full_block": dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=3),
 }
-# module, attribute: the functions whose calls show what ran again
-COUNTED = {"sink_attention": (attention, "sink_attention"), "clamped_swiglu": (moe, "clamped_swiglu"),
-           "qkv_norm": (attention, "rms_norm"), "mlp_norm": (norm, "rms_norm"),
-           "all_to_all": (dist, "all_to_all_single")}
+# name: the (module, attribute) places of the function whose calls show what ran again (the experts
+# call the clamped SwiGLU as model/moe.py imported it, the `-` layers as model/mlp.py defines it)
+COUNTED = {"sink_attention": ((attention, "document_attention"),),  # the core's one call per forward
+           "clamped_swiglu": ((moe, "clamped_swiglu"), (mlp, "clamped_swiglu")),
+           "qkv_norm": ((attention, "rms_norm"),), "mlp_norm": ((norm, "rms_norm"),),
+           "all_to_all": ((dist, "all_to_all_single"),)}
 
 
 @contextlib.contextmanager
 def counting(calls: dict[str, int]) -> Iterator[None]:
-    saved = {name: getattr(mod, attr) for name, (mod, attr) in COUNTED.items()}
+    saved = {(name, i): getattr(mod, attr) for name, places in COUNTED.items() for i, (mod, attr) in enumerate(places)}
 
     def wrap(name: str, fn: Any) -> Any:
         def counted(*args: Any, **kwargs: Any) -> Any:
@@ -46,12 +49,14 @@ def counting(calls: dict[str, int]) -> Iterator[None]:
         return counted
 
     try:
-        for name, (mod, attr) in COUNTED.items():
-            setattr(mod, attr, wrap(name, saved[name]))
+        for name, places in COUNTED.items():
+            for i, (mod, attr) in enumerate(places):
+                setattr(mod, attr, wrap(name, saved[name, i]))
         yield
     finally:
-        for name, (mod, attr) in COUNTED.items():
-            setattr(mod, attr, saved[name])
+        for name, places in COUNTED.items():
+            for i, (mod, attr) in enumerate(places):
+                setattr(mod, attr, saved[name, i])
 
 
 def recompute_worker(rank: int, ep: int, overlap: bool, pattern: str, names: list[str]) -> dict[str, Any]:

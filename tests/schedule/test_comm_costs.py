@@ -24,7 +24,8 @@ from tests.train.dist_helpers import once_per_session, run_distributed
 
 MICROBATCHES = SYNC_MICROBATCHES
 MOE_LAYERS = TINY.num_hidden_layers  # "*E*E*E"
-MODEL_FILES = ("model/dispatcher.py", "model/grouped_gemm.py", "model/moe.py", "model/schedule_plan.py")
+MODEL_FILES = ("model/dispatcher.py", "model/grouped_gemm.py", "model/moe.py", "model/router_stats.py", "model/mlp.py",
+               "model/schedule_plan.py")
 SCHEDULE_FILES = ("schedule/plain.py", "schedule/combined_1f1b.py")
 # A sleeping wait costs the process (its gloo threads included) well under a millisecond of CPU
 # per all-to-all; a spinning one costs the whole wait. A quarter of the wait separates the two

@@ -181,8 +181,8 @@ def test_train_cli_refuses_a_v2_file_whose_mask_is_missing(sft_file, tmp_path):
                                       "parallelism.expert_model_parallel_size=1", "data.kind=tokens",
                                       f"data.path={prefix}", f"training.seq_length={S}", "training.train_iters=2",
                                       "training.warmup_iters=0", f"logging.run_dir={tmp_path / 'r'}", f"checkpoint.dir={tmp_path / 'c'}"])
-    assert result.exit_code == 1, result.output
-    assert "data.source" in result.output and "sft.mask not found" in result.output
+    assert result.exit_code == 2, result.output  # a missing file is bad input
+    assert "data.path" in result.output and "sft.mask not found" in result.output
     assert "Traceback" not in result.output
 
 

@@ -8,11 +8,10 @@ weight, FP8 quantises it as it would a bf16 base's, QAT rounds it with the adapt
 
 from __future__ import annotations
 
+from gptoss_cli.model.catalog import MLP_TARGETS
 from gptoss_cli.model.pattern import MLP, MOE
 from gptoss_cli.recipe.rules.core import Context, Finding, error, rule
 from gptoss_cli.recipe.schema import RecipeConfig
-
-MLP_TARGETS = ("linear_fc1", "linear_fc2")
 
 
 @rule("lora.targets", "a LoRA rank needs targets; every target exists in the layer pattern, once "

@@ -116,8 +116,8 @@ def _launch_file_problems(files: list[tuple[str, str]], ctx: Context) -> list[Fi
         try:
             check_token_files(path, ctx.arch.vocab_size)
         except GptossError as exc:
-            out.append(error({name: path}, exc.message, exc.hint or "create the files with `gptoss prepare-data`",
-                             bad_input=True))
+            out.append(error({name: path}, f"{name}: {exc.message}",
+                             exc.hint or "create the files with `gptoss prepare-data`", bad_input=True))
         except (OSError, ValueError) as exc:  # unreadable, or a name the file system cannot hold
             out.append(error({name: path}, f"{name}: token files for {path!r} cannot be read: {exc}",
                              "create the files with `gptoss prepare-data`", bad_input=True))

@@ -1,0 +1,172 @@
+"""prepare-data --format harmony over a large Parquet file: peak memory and tokens/s, against the JSONL path.
+
+Synthetic agent traces (a developer message declaring two function tools, a user question, analysis, one to
+three tool calls with results, a final answer; words drawn from a fixed vocabulary with some Unicode, so the
+text tokenizes like prose; 40,000 distinct ones, repeated to fill the large file) are written as harmony's JSON,
+one conversation per row: a JSONL file and a
+Parquet file (snappy, the column `conversation`) of the same rows for the comparison, and one Parquet file
+of --gb gigabytes for the memory bound. Each prepare-data run is its own process (`python -m gptoss_cli`),
+timed by wall clock, its peak RSS read from wait4's rusage. The comparison alternates JSONL and Parquet runs
+(--rounds each) and prints the median tokens/s of each and their ratio; the large file runs once, with the
+subset's Parquet peak RSS beside it (memory bounded by a batch of rows means the two stay close).
+
+The tokenizer is the real GPT-OSS one, built offline from the test extra's bpe-openai (tests/data/
+harmony_tokenizer.py). Example: python bench/prepare_parquet.py --gb 1 --compare-mb 64 --rounds 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+WORDS: list[str] = []
+UNIQUE_CHUNKS = 8  # of 5,000 conversations (about 190 MB of JSON); the large file repeats them
+
+
+def _words(rng: random.Random) -> list[str]:
+    syllables = ["ka", "to", "ri", "mu", "sen", "lo", "va", "qui", "der", "an", "el", "or", "ph", "th", "ing", "ous"]
+    words = ["".join(rng.choice(syllables) for _ in range(rng.randint(1, 4))) for _ in range(6000)]
+    return words + ["東京", "données", "naïve", "🤖", "Straße", "3.14", "2026", "<|end|>", "e.g.", "(x)"]
+
+
+def _text(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n)).capitalize() + "."
+
+
+TOOLS = {"functions": {"name": "functions", "tools": [
+    {"name": "search", "description": "Searches the knowledge base.", "parameters": {
+        "type": "object", "properties": {"query": {"type": "string", "description": "what to look for"},
+                                         "limit": {"type": "integer", "default": 5}}, "required": ["query"]}},
+    {"name": "fetch", "description": "Fetches a document by id.", "parameters": {
+        "type": "object", "properties": {"id": {"type": "string"}}, "required": ["id"]}}]}}
+
+
+def conversation(rng: random.Random) -> dict:
+    messages = [{"role": "system", "content": [{"type": "system_content", "reasoning_effort": "Low"}]},
+                {"role": "developer", "content": [{"type": "developer_content", "instructions": _text(rng, 12),
+                                                   "tools": TOOLS}]},
+                {"role": "user", "content": _text(rng, rng.randint(10, 60))},
+                {"role": "assistant", "channel": "analysis", "content": _text(rng, rng.randint(20, 80))}]
+    for _ in range(rng.randint(1, 3)):
+        name = rng.choice(["search", "fetch"])
+        args = {"query": _text(rng, 4)} if name == "search" else {"id": f"doc-{rng.randint(0, 10**6)}"}
+        messages.append({"role": "assistant", "channel": "commentary", "recipient": f"functions.{name}",
+                         "content_type": "<|constrain|>json", "content": json.dumps(args, ensure_ascii=False)})
+        messages.append({"role": "tool", "name": f"functions.{name}", "recipient": "assistant",
+                         "channel": "commentary", "content": _text(rng, rng.randint(40, 300))})
+    messages.append({"role": "assistant", "channel": "final", "content": _text(rng, rng.randint(20, 120))})
+    return {"messages": messages}
+
+
+def write_data(folder: Path, gb: float, compare_mb: float, compression: str, seed: int = 0) -> tuple[Path, Path, Path]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    global WORDS
+    rng = random.Random(seed)
+    WORDS = _words(rng)
+    big, small_pq, small_jl = folder / "big.parquet", folder / "small.parquet", folder / "small.jsonl"
+    schema = pa.schema([("id", pa.int64()), ("conversation", pa.string())])
+    n = 0
+    with pq.ParquetWriter(big, schema, compression=compression) as w_big, \
+            pq.ParquetWriter(small_pq, schema, compression=compression) as w_small, small_jl.open("w") as jl:
+        small_bytes = 0
+        chunks: list[list[str]] = []
+        while not big.exists() or big.stat().st_size < gb * 1e9:
+            if len(chunks) < UNIQUE_CHUNKS:  # then cycled: the text generator, not the file, is the slow part
+                chunks.append([json.dumps(conversation(rng), ensure_ascii=False) for _ in range(5000)])
+            rows = chunks[(n // 5000) % len(chunks)]
+            table = pa.table({"id": list(range(n, n + len(rows))), "conversation": rows})
+            w_big.write_table(table, row_group_size=5000)
+            if small_bytes < compare_mb * 1e6:
+                w_small.write_table(table, row_group_size=5000)
+                jl.write("".join(r + "\n" for r in rows))
+                small_bytes += sum(len(r) + 1 for r in rows)
+            n += len(rows)
+            print(f"\rwriting: {n:,} rows, {big.stat().st_size / 1e9:.2f} GB", end="", file=sys.stderr, flush=True)
+    print(file=sys.stderr)
+    return big, small_pq, small_jl
+
+
+def tokenizer_rss(tokenizer: Path) -> float:
+    """Peak RSS (MiB) of a process that only loads the tokenizer: the floor under every prepare-data run."""
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; from tokenizers import Tokenizer; "
+                             "Tokenizer.from_file(sys.argv[1])", str(tokenizer)])
+    return os.wait4(proc.pid, 0)[2].ru_maxrss / 1024
+
+
+def run_prepare(source: Path, tokenizer: Path, out: Path, field: bool) -> dict:
+    report = out.with_name(out.name + "-report.json")
+    cmd = [sys.executable, "-m", "gptoss_cli", "prepare-data", str(source), "--format", "harmony", "--tokenizer",
+           str(tokenizer), "--out", str(out), "--quiet", "--json", str(report)] + (["--field", "conversation"]
+                                                                                   if field else [])
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=ROOT)
+    try:
+        _, status, usage = os.wait4(proc.pid, 0)
+    except BaseException:  # Ctrl-C or SIGTERM of the bench: no prepare-data left behind
+        proc.terminate()
+        proc.wait()
+        raise
+    seconds = time.perf_counter() - start
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"prepare-data failed on {source}")
+    result = json.loads(report.read_text())
+    for suffix in (".bin", ".idx", ".mask"):
+        out.with_suffix(suffix).unlink()
+    return {"tokens": result["num_tokens"], "documents": result["num_documents"], "seconds": seconds,
+            "tokens_per_s": result["num_tokens"] / seconds, "peak_rss_mib": usage.ru_maxrss / 1024}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gb", type=float, default=1.0, help="size of the large Parquet file")
+    ap.add_argument("--compare-mb", type=float, default=64, help="size of the JSONL / Parquet comparison data")
+    ap.add_argument("--rounds", type=int, default=2, help="alternating JSONL / Parquet runs each")
+    ap.add_argument("--compression", default="snappy", help="Parquet compression (snappy, zstd, none)")
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/gptoss-bench-prepare-parquet"))
+    ap.add_argument("--json", type=Path, help="also write the figures as JSON")
+    args = ap.parse_args()
+    from tests.data.harmony_tokenizer import gpt_oss_tokenizer_json
+
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    tokenizer = gpt_oss_tokenizer_json(args.workdir / "tokenizer")
+    big, small_pq, small_jl = write_data(args.workdir, args.gb, args.compare_mb, args.compression)
+    floor = tokenizer_rss(tokenizer)
+    runs: dict[str, list[dict]] = {"jsonl": [], "parquet": []}
+    for r in range(args.rounds):
+        for kind, source in (("jsonl", small_jl), ("parquet", small_pq)) if r % 2 == 0 else \
+                (("parquet", small_pq), ("jsonl", small_jl)):
+            runs[kind].append(run_prepare(source, tokenizer, args.workdir / f"out-{kind}", kind == "parquet"))
+            print(f"{kind:8s} {runs[kind][-1]}", file=sys.stderr)
+    large = run_prepare(big, tokenizer, args.workdir / "out-big", True)
+    med = {k: statistics.median(x["tokens_per_s"] for x in v) for k, v in runs.items()}
+    figures = {"load_average": os.getloadavg(), "big_file_bytes": big.stat().st_size, "tokenizer_rss_mib": floor,
+               "compare_bytes": {"jsonl": small_jl.stat().st_size, "parquet": small_pq.stat().st_size},
+               "runs": runs, "large": large, "median_tokens_per_s": med,
+               "parquet_over_jsonl": med["parquet"] / med["jsonl"]}
+    print(f"comparison ({small_jl.stat().st_size / 1e6:.0f} MB JSONL, {small_pq.stat().st_size / 1e6:.0f} MB "
+          f"Parquet, {runs['jsonl'][0]['tokens']:,} tokens): JSONL {med['jsonl']:,.0f} tokens/s, Parquet "
+          f"{med['parquet']:,.0f} tokens/s, ratio {figures['parquet_over_jsonl']:.2f}; peak RSS JSONL "
+          f"{max(x['peak_rss_mib'] for x in runs['jsonl']):.0f} MiB, Parquet "
+          f"{max(x['peak_rss_mib'] for x in runs['parquet']):.0f} MiB")
+    print(f"large Parquet {big.stat().st_size / 1e9:.2f} GB, {large['documents']:,} conversations, "
+          f"{large['tokens']:,} tokens in {large['seconds']:.0f} s: {large['tokens_per_s']:,.0f} tokens/s, "
+          f"peak RSS {large['peak_rss_mib']:.0f} MiB (loading the tokenizer alone: {floor:.0f} MiB); load average "
+          f"{figures['load_average']}")
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=1))
+
+
+if __name__ == "__main__":
+    main()

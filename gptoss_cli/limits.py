@@ -1,0 +1,10 @@
+"""Integer bounds that recipes, checkpoints and data files are checked against (torch-free)."""
+
+from __future__ import annotations
+
+# Sizes (tensor dimensions, process counts, bucket elements) and counts (steps, intervals): int32, what
+# torch's index kernels, NCCL counts and rank numbers take; with it the sample index (step x
+# global_batch_size) stays far inside int64.
+INT32_MAX = 2**31 - 1
+
+__all__ = ["INT32_MAX"]
