@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from gptoss_cli.data.harmony import ConversationError, HarmonyTokenizer, parse_conversation, render_prompt
+from gptoss_cli.data.conversation import parse_conversation
+from gptoss_cli.data.harmony import ConversationError, HarmonyTokenizer, render_prompt
 from gptoss_cli.errors import ConfigError
 from gptoss_cli.json_input import jsonl_lines
 
