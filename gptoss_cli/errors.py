@@ -68,6 +68,12 @@ def describe_os_error(exc: OSError, action: str | None = None) -> str:
     return f"{action}: {text}" if action else text
 
 
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (at most 300 characters), or its type's name when it has none."""
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0][:300]
+
+
 def file_system_error(exc: OSError, action: str | None = None, hint: str | None = None) -> FileSystemError:
     """The FileSystemError for an OSError (raise it `from None`: the message already says everything)."""
     return FileSystemError(describe_os_error(exc, action), hint)

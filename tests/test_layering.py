@@ -4,7 +4,7 @@ Function-local imports count too (they used to hide cycles). The rules:
 - model/ only computes: it imports nothing from checkpoint/, parallel/, schedule/, train/ (nor the
   CLI, parity or recipes);
 - recipe/ never imports train/ (validation must not need the trainer);
-- checkpoint/ never imports train/;
+- checkpoint/ never imports train/ nor recipe/ (conversion knows no recipes);
 - data/ (conversations, packing) is torch-free and imports none of the other layers;
 - the library never imports the CLI (gptoss_cli/cli/) or rich;
 - no file in the package over 500 lines, no function (package or tests) over 100, no import circle;
@@ -24,7 +24,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "gptoss_cli"
 FORBIDDEN = {
     "model": ("checkpoint", "parallel", "schedule", "train", "cli", "parity", "recipe"),
     "recipe": ("train", "cli"),
-    "checkpoint": ("train", "cli", "parallel", "schedule"),
+    "checkpoint": ("train", "cli", "parallel", "schedule", "recipe"),
     "parallel": ("train", "cli", "checkpoint", "recipe"),
     "schedule": ("train", "cli", "checkpoint", "recipe"),
     "fp8": ("train", "cli", "checkpoint", "recipe", "parallel", "schedule"),
@@ -102,10 +102,7 @@ MAX_FILE_LINES = 500
 MAX_FUNCTION_LINES = 100
 # TEMPORARY: today's offenders, each owned by a helper splitting it right now. Every entry must go:
 # the integrator removes it when its owner's change lands, and nothing may be added here.
-OVERSIZE_ALLOWED = {
-    "gptoss_cli/checkpoint/megatron_format.py",  # h35-ckpt: one module per job
-    "gptoss_cli/checkpoint/convert.py:convert",  # h35-ckpt: the format registry
-}
+OVERSIZE_ALLOWED: set[str] = set()
 
 
 def _oversize(base: Path, file_roots: tuple[str, ...], function_roots: tuple[str, ...]) -> list[str]:

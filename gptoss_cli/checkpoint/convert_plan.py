@@ -1,38 +1,39 @@
 """Conversion plans: one object per output layout, saying what a conversion reads, computes and writes.
 
-`make_plan` checks a source against the direction asked of it and returns `ToHybrid` (HF or OpenAI
-original decoded through its layout, or a training / Megatron checkpoint copied by Hybrid name),
-`ToHf` (any Hybrid-named source re-laid out for transformers, experts bf16 or MXFP4) or
-`ToMegatron` (what `ToHybrid` computes, written as a Megatron-LM torch_dist release). `convert()`
-then runs any plan the same way: its jobs, cut into tasks, through the thread pipeline into the
-plan's writer, then the plan's folder files.
+`ConvertPlan` is what every plan answers; convert's `make_plan` checks a source and asks the target's
+registry row (checkpoint/formats/) for its plan: `ToHybrid` here (HF or OpenAI original decoded
+through its layout, or a training / Megatron checkpoint copied by Hybrid name), `ToHf` here (any
+Hybrid-named source re-laid out for transformers, experts bf16 or MXFP4), `ToMegatron`
+(checkpoint/megatron/plan.py) and `ToPeft` (checkpoint/peft_plan.py). `convert()` then runs any
+plan the same way: its jobs, cut into tasks, through the thread pipeline into the plan's writer,
+then the plan's folder files.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Callable, ClassVar, Iterator
+from typing import Any, Callable, ClassVar, Iterator
 
 import torch
 
 from gptoss_cli import outputs
-from gptoss_cli.checkpoint import megatron_format, mxfp4
-from gptoss_cli.checkpoint.hf_config import to_hf_config
+from gptoss_cli.checkpoint.export_cost import RoundingMeter
+from gptoss_cli.checkpoint.formats.registry import Source, check_tensors
+from gptoss_cli.checkpoint.hf_config import EXTRA_FILES, to_hf_config
 from gptoss_cli.checkpoint.hybrid_format import HybridCheckpointConfig, write_hybrid_config
 from gptoss_cli.checkpoint.layouts import HF_LAYOUTS, UINT8, Layout
 from gptoss_cli.checkpoint.mapping import VOCAB_PADDED_HYBRID, Unit, hybrid_shapes, identity, units
-from gptoss_cli.checkpoint.pipeline import RELEASE_HELD, Task
-from gptoss_cli.checkpoint.readers import RowReader
-from gptoss_cli.checkpoint.safetensors_io import ShardedWriter, TensorSpec
-from gptoss_cli.checkpoint.sources import (
-    EXTRA_FILES, HF, HYBRID, HYBRID_NAMED, MEGATRON, TRAINING, Source, check_tensors,
-)
+from gptoss_cli.checkpoint.storage.pipeline import RELEASE_HELD, Task
+from gptoss_cli.checkpoint.storage.readers import RowReader
+from gptoss_cli.checkpoint.storage.safetensors_io import ShardedWriter, TensorSpec
 from gptoss_cli.errors import CheckpointError, UsageError
+from gptoss_cli.model import mxfp4
 from gptoss_cli.model.config import GptOssArch
-from gptoss_cli.model.dtypes import dtype_name, short_dtype_name
+from gptoss_cli.model.dtypes import dtype_name
 
 PROVENANCE_KEY = "gptoss_provenance"  # HF outputs: in the index's metadata (config.json stays as released)
 
@@ -40,9 +41,9 @@ PROVENANCE_KEY = "gptoss_provenance"  # HF outputs: in the index's metadata (con
 # --- jobs: the output tensors of each table unit, in write order ---------------------------
 @dataclass
 class Job:
-    """A bound table unit plus the output tensors it writes, in write order."""
+    """A bound table unit (or what else a plan cuts its work by) plus the output tensors it writes, in write order."""
 
-    unit: Unit
+    unit: Any  # a mapping-table Unit; ToPeft: an HF block index
     outputs: list[TensorSpec]
 
 
@@ -154,8 +155,12 @@ def _tasks_to_hybrid(reader: RowReader, arch: GptOssArch, layout: Layout, job: J
     yield partial(_unit_to_hybrid, reader, arch, layout, unit, dtype)
 
 
-def _experts_to_hf(reader: RowReader, arch: GptOssArch, layout: Layout, unit: Unit, dtype: torch.dtype, e0: int, e1: int):
+def _experts_to_hf(reader: RowReader, arch: GptOssArch, layout: Layout, unit: Unit, dtype: torch.dtype, e0: int, e1: int,
+                   meter=None):
     per_expert = [_read_hybrid(reader, arch, name, dtype) for name in unit.hybrid[e0:e1]]
+    if meter is not None and unit.hybrid[0].split(".")[-1].startswith("weight"):  # what MXFP4 will make of them
+        for name, t in zip(unit.hybrid[e0:e1], per_expert):  # [out, in], rounded along `in` as stored
+            meter.add(name, t, mxfp4.round_to_mxfp4(t))
     (chunk,) = unit.to_hf(arch, per_expert)
     try:
         stored = layout.store(unit.hf[0], chunk)
@@ -175,7 +180,8 @@ def _unit_to_hf(reader: RowReader, arch: GptOssArch, layout: Layout, unit: Unit,
     return out, []
 
 
-def _tasks_to_hf(reader: RowReader, arch: GptOssArch, job: Job, dtype: torch.dtype, layout: Layout, budget: int):
+def _tasks_to_hf(reader: RowReader, arch: GptOssArch, job: Job, dtype: torch.dtype, layout: Layout, budget: int,
+                 meter=None):
     unit, out = job.unit, job.outputs[0]
     if _streams_rows(unit, out) and len(job.outputs) == 1:
         for r0, r1 in _row_ranges(out, budget):
@@ -184,7 +190,8 @@ def _tasks_to_hf(reader: RowReader, arch: GptOssArch, job: Job, dtype: torch.dty
     if unit.per_expert:
         n = _expert_chunk(arch, unit, dtype, budget)
         for e0 in range(0, arch.num_local_experts, n):
-            yield partial(_experts_to_hf, reader, arch, layout, unit, dtype, e0, min(arch.num_local_experts, e0 + n))
+            yield partial(_experts_to_hf, reader, arch, layout, unit, dtype, e0, min(arch.num_local_experts, e0 + n),
+                          meter)
         yield RELEASE_HELD
         return
     yield partial(_unit_to_hf, reader, arch, layout, unit, dtype)
@@ -192,7 +199,7 @@ def _tasks_to_hf(reader: RowReader, arch: GptOssArch, job: Job, dtype: torch.dty
 
 # --- plans: one per output layout ---------------------------------------------------------
 @dataclass
-class ConvertPlan:
+class ConvertPlan(ABC):
     """What one conversion computes and writes: its jobs, their tasks, its writer and folder files."""
 
     target: ClassVar[str]
@@ -202,6 +209,7 @@ class ConvertPlan:
     jobs: list[Job]
     experts_in: str  # the source's expert form (bf16, mxfp4, or the dtype of a training checkpoint's experts)
     experts_out: str = "bf16"
+    notes: list[str] = field(default_factory=list)  # what the user should know about this output
 
     @property
     def specs(self) -> list[TensorSpec]:
@@ -211,12 +219,17 @@ class ConvertPlan:
     def total_bytes(self) -> int:
         return sum(s.nbytes for s in self.specs)
 
+    @abstractmethod
     def tasks(self, reader: RowReader, job: Job, budget: int, empty: Empty = fresh) -> Iterator[Task | object]:
         """The tasks computing `job`'s output in chunks of about `budget` bytes (RELEASE_HELD among
         them), into memory from `empty` where they compute into new memory."""
-        raise NotImplementedError
 
-    def open_writer(self, folder: Path, *, max_shard_bytes: int, on_bytes: Callable[[int], None] | None):
+    @abstractmethod
+    def write_files(self, folder: Path, provenance: dict) -> None:
+        """The folder's files besides the weights (configs; tokenizer files are `extra_files`)."""
+
+    def open_writer(self, folder: Path, *, provenance: dict, max_shard_bytes: int,
+                    on_bytes: Callable[[int], None] | None):
         return ShardedWriter(folder, self.specs, max_shard_bytes=max_shard_bytes, on_bytes=on_bytes)
 
     def allocator(self, writer) -> Empty:
@@ -226,20 +239,22 @@ class ConvertPlan:
     def close_writer(self, writer, provenance: dict) -> None:
         writer.close()
 
-    def write_files(self, folder: Path, provenance: dict) -> None:
-        """The folder's files besides the weights (configs; tokenizer files are `extra_files`)."""
-        raise NotImplementedError
-
 
 @dataclass
 class ToHybrid(ConvertPlan):
     """HF or OpenAI original -> Hybrid (decoded through the source's layout), or a training or Megatron
     checkpoint -> Hybrid (copied by name, cast to the output dtype)."""
 
-    target: ClassVar[str] = HYBRID
+    target: ClassVar[str] = "hybrid"
+
+    @classmethod
+    def for_source(cls, source: Source, dtype: torch.dtype, **kwargs) -> "ToHybrid":
+        if source.layout is not None:
+            check_tensors(source, source.layout.stored_specs(source.arch))
+        return cls(source, dtype, plan_to_hybrid(source.arch, dtype), source.experts_form, **kwargs)
 
     def tasks(self, reader: RowReader, job: Job, budget: int, empty: Empty = fresh) -> Iterator[Task | object]:
-        if self.source.kind in HYBRID_NAMED:
+        if self.source.format.hybrid_named:
             return _tasks_copy(reader, job, self.dtype, budget)
         return _tasks_to_hybrid(reader, self.source.arch, self.source.layout, job, self.dtype, budget, empty)
 
@@ -251,50 +266,15 @@ class ToHybrid(ConvertPlan):
 
 
 @dataclass
-class ToMegatron(ToHybrid):
-    """What `ToHybrid` computes, written as Megatron's `release` (weights without optimizer state)."""
-
-    target: ClassVar[str] = MEGATRON
-    extra_files: ClassVar[tuple[str, ...]] = ()  # Megatron finds its tokenizer by its own options
-    vocab_multiple: int = megatron_format.DEFAULT_VOCAB_MULTIPLE
-
-    @property
-    def padded_rows(self) -> int:
-        return megatron_format.padded_vocab(self.source.arch.vocab_size, self.vocab_multiple)
-
-    @property
-    def total_bytes(self) -> int:  # plus the zero rows of the vocabulary padding
-        arch = self.source.arch
-        pad = 2 * (self.padded_rows - arch.vocab_size) * arch.hidden_size * torch.empty((), dtype=self.dtype).element_size()
-        return super().total_bytes + pad
-
-    def open_writer(self, folder: Path, *, max_shard_bytes: int, on_bytes: Callable[[int], None] | None):
-        return megatron_format.MegatronWriter(folder / megatron_format.RELEASE, self.specs, self.source.arch,
-                                              padded_rows=self.padded_rows, max_shard_bytes=max_shard_bytes,
-                                              on_bytes=on_bytes)
-
-    def allocator(self, writer) -> Empty:
-        return fresh  # each piece is saved with torch.save, through the page cache
-
-    def write_files(self, folder: Path, provenance: dict) -> None:
-        # common.pt keeps the step the source was at
-        iteration = self.source.provenance.get("iteration", self.source.provenance.get("megatron_iteration", 0))
-        megatron_format.write_folder_files(
-            folder / megatron_format.RELEASE,
-            megatron_format.megatron_args(self.source.arch, vocab_multiple=self.vocab_multiple, params_dtype=self.dtype),
-            iteration, provenance)
-        outputs.write_text(folder / megatron_format.TRACKER, megatron_format.RELEASE + "\n")
-
-
-@dataclass
 class ToHf(ConvertPlan):
     """A Hybrid-named checkpoint (Hybrid, training, Megatron) -> HF, its experts in `layout`'s form."""
 
-    target: ClassVar[str] = HF
+    target: ClassVar[str] = "hf"
     layout: Layout = HF_LAYOUTS["bf16"]
+    meter: Any = None  # export_cost.RoundingMeter: MXFP4 experts the source was not trained with
 
     def tasks(self, reader: RowReader, job: Job, budget: int, empty: Empty = fresh) -> Iterator[Task | object]:
-        return _tasks_to_hf(reader, self.source.arch, job, self.dtype, self.layout, budget)
+        return _tasks_to_hf(reader, self.source.arch, job, self.dtype, self.layout, budget, self.meter)
 
     def close_writer(self, writer, provenance: dict) -> None:
         writer.close(index_metadata={PROVENANCE_KEY: provenance})
@@ -304,51 +284,20 @@ class ToHf(ConvertPlan):
         outputs.write_text(folder / "config.json", json.dumps(config, indent=2) + "\n")
 
 
-def target_for(source: Source, to: str | None, src: str) -> str:
-    """The output layout: `to`, or by default the other one than SRC's (hybrid for a training or
-    Megatron checkpoint); refuses HF -> HF and Hybrid -> Hybrid."""
-    target = to or (HF if source.kind == HYBRID else HYBRID)
-    to_hf = target == HF
-    if target != MEGATRON and source.kind not in (TRAINING, MEGATRON) and to_hf != (source.kind in HYBRID_NAMED):
-        raise UsageError(f"{src}: is already a{'n HF' if to_hf else ' Hybrid'} checkpoint ({source.kind}); "
-                         f"convert writes the other layout", hint="drop --to, or choose the other value")
-    return target
-
-
-def make_plan(source: Source, target: str, *, experts: str | None, dtype: torch.dtype,
-              vocab_multiple: int | None = None) -> ConvertPlan:
-    """The plan converting `source` to `target` (from `target_for`), after checking that the source's
-    tensors are what its config says and that the options fit the direction."""
+def to_hf_plan(source: Source, *, experts: str | None, dtype: torch.dtype) -> ToHf:
     arch = source.arch
-    if source.kind in HYBRID_NAMED:
-        check_tensors(source, {n: (s, "float") for n, s in hybrid_shapes(arch).items()}, padded_rows=VOCAB_PADDED_HYBRID)
-    if target == HF:
-        out_form = experts or "bf16"
-        if out_form == "mxfp4" and (arch.hidden_size % 32 or arch.intermediate_size % 32):
-            raise UsageError(
-                f"--experts mxfp4 needs hidden_size and intermediate_size divisible by 32 "
-                f"(got {arch.hidden_size}, {arch.intermediate_size})"
-            )
-        layout = HF_LAYOUTS[out_form]
-        plan: ConvertPlan = ToHf(source, dtype, plan_to_hf(arch, layout, dtype), "bf16", out_form, layout=layout)
-    else:
-        if experts is not None:
-            raise UsageError(
-                "--experts applies to HF output only; Hybrid and Megatron checkpoints store bf16/fp32 experts"
-            )
-        if source.layout is not None:
-            check_tensors(source, source.layout.stored_specs(arch))
-        experts_in = source.layout.experts_form if source.layout else "bf16"
-        jobs = plan_to_hybrid(arch, dtype)
-        if target == MEGATRON:
-            plan = ToMegatron(source, dtype, jobs, experts_in,
-                              vocab_multiple=vocab_multiple or megatron_format.DEFAULT_VOCAB_MULTIPLE)
-        else:
-            plan = ToHybrid(source, dtype, jobs, experts_in)
-    if source.kind in (TRAINING, MEGATRON):
-        plan.experts_in = short_dtype_name(source.reader.dtype(next(u.hybrid[0] for u in units(arch) if u.per_expert)))
-    return plan
+    out_form = experts or "bf16"
+    if out_form == "mxfp4" and (arch.hidden_size % 32 or arch.intermediate_size % 32):
+        raise UsageError(
+            f"--experts mxfp4 needs hidden_size and intermediate_size divisible by 32 "
+            f"(got {arch.hidden_size}, {arch.intermediate_size})"
+        )
+    layout = HF_LAYOUTS[out_form]
+    # Experts stored or trained in MXFP4 lose nothing more; any other experts are rounded: measured
+    rounds = out_form == "mxfp4" and source.experts_form != "mxfp4" and source.provenance.get("qat") != "mxfp4"
+    return ToHf(source, dtype, plan_to_hf(arch, layout, dtype), source.experts_form, out_form, layout=layout,
+                meter=RoundingMeter() if rounds else None)
 
 
-__all__ = ["ConvertPlan", "ToHybrid", "ToMegatron", "ToHf", "Job", "make_plan", "target_for", "plan_to_hf",
-           "plan_to_hybrid", "PROVENANCE_KEY"]
+__all__ = ["ConvertPlan", "ToHybrid", "ToHf", "Job", "Empty", "fresh", "to_hf_plan", "plan_to_hf", "plan_to_hybrid",
+           "PROVENANCE_KEY"]

@@ -14,6 +14,15 @@ from typing import Any
 from gptoss_cli.errors import ConfigError
 from gptoss_cli.model.config import GptOssArch
 
+# Files copied alongside the weights in both directions (and fetched with them from the Hub).
+EXTRA_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
+
 
 def from_hf_config(cfg: dict[str, Any], *, source: str = "config.json") -> GptOssArch:
     """Read a GPT-OSS HF config.json (released form with rope_scaling, or transformers 5's rope_parameters)."""
@@ -177,4 +186,4 @@ def _fits(token_id: Any, vocab_size: Any) -> bool:
     return isinstance(vocab_size, int) and isinstance(token_id, int) and token_id < vocab_size
 
 
-__all__ = ["from_hf_config", "from_openai_config", "to_hf_config"]
+__all__ = ["EXTRA_FILES", "from_hf_config", "from_openai_config", "to_hf_config"]

@@ -14,14 +14,15 @@ from typing import Callable
 
 import torch
 
-from gptoss_cli.checkpoint import mxfp4
+from gptoss_cli.model import mxfp4
 from gptoss_cli.checkpoint.mapping import canonical_hf_shapes
-from gptoss_cli.checkpoint.readers import RowReader
+from gptoss_cli.checkpoint.storage.readers import RowReader
 from gptoss_cli.model.config import GptOssArch
 
 FLOAT = "float"
 UINT8 = "uint8"
 Shape = tuple[int, ...]
+EXPERT_CHUNK = 8  # experts read per chunk from an HF stack (model loading, parity's weight check)
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,17 @@
-"""Filling a built HybridModel from a checkpoint folder: Hybrid, Hugging Face, OpenAI original or training (DCP).
+"""Loading a model's weights: a built HybridModel filled from a checkpoint folder of any readable format.
+
+`load_weights` fills a model (built with model/build.py's `build_model`) from whatever the folder
+holds, `model_from_checkpoint` builds and fills in one call (the architecture from the folder),
+`checkpoint_architecture` reads the architecture alone; `load_hybrid`, `load_hf` and
+`load_training` insist on one format. The source's registry row says how its tensors are named:
+Hybrid-named ones (Hybrid, training, Megatron) are filled by name, HF and OpenAI-original ones
+through the mapping table.
 
 Streaming and strict: tensors are read one at a time by name (for HF sources, one mapping-table
 unit at a time, experts in chunks), only the experts the model holds are read, and a missing,
 unexpected or misshapen tensor is a CheckpointError naming the file and the tensor. The model's
 architecture must equal the checkpoint's in every field that changes the computation
 (`GptOssArch.differences`).
-
-`build_model` is the one place a model is created on the meta device and materialised;
-`model_from_checkpoint` builds and loads in one call (the architecture from the folder).
 """
 
 from __future__ import annotations
@@ -17,37 +21,24 @@ from typing import Callable
 
 import torch
 
+from gptoss_cli.checkpoint import formats
 from gptoss_cli.checkpoint.hybrid_format import HYBRID_CONFIG, read_hybrid_config
+from gptoss_cli.checkpoint.layouts import EXPERT_CHUNK
 from gptoss_cli.checkpoint.mapping import VOCAB_PADDED_HYBRID, check_vocab_padding, units
-from gptoss_cli.checkpoint.readers import TensorReader
-from gptoss_cli.checkpoint.safetensors_io import CheckpointReader
-from gptoss_cli.checkpoint.sources import HYBRID, HYBRID_NAMED, MEGATRON, TRAINING, Source, check_tensors, open_source
-from gptoss_cli.checkpoint.training_format import MODEL, TRAIN_STATE
+from gptoss_cli.checkpoint.formats.registry import Source, check_tensors
+from gptoss_cli.checkpoint.sources import open_source
+from gptoss_cli.checkpoint.storage.readers import TensorReader
+from gptoss_cli.checkpoint.storage.safetensors_io import CheckpointReader
+from gptoss_cli.checkpoint.training_format import MODEL
 from gptoss_cli.errors import CheckpointError, ConfigError
+from gptoss_cli.model.build import build_model
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.model.hybrid import HybridModel
 from gptoss_cli.model.mxfp4 import NonFiniteError
-from gptoss_cli.model.mxfp4_experts import BASE_EXPERTS, Mxfp4WeightSlot, pack_experts_
+from gptoss_cli.model.mxfp4_experts import Mxfp4WeightSlot
 
 LoadProgress = Callable[[str], None]  # called with the name(s) of each tensor (or HF group) once filled
-EXPERT_CHUNK = 8  # experts read per chunk from an HF stack
 _HYBRID_HINT = "re-run `gptoss convert`, or check hybrid_config.json against the tensors"
-
-
-def build_model(arch: GptOssArch, pattern: str | None = None, *, device: str | torch.device = "cpu",
-                dtype: torch.dtype = torch.float32, base_experts: str = "bf16", **kwargs) -> HybridModel:
-    """A HybridModel built on the meta device and materialised (uninitialised) on `device`.
-
-    `base_experts="mxfp4"`: the experts' weights are frozen MXFP4 blocks/scales (model/mxfp4_experts.py),
-    chosen on the meta device so their `dtype` stacks are never allocated."""
-    if base_experts not in BASE_EXPERTS:
-        raise ConfigError(f"base_experts={base_experts!r} is not one of {', '.join(BASE_EXPERTS)}")
-    model = HybridModel(arch, pattern, device="meta", dtype=dtype, **kwargs)
-    if base_experts == "mxfp4":
-        pack_experts_(model)
-    model.to_empty(device=device)
-    model.reset_buffers()
-    return model
 
 
 def read_hybrid_tensor(reader: TensorReader, name: str, shape: tuple[int, ...],
@@ -115,17 +106,11 @@ def load_training(model: HybridModel, folder: str | Path, progress: LoadProgress
     iter_* folder), from its model state or its fp32 master weights, reading only the experts held."""
     source = open_source(str(folder), weights=weights)
     try:
-        if source.kind != TRAINING:
-            raise CheckpointError(f"{folder}: is a {source.kind} checkpoint, not a training checkpoint")
-        _fill_from_training(model, source, progress)
+        if source.format is not formats.TRAINING:
+            raise CheckpointError(f"{folder}: is {source.format.title} checkpoint, not a training checkpoint")
+        _fill_from_source(model, source, progress)
     finally:
         source.close()
-
-
-def _fill_from_training(model: HybridModel, source: Source, progress: LoadProgress | None) -> None:
-    _check_architecture(source.folder, TRAIN_STATE, source.arch, model)
-    _fill_by_hybrid_names(model, source.reader, source.folder, progress,
-                          "build the model from the run's own record (model_from_checkpoint)")
 
 
 def load_hf(model: HybridModel, folder: str | Path, progress: LoadProgress | None = None) -> None:
@@ -134,9 +119,8 @@ def load_hf(model: HybridModel, folder: str | Path, progress: LoadProgress | Non
     _check_hf_pattern(model)
     source = open_source(str(folder))
     try:
-        if source.kind in HYBRID_NAMED:
-            raise CheckpointError(f"{folder}: is a {'Hybrid' if source.kind == HYBRID else source.kind} checkpoint, "
-                                  "not a Hugging Face one")
+        if source.format.hybrid_named:
+            raise CheckpointError(f"{folder}: is {source.format.title} checkpoint, not a Hugging Face one")
         _fill_from_hf(model, source, progress)
     finally:
         source.close()
@@ -207,19 +191,14 @@ def _copy_mxfp4_as_stored(source: Source, arch: GptOssArch, unit, dests: list, e
 
 
 def _fill_from_source(model: HybridModel, source: Source, progress: LoadProgress | None) -> None:
-    """Fill `model` from an opened source of any kind."""
-    if source.kind == HYBRID:
-        _check_architecture(source.folder, HYBRID_CONFIG, source.arch, model)
-        _fill_by_hybrid_names(model, source.reader, source.folder, progress,
-                              _HYBRID_HINT)
-    elif source.kind == TRAINING:
-        _fill_from_training(model, source, progress)
-    elif source.kind == MEGATRON:
-        _check_architecture(source.folder, "common.pt", source.arch, model)
-        _fill_by_hybrid_names(model, source.reader, source.folder, progress,
-                              "build the model from the checkpoint's own args (model_from_checkpoint)")
-    else:
+    """Fill `model` from an opened source of any format: by name when its tensors carry Hybrid names,
+    through the mapping table otherwise."""
+    if not source.format.hybrid_named:
         _fill_from_hf(model, source, progress)
+        return
+    _check_architecture(source.folder, source.format.arch_file, source.arch, model)
+    _fill_by_hybrid_names(model, source.reader, source.folder, progress,
+                          f"build the model from the checkpoint's own {source.format.arch_file} (model_from_checkpoint)")
 
 
 def load_weights(model: HybridModel, folder: str | Path, progress: LoadProgress | None = None) -> None:
@@ -244,12 +223,13 @@ def checkpoint_architecture(folder: str | Path) -> tuple[GptOssArch, str | None]
 
 def model_from_checkpoint(folder: str | Path, *, dtype: torch.dtype = torch.float32,
                           device: str | torch.device = "cpu", progress: LoadProgress | None = None,
-                          **kwargs) -> HybridModel:
+                          weights: str | None = None, **kwargs) -> HybridModel:
     """Build a HybridModel from a folder's own config (hybrid_config.json, config.json, or a training
     run's record) and load it; the folder is opened once.
 
-    kwargs go to HybridModel (expert_offset, num_local_experts, token_dispatcher_factory)."""
-    source = open_source(str(folder))
+    `weights`: a training checkpoint's model state or master weights (open_source's option). kwargs go
+    to HybridModel (expert_offset, num_local_experts, token_dispatcher_factory)."""
+    source = open_source(str(folder), weights=weights)
     try:
         model = build_model(source.arch, source.hybrid_layer_pattern, device=device, dtype=dtype, **kwargs)
         _fill_from_source(model, source, progress)
@@ -258,5 +238,5 @@ def model_from_checkpoint(folder: str | Path, *, dtype: torch.dtype = torch.floa
     return model
 
 
-__all__ = ["build_model", "load_hybrid", "load_hf", "load_training", "load_weights", "model_from_checkpoint", "read_hybrid_tensor",
+__all__ = ["load_hybrid", "load_hf", "load_training", "load_weights", "model_from_checkpoint", "read_hybrid_tensor",
            "checkpoint_architecture"]

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 
-from gptoss_cli.checkpoint.dcp_io import SpecReader
+from gptoss_cli.checkpoint.storage.dcp_io import SpecReader
 from gptoss_cli.checkpoint.layouts import Layout
 from gptoss_cli.checkpoint.mapping import Unit, hybrid_shapes, identity, units
-from gptoss_cli.checkpoint.safetensors_io import TensorSpec
+from gptoss_cli.checkpoint.storage.safetensors_io import TensorSpec
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.model.expert_names import expert_name, parse_expert_name
 from gptoss_cli.model.lora import ADAPTER, LINEAR_IN, LINEAR_OUT, merged_weight

@@ -14,12 +14,12 @@ from pathlib import Path
 import torch
 
 from gptoss_cli import outputs
-from gptoss_cli.checkpoint.convert import check_replaceable_output, parse_dtype
+from gptoss_cli.checkpoint.convert import parse_dtype
 from gptoss_cli.checkpoint.convert_plan import plan_to_hf
+from gptoss_cli.checkpoint.formats import HF
 from gptoss_cli.checkpoint.layouts import HF_LAYOUTS
 from gptoss_cli.checkpoint.mapping import canonical_hf_shapes, units
-from gptoss_cli.checkpoint.safetensors_io import ShardedWriter
-from gptoss_cli.checkpoint.sources import HF
+from gptoss_cli.checkpoint.storage.safetensors_io import ShardedWriter
 from gptoss_cli.data.tiny_tokenizer import SPECIAL as TINY_SPECIAL, tiny_tokenizer
 from gptoss_cli.data.tokenizer import TOKENIZER_FILE
 from gptoss_cli.errors import UsageError
@@ -77,7 +77,7 @@ def make_tiny(
     notes = outputs.recover(dst)
     outputs.check_destination(dst, force)
     if force:
-        check_replaceable_output(dst, HF)
+        HF.replaceable(dst)
     layout = HF_LAYOUTS[experts]
     gen = torch.Generator().manual_seed(seed)
     shapes = canonical_hf_shapes(arch)

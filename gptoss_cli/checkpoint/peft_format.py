@@ -16,21 +16,24 @@ ours are `[gate; up]` rows, so B's rows are interleaved on export.
 
 Our fused linear_qkv has one A for q, k and v: the PEFT adapters of q_proj, k_proj and v_proj share
 that A and take their rows of B (rank unchanged, the deltas exactly the same).
+
+Torch-free at import (the registry's PEFT row reads the file names here); `convert --to peft`'s plan
+is checkpoint/peft_plan.py.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
-import torch
-
-from gptoss_cli.checkpoint.mapping import interleave_experts, split_qkv
 from gptoss_cli.model.config import GptOssArch
-from gptoss_cli.model.expert_names import expert_name
+
+if TYPE_CHECKING:
+    import torch
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
 PEFT_PREFIX = "base_model.model."
 ATTENTION_MODULES = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",)}
 EXPERT_PARAMETERS = {"linear_fc1": "mlp.experts.gate_up_proj", "linear_fc2": "mlp.experts.down_proj"}
@@ -41,33 +44,46 @@ def peft_tensors(arch: GptOssArch, adapters: dict[str, torch.Tensor], target_mod
     (per expert for the experts, all experts present), from a model in the default `*E` pattern
     (HF block i = layers 2i, 2i+1)."""
     out: dict[str, torch.Tensor] = {}
+    for i in range(arch.num_hidden_layers):
+        out.update(peft_block_tensors(arch, i, adapters.__getitem__, target_modules))
+    return out
+
+
+def peft_block_tensors(arch: GptOssArch, i: int, read: Callable[[str], torch.Tensor],
+                       target_modules: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """PEFT's tensors of HF block i, in file order, from our adapter tensors as `read(name)` gives them."""
+    import torch  # noqa: PLC0415 (this module is torch-free at import)
+
+    from gptoss_cli.checkpoint.mapping import interleave_experts, split_qkv  # noqa: PLC0415
+    from gptoss_cli.model.expert_names import expert_name  # noqa: PLC0415
+
+    out: dict[str, torch.Tensor] = {}
     nested = all(t in target_modules for t in EXPERT_PARAMETERS)  # both expert parameters wrapped
     num_experts = arch.num_local_experts
-    for i in range(arch.num_hidden_layers):
-        attn = f"decoder.layers.{2 * i}.self_attention"
-        hf = f"{PEFT_PREFIX}model.layers.{i}"
-        for ours, theirs in ATTENTION_MODULES.items():
-            if ours not in target_modules:
-                continue
-            a = adapters[f"{attn}.{ours}.adapter.linear_in.weight"]
-            b = adapters[f"{attn}.{ours}.adapter.linear_out.weight"]
-            parts = split_qkv(arch, b) if ours == "linear_qkv" else (b,)
-            for name, part in zip(theirs, parts):
-                out[f"{hf}.self_attn.{name}.lora_A.weight"] = a.clone()
-                out[f"{hf}.self_attn.{name}.lora_B.weight"] = part.contiguous()
-        experts = f"decoder.layers.{2 * i + 1}.mlp.experts"
-        for ours in EXPERT_PARAMETERS:
-            if ours not in target_modules:
-                continue
-            a = torch.stack([adapters[expert_name(f"{experts}.{ours}.adapter.linear_in.weight", e)] for e in range(num_experts)])
-            b = torch.stack([adapters[expert_name(f"{experts}.{ours}.adapter.linear_out.weight", e)] for e in range(num_experts)])
-            if ours == "linear_fc1":  # [gate; up] rows -> alternating, as HF's gate_up_proj columns
-                b = interleave_experts(arch, b.unbind(0))
-            e, rank, fan_in = a.shape
-            key = f"{hf}.mlp.experts." + ("base_layer." if nested and ours == "linear_fc1" else "")
-            out[key + "lora_A.weight"] = a.reshape(e * rank, fan_in).contiguous()
-            # [E, out, rank] -> [out, rank, E] -> [out, rank * E]: expert index fastest
-            out[key + "lora_B.weight"] = b.permute(1, 2, 0).reshape(b.shape[1], rank * e).contiguous()
+    attn = f"decoder.layers.{2 * i}.self_attention"
+    hf = f"{PEFT_PREFIX}model.layers.{i}"
+    for ours, theirs in ATTENTION_MODULES.items():
+        if ours not in target_modules:
+            continue
+        a = read(f"{attn}.{ours}.adapter.linear_in.weight")
+        b = read(f"{attn}.{ours}.adapter.linear_out.weight")
+        parts = split_qkv(arch, b) if ours == "linear_qkv" else (b,)
+        for name, part in zip(theirs, parts):
+            out[f"{hf}.self_attn.{name}.lora_A.weight"] = a.clone()
+            out[f"{hf}.self_attn.{name}.lora_B.weight"] = part.contiguous()
+    experts = f"decoder.layers.{2 * i + 1}.mlp.experts"
+    for ours in EXPERT_PARAMETERS:
+        if ours not in target_modules:
+            continue
+        a = torch.stack([read(expert_name(f"{experts}.{ours}.adapter.linear_in.weight", e)) for e in range(num_experts)])
+        b = torch.stack([read(expert_name(f"{experts}.{ours}.adapter.linear_out.weight", e)) for e in range(num_experts)])
+        if ours == "linear_fc1":  # [gate; up] rows -> alternating, as HF's gate_up_proj columns
+            b = interleave_experts(arch, b.unbind(0))
+        e, rank, fan_in = a.shape
+        key = f"{hf}.mlp.experts." + ("base_layer." if nested and ours == "linear_fc1" else "")
+        out[key + "lora_A.weight"] = a.reshape(e * rank, fan_in).contiguous()
+        # [E, out, rank] -> [out, rank, E] -> [out, rank * E]: expert index fastest
+        out[key + "lora_B.weight"] = b.permute(1, 2, 0).reshape(b.shape[1], rank * e).contiguous()
     return out
 
 
@@ -100,4 +116,5 @@ def adapter_config_text(config: dict[str, Any]) -> str:
     return json.dumps(config, indent=2, default=str) + "\n"
 
 
-__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "peft_tensors", "adapter_config", "adapter_config_text"]
+__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "peft_tensors", "peft_block_tensors", "adapter_config",
+           "adapter_config_text"]

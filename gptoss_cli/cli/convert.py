@@ -38,6 +38,10 @@ def convert_cmd(
         None, "--vocab-multiple", min=1, max=1 << 16,
         help="--to megatron only: pad the embedding and output rows to a multiple of this "
         "(Megatron's --make-vocab-size-divisible-by; default 128; at most 65536)."),
+    arch_from: Optional[str] = typer.Option(
+        None, "--arch-from", help="Megatron SRC only: take the architecture from this HF config.json (or its folder) "
+        "or preset (gpt_oss_20b, gpt_oss_120b, tiny) where the checkpoint's args (and run_config.yaml) do not "
+        "record it, e.g. the sliding window or the position limit; it must agree with what they do record."),
     max_shard_gb: float = typer.Option(5.0, "--max-shard-size", help="Maximum output shard size in GB."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Also write a machine-readable summary to this file."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar and no table."),
@@ -55,7 +59,8 @@ def convert_cmd(
 
     Example: gptoss convert openai/gpt-oss-20b ./gpt-oss-20b-hybrid
 
-    Example: gptoss convert runs/ft/checkpoints ./ft-hf --to hf --experts mxfp4
+    Example: gptoss convert runs/ft/checkpoints ./ft-hf --to hf   (bf16 experts; --experts mxfp4 says what
+    rounding them costs a run trained without precision.qat=mxfp4)
 
     Example: gptoss convert openai/gpt-oss-20b ./gpt-oss-20b-megatron --to megatron
     """
@@ -70,7 +75,7 @@ def convert_cmd(
     with ConvertProgressBar(console, "converting", enabled=not quiet) as progress:
         result = convert(
             src, dst, experts=experts, dtype=dtype, revision=revision, force=force, to=to, weights=weights,
-            progress=progress, vocab_multiple=vocab_multiple,
+            progress=progress, vocab_multiple=vocab_multiple, arch_from=arch_from,
             max_shard_bytes=max(1, int(max_shard_gb * 1e9)),
         )
     for note in [] if quiet else result.notes:

@@ -21,7 +21,7 @@ quantised one expert tensor at a time as it is read), or an expert's blocks and 
 such a layer (`merge_lora_`) is refused: `gptoss convert --to hf|hybrid` merges from the checkpoint.
 
 `pack_experts_(model)` swaps every ExpertLinear of a model still on the meta device for this storage,
-so the bf16 stacks are never allocated (checkpoint/load.py's `build_model(..., base_experts="mxfp4")`).
+so the bf16 stacks are never allocated (model/build.py's `build_model(..., base_experts="mxfp4")`).
 """
 
 from __future__ import annotations

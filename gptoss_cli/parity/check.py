@@ -81,8 +81,10 @@ def run_parity(
     CheckpointError for bad input. The caller decides pass/fail from `report.passed`."""
     require_transformers()
     from gptoss_cli.checkpoint.hybrid_format import read_hybrid_config
-    from gptoss_cli.checkpoint.safetensors_io import CheckpointReader
-    from gptoss_cli.checkpoint.sources import HF, check_tensors, open_source
+    from gptoss_cli.checkpoint.storage.safetensors_io import CheckpointReader
+    from gptoss_cli.checkpoint import formats
+    from gptoss_cli.checkpoint.formats.registry import check_tensors
+    from gptoss_cli.checkpoint.sources import open_source
     from gptoss_cli.parity.forward import Ours, Reference, forward_parity
     from gptoss_cli.parity.weights import check_weights
 
@@ -98,7 +100,7 @@ def run_parity(
 
     source = open_source(str(hf))
     try:
-        if source.kind != HF:
+        if source.format is not formats.HF:
             raise UsageError(f"{hf}: is a {source.kind} checkpoint; HF must be a Hugging Face GPT-OSS folder")
         hybrid_path = Path(hybrid)
         if not hybrid_path.is_dir():

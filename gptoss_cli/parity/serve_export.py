@@ -73,10 +73,10 @@ def _kind(folder: str) -> str:
 
 def _hf_export(checkpoint: str, kind: str, work: Path, name: str, dtype: str, experts: str | None = None) -> Path:
     """An HF folder of `checkpoint` in `dtype` (convert writes the other layout than an HF source's: an HF
-    source goes through Hybrid in fp32 first)."""
-    from gptoss_cli.checkpoint.sources import HF
+    or OpenAI-original source goes through Hybrid in fp32 first)."""
+    from gptoss_cli.checkpoint import formats
 
-    if kind == HF:
+    if formats.by_name(kind).same_layout == "hf":  # convert refuses to write that source's own layout
         checkpoint = str(_convert(checkpoint, work / f"{name}-hybrid", to="hybrid", dtype="float32"))
     return _convert(checkpoint, work / name, to="hf", dtype=dtype, experts=experts)
 
@@ -115,9 +115,10 @@ def peft_merge(base_hf: Path, adapter: Path, dst: Path, dtype: str) -> Path:
 def prepare_served(checkpoint: str, kind: str, work: Path, *, dtype: str, experts: str | None, lora_mode: str,
                    engine_serves_expert_lora: bool, engine_runs_mxfp4: bool, export: str | None = None) -> Served:
     """Write (under `work`) what the engine loads for `checkpoint` of `kind` (see the module docstring)."""
-    from gptoss_cli.checkpoint.sources import HF
+    from gptoss_cli.checkpoint import formats
 
-    base = lora_base(checkpoint) if kind != HF else None
+    is_hf = formats.by_name(kind) is formats.HF
+    base = lora_base(checkpoint) if not is_hf else None
     if export is not None and not is_peft_adapter(export):
         return Served(str(export), HF_FOLDER)
     if base is not None or (export is not None and is_peft_adapter(export)):
@@ -125,7 +126,7 @@ def prepare_served(checkpoint: str, kind: str, work: Path, *, dtype: str, expert
             raise UsageError(f"--export {export} is a PEFT adapter, but {checkpoint} is not a LoRA run")
         return _lora_served(checkpoint, base, work, dtype=dtype, lora_mode=lora_mode,
                             engine_serves_expert_lora=engine_serves_expert_lora, export=export)
-    if kind == HF and experts is None:
+    if is_hf and experts is None:
         served = Served(checkpoint, HF_FOLDER)
         if _hf_has_mxfp4(Path(checkpoint)) and not engine_runs_mxfp4:
             return _dequantised(checkpoint, work, dtype, served.artifacts)

@@ -48,7 +48,8 @@ def id_prompts(arch: GptOssArch, seed: int = 0) -> list[tuple[str, list[int]]]:
 
 
 def _render(tok, conv: Any, where: str) -> list[int]:
-    from gptoss_cli.data.harmony import ConversationError, parse_conversation, render_for_training
+    from gptoss_cli.data.conversation import parse_conversation
+    from gptoss_cli.data.harmony import ConversationError, render_for_training
 
     try:
         return render_for_training(parse_conversation(conv), tok).ids

@@ -12,12 +12,10 @@ from typing import Callable
 
 import torch
 
-from gptoss_cli.checkpoint.mapping import Unit, units
+from gptoss_cli.checkpoint.layouts import EXPERT_CHUNK
+from gptoss_cli.checkpoint.mapping import VOCAB_PADDED_HYBRID, Unit, units
 from gptoss_cli.model.config import GptOssArch
-from gptoss_cli.checkpoint.mapping import VOCAB_PADDED_HYBRID
 from gptoss_cli.parity.report import WeightReport
-
-EXPERT_CHUNK = 8
 
 
 def _read_hybrid(reader, name: str, arch: GptOssArch) -> torch.Tensor:

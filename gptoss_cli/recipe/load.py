@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
 import re
 import typing
 from dataclasses import dataclass
@@ -22,12 +21,11 @@ from omegaconf.errors import OmegaConfBaseException
 
 import gptoss_cli
 from gptoss_cli.errors import ConfigError, GptossError
-from gptoss_cli.checkpoint.hf_config import from_hf_config
+from gptoss_cli.checkpoint import formats
 from gptoss_cli.model.catalog import MLP_TARGETS, TARGET_MODULES
 from gptoss_cli.model.config import INT_LIMITS, PRESETS, GptOssArch
 from gptoss_cli.model.pattern import MLP, MOE, HybridPattern, parse_pattern
 from gptoss_cli.recipe.schema import RecipeConfig, iter_fields
-from gptoss_cli.json_input import parse_json
 
 
 
@@ -304,48 +302,23 @@ def _first_line(exc: BaseException) -> str:
 
 
 # --- the model the recipe describes ---------------------------------------------------------
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = parse_json(path.read_text())
-    except OSError as exc:
-        raise ConfigError(f"model.checkpoint: cannot read {path}: {exc.strerror or exc}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"model.checkpoint: {path} is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"model.checkpoint: {path} does not hold a JSON object")
-    return data
-
-
 def architecture_from_checkpoint(checkpoint: str | Path) -> tuple[GptOssArch, str | None]:
-    """(architecture, stored pattern or None) from a gptoss convert output, an HF checkpoint folder or a
-    Megatron-LM torch_dist checkpoint (its common.pt args)."""
+    """(architecture, stored pattern or None) of any checkpoint folder the registry knows (Hybrid, HF,
+    OpenAI original, a training run or iteration, Megatron torch_dist), read without torch; a file
+    (its config.json or hybrid_config.json) stands for its folder."""
     path = Path(checkpoint).expanduser()
-    if _is(path, "dir") and not (path / "hybrid_config.json").is_file() and not (path / "config.json").is_file():
-        from gptoss_cli.checkpoint import megatron_format  # noqa: PLC0415 (torch only when needed)
-
-        if megatron_format.is_megatron_checkpoint(path):  # a Megatron-LM torch_dist checkpoint: its args
-            arch = megatron_format.read_megatron_checkpoint(path).arch
-            return arch, arch.hybrid_layer_pattern
-    if _is(path, "dir"):
-        for name in ("hybrid_config.json", "config.json"):
-            if (path / name).is_file():
-                path = path / name
-                break
-        else:
-            raise ConfigError(f"model.checkpoint={str(checkpoint)!r} has neither hybrid_config.json nor config.json",
-                              hint="point it at a `gptoss convert` output or a Hugging Face GPT-OSS folder")
-    elif not _is(path, "file"):
+    if _is(path, "file"):
+        path = path.parent
+    elif not _is(path, "dir"):
         raise ConfigError(f"model.checkpoint={str(checkpoint)!r} does not exist",
                           hint="paths are relative to the working directory; or use model.preset instead")
-    data = _read_json(path)
-    if "architecture" in data:
-        arch_data = data["architecture"]
-        if not isinstance(arch_data, dict):
-            raise ConfigError(f"{path}: 'architecture' is not a JSON object")
-        arch = GptOssArch.from_dict(arch_data, source=str(path))
-        pattern = data.get("hybrid_layer_pattern")
-        return arch, pattern if isinstance(pattern, str) else None
-    return from_hf_config(data, source=str(path)), None
+    fmt = formats.detect(path)
+    if fmt is None:
+        raise ConfigError(f"model.checkpoint={str(checkpoint)!r} is no checkpoint gptoss reads (no hybrid_config.json, "
+                          "config.json, training checkpoint or Megatron tracker in it)",
+                          hint="point it at a `gptoss convert` output, a Hugging Face GPT-OSS folder, a checkpoint.dir "
+                          "or a Megatron checkpoint")
+    return fmt.architecture(path)
 
 
 def resolve_model(cfg: RecipeConfig) -> tuple[GptOssArch, HybridPattern]:

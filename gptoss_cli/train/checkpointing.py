@@ -38,10 +38,10 @@ import torch
 from gptoss_cli import outputs
 
 # The on-disk names belong to checkpoint/ (conversion reads these folders without the trainer).
-from gptoss_cli.checkpoint.dcp_io import (
+from gptoss_cli.checkpoint.storage.dcp_io import (
     check_storage_files, dcp_error, interruption, quiet_single_process, read_metadata, storage_reader,
 )
-from gptoss_cli.checkpoint.finite import all_finite
+from gptoss_cli.checkpoint.storage.finite import all_finite
 from gptoss_cli.checkpoint.training_format import (
     ITER_NAME, LATEST, MODEL, OPTIMIZER, PARTIAL_NAME, RNG, TRAIN_STATE, iter_name, latest_checkpoint, latest_name,
     read_train_state,

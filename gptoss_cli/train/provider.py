@@ -119,7 +119,8 @@ class HybridModelProvider:
         self.weights = weights
 
     def provide(self, state: ParallelState) -> nn.Module:
-        from gptoss_cli.checkpoint.load import build_model, load_weights
+        from gptoss_cli.checkpoint.load import load_weights
+        from gptoss_cli.model.build import build_model
         from gptoss_cli.model.init import init_weights_
 
         cfg = self.config

@@ -9,6 +9,12 @@
         megatron-core's dist_checkpointing.save writes the HF checkpoint's weights as a torch_dist
         checkpoint from EP gloo ranks (each holding its experts in SequentialMLP modules), with
         optimizer-like and RNG entries besides, in the stacked or `singleton_local_shards` expert layout.
+    python -m tests.checkpoint.megatron_worker model CKPT_ITER_DIR OUT.safetensors WORLD
+        megatron-core's MambaModel (the hybrid stack, '*E' per block) built from CKPT's args with the
+        local layer spec on WORLD gloo ranks, at EP=WORLD and then EP=1 in the same process group, its
+        whole sharded state dict loaded by dist_checkpointing.load each time; OUT holds the logits on a
+        fixed token batch (`logits_ep<N>`), OUT.json per EP the keys the model asked for, those it asked
+        for that the checkpoint lacks, and those the checkpoint holds that it did not ask for.
 
 The HF -> Megatron tensor mapping here is written from the HF layout and Megatron's naming alone,
 independently of gptoss_cli's mapping table.
@@ -17,6 +23,7 @@ independently of gptoss_cli's mapping table.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -68,13 +75,14 @@ def _experts(hidden: int, ffn: int, num_local: int, args=None):
 
 
 def _te_extra_states(num_blocks: int) -> list[tuple[str, tuple, tuple]]:
-    """(key, global_shape, global_offset) of the TE modules' non-expert _extra_state objects."""
+    """(key, global_shape, global_offset) of the non-expert _extra_state objects of the TE spec's modules."""
     out = []
     for b in range(num_blocks):
         for mod in ("linear_qkv", "core_attention", "linear_proj"):
             out.append((f"decoder.layers.{2 * b}.self_attention.{mod}._extra_state", (1,), (0,)))
         out.append((f"decoder.layers.{2 * b + 1}.pre_mlp_layernorm._extra_state", (1,), (0,)))
     out.append(("decoder.final_norm._extra_state", (1,), (0,)))
+    out.append(("output_layer._extra_state", (1,), (0,)))  # a ColumnParallelLinear, in every spec
     return out
 
 
@@ -242,9 +250,192 @@ def save(hf_dir: str, out: str, ep: int, singleton: bool) -> None:
         mp.spawn(_save_rank, args=(hf_dir, out, ep, singleton, port), nprocs=ep)
 
 
+# --- the whole model ------------------------------------------------------------------------
+TOKENS = [[5, 17, 401, 999, 3, 250, 77, 1001, 64, 8, 512, 33]]  # [batch, seq]: ids below the tiny vocabulary
+
+
+def _config(args):
+    """A TransformerConfig for GPT-OSS from Megatron-LM's args, as Megatron-LM and Megatron-Bridge set it
+    up (quick_gelu gate with clamp and +1 on the linear half, learnable softmax offset = sinks, sliding
+    windows, YaRN read by the attention from the config's yarn_* fields), unfused for the CPU."""
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    cfg = TransformerConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups, kv_channels=args.kv_channels, ffn_hidden_size=args.ffn_hidden_size,
+        moe_ffn_hidden_size=args.moe_ffn_hidden_size, num_moe_experts=args.num_experts,
+        moe_router_topk=args.moe_router_topk, moe_router_load_balancing_type="none",
+        moe_token_dispatcher_type="allgather", gated_linear_unit=True, activation_func=quick_gelu,
+        glu_linear_offset=args.glu_linear_offset, activation_func_clamp_value=args.activation_func_clamp_value,
+        add_bias_linear=True, add_qkv_bias=True, normalization="RMSNorm", layernorm_epsilon=args.norm_epsilon,
+        softmax_type="learnable", window_size=tuple(args.window_size),
+        window_attn_skip_freq=args.window_attn_skip_freq, hidden_dropout=0.0, attention_dropout=0.0,
+        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+        use_cpu_initialization=True, params_dtype=torch.float32, expert_model_parallel_size=args.ep)
+    for name in ("yarn_rotary_scaling_factor", "yarn_original_max_position_embeddings", "yarn_beta_fast",
+                 "yarn_beta_slow", "yarn_correction_range_round_to_int"):
+        setattr(cfg, name, getattr(args, name))  # Megatron-Bridge's GPT provider carries them as fields
+    cfg.yarn_mscale = cfg.yarn_mscale_all_dim = None
+    return cfg
+
+
+def _local_stack_spec(num_experts: int):
+    """MambaStack with megatron-core's local (non-Transformer-Engine) modules: what get_gpt_layer_local_spec
+    builds, split into the hybrid stack's attention and MoE layers, its layernorms keyed as the TE spec
+    stores them (`input_layernorm.` -> `self_attention.linear_qkv.layer_norm_`)."""
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.ssm.mamba_block import MambaStack, MambaStackSubmodules
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_layer import (
+        MoETransformerLayer, TransformerLayer, TransformerLayerSubmodules,
+    )
+
+    attention = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+        input_layernorm=WrappedTorchNorm,
+        self_attention=ModuleSpec(module=SelfAttention, params={"attn_mask_type": AttnMaskType.causal},
+                                  submodules=SelfAttentionSubmodules(linear_qkv=ColumnParallelLinear,
+                                                                     core_attention=DotProductAttention,
+                                                                     linear_proj=RowParallelLinear)),
+        self_attn_bda=get_bias_dropout_add,
+        sharded_state_dict_keys_map={"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}))
+    moe = ModuleSpec(module=MoETransformerLayer, submodules=TransformerLayerSubmodules(
+        pre_mlp_layernorm=WrappedTorchNorm, mlp=get_moe_module_spec(use_te=False, num_experts=num_experts),
+        mlp_bda=get_bias_dropout_add))
+    return ModuleSpec(module=MambaStack, submodules=MambaStackSubmodules(attention_layer=attention, moe_layer=moe))
+
+
+class _Yarn(torch.nn.Module):
+    """MambaModel (0.16.1) offers rope or none; GPTModel's yarn path hands the attention YarnRotaryEmbedding's
+    frequencies (the attention scales cos/sin by the config's YaRN mscale). So does this stand-in."""
+
+    def __init__(self, args):
+        super().__init__()
+        from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
+
+        self.yarn = YarnRotaryEmbedding(
+            kv_channels=args.kv_channels, rotary_base=args.rotary_base, use_cpu_initialization=True,
+            scaling_factor=args.yarn_rotary_scaling_factor,
+            original_max_position_embeddings=args.yarn_original_max_position_embeddings,
+            beta_fast=args.yarn_beta_fast, beta_slow=args.yarn_beta_slow, mscale=None, mscale_all_dim=None,
+            correction_range_round_to_int=args.yarn_correction_range_round_to_int)
+
+    def get_rotary_seq_len(self, *a, **k):
+        return self.yarn.get_rotary_seq_len(*a, **k)
+
+    def forward(self, seq_len, packed_seq=False):
+        return self.yarn(seq_len, packed_seq=packed_seq)[0]
+
+
+def _masks_on_cpu() -> None:
+    """megatron-core's softmax builds its causal and sliding-window masks on "cuda": the same masks on the CPU."""
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.transformer import utils
+
+    real_default, real_window = utils.get_default_causal_mask, utils.get_sliding_window_causal_mask
+    cuda = torch.device("cuda")
+
+    def on_cpu(fn):
+        def call(*a):
+            real_ones = torch.ones
+            torch.ones = lambda *s, device=None, **k: real_ones(*s, **k, device="cpu" if device in ("cuda", cuda) else device)
+            try:
+                return fn(*a)
+            finally:
+                torch.ones = real_ones
+        return call
+
+    fused_softmax.get_default_causal_mask = on_cpu(real_default)
+    fused_softmax.get_sliding_window_causal_mask = on_cpu(real_window)
+    # no dropout here (rates 0): the CUDA RNG tracker the attention forks is not needed
+    from megatron.core.tensor_parallel import random
+
+    random.CudaRNGStatesTracker.fork = lambda self, *a, **k: contextlib.nullcontext()
+    # 0.16.1's moe_utils names Transformer Engine's kernels only when TE imports, then tests them for None
+    from megatron.core.transformer.moe import moe_utils
+
+    for name in ("te_general_gemm", "fused_topk_with_score_function", "fused_permute", "fused_unpermute",
+                 "fused_permute_with_probs", "fused_sort_chunks_by_index", "fused_sort_chunks_by_index_with_probs",
+                 "fused_moe_aux_loss", "fused_compute_score_for_moe_aux_loss"):
+        if not hasattr(moe_utils, name):
+            setattr(moe_utils, name, None)
+
+
+def _load_and_run(ckpt: str, args, ep: int) -> tuple[torch.Tensor, dict]:
+    """Build the model for this rank at expert parallel size `ep`, load CKPT into it with megatron-core's
+    loader, and run it on TOKENS: (logits [seq, batch, padded vocab], what the load found)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+    from megatron.core.models.mamba.mamba_model import MambaModel
+
+    args.ep = ep
+    torch.manual_seed(0)
+    model = MambaModel(config=_config(args), mamba_stack_spec=_local_stack_spec(args.num_experts),
+                       vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
+                       hybrid_override_pattern=args.hybrid_override_pattern, position_embedding_type="rope",
+                       rotary_base=args.rotary_base, share_embeddings_and_output_weights=False)
+    model.rotary_pos_emb = _Yarn(args)
+    sharded = model.sharded_state_dict()
+    # RETURN_ALL: the load reports instead of raising. megatron-core's words: "unexpected" = asked for by the
+    # model, absent from the checkpoint (the default strictness raises "Missing key in checkpoint state_dict");
+    # "missing" = in the checkpoint, not asked for (Megatron-LM's default assume_ok_unexpected ignores those)
+    state, missing, unexpected = dist_checkpointing.load(sharded, ckpt, strict=StrictHandling.RETURN_ALL)
+    own = model.state_dict()
+    model.load_state_dict({k: v for k, v in state.items() if k in own})  # strict: every module state present
+    model.eval()
+    tokens = torch.tensor(TOKENS)
+    with torch.no_grad():
+        logits = model(tokens, torch.arange(tokens.shape[1]).unsqueeze(0), attention_mask=None)
+    return logits, {"absent": sorted(map(str, unexpected)), "not_asked": sorted(map(str, missing)),
+                    "requested": sorted(sharded)}
+
+
+def _model_rank(rank: int, ckpt: str, out: str, world: int, port: int) -> None:
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from megatron.core.ssm import mamba_block
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from safetensors.torch import save_file
+
+    mamba_block.TENorm = WrappedTorchNorm  # the stack's final norm is TE's in 0.16.1; the local spec's otherwise
+    _init(rank, world, port, world)
+    _masks_on_cpu()
+    args = dist_checkpointing.load_common_state_dict(ckpt)["args"]
+    logits, report = {}, {}
+    for ep in (world, 1):  # one process group: EP=world first, then every rank holding every expert
+        if ep != world:
+            ps.destroy_model_parallel()
+            ps.initialize_model_parallel(1, 1, expert_model_parallel_size=ep)
+        logits[f"logits_ep{ep}"], report[f"ep{ep}"] = _load_and_run(ckpt, args, ep)
+    if rank == 0:
+        save_file({k: v.float().contiguous() for k, v in logits.items()}, out)
+        Path(out + ".json").write_text(json.dumps(report))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def model(ckpt: str, out: str, world: int) -> None:
+    import torch.multiprocessing as mp
+
+    port = free_port()
+    if world == 1:
+        _model_rank(0, ckpt, out, 1, port)
+    else:
+        mp.spawn(_model_rank, args=(ckpt, out, world, port), nprocs=world)
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     if sys.argv[1] == "load":
         load(sys.argv[2], sys.argv[3], *sys.argv[4:5])
+    elif sys.argv[1] == "model":
+        model(sys.argv[2], sys.argv[3], int(sys.argv[4]))
     else:
         save(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5] == "1")

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from bench import convert as bench_convert
-from gptoss_cli.checkpoint import direct_write
+from gptoss_cli.checkpoint.storage import direct_write
 
 
 def test_a_workdir_without_o_direct_is_one_line_naming_it_and_the_ways_out(tmp_path, monkeypatch, capsys):

@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 from gptoss_cli.cli import app
-from gptoss_cli.checkpoint import safetensors_io
+from gptoss_cli.checkpoint.storage import safetensors_io
 from gptoss_cli.checkpoint.convert import convert
 from tests.checkpoint.test_convert_layout import load_all
 

@@ -107,7 +107,7 @@ def test_vocab_padding_is_stripped_on_export(hf_bf16, hybrid_from_bf16, tmp_path
     both and give back the HF source's rows."""
     from tests.model.tiny_checkpoints import write_padded_hybrid
 
-    from gptoss_cli.checkpoint.safetensors_io import CheckpointReader
+    from gptoss_cli.checkpoint.storage.safetensors_io import CheckpointReader
 
     padded = write_padded_hybrid(hybrid_from_bf16, tmp_path / "padded")
     with CheckpointReader(padded) as reader:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from gptoss_cli.checkpoint.dcp_io import DcpReader, quiet_single_process
+from gptoss_cli.checkpoint.storage.dcp_io import DcpReader, quiet_single_process
 
 EXPERTS = 4
 STACKS = ["decoder.layers.1.mlp.experts.linear_fc1.weight", "decoder.layers.1.mlp.experts.linear_fc2.bias",

@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from gptoss_cli.checkpoint.convert import convert
-from gptoss_cli.checkpoint.dcp_io import read_metadata
+from gptoss_cli.checkpoint.storage.dcp_io import read_metadata
 from gptoss_cli.checkpoint.load import model_from_checkpoint
 from gptoss_cli.cli import app
 from tests.checkpoint import megatron_worker as ref
@@ -133,7 +133,8 @@ def test_keys_global_shapes_and_expert_chunks(megatron_out, hf_bf16):
     assert "decoder.layers.0.self_attention.linear_qkv._extra_state/shard_0_1" in objects
     assert "decoder.layers.0.self_attention.core_attention._extra_state/shard_0_1" in objects
     assert f"decoder.layers.{2 * L - 1}.mlp.experts.experts.linear_fc2._extra_state/shard_{E - 1}_{E}" in objects
-    assert len(objects) == L * (3 + 1 + 2 * E) + 1
+    assert "output_layer._extra_state/shard_0_1" in objects
+    assert len(objects) == L * (3 + 1 + 2 * E) + 2  # + the final norm's and the output layer's
 
 
 def test_torch_dcp_reads_the_hf_values_and_zero_padding(megatron_out, hf_bf16):
@@ -224,6 +225,40 @@ def test_megatron_core_loads_our_output_strictly(megatron_out, hf_bf16, tmp_path
     assert_same_tensors(loaded, want)
     info = json.loads(Path(str(out) + ".json").read_text())
     assert info["checkpoint_version"] == 3.0 and info["iteration"] == 0
+
+
+# What the Transformer Engine spec adds to the local spec's requests: TEDotProductAttention and TENorm carry
+# _extra_state, their local counterparts (DotProductAttention, torch's RMSNorm) do not.
+TE_ONLY = ("self_attention.core_attention._extra_state", "pre_mlp_layernorm._extra_state", "final_norm._extra_state")
+
+
+def test_megatron_core_model_loads_every_key_it_asks_for_and_computes_transformers_logits(megatron_out, hf_bf16,
+                                                                                          tmp_path):
+    """megatron-core's own MambaModel ('*E' hybrid stack, local spec) built from our args, loaded by its own
+    dist_checkpointing.load at EP=2 and at EP=1 (2 gloo ranks): nothing it asks for is absent (0.16.1 stopped
+    at "Missing key in checkpoint state_dict: output_layer._extra_state/shard_0_1"), and its logits are
+    transformers' on the HF checkpoint the conversion started from."""
+    pytest.importorskip("megatron.core")
+    from tests.model.tiny_checkpoints import load_hf_reference
+    from tests.tolerances import reassociation_rel
+
+    out = tmp_path / "logits.safetensors"
+    worker("model", str(megatron_out / "release"), str(out), "2")
+    report = json.loads(Path(str(out) + ".json").read_text())
+    logits = load_file(out)
+    cfg = hf_config(hf_bf16)
+    with torch.no_grad():
+        want = load_hf_reference(hf_bf16).eval()(torch.tensor(ref.TOKENS)).logits  # [batch, seq, vocab]
+    rel = reassociation_rel(max(cfg["hidden_size"], cfg["intermediate_size"]), depth=4 * cfg["num_hidden_layers"])
+    for ep in (2, 1):
+        found = report[f"ep{ep}"]
+        assert found["absent"] == [], found["absent"]
+        assert found["not_asked"] and all(k.endswith(TE_ONLY) for k in found["not_asked"]), found["not_asked"]
+        assert "output_layer._extra_state" in found["requested"]
+        got = logits[f"logits_ep{ep}"][..., :cfg["vocab_size"]]  # [batch, seq, padded vocab]: the padding dropped
+        err = (got - want).abs().max().item()
+        assert err <= rel * want.abs().max().item(), (ep, err)
+        assert not logits[f"logits_ep{ep}"][..., cfg["vocab_size"]:].any()  # the padding rows are zero
 
 
 @pytest.mark.parametrize("ep,singleton", [(1, False), (2, False), (2, True)])
@@ -352,13 +387,14 @@ def test_tracker_naming_an_iteration_folder(megatron_out, hf_bf16, tmp_path):
 
 def test_an_expert_parallel_rank_reads_only_its_experts(megatron_out, hf_bf16, monkeypatch):
     """checkpoint.pretrained at EP=2: rank 1's model (experts 2..3) gets the HF weights of exactly those."""
-    from gptoss_cli.checkpoint import megatron_format
-    from gptoss_cli.checkpoint.load import build_model, checkpoint_architecture, load_weights
+    from gptoss_cli.checkpoint.megatron import reader as megatron_reader
+    from gptoss_cli.checkpoint.load import checkpoint_architecture, load_weights
+    from gptoss_cli.model.build import build_model
 
     arch, _ = checkpoint_architecture(megatron_out)
     read = []
-    real = megatron_format.MegatronReader.read
-    monkeypatch.setattr(megatron_format.MegatronReader, "read",
+    real = megatron_reader.MegatronReader.read
+    monkeypatch.setattr(megatron_reader.MegatronReader, "read",
                         lambda self, name, *a: read.append(name) or real(self, name, *a))
     a = build_model(arch, expert_offset=2, num_local_experts=2)
     load_weights(a, megatron_out)
@@ -386,11 +422,33 @@ def test_args_that_describe_no_gpt_oss_model_are_one_line(field, value, mg_copy,
     assert_clean_failure(r, out, "common.pt", dst=tmp_path / "o")
 
 
+@pytest.mark.parametrize("field", ["window_size", "window_attn_skip_freq", "max_position_embeddings"])
+def test_args_that_cannot_say_the_architecture_are_one_line_unless_it_comes_from_elsewhere(field, mg_copy, hf_bf16,
+                                                                                           tmp_path):
+    """Args without the sliding window or the position limit were read as full attention everywhere and
+    GPT-OSS's 131072 positions; now: one line naming the field, or --arch-from (an HF config.json or a
+    preset), or Megatron-Bridge's run_config.yaml beside the weights (its `model:` names: seq_length)."""
+    recorded = {}
+    _rewrite_common(mg_copy, lambda c: recorded.update(vars(c["args"])) or delattr(c["args"], field))
+    r, out = run_convert(mg_copy, tmp_path / "o", "--to", "hf")
+    assert_clean_failure(r, out, f"args record no {field}", "--arch-from", dst=tmp_path / "o")
+    r, out = run_convert(mg_copy, tmp_path / "o", "--to", "hf", "--arch-from", hf_bf16 / "config.json")
+    assert r.exit_code == 0, out
+    assert_same_architecture(tmp_path / "o", hf_bf16)
+    r, out = run_convert(mg_copy, tmp_path / "o2", "--to", "hf", "--arch-from", "gpt_oss_20b")  # another model
+    assert_clean_failure(r, out, "--arch-from disagree", "num_hidden_layers", dst=tmp_path / "o2")
+    bridge = {"max_position_embeddings": "seq_length"}.get(field, field)
+    value = list(recorded[field]) if isinstance(recorded[field], (list, tuple)) else recorded[field]
+    (mg_copy / "release" / "run_config.yaml").write_text(json.dumps({"model": {bridge: value}}))  # YAML holds JSON
+    convert(str(mg_copy), tmp_path / "o3", to="hf", dtype="float32")
+    assert_same_architecture(tmp_path / "o3", hf_bf16)
+
+
 def test_streams_in_chunks_both_ways(hf_bf16, tmp_path, monkeypatch):
     """With a 4 KiB chunk budget the embedding (and its padding) is written as row chunks of at most that
     size, and reading back never loads a stored chunk bigger than one expert half, one row range or the
     largest tensor group convert holds anyway."""
-    from gptoss_cli.checkpoint import megatron_format
+    from gptoss_cli.checkpoint.megatron import reader as megatron_reader
 
     budget = 4096
     convert(str(hf_bf16), tmp_path / "mg", to="megatron", dtype="float32", chunk_bytes=budget)
@@ -399,8 +457,8 @@ def test_streams_in_chunks_both_ways(hf_bf16, tmp_path, monkeypatch):
     H = emb.size[1]
     assert len(emb.chunks) > 10 and max(c.sizes[0] * H * 4 for c in emb.chunks) <= max(budget, H * 4)
     loaded = []
-    real = megatron_format.MegatronReader._chunk
-    monkeypatch.setattr(megatron_format.MegatronReader, "_chunk",
+    real = megatron_reader.MegatronReader._chunk
+    monkeypatch.setattr(megatron_reader.MegatronReader, "_chunk",
                         lambda self, k, o, s: loaded.append(torch.Size(s).numel() * 4) or real(self, k, o, s))
     convert(str(tmp_path / "mg"), tmp_path / "hf", to="hf", dtype="float32", chunk_bytes=budget)
     assert_same_tensors(hf_tensors(tmp_path / "hf"), hf_tensors(hf_bf16))

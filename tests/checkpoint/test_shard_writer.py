@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from gptoss_cli.checkpoint import direct_write
-from gptoss_cli.checkpoint.safetensors_io import ShardedWriter, TensorSpec
+from gptoss_cli.checkpoint.storage import direct_write
+from gptoss_cli.checkpoint.storage.safetensors_io import ShardedWriter, TensorSpec
 from gptoss_cli.errors import CheckpointError
 
 

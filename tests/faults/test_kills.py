@@ -14,7 +14,7 @@ import pytest
 from typer.testing import CliRunner
 
 from gptoss_cli.cli import app
-from gptoss_cli.checkpoint.safetensors_io import CheckpointReader
+from gptoss_cli.checkpoint.storage.safetensors_io import CheckpointReader
 from tests.faults.conftest import assert_one_line, child_env, leftovers, start, wait_for
 from tests.faults.test_paths import digest
 

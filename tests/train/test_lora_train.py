@@ -12,7 +12,7 @@ import torch
 from typer.testing import CliRunner
 
 from gptoss_cli.checkpoint.convert import convert
-from gptoss_cli.checkpoint.dcp_io import read_metadata
+from gptoss_cli.checkpoint.storage.dcp_io import read_metadata
 from gptoss_cli.checkpoint.load import checkpoint_architecture, model_from_checkpoint
 from gptoss_cli.checkpoint.sources import open_source
 from gptoss_cli.checkpoint.training_format import TRAIN_STATE, latest_checkpoint

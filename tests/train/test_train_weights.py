@@ -9,7 +9,7 @@ import torch
 
 from gptoss_cli.checkpoint.convert import convert
 from gptoss_cli.checkpoint.make_tiny import make_tiny
-from gptoss_cli.checkpoint.safetensors_io import CheckpointReader
+from gptoss_cli.checkpoint.storage.safetensors_io import CheckpointReader
 from gptoss_cli.model.config import preset
 from gptoss_cli.parallel.state import ParallelState
 from gptoss_cli.train.provider import HybridModelProvider

@@ -14,7 +14,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from gptoss_cli.checkpoint.safetensors_io import TensorSpec
+from gptoss_cli.checkpoint.storage.safetensors_io import TensorSpec
 
 
 @runtime_checkable

@@ -23,8 +23,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from gptoss_cli.checkpoint.safetensors_io import TensorSpec
-from gptoss_cli.errors import CheckpointError, describe_os_error
+from gptoss_cli.checkpoint.storage.safetensors_io import TensorSpec
+from gptoss_cli.errors import CheckpointError, describe_os_error, first_line
 from gptoss_cli.model.expert_names import expert_name, parse_expert_name
 
 METADATA = ".metadata"
@@ -124,12 +124,6 @@ def interruption(exc: BaseException) -> BaseException | None:
         if found is not None:
             return found
     return None
-
-
-def first_line(exc: BaseException) -> str:
-    """The first line of an exception's message (at most 300 characters), or its type's name when it has none."""
-    text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0][:300]
 
 
 @contextlib.contextmanager
@@ -264,5 +258,5 @@ class DcpReader(SpecReader):
         return {n: state[self._key_of(n)] for n in names}
 
 
-__all__ = ["DcpReader", "SpecReader", "read_metadata", "storage_reader", "check_storage_files", "dcp_error", "first_line",
+__all__ = ["DcpReader", "SpecReader", "read_metadata", "storage_reader", "check_storage_files", "dcp_error",
            "quiet_single_process", "METADATA"]

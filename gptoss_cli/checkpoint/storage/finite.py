@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from gptoss_cli.checkpoint.readers import TensorReader
+from gptoss_cli.checkpoint.storage.readers import TensorReader
 from gptoss_cli.errors import CheckpointError
 
 

@@ -23,7 +23,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from gptoss_cli.checkpoint import direct_write
+from gptoss_cli.checkpoint.storage import direct_write
 from gptoss_cli.errors import CheckpointError
 from gptoss_cli.json_input import parse_json
 
@@ -287,6 +287,7 @@ class ShardedWriter:
 
     The plan (names, shapes, dtypes, order) is fixed up front so that every shard header can be
     written before its data; `write` then takes pieces in plan order and checks them against it.
+    `single_file`: every tensor in one file of that name, without an index (a PEFT adapter).
     """
 
     def __init__(
@@ -299,6 +300,7 @@ class ShardedWriter:
         on_bytes: Callable[[int], None] | None = None,
         background: bool = True,
         direct_io: bool = True,
+        single_file: str | None = None,
     ):
         self.folder = Path(folder)
         self.plan = list(plan)
@@ -322,6 +324,9 @@ class ShardedWriter:
         if current or not self.shards:
             self.shards.append(current)
         self.file_names = [shard_file_name(i, len(self.shards)) for i in range(len(self.shards))]
+        self.write_index = single_file is None  # one named file (a PEFT adapter) has no index
+        if single_file is not None:
+            self.shards, self.file_names = [list(self.plan)], [single_file]
         self._shard_of = {s.name: i for i, shard in enumerate(self.shards) for s in shard}
         self._file_offset: dict[str, int] = {}  # where each tensor's bytes start in its shard file
         for shard in self.shards:
@@ -471,6 +476,8 @@ class ShardedWriter:
             path = self.folder / self.file_names[i]
             if not path.exists():
                 self._io(path.write_bytes, self._header_bytes(shard))
+        if not self.write_index:
+            return
         index = {
             "metadata": {"total_size": sum(s.nbytes for s in self.plan), **(index_metadata or {})},
             "weight_map": {s.name: self.file_names[self._shard_of[s.name]] for s in self.plan},

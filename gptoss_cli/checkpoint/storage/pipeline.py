@@ -18,7 +18,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from gptoss_cli.checkpoint.readers import RowReader
+from gptoss_cli.checkpoint.storage.readers import RowReader
 
 # A task computes some output pieces (name, tensor) on a worker thread; the pieces are written in
 # task order. A task returns the pieces to write now and those held back until its job's

@@ -1,0 +1,106 @@
+"""The registry of checkpoint formats (checkpoint/formats/): every row is reachable from detection and from
+`convert --to`, detection and the architecture read need no torch, nothing outside the rows asks what kind a
+folder is, and a training checkpoint is a `model.checkpoint` for validate-config as it is a SRC for convert.
+
+The folders are what each format's own writer wrote: transformers (HF), OpenAI's naming rules
+(tests/checkpoint/test_convert_sources.py), `gptoss train` (a 2-step LoRA run) and `convert --to NAME`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from gptoss_cli.checkpoint import formats
+from gptoss_cli.checkpoint.convert import convert
+from gptoss_cli.checkpoint.load import checkpoint_architecture
+from gptoss_cli.cli import app
+from gptoss_cli.model.config import GptOssArch
+from gptoss_cli.train.loop import run_worker
+from tests.checkpoint.test_convert_sources import write_openai_original
+from tests.train.jobs import train_job
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "gptoss_cli"
+
+
+@pytest.fixture(scope="module")
+def lora_run(hybrid_from_bf16, tmp_path_factory) -> Path:
+    """The checkpoint.dir of a 2-step LoRA run on the tiny model (saved at step 2)."""
+    run = tmp_path_factory.mktemp("formats-run")
+    arch, _ = checkpoint_architecture(hybrid_from_bf16)
+    run_worker(train_job(run / "run", arch=arch, pretrained=str(hybrid_from_bf16), lora_rank=2, lora_alpha=4.0,
+                         lora_targets=["linear_qkv", "linear_fc1"], seq_length=16, global_batch_size=2,
+                         micro_batch_size=1, train_iters=2, save_interval=2, checkpoint_dir=str(run / "ckpt"),
+                         use_distributed_optimizer=False))
+    return run / "ckpt"
+
+
+@pytest.fixture(scope="module")
+def folders(hf_bf16, hf_mxfp4, hybrid_from_bf16, lora_run, tmp_path_factory) -> dict[str, Path]:
+    """One folder per row; a writable row's is `convert --to <its name>`'s output."""
+    root = tmp_path_factory.mktemp("formats")
+    write_openai_original(hf_mxfp4, root / "repo")
+    made = {"hybrid": (hf_bf16, {}), "hf": (hybrid_from_bf16, {}), "megatron": (hf_bf16, {}), "peft": (lora_run, {})}
+    out = {"openai-original": root / "repo", "training": lora_run}
+    for name, (src, options) in made.items():
+        out[name] = root / name
+        convert(str(src), out[name], to=name, dtype="float32", **options)
+    return out
+
+
+def test_every_row_is_reachable_from_detection_and_every_writer_from_convert_to(folders):
+    assert {f.name for f in formats.FORMATS} == set(folders)
+    assert set(formats.WRITERS) == {f.name for f in formats.FORMATS if f.plan is not None} == {
+        "hybrid", "hf", "megatron", "peft"}
+    for name, folder in folders.items():
+        assert formats.detect(folder) is formats.by_name(name), (name, formats.detect(folder))
+    with pytest.raises(Exception, match="--to 'openai-original' is not supported"):
+        convert(str(folders["hf"]), folders["hf"].parent / "never", to="openai-original")
+
+
+def test_detection_and_the_architecture_read_import_no_torch(folders, hf_bf16):
+    """What validate-config needs of a checkpoint, in a fresh interpreter: the row and its architecture."""
+    readable = {k: str(v) for k, v in folders.items() if k != "peft"}
+    code = ("import json, sys; from pathlib import Path; from gptoss_cli.checkpoint import formats\n"
+            f"out = {{k: formats.architecture(Path(v))[1][0].to_dict() for k, v in {readable!r}.items()}}\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n"
+            "print(json.dumps(out))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(proc.stdout)
+    want, _ = checkpoint_architecture(hf_bf16)  # opened the ordinary way, with torch
+    for name in ("hybrid", "hf", "megatron", "training"):  # Megatron's args record no token ids
+        assert GptOssArch.from_dict(got[name]).differences(want) == [], name
+
+
+def test_a_training_checkpoint_is_a_model_checkpoint_for_validate_config(lora_run, hf_bf16):
+    """validate-config read only hybrid_config.json / config.json / Megatron args, so a run's checkpoint.dir,
+    which convert, generate and checkpoint.pretrained accept, was refused (exit 2)."""
+    want, _ = checkpoint_architecture(hf_bf16)
+    for ckpt in (lora_run, lora_run / "iter_0000002"):
+        result = CliRunner().invoke(app, ["validate-config", "tiny_cpu_ep2", "model.preset=null",
+                                          f"model.checkpoint={ckpt}"])
+        assert result.exit_code == 0, result.output
+    from gptoss_cli.recipe.load import load_recipe
+
+    recipe = load_recipe("tiny_cpu_ep2", ["model.preset=null", f"model.checkpoint={lora_run}"])
+    assert recipe.arch.differences(want) == [] and recipe.pattern.text == want.hybrid_layer_pattern
+
+
+def test_only_the_registry_asks_what_kind_a_checkpoint_is():
+    """No `kind ==` / `kind in (...)` switchboards on format names outside checkpoint/formats/."""
+    names = "|".join(re.escape(repr(f.name)[1:-1]) for f in formats.FORMATS)
+    switch = re.compile(rf"\bkind\s*(==|!=|\bin\b|\bnot in\b)\s*\(?\s*(HF|ORIGINAL|HYBRID|TRAINING|MEGATRON|PEFT|"
+                        rf"HYBRID_NAMED|[\"'](?:{names})[\"'])")
+    found = [f"{p.relative_to(ROOT)}:{i}" for p in sorted(PACKAGE.rglob("*.py")) if "formats" not in p.parts
+             for i, line in enumerate(p.read_text().splitlines(), 1) if switch.search(line)]
+    assert not found, found
