@@ -91,7 +91,7 @@ def test_reward_rises_at_ep2(tmp_path):
 def _checkpoint_weights(folder) -> dict[str, torch.Tensor]:
     import torch.distributed.checkpoint as dcp
 
-    from gptoss_cli.checkpoint.dcp_io import read_metadata
+    from gptoss_cli.checkpoint.storage.dcp_io import read_metadata
 
     meta = read_metadata(folder)
     want = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.state_dict_metadata.items()
