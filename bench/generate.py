@@ -1,109 +1,185 @@
-"""Benchmark `gptoss generate`'s decoding: KV-cache tokens/s against transformers' `generate` (its own
-sliding-window cache, the peer's strongest CPU setting: eager attention, which GPT-OSS's sinks need)
-and against recomputing the whole sequence at every step, all timed in the same run.
+"""Benchmark `gptoss generate`'s decoding against transformers' `generate`, prefill and decode timed apart.
 
-A GPT-OSS-shaped model (sliding and full layers alternating, sinks, GQA, MoE top-k, YaRN), random
-weights, fp32 on CPU, greedy. Every method must produce the same tokens (checked), so the times
-compare the same work. Prints the median seconds over --repeats and tokens/s, and the ratios.
+Both sides hold the same weights (transformers' GptOssForCausalLM with the tests' random weights,
+re-arranged into ours by the test-local HF -> Hybrid mapping), fp32 on the CPU, greedy, each with
+its KV cache: ours is `gptoss_cli.generate.decode.generate_ids` (the loop `gptoss generate`
+runs), transformers' is `model.generate` with its default cache (sliding-window layers bounded)
+and its default attention and experts implementations (printed). Every round runs both sides on
+the same prompts, in an order that rotates each round; the tokens both sides produce must agree
+(the bench stops otherwise, saying where they part).
 
-    python bench/generate.py --prompt 128 --new 128 --repeats 3
+Each side's time is split at the first new token's logits: prefill (the prompt through the model
+and the LM head) and decode (every step after it: choosing a token, one position through the
+model, the LM head). Times are this process's CPU time at one thread (`--clock cpu`, default)
+or wall time (`--clock wall`, any threads). The headline is the decode ratio (tokens/s ours over
+transformers), the median of the per-round ratios with their min-max; prefill and end-to-end
+ratios follow. `--batch 8` generates 8 prompts of different lengths (left-padded) as one batch.
+The load average during the run is printed with the figures.
+
+    python bench/generate.py --preset tiny --prompt 64 --new 64
+    python bench/generate.py --preset medium --prompt 64 --new 64 --rounds 5
+    python bench/generate.py --preset wide --prompt 64 --new 64 --batch 8
+
+Presets: `tiny` (gptoss_cli/model/config.py), `medium` (tiny at hidden 512, 16 experts top-4) and
+`wide` (medium with 8 query / 2 kv heads of 64 and a 20480-token vocabulary): bench/common.py.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (  # noqa: E402
+    LoadMonitor, allocator_text, bench_arch, cpu_clock, hf_peer, hybrid_weights, median_min_max, ratio_text, rotating,
+)
+
+import torch  # noqa: E402
+
+CLOCK = cpu_clock
 
 
-def build(args):
-    import transformers
+def prompts_for(arch, batch: int, length: int, seed: int = 1) -> list[list[int]]:
+    """`batch` random prompts; with several, of lengths length, length - 3, ... (left padding on both sides)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = [max(1, length - 3 * i) for i in range(batch)]
+    return [torch.randint(0, arch.vocab_size - 3, (n,), generator=g).tolist() for n in lengths]
 
+
+class _FirstLogits:
+    """A transformers LogitsProcessor that notes the clock when the prompt's logits first arrive."""
+
+    def __init__(self):
+        self.at = None
+
+    def __call__(self, input_ids, scores):
+        if self.at is None:
+            self.at = CLOCK()
+        return scores
+
+
+def run_transformers(model, prompts: list[list[int]], new: int) -> tuple[list[list[int]], float, float]:
+    """(new tokens per prompt, prefill seconds, decode seconds) of transformers' greedy `generate`."""
+    from transformers import GenerationConfig, LogitsProcessorList
+
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    cfg = GenerationConfig(max_new_tokens=new, min_new_tokens=new, do_sample=False, eos_token_id=None,
+                           pad_token_id=0, use_cache=True)
+    first = _FirstLogits()
+    t0 = CLOCK()
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=cfg,
+                             logits_processor=LogitsProcessorList([first]))
+    t1 = CLOCK()
+    return out[:, width:].tolist(), first.at - t0, t1 - first.at
+
+
+def run_ours(model, prompts: list[list[int]], new: int) -> tuple[list[list[int]], float, float]:
+    """(new tokens per prompt, prefill seconds, decode seconds) of gptoss's `generate_ids`."""
+    from gptoss_cli.generate.decode import DecodeTiming, generate_ids
+
+    timing = DecodeTiming(clock=CLOCK)
+    gens = generate_ids(model, prompts, max_new_tokens=new, timing=timing)
+    return [g.output_ids for g in gens], timing.prefill_s, timing.decode_s
+
+
+def build(arch):
     from gptoss_cli.model.hybrid import HybridModel
-    from tests.model.conftest import randomize_, tiny_hf_config
 
-    layers = args.layers
-    cfg = tiny_hf_config(num_hidden_layers=layers, hidden_size=args.hidden, intermediate_size=args.hidden * 3 // 2,
-                         num_attention_heads=8, num_key_value_heads=2, head_dim=args.hidden // 8,
-                         num_local_experts=8, num_experts_per_tok=2, vocab_size=8003, sliding_window=args.window,
-                         layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
-                         pad_token_id=8001, eos_token_id=8002)
-    torch.manual_seed(0)
-    hf = transformers.GptOssForCausalLM(cfg).eval()
-    randomize_(hf)
-    from gptoss_cli.checkpoint.hf_config import from_hf_config
-
-    arch = from_hf_config(cfg.to_dict())
+    peer = hf_peer(arch, torch.float32).eval()
     ours = HybridModel(arch).eval()
-    from tests.model.conftest import hf_to_hybrid_state_dict
-
-    ours.load_state_dict(hf_to_hybrid_state_dict(hf.state_dict(), num_layers=layers, heads=8, kv=2,
-                                                 hd=args.hidden // 8), strict=True)
-    return hf, ours
+    ours.load_state_dict(hybrid_weights(arch, peer), strict=True)
+    return ours, peer
 
 
-def timed(fn, repeats: int):
-    out, times = None, []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t0)
-    return out, statistics.median(times)
+def first_difference(a: list[list[int]], b: list[list[int]]) -> str | None:
+    for row, (x, y) in enumerate(zip(a, b)):
+        for i, (s, t) in enumerate(zip(x, y)):
+            if s != t:
+                return f"prompt {row}, new token {i}: ours {s}, transformers {t}"
+        if len(x) != len(y):
+            return f"prompt {row}: ours {len(x)} new tokens, transformers {len(y)}"
+    return None
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--prompt", type=int, default=128)
-    ap.add_argument("--new", type=int, default=128)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--window", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=3)
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="tiny", help="tiny, medium, wide or a model preset")
+    ap.add_argument("--arch", default=None, help="integer architecture overrides, e.g. num_hidden_layers=4")
+    ap.add_argument("--prompt", type=int, default=64, help="prompt tokens (the longest prompt with --batch)")
+    ap.add_argument("--new", type=int, default=64, help="new tokens per prompt (no stop token: all of them)")
+    ap.add_argument("--batch", type=int, default=1, help="prompts generated as one batch")
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--clock", default="cpu", choices=("cpu", "wall"))
+    ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
+    global CLOCK
+    if args.clock == "cpu" and args.threads != 1:
+        ap.error("--clock cpu adds up the CPU time of every thread: use it with --threads 1")
+    CLOCK = cpu_clock if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(args.threads)
-    import transformers
-
-    from gptoss_cli.generate.decode import generate_ids
-
-    hf, ours = build(args)
-    prompt = torch.randint(0, 8000, (1, args.prompt), generator=torch.Generator().manual_seed(1))
-    gen_cfg = transformers.GenerationConfig(max_new_tokens=args.new, do_sample=False, eos_token_id=None, pad_token_id=0)
-
-    def run_hf():
-        with torch.no_grad():
-            return hf.generate(prompt, generation_config=gen_cfg)[0, args.prompt:].tolist()
-
-    def run_cached():
-        return generate_ids(ours, prompt.tolist(), max_new_tokens=args.new)[0].output_ids
-
-    def run_recompute():
-        seq = prompt
-        with torch.no_grad():
-            for _ in range(args.new):
-                nxt = ours(seq).logits[:, -1].argmax(-1, keepdim=True)
-                seq = torch.cat([seq, nxt], dim=1)
-        return seq[0, args.prompt:].tolist()
-
-    results = {}
-    for name, fn in (("transformers generate (baseline)", run_hf), ("gptoss KV cache", run_cached),
-                     ("gptoss recompute each step", run_recompute)):
-        results[name] = timed(fn, args.repeats)
-    tokens = {name: r[0] for name, r in results.items()}
-    base_name = "transformers generate (baseline)"
-    agree = {name: t == tokens[base_name] for name, t in tokens.items()}
-    print(f"model: hidden {args.hidden}, {args.layers} layers (window {args.window}), 8 experts top-2, vocab 8003; "
-          f"prompt {args.prompt}, {args.new} new tokens, greedy, fp32, {args.threads} thread(s), "
-          f"median of {args.repeats}")
-    base = results[base_name][1]
-    for name, (_, sec) in results.items():
-        print(f"  {name:34s} {sec:8.3f} s  {args.new / sec:8.1f} tokens/s  ratio to baseline {base / sec:5.2f}x  "
-              f"same tokens: {agree[name]}")
-    cached = results["gptoss KV cache"][1]
-    print(f"KV cache vs recompute each step: {results['gptoss recompute each step'][1] / cached:.2f}x")
+    arch = bench_arch(args.preset, args.arch)
+    ours, peer = build(arch)
+    prompts = prompts_for(arch, args.batch, args.prompt)
+    sides = {"ours": lambda: run_ours(ours, prompts, args.new),
+             "transformers": lambda: run_transformers(peer, prompts, args.new)}
+    with LoadMonitor() as load:
+        tokens = {name: fn()[0] for name, fn in sides.items()}  # warm-up, and the tokens to compare
+        diff = first_difference(tokens["ours"], tokens["transformers"])
+        if diff is not None:
+            print(f"bench: the two sides generate different tokens ({diff}); they do not compute the same thing")
+            return 1
+        times: dict[str, dict[str, list[float]]] = {n: {"prefill": [], "decode": []} for n in sides}
+        for r in range(args.rounds):
+            for name in rotating(list(sides), r):
+                _, prefill_s, decode_s = sides[name]()
+                times[name]["prefill"].append(prefill_s)
+                times[name]["decode"].append(decode_s)
+    per_round = {part: [t / o for t, o in zip(times["transformers"][part], times["ours"][part])]
+                 for part in ("prefill", "decode")}
+    per_round["total"] = [(tp + td) / (op + od) for tp, td, op, od in zip(
+        times["transformers"]["prefill"], times["transformers"]["decode"], times["ours"]["prefill"],
+        times["ours"]["decode"])]
+    steps = args.new - 1  # decode steps after the first token
+    new_tokens = args.batch * steps
+    result = {
+        "preset": args.preset, "arch": args.arch or "", "batch": args.batch, "prompt_lengths": [len(p) for p in prompts],
+        "new_tokens": args.new, "rounds": args.rounds, "threads": args.threads, "clock": args.clock,
+        "allocator": allocator_text(False), "dtype": "float32",
+        "transformers_attn_implementation": peer.config._attn_implementation,
+        "transformers_experts_implementation": getattr(peer.config, "_experts_implementation", None),
+        **load.summary(),
+    }
+    for name in sides:
+        for part in ("prefill", "decode"):
+            result[f"{name}_{part}_s"] = statistics.median(times[name][part])
+        result[f"{name}_decode_tokens_per_s"] = new_tokens / result[f"{name}_decode_s"]
+    for part, values in per_round.items():
+        med, lo, hi = median_min_max(values)
+        result[f"ratio_{part}"], result[f"ratio_{part}_min_max"] = med, [lo, hi]
+    print(f"{args.preset}{' ' + args.arch if args.arch else ''}: batch {args.batch} (prompts of "
+          f"{', '.join(str(len(p)) for p in prompts)} tokens), {args.new} new tokens each, greedy, fp32, "
+          f"{args.threads} thread(s), {args.clock} clock, {args.rounds} rounds; same tokens on both sides")
+    print(load.text())
+    for name in sides:
+        print(f"  {name:<13} prefill {result[f'{name}_prefill_s'] * 1e3:8.1f} ms   decode "
+              f"{result[f'{name}_decode_s'] * 1e3:8.1f} ms ({result[f'{name}_decode_tokens_per_s']:7.1f} tokens/s)")
+    print(f"ours / transformers, median [min, max] of the per-round ratios: decode {ratio_text(per_round['decode'])}, "
+          f"prefill {ratio_text(per_round['prefill'])}, end to end {ratio_text(per_round['total'])}")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

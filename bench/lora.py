@@ -44,7 +44,9 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from bench.train import _batch, _median_step, bench_arch  # noqa: E402
+import bench.train as train_bench  # noqa: E402
+from bench.train import GEMM_OPS, _batch, _median_step, bench_arch  # noqa: E402
+from common import LoadMonitor  # noqa: E402  (bench/ is on the path once bench.train is imported)
 
 TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 
@@ -174,16 +176,21 @@ def bench_base_hash(megabytes: int, repeats: int) -> dict[str, float]:
     return med
 
 
-def profile_steps(name: str, step, steps: int, top: int = 15) -> None:
-    """torch.profiler's operators of `steps` steps of `step`, the `top` ones by self CPU time."""
+def profile_steps(name: str, step, steps: int, top: int = 15) -> float:
+    """torch.profiler's operators of `steps` steps of `step`, the `top` ones by self CPU time; returns
+    the GEMM operators' share of the operator self time (bench/train.py's GEMM_OPS)."""
     from torch.profiler import ProfilerActivity, profile
 
     step()  # warm-up outside the profile
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             step()
-    print(f"\n{name}: top {top} operators by self CPU time over {steps} steps")
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=48))
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events)
+    gemm = sum(e.self_cpu_time_total for e in events if e.key in GEMM_OPS)
+    print(f"\n{name}: top {top} operators by self CPU time over {steps} steps; GEMMs {100 * gemm / total:.1f}%")
+    print(events.table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=48))
+    return gemm / total
 
 
 def main() -> None:
@@ -198,6 +205,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--profile", type=int, default=0, help="also profile this many steps of ours-LoRA and HF+PEFT")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--clock", default="cpu", choices=("cpu", "wall"),
+                    help="time steps by this process's CPU time (default; one thread) or by wall clock")
     ap.add_argument("--base-hash-mb", type=int, help="time the base fingerprint on a base of this many MB instead")
     args = ap.parse_args()
     if args.base_hash_mb:
@@ -207,6 +217,13 @@ def main() -> None:
                                              "ratio_full_over_cached": med["full_hash_s"] / med["cached_s"]},
                                             indent=2) + "\n")
         return
+    if args.clock == "cpu" and args.threads != 1:
+        ap.error("--clock cpu adds up the CPU time of every thread: use it with --threads 1")
+    import time
+
+    train_bench.CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
+    torch.set_num_threads(args.threads)
+    load = LoadMonitor().__enter__()
     torch.manual_seed(0)
     arch = bench_arch(args.preset)
     tokens = _batch(arch, args.batch, args.seq)
@@ -216,24 +233,29 @@ def main() -> None:
     full, full_setup = ours_step_fn(arch, tokens, args.dtype, 0, args.alpha)
     mx, mx_setup = ours_step_fn(arch, tokens, args.dtype, args.rank, args.alpha, base_experts="mxfp4")
     times = {"ours_lora": [], "hf_peft": [], "ours_full": [], "ours_lora_mxfp4": []}
-    for _ in range(args.repeats):  # interleaved, so a slow phase of the machine hits all of them
-        times["ours_lora"].append(_median_step(ours, args.steps))
-        times["hf_peft"].append(_median_step(theirs, args.steps))
-        times["ours_full"].append(_median_step(full, args.steps))
-        times["ours_lora_mxfp4"].append(_median_step(mx, args.steps))
+    steps = {"ours_lora": ours, "hf_peft": theirs, "ours_full": full, "ours_lora_mxfp4": mx}
+    for r in range(args.repeats):  # interleaved, the order rotating, so a slow phase of the machine hits all
+        names = list(steps)
+        for k in names[r % len(names):] + names[:r % len(names)]:
+            times[k].append(_median_step(steps[k], args.steps))
+    load.__exit__(None, None, None)
     med = {k: statistics.median(v) for k, v in times.items()}
+    per_repeat = [h / o for h, o in zip(times["hf_peft"], times["ours_lora"])]
     state = {"ours_lora": ours_state_bytes(ours_setup), "hf_peft": theirs_state(),
              "ours_full": ours_state_bytes(full_setup), "ours_lora_mxfp4": ours_state_bytes(mx_setup)}
     base = {"ours_lora": frozen_base_bytes(ours_setup), "ours_lora_mxfp4": frozen_base_bytes(mx_setup)}
     tok = args.batch * args.seq
     print(f"{args.preset}, batch {args.batch} x {args.seq} tokens, rank {args.rank}, {args.dtype}, "
-          f"torch AdamW {adamw} for transformers + PEFT; threads {torch.get_num_threads()}")
+          f"torch AdamW {adamw} for transformers + PEFT; threads {torch.get_num_threads()}, {args.clock} clock, "
+          f"glibc's default allocator for every side (one process)")
+    print(load.text())
     print(f"{'run':<15} {'step ms':>10} {'tokens/s':>10} {'trainable state':>16}")
     for k in ("ours_lora", "hf_peft", "ours_full", "ours_lora_mxfp4"):
         print(f"{k:<15} {1e3 * med[k]:>10.1f} {tok / med[k]:>10.0f} {state[k] / 1e6:>13.2f} MB")
     speed = med["hf_peft"] / med["ours_lora"]
     share = state["ours_lora"] / state["ours_full"]
-    print(f"LoRA step: ours {speed:.2f}x transformers + PEFT (goal >= 1.5); "
+    print(f"LoRA step: ours {speed:.2f}x transformers + PEFT (per repeat {min(per_repeat):.2f}-{max(per_repeat):.2f}; "
+          f"goal >= 1.5); "
           f"ours LoRA / ours full step time {med['ours_lora'] / med['ours_full']:.2f}")
     print(f"trainable state: ours LoRA {100 * share:.2f}% of our full fine-tune's (goal < 5%); "
           f"transformers + PEFT {state['hf_peft'] / state['ours_lora']:.2f}x ours")
@@ -242,12 +264,20 @@ def main() -> None:
           f"frozen base {mx_base['base'] / 1e6:.2f} MB vs {bf_base['base'] / 1e6:.2f} MB "
           f"({mx_base['base'] / bf_base['base']:.3f}); expert weights {mx_base['experts'] / 1e6:.2f} MB vs "
           f"{bf_base['experts'] / 1e6:.2f} MB ({mx_base['experts'] / bf_base['experts']:.4f})")
+    ceiling = None
     if args.profile:
-        profile_steps("ours_lora", ours, args.profile)
-        profile_steps("hf_peft", theirs, args.profile)
+        share_ours = profile_steps("ours_lora", ours, args.profile)
+        share_hf = profile_steps("hf_peft", theirs, args.profile)
+        # What bounds the ratio: with every non-GEMM operator of ours free, our step is its GEMM share
+        # of the measured median (the GEMMs as fast as they ran).
+        ceiling = med["hf_peft"] / (med["ours_lora"] * share_ours)
+        print(f"\nGEMM share of the step: ours-LoRA {100 * share_ours:.0f}%, transformers + PEFT {100 * share_hf:.0f}%; "
+              f"ours / theirs ceiling with every non-GEMM operator of ours free: {ceiling:.2f}x")
     if args.json:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "median_s": med,
                                          "times_s": times, "state_bytes": state, "speedup_vs_hf_peft": speed,
+                                         "speedup_per_repeat": per_repeat, "ceiling_non_gemm_free": ceiling,
+                                         **load.summary(),
                                          "state_share_of_full": share, "frozen_base_bytes": base,
                                          "mxfp4_step_time_ratio": med["ours_lora_mxfp4"] / med["ours_lora"]},
                                         indent=2) + "\n")

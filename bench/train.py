@@ -25,7 +25,8 @@ the ratio and of the share of the GEMM peak if every non-GEMM operator of ours w
 
     python bench/train.py --batch 4 --seq 128 --steps 5 --repeats 3 [--dtype fp32] [--json out.json]
     python bench/train.py --preset wide --batch 2 --seq 512     # hidden 512, 16 experts top-4
-    python bench/train.py --arch hidden_size=512,intermediate_size=512,num_local_experts=16,num_experts_per_tok=4 --batch 2 --seq 512
+    python bench/train.py --preset medium --batch 2 --seq 512   # the same experts, tiny's attention and vocabulary
+    python bench/train.py --preset medium --batch 2 --seq 512 --allocators train keep   # + a second allocator row
 
 Ours computes the clamped SwiGLU with the recipe's default `model.swiglu_kernel: auto` (compiled
 single-pass kernels where torch.compile works, model/swiglu_kernel.py); `--swiglu-kernel eager`
@@ -38,9 +39,17 @@ gradients, at W=1 and at W=2 (2 gloo processes, EP=2), and prints the ratios:
 
     python bench/train.py --optimizer --arch hidden_size=512,intermediate_size=512,num_local_experts=16,num_experts_per_tok=4
 
-`--preset` is a model preset (gptoss_cli/model/config.py) or `wide`: the tiny model widened to
-hidden 512, intermediate 512, 16 experts top-4, 8 query / 2 kv heads of 64, vocabulary 20480
-(61M parameters), where the experts, attention and LM head have realistic shares of the step.
+`--preset` is a model preset (gptoss_cli/model/config.py), `medium` (the tiny model at hidden 512,
+intermediate 512, 16 experts top-4; what `--arch hidden_size=512,intermediate_size=512,
+num_local_experts=16,num_experts_per_tok=4` gave before) or `wide` (medium with 8 query / 2 kv
+heads of 64 and a 20480-token vocabulary, 61M parameters, where the experts, attention and LM head
+have realistic shares of the step): bench/common.py.
+
+Both sides share the process, so they share its allocator and thread settings. The headline runs
+with the allocator as `gptoss train` runs it (glibc's defaults); `--allocators train keep` adds a
+second row from a second process in which glibc keeps freed memory (resources.keep_freed_memory,
+which `gptoss train` used on the CPU until it fragmented the heap: bench/memory.py). The load
+average during the run is printed with the figures.
 """
 
 from __future__ import annotations
@@ -62,16 +71,10 @@ import torch  # noqa: E402
 
 from gptoss_cli.checkpoint.hf_config import to_hf_config
 from gptoss_cli.model.catalog import SWIGLU_KERNELS
-from gptoss_cli.model.config import preset
 from gptoss_cli.recipe.flops import model_flops_per_token
 
-
-def bench_arch(name: str):
-    if name == "wide":
-        return preset("tiny").replace(hidden_size=512, intermediate_size=512, num_local_experts=16,
-                                      num_experts_per_tok=4, num_attention_heads=8, num_key_value_heads=2,
-                                      head_dim=64, vocab_size=20480, eos_token_id=20479, pad_token_id=20478)
-    return preset(name)
+sys.path.insert(0, str(ROOT / "bench"))
+from common import LoadMonitor, allocator_text, bench_arch  # noqa: E402
 
 
 def _batch(arch, batch: int, seq: int, seed: int = 0) -> torch.Tensor:
@@ -411,10 +414,7 @@ def _optimizer_worker(rank: int, args: dict) -> tuple[list[float], list[float]]:
 
 
 def _arch(name: str, overrides: str | None):
-    arch = bench_arch(name)
-    if overrides:
-        arch = arch.replace(**{k: int(v) for k, v in (kv.split("=") for kv in overrides.split(","))})
-    return arch
+    return bench_arch(name, overrides)
 
 
 def run_optimizer_bench(args: argparse.Namespace) -> dict:
@@ -464,9 +464,8 @@ def run_step_bench(args: argparse.Namespace) -> dict:
     """Ours vs transformers, steps alternating, from the same weights on the same batch."""
     from gptoss_cli.resources import keep_freed_memory
 
-    if not args.default_malloc:
-        # As `gptoss train` does on the CPU. One process: transformers' steps get it too, so the
-        # ratio does not count it; --default-malloc shows what it is worth.
+    if args.allocators == ["keep"]:
+        # One process: transformers' steps get it too, so the ratio does not count it.
         keep_freed_memory()
     arch = _arch(args.preset, args.arch)
     tokens = _batch(arch, args.batch, args.seq)
@@ -513,7 +512,7 @@ def run_step_bench(args: argparse.Namespace) -> dict:
     return {
         "preset": args.preset, "arch": args.arch or "", "batch": args.batch, "seq": args.seq, "dtype": args.dtype,
         "threads": args.threads, "clock": args.clock, "swiglu_kernel": args.swiglu_kernel,
-        "malloc": "default" if args.default_malloc else "keep freed",
+        "allocator": allocator_text(args.allocators == ["keep"]),
         "tokens_per_step": n_tokens,
         "first_loss_ours": first_ours, "first_loss_transformers": first_hf, "first_loss_rel_diff": loss_rel,
         "ours_step_s": ours_s, "transformers_step_s": hf_s,
@@ -533,7 +532,34 @@ def run_step_bench(args: argparse.Namespace) -> dict:
     }
 
 
-def main() -> None:
+def run_per_allocator(args: argparse.Namespace) -> int:
+    """The step bench once per allocator, each in a fresh process (an allocator setting cannot be
+    undone in a process); one row each, the first the headline."""
+    import subprocess
+
+    rest, skip = [], False
+    for a in sys.argv[1:]:  # this command line without --allocators and --json and their values
+        if a.startswith("--"):
+            skip = a in ("--allocators", "--json")
+        if not skip:
+            rest.append(a)
+    rows = []
+    for allocator in args.allocators:
+        with tempfile.NamedTemporaryFile(suffix=".json") as out:
+            subprocess.run([sys.executable, __file__, *rest, "--allocators", allocator, "--json", out.name], check=True)
+            rows.append(json.loads(Path(out.name).read_text()))
+    print("\nper allocator (both sides in one process each; the first row is the headline):")
+    for i, r in enumerate(rows):
+        print(f"  {'headline' if i == 0 else 'second  '} {r['allocator']}: ours / transformers "
+              f"{r['ratio_ours_vs_transformers']:.2f}x [{r['ratio_min']:.2f}, {r['ratio_max']:.2f}], ours "
+              f"{r['ours_step_s']:.3f} s, transformers {r['transformers_step_s']:.3f} s per step, ours "
+              f"{100 * r['ours_share_of_gemm_peak']:.0f}% of the GEMM peak; load {r['load_min']:.1f}-{r['load_max']:.1f}")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+    return 0
+
+
+def main() -> int | None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="tiny")
     p.add_argument("--batch", type=int, default=4)
@@ -544,8 +570,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--clock", default="cpu", choices=("wall", "cpu"),
                    help="time steps by this process's CPU time (default; one thread) or by wall clock")
-    p.add_argument("--default-malloc", action="store_true",
-                   help="leave glibc's allocator at its defaults (gptoss train keeps freed memory on the CPU)")
+    p.add_argument("--allocators", nargs="+", default=["train"], choices=("train", "keep"),
+                   help="train: glibc's defaults, as gptoss train runs (the headline); keep: glibc keeping freed "
+                        "memory. Several: one process each, one row each, the first the headline")
     p.add_argument("--no-ep", action="store_true", help="skip the 2-process EP=2 measurement (wall clock only)")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--swiglu-kernel", default="auto", choices=SWIGLU_KERNELS,
@@ -570,7 +597,11 @@ def main() -> None:
         if args.json:
             args.json.write_text(json.dumps(result, indent=2) + "\n")
         return
-    result = run_step_bench(args)
+    if len(args.allocators) > 1:
+        return run_per_allocator(args)
+    with LoadMonitor() as load:
+        result = run_step_bench(args)
+    result.update(load.summary())
     if args.clock == "wall" and not args.no_ep:
         ep_tps = run_ep2(args)
         result.update(ep2_tokens_per_s=ep_tps, ratio_ep2_vs_ours_single=ep_tps / result["ours_tokens_per_s"])

@@ -18,14 +18,24 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def keep_freed_memory() -> None:
-    """Ask glibc to keep freed chunk buffers for reuse instead of unmapping them.
+# What `keep_freed_memory` sets, as the benches print it.
+ALLOCATOR_SETTING = "glibc keeping freed memory (M_MMAP_THRESHOLD 1 GiB, M_TRIM_THRESHOLD 2 GiB)"
 
-    Streaming allocates and frees a buffer of the same size for every chunk; by default glibc
-    returns each large buffer to the OS and the next one page-faults in afresh, which measured
-    as most of convert's decode time. Peak memory is unchanged: it is still one chunk's worth.
-    A CPU training step allocates and frees the same activations every step: 40k page faults per
-    step of the 512-wide bench config, 5-10% of its time (bench/train.py, docs/benchmarks.md).
+
+def keep_freed_memory() -> None:
+    """Ask glibc to keep freed chunk buffers for reuse instead of unmapping them (process-wide).
+
+    For streaming, where it is bounded: convert allocates and frees a buffer of the same size for
+    every chunk; by default glibc returns each large buffer to the OS and the next one
+    page-faults in afresh, which measured as most of convert's decode time. Peak memory is
+    unchanged: it is still one chunk's worth (bench/convert.py prints it).
+
+    Not for training: a step allocates tensors of many sizes, and long-lived small allocations land
+    between the freed large ones. With every buffer below 1 GiB served from the heap and nothing
+    handed back, the heap fragments: a 2-block model with the 201,088-token vocabulary grew a
+    worker by 250-300 MB per step (5 GB by step 14, 97% of it free heap) where glibc's defaults
+    stay at 1-2 GB (bench/memory.py, docs/benchmarks.md). `gptoss train` leaves the allocator as
+    glibc sets it.
     """
     try:
         import ctypes
@@ -37,4 +47,4 @@ def keep_freed_memory() -> None:
         pass
 
 
-__all__ = ["keep_freed_memory", "peak_rss_bytes"]
+__all__ = ["ALLOCATOR_SETTING", "keep_freed_memory", "peak_rss_bytes"]

@@ -2,6 +2,12 @@
 
 Each command lives in its own module of this package and registers itself on `app`.
 No logic here: the library never imports this package or rich's console.
+
+Start-up: `gptoss --help` imports every command module, so a command module imports at its top
+only typer, rich, gptoss_cli.cli.app and torch-free library modules it needs to define its options;
+the library it calls (torch, the recipe package's omegaconf) is imported inside the command
+function. tests/test_cli_commands.py holds every command to it: `gptoss --help` and each
+command's `--help` import neither torch nor omegaconf, and validate-config imports no torch.
 """
 
 from __future__ import annotations

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import sys
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -12,40 +11,13 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from gptoss_cli.cli.app import app, check_json_path, check_number, console, err_console, handle_errors, write_json
-from gptoss_cli.errors import UsageError
-
-
-MIN_TEMPERATURE = 1e-6  # far from fp32 overflow of logits / temperature, far below any useful temperature
-MAX_TEMPERATURE = 100.0
+from gptoss_cli.cli.app import app, check_json_path, console, err_console, handle_errors, write_json
+from gptoss_cli.generate.command import GenerateHooks, GenerateOptions, GenerateResult, generate
 
 
 def _short(text: str, width: int = 60) -> str:
     text = " ".join(text.split())
     return text if len(text) <= width else text[: width - 3] + "..."
-
-
-def _check_options(prompt: str | None, messages: Path | None, prompts: Path | None, raw: bool, show_analysis: bool,
-                   prompt_options: tuple, max_new_tokens: int, temperature: float, top_p: float, seed: int) -> None:
-    """The option combinations and bounds generate refuses before it loads anything (one line, exit 2)."""
-    if sum(x is not None for x in (prompt, messages, prompts)) != 1:
-        raise UsageError("give exactly one of --prompt TEXT, --messages FILE.json or --prompts FILE.jsonl")
-    if prompt is not None and not prompt:
-        raise UsageError("--prompt is empty")
-    if raw and (messages is not None or show_analysis):
-        raise UsageError("--raw takes a plain-text --prompt or --prompts, not --messages or --show-analysis")
-    if (raw or prompt is None and prompts is None) and any(x is not None for x in prompt_options):
-        raise UsageError("--system, --developer and --reasoning-effort go with a harmony --prompt or --prompts; "
-                         "write them into the conversation of --messages")
-    if max_new_tokens < 1 or max_new_tokens > 1 << 20:
-        raise UsageError(f"--max-new-tokens {max_new_tokens} must be in [1, {1 << 20}]")
-    # logits / temperature is fp32: below ~1e-38 it overflows to inf and the softmax turns NaN
-    if temperature != 0.0 and not (math.isfinite(temperature) and MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE):
-        raise UsageError(f"--temperature {temperature!r} must be 0 (greedy) or a finite number in "
-                         f"[{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]")
-    check_number("--top-p", top_p, low=0.0, high=1.0, low_inclusive=False)
-    if not 0 <= seed < 1 << 63:
-        raise UsageError(f"--seed {seed} must be in [0, 2**63)")
 
 
 def _note_empty_answer(r: Any, write_out: Callable[[str], None]) -> None:
@@ -96,69 +68,81 @@ def generate_cmd(
     gptoss generate /runs/sft/checkpoints --messages chat.json --show-analysis --json reply.json;
     gptoss generate /ckpt/gpt-oss-20b --raw -p "The capital of France is" -n 16
     """
-    from gptoss_cli.generate.chat import prepare_prompts
-    from gptoss_cli.generate.decode import Sampling
-    from gptoss_cli.generate.session import (
-        default_device, load_model, load_tokenizer, open_checkpoint, resolve_dtype, run_generation,
+    options = GenerateOptions(
+        checkpoint=checkpoint, prompt=prompt, messages=messages, prompts=prompts, system=system, developer=developer,
+        reasoning_effort=reasoning_effort, raw=raw, show_analysis=show_analysis, tokenizer=tokenizer,
+        max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, device=device, dtype=dtype,
     )
-
-    _check_options(prompt, messages, prompts, raw, show_analysis, (system, developer, reasoning_effort),
-                   max_new_tokens, temperature, top_p, seed)
+    options.check()
     check_json_path(json_path)
-    device = device or default_device()
-    torch_dtype = resolve_dtype(dtype, device)
+    with _Screen(checkpoint) as screen:
+        result = generate(options, screen.hooks())
+    _render(result)
+    if json_path is not None:
+        write_json(json_path, result.to_json(), done="generated")
 
-    ckpt = open_checkpoint(checkpoint, tokenizer)
-    tok = load_tokenizer(ckpt.tokenizer_file, ckpt.arch.vocab_size)
-    items, replies, stop_ids = prepare_prompts(
-        tok, str(ckpt.tokenizer_file), raw=raw, prompt=prompt, messages=messages, prompts=prompts, system=system,
-        developer=developer, reasoning_effort=reasoning_effort, show_analysis=show_analysis,
-    )
 
-    with err_console.status(f"generate: loading {escape(checkpoint)}") as status:
-        model = load_model(ckpt, torch_dtype, device, progress=lambda name: status.update(f"generate: loading {escape(name)}"))
-    sampling = Sampling(temperature=temperature, top_p=top_p, seed=seed)
+def _write(stream) -> Callable[[str], None]:
+    def write(text: str) -> None:
+        stream.write(text)
+        stream.flush()
 
-    def write_out(text: str) -> None:
-        sys.stdout.write(text)
-        sys.stdout.flush()
+    return write
 
-    def write_err(text: str) -> None:
-        sys.stderr.write(text)
-        sys.stderr.flush()
 
-    bar = Progress(TextColumn("[bold]generating"), BarColumn(), MofNCompleteColumn(), TextColumn("prompts"),
-                   TimeElapsedColumn(), console=err_console, transient=True,
-                   disable=len(items) == 1 or not err_console.is_terminal)
-    with bar:
-        task = bar.add_task("generating", total=len(items))
-        results = run_generation(model, tok, items, replies, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
-                                 sampling=sampling, write_out=write_out, write_err=write_err,
-                                 on_done=lambda row: bar.advance(task))
+class _Screen:
+    """The terminal while generate runs: a spinner naming what loads, then a progress bar over a batch's
+    prompts (none for a single prompt, whose reply streams to stdout)."""
+
+    def __init__(self, checkpoint: str):
+        self.status = err_console.status(f"generate: loading {escape(checkpoint)}")
+        self.bar: Progress | None = None
+        self.task = None
+
+    def __enter__(self) -> "_Screen":
+        self.status.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.status.stop()
+        if self.bar is not None:
+            self.bar.stop()
+
+    def _started(self, prompts: int) -> None:
+        self.status.stop()
+        self.bar = Progress(TextColumn("[bold]generating"), BarColumn(), MofNCompleteColumn(), TextColumn("prompts"),
+                            TimeElapsedColumn(), console=err_console, transient=True,
+                            disable=prompts == 1 or not err_console.is_terminal)
+        self.bar.start()
+        self.task = self.bar.add_task("generating", total=prompts)
+
+    def hooks(self) -> GenerateHooks:
+        return GenerateHooks(loading=lambda name: self.status.update(f"generate: loading {escape(name)}"),
+                             started=self._started, write_out=_write(sys.stdout), write_err=_write(sys.stderr),
+                             # per-row progress only for a person watching: otherwise the batch decodes
+                             # without reading each step's tokens back
+                             row_done=(lambda row: self.bar.advance(self.task)) if err_console.is_terminal else None)
+
+
+def _render(result: GenerateResult) -> None:
+    """After the replies: a single prompt's stop reason and speed; a batch's table."""
+    results = result.replies
     if len(results) == 1:
         r = results[0]
+        write_out = _write(sys.stdout)
         write_out("\n")
-        if not raw and not r.text:
+        if not result.options.raw and not r.text:
             _note_empty_answer(r, write_out)
         err_console.print(f"[dim]{escape(r.stop_text())}; {len(r.generation.output_ids)} new tokens, "
                           f"{r.tokens_per_s:.1f} tokens/s[/]", highlight=False)
-    else:
-        table = Table(title=f"generate: {len(results)} prompts in one batch", title_justify="left")
-        for col in ("#", "prompt", "reply", "new tokens", "stop"):
-            table.add_column(col, justify="right" if col in ("#", "new tokens") else "left")
-        for i, r in enumerate(results):
-            table.add_row(str(i), escape(_short(r.prompt, 30)), escape(_short(r.text)),
-                          str(len(r.generation.output_ids)), escape(r.stop_text()))
-        console.print(table)
-        total = sum(len(r.generation.output_ids) for r in results)
-        err_console.print(f"[dim]{total} new tokens, {total / max(results[0].seconds, 1e-9):.1f} tokens/s over the batch[/]",
-                          highlight=False)
-    if json_path is not None:
-        payload = {
-            "checkpoint": checkpoint, "kind": ckpt.kind, "tokenizer": str(ckpt.tokenizer_file),
-            "mode": "raw" if raw else "harmony", "device": device, "dtype": str(torch_dtype).removeprefix("torch."),
-            "sampling": {"temperature": temperature, "top_p": top_p, "seed": seed, "greedy": sampling.greedy},
-            "max_new_tokens": max_new_tokens, "stop_token_ids": stop_ids,
-            "replies": [r.to_json() for r in results],
-        }
-        write_json(json_path, payload, done="generated")
+        return
+    table = Table(title=f"generate: {len(results)} prompts in one batch", title_justify="left")
+    for col in ("#", "prompt", "reply", "new tokens", "stop"):
+        table.add_column(col, justify="right" if col in ("#", "new tokens") else "left")
+    for i, r in enumerate(results):
+        table.add_row(str(i), escape(_short(r.prompt, 30)), escape(_short(r.text)),
+                      str(len(r.generation.output_ids)), escape(r.stop_text()))
+    console.print(table)
+    total = sum(len(r.generation.output_ids) for r in results)
+    err_console.print(f"[dim]{total} new tokens, {total / max(results[0].seconds, 1e-9):.1f} tokens/s over the batch[/]",
+                      highlight=False)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List, Optional
+from typing import TYPE_CHECKING, List, Optional
 
 import typer
 from rich.markup import escape
@@ -11,11 +11,15 @@ from rich.table import Table
 
 from gptoss_cli.cli.app import app, check_json_path, console, handle_errors, write_json
 from gptoss_cli.errors import UsageError
-from gptoss_cli.recipe import available_recipes, describe_schema, list_rules, load_and_validate
-from gptoss_cli.recipe.memory import size_text
-from gptoss_cli.recipe.validate import NOTE, TARGETS, ValidationReport
 
-_STYLE = {"error": "bold red", "warning": "yellow", NOTE: "dim"}
+if TYPE_CHECKING:  # the recipe package (omegaconf, yaml, the rules) is imported when the command runs,
+    from gptoss_cli.recipe.validate import ValidationReport  # not for `gptoss --help` (cli/__init__.py)
+
+
+def _style(severity: str) -> str:
+    from gptoss_cli.recipe.validate import NOTE
+
+    return {"error": "bold red", "warning": "yellow", NOTE: "dim"}[severity]
 
 
 def _yaml_value(v: object) -> str:
@@ -27,6 +31,8 @@ def _fields(fields: dict) -> str:
 
 
 def _memory_row(report: ValidationReport) -> tuple[str, str, str] | None:
+    from gptoss_cli.recipe.memory import size_text
+
     est = report.memory
     if est is None:
         return None
@@ -39,6 +45,8 @@ def _memory_row(report: ValidationReport) -> tuple[str, str, str] | None:
 
 
 def render_report(report: ValidationReport) -> None:
+    from gptoss_cli.recipe.validate import NOTE
+
     memory = _memory_row(report)
     if report.findings or memory:
         # Three columns keep long dotted names and fixes readable on an 80-column terminal.
@@ -51,7 +59,7 @@ def render_report(report: ValidationReport) -> None:
             sev = report.severity(f)
             who = f"[bold]{escape(f.rule)}[/]" + (f"\n[dim]{escape(_fields(f.fields))}[/]" if f.fields else "")
             what = escape(f.message) + (f"\n[cyan]fix:[/] {escape(f.hint)}" if f.hint else "")
-            table.add_row(f"[{_STYLE[sev]}]{sev}[/]", who, what)
+            table.add_row(f"[{_style(sev)}]{sev}[/]", who, what)
         if memory:
             table.add_row(*memory)
         console.print(table)
@@ -68,6 +76,8 @@ def render_report(report: ValidationReport) -> None:
 
 
 def render_rules() -> None:
+    from gptoss_cli.recipe import list_rules
+
     table = Table(title="rules (gptoss_cli.recipe.rules)", title_justify="left")
     table.add_column("rule", overflow="fold")
     table.add_column("kind", no_wrap=True)
@@ -78,6 +88,8 @@ def render_rules() -> None:
 
 
 def render_fields() -> None:
+    from gptoss_cli.recipe import describe_schema
+
     table = Table(title="recipe fields (gptoss_cli.recipe.schema)", title_justify="left")
     table.add_column("field", overflow="fold")
     table.add_column("default", overflow="fold")
@@ -117,6 +129,9 @@ def validate_config(
     rules: bool = typer.Option(False, "--list-rules", help="list every rule and exit"),
     fields: bool = typer.Option(False, "--list-fields", help="list every recipe field with its default and exit"),
 ) -> None:
+    from gptoss_cli.recipe import available_recipes, load_and_validate
+    from gptoss_cli.recipe.validate import TARGETS
+
     if rules or fields:
         if rules:
             render_rules()

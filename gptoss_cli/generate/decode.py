@@ -5,6 +5,7 @@ Pure computation on a built HybridModel (no files, no tokenizer): token ids in, 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -55,11 +56,11 @@ def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def choose(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> torch.Tensor:
-    """Next token per row of fp32 logits [B, V]."""
+    """Next token per row of fp32 logits [B, V], on the logits' device (the generator's device)."""
     if sampling.greedy:
         return logits.argmax(dim=-1)
     probs = top_p_filter(torch.softmax(logits / sampling.temperature, dim=-1), sampling.top_p)
-    return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
 def left_pad(prompts: Sequence[Sequence[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,6 +76,22 @@ def left_pad(prompts: Sequence[Sequence[int]], device) -> tuple[torch.Tensor, to
     return ids.to(device), pos.to(device)
 
 
+@dataclass
+class DecodeTiming:
+    """Filled by `generate_ids`: seconds by `clock` of the prefill (the prompts through the model, up to
+    the first token's logits) and of the decoding after it (every later step), and the steps run."""
+
+    clock: Callable[[], float] = time.perf_counter
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    steps: int = 0
+
+
+# Without a streaming callback, the loop asks the device whether every row has stopped once per
+# this many steps (a row that stops keeps being fed until then; its extra tokens are dropped).
+DONE_CHECK_EVERY = 8
+
+
 def generate_ids(
     model,
     prompts: Sequence[Sequence[int]],
@@ -84,41 +101,75 @@ def generate_ids(
     sampling: Sampling = Sampling(),
     on_token: Callable[[int, int], None] | None = None,
     prefill_chunk: int | None = None,
+    timing: DecodeTiming | None = None,
 ) -> list[Generation]:
     """Continue every prompt (a batch, left-padded) until it emits a token of `stop_ids` or has
     `max_new_tokens` new tokens. `on_token(row, token_id)` is called for each new token as it comes.
 
-    The prompt is fed once (in chunks) into a KVCache; each step then feeds one token per row.
-    A finished row keeps being fed (its tokens are discarded) until every row is done."""
+    The prompt is fed once (in chunks) into a preallocated KVCache; each step then feeds one token
+    per row. Tokens are chosen on the model's device and stay there, in one [B, max_new_tokens]
+    tensor, until the end: without `on_token` nothing is read back per step (whether every row has
+    stopped is asked once every DONE_CHECK_EVERY steps); with it, each step's tokens come back in
+    one transfer, for streaming. A finished row keeps being fed (its tokens are discarded) until
+    every row is done."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
+    timing = timing if timing is not None else DecodeTiming()
     device = model.output_layer.weight.device
-    stops = set(int(t) for t in stop_ids)
-    results = [Generation(prompt_ids=list(p)) for p in prompts]
-    generator = None if sampling.greedy else torch.Generator().manual_seed(int(sampling.seed))
+    generator = None if sampling.greedy else torch.Generator(device=device).manual_seed(int(sampling.seed))
+    t0 = timing.clock()
     ids, pos = left_pad(prompts, device)
-    cache = KVCache(model)
-    kwargs = {} if prefill_chunk is None else {"chunk": prefill_chunk}
-    logits = prefill(model, ids, pos, cache, **kwargs)
+    cache = KVCache(model, batch=len(prompts), capacity=ids.shape[1] + max_new_tokens)
+    logits = prefill(model, ids, pos, cache, **({} if prefill_chunk is None else {"chunk": prefill_chunk}))
+    t1 = timing.clock()
+    out = torch.empty(len(prompts), max_new_tokens, dtype=torch.long, device=device)
+    stops = torch.tensor(sorted(set(int(t) for t in stop_ids)), dtype=torch.long, device=device)
+    done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+    streamed = _Streamed(len(prompts), max_new_tokens, set(stops.tolist()), on_token) if on_token else None
     next_pos = pos[:, -1:] + 1
-    for step in range(max_new_tokens):
+    steps = 0
+    while True:
         token = choose(logits, sampling, generator)
-        for row, res in enumerate(results):
-            if res.stop_reason is not None:
-                continue
-            t = int(token[row])
-            res.output_ids.append(t)
-            if on_token is not None:
-                on_token(row, t)
-            if t in stops:
-                res.stop_reason, res.stop_token = STOP_TOKEN, t
-            elif len(res.output_ids) >= max_new_tokens:
-                res.stop_reason = MAX_NEW_TOKENS
-        if all(r.stop_reason is not None for r in results):
+        out[:, steps] = token
+        steps += 1
+        if streamed is not None:
+            if streamed.push(token.tolist()):
+                break
+        elif len(stops):
+            done |= torch.isin(token, stops)
+            if steps % DONE_CHECK_EVERY == 0 and bool(done.all()):
+                break
+        if steps == max_new_tokens:
             break
-        hidden = forward_cached(model, token[:, None], next_pos, cache)
-        logits = next_token_logits(model, hidden)
+        logits = next_token_logits(model, forward_cached(model, token[:, None], next_pos, cache))
         next_pos = next_pos + 1
-    return results
+    rows = out[:, :steps].tolist()
+    timing.prefill_s, timing.decode_s, timing.steps = t1 - t0, timing.clock() - t1, steps
+    return [_finished(list(p), row, set(stops.tolist()), max_new_tokens) for p, row in zip(prompts, rows)]
+
+
+class _Streamed:
+    """The rows' progress on the host when tokens are streamed: each step's tokens once, in order."""
+
+    def __init__(self, rows: int, max_new_tokens: int, stops: set[int], on_token: Callable[[int, int], None]):
+        self.counts, self.done = [0] * rows, [False] * rows
+        self.max_new, self.stops, self.on_token = max_new_tokens, stops, on_token
+
+    def push(self, tokens: list[int]) -> bool:
+        """Hand the step's tokens of the unfinished rows to the callback; True once every row is done."""
+        for row, t in enumerate(tokens):
+            if not self.done[row]:
+                self.counts[row] += 1
+                self.on_token(row, t)
+                self.done[row] = t in self.stops or self.counts[row] >= self.max_new
+        return all(self.done)
+
+
+def _finished(prompt: list[int], row: list[int], stops: set[int], max_new_tokens: int) -> Generation:
+    """One row's result: its tokens up to and including the first stop token."""
+    for i, t in enumerate(row):
+        if t in stops:
+            return Generation(prompt, row[:i + 1], STOP_TOKEN, t)
+    return Generation(prompt, row, MAX_NEW_TOKENS if len(row) >= max_new_tokens else None)

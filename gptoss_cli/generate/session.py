@@ -282,6 +282,9 @@ def run_generation(model, tok, prompts: Sequence[Prompt], replies, *, max_new_to
         if on_done is not None and (token_id in stops or counts[row] == max_new_tokens):
             on_done(row)
 
+    if push is None and on_done is None:  # nothing to show per token: the loop reads nothing back per step
+        on_token = None  # type: ignore[assignment]
+
     t0 = time.perf_counter()
     gens = generate_ids(model, [p.ids for p in prompts], max_new_tokens=max_new_tokens, stop_ids=stop_ids,
                         sampling=sampling, on_token=on_token)

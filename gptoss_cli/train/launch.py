@@ -234,6 +234,7 @@ def launch_local(job: TrainJob, nproc: int, progress: TrainProgress | None = Non
     levels = [log.level for log in quiet]
     for log in quiet:
         log.setLevel(logging.CRITICAL)
+    oom_before = oom_kills()
     beats = tempfile.mkdtemp(prefix="gptoss-heartbeat-")
     job = dataclasses.replace(job, heartbeat_dir=beats)
     try:
@@ -244,7 +245,7 @@ def launch_local(job: TrainJob, nproc: int, progress: TrainProgress | None = Non
                 if watchdog.reason:
                     raise TrainingError(watchdog.reason) from None
                 rank, failure = exc.get_first_failure()
-                raise _worker_error(rank, failure) from None
+                raise _worker_error(rank, failure, oom_before) from None
             except SignalException as exc:  # the agent has stopped the workers
                 if exc.sigval == signal.SIGINT:
                     raise KeyboardInterrupt from None
@@ -256,8 +257,37 @@ def launch_local(job: TrainJob, nproc: int, progress: TrainProgress | None = Non
     return results[0]
 
 
-def _worker_error(rank: int, failure: Any) -> GptossError:
-    """The failed worker's own error type and message when it recorded one, else TrainingError."""
+def oom_kills(vmstat: str = "/proc/vmstat") -> int | None:
+    """How many processes the kernel's out-of-memory killer has killed since boot (Linux's `oom_kill`
+    counter), None where the kernel does not say."""
+    try:
+        with open(vmstat) as fh:
+            for line in fh:
+                if line.startswith("oom_kill "):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _oom_error(rank: int, oom_before: int | None) -> TrainingError | None:
+    """A worker ended by SIGKILL: out of memory when the kernel's OOM killer fired during the run."""
+    after = oom_kills()
+    hint = ("`gptoss validate-config` prints the memory estimate per process: lower training.micro_batch_size, "
+            "training.seq_length or the processes on this host, or use one with more memory")
+    if oom_before is not None and after is not None and after > oom_before:
+        return TrainingError(f"worker rank {rank} ran out of memory: the kernel's out-of-memory killer ended it "
+                             "(SIGKILL)", hint=hint)
+    return None
+
+
+def _worker_error(rank: int, failure: Any, oom_before: int | None = None) -> GptossError:
+    """The failed worker's own error type and message when it recorded one; out of memory when the
+    kernel's OOM killer ended it (SIGKILL and its kill counter went up); else TrainingError."""
+    if failure.exitcode == -signal.SIGKILL:
+        oom = _oom_error(rank, oom_before)
+        if oom is not None:
+            return oom
     message = failure.message
     if isinstance(message, dict):
         message = message.get("message", "")
@@ -271,4 +301,4 @@ def _worker_error(rank: int, failure: Any) -> GptossError:
     return TrainingError(f"worker rank {rank} failed: {message}", hint="see the worker's output above")
 
 
-__all__ = ["train", "launch_local", "preflight_recipe", "default_nproc"]
+__all__ = ["train", "launch_local", "preflight_recipe", "default_nproc", "oom_kills"]

@@ -37,7 +37,6 @@ from gptoss_cli.parallel.state import ParallelState, barrier, destroy_parallel, 
 from gptoss_cli.recipe.environment import gpu_from_device_name
 from gptoss_cli.recipe.flops import model_flops_per_token, peak_tflops, recompute_flops_per_token, throughput
 from gptoss_cli.recipe.schema import RecipeConfig
-from gptoss_cli.resources import keep_freed_memory
 from gptoss_cli.schedule import get_forward_backward_func
 from gptoss_cli.train.blend import BlendedSource, blended_source
 from gptoss_cli.train.checkpointing import latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
@@ -73,10 +72,8 @@ def run_worker(job: TrainJob, progress: TrainProgress | None = None) -> TrainRes
         state = init_parallel(cfg.parallelism.expert_model_parallel_size, cfg.system.device, cfg.parallelism.backend,
                               join_timeout_s=cfg.system.heartbeat_timeout_s if self_watch else None,
                               cp_size=cfg.parallelism.context_parallel_size)
-        if state.device.type == "cpu":
-            # The step frees and reallocates the same activations every step: keep them in the
-            # heap instead of paying page faults for fresh mappings each time (resources.py).
-            keep_freed_memory()
+        # glibc's allocator stays at its defaults here: keeping freed memory in the heap (resources.py)
+        # fragments it under a training step's mix of sizes, and a worker grew without bound.
         try:
             # TensorBoard / W&B on rank 0 (train/loggers.py); their packages were checked before launch.
             loggers = open_loggers(cfg.logging, Path(job.run_dir), job.name, job.recipe) if state.rank == 0 else None

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from gptoss_cli.generate.decode import MAX_NEW_TOKENS, generate_ids
+from gptoss_cli.model import kv_cache
 from gptoss_cli.model.hybrid import HybridModel
 from gptoss_cli.model.kv_cache import KVCache, forward_cached, next_token_logits, prefill
 from tests.model.conftest import TINY, hf_to_hybrid_state_dict, tokens, transformers
@@ -60,9 +61,13 @@ def test_greedy_tokens_equal_transformers_generate_past_the_window(hf_tiny, pref
     _assert_logits_close(torch.stack(got_logits, dim=1), want_logits)
 
 
-def test_left_padded_batch_equals_transformers_generate(hf_tiny):
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-cpu-kernel", "explicit-softmax"])
+def test_left_padded_batch_equals_transformers_generate(hf_tiny, fused, monkeypatch):
     """Prompts of different lengths in one batch: left padding is invisible and each row's positions
-    start at its own first token (transformers derives them from the attention mask)."""
+    start at its own first token (transformers derives them from the attention mask). Both ways
+    of attending over the cache: the CPU's fused kernel, and the explicit softmax other devices take."""
+    if not fused:
+        monkeypatch.setattr(kv_cache, "fused_available", lambda q: False)
     long, short = tokens(batch=1, seq=7, seed=3)[0].tolist(), tokens(batch=1, seq=2, seed=4)[0].tolist()
     ids = torch.tensor([long, [TINY.vocab_size - 2] * 5 + short])
     mask = torch.tensor([[1] * 7, [0] * 5 + [1] * 2])
@@ -76,7 +81,7 @@ def test_cached_steps_equal_recomputing_the_whole_sequence(hf_tiny):
     sliding layer never holds more than its window of keys."""
     model = _ours(hf_tiny)
     seq = tokens(batch=2, seq=4 * WINDOW, seed=5)
-    cache = KVCache(model)
+    cache = KVCache(model, batch=2, capacity=seq.shape[1])
     prompt = 3
     pos = torch.arange(seq.shape[1]).expand(2, -1)
     logits = prefill(model, seq[:, :prompt], pos[:, :prompt], cache)
@@ -87,5 +92,5 @@ def test_cached_steps_equal_recomputing_the_whole_sequence(hf_tiny):
             full = model(seq[:, :t]).logits[:, -1].float()
         _assert_logits_close(logits, full)
         logits = next_token_logits(model, forward_cached(model, seq[:, t:t + 1], pos[:, t:t + 1], cache))
-        assert all(len(c) <= WINDOW for c in sliding)
-    assert max(len(c) for c in cache.layers.values()) == seq.shape[1]
+        assert all(c.keys.shape[2] <= WINDOW for c in sliding)
+    assert cache.max_length() == seq.shape[1]

@@ -87,6 +87,33 @@ def test_inside_torchrun_each_process_trains_directly(tmp_path):
     assert ranks[0]["losses"] == ranks[1]["losses"] and len(ranks[0]["losses"]) == 2
 
 
+def _killed_worker(exitcode: int):
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    return ProcessFailure(local_rank=1, pid=12345, exitcode=exitcode, error_file="/nonexistent/error.json")
+
+
+def test_a_worker_the_oom_killer_ended_is_reported_as_out_of_memory(tmp_path, monkeypatch):
+    """The elastic agent sees a SIGKILLed worker as exit code -9; the kernel's own count of OOM kills
+    (/proc/vmstat `oom_kill`) going up during the run is what says it was out of memory."""
+    from gptoss_cli.errors import TrainingError
+    from gptoss_cli.train import launch
+
+    vmstat = tmp_path / "vmstat"
+    vmstat.write_text("nr_free_pages 1\noom_kill 3\npgfault 9\n")
+    assert launch.oom_kills(str(vmstat)) == 3
+    assert launch.oom_kills(str(tmp_path / "missing")) is None
+    counts = iter([5])
+    monkeypatch.setattr(launch, "oom_kills", lambda vmstat="": next(counts))
+    err = launch._worker_error(1, _killed_worker(-9), oom_before=4)
+    assert isinstance(err, TrainingError) and err.exit_code == 1
+    assert "worker rank 1 ran out of memory" in str(err) and "out-of-memory killer" in str(err)
+    # SIGKILL without an OOM kill (another process sent it): the signal, not a guess
+    monkeypatch.setattr(launch, "oom_kills", lambda vmstat="": 4)
+    err = launch._worker_error(1, _killed_worker(-9), oom_before=4)
+    assert "out of memory" not in str(err) and "SIGKILL" in str(err)
+
+
 def test_a_missing_data_path_is_bad_input_exit_2_before_any_process(tmp_path):
     """docs/commands.md: a missing file is bad input (exit 2), one line naming the field and the path."""
     missing = tmp_path / "nowhere" / "corpus"

@@ -1,0 +1,194 @@
+"""Measure `gptoss train`'s host memory on the CPU recipes against validate-config's estimate, per vocabulary.
+
+For each recipe and vocabulary, `gptoss train` runs as a user would run it (its own processes,
+its own allocator setting) while this script polls every worker's /proc status: the peak resident
+set (VmHWM, exact), and the resident set over the run, to see whether it keeps growing (the RSS in
+the first and last quarter of the run's samples). The estimate is validate-config's per-process
+memory (`recipe.memory`, the same recipe and overrides); it counts the tensors a step holds, not
+the runtime every process carries (torch's libraries, gloo), which is measured apart: the RSS of
+a process that imported what a worker imports (`runtime`). So `peak - runtime` is what the
+estimate should match.
+
+    python bench/memory.py                                   # tiny_cpu_ep2 at vocab 1003, 32768, 201088
+    python bench/memory.py --vocab 201088 --iters 80         # the user's run from issue 41
+    python bench/memory.py --allocator keep --vocab 201088   # glibc keeping freed memory, as train used to
+
+`--allocator keep` gives the workers glibc's tunables for what `resources.keep_freed_memory` sets
+(GLIBC_TUNABLES mmap_threshold 1 GiB, trim_threshold 2 GiB), to show what that setting did.
+Prints the load average during the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ROOT, LoadMonitor, peer_env  # noqa: E402
+
+KEEP_TUNABLES = "glibc.malloc.mmap_threshold=1073741824:glibc.malloc.trim_threshold=2147483648"
+GB = 1e9
+
+
+def _status(pid: int) -> dict[str, int]:
+    out = {}
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                out[key] = int(value.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return out
+
+
+def _descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        for c in children.get(pid, []):
+            found.append(c)
+            todo.append(c)
+    return found
+
+
+class RssWatch:
+    """Polls the resident set of a process tree: per pid, the peak (VmHWM) and the RSS samples."""
+
+    def __init__(self, root: int, interval: float = 0.25):
+        self.root, self.interval = root, interval
+        self.peak: dict[int, int] = {}
+        self.samples: dict[int, list[int]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for pid in [self.root, *_descendants(self.root)]:
+                st = _status(pid)
+                if "VmHWM" in st:
+                    self.peak[pid] = max(self.peak.get(pid, 0), st["VmHWM"])
+                    self.samples.setdefault(pid, []).append(st["VmRSS"])
+            self._stop.wait(self.interval)
+
+    def start(self) -> "RssWatch":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def workers(self) -> list[int]:
+        """The processes that trained: the biggest peaks (the launcher and the elastic agent hold no model)."""
+        return sorted(self.peak, key=lambda p: -self.peak[p])
+
+
+def runtime_rss(threads: int) -> int:
+    """RSS of a process that imported what a training worker imports (torch, torch.distributed, the loop)."""
+    code = ("import torch, torch.distributed, gptoss_cli.train.loop, gptoss_cli.train.launch\n"
+            "from gptoss_cli.resources import peak_rss_bytes\n"
+            "import pathlib; print([int(l.split()[1]) * 1024 for l in pathlib.Path('/proc/self/status')"
+            ".read_text().splitlines() if l.startswith('VmRSS')][0])")
+    out = subprocess.run([sys.executable, "-c", code], env=peer_env(threads), capture_output=True, text=True,
+                         check=True, cwd=ROOT)
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+def estimate_bytes(recipe: str, overrides: list[str]) -> float:
+    from gptoss_cli.recipe import load_and_validate
+
+    _, report = load_and_validate(recipe, overrides)
+    if report.memory is None:
+        raise SystemExit(f"bench: no memory estimate for {recipe} {' '.join(overrides)}")
+    return report.memory.total_bytes
+
+
+def measure(recipe: str, vocab: int, args, workdir: Path) -> dict:
+    overrides = [f"model.architecture.vocab_size={vocab}", f"training.seq_length={args.seq}",
+                 f"training.train_iters={args.iters}", "checkpoint.dir=null", "checkpoint.save_interval=null",
+                 f"logging.run_dir={workdir / f'{recipe}-{vocab}'}", *args.override]
+    env = peer_env(args.threads, {"GLIBC_TUNABLES": KEEP_TUNABLES} if args.allocator == "keep" else None)
+    env["COLUMNS"] = "200"
+    cmd = [sys.executable, "-m", "gptoss_cli", "train", "--recipe", recipe, *overrides]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    watch = RssWatch(proc.pid).start()
+    out, _ = proc.communicate()
+    watch.stop()
+    seconds = time.perf_counter() - t0
+    if proc.returncode != 0:
+        tail = "\n".join(out.strip().splitlines()[-5:])
+        raise SystemExit(f"bench: `{' '.join(cmd[2:])}` exited {proc.returncode}:\n{tail}")
+    est = estimate_bytes(recipe, overrides)
+    rows = []
+    for pid in watch.workers()[:args.nproc]:
+        s = watch.samples[pid]
+        q = max(1, len(s) // 4)
+        rows.append({"pid": pid, "peak_rss": watch.peak[pid], "rss_first_quarter_max": max(s[:q]),
+                     "rss_last_quarter_max": max(s[-q:])})
+    return {"recipe": recipe, "vocab": vocab, "seq": args.seq, "iters": args.iters, "seconds": seconds,
+            "estimate": est, "workers": rows, "command": "gptoss train --recipe " + recipe + " " + " ".join(overrides)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--recipes", nargs="+", default=["tiny_cpu_ep2"])
+    ap.add_argument("--vocab", nargs="+", type=int, default=[1003, 32768, 201088])
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--nproc", type=int, default=2, help="workers per run (the recipes' world size)")
+    ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every worker")
+    ap.add_argument("--allocator", default="train", choices=("train", "keep"),
+                    help="train: as `gptoss train` runs (glibc's defaults); keep: glibc keeping freed memory")
+    ap.add_argument("--override", nargs="*", default=[], help="more recipe overrides for every run")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    runtime = runtime_rss(args.threads)
+    results = []
+    with LoadMonitor() as load, tempfile.TemporaryDirectory(prefix="gptoss-bench-memory-") as tmp:
+        for recipe in args.recipes:
+            for vocab in args.vocab:
+                results.append(measure(recipe, vocab, args, Path(tmp)))
+                r = results[-1]
+                print(f"{recipe} vocab {vocab}: {r['seconds']:.0f} s", flush=True)
+    alloc = "glibc's defaults (as gptoss train)" if args.allocator == "train" else f"GLIBC_TUNABLES={KEEP_TUNABLES}"
+    print(f"\nseq {args.seq}, {args.iters} steps, allocator: {alloc}, {args.threads} thread(s) per worker; "
+          f"runtime (torch + gptoss imported, no model): {runtime / GB:.2f} GB")
+    print(load.text())
+    print("per run, the worker with the highest peak; delta: over the recipe's smallest vocabulary (its fixed cost)")
+    print(f"{'recipe':<22} {'vocab':>7} {'estimate':>9} {'peak RSS':>9} {'peak-runtime':>13} {'d peak':>8} "
+          f"{'d estimate':>11} {'d ratio':>8} {'RSS 1st quarter':>16} {'RSS last quarter':>17}")
+    for r in results:
+        worst = max(r["workers"], key=lambda w: w["peak_rss"])
+        base = min((b for b in results if b["recipe"] == r["recipe"]), key=lambda b: b["vocab"])
+        base_peak = max(w["peak_rss"] for w in base["workers"])
+        d_peak, d_est = worst["peak_rss"] - base_peak, r["estimate"] - base["estimate"]
+        r.update(delta_peak=d_peak, delta_estimate=d_est)
+        ratio = f"{d_peak / d_est:7.2f}x" if d_est > 0 else f"{'-':>8}"
+        print(f"{r['recipe']:<22} {r['vocab']:>7} {r['estimate'] / GB:>8.2f}G {worst['peak_rss'] / GB:>8.2f}G "
+              f"{(worst['peak_rss'] - runtime) / GB:>12.2f}G {d_peak / GB:>7.2f}G {d_est / GB:>10.2f}G {ratio} "
+              f"{worst['rss_first_quarter_max'] / GB:>15.2f}G {worst['rss_last_quarter_max'] / GB:>16.2f}G")
+    if args.json:
+        args.json.write_text(json.dumps({"runtime_rss": runtime, "allocator": args.allocator, **load.summary(),
+                                         "runs": results}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
