@@ -58,7 +58,7 @@ def sample_batch(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int
         pad = width - ids.shape[1]
         ids = torch.cat([ids.new_zeros(ids.shape[0], pad), ids], 1)
         pos = torch.cat([pos.new_full((pos.shape[0], pad), -1), pos], 1)
-    cache = KVCache(model)
+    cache = KVCache(model, batch=ids.shape[0], capacity=ids.shape[1] + max_new_tokens)
     logits = prefill(model, ids, pos, cache)
     next_pos = pos[:, -1:] + 1
     out: list[tuple[list[int], list[float], str]] = [([], [], "") for _ in prompts]
