@@ -2,15 +2,18 @@
 
 Python's json module turns a document that is valid JSON but hostile into exceptions no caller expects:
 an integer of more than 4,300 digits is a ValueError (int conversion limit), an array or object nested
-some thousand levels deep a RecursionError. Every JSON and JSONL reader of gptoss goes through
-`parse_json` / `read_json`, which raise `json.JSONDecodeError` for these as for a syntax error, so each
-caller's one-line "not valid JSON" message covers them too. JSONL files are read line by line with
-`jsonl_lines`, which names the file and line of a line that is not JSON.
+some thousand levels deep a RecursionError, and a lone surrogate escape (`"\\ud800"`) parses into a
+string that cannot be encoded (tokenizers and writers then fail with a TypeError or UnicodeEncodeError).
+Every JSON and JSONL reader of gptoss goes through `parse_json` / `read_json`, which raise
+`json.JSONDecodeError` for these as for a syntax error, so each caller's one-line "not valid JSON"
+message covers them too. JSONL files are read line by line with `jsonl_lines`, which names the file and
+line of a line that is not JSON.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -33,6 +36,29 @@ class _TooLong(ValueError):
     pass
 
 
+# A \uD800-\uDFFF escape: a pair decodes to one character, a lone one stays a surrogate. Only documents
+# holding such an escape are walked, so ordinary text costs one regex scan.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _lone_surrogate(value: Any) -> str | None:
+    """The first string (key or value) in `value` that UTF-8 cannot encode, as an escape; None when all can."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                return "\\u%04x" % ord(item[exc.start])
+    return None
+
+
 class HostileJson(json.JSONDecodeError):
     """Valid JSON that gptoss will not parse; its message has no position (the whole document is the culprit)."""
 
@@ -45,11 +71,14 @@ def parse_json(text: str | bytes) -> Any:
     if isinstance(text, (bytes, bytearray)):
         text = text.decode("utf-8")  # UnicodeDecodeError, as json.loads would raise
     try:
-        return json.loads(text, parse_int=_parse_int)
+        value = json.loads(text, parse_int=_parse_int)
     except RecursionError:
         raise HostileJson("arrays or objects nested too deeply", text, 0) from None
     except _TooLong as exc:
         raise HostileJson(str(exc), text, 0) from None
+    if _SURROGATE_ESCAPE.search(text) and (bad := _lone_surrogate(value)) is not None:
+        raise HostileJson(f"a lone surrogate {bad} in a string (text must be valid Unicode)", text, 0)
+    return value
 
 
 def read_json(path: str | Path) -> Any:

@@ -41,3 +41,18 @@ def test_every_package_folder_is_listed_in_pyproject():
     assert on_disk <= listed, f"packages missing from pyproject.toml: {sorted(on_disk - listed)}"
     assert config["package-dir"]["gptoss_cli.recipes_data"] == "recipes"
     assert {"gptoss_cli.recipes_data", "gptoss_cli.recipes_data.bases"} <= listed
+
+
+def test_no_test_reads_pytests_cache():
+    """The suite passes under `-p no:cacheprovider` (and on a fresh clone): no test or fixture reads
+    `config.cache`, which that flag removes (tests/data/harmony_tokenizer.cache_folder keeps the built tokenizer)."""
+    import ast
+
+    tests = Path(__file__).resolve().parent
+    found = []
+    for path in sorted(tests.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (isinstance(node, ast.Attribute) and node.attr == "cache" and isinstance(node.value, ast.Attribute)
+                    and node.value.attr == "config"):
+                found.append(f"{path.relative_to(tests)}:{node.lineno}")
+    assert found == []

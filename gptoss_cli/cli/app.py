@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import math
 import os
 import signal
 import sys
@@ -13,11 +15,45 @@ from typing import Any, Callable
 import typer
 from rich.console import Console, ConsoleDimensions
 from rich.text import Text
+from typer.core import TyperGroup
 
 from gptoss_cli import outputs
 from gptoss_cli.errors import FileSystemError, GptossError, Terminated, UsageError, describe_os_error
 
+class _OneLineUsageErrors(TyperGroup):
+    """Click's usage errors (an option value outside its range or of the wrong type, a missing argument,
+    an unknown option or command) as one `error:` line pointing at the command's --help, exit 2, instead
+    of Typer's boxed usage text. Asking for help (no arguments) still prints the help."""
+
+    def make_context(self, *args: Any, **kwargs: Any) -> Any:
+        with _one_line_usage():
+            return super().make_context(*args, **kwargs)
+
+    def invoke(self, ctx: Any) -> Any:
+        with _one_line_usage():
+            return super().invoke(ctx)
+
+
+try:  # typer >= 0.2x parses with its own copy of click
+    from typer._click import exceptions as _click_errors
+except ImportError:  # pragma: no cover  (older typer: click itself)
+    from click import exceptions as _click_errors
+
+
+@contextlib.contextmanager
+def _one_line_usage() -> Any:
+    try:
+        yield
+    except _click_errors.NoArgsIsHelpError:
+        raise
+    except _click_errors.UsageError as exc:
+        where = exc.ctx.command_path if exc.ctx is not None else "gptoss"
+        print_error(f"{exc.format_message()} (see `{where} --help`)")
+        raise typer.Exit(exc.exit_code) from None
+
+
 app = typer.Typer(
+    cls=_OneLineUsageErrors,
     name="gptoss",
     help=(
         "Convert, validate, train and parity-check OpenAI GPT-OSS (20B/120B) models.\n\n"
@@ -124,8 +160,21 @@ def check_json_path(path: Path | None) -> None:
     outputs.check_writable_location(path, "--json")
 
 
+def strict_json(value: Any) -> Any:
+    """`value` with every NaN or infinite float as None: JSON has no such numbers (Python's `NaN` and
+    `Infinity` are rejected by strict readers), so a value that is not a number is written as null."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(v) for v in value]
+    return value
+
+
 def write_json(path: Path, payload: Any, done: str | None = None) -> None:
-    """Write a machine-readable result atomically (temporary name, then rename).
+    """Write a machine-readable result atomically (temporary name, then rename), as strict JSON
+    (`strict_json`: NaN and infinities become null).
 
     `done` says what already succeeded (e.g. "converted to /x"): a failure here must not read as
     if that work had been lost.
@@ -134,7 +183,8 @@ def write_json(path: Path, payload: Any, done: str | None = None) -> None:
     tmp = outputs.temp_path(path, outputs.TMP)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+        text = json.dumps(strict_json(payload), indent=2, default=str, allow_nan=False)
+        tmp.write_text(text + "\n")
         os.replace(tmp, path)
     except OSError as exc:
         try:

@@ -48,6 +48,11 @@ class GenerateOptions:
             raise UsageError("give exactly one of --prompt TEXT, --messages FILE.json or --prompts FILE.jsonl")
         if self.prompt is not None and not self.prompt:
             raise UsageError("--prompt is empty")
+        for name, text in (("--prompt", self.prompt), ("--system", self.system), ("--developer", self.developer)):
+            try:
+                (text or "").encode("utf-8")
+            except UnicodeEncodeError as exc:  # a byte that is not UTF-8 in argv comes in as a lone surrogate
+                raise UsageError(f"{name}: character {exc.start} is not valid UTF-8 text") from None
         if self.raw and (self.messages is not None or self.show_analysis):
             raise UsageError("--raw takes a plain-text --prompt or --prompts, not --messages or --show-analysis")
         if (self.raw or self.prompt is None and self.prompts is None) and any(

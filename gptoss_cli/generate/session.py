@@ -85,10 +85,23 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def check_device(device: str) -> torch.device:
+    """--device as torch reads it: a name torch does not know, or CUDA where there is none, is one line."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise UsageError(f"--device {device!r} is not a torch device (cpu, cuda, cuda:1, ...)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {device}: CUDA is not available here", hint="use --device cpu")
+    return dev
+
+
 def resolve_dtype(name: str, device: str) -> torch.dtype:
-    """"auto" is bfloat16 on an accelerator (as GPT-OSS is trained and shipped), float32 on CPUs."""
+    """"auto" is bfloat16 on an accelerator (as GPT-OSS is trained and shipped), float32 on CPUs; `device` is
+    checked first, whatever the dtype."""
+    dev = check_device(device)
     if name == "auto":
-        return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
+        return torch.float32 if dev.type == "cpu" else torch.bfloat16
     if name not in GENERATE_DTYPES:
         raise UsageError(f"--dtype {name!r} is not one of auto, {', '.join(GENERATE_DTYPES)}")
     return torch_dtype(name)

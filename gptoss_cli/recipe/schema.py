@@ -253,12 +253,16 @@ class LoraConfig:
 
     def pairing_problems(self) -> list[str]:
         """Targets with LoRA off (rank 0) are a contradiction, malformed input like an unknown target:
-        load_recipe refuses them (exit 2). A rank without targets gets the usual ones when the recipe
+        load_recipe refuses them (exit 2); so is a rank with alpha 0, whose adapters are scaled by 0 and
+        get no gradient (it trains nothing). A rank without targets gets the usual ones when the recipe
         loads (gptoss_cli/recipe/load.py, `default_lora_targets`)."""
         targets = list(self.target_modules)
         if self.rank == 0 and targets:
             return [f"lora.rank=0 turns LoRA off, but lora.target_modules={targets} asks for adapters "
                     "(set lora.rank, e.g. 32, or lora.target_modules=[] for full fine-tuning)"]
+        if self.rank > 0 and self.alpha == 0:
+            return [f"lora.alpha=0 scales the adapters of lora.rank={self.rank} by alpha / rank = 0: they get no "
+                    "gradient and the run trains nothing (set lora.alpha, e.g. 2 x rank, or lora.rank=0)"]
         return []
 
 

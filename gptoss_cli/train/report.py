@@ -5,7 +5,9 @@ A run's metrics.jsonl (written by train/metrics.py) holds one line per rank and 
 the router telemetry) are on rank 0's line. A resumed run appends again from its checkpoint's step: the later line of a (step, rank)
 wins. A run killed while rank 0 wrote a line leaves that last line torn (no newline at its end):
 it is dropped with a note naming the file and line, and the rest is summarised. Any other line
-that is not a JSON record is an error naming the file and line (docs/router-telemetry.md).
+that is not a JSON record, or whose fields the summary reads have the wrong shape (a list where a
+number belongs, an `expert_load` layer without experts), is an error naming the file, line and
+field (docs/router-telemetry.md).
 """
 
 from __future__ import annotations
@@ -84,7 +86,51 @@ def _parse(path: Path, number: int, line: bytes) -> tuple[tuple[int, int], dict[
     if not isinstance(record, dict) or not _is_int(record.get("step")) or not _is_int(record.get("rank")):
         raise UsageError(f"{path}:{number}: a record needs integer 'step' and 'rank' fields",
                          hint="metrics.jsonl is written by gptoss train; restore it or remove the line")
+    problem = _shape_problem(record)
+    if problem:
+        raise UsageError(f"{path}:{number}: {problem}",
+                         hint="metrics.jsonl is written by gptoss train; restore it or remove the line")
     return (record["step"], record["rank"]), record
+
+
+# Fields the summary and the plots read, beyond step and rank: numbers (null allowed), and the router's
+# per-layer tables (docs/router-telemetry.md).
+NUMBER_FIELDS = tuple(key for key, _ in CURVES) + ("rank_step_time_s",)
+PER_LAYER_NUMBERS = ("router_cv", "router_entropy")
+
+
+def _shape_problem(record: dict[str, Any]) -> str | None:
+    """What is wrong with the fields of `record` the summary reads, or None."""
+    for key in NUMBER_FIELDS:
+        value = record.get(key)
+        if value is not None and _number(value) is None:
+            return f"field {key!r} is {_short(value)}, not a number"
+    for key in PER_LAYER_NUMBERS:
+        table = record.get(key)
+        if table is None:
+            continue
+        if not isinstance(table, dict):
+            return f"field {key!r} is {_short(table)}, not an object of layer -> number"
+        for layer, value in table.items():
+            if value is not None and _number(value) is None:
+                return f"field {key!r} layer {layer}: {_short(value)} is not a number"
+    load = record.get("expert_load")
+    if load is None:
+        return None
+    if not isinstance(load, dict):
+        return f"field 'expert_load' is {_short(load)}, not an object of layer -> tokens per expert"
+    for layer, counts in load.items():
+        if not isinstance(counts, list) or not counts:
+            return f"field 'expert_load' layer {layer}: {_short(counts)} is not a non-empty list of token counts"
+        for c in counts:
+            if _number(c) is None or not 0 <= c < float("inf"):
+                return f"field 'expert_load' layer {layer}: {_short(c)} is not a token count"
+    return None
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _is_int(value: Any) -> bool:

@@ -274,3 +274,59 @@ def test_training_checkpoint_to_megatron_and_back_is_the_direct_export(trained, 
     via, direct = load_all(tmp_path / "via"), load_all(tmp_path / "direct")
     assert sorted(via) == sorted(direct) and all(torch.equal(via[k], direct[k]) for k in via)
     assert digest(trained) == before
+
+
+def _edit_metadata(folder: Path, edit) -> None:
+    """Rewrite iter_0000003/.metadata with `edit(metadata)` applied (the test's own plain pickle)."""
+    path = folder / "iter_0000003" / ".metadata"
+    metadata = pickle.loads(path.read_bytes())
+    edit(metadata)
+    path.write_bytes(pickle.dumps(metadata))
+
+
+def _set(obj, name, value) -> None:
+    object.__setattr__(obj, name, value)  # some of DCP's metadata dataclasses are frozen
+
+
+def _first_tensor(metadata):
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    return next((k, m) for k, m in metadata.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata))
+
+
+def _first_storage(metadata):
+    return next(iter(metadata.storage_data.items()))
+
+
+WRONG_TYPES = {  # allow-listed classes whose attributes hold the wrong types
+    "size a string": (lambda m: _set(_first_tensor(m)[1], "size", "64x64"), "is not a shape"),
+    "size negative": (lambda m: _set(_first_tensor(m)[1], "size", torch.Size([-4, 2])), "is not a shape"),
+    "size huge": (lambda m: _set(_first_tensor(m)[1], "size", torch.Size([2**40, 2**40])), "does not fit"),
+    "dtype a string": (lambda m: _set(_first_tensor(m)[1].properties, "dtype", "float32"), "name no dtype"),
+    "chunks a dict": (lambda m: _set(_first_tensor(m)[1], "chunks", {}), "is not a list"),
+    "chunk outside": (lambda m: _set(_first_tensor(m)[1].chunks[0], "offsets", torch.Size([10**6] * len(
+        _first_tensor(m)[1].size))), "does not lie in"),
+    "storage a list": (lambda m: _set(m, "storage_data", []), "storage_data is a list"),
+    "file an int": (lambda m: _set(_first_storage(m)[1], "relative_path", 7), "is not a file name inside"),
+    "file outside": (lambda m: _set(_first_storage(m)[1], "relative_path", "../../etc/passwd"),
+                     "is not a file name inside"),
+    "offset a string": (lambda m: _set(_first_storage(m)[1], "offset", "0"), "offset '0' is not a byte count"),
+    "length a float": (lambda m: _set(_first_storage(m)[1], "length", 1.5), "length 1.5 is not a byte count"),
+    "fqn an int": (lambda m: _set(_first_storage(m)[0], "fqn", 3), "not a tensor index"),
+    "key an int": (lambda m: m.state_dict_metadata.__setitem__(5, _first_tensor(m)[1]), "key 5 is not a name"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(WRONG_TYPES))
+def test_allow_listed_metadata_with_wrong_attribute_types_is_one_line(copy_of, tmp_path, case):
+    """Only DCP's classes unpickle, but their fields can hold anything: each case is one line naming
+    .metadata and what is wrong, exit 2, for convert and for resume (both read through read_metadata)."""
+    from gptoss_cli.train.checkpointing import load_checkpoint
+
+    edit, words = WRONG_TYPES[case]
+    src = copy_of(lambda d: _edit_metadata(d, edit))
+    code, out = invoke("convert", src, tmp_path / "out", "--to", "hf")
+    assert code == 2 and ".metadata: not readable DCP metadata" in out and words in out, out
+    assert "Traceback" not in out and not (tmp_path / "out").exists()
+    with pytest.raises(CheckpointError, match=words.replace("(", r"\(")):
+        load_checkpoint(src / "iter_0000003", model=None, optimizer=None, state=None)

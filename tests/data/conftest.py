@@ -1,21 +1,22 @@
 """Fixtures for the conversation tests: the real GPT-OSS tokenizer and openai_harmony, both offline.
 
 The tokenizer.json is built once (about half a minute: transformers' TikTokenConverter on o200k_base) and
-cached in pytest's cache folder (.pytest_cache/d/gpt-oss-tokenizer); delete that folder to rebuild it.
+cached in .test-cache/gpt-oss-tokenizer at the repository root (or $GPTOSS_TEST_CACHE; never pytest's cache,
+which `-p no:cacheprovider` turns off); delete that folder to rebuild it.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tests.data.harmony_tokenizer import gpt_oss_tokenizer_json, harmony_encoding
+from tests.data.harmony_tokenizer import cache_folder, gpt_oss_tokenizer_json, harmony_encoding
 
 
 @pytest.fixture(scope="session")
-def harmony_cache(request):
+def harmony_cache():
     pytest.importorskip("openai_harmony", reason="the test extra installs openai-harmony")
     pytest.importorskip("bpe_openai", reason="the test extra installs bpe-openai")
-    return request.config.cache.mkdir("gpt-oss-tokenizer")
+    return cache_folder()
 
 
 @pytest.fixture(scope="session")

@@ -25,6 +25,17 @@ O200K_PATTERN = "|".join([
 ])
 
 
+def cache_folder() -> Path:
+    """Where the built tokenizer is kept between runs: $GPTOSS_TEST_CACHE/gpt-oss-tokenizer, by default
+    .test-cache/gpt-oss-tokenizer at the repository root (git-ignored). Not pytest's cache: the suite must
+    pass with `-p no:cacheprovider`. Concurrent builders (xdist workers) are safe: each file is written
+    under a temporary name and renamed into place."""
+    root = os.environ.get("GPTOSS_TEST_CACHE") or Path(__file__).resolve().parents[2] / ".test-cache"
+    folder = Path(root) / "gpt-oss-tokenizer"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
 def encodings_folder(folder: Path) -> Path:
     """`folder` holding o200k_base.tiktoken decompressed from bpe-openai (checked against its pinned sha256)."""
     import bpe_openai

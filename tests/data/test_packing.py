@@ -33,6 +33,53 @@ def test_best_fit_puts_a_document_in_the_tightest_row():
     assert pack_documents([3, 5, 2, 4, 1], 6) == [[1, 4], [2, 3], [0]]
 
 
+def plain_best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
+    """The textbook algorithm, quadratic and obvious: documents longest first (lower index on ties), each
+    into the open row with the least free space that holds it (the earliest opened on ties), else a new row."""
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        fits = [r for r in range(len(rows)) if free[r] >= lengths[i]]
+        if fits:
+            r = min(fits, key=lambda r: (free[r], r))
+        else:
+            r = len(rows)
+            rows.append([])
+            free.append(capacity)
+        rows[r].append(i)
+        free[r] -= lengths[i]
+    return [sorted(row) for row in rows]
+
+
+@pytest.mark.parametrize("tree", [True, False], ids=["counters", "sorted-list"])
+def test_best_fit_matches_a_plain_best_fit_reference_over_random_lengths(tree, monkeypatch):
+    """Random lengths hit inexact fits, ties between rows of the same free space and searches that climb the
+    counters' tree; both structures (counters up to TREE_CAPACITY_LIMIT, a sorted list above) must agree."""
+    import gptoss_cli.data.packing as packing
+
+    if not tree:
+        monkeypatch.setattr(packing, "TREE_CAPACITY_LIMIT", 0)
+    r = random.Random(40)
+    for _ in range(300):
+        capacity = r.choice([1, 2, 7, 16, 33, 100, 257])
+        lengths = [r.randint(1, capacity) if r.random() < 0.5 else r.randint(1, max(1, capacity // 3))
+                   for _ in range(r.randint(0, 60))]
+        assert pack_documents(lengths, capacity) == plain_best_fit_decreasing(lengths, capacity), (capacity, lengths)
+
+
+def test_a_row_of_two_billion_tokens_costs_memory_by_documents_not_by_capacity():
+    """Training's documented seq_length bound (2**31 - 1) with three conversations: counters per free-space
+    value would take 34 GB; the rows must come back at once with a few KiB."""
+    import tracemalloc
+
+    tracemalloc.start()
+    rows = pack_documents([5, 3, 900], (1 << 31) - 1)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert rows == [[0, 1, 2]]
+    assert peak < 1 << 20, peak
+
+
 def test_ties_are_broken_by_document_index_and_row_age():
     assert pack_documents([2, 2, 2, 2], 4) == [[0, 1], [2, 3]]
     assert pack_documents([], 4) == []

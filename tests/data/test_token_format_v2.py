@@ -60,12 +60,14 @@ def _corrupt_index(prefix, values):
         (lambda p: _corrupt_index(p, [0, 5, 3, 9]), "document 1 has -2 tokens"),
         (lambda p: _corrupt_index(p, [0, 1, 5, 9]), "document 0 has 1 tokens"),
         (lambda p: p.with_suffix(".mask").write_bytes(bytes([0, 1, 1, 0, 1, 0, 0, 1])), "8 bytes, not one per token (9)"),
+        (lambda p: p.with_suffix(".mask").write_bytes(bytes([0, 1, 1, 0, 1, 0, 0, 1, 1, 0])),
+         "10 bytes, not one per token (9)"),
         (lambda p: p.with_suffix(".mask").write_bytes(bytes([0, 1, 1, 0, 2, 0, 0, 1, 1])), "value 2 at token 4"),
         (lambda p: p.with_suffix(".mask").write_bytes(bytes([0, 1, 1, 1, 1, 0, 0, 1, 1])),
          "first token of document 1 (token 3) is marked trained"),
     ],
     ids=["no-index", "no-mask", "index-length", "index-end", "index-start", "index-decreasing", "one-token-document",
-         "mask-length", "mask-value", "mask-first-token"],
+         "mask-short", "mask-long", "mask-value", "mask-first-token"],
 )
 def test_broken_v2_files_are_one_line_errors_naming_the_file(corrupt, message, tmp_path):
     write_v2(tmp_path / "c")

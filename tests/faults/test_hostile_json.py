@@ -207,3 +207,40 @@ def test_prepare_data_names_a_hostile_conversation_line(tmp_path, kind):
                        "--out", tmp_path / "out")
     assert code == 2 and "Traceback" not in out, out
     assert sorted(p.name for p in tmp_path.iterdir()) == ["chats.jsonl", "tok"]
+
+
+# --- text Python cannot encode: a lone surrogate escape in JSON, a non-UTF-8 byte in argv -------------
+def test_the_reader_refuses_a_lone_surrogate_and_keeps_pairs():
+    assert parse_json('{"a": "\\ud83d\\ude00", "b": "\\\\ud800"}') == {"a": "\U0001F600", "b": "\\ud800"}
+    for doc in ('{"a": "x\\ud800"}', '[{"\\uDFFF": 1}]', '{"a": "\\ude00\\ud83d"}'):  # the last: a pair reversed
+        with pytest.raises(json.JSONDecodeError, match="lone surrogate"):
+            parse_json(doc)
+
+
+@pytest.mark.parametrize("form", ["text", "harmony"])
+def test_prepare_data_names_the_line_with_a_lone_surrogate(tmp_path, form):
+    pytest.importorskip("tokenizers")
+    if form == "harmony":  # the real GPT-OSS tokenizer: harmony rendering needs its special tokens
+        pytest.importorskip("openai_harmony")
+        pytest.importorskip("bpe_openai")
+        from tests.data.harmony_tokenizer import cache_folder, gpt_oss_tokenizer_json
+
+        tok, line, extra = gpt_oss_tokenizer_json(cache_folder()), 1, []
+        row = '{"messages": [{"role": "user", "content": "hi \\ud800"}, {"role": "assistant", "content": "ok"}]}'
+    else:
+        from tests.faults.test_tokens import write_tokenizer
+
+        tok, line, extra = write_tokenizer(tmp_path / "tok"), 2, ["--eos-id", "1"]
+        row = '{"text": "the quick fox"}\n{"text": "dog \\ud800"}'
+    data = tmp_path / "in.jsonl"
+    data.write_text(row + "\n")
+    code, out = invoke("prepare-data", data, "--format", form, "--tokenizer", tok, "--out", tmp_path / "o", *extra)
+    assert_one_line((code, out), 2, f"{data}:{line}", "lone surrogate \\ud800")
+    assert not list(tmp_path.glob("o*")) and not list(tmp_path.glob(".o*"))
+
+
+@pytest.mark.parametrize("args", [["--raw", "--prompt", "w1 \udcff"], ["-p", "w1", "--system", "\udcff"]])
+def test_generate_names_an_argument_that_is_not_utf8(tmp_path, args):
+    """Python hands a non-UTF-8 byte of argv over as a lone surrogate (surrogateescape): \\xff is \\udcff."""
+    code, out = invoke("generate", tmp_path / "missing-checkpoint", *args)
+    assert_one_line((code, out), 2, f"{args[-2]}: character", "not valid UTF-8")

@@ -1,5 +1,6 @@
-"""Every numeric option of every command, driven past the bound its consumer accepts: exit 2 naming the option
-before any work. The list is checked against the commands' signatures, so a new numeric option needs a case."""
+"""Every numeric option of every command, driven past the bound its consumer accepts: one `error:` line naming
+the option (a range Typer checks included, not its boxed usage text), exit 2, before any work. The list is
+checked against the commands' signatures, so a new numeric option needs a case."""
 
 from __future__ import annotations
 
@@ -90,6 +91,26 @@ def test_each_numeric_option_past_its_bound_is_refused_before_any_work(tmp_path,
     result = runner.invoke(app, [command, *args, option, value])
     assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
     assert result.exit_code == 2, result.output
-    assert needle in " ".join(result.output.replace("│", " ").split()), result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.output  # one line, not Typer's usage box
+    assert needle in lines[0], result.output
     assert "Traceback" not in result.output
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p for p in ("IN", "TOK") if (tmp_path / p).exists())
+
+
+@pytest.mark.parametrize("argv, needle", [(["train", "--bogus"], "No such option: --bogus"),
+                                          (["nosuch"], "No such command 'nosuch'"),
+                                          (["train"], "Missing option '--recipe'")])
+def test_other_usage_errors_are_one_line_too(argv, needle):
+    result = runner.invoke(app, argv)
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert result.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: "), result.output
+    assert needle in lines[0] and "--help" in lines[0], result.output
+
+
+def test_help_is_still_help():
+    """No arguments and --help print the usage and the commands (exit 2 and 0, as click does), not an error line."""
+    for argv, code in (([], 2), (["--help"], 0), (["train", "--help"], 0)):
+        result = runner.invoke(app, argv)
+        assert result.exit_code == code and "Usage:" in result.output and "error:" not in result.output, result.output
+    assert "prepare-data" in runner.invoke(app, []).output

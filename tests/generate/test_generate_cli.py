@@ -125,10 +125,12 @@ def no_tokenizer(pair, tmp_path_factory):
     (["--raw", "-p", "w1", "--top-p", "0"], ["--top-p 0.0"]),
     (["--raw", "-p", "w1", "--temperature", "nan"], ["--temperature nan"]),
     (["--raw", "-p", "w1", "--dtype", "float8"], ["--dtype 'float8'"]),
+    (["--raw", "-p", "w1", "--device", "foo"], ["--device 'foo' is not a torch device"]),
+    (["--raw", "-p", "w1", "--device", "foo", "--dtype", "float32"], ["--device 'foo' is not a torch device"]),
 ])
 def test_bad_input_is_one_line_exit_2(pair, no_tokenizer, args, needles):
     folder = no_tokenizer if "no tokenizer.json in" in needles else pair[1]
-    result = run(folder, *args, "--device", "cpu")
+    result = run(folder, *args, *([] if "--device" in args else ["--device", "cpu"]))
     assert_one_line((result.exit_code, result.stderr), 2, *needles)
 
 

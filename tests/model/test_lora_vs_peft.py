@@ -125,3 +125,35 @@ def test_adapter_gradients_equal_peft_autograd(pair, tmp_path):
     for key, want in theirs.items():
         err = (ours[key] - want).abs().max().item()
         assert err <= rel * want.abs().max().item() + 1e-12, (key, err, want.abs().max().item())
+
+
+def test_adapter_a_starts_uniform_within_pefts_bound():
+    """A's initial values against PEFT's own initialisation of a LoRA layer with the same input width:
+    PEFT draws kaiming_uniform(a=sqrt 5), i.e. uniform on [-b, b] with b = 1/sqrt(in). Pooled per input
+    width, our values must stay inside PEFT's range and reach its top (the largest of n uniform draws
+    falls short of b by a fraction ~1/n; below 0.97 b on either side has probability < 0.985**n < 1e-6 at
+    n >= 1000), and B starts at zero as PEFT's does."""
+    from gptoss_cli.model.config import preset
+    from gptoss_cli.model.hybrid import HybridModel
+
+    model = HybridModel(preset("tiny"))
+    attach_lora(model, LoraSettings(rank=4, alpha=8.0, target_modules=ALL), seed=7)
+    ours: dict[int, list[torch.Tensor]] = {}
+    for name, t in adapter_tensors(model).items():
+        if ".linear_in." in name:
+            ours.setdefault(t.shape[-1], []).append(t.float().flatten())
+        else:
+            assert not t.any(), f"{name} does not start at zero"
+    assert len(ours) >= 2, sorted(ours)  # hidden 64, intermediate 96 (and the attention widths) differ
+    for width, values in sorted(ours.items()):
+        torch.manual_seed(width)
+        base = torch.nn.Sequential(torch.nn.Linear(width, 8))
+        ref = peft.get_peft_model(base, peft.LoraConfig(r=4096, lora_alpha=8, target_modules=["0"]))
+        peft_a = next(p for n, p in ref.named_parameters() if "lora_A" in n).detach()
+        peft_bound = peft_a.abs().max().item()  # n = 4096 * width draws: within ~1e-5 of b
+        got = torch.cat(values)
+        assert got.numel() >= 1000, (width, got.numel())
+        top = got.abs().max().item()
+        assert top <= peft_bound * (1 + 1e-5), f"in={width}: |A| reaches {top:.4g} > PEFT's {peft_bound:.4g}"
+        for side, reach in (("+", got.max().item()), ("-", -got.min().item())):  # both ends, as PEFT's
+            assert reach >= 0.97 * peft_bound, f"in={width}: A's {side} side reaches {reach:.4g}, PEFT's {peft_bound:.4g}"

@@ -13,7 +13,8 @@ from torch.utils._pytree import tree_flatten
 class LiveBytes(TorchDispatchMode):
     """Inside the mode, every storage an op returns is counted until the last tensor on it dies
     (autograd's saved tensors keep theirs alive, so this sees what is held for backward).
-    `current` and `peak` in bytes; storages that existed before the mode (parameters) are not counted."""
+    `current` and `peak` in bytes; storages that existed before the mode (parameters, caches) are not counted,
+    nor are they when an op returns a view of them (its output aliases one of its inputs)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -33,11 +34,13 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+                  if isinstance(t, torch.Tensor) and t.device.type != "meta"}
         for t in tree_flatten(out)[0]:
             if not isinstance(t, torch.Tensor) or t.device.type == "meta":
                 continue
             key = t.untyped_storage().data_ptr()
-            if key == 0:
+            if key == 0 or (key in inputs and key not in self.refs):  # a view of (or write into) an untracked storage
                 continue
             if key not in self.refs:
                 self.refs[key] = 0

@@ -108,3 +108,26 @@ def test_validate_reports_recompute_work_as_hardware_flops_apart():
     extra = 36 * 4 * 2 * 3 * 2880 * 2880
     assert moe.to_dict()["hardware_flops_per_token"] == moe.to_dict()["model_flops_per_token"] + extra
     assert moe.to_dict()["model_flops_per_token"] == 32_710_473_216
+
+
+@pytest.mark.parametrize("layer_types", [("full_attention", "sliding_attention", "sliding_attention", "full_attention",
+                                          "full_attention"),
+                                         ("sliding_attention", "full_attention", "full_attention", "full_attention",
+                                          "sliding_attention")])
+def test_each_attention_layer_gets_its_own_blocks_window_by_value(layer_types):
+    """Per attention layer, the core's forward FLOPs against a brute-force mask count with the window
+    transformers' config gives that block (`layer_types[i]`): layouts no shift or rotation of the
+    block index maps onto themselves, so reading block i +- 1 changes a value, not only the total."""
+    from transformers import GptOssConfig
+
+    arch = PRESETS["tiny"].replace(num_hidden_layers=5, layer_types=layer_types)
+    hf = GptOssConfig(**{**to_hf_config(arch), "quantization_config": None})
+    seq = 3 * arch.sliding_window + 1
+    want = []
+    for kind in hf.layer_types:
+        window = hf.sliding_window if kind == "sliding_attention" else None
+        visible = sum(1 for q in range(seq) for k in range(q + 1) if window is None or k > q - window)
+        want.append(4 * arch.num_attention_heads * arch.head_dim * visible / seq)
+    for pattern in ("*E" * 5, "[*E]" * 5, "*-" * 5):
+        got = count_flops(arch, seq, pattern).attention_layers
+        assert got == pytest.approx(want, rel=1e-12), pattern

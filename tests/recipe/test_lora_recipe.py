@@ -39,6 +39,17 @@ def test_rank_zero_with_targets_is_one_line_exit_2():
             lora=LoraConfig(rank=0, target_modules=["linear_qkv"]), model=ModelConfig(preset="tiny")))
 
 
+def test_a_rank_with_alpha_zero_is_one_line_exit_2():
+    """alpha / rank scales the adapters' output and so their gradients: alpha 0 with a rank trains nothing
+    (PEFT's LoraLayer scaling, lora_alpha / r), as contradictory as targets with rank 0."""
+    for command in (["validate-config"], ["train", "--recipe"]):
+        result = runner.invoke(app, [*command, "gpt_oss_20b_lora", "lora.alpha=0"])
+        text = " ".join(result.output.split())
+        assert result.exit_code == 2 and "lora.alpha=0 scales the adapters" in text, (command, result.output)
+        assert text.count("error:") == 1 and "Traceback" not in text, result.output
+    assert load_recipe("gpt_oss_20b_lora", ["lora.alpha=0", "lora.rank=0", "lora.target_modules=[]"]).config.lora.rank == 0
+
+
 def test_memory_of_a_frozen_base_counts_no_gradient_or_optimizer_state_for_it():
     """20B on one GPU: the base counted once in bf16; gradients (fp32) and Adam state (12 B) for the
     adapters only, whose count is rank x (in + out) per adapted layer and expert."""

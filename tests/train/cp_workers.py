@@ -49,10 +49,38 @@ class PackedRandomDocuments:
         return PackedRow(tokens, labels, list(lengths))
 
 
+def trained_like_(model: torch.nn.Module, seed: int = 11) -> None:
+    """Weights at the scales a trained model has, where every part moves the loss (at initialisation the
+    sinks are ~0.02 and the attention output is small, so a rank that attends with another rank's sinks
+    or heads changes the loss by less than rounding): sinks ~ N(0, 1), norms 1 + 0.2 N, biases 0.1 N,
+    the router 0.3 N, the rest 0.08 N; each tensor from its own (seed, checkpoint name) generator, so
+    every CP/EP layout holds the same values."""
+    from gptoss_cli.model.expert_names import checkpoint_slots
+    from gptoss_cli.model.init import name_generator
+
+    with torch.no_grad():
+        for name, dest in checkpoint_slots(model):
+            if dest is None:
+                continue
+            noise = torch.randn(dest.shape, generator=name_generator(seed, name), dtype=torch.float32)
+            leaf = name.rsplit(".", 1)[-1]
+            if name.endswith("softmax_offset"):
+                dest.copy_(noise)
+            elif ("norm" in name and leaf.startswith("weight")) or leaf == "layer_norm_weight":
+                dest.copy_(1 + 0.2 * noise)
+            elif leaf.startswith("bias"):
+                dest.copy_(0.1 * noise)
+            elif "router" in name:
+                dest.copy_(0.3 * noise)
+            else:
+                dest.copy_(0.08 * noise)
+
+
 def cp_step(state: ParallelState, packed: bool, seed: int = 7, recompute: str | None = None) -> dict[str, Any]:
     """One global batch forward+backward through the real schedule at this state's CP x EP layout:
-    the summed loss, token count and finalised gradients (sinks included). `recompute`: a selective
-    recompute module (e.g. core_attn: backward re-runs attention, its all-to-alls included)."""
+    the summed loss, token count and finalised gradients (sinks included); then the same batch's loss
+    forward only at trained-like weights (`trained_like_`). `recompute`: a selective recompute module
+    (e.g. core_attn: backward re-runs attention, its all-to-alls included)."""
     extra = {"recompute_granularity": "selective", "recompute_modules": [recompute]} if recompute else {}
     provider = HybridModelProvider(runtime_config(aux_loss_coeff=0.0, ep_size=state.ep_size, **extra), seed=seed)
     setup = setup_model_and_optimizer(provider, state, optimizer_config(clip_grad=1.0), 1e-3)
@@ -65,9 +93,15 @@ def cp_step(state: ParallelState, packed: bool, seed: int = 7, recompute: str | 
     schedule = get_forward_backward_func(setup.config)
     logs = schedule(forward_step_func=forward_step, data_iterator=data.step_iterator(), model=setup.model,
                     num_microbatches=data.num_microbatches)
-    return {"loss_sum": float(sum(l["lm_loss_sum"] for l in logs)),
-            "tokens": float(sum(l["num_tokens"] for l in logs)),
-            "grads": named_grads(setup.model), "grad_norm": setup.optimizer.grad_norm()}
+    out = {"loss_sum": float(sum(l["lm_loss_sum"] for l in logs)),
+           "tokens": float(sum(l["num_tokens"] for l in logs)),
+           "grads": named_grads(setup.model), "grad_norm": setup.optimizer.grad_norm()}
+    trained_like_(setup.model)
+    data.consumed_samples = 0  # the same global batch again
+    logs = schedule(forward_step_func=forward_step, data_iterator=data.step_iterator(), model=setup.model,
+                    num_microbatches=data.num_microbatches, forward_only=True)
+    out["trained_loss_sum"] = float(sum(l["lm_loss_sum"] for l in logs))
+    return out
 
 
 # (cp, ep, packed[, recompute module]) layouts the 2-process worker runs, one after another in the

@@ -1,7 +1,8 @@
 """Context parallelism: CP=2 on 2 gloo processes computes what one process computes on full rows.
 
-The loss, the token count and every finalised gradient (the sinks' included) at CP=2 equal those of
-CP=1 from the same weights and tokens, with the sliding window crossing the slice boundary, with
+The loss (at the initial weights and at trained-like ones, where every head and sink matters), the
+token count and every finalised gradient (the sinks' included) at CP=2 equal those of CP=1 from the
+same weights and tokens, with the sliding window crossing the slice boundary, with
 packed documents crossing it, and with EP=2 over the same two ranks; and on 4 processes, DP=2 x CP=2
 with EP=2 inside each CP group or EP=4 over all; and with core-attention recompute (backward re-runs
 the all-to-alls). Only the order of sums differs (tests/tolerances.py).
@@ -33,6 +34,10 @@ def assert_loss_and_tokens_equal(ref, ranks, layout):
     assert tokens == want["tokens"]
     loss = sum(r[layout]["loss_sum"] for r in ranks) / tokens
     assert loss == pytest.approx(want["loss_sum"] / want["tokens"], rel=LOSS_REL)
+    # at trained-like weights every head and sink moves the loss (at initialisation a rank attending
+    # with another rank's sinks changes it by less than rounding; only the gradients would show it)
+    loss = sum(r[layout]["trained_loss_sum"] for r in ranks) / tokens
+    assert loss == pytest.approx(want["trained_loss_sum"] / want["tokens"], rel=LOSS_REL)
 
 
 def assert_every_gradient_equal(ref, ranks, layout):

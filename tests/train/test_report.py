@@ -102,6 +102,15 @@ def _write(run: Path, text: str) -> Path:
 GOOD = '{"step": 1, "rank": 0, "loss": 7.0, "lr": 0.0}\n{"step": 2, "rank": 0, "loss": 6.5, "lr": 1e-4}\n'
 
 
+BAD_FIELDS = {  # a record whose fields the summary reads have the wrong shape
+    "empty expert_load layer": '"expert_load": {"1": []}',
+    "list in expert_load": '"expert_load": {"1": [1, [2]]}',
+    "expert_load a list": '"expert_load": [4, 4]',
+    "list for a number": '"loss": [6.0]',
+    "list for a layer's entropy": '"expert_load": {"1": [1, 3]}, "router_entropy": {"1": [0.5]}',
+}
+
+
 @pytest.mark.parametrize("case,expect", [
     ("no folder", "not a run folder"),
     ("no metrics", "no metrics.jsonl"),
@@ -109,6 +118,11 @@ GOOD = '{"step": 1, "rank": 0, "loss": 7.0, "lr": 0.0}\n{"step": 2, "rank": 0, "
     ("corrupt middle line", "metrics.jsonl:2: not a JSON record"),
     ("corrupt last line with newline", "metrics.jsonl:3: not a JSON record"),
     ("no step field", "metrics.jsonl:1: a record needs integer 'step' and 'rank'"),
+    ("empty expert_load layer", "metrics.jsonl:3: field 'expert_load' layer 1: [] is not a non-empty list"),
+    ("list in expert_load", "metrics.jsonl:3: field 'expert_load' layer 1: [2] is not a token count"),
+    ("expert_load a list", "metrics.jsonl:3: field 'expert_load' is [4, 4], not an object"),
+    ("list for a number", "metrics.jsonl:3: field 'loss' is [6.0], not a number"),
+    ("list for a layer's entropy", "metrics.jsonl:3: field 'router_entropy' layer 1: [0.5] is not a number"),
 ])
 def test_bad_run_folder_is_one_line_exit_2(tmp_path, case, expect):
     run = tmp_path / "run"
@@ -122,6 +136,8 @@ def test_bad_run_folder_is_one_line_exit_2(tmp_path, case, expect):
         _write(run, GOOD + '{"step": 3, "rank": 0, "loss"\n')
     elif case == "no step field":
         _write(run, '{"rank": 0, "loss": 1.0}\n')
+    elif case in BAD_FIELDS:
+        _write(run, GOOD + '{"step": 3, "rank": 0, %s}\n' % BAD_FIELDS[case])
     result = CliRunner().invoke(app, ["report", str(run), "--no-plots"])
     assert result.exit_code == 2, result.output
     lines = [line for line in result.output.splitlines() if line.strip()]
@@ -134,6 +150,21 @@ def test_a_resumed_run_keeps_the_later_record_of_a_step(tmp_path):
     assert result.exit_code == 0, result.output
     summary = json.loads((tmp_path / "s.json").read_text())
     assert summary["steps_recorded"] == 2 and summary["curves"]["loss"]["last"] == 6.0
+
+
+def test_json_summary_is_strict_json_when_the_run_recorded_nan_and_infinity(tmp_path):
+    """A diverged run writes NaN and Infinity (Python's json does); the summary's JSON holds null there,
+    which strict readers accept."""
+    run = _write(tmp_path / "run", GOOD + '{"step": 3, "rank": 0, "loss": NaN, "grad_norm": Infinity}\n')
+    result = CliRunner().invoke(app, ["report", str(run), "--no-plots", "--json", str(tmp_path / "s.json")])
+    assert result.exit_code == 0, result.output
+
+    def refuse(constant):
+        raise ValueError(f"not strict JSON: {constant}")
+
+    summary = json.loads((tmp_path / "s.json").read_text(), parse_constant=refuse)
+    assert summary["curves"]["loss"]["last"] is None and summary["curves"]["grad_norm"]["max"] is None
+    assert summary["curves"]["loss"]["first"] == 7.0
 
 
 def test_missing_matplotlib_is_one_line(tmp_path, monkeypatch):

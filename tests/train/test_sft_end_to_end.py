@@ -23,11 +23,11 @@ pytest.importorskip("openai_harmony", reason="the test extra installs openai-har
 pytest.importorskip("bpe_openai", reason="the test extra installs bpe-openai")
 
 
-def test_prepare_train_eval_on_harmony_conversations(request, tmp_path):
-    from tests.data.harmony_tokenizer import gpt_oss_tokenizer_json
+def test_prepare_train_eval_on_harmony_conversations(tmp_path):
+    from tests.data.harmony_tokenizer import cache_folder, gpt_oss_tokenizer_json
     from tests.data.test_harmony import CONVERSATIONS, as_json
 
-    tokenizer = gpt_oss_tokenizer_json(request.config.cache.mkdir("gpt-oss-tokenizer"))
+    tokenizer = gpt_oss_tokenizer_json(cache_folder())
     chats = tmp_path / "chats.jsonl"
     chats.write_text("".join(json.dumps(as_json(m)) + "\n" for m in CONVERSATIONS.values()))
     prefix = tmp_path / "sft"

@@ -13,6 +13,7 @@ import builtins
 import collections
 import io
 import pickle
+import re
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,7 +98,7 @@ def find_iteration_folder(root: Path) -> Path:
         raise CheckpointError(f"{tracker}: cannot read ({getattr(exc, 'strerror', None) or exc})") from None
     if text == RELEASE:
         folder = root / RELEASE
-    elif text.isdigit() and len(text) <= 18:
+    elif re.fullmatch(r"[0-9]{1,18}", text):  # ASCII digits only: str.isdigit takes '²', which int() refuses
         folder = root / iter_folder_name(int(text))
     else:
         raise CheckpointError(f"{tracker}: holds {text[:40]!r}, neither 'release' nor an iteration number")

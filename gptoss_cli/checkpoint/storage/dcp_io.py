@@ -82,7 +82,98 @@ def read_metadata(folder: str | Path) -> Any:
                               hint="the checkpoint is damaged; use an earlier iter_* folder") from None
     if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
         raise CheckpointError(f"{path}: not DCP metadata (holds a {type(metadata).__name__})")
+    problem = metadata_problem(metadata)
+    if problem:
+        raise CheckpointError(f"{path}: not readable DCP metadata ({problem})",
+                              hint="the checkpoint is damaged; use an earlier iter_* folder")
     return metadata
+
+
+def _dims(value: Any) -> tuple[int, ...] | None:
+    """`value` as a shape (a tuple or list of non-negative ints, at most 64 of them), or None."""
+    if not isinstance(value, (tuple, list)) or len(value) > 64:
+        return None
+    if not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**62 for v in value):
+        return None
+    return tuple(value)
+
+
+def _tensor_problem(key: str, meta: Any) -> str | None:
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties
+
+    size = _dims(meta.size)
+    if size is None:
+        return f"tensor {key!r}: size {meta.size!r:.60} is not a shape"
+    props = meta.properties
+    if not isinstance(props, TensorProperties) or not isinstance(props.dtype, torch.dtype):
+        return f"tensor {key!r}: its properties name no dtype"
+    numel = 1
+    for d in size:
+        numel *= d
+    if numel * props.dtype.itemsize >= 2**63:
+        return f"tensor {key!r}: size {list(size)} does not fit in memory addresses"
+    if not isinstance(meta.chunks, list):
+        return f"tensor {key!r}: chunks {meta.chunks!r:.60} is not a list"
+    for chunk in meta.chunks:
+        if not isinstance(chunk, ChunkStorageMetadata):
+            return f"tensor {key!r}: a chunk is a {type(chunk).__name__}"
+        offsets, sizes = _dims(chunk.offsets), _dims(chunk.sizes)
+        if offsets is None or sizes is None or len(offsets) != len(size) or len(sizes) != len(size) \
+                or any(o + n > d for o, n, d in zip(offsets, sizes, size)):
+            return f"tensor {key!r}: chunk at {chunk.offsets!r:.40} of {chunk.sizes!r:.40} does not lie in {list(size)}"
+    return None
+
+
+def _storage_problem(index: Any, info: Any) -> str | None:
+    from pathlib import PurePosixPath
+
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    if not isinstance(index, MetadataIndex) or not isinstance(index.fqn, str):
+        return f"a storage entry is keyed by {index!r:.60}, not a tensor index"
+    if index.offset is not None and _dims(index.offset) is None:
+        return f"storage of {index.fqn!r}: offset {index.offset!r:.40} is not a position"
+    if index.index is not None and (not isinstance(index.index, int) or isinstance(index.index, bool)):
+        return f"storage of {index.fqn!r}: index {index.index!r:.40} is not an integer"
+    if not isinstance(info, _StorageInfo):
+        return f"storage of {index.fqn!r} is a {type(info).__name__}"
+    rel = info.relative_path
+    if not isinstance(rel, str) or not rel or PurePosixPath(rel).is_absolute() or ".." in PurePosixPath(rel).parts:
+        return f"storage of {index.fqn!r}: file {rel!r:.60} is not a file name inside the checkpoint"
+    for field in ("offset", "length"):
+        value = getattr(info, field)
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**63:
+            return f"storage of {index.fqn!r}: {field} {value!r:.40} is not a byte count"
+    return None
+
+
+def metadata_problem(metadata: Any) -> str | None:
+    """What is wrong with the types of an unpickled Metadata's entries, or None: the allow-list admits
+    only DCP's classes, but their attributes may still hold anything (a string for a size, a path that
+    leaves the folder); every reader relies on what is checked here."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+    for key, meta in metadata.state_dict_metadata.items():
+        if not isinstance(key, str):
+            return f"state dict key {key!r:.60} is not a name"
+        if isinstance(meta, BytesStorageMetadata):
+            continue
+        if not isinstance(meta, TensorStorageMetadata):
+            return f"entry {key!r} is a {type(meta).__name__}"
+        problem = _tensor_problem(key, meta)
+        if problem:
+            return problem
+    storage = metadata.storage_data
+    if storage is None:
+        return None
+    if not isinstance(storage, dict):
+        return f"storage_data is a {type(storage).__name__}, not a table"
+    for index, info in storage.items():
+        problem = _storage_problem(index, info)
+        if problem:
+            return problem
+    return None
 
 
 def check_storage_files(folder: Path, metadata: Any) -> None:
