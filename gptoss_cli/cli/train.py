@@ -15,7 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from gptoss_cli.cli.app import app, check_json_path, console, handle_errors, make_console, print_note, write_json
-from gptoss_cli.train.progress import CheckpointSaved, StepDone, TrainEvent, TrainFinished, TrainStarted
+from gptoss_cli.train.progress import CheckpointSaved, RunWarning, StepDone, TrainEvent, TrainFinished, TrainStarted
 
 
 class TrainProgressBar:
@@ -49,6 +49,8 @@ class TrainProgressBar:
         elif isinstance(event, StepDone):
             text = (f"loss {event.loss:.4f} "
                     + (f"val {event.val_loss:.4f} " if event.val_loss is not None else "")
+                    + (f"reward {event.reward_mean:.3f} " if event.reward_mean is not None else "")
+                    + (f"mismatch {event.mismatch_kl:.1e} " if event.mismatch_kl is not None else "")
                     + f"lr {event.lr:.1e} gnorm {event.grad_norm:.3f} "
                     f"{event.tokens_per_s:.0f} tok/s {event.step_time_s * 1000:.0f} ms/step "
                     f"{flops_text(event.tflops_per_gpu, event.mfu)}")
@@ -63,6 +65,9 @@ class TrainProgressBar:
             removed = f" (removed {len(event.removed)} older: {', '.join(Path(p).name for p in event.removed)})"
             (self._progress.console if self._progress else self._console).print(
                 f"saved checkpoint {escape(event.path)}" + (escape(removed) if event.removed else ""), highlight=False)
+        elif isinstance(event, RunWarning):
+            out = self._progress.console if self._progress else (self._console or make_console())
+            out.print(f"[yellow]warning[/yellow] (step {event.step}): {escape(event.message)}", highlight=False)
         elif isinstance(event, TrainFinished) and self._progress is not None:
             self._progress.stop()
 

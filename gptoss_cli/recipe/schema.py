@@ -312,6 +312,77 @@ class ServeCheckConfig:
     dtype: str = _f("float32", "what the engine computes in", choices=("float32", "bfloat16"))
 
 
+# What a training step minimises (gptoss_cli/train/objective.py, `build_objective`).
+OBJECTIVES = ("cross_entropy", "grpo")
+# GRPO's loss normalisations, as TRL names them (docs/rl.md)
+RL_LOSSES = ("grpo", "dapo", "dr_grpo")
+ROLLOUT_ENGINES = ("gptoss", "vllm")
+
+
+@dataclass
+class ObjectiveConfig:
+    kind: str = _f("cross_entropy", "what a step minimises: cross_entropy (pre-training, SFT: the data section) or "
+                   "grpo (reinforcement learning from rewards of sampled completions: the rl section, docs/rl.md)",
+                   choices=OBJECTIVES)
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = _f("gptoss", "what samples the completions: gptoss (generate's KV cache on the training model, on "
+                     "every rank) or vllm (vLLM in its own interpreter, fed by rank 0, the policy's weights pushed "
+                     "after every update)", choices=ROLLOUT_ENGINES)
+    engine_python: Optional[str] = _f(None, "vllm: the Python of the engine's venv; null = $GPTOSS_ENGINE_PYTHON")
+    dtype: Optional[str] = _f(None, "vllm: what the engine computes in; null = precision.params_dtype",
+                              choices=(None, "float32", "bfloat16"))
+    batch_size: Optional[int] = _f(
+        None, "gptoss: completions decoded at once per rank (the KV cache holds this many rows); null = all of the "
+        "rank's completions of a rollout", min=1, max=INT32_MAX)
+    is_cap: float = _f(3.0, "truncated importance sampling when the engine is not gptoss: each token's loss is "
+                       "weighted by min(p_trainer / p_engine, is_cap) of the token the engine sampled", min=1.0)
+    mismatch_warn: float = _f(1.0e-3, "mismatch_kl (engine vs trainer, per token) above which a step warns, naming "
+                              "the likely source", min=0.0)
+    gpu_memory_utilization: float = _f(
+        0.0, "vllm on the training GPUs: the share of each GPU's memory the engine takes (vLLM's own setting; the "
+        "memory estimate counts it); 0 = the engine runs elsewhere", min=0.0, max=1.0)
+
+
+@dataclass
+class RLConfig:
+    prompts: Optional[str] = _f(
+        None, "objective.kind=grpo: the prompts, conversations in the SFT data's JSON forms (JSONL, one per line) "
+        "ending before the assistant's turn; a record's other fields (e.g. answer) go to the reward; "
+        "builtin:arithmetic = 256 generated sums with their answers")
+    tokenizer: Optional[str] = _f(None, "tokenizer.json that renders the prompts; null = checkpoint.pretrained's")
+    reward: str = _f("exact_answer", "module:function called as fn(prompt_messages, completion_text, completion_ids, "
+                     "record) -> float, or a built-in: exact_answer (final-channel text equals record['answer']), "
+                     "harmony_format (well-formed harmony ending on the final channel), even_tokens (share of even "
+                     "token ids, a toy)")
+    group_size: int = _f(8, "completions sampled per prompt; advantages are relative to the prompt's group",
+                         min=2, max=INT32_MAX)
+    steps_per_rollout: int = _f(1, "optimizer steps made on each rollout batch (training.global_batch_size "
+                                "completions each); a rollout samples global_batch_size x steps_per_rollout "
+                                "completions", min=1, max=INT32_MAX)
+    max_new_tokens: int = _f(256, "most tokens sampled per completion", min=1, max=INT32_MAX)
+    temperature: float = _f(1.0, "sampling temperature; the policy trained is softmax(logits / temperature)",
+                            min=0.0)
+    top_p: float = _f(1.0, "nucleus sampling: the smallest set of most likely tokens whose probability reaches "
+                      "top_p", min=0.0, max=1.0)
+    seed: Optional[int] = _f(None, "sampling seed; null = training.seed", min=0, max=SEED_MAX)
+    loss: str = _f("grpo", "grpo = per-completion token mean, then the mean over completions; dapo = mean over every "
+                   "completion token of the step; dr_grpo = token sum / (completions x max_new_tokens)",
+                   choices=RL_LOSSES)
+    scale_rewards: bool = _f(True, "divide each advantage by its group's reward standard deviation (+1e-4); "
+                             "Dr. GRPO: false")
+    clip_low: float = _f(0.2, "PPO clip: the ratio is held above 1 - clip_low", min=0.0, below=1.0)
+    clip_high: float = _f(0.2, "PPO clip: the ratio is held below 1 + clip_high (DAPO: 0.28)", min=0.0)
+    kl_coeff: float = _f(0.0, "weight of the per-token KL to the reference policy (the initial weights; under LoRA "
+                         "the base with the adapters off); 0 = off", min=0.0)
+    kl_unbiased: bool = _f(True, "multiply the KL term by the ratio p / p_old, which makes its gradient the unbiased "
+                           "reverse-KL gradient (DeepSeek-V3.2; TRL's use_bias_correction_kl); false = GRPO's plain k3 "
+                           "estimator")
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+
+
 @dataclass
 class SystemConfig:
     device: str = _f("auto", "where to train; auto = cuda if available", choices=("auto", "cpu", "cuda"))
@@ -345,6 +416,8 @@ class RecipeConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     system: SystemConfig = field(default_factory=SystemConfig)
     serve_check: ServeCheckConfig = field(default_factory=ServeCheckConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
 
 
 def iter_fields(cls: type = RecipeConfig, prefix: str = ""):
@@ -398,7 +471,7 @@ _GROUPS: dict[str, type] = {
     c.__name__: c for c in (
         ModelConfig, ParallelismConfig, MoEConfig, OverlapConfig, PrecisionConfig, CudaGraphConfig,
         RecomputeConfig, TrainingConfig, OptimizerConfig, DataConfig, CheckpointConfig, LoraConfig, ValidationConfig,
-        LoggingConfig, SystemConfig, ServeCheckConfig,
+        LoggingConfig, SystemConfig, ServeCheckConfig, ObjectiveConfig, RLConfig, RolloutConfig,
     )
 }
 
@@ -406,5 +479,6 @@ __all__ = [
     "RecipeConfig", "ModelConfig", "ParallelismConfig", "MoEConfig", "OverlapConfig", "PrecisionConfig",
     "CudaGraphConfig", "RecomputeConfig", "TrainingConfig", "OptimizerConfig", "DataConfig",
     "CheckpointConfig", "LoraConfig", "ValidationConfig", "BlendSource", "LoggingConfig", "SystemConfig",
-    "ServeCheckConfig", "iter_fields", "get_field", "describe_schema",
+    "ServeCheckConfig", "ObjectiveConfig", "RLConfig", "RolloutConfig", "OBJECTIVES", "RL_LOSSES", "ROLLOUT_ENGINES",
+    "iter_fields", "get_field", "describe_schema",
 ]

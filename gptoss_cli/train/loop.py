@@ -80,9 +80,12 @@ def run_worker(job: TrainJob, progress: TrainProgress | None = None) -> TrainRes
             # TensorBoard / W&B on rank 0 (train/loggers.py); their packages were checked before launch.
             loggers = open_loggers(cfg.logging, Path(job.run_dir), job.name, job.recipe) if state.rank == 0 else None
             try:
-                trainer = Trainer(job, state, progress=progress, heartbeat=heartbeat, loggers=loggers)
-                trainer.resume()
-                return trainer.train()
+                trainer = trainer_class(cfg)(job, state, progress=progress, heartbeat=heartbeat, loggers=loggers)
+                try:
+                    trainer.resume()
+                    return trainer.train()
+                finally:
+                    trainer.close()
             finally:
                 if loggers is not None:
                     loggers.close()
@@ -91,6 +94,15 @@ def run_worker(job: TrainJob, progress: TrainProgress | None = None) -> TrainRes
                 destroy_parallel()
     finally:
         heartbeat.stop()
+
+
+def trainer_class(cfg: RecipeConfig) -> type["Trainer"]:
+    """The Trainer of the recipe's objective: GRPO's samples its own data (gptoss_cli/rl/trainer.py)."""
+    if cfg.objective.kind == "grpo":
+        from gptoss_cli.rl.trainer import RLTrainer  # noqa: PLC0415 - rl/ builds on this module
+
+        return RLTrainer
+    return Trainer
 
 
 def run_peak_tflops(cfg: RecipeConfig, device: torch.device) -> float | None:
@@ -159,6 +171,7 @@ class Trainer:
         self._flops_setup()
         self.lora_base = lora_base(cfg, state)
         self.start_step, self.resumed_from = 0, None
+        self.resumed_meta: dict[str, Any] | None = None  # the resumed checkpoint's train_state.json
         self.losses: list[float] = []
         self.grad_norms: list[float] = []
         self._timed = [0.0, 0.0, 0]  # tokens, seconds, steps (the first step warms up: not counted)
@@ -201,7 +214,7 @@ class Trainer:
             self.start_step = int(meta["step"])
             self.data.consumed_samples = int(meta["consumed_samples"])
             self._resume_blend(folder, meta.get("blend"))
-            self.resumed_from = str(folder)
+            self.resumed_from, self.resumed_meta = str(folder), meta
         if self.state.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             outputs.replace_text(self.run_dir / "recipe.json", json.dumps(self.job.recipe, indent=2, default=str) + "\n")
@@ -215,7 +228,7 @@ class Trainer:
                                    qat=self.cfg.precision.qat))
 
     def _resume_blend(self, folder: Path, saved: dict[str, Any] | None) -> None:
-        source = self.data.source
+        source = getattr(self.data, "source", None)
         if isinstance(source, BlendedSource):
             source.load_state_dict(saved, self.data.consumed_samples, folder)
         elif saved is not None:
@@ -313,14 +326,22 @@ class Trainer:
         self.heartbeat.progress(done, "checkpoint save", watched=False)  # disks may be slow; a stopped rank still shows
         train_state = {"consumed_samples": self.data.consumed_samples, "lr_schedule": self.lr_schedule.state_dict(),
                        "name": self.job.name, RUN_KEY: self.job.run_record(self.lora_base)}
-        if isinstance(self.data.source, BlendedSource):
+        if isinstance(getattr(self.data, "source", None), BlendedSource):
             train_state["blend"] = self.data.source.state_dict(self.data.consumed_samples)
+        train_state.update(self.extra_train_state())
         self.last_checkpoint = save_checkpoint(ckpt.dir, step=done, model=self.model.module, optimizer=self.optimizer,
                                                state=self.state, train_state=train_state)
         removed = prune_checkpoints(ckpt.dir, ckpt.keep_last, ckpt.keep_every) if self.state.rank == 0 else []
         if self.emit:
             self.emit(CheckpointSaved(step=done, path=str(self.last_checkpoint), removed=[str(p) for p in removed]))
         return self.last_checkpoint
+
+    def extra_train_state(self) -> dict[str, Any]:
+        """What a subclass saves in train_state.json besides the loop's own (it comes back as resumed_meta)."""
+        return {}
+
+    def close(self) -> None:
+        """Release what the run holds besides the process group (a subclass's engines)."""
 
     # -- the run ---------------------------------------------------------------------------------
     def train(self) -> TrainResult:
@@ -355,4 +376,4 @@ class Trainer:
 
 STEP_FIELDS = {f for f in StepDone.__dataclass_fields__ if f != "step"}
 
-__all__ = ["Trainer", "StepOutcome", "run_worker", "run_peak_tflops"]
+__all__ = ["Trainer", "StepOutcome", "run_worker", "run_peak_tflops", "trainer_class"]

@@ -158,8 +158,17 @@ def forward_step(data_iterator: Iterator[Microbatch], model: torch.nn.Module,
 
 
 def build_objective(config: Any) -> TrainingObjective:
-    """The objective a recipe (`RecipeConfig`) trains with: next-token cross-entropy, the only one a
-    recipe names today; a new objective adds its recipe switch here."""
+    """The objective a recipe (`RecipeConfig`) trains with (`objective.kind`): next-token cross-entropy, or
+    GRPO (gptoss_cli/rl/objective.py) on the rollouts its Trainer samples; a new objective adds its
+    recipe switch here."""
+    if config.objective.kind == "grpo":
+        from gptoss_cli.rl.objective import GRPOObjective  # noqa: PLC0415 - rl/ builds on this module
+
+        rl = config.rl
+        return GRPOObjective(loss_type=rl.loss, clip_low=rl.clip_low, clip_high=rl.clip_high, kl_coeff=rl.kl_coeff,
+                             kl_unbiased=rl.kl_unbiased, temperature=rl.temperature, max_new_tokens=rl.max_new_tokens,
+                             is_cap=None if rl.rollout.engine == "gptoss" else rl.rollout.is_cap,
+                             aux_loss_coeff=config.moe.aux_loss_coeff, z_loss_coeff=config.moe.z_loss_coeff)
     return CrossEntropyObjective(config.moe.aux_loss_coeff, config.moe.z_loss_coeff)
 
 

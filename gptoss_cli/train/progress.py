@@ -74,6 +74,8 @@ class StepDone:
     z_loss: float | None = None  # when moe.z_loss_coeff > 0
     fp8: dict[str, Any] | None = None  # `Fp8Gemms.summary()` when FP8 runs
     val_loss: float | None = None  # the held-out loss, at the steps validation ran (validation.*)
+    reward_mean: float | None = None  # GRPO (objective.kind=grpo): the rollout's mean reward
+    mismatch_kl: float | None = None  # GRPO: engine vs trainer log-probabilities (gptoss_cli/rl/objective.py)
 
 
 @dataclass(frozen=True)
@@ -84,11 +86,20 @@ class CheckpointSaved:
 
 
 @dataclass(frozen=True)
+class RunWarning:
+    """Something the run noticed and carries on with (a reward that failed, an engine that drifts): one line."""
+
+    step: int
+    message: str
+
+
+@dataclass(frozen=True)
 class TrainFinished:
     result: TrainResult
 
 
-TrainEvent = Union[TrainStarted, StepDone, CheckpointSaved, TrainFinished]
+TrainEvent = Union[TrainStarted, StepDone, CheckpointSaved, RunWarning, TrainFinished]
 TrainProgress = Callable[[TrainEvent], None]
 
-__all__ = ["TrainResult", "TrainStarted", "StepDone", "CheckpointSaved", "TrainFinished", "TrainEvent", "TrainProgress"]
+__all__ = ["TrainResult", "TrainStarted", "StepDone", "CheckpointSaved", "RunWarning", "TrainFinished", "TrainEvent",
+           "TrainProgress"]

@@ -46,6 +46,13 @@ FIELDS = {
     "validation_iters": "validation.iters",
     "lora_rank": "lora.rank", "lora_alpha": "lora.alpha", "lora_dropout": "lora.dropout",
     "lora_targets": "lora.target_modules", "lora_base_experts": "lora.base_experts",
+    "objective": "objective.kind", "rl_prompts": "rl.prompts", "rl_tokenizer": "rl.tokenizer", "rl_reward": "rl.reward",
+    "group_size": "rl.group_size", "steps_per_rollout": "rl.steps_per_rollout", "max_new_tokens": "rl.max_new_tokens",
+    "temperature": "rl.temperature", "top_p": "rl.top_p", "rl_seed": "rl.seed", "rl_loss": "rl.loss",
+    "scale_rewards": "rl.scale_rewards", "clip_low": "rl.clip_low", "clip_high": "rl.clip_high",
+    "kl_coeff": "rl.kl_coeff", "kl_unbiased": "rl.kl_unbiased", "rollout_engine": "rl.rollout.engine",
+    "engine_python": "rl.rollout.engine_python", "rollout_batch_size": "rl.rollout.batch_size",
+    "is_cap": "rl.rollout.is_cap", "mismatch_warn": "rl.rollout.mismatch_warn",
 }
 
 BASE: dict[str, Any] = dict(
@@ -59,8 +66,11 @@ def recipe_config(**changes: Any) -> RecipeConfig:
     """RecipeConfig with BASE and `changes` (short keywords, see FIELDS) applied."""
     cfg = RecipeConfig()
     for key, value in {**BASE, **changes}.items():
-        section, attr = FIELDS[key].split(".")
-        setattr(getattr(cfg, section), attr, value)
+        *path, attr = FIELDS[key].split(".")
+        owner = cfg
+        for part in path:
+            owner = getattr(owner, part)
+        setattr(owner, attr, value)
     return cfg
 
 

@@ -68,10 +68,12 @@ class Sampling:
     seed: int = 0
     stop_token_ids: Sequence[int] = ()
     logprobs: int = 0  # besides the sampled token's, the top-k of each step (0: none)
+    seeds: Sequence[int] | None = None  # one seed per prompt (RL rollouts), instead of `seed` for all
 
     def to_json(self) -> dict[str, Any]:
         return {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
-                "seed": self.seed, "stop_token_ids": list(self.stop_token_ids), "logprobs": self.logprobs}
+                "seed": self.seed, "stop_token_ids": list(self.stop_token_ids), "logprobs": self.logprobs,
+                "seeds": None if self.seeds is None else [int(x) for x in self.seeds]}
 
 
 @dataclass

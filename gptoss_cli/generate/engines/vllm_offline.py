@@ -148,9 +148,13 @@ class VllmEngine:
                              "sampling": sampling.to_json(), "lora": lora}, what="generating")
         return [Completion(c["ids"], c["logprobs"], c.get("finish_reason")) for c in answer["completions"]]
 
-    def load_weights(self, folder: str | Path) -> float:
-        """vLLM's in-place reload from an HF folder of the same architecture (what RL weight pushes use)."""
-        return float(self._call({"op": "load_weights", "folder": str(folder)},
+    def load_weights(self, folder: str | Path, method: str = "fresh_model") -> float:
+        """Serve the weights of an HF folder of the same architecture (what RL weight pushes use); its seconds.
+        "fresh_model": vLLM's loader builds them in the engine's process and they replace the served
+        ones in place (vllm_worker.py, `_reload_from_fresh_model`); "vllm_inplace": vLLM's own
+        `reload_weights`, which on GPT-OSS leaves the experts, the sinks and (CPUs) the packed linear
+        layers stale."""
+        return float(self._call({"op": "load_weights", "folder": str(folder), "method": method},
                                 what=f"reloading weights from {folder}")["seconds"])
 
     def close(self) -> None:

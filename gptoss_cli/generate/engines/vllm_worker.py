@@ -9,8 +9,10 @@ stderr, which the parent keeps in a log file). Every answer is {"ok": true, ...}
 a safetensors file the request names.
 
 Operations: hello (versions), start (build an LLM on an HF folder; one at a time), score (prompt
-logprobs), generate (ids and sampled-token logprobs), load_weights (vLLM's in-place reload from a
-folder, then the prefix cache reset), close.
+logprobs), generate (ids and sampled-token logprobs; one seed per prompt when `seeds` is given),
+load_weights (the served weights replaced by a folder's, `_reload_from_fresh_model`; method
+"vllm_inplace" is vLLM's own in-place reload, which misses tensors on GPT-OSS; then the prefix cache
+reset), close.
 """
 
 from __future__ import annotations
@@ -155,9 +157,14 @@ def op_generate(req: dict) -> dict:
     from vllm.inputs import TokensPrompt
 
     s = req["sampling"]
-    params = SamplingParams(max_tokens=int(s["max_tokens"]), temperature=float(s["temperature"]),
-                            top_p=float(s["top_p"]), seed=int(s["seed"]), stop_token_ids=list(s["stop_token_ids"]),
-                            logprobs=int(s.get("logprobs", 0)), detokenize=False)
+
+    def params_with(seed):
+        return SamplingParams(max_tokens=int(s["max_tokens"]), temperature=float(s["temperature"]),
+                              top_p=float(s["top_p"]), seed=int(seed), stop_token_ids=list(s["stop_token_ids"]),
+                              logprobs=int(s.get("logprobs", 0)), detokenize=False)
+
+    # one seed per prompt when given (RL: the completions of one prompt must differ), else one for all
+    params = [params_with(x) for x in s["seeds"]] if s.get("seeds") else params_with(s["seed"])
     t0 = time.perf_counter()
     outs = STATE["llm"].generate([TokensPrompt(prompt_token_ids=list(p)) for p in req["prompts"]], params,
                                  use_tqdm=False, lora_request=_lora(req.get("lora")))
@@ -172,9 +179,61 @@ def op_generate(req: dict) -> dict:
 def op_load_weights(req: dict) -> dict:
     t0 = time.perf_counter()
     llm = STATE["llm"]
-    llm.collective_rpc("reload_weights", kwargs={"weights_path": req["folder"]})
+    if req.get("method") == "vllm_inplace":
+        llm.collective_rpc("reload_weights", kwargs={"weights_path": req["folder"]})
+    else:
+        _reload_from_fresh_model(req["folder"])
     llm.reset_prefix_cache()
     return {"seconds": time.perf_counter() - t0}
+
+
+def _reload_from_fresh_model(folder: str) -> None:
+    """The served model's weights replaced by those of `folder`, as vLLM would have them after loading it.
+
+    vLLM's in-place `reload_weights` misses tensors on GPT-OSS: its loader copies the experts and the
+    sinks straight into their parameters, past the per-layer loaders the reload counts on, and on CPUs
+    the linear layers' weights were packed for oneDNN at load time (max |dlogprob| 2.2 on the tiny
+    test model after reloading other weights). Here vLLM's own loader builds a second model from
+    `folder` (loading and processing: the experts' CPU packing, the linear layers' packed GEMMs) with the
+    attention layers' registry set aside, and its parameters, buffers and GEMM handles replace the served
+    model's in place (the KV cache stays bound to the served model's attention layers). The second model
+    is kept until the next reload (the packed GEMM handles may refer to it)."""
+    import copy
+
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader import get_model_loader
+
+    runner = STATE["llm"].llm_engine.model_executor.driver_worker.worker.model_runner
+    live, config = runner.model, runner.vllm_config
+    model_config = copy.copy(config.model_config)
+    model_config.model, model_config.model_weights = folder, ""
+    registry = config.compilation_config.static_forward_context
+    kept = dict(registry)
+    registry.clear()
+    try:
+        with set_current_vllm_config(config):
+            fresh = get_model_loader(config.load_config).load_model(vllm_config=config, model_config=model_config)
+    finally:
+        registry.clear()
+        registry.update(kept)
+    modules = dict(fresh.named_modules())
+    with torch.no_grad():
+        for name, module in live.named_modules():
+            new = modules[name]
+            for pname, p in list(module.named_parameters(recurse=False)):
+                q = getattr(new, pname)
+                if p.shape == q.shape and p.dtype == q.dtype:
+                    p.data.copy_(q.data)
+                else:
+                    setattr(module, pname, q)
+            for bname, b in list(module.named_buffers(recurse=False)):
+                q = getattr(new, bname)
+                if b.shape == q.shape and b.dtype == q.dtype:
+                    b.copy_(q)
+            if hasattr(new, "cpu_linear"):
+                module.cpu_linear = new.cpu_linear
+    STATE["reloaded"] = fresh
 
 
 def _shutdown() -> None:

@@ -1,0 +1,165 @@
+"""rl: GRPO (objective.kind=grpo), its prompts, reward, sampling, batch arithmetic and rollout engine."""
+
+from __future__ import annotations
+
+from gptoss_cli.recipe.rules.core import ERROR, WARNING, Context, Finding, error, rule, warning
+from gptoss_cli.recipe.schema import RecipeConfig
+from gptoss_cli.recipe.sizes import data_parallel_size
+
+
+def _grpo(cfg: RecipeConfig) -> bool:
+    return cfg.objective.kind == "grpo"
+
+
+@rule("rl.inputs", "objective.kind=grpo needs rl.prompts and a tokenizer (rl.tokenizer or checkpoint.pretrained); at "
+      "launch the prompts file and tokenizer exist and rl.reward imports; an rl section without grpo is ignored",
+      fix="set rl.prompts (a JSONL file of conversations, or builtin:arithmetic), rl.tokenizer or "
+          "checkpoint.pretrained, and rl.reward to a built-in or an importable module:function",
+      severities=(ERROR, WARNING))
+def rl_inputs(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
+    rl = cfg.rl
+    if not _grpo(cfg):
+        if rl.prompts:
+            return [warning({"objective.kind": cfg.objective.kind, "rl.prompts": rl.prompts},
+                            "the rl section is ignored: the objective is cross-entropy on the data section",
+                            "set objective.kind=grpo to train on rl.prompts")]
+        return []
+    out = []
+    if not rl.prompts:
+        out.append(error({"objective.kind": "grpo", "rl.prompts": None}, "GRPO samples completions of prompts: "
+                         "rl.prompts is not set"))
+    if not rl.tokenizer and not cfg.checkpoint.pretrained:
+        out.append(error({"rl.tokenizer": None, "checkpoint.pretrained": None},
+                         "the harmony prompts need a tokenizer: neither rl.tokenizer nor checkpoint.pretrained is set"))
+    if ctx.check_paths and not out:
+        out += _launch_problems(cfg)
+    return out
+
+
+def _launch_problems(cfg: RecipeConfig) -> list[Finding]:
+    """Only at launch: the prompts, tokenizer and reward module are on the training machine."""
+    from pathlib import Path  # noqa: PLC0415
+
+    from gptoss_cli.errors import GptossError  # noqa: PLC0415
+    from gptoss_cli.rl.prompts import BUILTIN  # noqa: PLC0415
+    from gptoss_cli.rl.rewards import load_reward  # noqa: PLC0415
+
+    rl, out = cfg.rl, []
+    if not rl.prompts.startswith(BUILTIN) and not Path(rl.prompts).is_file():
+        out.append(error({"rl.prompts": rl.prompts}, f"rl.prompts={rl.prompts}: no such file", bad_input=True))
+    if rl.tokenizer:
+        from gptoss_cli.data.tokenizer import tokenizer_path  # noqa: PLC0415
+
+        if not tokenizer_path(rl.tokenizer).is_file():
+            out.append(error({"rl.tokenizer": rl.tokenizer}, f"rl.tokenizer={rl.tokenizer}: no tokenizer.json there",
+                             bad_input=True))
+    try:
+        load_reward(rl.reward)
+    except GptossError as exc:
+        out.append(error({"rl.reward": rl.reward}, exc.message, exc.hint))
+    return out
+
+
+@rule("rl.sampling", "rl.temperature > 0 and rl.top_p > 0: GRPO samples (greedy decoding gives every completion of "
+      "a prompt the same tokens)", fix="rl.temperature=1.0 rl.top_p=1.0 (the policy's own distribution)")
+def rl_sampling(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
+    rl = cfg.rl
+    bad = {f"rl.{k}": getattr(rl, k) for k in ("temperature", "top_p") if getattr(rl, k) <= 0}
+    if not _grpo(cfg) or not bad:
+        return []
+    return [error(bad, f"GRPO needs sampling, not greedy decoding: {bad}")]
+
+
+@rule("rl.batch", "a rollout (training.global_batch_size x rl.steps_per_rollout completions) splits into whole groups "
+      "of rl.group_size on every data-parallel rank; rl.max_new_tokens leaves room for a prompt in "
+      "training.seq_length", fix="make training.global_batch_size x rl.steps_per_rollout a multiple of rl.group_size x "
+      "data-parallel size, and training.seq_length longer than rl.max_new_tokens")
+def rl_batch(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
+    if not _grpo(cfg):
+        return []
+    rl, t, out = cfg.rl, cfg.training, []
+    dp = data_parallel_size(cfg, ctx.world_size) or 1
+    per_rollout = t.global_batch_size * rl.steps_per_rollout
+    if per_rollout % (rl.group_size * dp):
+        out.append(error({"training.global_batch_size": t.global_batch_size, "rl.steps_per_rollout": rl.steps_per_rollout,
+                          "rl.group_size": rl.group_size, "data_parallel_size": dp},
+                         f"a rollout of {per_rollout} completions does not split into groups of {rl.group_size} on "
+                         f"each of {dp} data-parallel ranks (groups never cross ranks)"))
+    if t.seq_length <= rl.max_new_tokens:
+        out.append(error({"training.seq_length": t.seq_length, "rl.max_new_tokens": rl.max_new_tokens},
+                         f"training.seq_length={t.seq_length} holds the prompt and the completion; rl.max_new_tokens="
+                         f"{rl.max_new_tokens} leaves no room for a prompt"))
+    return out
+
+
+@rule("rl.checkpoints", "GRPO checkpoints fall on rollout boundaries: checkpoint.save_interval and "
+      "training.train_iters are multiples of rl.steps_per_rollout",
+      fix="checkpoint.save_interval and training.train_iters multiples of rl.steps_per_rollout (or "
+          "rl.steps_per_rollout=1)")
+def rl_checkpoints(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
+    rl, c, t = cfg.rl, cfg.checkpoint, cfg.training
+    if not _grpo(cfg) or not c.dir or rl.steps_per_rollout == 1:
+        return []
+    bad = {k: v for k, v in (("checkpoint.save_interval", c.save_interval), ("training.train_iters", t.train_iters))
+           if v is not None and v % rl.steps_per_rollout}
+    if not bad:
+        return []
+    return [error({**bad, "rl.steps_per_rollout": rl.steps_per_rollout},
+                  f"{', '.join(bad)} would save inside a rollout of {rl.steps_per_rollout} steps; a checkpoint holds "
+                  "no half-trained rollout")]
+
+
+@rule("rl.layout", "what GRPO does not run with: lora.dropout (the ratio would compare two dropout masks), context "
+      "parallelism, validation on token files; the vllm engine with EP > 1, an MXFP4-stored LoRA base or fp16",
+      fix="lora.dropout=0, parallelism.context_parallel_size=1, validation.data=null; with rl.rollout.engine=vllm "
+          "expert_model_parallel_size=1, lora.base_experts=bf16 and fp32 or bf16 (or rl.rollout.engine=gptoss)")
+def rl_layout(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
+    if not _grpo(cfg):
+        return []
+    out, engine = [], cfg.rl.rollout.engine
+    if cfg.lora.rank and cfg.lora.dropout > 0:
+        out.append(error({"lora.dropout": cfg.lora.dropout}, "lora.dropout > 0: the trainer's log-probabilities would "
+                         "use another dropout mask than the rollout's and the old policy's, so the ratio is not 1 at "
+                         "the old policy", "lora.dropout=0"))
+    if cfg.parallelism.context_parallel_size > 1:
+        out.append(error({"parallelism.context_parallel_size": cfg.parallelism.context_parallel_size},
+                         "GRPO's rollouts and per-completion losses are not implemented under context parallelism",
+                         "parallelism.context_parallel_size=1"))
+    if cfg.validation.data:
+        out.append(error({"validation.data": cfg.validation.data}, "validation scores token files with "
+                         "cross-entropy; a GRPO run logs its rewards instead", "validation.data=null"))
+    if engine == "vllm":
+        if cfg.parallelism.expert_model_parallel_size > 1:
+            out.append(error({"rl.rollout.engine": engine, "parallelism.expert_model_parallel_size":
+                              cfg.parallelism.expert_model_parallel_size},
+                             "the vLLM weight push writes every expert from rank 0, which holds only its own under EP "
+                             "(gathering them is not implemented)", "rl.rollout.engine=gptoss (rollouts over the EP "
+                             "group), or expert_model_parallel_size=1"))
+        if cfg.lora.rank and cfg.lora.base_experts == "mxfp4":
+            out.append(error({"rl.rollout.engine": engine, "lora.base_experts": "mxfp4"},
+                             "the vLLM weight push merges the adapters into bf16 expert weights; an MXFP4-stored base "
+                             "is not decoded for it", "lora.base_experts=bf16, or rl.rollout.engine=gptoss"))
+        if cfg.precision.params_dtype == "fp16":
+            out.append(error({"rl.rollout.engine": engine, "precision.params_dtype": "fp16"},
+                             "the vLLM engine is run in float32 or bfloat16", "precision.params_dtype=bf16"))
+    return out
+
+
+@rule("rl.engine", "at launch, rl.rollout.engine=vllm finds the engine's Python (rl.rollout.engine_python or "
+      "$GPTOSS_ENGINE_PYTHON, else this one with vLLM)",
+      fix="rl.rollout.engine_python to the python of the venv vLLM is installed in (docs/serve-check.md)")
+def rl_engine(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
+    r = cfg.rl.rollout
+    if not _grpo(cfg) or r.engine != "vllm" or not ctx.check_paths:
+        return []
+    from gptoss_cli.errors import GptossError  # noqa: PLC0415
+    from gptoss_cli.generate.engines.vllm_offline import engine_python  # noqa: PLC0415
+
+    try:
+        engine_python(r.engine_python)
+    except GptossError as exc:
+        return [error({"rl.rollout.engine_python": r.engine_python}, exc.message, exc.hint)]
+    return []
+
+
+__all__ = ["rl_inputs", "rl_sampling", "rl_batch", "rl_checkpoints", "rl_layout", "rl_engine"]

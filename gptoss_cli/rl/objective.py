@@ -1,0 +1,145 @@
+"""GRPO's training objective: group-relative advantages, the clipped surrogate, its three normalisations,
+the KL to the reference policy, and the trainer/rollout mismatch with its truncated importance weights.
+
+Per completion token t (TRL's GRPOTrainer, whose loss this equals; tests/rl/test_trl_parity.py):
+
+    ratio_t = exp(logp_t - old_t)                 old: the trainer's log-prob at the rollout's weights
+    l_t     = -min(ratio_t A, clip(ratio_t, 1 - clip_low, 1 + clip_high) A)
+    l_t    *= min(exp(old_t - engine_t), is_cap)  only when the rollout engine is not gptoss (TIS)
+    l_t    += kl_coeff * k3_t * (ratio_t if rl.kl_unbiased)              when kl_coeff > 0
+    k3_t    = exp(ref_t - logp_t) - (ref_t - logp_t) - 1
+
+(the ratio on the KL term makes its gradient the unbiased reverse-KL gradient, DeepSeek-V3.2: TRL's
+use_bias_correction_kl, on by default there and here) with A the completion's advantage: (reward - group mean) / (group std + 1e-4) (the std unbiased, as
+torch.std; without rl.scale_rewards the difference only). A completion whose reward failed has
+advantage 0 and its group's statistics are over the others (TRL's unscorable completions). The
+step's loss is
+- grpo:    the mean over completions of each completion's token mean,
+- dapo:    the sum over every completion token of the step / those tokens,
+- dr_grpo: the sum over every completion token / (completions x rl.max_new_tokens),
+which is `loss_sum / normaliser` of the objective seam (train/objective.py) summed over the step's
+microbatches and data-parallel ranks. When a rollout is trained in one step, old_t is the current
+log-prob itself (detached), as in TRL; otherwise the rollout scored it before the first update.
+
+`mismatch_kl` is the per-token estimate exp(d) - 1 - d, d = old_t - engine_t, of KL(engine || trainer)
+over the completion tokens: the trainer's recomputation against the log-probs the engine reported
+for the tokens it sampled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Sequence
+
+import torch
+
+from gptoss_cli.model.loss import IGNORE_INDEX
+from gptoss_cli.rl.logprobs import policy_log_probs
+from gptoss_cli.train.data import Microbatch
+from gptoss_cli.train.objective import TrainingObjective, router_losses
+
+ADVANTAGE_EPS = 1e-4  # TRL's: advantages / (std + 1e-4)
+
+
+def group_advantages(rewards: Sequence[float | None], group_size: int, scale: bool) -> list[float]:
+    """Each completion's advantage relative to its group (consecutive runs of `group_size`); a completion
+    without a reward (None: it failed) gets 0 and the group's statistics are over the others."""
+    out: list[float] = []
+    for start in range(0, len(rewards), group_size):
+        group = rewards[start:start + group_size]
+        have = torch.tensor([r for r in group if r is not None], dtype=torch.float32)
+        mean = have.mean() if have.numel() else torch.tensor(0.0)
+        std = have.std() if have.numel() > 1 else torch.tensor(0.0)
+        for r in group:
+            if r is None:
+                out.append(0.0)
+                continue
+            a = torch.tensor(r, dtype=torch.float32) - mean
+            out.append(float(a / (std + ADVANTAGE_EPS)) if scale else float(a))
+    return out
+
+
+@dataclass
+class GRPOObjective(TrainingObjective):
+    """GRPO on rollout microbatches (see the module docstring). A microbatch's `extras` hold, per
+    position of the labels: `advantages`, `rollout_logp` (the engine's), and when computed at rollout
+    time `old_logp` and `ref_logp`."""
+
+    loss_type: str = "grpo"
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    kl_coeff: float = 0.0
+    kl_unbiased: bool = True  # the KL term times the ratio (DeepSeek-V3.2; TRL's use_bias_correction_kl)
+    temperature: float = 1.0
+    max_new_tokens: int = 1
+    is_cap: float | None = None  # truncated importance sampling (engines other than gptoss)
+    aux_loss_coeff: float = 0.0
+    z_loss_coeff: float = 0.0
+    name: ClassVar[str] = "grpo"
+    sums: ClassVar[tuple[str, ...]] = (
+        "loss_sum", "num_tokens", "pg_loss_sum", "completion_tokens", "completions", "kl_ref_sum", "clipped_sum",
+        "entropy_sum", "mismatch_sum", "mismatch_abs_sum", "is_weight_sum", "is_capped_sum", "aux_loss_sum",
+        "z_loss_sum")
+
+    def loss(self, microbatch: Microbatch, config: Any, output: Any) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        ex = microbatch.extras
+        mask = (microbatch.labels != IGNORE_INDEX).float()
+        logp, entropy = policy_log_probs(output, microbatch.labels, self.temperature)
+        old = ex["old_logp"] if "old_logp" in ex else logp.detach()
+        adv = ex["advantages"]
+        ratio = torch.exp(logp - old)
+        clipped = torch.clamp(ratio, 1 - self.clip_low, 1 + self.clip_high)
+        per_token = -torch.minimum(ratio * adv, clipped * adv)
+        d = (old - ex["rollout_logp"]) * mask
+        logs: dict[str, Any] = {}
+        if self.is_cap is not None:
+            weight = torch.clamp(torch.exp(d), max=self.is_cap)
+            per_token = per_token * weight
+            logs["is_weight_sum"] = (weight * mask).sum().detach()
+            logs["is_capped_sum"] = ((torch.exp(d) > self.is_cap).float() * mask).sum()
+        if "ref_logp" in ex:
+            diff = ex["ref_logp"] - logp
+            kl = torch.exp(diff) - diff - 1
+            logs["kl_ref_sum"] = (kl.detach() * mask).sum()
+            if self.kl_coeff > 0:
+                per_token = per_token + self.kl_coeff * (kl * ratio if self.kl_unbiased else kl)
+        rows_tokens = mask.sum(-1)
+        rows = torch.tensor(float(mask.shape[0]), device=mask.device)
+        summed = (per_token * mask).sum()
+        if self.loss_type == "grpo":
+            objective, normaliser = ((per_token * mask).sum(-1) / rows_tokens.clamp(min=1.0)).sum(), rows.sum()
+        elif self.loss_type == "dapo":
+            objective, normaliser = summed, mask.sum()
+        else:  # dr_grpo
+            objective, normaliser = summed, rows.sum() * self.max_new_tokens
+        low = (ratio < 1 - self.clip_low) & (adv < 0)
+        high = (ratio > 1 + self.clip_high) & (adv > 0)
+        logs.update(pg_loss_sum=objective.detach(), completion_tokens=mask.sum(), completions=rows.sum(),
+                    clipped_sum=((low | high).float() * mask).sum(), entropy_sum=(entropy * mask).sum(),
+                    mismatch_sum=((torch.exp(d) - 1 - d) * mask).sum().detach(),
+                    mismatch_abs_sum=d.abs().sum().detach())
+        loss_sum = objective + router_losses(output, normaliser, self.aux_loss_coeff, self.z_loss_coeff, logs)
+        return loss_sum, normaliser, logs
+
+    def metrics(self, sums: dict[str, float]) -> dict[str, float]:
+        norm, tokens, rows = sums["num_tokens"], sums["completion_tokens"], sums["completions"]
+
+        def per(name: str, by: float) -> float:
+            return sums[name] / by if by else float("nan")
+
+        out = {"loss": per("pg_loss_sum", norm) if norm else 0.0, "tokens": tokens,
+               "completion_length": per("completion_tokens", rows), "entropy": per("entropy_sum", tokens),
+               "clip_fraction": per("clipped_sum", tokens), "mismatch_kl": per("mismatch_sum", tokens),
+               "mismatch_logp_abs": per("mismatch_abs_sum", tokens)}
+        if self.kl_coeff > 0:  # the reference is scored only when its KL is in the loss
+            out["kl_ref"] = per("kl_ref_sum", tokens)
+        if self.is_cap is not None:
+            out["is_weight"] = per("is_weight_sum", tokens)
+            out["is_capped_fraction"] = per("is_capped_sum", tokens)
+        for name, coeff in (("aux_loss", self.aux_loss_coeff), ("z_loss", self.z_loss_coeff)):
+            if coeff > 0:
+                out[name] = per(f"{name}_sum", norm)
+        return out
+
+
+__all__ = ["GRPOObjective", "group_advantages", "ADVANTAGE_EPS"]

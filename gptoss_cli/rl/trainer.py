@@ -1,0 +1,79 @@
+"""GRPO training: the Trainer (train/loop.py) with rollouts as its data.
+
+`RLTrainer` is the loop's Trainer with three differences: its data is `RolloutData` (rl/rollouts.py)
+instead of token files, its objective is GRPO (rl/objective.py, chosen by `build_objective`), and
+before the first step of each rollout batch it brings the engine up to date with the policy and
+samples (`train_step`). Everything else (schedule, gradient finalisation, optimizer, metrics.jsonl,
+checkpoints, resume) is the loop's own. A rollout batch is trained by rl.steps_per_rollout steps of
+training.global_batch_size completions each.
+
+Checkpoints fall on rollout boundaries (rule rl.checkpoints), where nothing of a rollout is pending;
+train_state.json's `rl` entry records the rollouts done (the prompt cursor, from which the sampling
+seeds derive), the engine's weights version and what must not change across a resume (prompts,
+reward, seed, group size).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from gptoss_cli.errors import ConfigError
+from gptoss_cli.rl.rollouts import RolloutData
+from gptoss_cli.train.loop import StepOutcome, Trainer
+from gptoss_cli.train.objective import StepContext
+from gptoss_cli.train.progress import RunWarning
+
+
+class RLTrainer(Trainer):
+    """The Trainer for objective.kind=grpo (see the module docstring)."""
+
+    def _build_data(self) -> RolloutData:  # called by Trainer.__init__ once the model is built
+        self.packing = None
+        return RolloutData(self.job, self.state, self.model, self.heartbeat)
+
+    def resume(self) -> None:
+        super().resume()
+        self.data.resumed(self.start_step, self.resumed_meta)
+
+    def train_step(self, step: int) -> StepOutcome:
+        rl = self.cfg.rl
+        k = step % rl.steps_per_rollout
+        if k == 0 or self.data.rollout is None:
+            self.heartbeat.progress(step + 1, "rollout")
+            # forward-only scoring through the plain schedule (the overlap schedule's plans are for training)
+            context = StepContext(step=step, model=self.model, state=self.state)
+            self.data.sample(step // rl.steps_per_rollout, version=step, context=context,
+                             beat=lambda: self.heartbeat.progress(step + 1, "rollout"))
+        self.data.step_in_rollout = k
+        t0 = time.perf_counter()
+        out = super().train_step(step)
+        out.metrics.update(self.data.step_metrics(k, train_seconds=time.perf_counter() - t0))
+        self._warn_mismatch(out)
+        return out
+
+    def _warn_mismatch(self, out: StepOutcome) -> None:
+        threshold = self.cfg.rl.rollout.mismatch_warn
+        value = out.metrics.get("mismatch_kl")
+        if self.emit and value is not None and value > threshold:
+            self.emit(RunWarning(step=out.step, message=(
+                f"mismatch_kl {value:.3g} per token (above rl.rollout.mismatch_warn={threshold:g}): the rollout "
+                f"engine's log-probabilities part from the trainer's; likely source: {self.data.mismatch_suspects()}")))
+        for line in self.data.take_warnings():
+            if self.emit:
+                self.emit(RunWarning(step=out.step, message=line))
+
+    def extra_train_state(self) -> dict[str, Any]:
+        return {"rl": self.data.state_dict()}
+
+    def close(self) -> None:
+        self.data.close()
+
+
+def check_objective(cfg: Any) -> None:
+    """A recipe whose objective the run cannot honour (rules catch these first)."""
+    if cfg.objective.kind == "grpo" and not cfg.rl.prompts:
+        raise ConfigError("objective.kind=grpo needs rl.prompts", hint="a JSONL file of conversations, or builtin:arithmetic")
+
+
+__all__ = ["RLTrainer", "check_objective"]
