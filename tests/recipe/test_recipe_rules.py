@@ -16,6 +16,8 @@ LORA = ["lora.rank=4", "lora.target_modules=[linear_qkv, linear_fc1]"]
 
 # rule id -> (overrides that trigger it, expected severity, overrides that keep it quiet).
 # The quiet case differs from the trigger only in what the rule is about.
+GRPO = ["objective.kind=grpo", "rl.prompts=builtin:arithmetic", "rl.tokenizer=TOK", "rl.max_new_tokens=8",
+        "rl.group_size=2"]
 CASES = {
     "field.range": (["training.micro_batch_size=0"], "error", ["training.micro_batch_size=1"]),
     "model.pattern_matches_architecture": (
@@ -122,6 +124,13 @@ CASES = {
     "lora.rank": ([*LORA, "lora.rank=65"], "error", [*LORA, "lora.rank=48"]),
     "lora.base": (LORA, "error", [*LORA, "checkpoint.pretrained=checkpoints/base"]),
     "lora.base_experts": (["lora.base_experts=mxfp4"], "error", [*LORA, "lora.base_experts=mxfp4"]),
+    "rl.inputs": (["objective.kind=grpo"], "error", [*GRPO]),
+    "rl.sampling": ([*GRPO, "rl.temperature=0"], "error", [*GRPO, "rl.temperature=0.7"]),
+    "rl.batch": ([*GRPO, "rl.group_size=5"], "error", [*GRPO]),
+    "rl.checkpoints": ([*GRPO, "rl.steps_per_rollout=2", "training.train_iters=3"], "error",
+                       [*GRPO, "rl.steps_per_rollout=2", "training.train_iters=4", "checkpoint.save_interval=2"]),
+    "rl.layout": ([*GRPO, "parallelism.pipeline_model_parallel_size=2", "parallelism.world_size=4"], "error",
+                  [*GRPO, "parallelism.world_size=4"]),
     "serve_check.engine": (["serve_check.engine=vllm", "checkpoint.dir=null", "checkpoint.save_interval=null"], "error",
                            ["serve_check.engine=vllm"]),
     "lora.combinations": ([*LORA, "parallelism.context_parallel_size=2", "parallelism.world_size=2"], "error",
@@ -144,7 +153,8 @@ CASES = {
 }
 # Tested with their own context below (the pattern, a torch version, what is implemented).
 SPECIAL = {"overlap.schedule_plan", "overlap.torch_version", "unsupported.fp8",
-           "data.documents_fit"}  # with a token file: tests/train/test_sft_training.py
+           "data.documents_fit",
+           "rl.engine"}  # at launch only: tests/rl/test_grpo_vllm.py and test_rl_engine_names_the_interpreter below  # with a token file: tests/train/test_sft_training.py
 
 
 def test_every_registered_rule_has_a_test_case():
@@ -418,3 +428,9 @@ def test_router_loss_scale_names_the_threshold_and_the_frozen_router():
     (f,) = run_rule("moe.router_loss_scale", ["moe.freeze_router=true", "moe.aux_loss_coeff=0", "moe.z_loss_coeff=1e-3"])
     assert f.fields["moe.freeze_router"] is True and "frozen" in f.message
     assert run_rule("moe.router_loss_scale", ["moe.freeze_router=true", "moe.aux_loss_coeff=0"]) == []
+
+
+def test_rl_engine_names_the_interpreter():
+    findings = run_rule("rl.engine", [*GRPO, "rl.rollout.engine=vllm", "rl.rollout.engine_python=/nonexistent/python",
+                                      "parallelism.expert_model_parallel_size=1"], check_paths=True)
+    assert findings and findings[0].rule == "rl.engine" and "/nonexistent/python" in findings[0].message

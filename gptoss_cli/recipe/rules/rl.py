@@ -110,8 +110,8 @@ def rl_checkpoints(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
 
 
 @rule("rl.layout", "what GRPO does not run with: lora.dropout (the ratio would compare two dropout masks), context "
-      "parallelism, validation on token files; the vllm engine with EP > 1, an MXFP4-stored LoRA base or fp16",
-      fix="lora.dropout=0, parallelism.context_parallel_size=1, validation.data=null; with rl.rollout.engine=vllm "
+      "or pipeline parallelism, validation on token files; the vllm engine with EP > 1, an MXFP4-stored LoRA base or fp16",
+      fix="lora.dropout=0, parallelism.context_parallel_size=1, pipeline_model_parallel_size=1, validation.data=null; with rl.rollout.engine=vllm "
           "expert_model_parallel_size=1, lora.base_experts=bf16 and fp32 or bf16 (or rl.rollout.engine=gptoss)")
 def rl_layout(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     if not _grpo(cfg):
@@ -125,6 +125,10 @@ def rl_layout(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
         out.append(error({"parallelism.context_parallel_size": cfg.parallelism.context_parallel_size},
                          "GRPO's rollouts and per-completion losses are not implemented under context parallelism",
                          "parallelism.context_parallel_size=1"))
+    if cfg.parallelism.pipeline_model_parallel_size > 1:
+        out.append(error({"parallelism.pipeline_model_parallel_size": cfg.parallelism.pipeline_model_parallel_size},
+                         "GRPO's rollouts decode with the whole model on each rank (the KV cache is not split "
+                         "into pipeline stages)", "parallelism.pipeline_model_parallel_size=1"))
     if cfg.validation.data:
         out.append(error({"validation.data": cfg.validation.data}, "validation scores token files with "
                          "cross-entropy; a GRPO run logs its rewards instead", "validation.data=null"))
