@@ -2,8 +2,9 @@
 
 - launching: launch.py (validate, lock the folders, start the workers), job.py (`TrainJob`, what a
   worker is handed), heartbeat.py (per-step heartbeats and the watchdog);
-- the loop: loop.py (`run_worker`, `Trainer`: build, resume, train_step, record, save), objective.py
-  (what a step computes from its batch: the training-objective seam), setup.py and provider.py (the
+- the loop: worker.py (`run_worker`; where the recipe's objective kind picks its objective and
+  Trainer), loop.py (`Trainer`: build, resume, train_step, record, save), objective.py (what a step
+  computes from its batch: the training-objective seam), setup.py and provider.py (the
   rank's model and optimizer), optimizer.py (distributed AdamW, the lr schedule), resume.py (what a
   resume must agree with);
 - its data: data.py (mock and token-file sources, packing, sharding by rank);

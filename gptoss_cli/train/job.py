@@ -30,7 +30,7 @@ class TrainJob:
     run_dir: str
     recipe: dict[str, Any] = field(default_factory=dict)  # the resolved recipe as plain data, for the run dir
     heartbeat_dir: str | None = None  # set by the local launcher, whose watchdog reads the beats
-    # What each step computes; None = the recipe's (train/objective.py, `build_objective`).
+    # What each step computes; None = the recipe's (`build_objective` in train/worker.py).
     objective: TrainingObjective | None = None
 
     def run_record(self, lora_base: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -1,7 +1,6 @@
-"""The training loop of one rank: `run_worker(job, progress)` and the `Trainer` it runs.
+"""The training loop of one rank: the `Trainer` that train/worker.py's `run_worker` runs.
 
-`run_worker` joins the process group (torchrun's environment, or a single process), starts the
-heartbeat and the loggers, and runs a `Trainer`, which is built in named steps as torchtitan's is:
+The `Trainer` is built in named steps as torchtitan's is:
 `Trainer(job, state)` builds the model, optimizer, data and schedule; `resume()` loads the latest
 checkpoint of `checkpoint.dir` (train/resume.py: refusing one whose lr schedule or data blend the
 recipe would change); `train_step(step)` runs one optimizer step through the selected schedule
@@ -20,7 +19,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
 import time
 from dataclasses import dataclass
@@ -34,7 +32,7 @@ from gptoss_cli import outputs
 from gptoss_cli.checkpoint.training_format import RUN_KEY, read_train_state
 from gptoss_cli.errors import ConfigError, TrainingError
 from gptoss_cli.model.pattern import MOE
-from gptoss_cli.parallel.state import ParallelState, barrier, destroy_parallel, init_parallel
+from gptoss_cli.parallel.state import ParallelState, barrier
 from gptoss_cli.recipe.environment import gpu_from_device_name
 from gptoss_cli.recipe.flops import model_flops_per_token, peak_tflops, recompute_flops_per_token, throughput
 from gptoss_cli.recipe.schema import RecipeConfig
@@ -44,9 +42,9 @@ from gptoss_cli.train.checkpointing import latest_checkpoint, load_checkpoint, p
 from gptoss_cli.train.data import DataLoaderState, build_source
 from gptoss_cli.train.heartbeat import Heartbeat
 from gptoss_cli.train.job import TrainJob
-from gptoss_cli.train.loggers import Loggers, open_loggers
+from gptoss_cli.train.loggers import Loggers
 from gptoss_cli.train.metrics import MetricsWriter
-from gptoss_cli.train.objective import StepContext, build_objective
+from gptoss_cli.train.objective import StepContext
 from gptoss_cli.train.optimizer import WarmupCosineLR
 from gptoss_cli.train.progress import (
     CheckpointSaved, StepDone, TrainFinished, TrainProgress, TrainResult, TrainStarted,
@@ -56,53 +54,6 @@ from gptoss_cli.train.resume import check_resume_base, check_resume_recipe, lora
 from gptoss_cli.train.setup import setup_model_and_optimizer
 from gptoss_cli.train.telemetry import StepTotals
 from gptoss_cli.train.validation import Validator
-
-
-def run_worker(job: TrainJob, progress: TrainProgress | None = None) -> TrainResult:
-    """Train on this process (rank from the torchrun environment, or a single process)."""
-    if os.environ.get("OMP_NUM_THREADS") is None and "LOCAL_WORLD_SIZE" in os.environ:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
-    owns_group = not dist.is_initialized()
-    cfg = job.config
-    rank = int(os.environ.get("RANK", "0"))
-    # Under torchrun (no launcher watchdog) each rank watches its own progress.
-    self_watch = job.heartbeat_dir is None and int(os.environ.get("WORLD_SIZE", "1")) > 1
-    heartbeat = Heartbeat(rank, cfg.system.heartbeat_timeout_s, job.heartbeat_dir, self_watch=self_watch).start()
-    try:
-        # Under torchrun a peer that never starts would hold this rank in the rendezvous for 10 minutes.
-        state = init_parallel(cfg.parallelism.expert_model_parallel_size, cfg.system.device, cfg.parallelism.backend,
-                              join_timeout_s=cfg.system.heartbeat_timeout_s if self_watch else None,
-                              cp_size=cfg.parallelism.context_parallel_size,
-                              pp_size=cfg.parallelism.pipeline_model_parallel_size)
-        # glibc's allocator stays at its defaults here: keeping freed memory in the heap (resources.py)
-        # fragments it under a training step's mix of sizes, and a worker grew without bound.
-        try:
-            # TensorBoard / W&B on rank 0 (train/loggers.py); their packages were checked before launch.
-            loggers = open_loggers(cfg.logging, Path(job.run_dir), job.name, job.recipe) if state.rank == 0 else None
-            try:
-                trainer = trainer_class(cfg)(job, state, progress=progress, heartbeat=heartbeat, loggers=loggers)
-                try:
-                    trainer.resume()
-                    return trainer.train()
-                finally:
-                    trainer.close()
-            finally:
-                if loggers is not None:
-                    loggers.close()
-        finally:
-            if owns_group:
-                destroy_parallel()
-    finally:
-        heartbeat.stop()
-
-
-def trainer_class(cfg: RecipeConfig) -> type["Trainer"]:
-    """The Trainer of the recipe's objective: GRPO's samples its own data (gptoss_cli/rl/trainer.py)."""
-    if cfg.objective.kind == "grpo":
-        from gptoss_cli.rl.trainer import RLTrainer  # noqa: PLC0415 - rl/ builds on this module
-
-        return RLTrainer
-    return Trainer
 
 
 def run_peak_tflops(cfg: RecipeConfig, device: torch.device) -> float | None:
@@ -159,7 +110,9 @@ class Trainer:
         self.lr_schedule = WarmupCosineLR.from_training(t)
         self.data = self._build_data()
         self.validator = Validator(cfg, state, job.arch.vocab_size) if cfg.validation.data else None
-        self.objective = job.objective or build_objective(cfg)
+        if job.objective is None:
+            raise ValueError("TrainJob.objective is None: train/worker.py's build_objective chooses the recipe's")
+        self.objective = job.objective
         self.schedule = get_forward_backward_func(self.model_config)
         # every MoE layer of the model, also those other pipeline stages hold
         self.totals = StepTotals([j for j, s in enumerate(self.model.module.pattern.layers) if s == MOE],
@@ -376,4 +329,4 @@ class Trainer:
 
 STEP_FIELDS = {f for f in StepDone.__dataclass_fields__ if f != "step"}
 
-__all__ = ["Trainer", "StepOutcome", "run_worker", "run_peak_tflops", "trainer_class"]
+__all__ = ["Trainer", "StepOutcome", "run_peak_tflops"]

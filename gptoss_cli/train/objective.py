@@ -26,7 +26,7 @@ like the loss itself. `prepare_step` sees the step's microbatches before the sch
 objective that needs the current or a reference policy's log-probabilities of the batch gets them;
 per-position inputs such as advantages or those log-probabilities ride on `Microbatch.extras`.
 
-`build_objective(config)` is the one place an objective is chosen from the recipe; a `TrainJob`
+`build_objective(config)` (train/worker.py) is the one place an objective is chosen from the recipe; a `TrainJob`
 may carry its own instead (`TrainJob.objective`), which is how a new objective is run without
 touching the loop. Objectives travel to spawned workers inside the job: plain, picklable objects.
 """
@@ -157,21 +157,6 @@ def forward_step(data_iterator: Iterator[Microbatch], model: torch.nn.Module,
     return objective.forward_step(data_iterator, model, return_schedule_plan)
 
 
-def build_objective(config: Any) -> TrainingObjective:
-    """The objective a recipe (`RecipeConfig`) trains with (`objective.kind`): next-token cross-entropy, or
-    GRPO (gptoss_cli/rl/objective.py) on the rollouts its Trainer samples; a new objective adds its
-    recipe switch here."""
-    if config.objective.kind == "grpo":
-        from gptoss_cli.rl.objective import GRPOObjective  # noqa: PLC0415 - rl/ builds on this module
-
-        rl = config.rl
-        return GRPOObjective(loss_type=rl.loss, clip_low=rl.clip_low, clip_high=rl.clip_high, kl_coeff=rl.kl_coeff,
-                             kl_unbiased=rl.kl_unbiased, temperature=rl.temperature, max_new_tokens=rl.max_new_tokens,
-                             is_cap=None if rl.rollout.engine == "gptoss" else rl.rollout.is_cap,
-                             aux_loss_coeff=config.moe.aux_loss_coeff, z_loss_coeff=config.moe.z_loss_coeff)
-    return CrossEntropyObjective(config.moe.aux_loss_coeff, config.moe.z_loss_coeff)
-
-
 def token_log_probs(output: Any, labels: torch.Tensor, chunk_tokens: int | None = None) -> torch.Tensor:
     """log p(label) of every position of a model output, [*labels.shape] fp32, 0 where the label is
     IGNORE_INDEX; differentiable. Computed `chunk_tokens` positions at a time from the final hidden
@@ -202,5 +187,5 @@ def _chunk_log_probs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.T
     return -F.cross_entropy(F.linear(hidden, weight).float(), labels, reduction="none")
 
 
-__all__ = ["TrainingObjective", "CrossEntropyObjective", "StepContext", "build_objective", "forward_step",
+__all__ = ["TrainingObjective", "CrossEntropyObjective", "StepContext", "forward_step",
            "router_losses", "token_log_probs"]

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from gptoss_cli.model.loss import IGNORE_INDEX, HybridOutput
-from gptoss_cli.train.loop import run_worker
+from gptoss_cli.train.worker import run_worker
 from gptoss_cli.train.objective import CrossEntropyObjective, TrainingObjective, forward_step, router_losses, token_log_probs
 from tests.tolerances import U_FP32, reassociation_rel
 from tests.train.workers import TINY, tiny_plan
@@ -105,7 +105,7 @@ def test_an_objective_of_ones_own_runs_in_the_loop_and_adds_its_metrics(tmp_path
 
 
 def test_the_default_objective_is_the_recipes_cross_entropy(tmp_path):
-    from gptoss_cli.train.objective import build_objective
+    from gptoss_cli.train.worker import build_objective
 
     plan = tiny_plan(str(tmp_path), aux_loss_coeff=0.01)
     objective = build_objective(plan.config)

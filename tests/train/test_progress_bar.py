@@ -35,7 +35,7 @@ def test_the_loop_emits_typed_events_that_carry_the_metrics_line_and_pickle(tmp_
     import pickle
     from dataclasses import asdict, fields
 
-    from gptoss_cli.train.loop import run_worker
+    from gptoss_cli.train.worker import run_worker
     from gptoss_cli.train.progress import CheckpointSaved, TrainFinished
     from tests.train.workers import tiny_plan
 

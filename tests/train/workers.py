@@ -228,7 +228,7 @@ def tiny_plan(run_dir: str, **changes: Any):
 
 def run_plan_worker(rank: int, plan: Any) -> dict[str, Any]:
     """run_worker on an already-initialised group; the result and this rank's model tensors."""
-    from gptoss_cli.train.loop import run_worker
+    from gptoss_cli.train.worker import run_worker
 
     result = run_worker(plan)
     return {"losses": result.losses, "result": result}
