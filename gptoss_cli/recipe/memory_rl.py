@@ -1,0 +1,72 @@
+"""GRPO's items in the per-GPU memory estimate (recipe/memory.py): the rollout's KV cache and a vLLM engine
+sharing the training GPUs.
+
+- The gptoss engine decodes with `generate`'s preallocated cache (gptoss_cli/model/kv_cache.py): per
+  attention layer, keys and values [rows, kv_heads, slots, head_dim] in the parameters' dtype, where
+  rows = rl.rollout.batch_size (at most the rank's completions of a rollout, training.global_batch_size x
+  rl.steps_per_rollout / data-parallel size; all of them when null) and slots = the columns of a row
+  (the longest prompt + rl.max_new_tokens, at most training.seq_length, which the estimate takes) on a
+  full-attention layer, min(window, columns) on a sliding-window layer (a ring of the last W columns).
+  The rollout runs before the step's forward, but the allocator keeps the cache's blocks for the
+  activations that follow, so the estimate adds it to them (an upper bound when they reuse the blocks).
+- The vLLM engine on the training GPUs (rl.rollout.gpu_memory_utilization > 0) takes that share of each
+  GPU's memory (vLLM's own setting: weights, its KV cache and activations inside it); it is counted
+  when the GPU's capacity is known. Rollouts then decode in the engine, so there is no gptoss cache.
+
+Pure Python, like the rest of the estimate.
+"""
+
+from __future__ import annotations
+
+from gptoss_cli.model.config import GptOssArch
+from gptoss_cli.model.pattern import ATTENTION, HybridPattern
+
+
+def attention_windows(arch: GptOssArch, pattern: HybridPattern) -> list[int | None]:
+    """The sliding window of each attention layer of `pattern` in order (None: full attention); the k-th
+    attention layer is HF block k (as model/hybrid.py's `layer_windows` numbers them)."""
+    count = sum(1 for symbol in pattern.layers if symbol == ATTENTION)
+    return [arch.sliding_window if arch.is_sliding(block) else None for block in range(count)]
+
+
+def kv_cache_bytes(arch: GptOssArch, pattern: HybridPattern, rows: int, columns: int, dtype_bytes: int) -> int:
+    """Bytes of the keys and values of a KVCache of `rows` x `columns` on every attention layer of `pattern`."""
+    per_slot = 2 * rows * arch.num_key_value_heads * arch.head_dim * dtype_bytes
+    return sum(per_slot * (columns if w is None or w >= columns else w) for w in attention_windows(arch, pattern))
+
+
+def rollout_rows(cfg, dp: int) -> int:
+    """Completions one rank decodes at once: rl.rollout.batch_size, at most the rank's share of a rollout."""
+    per_rank = max(1, cfg.training.global_batch_size * cfg.rl.steps_per_rollout // max(dp, 1))
+    size = cfg.rl.rollout.batch_size
+    return min(size, per_rank) if size else per_rank
+
+
+def rl_items(cfg, arch: GptOssArch, pattern: HybridPattern, dp: int, b: int, capacity_bytes: float | None,
+             item_type, notes: list[str]) -> list:
+    """The GRPO items (`item_type` is memory.MemoryItem) of one rank; [] unless objective.kind=grpo."""
+    if cfg.objective.kind != "grpo":
+        return []
+    rollout = cfg.rl.rollout
+    if rollout.engine == "vllm":
+        share = rollout.gpu_memory_utilization
+        if share <= 0:
+            return []
+        if capacity_bytes is None:
+            notes.append(f"the vLLM engine's share (rl.rollout.gpu_memory_utilization={share}) is not counted: "
+                         "the GPU is unknown (set system.gpu)")
+            return []
+        return [item_type("rl.engine", "vLLM engine on the same GPU", share * capacity_bytes,
+                          f"{share} x {capacity_bytes / 1e9:.0f} GB",
+                          "rl.rollout.gpu_memory_utilization (or run the engine on other GPUs: 0)")]
+    rows, columns = rollout_rows(cfg, dp), cfg.training.seq_length
+    windows = attention_windows(arch, pattern)
+    sliding = sum(1 for w in windows if w is not None and w < columns)
+    kv = kv_cache_bytes(arch, pattern, rows, columns, b)
+    return [item_type("rl.kv_cache", "rollout KV cache (gptoss engine)", kv,
+                      f"2 x {rows} rows x {arch.num_key_value_heads} kv heads x {arch.head_dim} x {b} B x "
+                      f"({len(windows) - sliding} full layers x {columns} + {sliding} sliding x "
+                      f"{arch.sliding_window})", "rl.rollout.batch_size; training.seq_length; rl.max_new_tokens")]
+
+
+__all__ = ["attention_windows", "kv_cache_bytes", "rollout_rows", "rl_items"]
