@@ -2,7 +2,7 @@
 
 A run's metrics.jsonl (written by train/metrics.py) holds one line per rank and step; the step's global values
 (loss, lr, grad norm, tokens/s, i23's mfu when present, the validation loss at the steps it ran,
-the router telemetry) are on rank 0's line. A resumed run appends again from its checkpoint's step: the later line of a (step, rank)
+the router telemetry, a GRPO run's reward and trainer/engine mismatch) are on rank 0's line. A resumed run appends again from its checkpoint's step: the later line of a (step, rank)
 wins. A run killed while rank 0 wrote a line leaves that last line torn (no newline at its end):
 it is dropped with a note naming the file and line, and the rest is summarised. Any other line
 that is not a JSON record, or whose fields the summary reads have the wrong shape (a list where a
@@ -21,10 +21,12 @@ from gptoss_cli.errors import UsageError, file_system_error, require_extra
 from gptoss_cli.json_input import parse_json
 
 METRICS = "metrics.jsonl"
-# Per-step curves drawn when the records carry them (mfu / tflops_per_gpu come from i23's FLOPs accounting).
+# Per-step curves drawn when the records carry them (mfu / tflops_per_gpu come from i23's FLOPs accounting;
+# reward_mean and mismatch_kl from a GRPO run, docs/rl.md).
 CURVES = (("loss", "loss"), ("lr", "learning rate"), ("grad_norm", "gradient norm"),
           ("tokens_per_s", "tokens/s"), ("mfu", "MFU"), ("tflops_per_gpu", "TFLOP/s per GPU"),
-          ("aux_loss", "aux loss"), ("z_loss", "router z-loss"), ("val_loss", "validation loss"))
+          ("aux_loss", "aux loss"), ("z_loss", "router z-loss"), ("val_loss", "validation loss"),
+          ("reward_mean", "mean reward"), ("mismatch_kl", "mismatch KL (engine || trainer)"))
 
 
 @dataclass

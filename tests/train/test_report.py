@@ -191,3 +191,21 @@ def test_line_plots_keep_the_step_axis_label_inside_the_image():
         box = label.get_window_extent(renderer)
         assert box.x0 >= image.x0 and box.y0 >= image.y0 and box.x1 <= image.x1 and box.y1 <= image.y1, box
     plt.close(fig)
+
+
+def test_a_grpo_run_gets_reward_and_mismatch_plots(tmp_path):
+    """A real 1-step GRPO run (tests/rl/helpers.py, 4 completions of 4 tokens): its reward_mean and mismatch_kl are plotted and summarised."""
+    from gptoss_cli.train.worker import run_worker
+    from tests.rl.helpers import grpo_job
+
+    job = grpo_job(tmp_path, train_iters=1, group_size=4, global_batch_size=4, micro_batch_size=4,
+                   max_new_tokens=4)
+    run_worker(job)
+    out = tmp_path / "plots"
+    result = CliRunner().invoke(app, ["report", str(job.run_dir), "--out", str(out), "--json", str(tmp_path / "s.json")])
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in (Path(job.run_dir) / "metrics.jsonl").read_text().splitlines()]
+    summary = json.loads((tmp_path / "s.json").read_text())
+    for key in ("reward_mean", "mismatch_kl"):
+        assert summary["curves"][key]["last"] == rows[-1][key]
+        _not_blank(out / f"{key}.png")
