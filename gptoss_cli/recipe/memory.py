@@ -38,7 +38,7 @@ Pure Python: validation must not need torch. The layout is gptoss train's (PP x 
   every rank's.
 
 - GRPO (objective.kind=grpo, recipe/memory_rl.py): the rollout's KV cache with the gptoss engine, the
-  vLLM engine's share of the GPU when it runs on the training GPUs.
+  vLLM engine's share of the GPU when it runs on the training GPUs, the KL reference of full fine-tuning.
 
 Not included: the CUDA context, NCCL and allocator slack; the 90% warning leaves room for them.
 """
@@ -413,7 +413,8 @@ def _rank_estimate(cfg: RecipeConfig, arch: GptOssArch, pattern: HybridPattern, 
         notes.append(f"activation recompute ({what}) is modelled")
     gpu = gpu or cfg.system.gpu
     cap = GPU_MEMORY_GB.get(gpu)
-    items += rl_items(cfg, arch, pattern, dp, b, cap * GB if cap else None, MemoryItem, notes)
+    items += rl_items(cfg, arch, pattern, dp, b, cap * GB if cap else None, MemoryItem, notes,
+                      rank_params=sum(p.numel for p in frozen_layout))
     return MemoryEstimate(items=items, world_size=world_size, ep_size=ep, dp_size=dp, expert_dp_size=edp,
                           tokens_per_microbatch=t, buckets={"dense": dense_buckets, "expert": expert_buckets},
                           gpu=gpu, capacity_bytes=cap * GB if cap else None, notes=notes,

@@ -12,6 +12,9 @@ sharing the training GPUs.
 - The vLLM engine on the training GPUs (rl.rollout.gpu_memory_utilization > 0) takes that share of each
   GPU's memory (vLLM's own setting: weights, its KV cache and activations inside it); it is counted
   when the GPU's capacity is known. Rollouts then decode in the engine, so there is no gptoss cache.
+- The KL term's reference (rl.kl_coeff > 0) under full fine-tuning is a second, frozen model
+  (rl/reference.py): the rank's parameters once more in the parameters' dtype. Under LoRA it is the base
+  with the adapters off, which costs nothing.
 
 Pure Python, like the rest of the estimate.
 """
@@ -43,10 +46,24 @@ def rollout_rows(cfg, dp: int) -> int:
 
 
 def rl_items(cfg, arch: GptOssArch, pattern: HybridPattern, dp: int, b: int, capacity_bytes: float | None,
-             item_type, notes: list[str]) -> list:
-    """The GRPO items (`item_type` is memory.MemoryItem) of one rank; [] unless objective.kind=grpo."""
+             item_type, notes: list[str], rank_params: int = 0) -> list:
+    """The GRPO items (`item_type` is memory.MemoryItem) of one rank holding `rank_params` model parameters;
+    [] unless objective.kind=grpo."""
     if cfg.objective.kind != "grpo":
         return []
+    return _reference_items(cfg, b, rank_params, item_type) + _rollout_items(cfg, arch, pattern, dp, b,
+                                                                             capacity_bytes, item_type, notes)
+
+
+def _reference_items(cfg, b: int, rank_params: int, item_type) -> list:
+    if cfg.rl.kl_coeff <= 0 or cfg.lora.rank > 0:
+        return []
+    return [item_type("rl.reference", "KL reference model (frozen copy)", b * rank_params, f"{b} B x {rank_params:,}",
+                      "rl.kl_coeff=0, or LoRA (the reference is then the base with the adapters off)")]
+
+
+def _rollout_items(cfg, arch: GptOssArch, pattern: HybridPattern, dp: int, b: int, capacity_bytes: float | None,
+                   item_type, notes: list[str]) -> list:
     rollout = cfg.rl.rollout
     if rollout.engine == "vllm":
         share = rollout.gpu_memory_utilization

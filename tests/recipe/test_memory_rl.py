@@ -63,3 +63,14 @@ def test_vllm_on_the_training_gpu_counts_its_share_and_no_gptoss_cache():
 def test_cross_entropy_recipes_have_no_rl_items():
     _, est = _estimate("gpt_oss_20b_lora")
     assert not [it for it in est.items if it.key.startswith("rl.")]
+
+
+def test_the_kl_reference_is_a_second_model_under_full_fine_tuning_and_free_under_lora():
+    cfg, off = _estimate("tiny_cpu_grpo")
+    _, full = _estimate("tiny_cpu_grpo", ["rl.kl_coeff=0.1"])
+    arch = preset("tiny")
+    params = sum(p.numel() for p in HybridModel(arch, device="meta").parameters())
+    assert off.bytes_of("rl.reference") == 0 and full.bytes_of("rl.reference") == 4 * params  # fp32
+    assert full.total_bytes - off.total_bytes == 4 * params
+    _, lora = _estimate("gpt_oss_20b_grpo_lora", ["rl.kl_coeff=0.1"])
+    assert lora.bytes_of("rl.reference") == 0
