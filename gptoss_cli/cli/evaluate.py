@@ -42,7 +42,8 @@ def eval_cmd(
     data: str = typer.Option(..., "--data", help="token file prefix (from `gptoss prepare-data`)"),
     seq_length: Optional[int] = typer.Option(
         None, "--seq-length", min=1, max=1 << 24,
-        help="row length: training.seq_length (default: 4096, or the longest document if longer)"),
+        help="row length: training.seq_length (default: 4096, or the longest document if longer; at most the "
+             "model's max_position_embeddings and what the data can fill)"),
     dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16"),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda"),
     micro_batch_size: int = typer.Option(1, "--micro-batch-size", min=1, max=1 << 16, help="rows per forward pass"),

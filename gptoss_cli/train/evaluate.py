@@ -71,6 +71,27 @@ def default_seq_length(data: str | Path) -> int:
     return max(DEFAULT_SEQ_LENGTH, longest)
 
 
+def check_seq_length(seq: int, max_positions: int, data: str | Path, header: dict[str, Any]) -> None:
+    """Refuse an explicit `--seq-length` longer than the model's positions or than the data can fill: a
+    version-1 file needs one window of seq+1 tokens; a version-2 file's rows hold whole documents, so a
+    row longer than the default (4096, or the longest document) and than all its tokens is padding only
+    (which grew, row after row, until the process was killed for memory)."""
+    if seq > max_positions:
+        raise ConfigError(f"--seq-length {seq} is longer than the checkpoint's max_position_embeddings {max_positions}",
+                          hint=f"use at most {max_positions}")
+    tokens = int(header.get("num_tokens") or 0)
+    if not has_documents(header):
+        if seq + 1 > tokens:
+            raise ConfigError(f"--seq-length {seq} needs windows of {seq + 1} tokens, but {data} holds only "
+                              f"a window of {tokens} tokens", hint=f"use at most {max(1, tokens - 1)}")
+        return
+    most = max(default_seq_length(data), tokens)
+    if seq > most:
+        raise ConfigError(f"--seq-length {seq} is longer than {data} can fill: its {tokens} tokens need no row "
+                          f"longer than the default, and a row of {most} holds them all",
+                          hint=f"use at most {most}")
+
+
 def _score_rows(model: Any, source: Any, js: list[int], packed: bool, device: torch.device) -> list[dict[str, Any]]:
     """One forward pass over rows `js`: per document of a packed row (or per window) its index, tokens,
     trained tokens and summed loss."""
@@ -125,6 +146,8 @@ def evaluate(checkpoint: str | Path, data: str | Path, *, seq_length: int | None
     arch, _ = checkpoint_architecture(checkpoint)
     header = read_token_header(data)
     packed = has_documents(header)
+    if seq_length is not None:
+        check_seq_length(seq_length, arch.max_position_embeddings, data, header)
     seq = seq_length if seq_length is not None else default_seq_length(data)
     if packed:
         source: Any = PackedDocumentSource(data, seq, seed=0, vocab_size=arch.vocab_size)
@@ -177,4 +200,4 @@ def evaluate(checkpoint: str | Path, data: str | Path, *, seq_length: int | None
     )
 
 
-__all__ = ["EvalResult", "evaluate", "default_seq_length", "DEFAULT_SEQ_LENGTH"]
+__all__ = ["EvalResult", "evaluate", "default_seq_length", "check_seq_length", "DEFAULT_SEQ_LENGTH"]

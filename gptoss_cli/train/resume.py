@@ -7,6 +7,9 @@
   refused with one line naming the field and both values, unless checkpoint.override_lr_schedule
   says to continue with the recipe's schedule (Megatron refuses the mismatch too, and has
   `--override-opt_param-scheduler` for the same purpose).
+- A LoRA run's adapters (`check_resume_lora`): another lora.target_modules (the new `latest` would
+  silently drop the other adapters), rank or alpha (another scaling of the same tensors) than the
+  checkpoint's run record is refused with one line naming the field and both values.
 """
 
 from __future__ import annotations
@@ -82,12 +85,35 @@ def check_resume_schedule(folder: Path, saved: dict[str, Any] | None, current: A
                  "this recipe's schedule")
 
 
+def check_resume_lora(folder: Path, saved: Any, cfg: RecipeConfig) -> None:
+    """Refuse a LoRA resume whose lora.target_modules, rank or alpha differ from the checkpoint's run
+    record `saved` (its `run.lora`). A full fine-tune on either side is check_resume_base's to refuse."""
+    lo = cfg.lora
+    if not isinstance(saved, dict) or lo.rank == 0:
+        return
+    fields = [("target_modules", list(lo.target_modules), saved.get("target_modules")),
+              ("rank", lo.rank, saved.get("rank")), ("alpha", float(lo.alpha), saved.get("alpha"))]
+    for name, mine, theirs in fields:
+        if theirs is None:
+            continue
+        # the order of the targets is only the order they are listed in
+        same = (sorted(mine) == sorted(map(str, theirs)) if isinstance(theirs, list) and name == "target_modules"
+                else _same(mine, theirs))
+        if not same:
+            raise ConfigError(
+                f"{folder}: resuming would change the LoRA adapters: lora.{name}={mine}, the checkpoint's "
+                f"lora.{name} is {theirs}",
+                hint=f"resume with the checkpoint's lora.{name}, or start in a new checkpoint.dir")
+
+
 def check_resume_recipe(folder: Path, saved: dict[str, Any], cfg: RecipeConfig) -> None:
-    """What the recipe may not change in a resume from `folder` (its train_state.json `saved`): the lr
-    schedule, and the data blend (train/blend.py)."""
+    """What the recipe may not change in a resume from `folder` (its train_state.json `saved`): the LoRA
+    settings, the lr schedule, and the data blend (train/blend.py)."""
     from gptoss_cli.train.blend import check_same_blend  # noqa: PLC0415
     from gptoss_cli.train.optimizer import WarmupCosineLR  # noqa: PLC0415
 
+    run = saved.get(RUN_KEY)
+    check_resume_lora(folder, run.get("lora") if isinstance(run, dict) else None, cfg)
     check_resume_schedule(folder, saved.get("lr_schedule"), WarmupCosineLR.from_training(cfg.training), cfg,
                           int(saved.get("step", 0)))
     blend = saved.get("blend")
@@ -118,4 +144,4 @@ def _recipe_value(cfg: RecipeConfig, dotted: str) -> Any:
     return getattr(getattr(cfg, section), name)
 
 
-__all__ = ["lora_base", "check_resume_base", "check_resume_schedule", "check_resume_recipe", "check_resume_point"]
+__all__ = ["lora_base", "check_resume_base", "check_resume_lora", "check_resume_schedule", "check_resume_recipe", "check_resume_point"]

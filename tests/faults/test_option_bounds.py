@@ -114,3 +114,41 @@ def test_help_is_still_help():
         result = runner.invoke(app, argv)
         assert result.exit_code == code and "Usage:" in result.output and "error:" not in result.output, result.output
     assert "prepare-data" in runner.invoke(app, []).output
+
+
+@pytest.fixture(scope="module")
+def tiny_hf(tmp_path_factory):
+    from tests.model.tiny_checkpoints import write_hf_checkpoint
+
+    return write_hf_checkpoint(tmp_path_factory.mktemp("eval-ckpt") / "hf", "bf16", 0)
+
+
+@pytest.mark.parametrize("kind", ["documents", "windows"])
+def test_eval_seq_length_is_bounded_by_the_model_and_the_data(tiny_hf, tmp_path, kind):
+    """`eval --seq-length` within Typer's range but past what the checkpoint or the data can use (rows that
+    are padding, which grew until the process was OOM-killed): one line naming the option, exit 2, before
+    the model is built. The largest row the data can use still runs."""
+    import numpy as np
+
+    from gptoss_cli.data.token_format import token_file_paths, write_atomically, write_token_header
+    from tests.train.sft_files import sft_documents, write_sft_file
+
+    hf = tiny_hf
+    if kind == "documents":
+        docs, masks = sft_documents([6, 29, 11], 1003, seed=5)
+        data = write_sft_file(tmp_path / "val", docs, masks, 1003)
+        data_bound = "a row of 4096 holds them all"
+    else:
+        data = tmp_path / "plain"
+        bin_path, json_path = token_file_paths(data)
+        write_atomically(bin_path, np.arange(53, dtype=np.uint16))
+        write_token_header(json_path, dtype="uint16", num_tokens=53, num_documents=1, vocab_size=1003,
+                           eos_token_id=None, tokenizer=None, sources=["test"])
+        data_bound = "a window of 53 tokens"
+    for value, needle in ((131073, "max_position_embeddings 131072"), (100000, data_bound)):
+        result = runner.invoke(app, ["eval", str(hf), "--data", str(data), "--seq-length", str(value)])
+        lines = [line for line in result.output.splitlines() if line.strip()]
+        assert result.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: "), result.output
+        assert f"--seq-length {value}" in lines[0] and needle in lines[0], result.output
+    ok = 4096 if kind == "documents" else 52
+    assert runner.invoke(app, ["eval", str(hf), "--data", str(data), "--seq-length", str(ok)]).exit_code == 0

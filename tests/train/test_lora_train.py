@@ -404,3 +404,71 @@ def test_lora_qat_on_an_mxfp4_stored_base_exports_the_rounded_merge_of_the_decod
         theirs, got = reference(ids).logits, ours(ids).logits
     rel = reassociation_rel(max(arch.hidden_size, arch.intermediate_size), depth=4 * arch.num_hidden_layers)
     assert (got - theirs).abs().max().item() <= rel * theirs.abs().max().item()
+
+
+@pytest.mark.parametrize("change,field,ours,theirs", [
+    (dict(lora_targets=["linear_qkv", "linear_proj"]), "lora.target_modules", "['linear_qkv', 'linear_proj']", str(ALL)),
+    (dict(lora_alpha=16.0), "lora.alpha", "16.0", "8.0"),
+    (dict(lora_rank=8), "lora.rank", "8", "4"),
+])
+def test_resume_with_other_lora_settings_is_refused_in_one_line(base, trained, tmp_path, change, field, ours, theirs):
+    """A resume whose recipe adapts other modules (its `latest` would silently lose the other adapters), or
+    scales them differently (another alpha or rank), is refused before any worker starts (train's
+    pre-launch check) and by the worker, in one line naming the field and both values; nothing is written."""
+    import shutil
+
+    from gptoss_cli.errors import ConfigError
+    from gptoss_cli.train.resume import check_resume_point
+
+    _, hybrid, arch = base
+    run, _ = trained
+    shutil.copytree(run / "ckpt", tmp_path / "ckpt")
+    job = _job(tmp_path, hybrid, arch, iters=4, **change)
+    with pytest.raises(ConfigError) as err:
+        check_resume_point(job.config)
+    message = str(err.value)
+    assert len(message.splitlines()) == 1 and err.value.exit_code == 2, message
+    assert f"{field}={ours}" in message and f"the checkpoint's {field} is {theirs}" in message, message
+    if field == "lora.target_modules":  # the worker refuses it too, before loading anything
+        with pytest.raises(ConfigError, match=r"lora\.target_modules"):
+            run_worker(job)
+        assert (tmp_path / "ckpt" / "latest").read_text().strip() == "iter_0000003"
+
+
+def _edit_record(ckpt: Path, **lora) -> None:
+    """Set fields of the run's LoRA record in the latest checkpoint's train_state.json."""
+    path = latest_checkpoint(ckpt) / TRAIN_STATE
+    state = json.loads(path.read_text())
+    state["run"]["lora"].update(lora)
+    path.write_text(json.dumps(state))
+
+
+@pytest.mark.parametrize("lora,words", [
+    (dict(rank=8), ["decoder.layers.0.self_attention.linear_proj.adapter.linear_in.weight", "rank 4",
+                    "run.lora.rank is 8"]),
+    (dict(target_modules=["linear_qkv", "linear_proj", "linear_fc1"]),
+     ["decoder.layers.1.mlp.experts.linear_fc2.adapter.linear_in.weight0", "linear_fc2", "run.lora.target_modules"]),
+])
+def test_export_refuses_a_lora_record_the_adapter_tensors_contradict(base, trained, tmp_path, lora, words):
+    """The adapter tensors are the truth: a record with another rank (a merge scaled by alpha/8 instead of
+    alpha/4, a PEFT config saying r=8) or fewer targets than there are adapters (a PEFT export missing
+    them) is refused by every export in one line naming the tensor, nothing written."""
+    import shutil
+
+    run, _ = trained
+    shutil.copytree(run / "ckpt", tmp_path / "ckpt")
+    _edit_record(tmp_path / "ckpt", **lora)
+    for to in ("peft", "hf"):
+        result, output = run_convert(tmp_path / "ckpt", tmp_path / f"out-{to}", "--to", to)
+        assert result.exit_code == 2, output
+        assert_clean_failure(result, output, *words, dst=tmp_path / f"out-{to}")
+
+
+def test_export_refuses_a_lora_target_without_its_adapter_tensors(base, tmp_path):
+    """A record naming a target whose adapters are not in the checkpoint is refused, naming the missing tensor."""
+    _, hybrid, arch = base
+    run_worker(_job(tmp_path, hybrid, arch, iters=1, lora_targets=["linear_qkv"]))
+    _edit_record(tmp_path / "ckpt", target_modules=["linear_qkv", "linear_proj"])
+    result, output = run_convert(tmp_path / "ckpt", tmp_path / "out", "--to", "peft")
+    assert_clean_failure(result, output, "decoder.layers.0.self_attention.linear_proj.adapter.linear_in.weight",
+                         "not in the checkpoint", dst=tmp_path / "out")

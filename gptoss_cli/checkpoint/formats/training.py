@@ -52,6 +52,13 @@ def open_training(src: str, root: Path, revision: str | None, options: OpenOptio
     # Tokenizer files come from the weights the run started from, when that folder is still there.
     extras = Path(run.pretrained) if run.pretrained and Path(run.pretrained).is_dir() else folder
     if run.lora is not None:
+        from gptoss_cli.checkpoint.lora_record import check_lora_record  # noqa: PLC0415 (imports torch)
+
+        try:  # the adapter tensors are the truth: the record must agree with them
+            check_lora_record(run.lora, reader, run.arch, run.hybrid_layer_pattern, folder)
+        except BaseException:
+            reader.close()
+            raise
         # A LoRA run's state is its adapters, merged into the base as the forward computed: the base's
         # experts rounded when it kept them in MXFP4 (lora.base_experts=mxfp4), and under QAT the merged
         # expert weights (base + adapters) rounded.
