@@ -15,6 +15,8 @@ Then, on the same engine:
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -34,6 +36,7 @@ def trainer(tmp_path_factory):
     from gptoss_cli.checkpoint.convert import convert
     from gptoss_cli.checkpoint.load import checkpoint_architecture
     from gptoss_cli.rl.trainer import RLTrainer
+    from gptoss_cli.train.worker import build_objective
 
     python = engine_python()
     root = tmp_path_factory.mktemp("grpo-vllm")
@@ -41,6 +44,7 @@ def trainer(tmp_path_factory):
     arch, _ = checkpoint_architecture(root / "hybrid")
     job = grpo_job(root, arch=arch, pretrained=str(root / "hybrid"), rollout_engine="vllm", engine_python=python,
                    train_iters=2, is_cap=IS_CAP, lr=1e-2)
+    job = dataclasses.replace(job, objective=build_objective(job.config))  # what run_worker does
     state = init_parallel(1, "cpu")
     t = RLTrainer(job, state)
     try:
