@@ -96,6 +96,16 @@ class JsonlLine:
     value: Any = None
 
 
+def strict_utf8(path: Path | str, error: Callable[[str], Exception] = UsageError) -> Callable[[bytes, int, int], str]:
+    """A `decode` for jsonl_lines that refuses bytes that are not UTF-8 as error("PATH:LINE: invalid UTF-8 (why)")."""
+    def decode(raw: bytes, number: int, offset: int) -> str:
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise error(f"{path}:{number}: invalid UTF-8 ({exc.reason})") from None
+    return decode
+
+
 def jsonl_lines(path: Path, decode: Callable[[bytes, int, int], str],
                 not_json: str = "not a JSON object") -> Iterator[JsonlLine]:
     """Every line of the JSONL file `path`, blank ones included (callers count their bytes), streamed.

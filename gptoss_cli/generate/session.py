@@ -21,7 +21,7 @@ from gptoss_cli.generate.decode import MAX_NEW_TOKENS, STOP_TOKEN, Generation, S
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.model.dtypes import torch_dtype
 from gptoss_cli.recipe.memory import parameter_layout, size_text
-from gptoss_cli.json_input import jsonl_lines
+from gptoss_cli.json_input import jsonl_lines, strict_utf8
 
 # The tokens that end an assistant's turn in the harmony format: a final answer, a tool call.
 HARMONY_STOP_TOKENS = ("<|return|>", "<|call|>")
@@ -183,14 +183,8 @@ def read_prompts_file(path: Path) -> list[tuple[str, dict[str, Any]]]:
     if not path.is_file():
         raise UsageError(f"--prompts {path}: no such file")
 
-    def decode(raw: bytes, number: int, offset: int) -> str:
-        try:
-            return raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise UsageError(f"{path}:{number}: invalid UTF-8 ({exc.reason})") from None
-
     out = []
-    for line in jsonl_lines(path, decode):
+    for line in jsonl_lines(path, strict_utf8(path)):
         if line.blank:
             continue
         where, obj = f"{path}:{line.number}", line.value

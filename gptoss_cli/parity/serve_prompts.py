@@ -95,18 +95,13 @@ def load_prompts(arch: GptOssArch, prompts_file: Path | None, tokenizer_file: Pa
 
 
 def _read_lines(path: Path) -> list[tuple[str, dict[str, Any]]]:
-    from gptoss_cli.json_input import jsonl_lines
+    from gptoss_cli.json_input import jsonl_lines, strict_utf8
 
     if not path.is_file():
         raise UsageError(f"--prompts {path}: no such file")
 
-    def decode(raw: bytes, number: int, offset: int) -> str:
-        try:
-            return raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise UsageError(f"{path}:{number}: invalid UTF-8 ({exc.reason})") from None
-
-    lines = [(f"{path}:{line.number}", line.value) for line in jsonl_lines(path, decode) if not line.blank]
+    lines = [(f"{path}:{line.number}", line.value) for line in jsonl_lines(path, strict_utf8(path))
+             if not line.blank]
     if not lines:
         raise UsageError(f"--prompts {path}: holds no prompts")
     return lines

@@ -23,7 +23,7 @@ from typing import Any, Sequence
 from gptoss_cli.data.conversation import parse_conversation
 from gptoss_cli.data.harmony import ConversationError, HarmonyTokenizer, render_prompt
 from gptoss_cli.errors import ConfigError
-from gptoss_cli.json_input import jsonl_lines
+from gptoss_cli.json_input import jsonl_lines, strict_utf8
 
 BUILTIN = "builtin:"
 BUILTIN_SETS = ("arithmetic",)
@@ -76,13 +76,8 @@ def read_records(path: str) -> list[tuple[str, dict[str, Any]]]:
     if not file.is_file():
         raise ConfigError(f"rl.prompts={path}: no such file", hint="a JSONL file of conversations, one per line")
 
-    def decode(raw: bytes, number: int, offset: int) -> str:
-        try:
-            return raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise ConfigError(f"{path}:{number}: invalid UTF-8 ({exc.reason})") from None
-
-    out = [(f"{path}:{line.number}", line.value) for line in jsonl_lines(file, decode) if not line.blank]
+    out = [(f"{path}:{line.number}", line.value) for line in jsonl_lines(file, strict_utf8(path, ConfigError))
+           if not line.blank]
     if not out:
         raise ConfigError(f"rl.prompts={path}: holds no prompts")
     return out
