@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gptoss_cli import outputs
-from gptoss_cli.checkpoint.formats.registry import Format, OpenOptions
+from gptoss_cli.checkpoint.formats.registry import Format, OpenOptions, json_field_is
 from gptoss_cli.checkpoint.hf_config import EXTRA_FILES, from_hf_config
 from gptoss_cli.errors import CheckpointError, ConfigError
 from gptoss_cli.json_input import parse_json
@@ -97,15 +97,8 @@ def plan(source: Source, *, experts: str | None, dtype: Any, vocab_multiple: int
     return to_hf_plan(source, experts=experts, dtype=dtype)
 
 
-def _is_gpt_oss_hf(config: Path) -> bool:
-    try:
-        return parse_json(config.read_text()).get("model_type") == "gpt_oss"
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
 def replaceable(dst: Path) -> None:
-    outputs.check_replaceable(dst, CONFIG, _is_gpt_oss_hf, "Hugging Face", EXTRA_FILES)
+    outputs.check_replaceable(dst, CONFIG, json_field_is("model_type", "gpt_oss"), "Hugging Face", EXTRA_FILES)
 
 
 HF = Format(

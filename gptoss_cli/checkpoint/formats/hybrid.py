@@ -7,11 +7,10 @@ from typing import TYPE_CHECKING, Any
 
 from gptoss_cli import outputs
 from gptoss_cli.checkpoint.formats.hf import load_json
-from gptoss_cli.checkpoint.formats.registry import Format, OpenOptions
+from gptoss_cli.checkpoint.formats.registry import Format, OpenOptions, json_field_is
 from gptoss_cli.checkpoint.hf_config import EXTRA_FILES
 from gptoss_cli.checkpoint.hybrid_format import FORMAT_NAME, HYBRID_CONFIG, check_stored_pattern, read_hybrid_config
 from gptoss_cli.errors import CheckpointError, ConfigError
-from gptoss_cli.json_input import parse_json
 from gptoss_cli.model.config import GptOssArch
 
 if TYPE_CHECKING:
@@ -57,15 +56,8 @@ def plan(source: Source, *, experts: str | None, dtype: Any, vocab_multiple: int
     return ToHybrid.for_source(source, dtype)
 
 
-def _is_gptoss_hybrid(config: Path) -> bool:
-    try:
-        return parse_json(config.read_text()).get("format") == FORMAT_NAME
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
 def replaceable(dst: Path) -> None:
-    outputs.check_replaceable(dst, HYBRID_CONFIG, _is_gptoss_hybrid, "Hybrid", EXTRA_FILES)
+    outputs.check_replaceable(dst, HYBRID_CONFIG, json_field_is("format", FORMAT_NAME), "Hybrid", EXTRA_FILES)
 
 
 HYBRID = Format(

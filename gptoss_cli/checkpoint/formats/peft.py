@@ -11,10 +11,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gptoss_cli import outputs
-from gptoss_cli.checkpoint.formats.registry import Format, OpenOptions
+from gptoss_cli.checkpoint.formats.registry import Format, OpenOptions, json_field_is
 from gptoss_cli.checkpoint.peft_format import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from gptoss_cli.errors import CheckpointError, UsageError
-from gptoss_cli.json_input import parse_json
 from gptoss_cli.model.config import GptOssArch
 
 if TYPE_CHECKING:
@@ -42,15 +41,9 @@ def plan(source: Source, *, experts: str | None, dtype: Any, vocab_multiple: int
     return ToPeft.for_source(source, source.origin)
 
 
-def _is_peft_adapter(config: Path) -> bool:
-    try:
-        return parse_json(config.read_text()).get("peft_type") == "LORA"
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
 def replaceable(dst: Path) -> None:
-    outputs.check_replaceable(dst, ADAPTER_CONFIG, _is_peft_adapter, "PEFT adapter", (ADAPTER_WEIGHTS,))
+    outputs.check_replaceable(dst, ADAPTER_CONFIG, json_field_is("peft_type", "LORA"), "PEFT adapter",
+                              (ADAPTER_WEIGHTS,))
 
 
 PEFT = Format(

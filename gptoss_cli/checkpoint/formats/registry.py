@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from gptoss_cli.errors import CheckpointError
+from gptoss_cli.json_input import parse_json
 from gptoss_cli.model.config import GptOssArch
 
 if TYPE_CHECKING:
@@ -140,4 +141,15 @@ def check_tensors(source: Source, expected: dict[str, tuple[tuple[int, ...], str
             )
 
 
-__all__ = ["Format", "OpenOptions", "Source", "check_tensors", "expert_dtype_form"]
+def json_field_is(key: str, value: str) -> Callable[[Path], bool]:
+    """A `--force` ownership test for outputs.check_replaceable: the folder's JSON config holds key == value
+    (an unreadable or non-object file is not ours)."""
+    def ours(config: Path) -> bool:
+        try:
+            return parse_json(config.read_text()).get(key) == value
+        except (OSError, ValueError, AttributeError):
+            return False
+    return ours
+
+
+__all__ = ["Format", "OpenOptions", "Source", "check_tensors", "expert_dtype_form", "json_field_is"]
