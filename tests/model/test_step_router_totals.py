@@ -16,23 +16,11 @@ from gptoss_cli.train.data import Microbatch
 from gptoss_cli.train.objective import CrossEntropyObjective
 from gptoss_cli.train.telemetry import StepTotals
 from tests.model.conftest import TINY, hf_to_hybrid_state_dict
+from tests.model.test_router_telemetry import _hf_router_outputs
 from tests.tolerances import reassociation_rel
 
 IGNORE = -100
 AUX, Z = 0.01, 1e-3
-
-
-def _router_logits(hf_model, ids: torch.Tensor) -> list[torch.Tensor]:
-    seen: list[torch.Tensor] = []
-    hooks = [layer.mlp.router.register_forward_hook(lambda m, i, o: seen.append(o[0].detach().double()))
-             for layer in hf_model.model.layers]
-    try:
-        with torch.no_grad():
-            hf_model(ids)
-    finally:
-        for h in hooks:
-            h.remove()
-    return seen
 
 
 def test_step_entropy_aux_and_z_equal_transformers_router_weighted_by_each_microbatchs_tokens(hf_tiny):
@@ -64,7 +52,8 @@ def test_step_entropy_aux_and_z_equal_transformers_router_weighted_by_each_micro
 
     trained = [int((lab != IGNORE).sum()) for lab in labels]
     assert scalars["num_tokens"] == sum(trained) == 21
-    per_mb = [_router_logits(hf_tiny, ids) for ids in batches]  # per microbatch, per layer [T, E]
+    # per microbatch, per layer [T, E]
+    per_mb = [[logits.double() for logits, _ in _hf_router_outputs(hf_tiny, ids)] for ids in batches]
     aux = [float(load_balancing_loss_func(tuple(layers), TINY.num_local_experts, TINY.num_experts_per_tok))
            for layers in per_mb]
     z = [float(sum(moe_utils.z_loss_func(logits, 1.0) for logits in layers)) for layers in per_mb]
