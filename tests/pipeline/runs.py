@@ -189,17 +189,11 @@ def mutated(mutation: str | None):
 _STAGE_GROUP: list[Any] = [None]
 
 
-@contextlib.contextmanager
 def recording_steps(records: list[dict[str, Any]]):
     """tests/train/reference.py's optimizer spy, the gradients of trained tensors only (a LoRA run's frozen
     base has no gradient buffer)."""
-    from gptoss_cli.train.optimizer import DistributedAdamW
     from tests.train.dist_helpers import reduced_main_grads
-
-    real = DistributedAdamW.step
-
-    def weights(module) -> dict[str, torch.Tensor]:
-        return {n: t.detach().clone() for n, t in module.named_checkpoint_slots()}
+    from tests.train.reference import recording_optimizer_steps
 
     def grads(module, buffers) -> dict[str, torch.Tensor]:
         by_id = reduced_main_grads(buffers)
@@ -209,19 +203,7 @@ def recording_steps(records: list[dict[str, Any]]):
                 out.update(_per_checkpoint_name(module, name, by_id[id(param)]))
         return out
 
-    def step(self, lr):
-        buffers = list(dict.fromkeys(s.buffer for s in self.shards))
-        record = {"before": weights(self._module), "grads": grads(self._module, buffers), "lr_arg": lr}
-        record["norm"] = real(self, lr)
-        record["after"] = weights(self._module)
-        records.append(record)
-        return record["norm"]
-
-    DistributedAdamW.step = step
-    try:
-        yield records
-    finally:
-        DistributedAdamW.step = real
+    return recording_optimizer_steps(records, grads)
 
 
 def _per_checkpoint_name(module, name: str, grad: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -140,8 +140,10 @@ def _resumed_by_some(layout: str) -> bool:
 
 # --- gptoss side (runs in the training processes) -------------------------------------------------
 @contextlib.contextmanager
-def recording_optimizer_steps(records: list[dict[str, Any]]):
-    """Spy on DistributedAdamW.step: weights and finalised main_grad before, weights after (checkpoint names)."""
+def recording_optimizer_steps(records: list[dict[str, Any]], grads=None):
+    """Spy on DistributedAdamW.step: weights and finalised main_grad before, weights after (checkpoint names).
+    `grads(module, buffers)` names the gradients (default named_grads)."""
+    grads = grads or named_grads
     real = DistributedAdamW.step
 
     def weights(module) -> dict[str, torch.Tensor]:
@@ -149,7 +151,7 @@ def recording_optimizer_steps(records: list[dict[str, Any]]):
 
     def step(self, lr):
         buffers = list(dict.fromkeys(s.buffer for s in self.shards))  # in the same order on every rank
-        record = {"before": weights(self._module), "grads": named_grads(self._module, buffers), "lr_arg": lr}
+        record = {"before": weights(self._module), "grads": grads(self._module, buffers), "lr_arg": lr}
         record["norm"] = real(self, lr)
         record["after"] = weights(self._module)
         record["owned"] = self.owned()  # which elements of which parameter this rank stepped
