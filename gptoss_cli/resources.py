@@ -1,4 +1,5 @@
-"""What this process uses: its peak resident memory (as convert, parity-check and the benches report it), and how glibc keeps freed memory."""
+"""What this process uses: its peak resident memory (as convert, parity-check and the benches report it), the host's
+available memory, and how glibc keeps freed memory."""
 
 from __future__ import annotations
 
@@ -20,6 +21,17 @@ def peak_rss_bytes() -> int:
 
 # What `keep_freed_memory` sets, as the benches print it.
 ALLOCATOR_SETTING = "glibc keeping freed memory (M_MMAP_THRESHOLD 1 GiB, M_TRIM_THRESHOLD 2 GiB)"
+
+
+def available_memory_bytes() -> int | None:
+    """The host's available memory (Linux MemAvailable: free plus reclaimable caches); None where it is unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def keep_freed_memory() -> None:
@@ -47,4 +59,4 @@ def keep_freed_memory() -> None:
         pass
 
 
-__all__ = ["ALLOCATOR_SETTING", "keep_freed_memory", "peak_rss_bytes"]
+__all__ = ["ALLOCATOR_SETTING", "available_memory_bytes", "keep_freed_memory", "peak_rss_bytes"]

@@ -28,6 +28,7 @@ import torch
 
 from gptoss_cli.checkpoint.mapping import hybrid_shapes
 from gptoss_cli.errors import first_line
+from gptoss_cli.resources import available_memory_bytes
 from gptoss_cli.model.config import GptOssArch
 
 SEQUENCES = 4  # sequences measured
@@ -140,23 +141,13 @@ def model_bytes(arch: GptOssArch) -> int:
     return 4 * sum(math.prod(shape) for shape in hybrid_shapes(arch).values())
 
 
-def available_bytes() -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def measure_model(source, meter: RoundingMeter, build: Callable[[], Any]) -> ExportCost:
     """The weight error, and, when the model fits and tokens are at hand, its loss and KL before and
     after rounding its experts (one fp32 model in memory, `build()`: the source loaded again; the
     rounding is done in place between)."""
     cost = ExportCost(meter.relative_rms, meter.worst, meter.worst_name, meter.tensors)
     seqs, where = token_sequences(source, source.arch)
-    need, have = model_bytes(source.arch), available_bytes()
+    need, have = model_bytes(source.arch), available_memory_bytes()
     if not seqs:
         cost.skipped = "no token data or tokenizer.json at hand to run it on"
         return cost

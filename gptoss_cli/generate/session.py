@@ -21,6 +21,7 @@ from gptoss_cli.generate.decode import MAX_NEW_TOKENS, STOP_TOKEN, Generation, S
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.model.dtypes import torch_dtype
 from gptoss_cli.recipe.memory import parameter_layout, size_text
+from gptoss_cli.resources import available_memory_bytes
 from gptoss_cli.json_input import jsonl_lines, strict_utf8
 
 # The tokens that end an assistant's turn in the harmony format: a final answer, a tool call.
@@ -123,13 +124,9 @@ def host_available_memory() -> int:
     """The host's available memory (Linux MemAvailable: free plus reclaimable caches), else its total RAM."""
     import os
 
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
+    available = available_memory_bytes()
+    if available is not None:
+        return available
     try:
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
