@@ -268,5 +268,6 @@ def check_token_files(path: str | Path, vocab_size: int | None) -> tuple[Path, P
 
 __all__ = ["TOKEN_FORMAT", "TOKEN_FORMAT_VERSION", "DOCUMENTS_FORMAT_VERSION", "TOKEN_FORMAT_VERSIONS", "TOKEN_ITEMSIZE",
            "INDEX_DTYPE", "MASK_DTYPE", "DOCUMENT_FIELDS", "token_dtype_for", "token_file_paths", "document_file_paths",
-           "write_atomically", "write_document_index", "token_header", "write_token_header", "commit_token_set", "read_token_header", "has_documents",
+           "write_atomically", "write_document_index", "token_header", "write_token_header", "commit_token_set",
+           "read_token_header", "has_documents",
            "check_document_files", "check_header_fits_model", "check_token_files"]

@@ -32,7 +32,7 @@ def build_objective(config: Any) -> TrainingObjective:
     GRPO (gptoss_cli/rl/objective.py) on the rollouts its Trainer samples; a new objective adds its
     recipe switch here."""
     if config.objective.kind == "grpo":
-        from gptoss_cli.rl.objective import GRPOObjective  # noqa: PLC0415 - rl/ builds on this module
+        from gptoss_cli.rl.objective import GRPOObjective  # noqa: PLC0415 - only GRPO recipes load rl/
 
         rl = config.rl
         return GRPOObjective(loss_type=rl.loss, clip_low=rl.clip_low, clip_high=rl.clip_high, kl_coeff=rl.kl_coeff,
@@ -85,7 +85,7 @@ def run_worker(job: TrainJob, progress: TrainProgress | None = None) -> TrainRes
 def trainer_class(cfg: RecipeConfig) -> type[Trainer]:
     """The Trainer of the recipe's objective: GRPO's samples its own data (gptoss_cli/rl/trainer.py)."""
     if cfg.objective.kind == "grpo":
-        from gptoss_cli.rl.trainer import RLTrainer  # noqa: PLC0415 - rl/ builds on this module
+        from gptoss_cli.rl.trainer import RLTrainer  # noqa: PLC0415 - only GRPO recipes load rl/
 
         return RLTrainer
     return Trainer
