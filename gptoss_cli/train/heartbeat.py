@@ -112,6 +112,7 @@ def _process_state(pid: int) -> str:
         return "?"
 
 
+_GONE_STATES = ("T", "t", "Z")  # stopped, stopped by a tracer, exited: never transient ("D" can be)
 _STATE_WORDS = {"T": "its process is stopped", "t": "its process is stopped by a tracer",
                 "D": "its process is blocked in uninterruptible I/O", "Z": "its process has exited"}
 
@@ -169,7 +170,10 @@ class Watchdog:
         )
         if not stalled:
             return None
-        frozen = [r for r, b in beats.items() if now - b["beat_time"] > self.frozen_s]
+        # A rank whose process is stopped or gone is the culprit even before its heartbeat file ages past
+        # frozen_s: the progress rule can fire first (its step had been running for a while).
+        frozen = [r for r, b in beats.items()
+                  if now - b["beat_time"] > self.frozen_s or _process_state(int(b["pid"])) in _GONE_STATES]
         if frozen:
             rank = min(frozen, key=lambda r: beats[r]["beat_time"])
             b = beats[rank]
