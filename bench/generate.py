@@ -19,6 +19,10 @@ The load average during the run is printed with the figures.
     python bench/generate.py --preset tiny --prompt 64 --new 64
     python bench/generate.py --preset medium --prompt 64 --new 64 --rounds 5
     python bench/generate.py --preset wide --prompt 64 --new 64 --batch 8
+    python bench/generate.py --gemm --rounds 5
+
+`--gemm` sweeps the decoding step's few-row products alone: `F.linear` (transformers' LM head)
+against model/skinny_gemm.py's `skinny_linear` on an LM head and expert weights, 1-16 rows.
 
 Presets: `tiny` (gptoss_cli/model/config.py), `medium` (tiny at hidden 512, 16 experts top-4) and
 `wide` (medium with 8 query / 2 kv heads of 64 and a 20480-token vocabulary): bench/common.py.
@@ -111,6 +115,49 @@ def first_difference(a: list[list[int]], b: list[list[int]]) -> str | None:
     return None
 
 
+# --gemm: the decoding step's few-row products (model/skinny_gemm.py) against F.linear, which
+# transformers' LM head (nn.Linear) runs. Weights as [out, in], fp32, several copies of each so the
+# sweep reads them from memory as a decoding step does (a step reads every layer's weights once).
+GEMM_WEIGHTS = {"wide LM head": (20480, 512), "GPT-OSS expert fc1": (5760, 2880), "medium expert fc1": (1024, 512)}
+GEMM_ROWS = (1, 2, 4, 8, 12, 16)
+GEMM_BYTES = 192 << 20  # of each weight shape, in copies (at least 2: more than the last-level cache)
+
+
+def gemm_sweep(rounds: int) -> dict:
+    """GB/s of weight read by F.linear and by skinny_linear per weight shape and row count, in rounds
+    alternating which goes first (medians); the largest difference between their outputs."""
+    import torch.nn.functional as F
+
+    from gptoss_cli.model.skinny_gemm import blocked, skinny_linear
+
+    out = {}
+    with LoadMonitor() as load:
+        for label, (rows_out, cols) in GEMM_WEIGHTS.items():
+            copies = max(2, GEMM_BYTES // (rows_out * cols * 4))
+            weights = [torch.randn(rows_out, cols) for _ in range(copies)]
+            gb = copies * rows_out * cols * 4 / 1e9
+            for m in GEMM_ROWS:
+                x = torch.randn(m, cols)
+                fns = {"F.linear": lambda: [F.linear(x, w) for w in weights],
+                       "skinny_linear": lambda: [skinny_linear(x, w) for w in weights]}
+                seconds = {name: [] for name in fns}
+                for r in range(rounds):
+                    for name in rotating(list(fns), r):
+                        t0 = cpu_clock()
+                        fns[name]()
+                        seconds[name].append(cpu_clock() - t0)
+                diff = float((F.linear(x, weights[0]) - skinny_linear(x, weights[0])).abs().max())
+                rates = {name: gb / statistics.median(v) for name, v in seconds.items()}
+                out[f"{label} {rows_out}x{cols} rows {m}"] = {
+                    **{f"{name}_GBps": v for name, v in rates.items()}, "blocked": blocked(x, weights[0]),
+                    "ratio": rates["skinny_linear"] / rates["F.linear"], "max_abs_diff": diff}
+                print(f"  {label:<20} {rows_out:>5} x {cols:<5} rows {m:>2}: F.linear {rates['F.linear']:5.1f} GB/s, "
+                      f"skinny_linear {rates['skinny_linear']:5.1f} GB/s ({'blocked' if blocked(x, weights[0]) else 'whole'}), "
+                      f"ratio {rates['skinny_linear'] / rates['F.linear']:.2f}x, max |diff| {diff:.1e}", flush=True)
+    print(load.text())
+    return {"gemm": out, **load.summary()}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="tiny", help="tiny, medium, wide or a model preset")
@@ -122,12 +169,21 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--clock", default="cpu", choices=("cpu", "wall"))
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--gemm", action="store_true",
+                    help="instead: the decoding step's few-row products, F.linear against model/skinny_gemm.py, GB/s")
     args = ap.parse_args()
     global CLOCK
     if args.clock == "cpu" and args.threads != 1:
         ap.error("--clock cpu adds up the CPU time of every thread: use it with --threads 1")
     CLOCK = cpu_clock if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(args.threads)
+    if args.gemm:
+        print(f"few-row products x @ W^T, fp32, {args.threads} thread(s), CPU clock, {args.rounds} rounds, "
+              "GB/s of weight read (medians)")
+        result = gemm_sweep(args.rounds)
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=2) + "\n")
+        return 0
     arch = bench_arch(args.preset, args.arch)
     ours, peer = build(arch)
     prompts = prompts_for(arch, args.batch, args.prompt)

@@ -31,6 +31,7 @@ import torch
 from gptoss_cli.model.attention import AttentionLayer
 from gptoss_cli.model.hybrid import run_layer
 from gptoss_cli.model.moe_decode import DecodeExperts, decode_moe, decode_moe_available
+from gptoss_cli.model.skinny_gemm import skinny_linear
 
 # Queries per call when a long prompt is fed through the cache: the scores of one chunk are
 # [batch, heads, chunk, keys].
@@ -273,5 +274,6 @@ def prefill(model, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: K
 
 
 def next_token_logits(model, hidden: torch.Tensor) -> torch.Tensor:
-    """LM head of the last position of final-norm hidden states [B, n, H] -> fp32 logits [B, V]."""
-    return torch.nn.functional.linear(hidden[:, -1], model.output_layer.weight).float()
+    """LM head of the last position of final-norm hidden states [B, n, H] -> fp32 logits [B, V]
+    (a few rows against the vocabulary: model/skinny_gemm.py)."""
+    return skinny_linear(hidden[:, -1], model.output_layer.weight).float()

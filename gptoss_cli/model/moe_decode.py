@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from gptoss_cli.model.grouped_gemm import DEFAULT_GEMM
 from gptoss_cli.model.moe import ExpertLinear, MoELayer, clamped_swiglu
+from gptoss_cli.model.skinny_gemm import BLOCKED_ROWS, blocked, skinny_linear
 
 
 def decode_moe_available(layer) -> bool:
@@ -47,6 +48,11 @@ class DecodeExperts:
         experts = layer.mlp.experts
         self.fc1 = self._views(experts.linear_fc1) if self.on_host else None
         self.fc2 = self._views(experts.linear_fc2) if self.on_host else None
+        # whether an expert's weight is large enough for skinny_gemm's blocked form (asked once:
+        # a step then only checks its row count)
+        probe = torch.empty(BLOCKED_ROWS[0], 0, dtype=layer.mlp.router.weight.dtype)
+        self.fc1_blocks = self.on_host and blocked(probe, experts.linear_fc1.weight[0])
+        self.fc2_blocks = self.on_host and blocked(probe, experts.linear_fc2.weight[0])
 
     @staticmethod
     def _views(lin: ExpertLinear) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -54,14 +60,18 @@ class DecodeExperts:
 
 
 def _expert_gemm(x: torch.Tensor, lin: ExpertLinear, views, counts: torch.Tensor, expert_of_row: torch.Tensor | None,
-                 host_counts: list[int] | None) -> torch.Tensor:
-    """Rows of x sorted by expert -> x_e @ W_e^T + b_e per row."""
+                 host_counts: list[int] | None, blocks: bool = False) -> torch.Tensor:
+    """Rows of x sorted by expert -> x_e @ W_e^T + b_e per row (`blocks`: the weights are large
+    enough for model/skinny_gemm.py's blocked form, taken at the row counts it serves)."""
     if host_counts is None:
         return DEFAULT_GEMM.fprop(x, lin.weight, counts).add_(lin.bias.index_select(0, expert_of_row))
     out = x.new_empty(x.shape[0], lin.weight.shape[1])
     for (w_t, b), rows, dest, n in zip(views, x.split(host_counts), out.split(host_counts), host_counts):
         if n:
-            torch.addmm(b, rows, w_t, out=dest)
+            if blocks and n in BLOCKED_ROWS:
+                skinny_linear(rows, w_t.t(), b, out=dest)
+            else:
+                torch.addmm(b, rows, w_t, out=dest)
     return out
 
 
@@ -98,9 +108,11 @@ def decode_moe(experts_of: DecodeExperts, x: torch.Tensor) -> torch.Tensor:
     host_counts = counts.tolist() if experts_of.on_host else None
     expert_of_row = None if host_counts is not None else flat.index_select(0, order)
     rows = hidden.index_select(0, token)
-    gate_up = _expert_gemm(rows, experts.linear_fc1, experts_of.fc1, counts, expert_of_row, host_counts)
+    gate_up = _expert_gemm(rows, experts.linear_fc1, experts_of.fc1, counts, expert_of_row, host_counts,
+                           experts_of.fc1_blocks)
     act = clamped_swiglu(gate_up, experts.limit, experts.alpha)
-    out = _expert_gemm(act, experts.linear_fc2, experts_of.fc2, counts, expert_of_row, host_counts)
+    out = _expert_gemm(act, experts.linear_fc2, experts_of.fc2, counts, expert_of_row, host_counts,
+                       experts_of.fc2_blocks)
     out.mul_(probs.flatten().index_select(0, order).unsqueeze(-1).to(out.dtype))
     combined = torch.zeros_like(hidden).index_add_(0, token, out)
     return x + combined.view_as(x)

@@ -94,3 +94,49 @@ def test_cached_steps_equal_recomputing_the_whole_sequence(hf_tiny):
         logits = next_token_logits(model, forward_cached(model, seq[:, t:t + 1], pos[:, t:t + 1], cache))
         assert all(c.keys.shape[2] <= WINDOW for c in sliding)
     assert cache.max_length() == seq.shape[1]
+
+
+def test_a_batch_through_the_blocked_few_row_products_equals_transformers_generate(hf_tiny, monkeypatch):
+    """A batch of 6 prompts takes model/skinny_gemm.py's blocked product for the LM head (6 rows) and
+    for experts that get 4 or more of a step's rows, once its size threshold is lowered to the tiny
+    model's and its blocks cut to 8 rows (the vocabulary's last block short): same tokens and logits
+    as transformers, whose LM head is one `F.linear`."""
+    from gptoss_cli.model import moe_decode, skinny_gemm
+
+    monkeypatch.setattr(skinny_gemm, "BLOCKED_MIN_BYTES", 0)
+    monkeypatch.setattr(skinny_gemm, "BLOCK_BYTES", 8 * TINY.hidden_size * 4)
+    calls = {"head": 0, "experts": 0}
+    real_mm = skinny_gemm.torch.mm
+
+    class _CountingTorch:  # count the blocks: the LM head's have no bias (mm), an expert's have one (addmm)
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        @staticmethod
+        def mm(a, b, *args, **kwargs):
+            calls["head"] += 1
+            return real_mm(a, b, *args, **kwargs)
+
+        @staticmethod
+        def addmm(bias, a, b, *args, **kwargs):
+            calls["experts"] += 1
+            return torch.addmm(bias, a, b, *args, **kwargs)
+
+    monkeypatch.setattr(skinny_gemm, "torch", _CountingTorch())
+    prompts = [tokens(batch=1, seq=n, seed=10 + n)[0].tolist() for n in (7, 6, 5, 4, 3, 2)]
+    width = max(len(p) for p in prompts)
+    pad = TINY.vocab_size - 2
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    want, want_logits = _hf_generate(hf_tiny, ids, attention_mask=mask)
+    got_logits = []
+    import gptoss_cli.generate.decode as decode
+
+    real_choose = decode.choose
+    monkeypatch.setattr(decode, "choose", lambda logits, s, g: (got_logits.append(logits.clone()), real_choose(logits, s, g))[1])
+    got = generate_ids(_ours(hf_tiny), prompts, max_new_tokens=NEW)
+    assert [g.output_ids for g in got] == want.tolist()
+    _assert_logits_close(torch.stack(got_logits, dim=1), want_logits)
+    assert calls["head"] >= NEW * -(-TINY.vocab_size // 8)  # every step's head, in blocks
+    assert calls["experts"] > 0, "no expert got 4 or more rows in a step: the blocked expert path did not run"
+    assert moe_decode.skinny_linear is skinny_gemm.skinny_linear
