@@ -279,16 +279,15 @@ def run_generation(model, tok, prompts: Sequence[Prompt], replies, *, max_new_to
         push = replies.streamer(write_out, write_err or (lambda text: None))
     stops, counts = set(stop_ids), [0] * len(prompts)
 
-    def on_token(row: int, token_id: int) -> None:
+    def show(row: int, token_id: int) -> None:
         if push is not None:
             push(token_id)
         counts[row] += 1
         if on_done is not None and (token_id in stops or counts[row] == max_new_tokens):
             on_done(row)
 
-    if push is None and on_done is None:  # nothing to show per token: the loop reads nothing back per step
-        on_token = None  # type: ignore[assignment]
-
+    # with nothing to show per token the loop reads nothing back per step
+    on_token = None if push is None and on_done is None else show
     t0 = time.perf_counter()
     gens = generate_ids(model, [p.ids for p in prompts], max_new_tokens=max_new_tokens, stop_ids=stop_ids,
                         sampling=sampling, on_token=on_token)

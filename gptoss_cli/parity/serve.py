@@ -200,10 +200,10 @@ def serve_check(checkpoint: str, options: ServeCheckOptions | None = None, progr
         scores = engine.score([r.ids for r in refs], top_k=top_k, **lora_kw)
         if getattr(engine, "last_seconds", None) is not None:  # the engine's own prefill time (vLLM's generate call)
             timings["engine_prefill"] = engine.last_seconds
-        from gptoss_cli.generate.engines.base import Sampling
+        from gptoss_cli.generate.engines.base import SamplingParams
 
         greedy = engine.generate([r.ids[:r.prompt_len] for r in refs],
-                                 Sampling(max_tokens=max(options.greedy_tokens, 1)), **lora_kw) \
+                                 SamplingParams(max_tokens=max(options.greedy_tokens, 1)), **lora_kw) \
             if options.greedy_tokens else [None] * len(refs)
         timings["engine_score"] = time.perf_counter() - t0
         results = [compare_prompt(r, s, list(g.ids[:options.greedy_tokens]) if g else [])

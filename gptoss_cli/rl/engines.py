@@ -181,9 +181,9 @@ class VllmRollout:
 
 
 def _engine_sampling(sampling: Sampling, max_new_tokens: int, stop_ids: list[int], seeds: list[int]):
-    from gptoss_cli.generate.engines.base import Sampling as EngineSampling
+    from gptoss_cli.generate.engines.base import SamplingParams
 
-    return EngineSampling(max_tokens=max_new_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
+    return SamplingParams(max_tokens=max_new_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
                           stop_token_ids=stop_ids, seeds=seeds)
 
 

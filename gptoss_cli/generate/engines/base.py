@@ -59,7 +59,7 @@ class PromptScores:
 
 
 @dataclass
-class Sampling:
+class SamplingParams:
     """How `generate` picks tokens: temperature 0 is greedy."""
 
     max_tokens: int = 16
@@ -92,7 +92,7 @@ class Engine(Protocol):
         """Prompt logprobs: the full vocabulary when `top_k` is None, else the top-k and the actual token."""
         ...
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling) -> list[Completion]:
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Completion]:
         ...
 
     def load_weights(self, folder: str) -> None:
@@ -109,5 +109,5 @@ def one_line(text: str, limit: int = 600) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-__all__ = ["ENGINE_PYTHON_ENV", "EngineError", "EngineInfo", "PromptScores", "Sampling", "Completion", "Engine",
+__all__ = ["ENGINE_PYTHON_ENV", "EngineError", "EngineInfo", "PromptScores", "SamplingParams", "Completion", "Engine",
            "one_line"]

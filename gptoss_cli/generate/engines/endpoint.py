@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from gptoss_cli.generate.engines.base import Completion, EngineError, EngineInfo, PromptScores, Sampling, one_line
+from gptoss_cli.generate.engines.base import Completion, EngineError, EngineInfo, PromptScores, SamplingParams, one_line
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -93,7 +93,7 @@ class EndpointEngine:
             out.append(_scores(list(prompt), rows[1:], top_k, self.vocab_size))
         return out
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling) -> list[Completion]:
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Completion]:
         out = []
         for i, prompt in enumerate(prompts):
             choice = self._complete(prompt, f"generating for prompt {i}", max_tokens=sampling.max_tokens,

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from gptoss_cli.generate.engines.base import (
-    ENGINE_PYTHON_ENV, Completion, EngineError, EngineInfo, PromptScores, Sampling, one_line,
+    ENGINE_PYTHON_ENV, Completion, EngineError, EngineInfo, PromptScores, SamplingParams, one_line,
 )
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
@@ -142,7 +142,7 @@ class VllmEngine:
         return [PromptScores(list(map(int, p)), tensors[f"logprobs.{i}"],
                              None if top_k is None else tensors[f"ids.{i}"]) for i, p in enumerate(prompts)]
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling,
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams,
                  lora: str | None = None) -> list[Completion]:
         answer = self._call({"op": "generate", "prompts": [list(map(int, p)) for p in prompts],
                              "sampling": sampling.to_json(), "lora": lora}, what="generating")
