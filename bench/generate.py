@@ -96,6 +96,19 @@ def run_ours(model, prompts: list[list[int]], new: int) -> tuple[list[list[int]]
     return [g.output_ids for g in gens], timing.prefill_s, timing.decode_s
 
 
+def run_ours_without_expert_gemms(model, prompts: list[list[int]], new: int) -> tuple[list[list[int]], float, float]:
+    """`run_ours` with a decoding step's expert GEMMs replaced by zeros of their shape (--ceiling):
+    what the rest of a step costs. Its tokens are not compared (they are not the model's)."""
+    from gptoss_cli.model import moe_decode
+
+    real = moe_decode._expert_gemm
+    moe_decode._expert_gemm = lambda x, lin, *rest: x.new_zeros(x.shape[0], lin.weight.shape[1])
+    try:
+        return run_ours(model, prompts, new)
+    finally:
+        moe_decode._expert_gemm = real
+
+
 def build(arch):
     from gptoss_cli.model.hybrid import HybridModel
 
@@ -169,6 +182,9 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--clock", default="cpu", choices=("cpu", "wall"))
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--ceiling", action="store_true",
+                    help="also time ours without a decoding step's expert GEMMs (a third side in the rotation) and "
+                         "print the ratio's ceiling were everything else free")
     ap.add_argument("--gemm", action="store_true",
                     help="instead: the decoding step's few-row products, F.linear against model/skinny_gemm.py, GB/s")
     args = ap.parse_args()
@@ -195,6 +211,8 @@ def main() -> int:
         if diff is not None:
             print(f"bench: the two sides generate different tokens ({diff}); they do not compute the same thing")
             return 1
+        if args.ceiling:
+            sides["ours_without_expert_gemms"] = lambda: run_ours_without_expert_gemms(ours, prompts, args.new)
         times: dict[str, dict[str, list[float]]] = {n: {"prefill": [], "decode": []} for n in sides}
         for r in range(args.rounds):
             for name in rotating(list(sides), r):
@@ -232,6 +250,17 @@ def main() -> int:
               f"{result[f'{name}_decode_s'] * 1e3:8.1f} ms ({result[f'{name}_decode_tokens_per_s']:7.1f} tokens/s)")
     print(f"ours / transformers, median [min, max] of the per-round ratios: decode {ratio_text(per_round['decode'])}, "
           f"prefill {ratio_text(per_round['prefill'])}, end to end {ratio_text(per_round['total'])}")
+    if args.ceiling:
+        experts = [o - n for o, n in zip(times["ours"]["decode"], times["ours_without_expert_gemms"]["decode"])]
+        result["ours_expert_gemm_share_of_decode"] = statistics.median(
+            [e / o for e, o in zip(experts, times["ours"]["decode"])])
+        result["ratio_decode_ceiling"] = statistics.median(
+            [t / e if e > 0 else float("inf") for t, e in zip(times["transformers"]["decode"], experts)])
+        if result["ours_expert_gemm_share_of_decode"] <= 0.05:
+            print("ours' decoding step: the expert GEMMs are within this host's noise (no ceiling from them)")
+        else:
+            print(f"ours' decoding step: the expert GEMMs {result['ours_expert_gemm_share_of_decode']:.0%} of it; "
+                  f"decode ratio were everything else of ours free: {result['ratio_decode_ceiling']:.2f}x")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     return 0
