@@ -34,6 +34,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, LoadMonitor, peer_env  # noqa: E402
 
 KEEP_TUNABLES = "glibc.malloc.mmap_threshold=1073741824:glibc.malloc.trim_threshold=2147483648"
+# --allocator tunables=STRING: any other GLIBC_TUNABLES for the workers (e.g. a fixed mmap threshold)
+TUNABLES_PREFIX = "tunables="
+
+
+def allocator_tunables(allocator: str) -> str | None:
+    """The GLIBC_TUNABLES the workers get for an --allocator value (None: glibc's defaults)."""
+    if allocator == "keep":
+        return KEEP_TUNABLES
+    if allocator.startswith(TUNABLES_PREFIX):
+        return allocator[len(TUNABLES_PREFIX):]
+    return None
 GB = 1e9
 
 
@@ -123,7 +134,8 @@ def measure(recipe: str, vocab: int, args, workdir: Path) -> dict:
     overrides = [f"model.architecture.vocab_size={vocab}", f"training.seq_length={args.seq}",
                  f"training.train_iters={args.iters}", "checkpoint.dir=null", "checkpoint.save_interval=null",
                  f"logging.run_dir={workdir / f'{recipe}-{vocab}'}", *args.override]
-    env = peer_env(args.threads, {"GLIBC_TUNABLES": KEEP_TUNABLES} if args.allocator == "keep" else None)
+    tunables = allocator_tunables(args.allocator)
+    env = peer_env(args.threads, {"GLIBC_TUNABLES": tunables} if tunables else None)
     env["COLUMNS"] = "200"
     cmd = [sys.executable, "-m", "gptoss_cli", "train", "--recipe", recipe, *overrides]
     t0 = time.perf_counter()
@@ -154,8 +166,9 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--nproc", type=int, default=2, help="workers per run (the recipes' world size)")
     ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every worker")
-    ap.add_argument("--allocator", default="train", choices=("train", "keep"),
-                    help="train: as `gptoss train` runs (glibc's defaults); keep: glibc keeping freed memory")
+    ap.add_argument("--allocator", default="train",
+                    help="train: as `gptoss train` runs; keep: glibc keeping freed memory; tunables=STRING: "
+                         "these GLIBC_TUNABLES for the workers")
     ap.add_argument("--override", nargs="*", default=[], help="more recipe overrides for every run")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
@@ -167,7 +180,10 @@ def main() -> int:
                 results.append(measure(recipe, vocab, args, Path(tmp)))
                 r = results[-1]
                 print(f"{recipe} vocab {vocab}: {r['seconds']:.0f} s", flush=True)
-    alloc = "glibc's defaults (as gptoss train)" if args.allocator == "train" else f"GLIBC_TUNABLES={KEEP_TUNABLES}"
+    if args.allocator not in ("train", "keep") and not args.allocator.startswith(TUNABLES_PREFIX):
+        ap.error(f"--allocator {args.allocator}: train, keep or tunables=STRING")
+    alloc = ("as gptoss train runs" if args.allocator == "train"
+             else f"GLIBC_TUNABLES={allocator_tunables(args.allocator)}")
     print(f"\nseq {args.seq}, {args.iters} steps, allocator: {alloc}, {args.threads} thread(s) per worker; "
           f"runtime (torch + gptoss imported, no model): {runtime / GB:.2f} GB")
     print(load.text())

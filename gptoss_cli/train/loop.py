@@ -36,6 +36,7 @@ from gptoss_cli.parallel.state import ParallelState, barrier
 from gptoss_cli.recipe.environment import gpu_from_device_name
 from gptoss_cli.recipe.flops import model_flops_per_token, peak_tflops, recompute_flops_per_token, throughput
 from gptoss_cli.recipe.schema import RecipeConfig
+from gptoss_cli.resources import release_freed_heap
 from gptoss_cli.schedule import get_forward_backward_func
 from gptoss_cli.train.blend import BlendedSource, blended_source
 from gptoss_cli.train.checkpointing import latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
@@ -303,6 +304,8 @@ class Trainer:
         for step in range(self.start_step, t.train_iters):
             outcome = self.train_step(step)
             self.record_step(outcome, self.validate(step + 1))
+            if self.state.device.type == "cpu":
+                release_freed_heap()  # the heap's free pages back to the OS (resources.py says why)
             if self.should_save(step + 1):
                 self.save_checkpoint(step + 1)
         self.heartbeat.progress(t.train_iters, "finishing", watched=False)
