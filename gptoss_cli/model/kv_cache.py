@@ -273,6 +273,7 @@ def prefill(model, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: K
     return next_token_logits(model, hidden)
 
 
+@torch.no_grad()
 def next_token_logits(model, hidden: torch.Tensor) -> torch.Tensor:
     """LM head of the last position of final-norm hidden states [B, n, H] -> fp32 logits [B, V]
     (a few rows against the vocabulary: model/skinny_gemm.py)."""

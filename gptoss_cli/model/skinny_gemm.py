@@ -38,11 +38,11 @@ def blocked(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and type(x) is torch.Tensor and type(weight) in (torch.Tensor, torch.nn.Parameter))
 
 
-@torch.no_grad()
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                   out: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` for x [M, in], weight [out, in] (no autograd: decoding only),
-    written into `out` [M, out] when given."""
+    """`F.linear(x, weight, bias)` for x [M, in], weight [out, in], written into `out` [M, out] when
+    given. For decoding under `torch.no_grad()` (its callers' context): the blocked form writes
+    into slices of one output, which autograd does not follow."""
     if not blocked(x, weight):
         if out is None:
             return F.linear(x, weight, bias)
