@@ -3,11 +3,12 @@
 A decoding step multiplies a handful of rows (one per prompt of a batch) by a weight read from
 memory once: the LM head (vocabulary x hidden) and, at real widths, each chosen expert's fc1/fc2.
 Such a product is bound by reading the weight, about 8-11 GB/s on one core of the machine the
-benches run on. torch's fp32 CPU GEMM (MKL's sgemm) gets there with 1-3 rows, but with 4-12 rows
-against a weight of many megabytes it falls to 2.5-4.5 GB/s (bench/generate.py's `--gemm` sweep:
-20480 x 512 at 8 rows, 2.7-3.5 GB/s), a blocking choice of the library, not the arithmetic. The
-same product taken in blocks of output rows whose weight slice is about 512 KiB (so the library's
-working set per call stays in the core's L2) runs at 5-7 GB/s. Each output element is still one
+benches run on. torch's fp32 CPU GEMM (MKL's sgemm) gets there with 1-2 rows, but with 4-12 rows
+against a weight of many megabytes it falls to 2-5 GB/s (bench/generate.py's `--gemm` sweep:
+20480 x 512 at 8 rows, 2.7 GB/s), a blocking choice of the library, not the arithmetic. The same
+product taken in blocks of output rows whose weight slice is about 512 KiB (so the library's
+working set per call stays in the core's L2) reads 1.1-2.2x faster (4.2-9.2 GB/s at 8 rows in the
+sweeps so far). Each output element is still one
 dot product over the whole hidden dimension, so the blocks change which kernel computes it, not
 what it computes (the tests hold the two to fp32 rounding, and greedy tokens to transformers').
 
