@@ -121,6 +121,14 @@ def _probe(device: torch.device, dtype: torch.dtype,
            eager: Callable[[torch.Tensor, float, float], torch.Tensor]) -> bool:
     if os.environ.get("TORCH_COMPILE_DISABLE", "0") == "1":
         return False
+    # The first call may come from inside no_grad or inference mode (a GRPO rollout's forward, a
+    # generate step): the eager reference needs autograd whatever the caller's context.
+    with torch.inference_mode(False), torch.enable_grad():
+        return _probe_with_autograd(device, dtype, eager)
+
+
+def _probe_with_autograd(device: torch.device, dtype: torch.dtype,
+                         eager: Callable[[torch.Tensor, float, float], torch.Tensor]) -> bool:
     gen = torch.Generator().manual_seed(0)
     x = (4 * torch.randn(_PROBE_ROWS, 2 * _PROBE_I, generator=gen)).to(device=device, dtype=dtype)
     grad = torch.randn(_PROBE_ROWS, _PROBE_I, generator=gen).to(device=device, dtype=dtype)
@@ -135,7 +143,7 @@ def _probe(device: torch.device, dtype: torch.dtype,
     except Exception as exc:  # noqa: BLE001 - any compiler failure means: use eager
         reason = (str(exc).strip().splitlines() or [""])[0][:160]
         warnings.warn(f"compiled SwiGLU unavailable on {device.type} {dtype} ({type(exc).__name__}: {reason}); "
-                      "using the eager kernel (model.swiglu_kernel: eager skips this check)", stacklevel=3)
+                      "using the eager kernel (model.swiglu_kernel: eager skips this check)", stacklevel=4)
         return False
     # A generous bound: the kernels agree with eager to a few ulps (tests/tolerances.py derives it);
     # a wrong kernel (a lost clamp, a swapped half) misses by whole units.
@@ -143,7 +151,7 @@ def _probe(device: torch.device, dtype: torch.dtype,
     for name, a, b in (("forward", got[0], want_out), ("backward", got[1], want_grad)):
         if not torch.allclose(a.float(), b.detach().float(), rtol=tol, atol=tol):
             warnings.warn(f"compiled SwiGLU {name} disagrees with the eager kernel on {device.type} {dtype}; "
-                          "using the eager kernel", stacklevel=3)
+                          "using the eager kernel", stacklevel=4)
             return False
     return True
 

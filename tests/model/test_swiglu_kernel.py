@@ -226,3 +226,17 @@ def test_the_recipe_setting_reaches_every_activation(kernel):
     model = HybridModelProvider(cfg, seed=0).provide(ParallelState())
     layers = [m for m in model.modules() if isinstance(m, (GroupedExperts, DenseMLPLayer))]
     assert len(layers) == 3 and {m.swiglu_kernel for m in layers} == {kernel}
+
+
+@pytest.mark.parametrize("context", ["no_grad", "inference_mode"])
+def test_a_first_call_without_autograd_still_gets_the_compiled_kernels(compiling, context):
+    """A GRPO run's first MoE forward is its rollout's, under no_grad: the probe's eager reference needs
+    autograd, and without it the whole run fell back to the eager kernel with a warning."""
+    gate_up, dy = _inputs(8, 16)
+    outer = torch.no_grad() if context == "no_grad" else torch.inference_mode()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with outer:
+            out = clamped_swiglu(gate_up, LIMIT, ALPHA, "auto")
+    assert kernel_module._verdicts[("cpu", torch.float32)] is True
+    assert torch.equal(out, _compiled(gate_up, dy)[0])  # the same compiled kernel as with autograd
