@@ -46,22 +46,11 @@ from gptoss_cli.model.main_grad import embedding
 from gptoss_cli.model.mlp import DenseMLPLayer
 from gptoss_cli.model.moe import GroupedExperts, MoELayer
 from gptoss_cli.model.norm import RMSNorm
-from gptoss_cli.model.pattern import ATTENTION, MLP, MOE, HybridPattern, parse_pattern
+from gptoss_cli.model.pattern import ATTENTION, MLP, MOE, HybridPattern, layer_windows, parse_pattern
 from gptoss_cli.model.positions import default_position_ids
 from gptoss_cli.model.recompute import RecomputePlan, checkpointed
 from gptoss_cli.model.rope import YarnRotaryEmbedding
 from gptoss_cli.model.router_stats import RouterStats, RouterStatsRequest
-
-def layer_windows(arch: GptOssArch, pattern: HybridPattern) -> dict[int, int | None]:
-    """Sliding window of every attention layer, keyed by physical layer index (section 4)."""
-    windows: dict[int, int | None] = {}
-    block = 0
-    for j, symbol in enumerate(pattern.layers):
-        if symbol == ATTENTION:
-            windows[j] = arch.sliding_window if arch.is_sliding(block) else None
-            block += 1
-    return windows
-
 
 def buildable_pattern(arch: GptOssArch, pattern: str | HybridPattern) -> HybridPattern:
     """`pattern` parsed, checked buildable and holding one attention layer per HF block of `arch`."""

@@ -9,8 +9,12 @@ buildable model with it is an error that names the symbol and its positions.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from gptoss_cli.errors import ConfigError
+
+if TYPE_CHECKING:
+    from gptoss_cli.model.config import GptOssArch
 
 ATTENTION = "*"
 MOE = "E"
@@ -108,6 +112,18 @@ def parse_pattern(text: str) -> HybridPattern:
     return HybridPattern(
         text=text, layers=tuple(layers), groups=tuple(groups), pipeline_splits=tuple(splits), grouped=grouped
     )
+
+
+def layer_windows(arch: GptOssArch, pattern: HybridPattern) -> dict[int, int | None]:
+    """Sliding window of every attention layer (None: full attention), keyed by physical layer index:
+    the k-th attention layer is HF block k. Torch-free: the model, parity and the memory estimate share it."""
+    windows: dict[int, int | None] = {}
+    block = 0
+    for j, symbol in enumerate(pattern.layers):
+        if symbol == ATTENTION:
+            windows[j] = arch.sliding_window if arch.is_sliding(block) else None
+            block += 1
+    return windows
 
 
 def schedule_plan_support(pattern: str | HybridPattern | None) -> tuple[bool, str]:

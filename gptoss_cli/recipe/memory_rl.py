@@ -22,20 +22,13 @@ Pure Python, like the rest of the estimate.
 from __future__ import annotations
 
 from gptoss_cli.model.config import GptOssArch
-from gptoss_cli.model.pattern import ATTENTION, HybridPattern
-
-
-def attention_windows(arch: GptOssArch, pattern: HybridPattern) -> list[int | None]:
-    """The sliding window of each attention layer of `pattern` in order (None: full attention); the k-th
-    attention layer is HF block k (as model/hybrid.py's `layer_windows` numbers them)."""
-    count = sum(1 for symbol in pattern.layers if symbol == ATTENTION)
-    return [arch.sliding_window if arch.is_sliding(block) else None for block in range(count)]
+from gptoss_cli.model.pattern import HybridPattern, layer_windows
 
 
 def kv_cache_bytes(arch: GptOssArch, pattern: HybridPattern, rows: int, columns: int, dtype_bytes: int) -> int:
     """Bytes of the keys and values of a KVCache of `rows` x `columns` on every attention layer of `pattern`."""
     per_slot = 2 * rows * arch.num_key_value_heads * arch.head_dim * dtype_bytes
-    return sum(per_slot * (columns if w is None or w >= columns else w) for w in attention_windows(arch, pattern))
+    return sum(per_slot * (columns if w is None or w >= columns else w) for w in layer_windows(arch, pattern).values())
 
 
 def rollout_rows(cfg, dp: int) -> int:
@@ -77,7 +70,7 @@ def _rollout_items(cfg, arch: GptOssArch, pattern: HybridPattern, dp: int, b: in
                           f"{share} x {capacity_bytes / 1e9:.0f} GB",
                           "rl.rollout.gpu_memory_utilization (or run the engine on other GPUs: 0)")]
     rows, columns = rollout_rows(cfg, dp), cfg.training.seq_length
-    windows = attention_windows(arch, pattern)
+    windows = list(layer_windows(arch, pattern).values())
     sliding = sum(1 for w in windows if w is not None and w < columns)
     kv = kv_cache_bytes(arch, pattern, rows, columns, b)
     return [item_type("rl.kv_cache", "rollout KV cache (gptoss engine)", kv,
@@ -86,4 +79,4 @@ def _rollout_items(cfg, arch: GptOssArch, pattern: HybridPattern, dp: int, b: in
                       f"{arch.sliding_window})", "rl.rollout.batch_size; training.seq_length; rl.max_new_tokens")]
 
 
-__all__ = ["attention_windows", "kv_cache_bytes", "rollout_rows", "rl_items"]
+__all__ = ["kv_cache_bytes", "rollout_rows", "rl_items"]
