@@ -3,6 +3,7 @@ available memory, and how glibc keeps freed memory."""
 
 from __future__ import annotations
 
+import functools
 import resource
 from pathlib import Path
 
@@ -34,7 +35,16 @@ def available_memory_bytes() -> int | None:
     return None
 
 
-_MALLOC_TRIM = None
+@functools.cache
+def _glibc():
+    """glibc's allocator controls (ctypes), loaded once; None where the C library is not glibc."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
 
 
 def release_freed_heap() -> None:
@@ -47,16 +57,9 @@ def release_freed_heap() -> None:
     first quarter of 80 steps to 2.9 GB in the last, against an estimate of 1.9 GB
     (bench/memory.py). The trainer calls this after every CPU step. Not glibc: nothing to do.
     """
-    global _MALLOC_TRIM
-    if _MALLOC_TRIM is None:
-        try:
-            import ctypes
-
-            _MALLOC_TRIM = ctypes.CDLL("libc.so.6").malloc_trim
-        except (OSError, AttributeError):
-            _MALLOC_TRIM = False
-    if _MALLOC_TRIM:
-        _MALLOC_TRIM(0)
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
 
 
 def keep_freed_memory() -> None:
@@ -74,14 +77,10 @@ def keep_freed_memory() -> None:
     stay at 2-3 GB (bench/memory.py, docs/benchmarks.md). `gptoss train` leaves the allocator as
     glibc sets it and hands the heap's free pages back after every CPU step (`release_freed_heap`).
     """
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6")
+    libc = _glibc()
+    if libc is not None:  # not glibc: nothing to tune
         libc.mallopt(-3, 1 << 30)  # M_MMAP_THRESHOLD: serve chunk-sized buffers from the heap
         libc.mallopt(-1, 1 << 31)  # M_TRIM_THRESHOLD: do not hand freed heap back right away
-    except (OSError, AttributeError):  # not glibc: nothing to tune
-        pass
 
 
-__all__ = ["ALLOCATOR_SETTING", "available_memory_bytes", "keep_freed_memory", "peak_rss_bytes"]
+__all__ = ["ALLOCATOR_SETTING", "available_memory_bytes", "keep_freed_memory", "peak_rss_bytes", "release_freed_heap"]
