@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from gptoss_cli.model.grouped_gemm import DEFAULT_GEMM
 from gptoss_cli.model.moe import ExpertLinear, MoELayer, clamped_swiglu
-from gptoss_cli.model.skinny_gemm import BLOCKED_ROWS, blocked, skinny_linear
+from gptoss_cli.model.skinny_gemm import BLOCKED_ROWS, skinny_linear, weight_blocked
 
 
 def decode_moe_available(layer) -> bool:
@@ -48,11 +48,10 @@ class DecodeExperts:
         experts = layer.mlp.experts
         self.fc1 = self._views(experts.linear_fc1) if self.on_host else None
         self.fc2 = self._views(experts.linear_fc2) if self.on_host else None
-        # whether an expert's weight is large enough for skinny_gemm's blocked form (asked once:
-        # a step then only checks its row count)
-        probe = torch.empty(BLOCKED_ROWS[0], 0, dtype=layer.mlp.router.weight.dtype)
-        self.fc1_blocks = self.on_host and blocked(probe, experts.linear_fc1.weight[0])
-        self.fc2_blocks = self.on_host and blocked(probe, experts.linear_fc2.weight[0])
+        # whether an expert's weight is one skinny_gemm takes in blocks (asked once: a step then
+        # only checks its row count; the activations share the weights' dtype)
+        self.fc1_blocks = self.on_host and weight_blocked(experts.linear_fc1.weight[0])
+        self.fc2_blocks = self.on_host and weight_blocked(experts.linear_fc2.weight[0])
 
     @staticmethod
     def _views(lin: ExpertLinear) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -31,12 +31,18 @@ BLOCKED_MIN_BYTES = 4 << 20
 BLOCK_BYTES = 512 << 10
 
 
+def weight_blocked(weight: torch.Tensor) -> bool:
+    """Whether `weight` is one `skinny_linear` takes in blocks (for fp32 CPU inputs of BLOCKED_ROWS
+    rows): a plain fp32 CPU tensor of at least BLOCKED_MIN_BYTES."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32
+            and weight.numel() * weight.element_size() >= BLOCKED_MIN_BYTES
+            and type(weight) in (torch.Tensor, torch.nn.Parameter))
+
+
 def blocked(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `skinny_linear(x, weight)` takes the blocked form."""
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
-            and x.dim() == 2 and x.shape[0] in BLOCKED_ROWS
-            and weight.numel() * weight.element_size() >= BLOCKED_MIN_BYTES
-            and type(x) is torch.Tensor and type(weight) in (torch.Tensor, torch.nn.Parameter))
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.shape[0] in BLOCKED_ROWS
+            and type(x) is torch.Tensor and weight_blocked(weight))
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -62,4 +68,4 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return out
 
 
-__all__ = ["BLOCKED_MIN_BYTES", "BLOCKED_ROWS", "blocked", "skinny_linear"]
+__all__ = ["BLOCKED_MIN_BYTES", "BLOCKED_ROWS", "blocked", "skinny_linear", "weight_blocked"]
