@@ -59,7 +59,8 @@ def run_worker(job: TrainJob, progress: TrainProgress | None = None) -> TrainRes
                               cp_size=cfg.parallelism.context_parallel_size,
                               pp_size=cfg.parallelism.pipeline_model_parallel_size)
         # glibc's allocator stays at its defaults here: keeping freed memory in the heap (resources.py)
-        # fragments it under a training step's mix of sizes, and a worker grew without bound.
+        # fragments it under a training step's mix of sizes, and a worker grew without bound; on the CPU
+        # the Trainer hands the heap's free pages back after every step (resources.release_freed_heap).
         try:
             # TensorBoard / W&B on rank 0 (train/loggers.py); their packages were checked before launch.
             loggers = open_loggers(cfg.logging, Path(job.run_dir), job.name, job.recipe) if state.rank == 0 else None
