@@ -72,7 +72,7 @@ def test_mxfp4_export_loads_in_transformers(trained, tmp_path):
     config = json.loads((out / "config.json").read_text())
     assert config["quantization_config"]["quant_method"] == "mxfp4"
     reference = load_hf_reference(out)  # transformers dequantises the blocks with its own code
-    ours = model_from_checkpoint(out).eval()  # and ours with gptoss_cli/model/mxfp4.py
+    ours = model_from_checkpoint(out).eval()  # and ours with gptoss_cli/model/mxfp4/codec.py
     with torch.no_grad():
         assert_logits_close(ours(ids()).logits, reference(ids()).logits)
     # The experts are the trained ones, rounded to MXFP4: e2m1 steps are at most 2 x the block's

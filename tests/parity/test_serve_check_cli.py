@@ -13,8 +13,8 @@ from typer.testing import CliRunner
 from gptoss_cli.checkpoint.make_tiny import make_tiny
 from gptoss_cli.cli import app
 from gptoss_cli.generate.engines.base import PromptScores
-from gptoss_cli.parity.serve_reference import Reference
-from gptoss_cli.parity.serve_report import ServeReport, compare_prompt
+from gptoss_cli.parity.serve.reference import Reference
+from gptoss_cli.parity.serve.report import ServeReport, compare_prompt
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +96,7 @@ def test_top_k_scores_compare_only_the_returned_entries():
 
 
 def test_a_failing_report_is_exit_1_naming_the_prompt_and_token(tiny, monkeypatch):
-    from gptoss_cli.parity import serve
+    from gptoss_cli.parity.serve import check as serve
 
     ref = _reference()
     engine = ref.logprobs.clone().numpy()

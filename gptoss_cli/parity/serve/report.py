@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from gptoss_cli.generate.engines.base import PromptScores
-from gptoss_cli.parity.serve_reference import Reference
+from gptoss_cli.parity.serve.reference import Reference
 
 PASS, FAIL = "pass", "fail"
 
@@ -39,7 +39,7 @@ class PromptResult:
     tokens: int  # scored tokens: prompt + gptoss's greedy continuation
     prompt_tokens: int
     max_abs_logprob_diff: float
-    budget: float  # the error budget at the worst position (serve_budget.py)
+    budget: float  # the error budget at the worst position (budget.py)
     max_budget: float
     mean_kl: float
     first_divergent_position: int | None  # index of the first token outside its budget (not a near-tie)

@@ -1,9 +1,9 @@
 """`gptoss serve-check`: prove that a serving engine computes what gptoss computes for a checkpoint.
 
-Steps: open the checkpoint (any kind gptoss reads), choose the prompts (serve_prompts.py), run
-gptoss's own forward on them (serve_reference.py), write what the engine loads (serve_export.py),
+Steps: open the checkpoint (any kind gptoss reads), choose the prompts (prompts.py), run
+gptoss's own forward on them (reference.py), write what the engine loads (export.py),
 start the engine (gptoss_cli/generate/engines/) on it, score the same ids and greedy-continue them,
-then compare position by position against the error budget (serve_budget.py, serve_report.py).
+then compare position by position against the error budget (budget.py, report.py).
 Known ways an engine parts from a checkpoint become named findings (below) before any number is
 looked at, so a failure says why when the reason is known.
 """
@@ -20,7 +20,7 @@ from typing import Callable
 
 from gptoss_cli.errors import UsageError
 from gptoss_cli.model.config import FULL, SLIDING, GptOssArch
-from gptoss_cli.parity.serve_report import Finding, ServeReport, compare_prompt
+from gptoss_cli.parity.serve.report import Finding, ServeReport, compare_prompt
 
 ENGINES = ("vllm",)
 LORA_MODES = ("auto", "adapter", "merged")
@@ -158,9 +158,9 @@ def serve_check(checkpoint: str, options: ServeCheckOptions | None = None, progr
     checkpoint's export is loaded; it is left running. Otherwise one is started and closed here."""
     import torch
 
-    from gptoss_cli.parity.serve_export import prepare_served
-    from gptoss_cli.parity.serve_prompts import load_prompts
-    from gptoss_cli.parity.serve_reference import references
+    from gptoss_cli.parity.serve.export import prepare_served
+    from gptoss_cli.parity.serve.prompts import load_prompts
+    from gptoss_cli.parity.serve.reference import references
 
     options = options or ServeCheckOptions()
     options.check()
@@ -226,7 +226,7 @@ def serve_check(checkpoint: str, options: ServeCheckOptions | None = None, progr
 
 
 def _form_findings(served, options: ServeCheckOptions) -> list[Finding]:
-    from gptoss_cli.parity.serve_export import DEQUANTISED, MERGED_GPTOSS, MERGED_PEFT
+    from gptoss_cli.parity.serve.export import DEQUANTISED, MERGED_GPTOSS, MERGED_PEFT
 
     out = []
     if served.form == DEQUANTISED:
