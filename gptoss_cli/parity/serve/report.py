@@ -25,7 +25,7 @@ PASS, FAIL = "pass", "fail"
 
 
 @dataclass
-class Finding:
+class ServeFinding:
     """A known way an engine and a checkpoint part: a name, what it means here, whether it fails the check."""
 
     name: str
@@ -120,7 +120,7 @@ class ServeReport:
     engine: dict[str, Any]
     error_model: str
     prompts: list[PromptResult]
-    findings: list[Finding]
+    findings: list[ServeFinding]
     seconds: dict[str, float]
     notes: list[str] = field(default_factory=list)
 
@@ -165,4 +165,4 @@ class ServeReport:
         }
 
 
-__all__ = ["Finding", "PromptResult", "ServeReport", "compare_prompt", "PASS", "FAIL"]
+__all__ = ["ServeFinding", "PromptResult", "ServeReport", "compare_prompt", "PASS", "FAIL"]
