@@ -11,16 +11,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from typer.testing import CliRunner
 
 from gptoss_cli.checkpoint.convert import PROVENANCE_KEY, convert
 from gptoss_cli.checkpoint.load import load_hf, model_from_checkpoint
 from gptoss_cli.checkpoint.training_format import TRAIN_STATE
 from gptoss_cli.model.build import build_model
-from gptoss_cli.cli import app
 from gptoss_cli.errors import CheckpointError, UsageError
 from tests.faults.conftest import digest
 from tests.model.tiny_checkpoints import load_hf_reference
+from tests.support.cli import exit_and_output
 from tests.tolerances import reassociation_rel
 from tests.train.dist_helpers import once_per_session
 from tests.train.workers import TINY, ep2_checkpoint_run, tiny_plan
@@ -171,13 +170,9 @@ def test_reader_fetches_experts_of_one_stack_ahead_within_its_budget(trained):
     source.close()
 
 
-runner = CliRunner()
-
-
 def invoke(*args: object) -> tuple[int, str]:
-    result = runner.invoke(app, [str(a) for a in args])
-    assert "Traceback" not in result.output, result.output
-    return result.exit_code, " ".join(result.output.split())
+    code, output = exit_and_output(*args)
+    return code, " ".join(output.split())  # rich wraps long lines at the runner's 80 columns
 
 
 @pytest.fixture
