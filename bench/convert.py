@@ -53,7 +53,7 @@ from pathlib import Path
 import torch
 
 from gptoss_cli.checkpoint.storage import direct_write
-from gptoss_cli.model import mxfp4
+from gptoss_cli.model.mxfp4 import codec as mxfp4
 from gptoss_cli.checkpoint.convert_plan import plan_to_hf
 from gptoss_cli.checkpoint.layouts import HF_MXFP4
 from gptoss_cli.checkpoint.mapping import units

@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from gptoss_cli.model import mxfp4
+from gptoss_cli.model.mxfp4 import codec as mxfp4
 from gptoss_cli.checkpoint.mapping import canonical_hf_shapes
 from gptoss_cli.checkpoint.storage.readers import RowReader
 from gptoss_cli.model.config import GptOssArch

@@ -125,7 +125,7 @@ class Mxfp4QatReader:
     def read(self, name: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
         import torch  # noqa: PLC0415
 
-        from gptoss_cli.model.mxfp4 import round_to_mxfp4  # noqa: PLC0415
+        from gptoss_cli.model.mxfp4.codec import round_to_mxfp4  # noqa: PLC0415
 
         t = self._reader.read(name, start, stop)
         if not _is_expert_weight(name) or not t.is_floating_point() or not torch.isfinite(t).all():
