@@ -18,7 +18,7 @@ tensorwise/rowwise, sm100+ for MXFP8) or emulated.
     python bench/fp8.py --device cuda --hidden 2880 --tokens 4096 --rounds 20
     python bench/fp8.py --gemm-tflops --device cuda     # measure_gemm_tflops: FP8 vs bf16 TFLOP/s
 
-`measure_gemm_tflops(device, ...)` is the same comparison as a function (bench/gpu_check.py calls
+`measure_gemm_tflops(device, ...)` is the same comparison as a function (tools/gpu_check.py calls
 it): the forward GEMM of a dense layer and of a grouped expert layer, bf16 against each FP8 recipe
 that runs natively on the device (emulated on a CPU), timed as training runs them (operands
 quantised at every call) and, for the dense GEMM, the FP8 kernel alone on pre-quantised operands.

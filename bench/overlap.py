@@ -119,7 +119,7 @@ def build_model(args: dict, state):
 
 
 def worker(rank: int, args: dict) -> dict:
-    from bench.simlink import LinkModel, use_link
+    from tests.support.simlink import LinkModel, use_link
     from gptoss_cli.parallel.state import init_parallel
     from gptoss_cli.schedule.combined_1f1b import forward_backward_combined_1f1b
     from gptoss_cli.schedule.plain import forward_backward_no_pipelining
@@ -203,7 +203,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     ap.add_argument("--link-gbps", type=float, default=None,
-                    help="simulated link bandwidth, Gbit/s per direction (bench/simlink.py)")
+                    help="simulated link bandwidth, Gbit/s per direction (tests/support/simlink.py)")
     ap.add_argument("--link-latency-us", type=float, default=10.0, help="simulated link latency, microseconds")
     ap.add_argument("--sweep", default="",
                     help="comma-separated communication/compute ratios: the bandwidth for each is chosen from "

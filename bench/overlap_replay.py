@@ -10,7 +10,7 @@ to hide communication from the host's noise:
   2. for each communication/compute ratio r, the recorded op streams are fed to the real
      `run_interleaved` again (the production merge policy) as ops that advance a virtual clock:
      compute ops by their recorded time, each all-to-all through the FIFO link of
-     bench/simlink.py with r x compute / (number of all-to-alls) on the wire;
+     tests/support/simlink.py with r x compute / (number of all-to-alls) on the wire;
   3. the plain schedule is compute + communication, the overlap schedule the replayed clock;
      hidden = 1 - (time spent waiting) / communication.
 Communication is spread evenly over the all-to-alls (dispatch and combine move the same rows,
@@ -41,7 +41,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from bench.overlap import add_model_args  # noqa: E402
-from bench.simlink import LinkModel  # noqa: E402
+from tests.support.simlink import LinkModel  # noqa: E402
 from gptoss_cli.model import grouped_gemm  # noqa: E402
 from gptoss_cli.schedule import combined_1f1b as c1f1b  # noqa: E402
 

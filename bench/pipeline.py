@@ -12,7 +12,7 @@ Every stage action (torch's forward, backward, backward-for-weights of a chunk) 
 The activations go between the stages over gloo's loopback (nearly free here).
 
 Part 2, the overlap: 4 gloo processes, EP=2, every MoE all-to-all carried by the simulated link
-(bench/simlink.py) at a bandwidth chosen so that the link time is `--ratio` x the compute of the
+(tests/support/simlink.py) at a bandwidth chosen so that the link time is `--ratio` x the compute of the
 no-pipelining step; hidden share = 1 - (time blocked on the link) / (the link's modelled time):
   no pipelining      DP=2 x EP=2, combined 1F1B with overlap and delayed wgrad (issue 6's schedule)
   dualpipev          PP=2 x EP=2, DualPipeV, its overlapped actions run in sequence (the control)
@@ -232,7 +232,7 @@ def bubble_worker(rank: int, args: dict) -> dict:
 
 
 def overlap_worker(rank: int, args: dict) -> dict:
-    from bench.simlink import LinkModel, use_link
+    from tests.support.simlink import LinkModel, use_link
     from gptoss_cli.parallel.state import init_parallel
     from gptoss_cli.pipeline.schedule import forward_backward_pipelining
     from gptoss_cli.schedule.combined_1f1b import forward_backward_combined_1f1b

@@ -3,7 +3,7 @@ at the recipe's world size and EP size, in one process.
 
 The real model of the rank (on the meta device), its bucketed gradient and parameter buffers, the
 distributed optimizer, `finalize_model_grads` and the MoE dispatcher run on torch's fake process
-group; every collective is recorded (bench/simulate.py says what is real and what is
+group; every collective is recorded (tests/support/simulate.py says what is real and what is
 simulated). Memory is read from the real buffers and optimizer shards; activations are the
 formula of gptoss_cli/recipe/memory.py, printed with it. `--sweep` repeats the simulation at other
 world sizes to show that the optimizer makes two collectives per bucket whatever W.
@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.simulate import RankSimulation, simulate_rank  # noqa: E402
+from tests.support.simulate import RankSimulation, simulate_rank  # noqa: E402
 from gptoss_cli.model.pattern import ATTENTION, MLP, MOE  # noqa: E402
 from gptoss_cli.recipe import load_recipe  # noqa: E402
 from gptoss_cli.recipe.memory import DTYPE_BYTES, activation_bytes_per_token, estimate_memory, size_text  # noqa: E402
