@@ -176,14 +176,33 @@ def usage_since(before: Mapping[str, float]) -> dict[str, float]:
 
 
 def measure(fn: Callable[[], Any], clock: str = "cpu") -> tuple[Any, dict[str, float]]:
-    """(fn's result, metrics of the call): `time_s` by `clock`, `user_s`, `system_s`, `minor_faults`.
+    """(fn's result, metrics of the call): `time_s` by `clock` (`cpu`, `wall`, or `cuda`: CUDA events
+    around the call), `user_s`, `system_s`, `minor_faults`.
     When fn returns a dict of numbers, those are metrics too and take precedence (a side that times
     only part of its call returns its own `time_s`)."""
+    if clock == "cuda":
+        return _measure_cuda(fn)
     tick = CLOCKS[clock]
     before = usage()
     t0 = tick()
     out = fn()
     metrics = {"time_s": tick() - t0, **usage_since(before)}
+    if isinstance(out, dict):
+        metrics.update({k: float(v) for k, v in out.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
+    return out, metrics
+
+
+def _measure_cuda(fn: Callable[[], Any]) -> tuple[Any, dict[str, float]]:
+    """`measure` on the GPU: the time between two CUDA events around the call (the device's time)."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    before = usage()
+    start.record()
+    out = fn()
+    end.record()
+    end.synchronize()
+    metrics = {"time_s": start.elapsed_time(end) / 1e3, **usage_since(before)}
     if isinstance(out, dict):
         metrics.update({k: float(v) for k, v in out.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
     return out, metrics
