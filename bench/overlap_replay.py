@@ -40,6 +40,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
+from bench import harness  # noqa: E402
 from bench.overlap import add_model_args  # noqa: E402
 from tests.support.simlink import LinkModel  # noqa: E402
 from gptoss_cli.model import grouped_gemm  # noqa: E402
@@ -140,12 +141,13 @@ def replay(calls: list[tuple[list, list]], wire_s: float) -> tuple[float, float]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = harness.parser(__doc__)
     add_model_args(ap, microbatches=16, micro_batch=2)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--ratios", default="0.25,0.5,1,2")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    run = harness.Run("overlap_replay", args, clock="cpu").__enter__()  # op times: CPU time of the recording thread
     calls = record(args)
     ops = [op for f, b in calls for op in f + b]
     compute = sum(before + after for kind, before, after in ops)
@@ -160,7 +162,14 @@ def main() -> None:
         plain = compute + comm
         print(f"  comm = {r:g} x compute: plain {1e3 * plain:.0f} ms, overlap {1e3 * clock:.0f} ms -> "
               f"{plain / clock:.2f}x, hidden {100 * (1 - waited / comm):.1f}%")
+        case = f"comm = {r:g} x compute (virtual time)"
+        run.add(case, "plain", "step_s", plain)
+        run.add(case, "overlap", "step_s", clock)
+        run.add(case, "overlap", "hidden_share", 1 - waited / comm)
+        run.ratio(case, "plain", "overlap", "step_s", name="overlap / plain speed")
     assert abs(idle_clock - compute) < 1e-9 * max(1.0, compute)
+    run.extra.update(compute_s=compute, all_to_alls=comms)
+    run.finish()
 
 
 if __name__ == "__main__":
