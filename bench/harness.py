@@ -362,12 +362,14 @@ class Run:
     def ratio(self, case: str, num: str, den: str, metric: str = "time_s", *, name: str | None = None,
               values: Sequence[float] | None = None) -> dict:
         """Record num's `metric` over den's, round by round (from what `add` recorded, or `values`
-        given per round); its median, min and max. Returns that entry."""
+        given per round); its median, min and max, under `name` (default "num / den", and the metric
+        unless it is time_s). Returns that entry."""
         if values is None:
             settings = self._case(case)["settings"]
             values = [a / b for a, b in zip(settings[num][metric]["values"], settings[den][metric]["values"])]
         entry = {"num": num, "den": den, "metric": metric, **stats(values)}
-        self._case(case)["ratios"][name or f"{num} / {den}"] = entry
+        default = f"{num} / {den}" + ("" if metric == "time_s" else f", {metric}")
+        self._case(case)["ratios"][name or default] = entry
         return entry
 
     def settings(self) -> list[str]:

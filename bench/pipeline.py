@@ -344,13 +344,12 @@ def main() -> None:
                 print(f"  {r['schedule']:24s} step {r['median_step_ms']:7.1f} ms  measured {meas}  |  theory: closed "
                       f"form {100 * r['theory_closed_form']:.1f}%, torch's order replayed {sim}  (f, b, w ms "
                       + ", ".join(f"{x:.1f}" for x in r["f_b_w_ms"]) + ")")
-                case = f"PP=2 bubble, {r['schedule']}"
-                run.add(case, r["schedule"], "step_s", r["step_s"])
+                run.add("PP=2 bubble", r["schedule"], "step_s", r["step_s"])
                 for k, v in sorted(r["measured_bubble"].items()):
-                    run.add(case, f"measured, rank {k}", "bubble_share", v)
-                run.add(case, "closed form", "bubble_share", r["theory_closed_form"])
+                    run.add("PP=2 bubble", r["schedule"], f"bubble_rank{k}_share", v)
+                run.add("PP=2 bubble", r["schedule"], "closed_form_bubble_share", r["theory_closed_form"])
                 for k, v in sorted(r["theory_replayed"].items()):
-                    run.add(case, f"torch's order replayed, rank {k}", "bubble_share", v)
+                    run.add("PP=2 bubble", r["schedule"], f"replayed_bubble_rank{k}_share", v)
         if a.skip != "overlap":
             ranks = run_distributed(overlap_worker, 4, Path(tmp) / "o", args, timeout=3600,
                                     preload=("gptoss_cli.train.loop", "gptoss_cli.pipeline.schedule"))
