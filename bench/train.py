@@ -11,15 +11,15 @@ the same batch:
     (tests/model/conftest.py), so the first step's losses must agree (checked, printed);
   * ours at EP=2 on 2 gloo processes (each process takes half of the same global batch; wall
     clock only, so only with `--clock wall`).
-Steps alternate between the two implementations (ours, transformers, transformers, ours, ...), so
-load on a shared machine hits both alike. By default each step is timed by this process's CPU
-time on one thread (`--clock cpu --threads 1`): on a shared host that measures the work, not the
-waiting. Prints tokens/s from the median step time, the ratio ours / transformers per repeat
-(median of that repeat's steps; the spread is their min-max), and the share of the GEMM peak:
-model FLOPs per step (`model_flops_per_step`: 6 x matmul parameters touched per token x tokens,
-plus the attention scores and their products over the visible keys) divided by the step time and
-by the fp32 `torch.mm` rate of this CPU measured between the repeats of the same run
-(`gemm_peak_gflops`, the median, with its min-max). `--profile` adds one profiled step of each side
+Steps alternate between the two implementations and a square fp32 `torch.mm` (the GEMM peak), the
+order rotating at every step (bench/harness.py), so load on a shared machine hits all alike. By
+default each step is timed by this process's CPU time on one thread (`--clock cpu --threads 1`): on
+a shared host that measures the work, not the waiting. Prints tokens/s from the median step time,
+the ratio ours / transformers per repeat (median of that repeat's steps; the figure is the median
+over repeats, the spread their min-max), and the share of the GEMM peak: model FLOPs per step
+(`model_flops_per_step`: 6 x matmul parameters touched per token x tokens, plus the attention scores
+and their products over the visible keys) divided by the step time and by the fp32 `torch.mm` rate
+of this CPU measured in the same rotation (`gemm_peak_gflops`, the median, with its min-max). `--profile` adds one profiled step of each side
 after the timings: the top operators by self CPU time, each side's GEMM share, and the ceilings of
 the ratio and of the share of the GEMM peak if every non-GEMM operator of ours were free.
 
