@@ -25,7 +25,7 @@ The load average during the run is printed with the figures.
 against model/skinny_gemm.py's `skinny_linear` on an LM head and expert weights, 1-16 rows.
 
 Presets: `tiny` (gptoss_cli/model/config.py), `medium` (tiny at hidden 512, 16 experts top-4) and
-`wide` (medium with 8 query / 2 kv heads of 64 and a 20480-token vocabulary): bench/common.py.
+`wide` (medium with 8 query / 2 kv heads of 64 and a 20480-token vocabulary): bench/peers.py.
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ gradients, at W=1 and at W=2 (2 gloo processes, EP=2), and prints the ratios:
 intermediate 512, 16 experts top-4; what `--arch hidden_size=512,intermediate_size=512,
 num_local_experts=16,num_experts_per_tok=4` gave before) or `wide` (medium with 8 query / 2 kv
 heads of 64 and a 20480-token vocabulary, 61M parameters, where the experts, attention and LM head
-have realistic shares of the step): bench/common.py.
+have realistic shares of the step): bench/peers.py.
 
 Both sides share the process, so they share its allocator and thread settings. The headline runs
 with the allocator as `gptoss train` runs it (glibc's defaults); `--allocators train keep` adds a

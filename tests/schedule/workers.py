@@ -137,7 +137,7 @@ def link_timings(group: Any) -> dict[str, Any]:
     out["wire_sync"] = timed(lambda: all_to_all(x, splits, splits, group, wire))
     out["wire_two_async"] = timed(lambda: two_async(wire_two))
     # No communication object given: the dispatcher's default (torch.distributed). Whatever delays a
-    # simulated link adds is a sleep (bench/simlink.wait_until), so count the sleeps instead of
+    # simulated link adds is a sleep (tests/support/simlink.wait_until), so count the sleeps instead of
     # timing the call, which a loaded host can stretch past any bound.
     sleeps: list[float] = []
     real_sleep = time.sleep
