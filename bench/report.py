@@ -153,7 +153,12 @@ def _cell(text: str) -> str:
 def run_text(record: dict) -> str:
     date = record["date"].replace("T", " ")[:16]
     load = record.get("load")
-    text = date if load is None else f"{date}, load {load['min']:.1f}-{load['max']:.1f}"
+    if load is None:
+        text = date
+    elif load["min"] == load["max"]:
+        text = f"{date}, load {load['min']:.1f}"
+    else:
+        text = f"{date}, load {load['min']:.1f}-{load['max']:.1f}"
     return text + (" †" if record["source"] != "measured" else "")
 
 
