@@ -9,8 +9,8 @@ Function-local imports count too (they used to hide cycles). The rules:
 - the library never imports the CLI (gptoss_cli/cli/) or rich;
 - no file in the package over 500 lines, no function (package or tests) over 100, no import circle;
 - no two classes in the package share a name;
-- nothing under gptoss_cli/ imports benchmark or test scaffolding: bench/, tests/, or
-  torch.testing._internal (simulated links and fake process groups live in bench/).
+- nothing under gptoss_cli/ imports benchmark, tool or test scaffolding: bench/, tools/, tests/, or
+  torch.testing._internal (simulated links and fake process groups live in tests/support/).
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def test_library_never_imports_rich():
     assert not bad, bad
 
 
-SCAFFOLDING = ("bench", "tests", "torch.testing._internal")
+SCAFFOLDING = ("bench", "tools", "tests", "torch.testing._internal")
 
 
 def test_package_never_imports_bench_or_test_scaffolding():

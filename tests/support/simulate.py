@@ -1,6 +1,6 @@
 """One rank of a recipe's DP x EP layout in one process: what it holds and which collectives one
 training step makes, without the cluster (bench/scale.py prints it; tests/train/test_scale_simulation.py
-checks it). Bench scaffolding, not part of the package: it uses torch's internal fake process group.
+checks it). Test and bench scaffolding, not part of the package: it uses torch's internal fake process group.
 
 Runs for real: the model of this rank (its slice of the experts, built on the meta device, so 120B
 costs no memory), the bucketed gradient and parameter buffers, the distributed optimizer's shards,

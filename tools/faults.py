@@ -15,7 +15,7 @@ Prints, per part: trials, how often DST / `latest` was incomplete (must be 0), h
 something was left behind right after the kill, what was left after the next run (must be 0),
 and failed next runs (must be 0).
 
-    python bench/faults.py --n 20 --workdir /tmp/gptoss-faults
+    python tools/faults.py --n 20 --workdir /tmp/gptoss-faults
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """The prepared GPU check: one command, under 8 minutes on one H100/H200, nothing downloaded.
 
-    bash bench/gpu_check.sh --json gpu_check.json          # on the GPU machine, from the checkout
-    python bench/gpu_check.py --device cpu --dry            # here: the same code on tiny shapes
+    bash tools/gpu_check.sh --json gpu_check.json          # on the GPU machine, from the checkout
+    python tools/gpu_check.py --device cpu --dry            # here: the same code on tiny shapes
 
-bench/gpu_check.sh first installs the pure-Python packages torch does not bring (omegaconf, typer, rich,
-...) from `.whl/` (bench/offline_deps.py: `download` here, where PyPI is reachable; the folder travels
+tools/gpu_check.sh first installs the pure-Python packages torch does not bring (omegaconf, typer, rich,
+...) from `.whl/` (tools/offline_deps.py: `download` here, where PyPI is reachable; the folder travels
 with the tree), then runs this script with the checkout on PYTHONPATH. It works with whatever torch
 the machine has (2.6 or newer, CUDA).
 

@@ -1,13 +1,13 @@
 """The Python packages gptoss needs besides torch, carried to a machine that cannot fetch them.
 
 A GPU machine may come with torch (another version, with CUDA) preinstalled and nothing else, and no
-network. Here, with a network: `python bench/offline_deps.py download` has pip resolve the packages
+network. Here, with a network: `python tools/offline_deps.py download` has pip resolve the packages
 below (within pyproject.toml's bounds; the newest each CPython takes) for CPython 3.10-3.13 on x86_64 Linux and
 puts their wheels into `.whl/` at the repository root (git-ignored; pure-Python wheels plus the few
 compiled ones they pull, PyYAML and pydantic-core: about 25 MB). The folder travels with the working
-tree (the device tool's `carry: [".whl"]`). There, `python bench/offline_deps.py install` installs from
+tree (the device tool's `carry: [".whl"]`). There, `python tools/offline_deps.py install` installs from
 `.whl/` only (`pip --no-index --no-deps`) each distribution none of whose top-level modules imports
-yet, into `.whl/site`, which bench/gpu_check.sh puts on PYTHONPATH: nothing the machine already has
+yet, into `.whl/site`, which tools/gpu_check.sh puts on PYTHONPATH: nothing the machine already has
 (torch's own dependencies among them) is shadowed or replaced.
 
 Stdlib only: it runs before anything is installed.
@@ -24,7 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 WHEELS = ROOT / ".whl"
-# The library (training, doctor, bench/gpu_check.py) imports omegaconf; the CLI typer and rich
+# The library (training, doctor, tools/gpu_check.py) imports omegaconf; the CLI typer and rich
 # (pyproject.toml's bounds).
 TOP_LEVEL = ("omegaconf>=2.3", "typer>=0.12", "rich>=13")
 PYTHONS = ("3.10", "3.11", "3.12", "3.13")
@@ -63,7 +63,7 @@ def install(source: Path = WHEELS) -> Path:
     site = source / "site"
     sys.path.insert(0, str(site))  # what an earlier call installed there is not missing
     if not source.is_dir():
-        raise SystemExit(f"{source} is missing; run `python bench/offline_deps.py download` where PyPI is reachable")
+        raise SystemExit(f"{source} is missing; run `python tools/offline_deps.py download` where PyPI is reachable")
     need = missing(source)
     if need:
         subprocess.run([sys.executable, "-m", "pip", "install", "--no-index", "--no-deps", "--find-links", str(source),

@@ -18,7 +18,7 @@ The model, per rank (a full-duplex link of `gbps` Gbit/s each way):
   * the count exchange (a few integers) is not queued behind bulk transfers: it pays
     latency + bytes / bandwidth from its issue (on GPUs Megatron runs it on the compute stream).
 The real gloo collective runs inside the modelled time; a transfer completes at the later of the
-two. Bench scaffolding (bench/overlap.py, tests/schedule/): the package never imports it.
+two. Scaffolding of bench/overlap.py, bench/pipeline.py and tests/schedule/: the package never imports it.
 """
 
 from __future__ import annotations
