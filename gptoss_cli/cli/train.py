@@ -169,7 +169,7 @@ def train_cmd(
 ) -> None:
     check_json_path(json_path)
     from gptoss_cli.recipe.load import load_recipe
-    from gptoss_cli.train.launch import train
+    from gptoss_cli.run.launch import train
 
     loaded = load_recipe(recipe, overrides or [])
     result = train(loaded, nproc_per_node=nproc_per_node, progress=TrainProgressBar(quiet))

@@ -1,4 +1,4 @@
-"""The training loop of one rank: the `Trainer` that train/worker.py's `run_worker` runs.
+"""The training loop of one rank: the `Trainer` that `run_worker` (gptoss_cli/run/worker.py) runs.
 
 The `Trainer` is built in named steps as torchtitan's is:
 `Trainer(job, state)` builds the model, optimizer, data and schedule; `resume()` loads the latest
@@ -112,7 +112,7 @@ class Trainer:
         self.data = self._build_data()
         self.validator = Validator(cfg, state, job.arch.vocab_size) if cfg.validation.data else None
         if job.objective is None:
-            raise ValueError("TrainJob.objective is None: train/worker.py's build_objective chooses the recipe's")
+            raise ValueError("TrainJob.objective is None: run_worker builds the recipe's (gptoss_cli/run/objectives.py)")
         self.objective = job.objective
         self.schedule = get_forward_backward_func(self.model_config)
         # every MoE layer of the model, also those other pipeline stages hold

@@ -2,7 +2,7 @@
 
 Rank 0's training loop calls `progress(event)` (gptoss_cli/train/loop.py) with one of the events
 below; the CLI renders them (gptoss_cli/cli/train.py, `TrainProgressBar`). The callback object is
-pickled into the spawned workers (gptoss_cli/train/launch.py) and called there; the events are
+pickled into the spawned workers (gptoss_cli/run/launch.py) and called there; the events are
 plain frozen dataclasses of plain data, so they pickle too. `TrainResult` is what the run returns
 (and `TrainFinished` carries).
 """
@@ -15,7 +15,7 @@ from typing import Any, Callable, Union
 
 @dataclass
 class TrainResult:
-    """What a run did: rank 0's view, returned by `run_worker` and `gptoss_cli.train.launch.train`."""
+    """What a run did: rank 0's view, returned by `run_worker` and `gptoss_cli.run.launch.train`."""
 
     steps: int  # optimizer steps done by this run
     final_step: int  # global step count reached

@@ -1,5 +1,5 @@
-"""The training-objective seam (train/objective.py): per-token log-probabilities, and an objective of
-one's own run by the unchanged loop.
+"""The training-objective seam (train/objective.py, run/objectives.py): per-token log-probabilities, an
+objective of one's own run by the unchanged loop, and the objective table's kinds.
 
 The custom objective here has GRPO's shape: `prepare_step` scores the step's microbatches with a
 forward-only pass (the "old policy" log-probabilities), the loss is the clipped-ratio surrogate
@@ -18,7 +18,9 @@ import pytest
 import torch
 
 from gptoss_cli.model.loss import IGNORE_INDEX, HybridOutput
-from gptoss_cli.train.worker import run_worker
+from gptoss_cli.recipe import schema
+from gptoss_cli.run.objectives import OBJECTIVES, build_objective, objective_row
+from gptoss_cli.run.worker import run_worker
 from gptoss_cli.train.objective import CrossEntropyObjective, TrainingObjective, forward_step, router_losses, token_log_probs
 from tests.tolerances import U_FP32, reassociation_rel
 from tests.train.workers import TINY, tiny_plan
@@ -57,6 +59,10 @@ class ClippedRatioObjective(TrainingObjective):
     forward_only_passes: int = 0
     name = "clipped_ratio_test"
     sums = ("nll_sum", "num_tokens", "ratio_sum")
+
+    @classmethod
+    def from_recipe(cls, config):
+        return cls(aux_loss_coeff=config.moe.aux_loss_coeff)
 
     def prepare_step(self, microbatches, context):
         mbs = list(microbatches)
@@ -104,9 +110,17 @@ def test_an_objective_of_ones_own_runs_in_the_loop_and_adds_its_metrics(tmp_path
     assert objective.forward_only_passes == 1  # one step: one forward-only scoring of its microbatches
 
 
-def test_the_default_objective_is_the_recipes_cross_entropy(tmp_path):
-    from gptoss_cli.train.worker import build_objective
+def test_the_objective_table_has_a_row_for_every_kind_a_recipe_may_name():
+    assert tuple(OBJECTIVES) == schema.OBJECTIVES
+    from gptoss_cli.errors import ConfigError
 
+    config = schema.RecipeConfig()
+    config.objective.kind = "dpo"
+    with pytest.raises(ConfigError, match="objective.kind='dpo': no such training objective"):
+        objective_row(config)
+
+
+def test_the_default_objective_is_the_recipes_cross_entropy(tmp_path):
     plan = tiny_plan(str(tmp_path), aux_loss_coeff=0.01)
     objective = build_objective(plan.config)
     assert isinstance(objective, CrossEntropyObjective) and objective.aux_loss_coeff == 0.01
