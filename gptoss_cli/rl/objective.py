@@ -38,6 +38,7 @@ from gptoss_cli.recipe.schema import RecipeConfig
 from gptoss_cli.rl.logprobs import policy_log_probs
 from gptoss_cli.train.data import Microbatch
 from gptoss_cli.train.objective import TrainingObjective, router_losses
+from gptoss_cli.train.progress import MetricDisplay
 
 ADVANTAGE_EPS = 1e-4  # TRL's: advantages / (std + 1e-4)
 
@@ -81,6 +82,10 @@ class GRPOObjective(TrainingObjective):
         "loss_sum", "num_tokens", "pg_loss_sum", "completion_tokens", "completions", "kl_ref_sum", "clipped_sum",
         "entropy_sum", "mismatch_sum", "mismatch_abs_sum", "is_weight_sum", "is_capped_sum", "aux_loss_sum",
         "z_loss_sum")
+    # reward_mean is the rollout's (RLTrainer adds it to the step's metrics, rl/rollouts.py)
+    shown_metrics: ClassVar[tuple[MetricDisplay, ...]] = (
+        MetricDisplay("reward_mean", label="mean reward", console="reward", format=".3f"),
+        MetricDisplay("mismatch_kl", label="mismatch KL (engine || trainer)", console="mismatch", format=".1e"))
 
     @classmethod
     def from_recipe(cls, config: RecipeConfig) -> "GRPOObjective":

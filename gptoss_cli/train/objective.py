@@ -30,7 +30,10 @@ An objective is built from a recipe by its class's `from_recipe(config)`, which 
 section for it; gptoss_cli/run/objectives.py's table is the one place a recipe's `objective.kind`
 picks the objective (and the Trainer that runs it). A `TrainJob` may carry its own instead
 (`TrainJob.objective`), which is how an objective is run without a recipe kind. Objectives travel to
-spawned workers inside the job: plain, picklable objects.
+spawned workers inside the job: plain, picklable objects. `shown_metrics` names the metrics (of
+`metrics`, or of the objective's Trainer) that `gptoss train`'s console line and `gptoss report`
+show, with their labels: the loop hands them on without knowing their names (train/progress.py,
+`MetricDisplay`).
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from gptoss_cli.model.loss_chunk import lm_loss_chunk_tokens
 from gptoss_cli.parallel.grads import get_attr_wrapped_model, get_model_config
 from gptoss_cli.recipe.schema import RecipeConfig
 from gptoss_cli.train.data import Microbatch
+from gptoss_cli.train.progress import MetricDisplay
 
 @dataclass
 class StepContext:
@@ -80,6 +84,9 @@ class TrainingObjective(abc.ABC):
     # Names in every microbatch's logs that the step adds up (device scalars). The schedule puts
     # `loss_sum` and `num_tokens` (the normaliser) in every log itself.
     sums: ClassVar[tuple[str, ...]] = ("loss_sum", "num_tokens")
+    # The step's metrics (metrics.jsonl fields) the console line and `gptoss report` show, in this
+    # order, with their labels and formats; every metric goes to metrics.jsonl and the loggers anyway.
+    shown_metrics: ClassVar[tuple[MetricDisplay, ...]] = ()
 
     @classmethod
     def from_recipe(cls, config: RecipeConfig) -> "TrainingObjective":

@@ -1,5 +1,6 @@
 """The training-objective seam (train/objective.py, run/objectives.py): per-token log-probabilities, an
-objective of one's own run by the unchanged loop, and the objective table's kinds.
+objective of one's own run by the unchanged loop, and the same objective added as one row of the
+objective table, its metric shown on the console, in metrics.jsonl, the loggers and report.
 
 The custom objective here has GRPO's shape: `prepare_step` scores the step's microbatches with a
 forward-only pass (the "old policy" log-probabilities), the loss is the clipped-ratio surrogate
@@ -16,12 +17,18 @@ import json
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
+from gptoss_cli.cli import app
+from gptoss_cli.cli.train import TrainProgressBar
 from gptoss_cli.model.loss import IGNORE_INDEX, HybridOutput
 from gptoss_cli.recipe import schema
-from gptoss_cli.run.objectives import OBJECTIVES, build_objective, objective_row
+from gptoss_cli.run.objectives import OBJECTIVES, ObjectiveRow, build_objective, objective_row
 from gptoss_cli.run.worker import run_worker
+from gptoss_cli.train.loggers import scalar_tags
+from gptoss_cli.train.loop import Trainer
 from gptoss_cli.train.objective import CrossEntropyObjective, TrainingObjective, forward_step, router_losses, token_log_probs
+from gptoss_cli.train.progress import MetricDisplay
 from tests.tolerances import U_FP32, reassociation_rel
 from tests.train.workers import TINY, tiny_plan
 
@@ -59,6 +66,7 @@ class ClippedRatioObjective(TrainingObjective):
     forward_only_passes: int = 0
     name = "clipped_ratio_test"
     sums = ("nll_sum", "num_tokens", "ratio_sum")
+    shown_metrics = (MetricDisplay("mean_ratio", label="mean ratio p / p_old", console="ratio", format=".4f"),)
 
     @classmethod
     def from_recipe(cls, config):
@@ -108,6 +116,30 @@ def test_an_objective_of_ones_own_runs_in_the_loop_and_adds_its_metrics(tmp_path
     assert abs(record["mean_ratio"] - 1.0) <= 8 * U_FP32  # the forward-only pass scored the same weights
     assert record["loss"] == custom.losses[0] and record["rank_tokens"] == tokens
     assert objective.forward_only_passes == 1  # one step: one forward-only scoring of its microbatches
+
+
+def test_a_new_objective_is_one_class_and_one_table_row(tmp_path, monkeypatch, capsys):
+    """The objective above as a row of the objective table and nothing else: the recipe's objective.kind
+    picks it, and the metric it declares is on the console line (its word and format), in metrics.jsonl,
+    in the loggers' scalars and in `gptoss report`'s summary and curves (its label)."""
+    monkeypatch.setitem(OBJECTIVES, "clipped_ratio", ObjectiveRow(ClippedRatioObjective.from_recipe, Trainer))
+    monkeypatch.setenv("COLUMNS", "200")  # one line per step, unwrapped
+    run = tmp_path / "run"
+    run_worker(tiny_plan(str(run), train_iters=2, objective="clipped_ratio"), TrainProgressBar())
+
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step")]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(lines) == len(records) == 2
+    for line, record in zip(lines, records):
+        assert f"loss {record['loss']:.4f} ratio {record['mean_ratio']:.4f} lr " in line, line
+    assert scalar_tags(records[-1])["train/mean_ratio"] == records[-1]["mean_ratio"]  # TensorBoard / W&B
+    result = CliRunner().invoke(app, ["report", str(run), "--no-plots", "--json", str(tmp_path / "summary.json")])
+    assert result.exit_code == 0, result.output
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["curves"]["mean_ratio"]["last"] == records[-1]["mean_ratio"] and "mean_ratio" in result.output
+    from gptoss_cli.train.report import read_metrics
+
+    assert read_metrics(run).curves[-1] == ("mean_ratio", "mean ratio p / p_old")  # the plot's label
 
 
 def test_the_objective_table_has_a_row_for_every_kind_a_recipe_may_name():
