@@ -28,8 +28,10 @@ from gptoss_cli.train.objective import CrossEntropyObjective, TrainingObjective
 class ObjectiveRow(NamedTuple):
     """One objective kind: what builds its objective from a recipe, and the Trainer that runs it."""
 
-    build: Callable[[RecipeConfig], TrainingObjective]
-    trainer: type[Trainer]
+    build: Callable[[RecipeConfig], TrainingObjective]  # the objective class's `from_recipe`
+    # A Trainer class, called as `trainer(job, state, progress=, heartbeat=, loggers=)`; a kind whose
+    # Trainer depends on its section may give a function of those that returns one.
+    trainer: Callable[..., Trainer]
 
 
 OBJECTIVES: dict[str, ObjectiveRow] = {
@@ -53,9 +55,4 @@ def build_objective(config: RecipeConfig) -> TrainingObjective:
     return objective_row(config).build(config)
 
 
-def trainer_class(config: RecipeConfig) -> type[Trainer]:
-    """The Trainer that runs the recipe's objective (its row's)."""
-    return objective_row(config).trainer
-
-
-__all__ = ["OBJECTIVES", "ObjectiveRow", "objective_row", "build_objective", "trainer_class"]
+__all__ = ["OBJECTIVES", "ObjectiveRow", "objective_row", "build_objective"]

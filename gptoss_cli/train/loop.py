@@ -270,9 +270,11 @@ class Trainer:
         if self.loggers is not None:
             self.loggers.log(out.step, records)
         if self.emit and (out.step % self.cfg.logging.log_interval == 0 or out.step == t.train_iters):
-            # the objective's (and its Trainer's) numbers by name: the loop knows none of them
-            objective = {k: v for k, v in out.metrics.items() if k not in ("loss", "tokens")
-                         and isinstance(v, (int, float)) and not isinstance(v, bool)}
+            # every other number of the line by name (the objective's, its Trainer's, a validation's
+            # beyond val_loss): the loop knows none of them
+            objective = {k: v for k, v in {**out.metrics, **(extra or {})}.items()
+                         if k not in STEP_FIELDS and k != "tokens" and isinstance(v, (int, float))
+                         and not isinstance(v, bool)}
             self.emit(StepDone(step=out.step, objective_metrics=objective,
                                **{k: v for k, v in common.items() if k in STEP_FIELDS}))
         return common

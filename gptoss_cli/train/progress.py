@@ -88,8 +88,9 @@ class StepDone:
     hardware_tflops_per_gpu: float  # with recompute's repeated forward work
     fp8: dict[str, Any] | None = None  # `Fp8Gemms.summary()` when FP8 runs
     val_loss: float | None = None  # the held-out loss, at the steps validation ran (validation.*)
-    # The step's other metrics (the objective's and its Trainer's: aux_loss, GRPO's reward_mean...),
-    # by their metrics.jsonl names; `TrainStarted.shown_metrics` says which the step lines show.
+    # The line's other numbers by their metrics.jsonl names: the objective's and its Trainer's (aux_loss,
+    # GRPO's reward_mean...), and a validation's beyond val_loss; `TrainStarted.shown_metrics` says
+    # which the step lines show.
     objective_metrics: dict[str, float] = field(default_factory=dict)
 
 
