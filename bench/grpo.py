@@ -40,7 +40,7 @@ def grpo_step_times(run: harness.Run, arch, steps: int, folder: Path, overrides:
     from gptoss_cli.data.tiny_tokenizer import tiny_tokenizer
     from gptoss_cli.recipe import load_recipe
     from gptoss_cli.train.job import TrainJob
-    from gptoss_cli.train.worker import run_worker
+    from gptoss_cli.run.worker import run_worker
 
     tok = folder / "tokenizer.json"
     tok.write_text(json.dumps(tiny_tokenizer(arch.vocab_size)))

@@ -111,7 +111,7 @@ class RssWatch:
 
 def runtime_rss(threads: int) -> int:
     """RSS of a process that imported what a training worker imports (torch, torch.distributed, the loop)."""
-    code = ("import torch, torch.distributed, gptoss_cli.train.loop, gptoss_cli.train.launch\n"
+    code = ("import torch, torch.distributed, gptoss_cli.train.loop, gptoss_cli.run.launch\n"
             "from gptoss_cli.resources import peak_rss_bytes\n"
             "import pathlib; print([int(l.split()[1]) * 1024 for l in pathlib.Path('/proc/self/status')"
             ".read_text().splitlines() if l.startswith('VmRSS')][0])")

@@ -312,7 +312,7 @@ class ServeCheckConfig:
     dtype: str = _f("float32", "what the engine computes in", choices=("float32", "bfloat16"))
 
 
-# What a training step minimises (gptoss_cli/train/objective.py; chosen by `build_objective` in train/worker.py).
+# What a training step minimises (gptoss_cli/train/objective.py): the kinds of gptoss_cli/run/objectives.py's table.
 OBJECTIVES = ("cross_entropy", "grpo")
 # GRPO's loss normalisations, as TRL names them (docs/rl.md)
 RL_LOSSES = ("grpo", "dapo", "dr_grpo")

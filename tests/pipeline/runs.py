@@ -234,7 +234,7 @@ def _remember_stage_group():
 def train_configs(rank: int, plans: list[tuple[Any, str | None]]) -> list[list[dict[str, Any]]]:
     """run_worker for each (job, mutation) in turn, in one gloo group; this rank's step records per job."""
     from gptoss_cli.pipeline.plan_stage import OVERLAPPED
-    from gptoss_cli.train.worker import run_worker
+    from gptoss_cli.run.worker import run_worker
 
     module, real, spy = _remember_stage_group()
     module.state_from_world = spy

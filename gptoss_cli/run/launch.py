@@ -38,9 +38,9 @@ from gptoss_cli import errors
 from gptoss_cli.errors import ConfigError, GptossError, Terminated, TrainingError
 from gptoss_cli.outputs import FolderLock
 from gptoss_cli.parallel.state import check_local_gpus, torchrun_env
+from gptoss_cli.run.worker import run_worker
 from gptoss_cli.train.heartbeat import Watchdog
 from gptoss_cli.train.job import TrainJob
-from gptoss_cli.train.worker import run_worker
 from gptoss_cli.train.progress import TrainProgress, TrainResult
 from gptoss_cli.train.resume import check_resume_point
 
