@@ -27,8 +27,7 @@ FORBIDDEN = {
     "recipe": ("train", "cli"),
     "checkpoint": ("train", "cli", "parallel", "schedule", "recipe"),
     "parallel": ("train", "cli", "checkpoint", "recipe"),
-    "schedule": ("train", "cli", "checkpoint", "recipe"),
-    "pipeline": ("train", "cli", "checkpoint", "recipe"),
+    "schedule": ("train", "cli", "checkpoint", "recipe"),  # pipeline/ included
     "fp8": ("train", "cli", "checkpoint", "recipe", "parallel", "schedule"),
     "train": ("cli",),
     "parity": ("cli", "train"),

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 from gptoss_cli.errors import ConfigError, UsageError, ValidationFailed
 from gptoss_cli.recipe.load import Recipe, load_recipe, recipe_from_config
 from gptoss_cli.recipe.environment import installed_torch_version
-from gptoss_cli.pipeline.layout import SPLIT_BACKWARD, bubble_fraction, pipeline_layout
+from gptoss_cli.schedule.pipeline.layout import SPLIT_BACKWARD, bubble_fraction, pipeline_layout
 from gptoss_cli.recipe.flops import FlopCount, count_flops, pipeline_op_flops, recompute_flops_per_token
 from gptoss_cli.recipe.rules.parallel import microbatches_per_step
 from gptoss_cli.recipe.memory import MemoryEstimate, recompute_plan

@@ -13,10 +13,10 @@ from typing import Any, Callable
 
 
 def get_forward_backward_func(config: Any) -> Callable[..., Any]:
-    """The schedule the recipe asks for: a pipeline schedule with PP > 1 (gptoss_cli/pipeline/),
+    """The schedule the recipe asks for: a pipeline schedule with PP > 1 (gptoss_cli/schedule/pipeline/),
     combined 1F1B with overlap, else the plain one."""
     if getattr(config, "pipeline_model_parallel_size", 1) > 1:
-        from gptoss_cli.pipeline.schedule import forward_backward_pipelining
+        from gptoss_cli.schedule.pipeline.schedule import forward_backward_pipelining
 
         return forward_backward_pipelining
     if getattr(config, "overlap_moe_expert_parallel_comm", False):

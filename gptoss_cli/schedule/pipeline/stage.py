@@ -40,7 +40,7 @@ from gptoss_cli.model.gemm.grouped import WgradQueue
 from gptoss_cli.model.loss import HybridOutput
 from gptoss_cli.model.moe import MoELayer
 from gptoss_cli.model.router_stats import RouterStats, router_table
-from gptoss_cli.pipeline.layout import Stage
+from gptoss_cli.schedule.pipeline.layout import Stage
 
 
 @dataclass

@@ -35,7 +35,7 @@ from gptoss_cli.model.mlp import DenseMLPLayer
 from gptoss_cli.model.moe import MoELayer
 from gptoss_cli.model.router_stats import RouterStats, router_table
 from gptoss_cli.model.schedule_plan import STAT_FIELDS, ComputeNode, PlanNode, Ref, SchedulePlan, moe_layer_nodes
-from gptoss_cli.pipeline.stage import StageModule, rank_stage_class, router_terms, router_width
+from gptoss_cli.schedule.pipeline.stage import StageModule, rank_stage_class, router_terms, router_width
 from gptoss_cli.schedule.combined_1f1b import plan_backward_ops, plan_forward_ops, run_interleaved
 
 

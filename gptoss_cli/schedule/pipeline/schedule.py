@@ -6,7 +6,7 @@ last stage (none elsewhere), plus one log carrying the step's router telemetry r
 `get_forward_backward_func` picks it when the model's runtime config has PP > 1.
 
 torch.distributed.pipelining runs the stages (`PipelineStage`s built once per model and reused,
-gptoss_cli/pipeline/stage.py) under the schedule the recipe names (`SCHEDULE_CLASSES`); what gptoss
+gptoss_cli/schedule/pipeline/stage.py) under the schedule the recipe names (`SCHEDULE_CLASSES`); what gptoss
 adds around it:
 - the objective's loss: `forward_step_func(iter([microbatch]), stand_in)` is called once per
   microbatch with a stand-in model that only records the call, to get the objective's `loss_func`;
@@ -34,9 +34,9 @@ from gptoss_cli.errors import ConfigError
 from gptoss_cli.model.pattern import MOE
 from gptoss_cli.parallel.grads import get_attr_wrapped_model, get_model_config, unwrap_model
 from gptoss_cli.model.gemm.grouped import WgradQueue
-from gptoss_cli.pipeline.layout import SPLIT_BACKWARD, PipelineLayout, schedule_problems
-from gptoss_cli.pipeline.plan_stage import overlap_f_b, plan_stage_class
-from gptoss_cli.pipeline.stage import StageModule, StepTables, rank_stage_class, stage_metas
+from gptoss_cli.schedule.pipeline.layout import SPLIT_BACKWARD, PipelineLayout, schedule_problems
+from gptoss_cli.schedule.pipeline.plan_stage import overlap_f_b, plan_stage_class
+from gptoss_cli.schedule.pipeline.stage import StageModule, StepTables, rank_stage_class, stage_metas
 from gptoss_cli.schedule.plain import ForwardStep, StepAccounting, finalizer
 
 SCHEDULE_CLASSES = {
