@@ -5,7 +5,7 @@ Part 1, the bubble: PP=2 on 2 gloo processes (one per core; EP=1, the widened ti
 data), each schedule in turn, `rounds` timed training steps (forward, backward, finalize; no optimizer).
 Every stage action (torch's forward, backward, backward-for-weights of a chunk) is timed on its rank:
   measured bubble = 1 - busy / step time, on the rank that idles most (both ranks' figures printed);
-  theory (closed form) = pipeline/layout.py's `bubble_fraction` at the measured per-microbatch f, b, w;
+  theory (closed form) = schedule/pipeline/layout.py's `bubble_fraction` at the measured per-microbatch f, b, w;
   theory (the schedule's own order) = torch's action lists of the schedule replayed with the measured
       action times and free communication (an event simulation: F(s, m) after F(s-1, m), the backward
       of (s, m) after that of (s+1, m), W after its I), i.e. what the order itself costs.

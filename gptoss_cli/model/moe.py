@@ -99,7 +99,7 @@ class ExpertLinear(PerExpertParams):
     @property
     def adapter(self) -> ExpertAdapter | None:
         """The adapter model/lora.py attached as the `adapter` submodule; None without one."""
-        return self._modules.get(ADAPTER)
+        return dict(self.named_children()).get(ADAPTER)  # not getattr: that is this property
 
     @property
     def weight_shape(self) -> tuple[int, int, int]:

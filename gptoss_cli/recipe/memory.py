@@ -240,7 +240,7 @@ class RankView:
     layers: frozenset[int] | None = None  # None: every layer
     embedding: bool = True
     head: bool = True
-    in_flight: float = 1.0  # microbatches whose activations it holds at its peak (pipeline/layout.py)
+    in_flight: float = 1.0  # microbatches whose activations it holds at its peak (schedule/pipeline/layout.py)
     rank: int = 0
     text: str = ""  # its stages in the layout grammar
 

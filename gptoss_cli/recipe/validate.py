@@ -201,7 +201,7 @@ def validate_recipe(
 
 def pipeline_summary(cfg: RecipeConfig, recipe: Recipe, world: int) -> dict[str, Any] | None:
     """With PP > 1 and a layout that fits: the stages, the schedule, microbatches per step and the bubble
-    in theory (pipeline/layout.py's `bubble_fraction`, at the model's forward, input-gradient and
+    in theory (schedule/pipeline/layout.py's `bubble_fraction`, at the model's forward, input-gradient and
     deferred weight-gradient FLOPs: recipe/flops.py)."""
     p = cfg.parallelism
     m = microbatches_per_step(cfg, world)
