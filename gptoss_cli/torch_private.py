@@ -63,8 +63,8 @@ def require(feature: str) -> None:
         raise ConfigError(
             f"{feature} is private to torch and untested on torch {version}: gptoss is tested with torch "
             f"{a}.{b} to {c}.{d}",
-            hint=f"install a tested torch (pip install torch=={c}.{d}.0), or run the test suite on this one and "
-                 "widen TESTED in gptoss_cli/torch_private.py")
+            hint=f"pip install torch=={c}.{d}.0; or run the test suite on this torch and widen TESTED in "
+                 "gptoss_cli/torch_private.py")
 
 
 # --- GEMMs and the optimizer step ---------------------------------------------------------------------

@@ -101,7 +101,8 @@ def private_torch_uses(nodes: list[ast.AST], where: str, defined: set[str]) -> l
         elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
               and node.func.id in ("getattr", "hasattr", "setattr", "delattr") and len(node.args) >= 2
               and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)
-              and _private(node.args[1].value) and _root(node.args[0]) in torch_names):
+              and _private(node.args[1].value)
+              and (_root(node.args[0]) in torch_names or node.args[1].value not in defined)):
             found.append((node.lineno, ast.unparse(node)))
     return [f"{where}:{line} {text}" for line, text in sorted(set(found))]
 
@@ -130,15 +131,16 @@ def f(stage, layer):
     torch.ops.aten._flash.default
     dist._thing
     hasattr(torch, "_scaled_mm")
+    getattr(stage, "_check_chunk_id")(0)
     stage._retrieve_recv_grads(0)
     layer._modules.get("adapter")
     self._own = 1
-    return self._own, torch.nn.functional.relu, os._exit
+    return self._own, getattr(self, "_own"), torch.nn.functional.relu, os._exit
 """
     nodes = list(ast.walk(ast.parse(code)))
     found = private_torch_uses(nodes, "m.py", defined_names([nodes]))
     assert [f.split(" ", 1)[1] for f in found] == [
         "import torch._dynamo", "from torch.distributed.pipelining.schedules import _wait_batch_p2p",
         "from torch.distributed._shard.sharded_tensor import Shard", "torch._grouped_mm",
-        "torch.ops.aten._flash", "dist._thing", "hasattr(torch, '_scaled_mm')", "stage._retrieve_recv_grads",
-        "layer._modules"]
+        "torch.ops.aten._flash", "dist._thing", "hasattr(torch, '_scaled_mm')", "getattr(stage, '_check_chunk_id')",
+        "stage._retrieve_recv_grads", "layer._modules"]
