@@ -18,7 +18,7 @@ from packaging.version import Version
 
 from gptoss_cli import torch_private
 from gptoss_cli.errors import ConfigError
-from gptoss_cli.model.grouped_gemm import GroupedGemm
+from gptoss_cli.model.gemm.grouped import GroupedGemm
 
 PACKAGE = Path(torch_private.__file__).resolve().parent
 # The guard's questions (they only look, on any torch); every other function of it uses a private name.
@@ -77,7 +77,7 @@ def test_an_untested_torch_imports_every_module_and_refuses_only_at_use():
                            for n in ast.walk(ast.parse(path.read_text()))))
     assert "gptoss_cli.schedule.pipeline.stage" in users and len(users) >= 10
     code = "\n".join(["import torch", "torch.__version__ = '2.99.0'", *(f"import {m}" for m in users),
-                      "from gptoss_cli.model.kv_cache import fused_sink_attention",
+                      "from gptoss_cli.model.decode.kv_cache import fused_sink_attention",
                       "try:", "    fused_sink_attention(*[torch.zeros(1, 1, 1, 8)] * 3, torch.zeros(1), None)",
                       "except Exception as exc:", "    print(type(exc).__name__, exc)"])
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
