@@ -70,7 +70,7 @@ import torch  # noqa: E402
 
 from gptoss_cli.checkpoint.hf_config import to_hf_config
 from gptoss_cli.model.catalog import SWIGLU_KERNELS
-from gptoss_cli.recipe.flops import model_flops_per_token
+from gptoss_cli.recipe.estimate.flops import model_flops_per_token
 
 from bench import harness  # noqa: E402
 from bench.peers import bench_arch, hf_peer, hybrid_weights  # noqa: E402
@@ -163,7 +163,7 @@ def hf_step_fn(model, tokens: torch.Tensor):
 
 
 def model_flops_per_step(arch, batch: int, seq: int) -> float:
-    """Training FLOPs of one step: the project's one count (gptoss_cli/recipe/flops.py, docs/flops.md)
+    """Training FLOPs of one step: the project's one count (gptoss_cli/recipe/estimate/flops.py, docs/flops.md)
     per token, times the step's tokens."""
     return model_flops_per_token(arch, seq, arch.hybrid_layer_pattern) * batch * seq
 
@@ -372,7 +372,7 @@ def _arch(name: str, overrides: str | None):
 
 def run_optimizer_bench(run: harness.Run, args: argparse.Namespace) -> dict:
     from gptoss_cli.parallel.state import ParallelState
-    from gptoss_cli.recipe.memory import parameter_layout
+    from gptoss_cli.recipe.estimate.memory import parameter_layout
 
     arch = _arch(args.preset, args.arch)
     new1, old1 = optimizer_times(arch, args.dtype, ParallelState(), args.steps, args.repeats)

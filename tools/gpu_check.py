@@ -25,7 +25,7 @@ In order, each printed as it finishes and all written to --json:
   4. a 2-layer model at GPT-OSS width (hidden 2880, 32 experts top-4, 64 / 8 heads of 64, vocabulary
      201088; a sliding-window and a full-attention layer) trained `--steps` steps in bf16 at sequence
      4096 through the real training step: tokens/s, MFU against the measured bf16 peak (model FLOPs:
-     gptoss_cli/recipe/flops.py), peak memory, and which attention kernel each layer kind got.
+     gptoss_cli/recipe/estimate/flops.py), peak memory, and which attention kernel each layer kind got.
 `--dry` runs all four on tiny shapes (any device, the CPU included: tests/test_gpu_check.py does).
 """
 
@@ -192,7 +192,7 @@ def gemm_throughput(device: str, dry: bool, repeats: int) -> dict[str, Any]:
 def wide_model_step(device: str, dry: bool, steps: int, seq: int, microbatches: int, peak_tflops: float) -> dict[str, Any]:
     from gptoss_cli.model.attention.backends import describe, layer_kernels
     from gptoss_cli.model.config import preset
-    from gptoss_cli.recipe.flops import model_flops_per_token
+    from gptoss_cli.recipe.estimate.flops import model_flops_per_token
 
     arch = preset("tiny") if dry else preset("gpt_oss_20b").replace(num_hidden_layers=2)
     seq = 32 if dry else seq

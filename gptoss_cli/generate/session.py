@@ -20,7 +20,7 @@ from gptoss_cli.errors import CheckpointError, UsageError
 from gptoss_cli.generate.decode import MAX_NEW_TOKENS, STOP_TOKEN, Generation, Sampling, generate_ids
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.model.dtypes import torch_dtype
-from gptoss_cli.recipe.memory import parameter_layout, size_text
+from gptoss_cli.recipe.estimate.memory import parameter_layout, size_text
 from gptoss_cli.resources import available_memory_bytes
 from gptoss_cli.json_input import jsonl_lines, strict_utf8
 

@@ -47,7 +47,7 @@ from gptoss_cli.train.resume import check_resume_point
 
 def default_nproc(recipe: Any) -> int:
     """Processes on this node when --nproc-per-node is not given: the recipe's world size."""
-    from gptoss_cli.recipe.sizes import resolve_world_size
+    from gptoss_cli.recipe.estimate.sizes import resolve_world_size
 
     p = recipe.config.parallelism
     if p.nodes not in (None, 1):

@@ -34,7 +34,7 @@ from gptoss_cli.errors import ConfigError, TrainingError
 from gptoss_cli.model.pattern import MOE
 from gptoss_cli.parallel.state import ParallelState, barrier
 from gptoss_cli.recipe.environment import gpu_from_device_name
-from gptoss_cli.recipe.flops import model_flops_per_token, peak_tflops, recompute_flops_per_token, throughput
+from gptoss_cli.recipe.estimate.flops import model_flops_per_token, peak_tflops, recompute_flops_per_token, throughput
 from gptoss_cli.recipe.schema import RecipeConfig
 from gptoss_cli.resources import release_freed_heap
 from gptoss_cli.schedule import get_forward_backward_func

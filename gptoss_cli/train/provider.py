@@ -34,7 +34,7 @@ from gptoss_cli.model.dtypes import torch_dtype
 from gptoss_cli.model.pattern import parse_pattern
 from gptoss_cli.schedule.pipeline.layout import PipelineLayout, pipeline_layout
 from gptoss_cli.model.recompute_plan import RecomputePlan
-from gptoss_cli.recipe.memory import recompute_plan
+from gptoss_cli.recipe.estimate.memory import recompute_plan
 from gptoss_cli.model.mxfp4.qat import qat_gemms
 from gptoss_cli.recipe.schema import RecipeConfig
 from gptoss_cli.model.dispatcher import AllToAllTokenDispatcher

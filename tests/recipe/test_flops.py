@@ -1,4 +1,4 @@
-"""Model FLOPs per token (gptoss_cli/recipe/flops.py): hand-derived 20B and 120B numbers, transformers'
+"""Model FLOPs per token (gptoss_cli/recipe/estimate/flops.py): hand-derived 20B and 120B numbers, transformers'
 own parameter shapes as the independent count of active matmul parameters, a brute-force count of the
 keys each query sees, and validate-config --json carrying the number."""
 
@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from gptoss_cli.cli import app
 from gptoss_cli.checkpoint.hf_config import to_hf_config
 from gptoss_cli.model.config import PRESETS
-from gptoss_cli.recipe.flops import (
+from gptoss_cli.recipe.estimate.flops import (
     average_keys_per_query, count_flops, model_flops_per_token, peak_tflops, recompute_flops_per_token, throughput,
 )
 

@@ -1,4 +1,4 @@
-"""The memory formulas (gptoss_cli/recipe/memory.py) against the real model, buffers and autograd."""
+"""The memory formulas (gptoss_cli/recipe/estimate/memory.py) against the real model, buffers and autograd."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from gptoss_cli.model.pattern import ATTENTION, MLP, MOE
 from gptoss_cli.parallel.grads import ALIGN, GradAccumulatingModel, GradBufferConfig
 from gptoss_cli.parallel.state import ParallelState
 from gptoss_cli.recipe import load_recipe, validate_recipe
-from gptoss_cli.recipe import memory as M
+from gptoss_cli.recipe.estimate import memory as M
 
 TINY = preset("tiny")
 

@@ -16,7 +16,7 @@ import torch
 
 from gptoss_cli.model.config import preset
 from gptoss_cli.recipe import load_recipe
-from gptoss_cli.recipe import memory as M
+from gptoss_cli.recipe.estimate import memory as M
 from tests.recipe.live_bytes import LiveBytes
 
 SMALL = ["parallelism.world_size=1", "parallelism.expert_model_parallel_size=1", "training.micro_batch_size=1",

@@ -1,5 +1,5 @@
 """What one rank's parameters are and how large its gradient buffers are: the parameter side of the
-memory estimate (gptoss_cli/recipe/memory.py), pure Python.
+memory estimate (gptoss_cli/recipe/estimate/memory.py), pure Python.
 
 `parameter_layout` lists a rank's parameters in `HybridModel.named_parameters()` order (its slice of
 the experts; a pipeline rank's layers, embedding and head only), `lora_layout` its LoRA adapters,

@@ -1,4 +1,4 @@
-"""GRPO's items in the per-GPU memory estimate (recipe/memory.py): the rollout's KV cache and a vLLM engine
+"""GRPO's items in the per-GPU memory estimate (recipe/estimate/memory.py): the rollout's KV cache and a vLLM engine
 sharing the training GPUs.
 
 - The gptoss engine decodes with `generate`'s preallocated cache (gptoss_cli/model/decode/kv_cache.py): per

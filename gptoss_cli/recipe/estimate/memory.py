@@ -37,7 +37,7 @@ Pure Python: validation must not need torch. The layout is gptoss train's (PP x 
   the head's only on the last stage's rank. The estimate is that of the largest rank; `stages` lists
   every rank's.
 
-- GRPO (objective.kind=grpo, recipe/memory_rl.py): the rollout's KV cache with the gptoss engine, the
+- GRPO (objective.kind=grpo, recipe/estimate/memory_rl.py): the rollout's KV cache with the gptoss engine, the
   vLLM engine's share of the GPU when it runs on the training GPUs, the KL reference of full fine-tuning.
 
 Not included: the CUDA context, NCCL and allocator slack; the 90% warning leaves room for them.
@@ -55,8 +55,8 @@ from gptoss_cli.model.loss_chunk import LM_LOSS_CHUNK_TOKENS as LM_LOSS_CHUNK
 from gptoss_cli.model.loss_chunk import lm_loss_chunk_tokens
 from gptoss_cli.model.pattern import ATTENTION, MLP, MOE, HybridPattern, parse_pattern
 from gptoss_cli.model.recompute_plan import RecomputePlan
-from gptoss_cli.recipe.memory_rl import rl_items
-from gptoss_cli.recipe.parameters import ParamSpec, buffer_numel, lora_layout, parameter_layout
+from gptoss_cli.recipe.estimate.memory_rl import rl_items
+from gptoss_cli.recipe.estimate.parameters import ParamSpec, buffer_numel, lora_layout, parameter_layout
 from gptoss_cli.recipe.schema import RecipeConfig
 
 GB = 1e9
