@@ -113,7 +113,7 @@ class RolloutData:
         from gptoss_cli.rl.reference import frozen_copy
         from gptoss_cli.train.provider import HybridModelProvider, ModelRuntimeConfig
 
-        runtime = ModelRuntimeConfig.from_recipe(self.cfg, self.job.arch, self.job.hybrid_layer_pattern)
+        runtime = ModelRuntimeConfig.from_recipe(self.cfg, self.job.arch, self.job.pattern)
         return frozen_copy(HybridModelProvider(runtime, seed=self.cfg.training.seed,
                                                weights=self.cfg.checkpoint.pretrained), self.state)
 
