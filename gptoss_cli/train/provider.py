@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from gptoss_cli.errors import ConfigError
-from gptoss_cli.fp8.selection import Fp8Settings, select_gemms
+from gptoss_cli.fp8.selection import Fp8Gemms, Fp8Settings, select_gemms
 from gptoss_cli.model.catalog import ATTENTION_BACKEND_DEFAULT, SWIGLU_KERNEL_DEFAULT
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.model.lora import LoraSettings, attach_lora
@@ -69,7 +69,7 @@ class ModelRuntimeConfig:
     pipeline_model_parallel_layout: str | None = None
     # Set at run time: the FP8 gemms the provider selected (which path runs, GEMM counts), and the
     # training callbacks, installed by setup on the model's own copy of this config.
-    fp8_gemms: Any = None
+    fp8_gemms: Fp8Gemms | None = None
     finalize_model_grads_func: Callable[..., Any] | None = None
     grad_scale_func: Callable[[torch.Tensor], torch.Tensor] | None = None
     no_sync_func: Callable[[], Any] | None = None
