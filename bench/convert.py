@@ -54,12 +54,12 @@ import torch
 
 from gptoss_cli.checkpoint.storage import direct_write
 from gptoss_cli.model import mxfp4
-from gptoss_cli.checkpoint.convert_plan import plan_to_hf
-from gptoss_cli.checkpoint.layouts import HF_MXFP4
+from gptoss_cli.checkpoint.formats.plan import plan_to_hf
+from gptoss_cli.checkpoint.formats.hf.layouts import HF_MXFP4
 from gptoss_cli.checkpoint.mapping import units
 from gptoss_cli.checkpoint.storage.pipeline import worker_count
 from gptoss_cli.checkpoint.storage.safetensors_io import ShardedWriter
-from gptoss_cli.checkpoint.hf_config import to_hf_config
+from gptoss_cli.checkpoint.formats.hf.config import to_hf_config
 from gptoss_cli.model.config import preset
 from gptoss_cli.resources import keep_freed_memory
 

@@ -21,7 +21,7 @@ import torch
 
 from gptoss_cli import __version__, outputs
 from gptoss_cli.checkpoint import formats
-from gptoss_cli.checkpoint.convert_plan import PROVENANCE_KEY, ConvertPlan
+from gptoss_cli.checkpoint.formats.plan import PROVENANCE_KEY, ConvertPlan
 from gptoss_cli.checkpoint.export_cost import measure_model
 from gptoss_cli.checkpoint.formats.registry import Format, Source, check_tensors
 from gptoss_cli.checkpoint.mapping import VOCAB_PADDED_HYBRID, hybrid_shapes
@@ -214,7 +214,7 @@ def read_arch_from(arch_from: str | None) -> GptOssArch | None:
         raise UsageError(f"--arch-from {arch_from!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor an HF "
                          "config.json (or a folder holding one)")
     from gptoss_cli.checkpoint.formats.hf import load_json  # noqa: PLC0415
-    from gptoss_cli.checkpoint.hf_config import from_hf_config  # noqa: PLC0415
+    from gptoss_cli.checkpoint.formats.hf.config import from_hf_config  # noqa: PLC0415
 
     return from_hf_config(load_json(path), source=str(path))
 

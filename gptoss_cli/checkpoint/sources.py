@@ -11,7 +11,7 @@ from pathlib import Path
 
 from gptoss_cli.checkpoint import formats
 from gptoss_cli.checkpoint.formats.registry import OpenOptions, Source
-from gptoss_cli.checkpoint.hf_config import EXTRA_FILES
+from gptoss_cli.checkpoint.formats.hf.config import EXTRA_FILES
 from gptoss_cli.errors import UsageError
 from gptoss_cli.model.config import GptOssArch
 

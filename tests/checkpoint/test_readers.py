@@ -9,8 +9,8 @@ import pytest
 
 from gptoss_cli.checkpoint.storage.dcp_io import DcpReader
 from gptoss_cli.checkpoint.storage.finite import NonFiniteCheck
-from gptoss_cli.checkpoint.lora_merge import LoraMergedReader
-from gptoss_cli.checkpoint.megatron.reader import MegatronReader
+from gptoss_cli.checkpoint.formats.training.readers import LoraMergedReader
+from gptoss_cli.checkpoint.formats.megatron.reader import MegatronReader
 from gptoss_cli.checkpoint.storage.pipeline import StageClock
 from gptoss_cli.checkpoint.storage.readers import RowReader, TensorReader
 from gptoss_cli.checkpoint.storage.safetensors_io import CheckpointReader, SafetensorsFile

@@ -23,7 +23,7 @@ from gptoss_cli.json_input import parse_json
 from gptoss_cli.model.config import GptOssArch
 
 if TYPE_CHECKING:
-    from gptoss_cli.checkpoint.layouts import Layout
+    from gptoss_cli.checkpoint.formats.hf.layouts import Layout
     from gptoss_cli.checkpoint.storage.readers import TensorReader
 
 @dataclass(frozen=True)
@@ -119,7 +119,7 @@ def check_tensors(source: Source, expected: dict[str, tuple[tuple[int, ...], str
         )
     import torch  # noqa: PLC0415 (the registry imports no torch)
 
-    from gptoss_cli.checkpoint.layouts import UINT8  # noqa: PLC0415
+    from gptoss_cli.checkpoint.formats.hf.layouts import UINT8  # noqa: PLC0415
     from gptoss_cli.checkpoint.mapping import check_vocab_padding  # noqa: PLC0415
 
     for name, (shape, kind) in expected.items():

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from gptoss_cli.checkpoint.formats.hf import CONFIG, is_openai_config, load_json
 from gptoss_cli.checkpoint.formats.registry import Format, OpenOptions
-from gptoss_cli.checkpoint.hf_config import from_openai_config
+from gptoss_cli.checkpoint.formats.hf.config import from_openai_config
 from gptoss_cli.errors import CheckpointError, ConfigError
 from gptoss_cli.model.config import GptOssArch
 
@@ -41,7 +41,7 @@ def architecture(root: Path, options: OpenOptions | None = None) -> tuple[GptOss
 
 
 def open_original(src: str, root: Path, revision: str | None, options: OpenOptions) -> Source:
-    from gptoss_cli.checkpoint.layouts import OPENAI_ORIGINAL  # noqa: PLC0415 (imports torch)
+    from gptoss_cli.checkpoint.formats.hf.layouts import OPENAI_ORIGINAL  # noqa: PLC0415 (imports torch)
     from gptoss_cli.checkpoint.formats.registry import Source  # noqa: PLC0415
     from gptoss_cli.checkpoint.storage.safetensors_io import CheckpointReader  # noqa: PLC0415
 

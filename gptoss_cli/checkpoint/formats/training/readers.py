@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from gptoss_cli.checkpoint.storage.dcp_io import SpecReader
-from gptoss_cli.checkpoint.layouts import Layout
+from gptoss_cli.checkpoint.formats.hf.layouts import Layout
 from gptoss_cli.checkpoint.mapping import Unit, hybrid_shapes, identity, units
 from gptoss_cli.checkpoint.storage.safetensors_io import TensorSpec
 from gptoss_cli.model.config import GptOssArch

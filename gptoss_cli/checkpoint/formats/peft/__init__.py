@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from gptoss_cli import outputs
 from gptoss_cli.checkpoint.formats.registry import Format, OpenOptions, json_field_is
-from gptoss_cli.checkpoint.peft_format import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from gptoss_cli.checkpoint.formats.peft.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from gptoss_cli.errors import CheckpointError, UsageError
 from gptoss_cli.model.config import GptOssArch
 
@@ -36,7 +36,7 @@ def open_peft(src: str, root: Path, revision: str | None, options: OpenOptions) 
 
 
 def plan(source: Source, *, experts: str | None, dtype: Any, vocab_multiple: int | None = None):
-    from gptoss_cli.checkpoint.peft_plan import ToPeft  # noqa: PLC0415 (imports torch)
+    from gptoss_cli.checkpoint.formats.peft.plan import ToPeft  # noqa: PLC0415 (imports torch)
 
     return ToPeft.for_source(source, source.origin)
 

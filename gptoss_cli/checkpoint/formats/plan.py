@@ -23,9 +23,9 @@ import torch
 from gptoss_cli import outputs
 from gptoss_cli.checkpoint.export_cost import RoundingMeter
 from gptoss_cli.checkpoint.formats.registry import Source, check_tensors
-from gptoss_cli.checkpoint.hf_config import EXTRA_FILES, to_hf_config
-from gptoss_cli.checkpoint.hybrid_format import HybridCheckpointConfig, write_hybrid_config
-from gptoss_cli.checkpoint.layouts import HF_LAYOUTS, UINT8, Layout
+from gptoss_cli.checkpoint.formats.hf.config import EXTRA_FILES, to_hf_config
+from gptoss_cli.checkpoint.formats.hybrid.config import HybridCheckpointConfig, write_hybrid_config
+from gptoss_cli.checkpoint.formats.hf.layouts import HF_LAYOUTS, UINT8, Layout
 from gptoss_cli.checkpoint.mapping import VOCAB_PADDED_HYBRID, Unit, hybrid_shapes, identity, units
 from gptoss_cli.checkpoint.storage.pipeline import RELEASE_HELD, Task
 from gptoss_cli.checkpoint.storage.readers import RowReader

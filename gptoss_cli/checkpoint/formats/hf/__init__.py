@@ -8,13 +8,13 @@ from typing import TYPE_CHECKING, Any
 
 from gptoss_cli import outputs
 from gptoss_cli.checkpoint.formats.registry import Format, OpenOptions, json_field_is
-from gptoss_cli.checkpoint.hf_config import EXTRA_FILES, from_hf_config
+from gptoss_cli.checkpoint.formats.hf.config import EXTRA_FILES, from_hf_config
 from gptoss_cli.errors import CheckpointError, ConfigError
 from gptoss_cli.json_input import parse_json
 from gptoss_cli.model.config import GptOssArch
 
 if TYPE_CHECKING:
-    from gptoss_cli.checkpoint.layouts import Layout
+    from gptoss_cli.checkpoint.formats.hf.layouts import Layout
     from gptoss_cli.checkpoint.formats.registry import Source
 
 CONFIG = "config.json"
@@ -72,7 +72,7 @@ def open_hf(src: str, root: Path, revision: str | None, options: OpenOptions) ->
 
 def stored_layout(reader: Any, config: dict, config_path: Path) -> Layout:
     """The expert form, from the tensors present (never from shapes), cross-checked with quantization_config."""
-    from gptoss_cli.checkpoint.layouts import HF_LAYOUTS  # noqa: PLC0415
+    from gptoss_cli.checkpoint.formats.hf.layouts import HF_LAYOUTS  # noqa: PLC0415
 
     names = set(reader.names())
     has_mx = any(n.endswith("mlp.experts.gate_up_proj_blocks") for n in names)
@@ -92,7 +92,7 @@ def stored_layout(reader: Any, config: dict, config_path: Path) -> Layout:
 
 
 def plan(source: Source, *, experts: str | None, dtype: Any, vocab_multiple: int | None = None):
-    from gptoss_cli.checkpoint.convert_plan import to_hf_plan  # noqa: PLC0415
+    from gptoss_cli.checkpoint.formats.plan import to_hf_plan  # noqa: PLC0415
 
     return to_hf_plan(source, experts=experts, dtype=dtype)
 

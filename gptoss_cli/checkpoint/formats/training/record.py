@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gptoss_cli.checkpoint.hybrid_format import check_stored_pattern
+from gptoss_cli.checkpoint.formats.hybrid.config import check_stored_pattern
 from gptoss_cli.errors import CheckpointError, ConfigError
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.limits import INT32_MAX

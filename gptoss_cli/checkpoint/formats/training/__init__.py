@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gptoss_cli.checkpoint.formats.registry import Format, OpenOptions
-from gptoss_cli.checkpoint.training_format import (
+from gptoss_cli.checkpoint.formats.training.record import (
     MASTER, MODEL, OPTIMIZER, TRAIN_STATE, WEIGHT_SOURCES, check_base, find_checkpoint_folder,
     looks_like_training_checkpoint, model_key, optimizer_key, read_training_run,
 )
@@ -52,7 +52,7 @@ def open_training(src: str, root: Path, revision: str | None, options: OpenOptio
     # Tokenizer files come from the weights the run started from, when that folder is still there.
     extras = Path(run.pretrained) if run.pretrained and Path(run.pretrained).is_dir() else folder
     if run.lora is not None:
-        from gptoss_cli.checkpoint.lora_record import check_lora_record  # noqa: PLC0415 (imports torch)
+        from gptoss_cli.checkpoint.formats.training.lora_record import check_lora_record  # noqa: PLC0415 (imports torch)
 
         try:  # the adapter tensors are the truth: the record must agree with them
             check_lora_record(run.lora, reader, run.arch, run.hybrid_layer_pattern, folder)
@@ -77,7 +77,7 @@ def _merged_with_base(run, folder: Path, adapters, open_source):
     in: the rows sit below it) and read under Hybrid names (an HF or OpenAI-original base through
     `HfHybridView`) with the run's adapters merged in."""
     from gptoss_cli.checkpoint.formats.registry import check_tensors  # noqa: PLC0415
-    from gptoss_cli.checkpoint.lora_merge import HfHybridView, LoraMergedReader  # noqa: PLC0415
+    from gptoss_cli.checkpoint.formats.training.readers import HfHybridView, LoraMergedReader  # noqa: PLC0415
 
     base_source = None
     try:

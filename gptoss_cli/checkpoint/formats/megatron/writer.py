@@ -14,7 +14,7 @@ import torch
 
 from gptoss_cli import outputs
 from gptoss_cli.checkpoint.mapping import VOCAB_PADDED_HYBRID
-from gptoss_cli.checkpoint.megatron.names import (
+from gptoss_cli.checkpoint.formats.megatron.names import (
     BACKEND, CHECKPOINT_VERSION, COMMON, METADATA_JSON, expert_slot, extra_state_keys,
 )
 from gptoss_cli.checkpoint.storage.dcp_io import METADATA
