@@ -54,7 +54,7 @@ import torch
 
 from gptoss_cli.checkpoint.storage import direct_write
 from gptoss_cli.model import mxfp4
-from gptoss_cli.checkpoint.formats.plan import plan_to_hf
+from gptoss_cli.checkpoint.formats.hf.plan import plan_to_hf
 from gptoss_cli.checkpoint.formats.hf.layouts import HF_MXFP4
 from gptoss_cli.checkpoint.mapping import units
 from gptoss_cli.checkpoint.storage.pipeline import worker_count

@@ -1,7 +1,7 @@
 """`gptoss convert`'s library side: `convert()` (the one entry point), its options, its result and progress.
 
 It opens SRC (checkpoint/sources.py), asks the registry for the output format (`--to`, or SRC's
-default) and that format's plan (checkpoint/convert_plan.py and the rows in checkpoint/formats/),
+default) and that format's plan (a `ConvertPlan`, formats/plan.py, built by the format's row),
 and runs the plan: worker threads read and transform chunks in parallel (storage/pipeline.py), each
 is checked for NaN/inf and appended to the output in order, then dropped, so memory is bounded by a
 few chunks (for experts: a chunk of experts of one stack), never by the model. The output is
@@ -21,8 +21,8 @@ import torch
 
 from gptoss_cli import __version__, outputs
 from gptoss_cli.checkpoint import formats
-from gptoss_cli.checkpoint.formats.plan import PROVENANCE_KEY, ConvertPlan
 from gptoss_cli.checkpoint.export_cost import measure_model
+from gptoss_cli.checkpoint.formats.plan import PROVENANCE_KEY, ConvertPlan
 from gptoss_cli.checkpoint.formats.registry import Format, Source, check_tensors
 from gptoss_cli.checkpoint.mapping import VOCAB_PADDED_HYBRID, hybrid_shapes
 from gptoss_cli.checkpoint.sources import open_source

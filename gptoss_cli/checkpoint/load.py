@@ -22,14 +22,14 @@ from typing import Callable
 import torch
 
 from gptoss_cli.checkpoint import formats
-from gptoss_cli.checkpoint.formats.hybrid.config import HYBRID_CONFIG, read_hybrid_config
 from gptoss_cli.checkpoint.formats.hf.layouts import EXPERT_CHUNK
-from gptoss_cli.checkpoint.mapping import VOCAB_PADDED_HYBRID, check_vocab_padding, units
+from gptoss_cli.checkpoint.formats.hybrid.config import HYBRID_CONFIG, read_hybrid_config
 from gptoss_cli.checkpoint.formats.registry import Source, check_tensors
+from gptoss_cli.checkpoint.formats.training.record import MODEL
+from gptoss_cli.checkpoint.mapping import VOCAB_PADDED_HYBRID, check_vocab_padding, units
 from gptoss_cli.checkpoint.sources import open_source
 from gptoss_cli.checkpoint.storage.readers import TensorReader
 from gptoss_cli.checkpoint.storage.safetensors_io import CheckpointReader
-from gptoss_cli.checkpoint.formats.training.record import MODEL
 from gptoss_cli.errors import CheckpointError, ConfigError
 from gptoss_cli.model.build import build_model
 from gptoss_cli.model.config import GptOssArch

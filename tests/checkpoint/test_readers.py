@@ -14,7 +14,7 @@ from gptoss_cli.checkpoint.formats.megatron.reader import MegatronReader
 from gptoss_cli.checkpoint.storage.pipeline import StageClock
 from gptoss_cli.checkpoint.storage.readers import RowReader, TensorReader
 from gptoss_cli.checkpoint.storage.safetensors_io import CheckpointReader, SafetensorsFile
-from gptoss_cli.checkpoint.formats.training import Mxfp4QatReader
+from gptoss_cli.checkpoint.formats.training.readers import Mxfp4QatReader
 
 
 def _protocol_methods(protocol) -> list[str]:

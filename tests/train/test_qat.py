@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from gptoss_cli.checkpoint.load import model_from_checkpoint
-from gptoss_cli.checkpoint.formats.training import Mxfp4QatReader
+from gptoss_cli.checkpoint.formats.training.readers import Mxfp4QatReader
 from gptoss_cli.checkpoint.sources import open_source
 from gptoss_cli.checkpoint.formats.training.record import TRAIN_STATE
 from gptoss_cli.model.qat import Mxfp4QatGemm, qat_gemms, rounded_weight

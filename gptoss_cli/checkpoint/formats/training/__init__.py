@@ -1,11 +1,18 @@
 """A `gptoss train` checkpoint (a checkpoint.dir read through `latest`, or one iter_* folder; DCP under
-Hybrid names, the run recorded in train_state.json): its registry row and its opener.
+Hybrid names, the run recorded in train_state.json): its registry row and its opener. Torch-free at import.
 
 It is read, never written by convert. The architecture and layer pattern come from the run record;
 the tensors are the model state (`--weights model`) or the optimizer's fp32 master copies
-(`master`). A LoRA run reads as its base with the adapters merged in (checkpoint/lora_merge.py), or,
-for `--to peft`, as its adapters alone; a QAT run (and a LoRA base kept in MXFP4) reads its experts
-rounded to MXFP4, as its forward computed.
+(`master`). A LoRA run reads as its base with the adapters merged in, or, for `--to peft`, as its
+adapters alone; a QAT run (and a LoRA base kept in MXFP4) reads its experts rounded to MXFP4, as its
+forward computed.
+
+Beside the row:
+- record.py       the on-disk form `gptoss train` writes: file and tensor names, the run record, `latest`,
+                  a LoRA base's fingerprint
+- lora_record.py  a LoRA run's record (rank, targets) checked against its adapter tensors
+- readers.py      the readers it is read through: LoRA merged into its base, an HF base under Hybrid names,
+                  QAT's experts rounded to MXFP4
 """
 
 from __future__ import annotations
@@ -15,15 +22,13 @@ from typing import TYPE_CHECKING
 
 from gptoss_cli.checkpoint.formats.registry import Format, OpenOptions
 from gptoss_cli.checkpoint.formats.training.record import (
-    MASTER, MODEL, OPTIMIZER, TRAIN_STATE, WEIGHT_SOURCES, check_base, find_checkpoint_folder,
-    looks_like_training_checkpoint, model_key, optimizer_key, read_training_run,
+    MASTER, MODEL, OPTIMIZER, TRAIN_STATE, WEIGHT_SOURCES, find_checkpoint_folder, looks_like_training_checkpoint,
+    model_key, optimizer_key, read_training_run,
 )
-from gptoss_cli.errors import CheckpointError, UsageError
+from gptoss_cli.errors import UsageError
 from gptoss_cli.model.config import GptOssArch
 
 if TYPE_CHECKING:
-    import torch
-
     from gptoss_cli.checkpoint.formats.registry import Source
 
 
@@ -35,6 +40,7 @@ def architecture(root: Path, options: OpenOptions | None = None) -> tuple[GptOss
 def open_training(src: str, root: Path, revision: str | None, options: OpenOptions) -> Source:
     """The iter_* folder `root` is or `latest` names, read as the options say. Nothing is written into it."""
     from gptoss_cli.checkpoint.formats.registry import Source, expert_dtype_form  # noqa: PLC0415
+    from gptoss_cli.checkpoint.formats.training.readers import Mxfp4QatReader, merged_with_base  # noqa: PLC0415
     from gptoss_cli.checkpoint.storage.dcp_io import DcpReader  # noqa: PLC0415 (imports torch)
 
     weights = options.weights or MODEL
@@ -63,7 +69,7 @@ def open_training(src: str, root: Path, revision: str | None, options: OpenOptio
         # experts rounded when it kept them in MXFP4 (lora.base_experts=mxfp4), and under QAT the merged
         # expert weights (base + adapters) rounded.
         if not options.adapters_only:
-            reader = _merged_with_base(run, folder, reader, options.open_source)
+            reader = merged_with_base(run, folder, reader, options.open_source)
     elif run.qat == "mxfp4":
         reader = Mxfp4QatReader(reader)
     form = "-" if options.adapters_only and run.lora is not None else expert_dtype_form(reader, run.arch)
@@ -72,71 +78,10 @@ def open_training(src: str, root: Path, revision: str | None, options: OpenOptio
                   lora=run.lora, experts_form=form)
 
 
-def _merged_with_base(run, folder: Path, adapters, open_source):
-    """The base a LoRA run names (checked byte for byte), opened by `open_source` (sources.open_source, handed
-    in: the rows sit below it) and read under Hybrid names (an HF or OpenAI-original base through
-    `HfHybridView`) with the run's adapters merged in."""
-    from gptoss_cli.checkpoint.formats.registry import check_tensors  # noqa: PLC0415
-    from gptoss_cli.checkpoint.formats.training.readers import HfHybridView, LoraMergedReader  # noqa: PLC0415
-
-    base_source = None
-    try:
-        check_base(run.lora["base"], folder / TRAIN_STATE)
-        base_source = open_source(run.lora["base"]["path"])
-        if not base_source.format.lora_base:
-            raise CheckpointError(f"{folder}: its LoRA base {base_source.folder} is {base_source.format.title} "
-                                  "checkpoint; the adapters merge into a Hybrid, HF or OpenAI-original base")
-        base = base_source.reader
-        if base_source.layout is not None:  # HF or original: Hybrid names through the mapping table
-            check_tensors(base_source, base_source.layout.stored_specs(base_source.arch))
-            base = HfHybridView(base, base_source.layout, base_source.arch)
-    except BaseException:
-        if base_source is not None:
-            base_source.close()
-        adapters.close()
-        raise
-    if run.lora.get("base_experts") == "mxfp4":  # the model stored the base's experts encoded: W is Q(W)
-        base = Mxfp4QatReader(base)
-    merged = LoraMergedReader(base, adapters, float(run.lora["alpha"]) / int(run.lora["rank"]))
-    # QAT rounded the merged expert weights, W + scaling * B @ A, in the forward: so does the reader
-    return Mxfp4QatReader(merged) if run.qat == "mxfp4" else merged
-
-
-def _is_expert_weight(name: str) -> bool:
-    """A per-expert weight under its Hybrid name: decoder.layers.<i>.mlp.experts.linear_fc<1|2>.weight<e>."""
-    from gptoss_cli.model.expert_names import parse_expert_name  # noqa: PLC0415 (imports torch)
-
-    per_expert = parse_expert_name(name)
-    return per_expert is not None and per_expert.is_base and per_expert.kind == "weight"
-
-
-class Mxfp4QatReader:
-    """A training checkpoint of a `precision.qat=mxfp4` run (or the base of a `lora.base_experts=mxfp4`
-    run, which the model stored encoded), read as its forward computed: every expert
-    weight rounded to MXFP4 along its input axis (`round_to_mxfp4`, the export's own codec), every
-    other tensor as stored. Rows are rounded independently, so row-range reads round the same."""
-
-    def __init__(self, reader):
-        self._reader = reader
-
-    def __getattr__(self, name):
-        return getattr(self._reader, name)
-
-    def read(self, name: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
-        import torch  # noqa: PLC0415
-
-        from gptoss_cli.model.mxfp4 import round_to_mxfp4  # noqa: PLC0415
-
-        t = self._reader.read(name, start, stop)
-        if not _is_expert_weight(name) or not t.is_floating_point() or not torch.isfinite(t).all():
-            return t  # non-finite weights are left for the finite checks to name
-        return round_to_mxfp4(t)
-
-
 TRAINING = Format(
     name="training", title="a training", detect=looks_like_training_checkpoint, architecture=architecture,
     open=open_training, options=frozenset({"weights"}), hybrid_named=True, default_target="hybrid",
     arch_file=TRAIN_STATE, training_run=True,
 )
 
-__all__ = ["TRAINING", "Mxfp4QatReader", "open_training"]
+__all__ = ["TRAINING", "open_training"]
