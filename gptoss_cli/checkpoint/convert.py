@@ -219,7 +219,7 @@ def read_arch_from(arch_from: str | None) -> GptOssArch | None:
     return from_hf_config(load_json(path), source=str(path))
 
 
-class _Run:
+class _PlanRun:
     """What running a plan measured: its writer's bytes, files and I/O time, the stage clock, the workers."""
 
     def __init__(self, writer, clock: StageClock, workers: int):
@@ -227,7 +227,8 @@ class _Run:
 
 
 def _write(plan: ConvertPlan, source: Source, finite: NonFiniteCheck, tmp: Path, dst: Path, provenance: dict, *,
-           progress: ConvertProgress | None, max_shard_bytes: int, chunk_bytes: int, concurrent_reads: bool) -> _Run:
+           progress: ConvertProgress | None, max_shard_bytes: int, chunk_bytes: int,
+           concurrent_reads: bool) -> _PlanRun:
     """Run `plan` into the temporary folder `tmp`: its jobs, cut into tasks, through the worker pipeline
     into the plan's writer; then its folder files and the source's tokenizer files."""
     on_bytes = (lambda n: progress.advance(nbytes=n)) if progress else None
@@ -257,10 +258,10 @@ def _write(plan: ConvertPlan, source: Source, finite: NonFiniteCheck, tmp: Path,
         if (source.extras_folder / name).is_file():
             with outputs.naming(tmp / name):
                 shutil.copyfile(source.extras_folder / name, tmp / name)
-    return _Run(writer, clock, pipeline.workers)
+    return _PlanRun(writer, clock, pipeline.workers)
 
 
-def _result(plan: ConvertPlan, source: Source, target: Format, run: _Run, *, src: str, dst: Path,
+def _result(plan: ConvertPlan, source: Source, target: Format, run: _PlanRun, *, src: str, dst: Path,
             revision: str | None, t0: float, notes: list[str], provenance: dict) -> ConvertResult:
     return ConvertResult(
         direction=f"{source.kind} -> {target.name}", source=src, revision=revision, destination=str(dst),
