@@ -41,7 +41,7 @@ def make_arch(args):
 
 
 def layer_and_input(args, window):
-    from gptoss_cli.model.attention import AttentionLayer
+    from gptoss_cli.model.attention.layer import AttentionLayer
     from gptoss_cli.model.rope import YarnRotaryEmbedding
 
     arch = make_arch(args)

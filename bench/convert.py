@@ -52,15 +52,15 @@ from pathlib import Path
 
 import torch
 
-from gptoss_cli.checkpoint.storage import direct_write
-from gptoss_cli.model import mxfp4
-from gptoss_cli.checkpoint.formats.hf.plan import plan_to_hf
+from gptoss_cli.checkpoint.formats.hf.config import to_hf_config
 from gptoss_cli.checkpoint.formats.hf.layouts import HF_MXFP4
+from gptoss_cli.checkpoint.formats.hf.plan import plan_to_hf
 from gptoss_cli.checkpoint.mapping import units
+from gptoss_cli.checkpoint.storage import direct_write
 from gptoss_cli.checkpoint.storage.pipeline import worker_count
 from gptoss_cli.checkpoint.storage.safetensors_io import ShardedWriter
-from gptoss_cli.checkpoint.formats.hf.config import to_hf_config
 from gptoss_cli.model.config import preset
+from gptoss_cli.model.mxfp4 import codec as mxfp4
 from gptoss_cli.resources import keep_freed_memory
 
 

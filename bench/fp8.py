@@ -43,7 +43,7 @@ from gptoss_cli.fp8.catalog import RECIPES as FP8_RECIPES  # noqa: E402
 from gptoss_cli.fp8.matmul import run_kernel  # noqa: E402
 from gptoss_cli.fp8.scaling import quantize  # noqa: E402
 from gptoss_cli.fp8.selection import Fp8Settings, select_gemms  # noqa: E402
-from gptoss_cli.model.grouped_gemm import DEFAULT_GEMM, grouped_linear  # noqa: E402
+from gptoss_cli.model.gemm.grouped import DEFAULT_GEMM, grouped_linear  # noqa: E402
 
 RECIPES = ("bf16", *FP8_RECIPES)
 

@@ -22,7 +22,7 @@ The load average during the run is printed with the figures.
     python bench/generate.py --gemm --rounds 5
 
 `--gemm` sweeps the decoding step's few-row products alone: `F.linear` (transformers' LM head)
-against model/skinny_gemm.py's `skinny_linear` on an LM head and expert weights, 1-16 rows.
+against model/decode/skinny_gemm.py's `skinny_linear` on an LM head and expert weights, 1-16 rows.
 
 Presets: `tiny` (gptoss_cli/model/config.py), `medium` (tiny at hidden 512, 16 experts top-4) and
 `wide` (medium with 8 query / 2 kv heads of 64 and a 20480-token vocabulary): bench/common.py.
@@ -99,7 +99,7 @@ def run_ours(model, prompts: list[list[int]], new: int) -> tuple[list[list[int]]
 def run_ours_without_expert_gemms(model, prompts: list[list[int]], new: int) -> tuple[list[list[int]], float, float]:
     """`run_ours` with a decoding step's expert GEMMs replaced by zeros of their shape (--ceiling):
     what the rest of a step costs. Its tokens are not compared (they are not the model's)."""
-    from gptoss_cli.model import moe_decode
+    from gptoss_cli.model.decode import moe as moe_decode
 
     real = moe_decode._expert_gemm
     moe_decode._expert_gemm = lambda x, lin, *rest: x.new_zeros(x.shape[0], lin.weight.shape[1])
@@ -128,7 +128,7 @@ def first_difference(a: list[list[int]], b: list[list[int]]) -> str | None:
     return None
 
 
-# --gemm: the decoding step's few-row products (model/skinny_gemm.py) against F.linear, which
+# --gemm: the decoding step's few-row products (model/decode/skinny_gemm.py) against F.linear, which
 # transformers' LM head (nn.Linear) runs. Weights as [out, in], fp32, several copies of each so the
 # sweep reads them from memory as a decoding step does (a step reads every layer's weights once).
 GEMM_WEIGHTS = {"wide LM head": (20480, 512), "GPT-OSS expert fc1": (5760, 2880), "medium expert fc1": (1024, 512)}
@@ -141,7 +141,7 @@ def gemm_sweep(rounds: int) -> dict:
     alternating which goes first (medians); the largest difference between their outputs."""
     import torch.nn.functional as F
 
-    from gptoss_cli.model.skinny_gemm import blocked, skinny_linear
+    from gptoss_cli.model.decode.skinny_gemm import blocked, skinny_linear
 
     out = {}
     with LoadMonitor() as load:
@@ -186,7 +186,7 @@ def main() -> int:
                     help="also time ours without a decoding step's expert GEMMs (a third side in the rotation) and "
                          "print the ratio's ceiling were everything else free")
     ap.add_argument("--gemm", action="store_true",
-                    help="instead: the decoding step's few-row products, F.linear against model/skinny_gemm.py, GB/s")
+                    help="instead: the decoding step's few-row products, F.linear against model/decode/skinny_gemm.py, GB/s")
     args = ap.parse_args()
     global CLOCK
     if args.clock == "cpu" and args.threads != 1:

@@ -147,7 +147,7 @@ def gemm_throughput(device: str, dry: bool, repeats: int) -> dict[str, Any]:
     from gptoss_cli.errors import ConfigError
     from gptoss_cli.fp8.catalog import RECIPES
     from gptoss_cli.fp8.selection import Fp8Settings, select_gemms
-    from gptoss_cli.model.grouped_gemm import DEFAULT_GEMM
+    from gptoss_cli.model.gemm.grouped import DEFAULT_GEMM
 
     h, i, m, e, per = (64, 96, 256, 4, 64) if dry else (2880, 2880, 16384, 32, 512)
     bf16 = torch.bfloat16
@@ -190,7 +190,7 @@ def gemm_throughput(device: str, dry: bool, repeats: int) -> dict[str, Any]:
 
 # --- 4. the 2-layer model at GPT-OSS width --------------------------------------------------------
 def wide_model_step(device: str, dry: bool, steps: int, seq: int, microbatches: int, peak_tflops: float) -> dict[str, Any]:
-    from gptoss_cli.model.attention_backends import describe, layer_kernels
+    from gptoss_cli.model.attention.backends import describe, layer_kernels
     from gptoss_cli.model.config import preset
     from gptoss_cli.recipe.flops import model_flops_per_token
 

@@ -9,7 +9,7 @@ four targets: attention q/k/v/o and every expert's gate_up / down):
     else foreach) over the adapters: forward with labels, backward, clip, step;
   * ours, full fine-tune: every parameter trained (the same step as bench/train.py's);
   * ours, LoRA on an MXFP4 base (lora.base_experts=mxfp4): the same LoRA step with the frozen experts
-    held as MXFP4 blocks/scales and decoded for each GEMM (gptoss_cli/model/mxfp4_experts.py).
+    held as MXFP4 blocks/scales and decoded for each GEMM (gptoss_cli/model/mxfp4/experts.py).
 Prints the median step time (median over --repeats of the median over --steps steps), the ratio
 transformers+PEFT / ours-LoRA (goal >= 1.5) and the trainable state of each: parameters that
 train, their gradients and the optimizer's state, counted from the tensors the run holds, with
@@ -91,7 +91,7 @@ def ours_state_bytes(setup) -> int:
 def frozen_base_bytes(setup) -> dict[str, int]:
     """Resident bytes of the frozen base (parameters that do not train, and buffers such as MXFP4
     blocks/scales; RoPE tables included) and of its expert weights alone."""
-    from gptoss_cli.model.mxfp4_experts import expert_storage_bytes
+    from gptoss_cli.model.mxfp4.experts import expert_storage_bytes
 
     model = setup.model.module
     frozen = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)

@@ -42,7 +42,7 @@ import torch  # noqa: E402
 
 from bench.overlap import add_model_args  # noqa: E402
 from bench.simlink import LinkModel  # noqa: E402
-from gptoss_cli.model import grouped_gemm  # noqa: E402
+from gptoss_cli.model.gemm import grouped as grouped_gemm  # noqa: E402
 from gptoss_cli.schedule import combined_1f1b as c1f1b  # noqa: E402
 
 

@@ -1,6 +1,6 @@
 """Benchmark per-document attention on packed rows: our per-document loop vs one block-diagonal masked SDPA call.
 
-`document_attention` (gptoss_cli/model/attention.py) runs the sink attention once per document of a
+`document_attention` (gptoss_cli/model/attention/backends.py) runs the sink attention once per document of a
 packed row. The peer is what an SDPA user without a varlen kernel writes: one
 `scaled_dot_product_attention` over the whole row with a boolean mask that is block-diagonal
 (documents), causal, windowed (sliding layers) and has the sink column, computing every masked
@@ -29,7 +29,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from gptoss_cli.model.attention_backends import document_attention, sink_attention  # noqa: E402
+from gptoss_cli.model.attention.backends import document_attention, sink_attention  # noqa: E402
 
 
 def masked_peer(q, k, v, sinks, window, cu):

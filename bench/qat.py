@@ -47,7 +47,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from gptoss_cli.model.config import preset  # noqa: E402
 from gptoss_cli.model.moe import ExpertLinear  # noqa: E402
-from gptoss_cli.model.qat import rounded_weight  # noqa: E402
+from gptoss_cli.model.mxfp4.qat import rounded_weight  # noqa: E402
 from gptoss_cli.parallel.grads import unwrap_model  # noqa: E402
 from gptoss_cli.parallel.state import ParallelState  # noqa: E402
 from gptoss_cli.recipe.schema import RecipeConfig  # noqa: E402

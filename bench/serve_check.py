@@ -32,7 +32,7 @@ if str(ROOT) not in sys.path:
 from gptoss_cli.checkpoint.make_tiny import make_tiny  # noqa: E402
 from gptoss_cli.model.config import preset  # noqa: E402
 from gptoss_cli.outputs import replace_text  # noqa: E402
-from gptoss_cli.parity.serve import ServeCheckOptions, serve_check  # noqa: E402
+from gptoss_cli.parity.serve.check import ServeCheckOptions, serve_check  # noqa: E402
 
 
 def main() -> int:

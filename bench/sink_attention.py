@@ -1,7 +1,7 @@
 """Benchmark the sink attention's two paths: the flash kernel's log-sum-exp rescaled by the sink (unpadded) vs the padded head dim.
 
-`sink_attention` (gptoss_cli/model/attention.py) computes the sink softmax either through
-model/sink_flash.py (plain attention over the real keys at head dim d, its log-sum-exp rescaled
+`sink_attention` (gptoss_cli/model/attention/backends.py) computes the sink softmax either through
+model/attention/sink_flash.py (plain attention over the real keys at head dim d, its log-sum-exp rescaled
 by the sink, with its own backward) or through SDPA with the sink as one more key, which pads the
 head dim from d to d + 8. This times both, forward + backward, on the attention shapes of the
 bench/train.py configs and of GPT-OSS, full (causal) and sliding-window layers, and checks first
@@ -37,8 +37,8 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from bench.train import _arch  # noqa: E402
-from gptoss_cli.model.attention import AttentionLayer, CoreAttention  # noqa: E402
-from gptoss_cli.model.attention_backends import sink_attention  # noqa: E402
+from gptoss_cli.model.attention.layer import AttentionLayer, CoreAttention  # noqa: E402
+from gptoss_cli.model.attention.backends import sink_attention  # noqa: E402
 from gptoss_cli.model.hybrid import HybridModel  # noqa: E402
 from gptoss_cli.outputs import replace_text  # noqa: E402
 from gptoss_cli.resources import keep_freed_memory  # noqa: E402

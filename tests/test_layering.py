@@ -8,6 +8,7 @@ Function-local imports count too (they used to hide cycles). The rules:
 - data/ (conversations, packing) is torch-free and imports none of the other layers;
 - the library never imports the CLI (gptoss_cli/cli/) or rich;
 - no file in the package over 500 lines, no function (package or tests) over 100, no import circle;
+- no two classes in the package share a name;
 - nothing under gptoss_cli/ imports benchmark or test scaffolding: bench/, tests/, or
   torch.testing._internal (simulated links and fake process groups live in bench/).
 """
@@ -225,3 +226,29 @@ def test_the_circle_check_sees_a_function_local_and_a_type_only_circle(tmp_path)
     (pkg / "a" / "y.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from gptoss_cli.a.z import T\n")
     (pkg / "a" / "z.py").write_text("import gptoss_cli.a.x\n")
     assert circles(import_graph(pkg)) == [frozenset({"gptoss_cli.a.x", "gptoss_cli.a.y", "gptoss_cli.a.z"})]
+
+
+# --- one class per name ----------------------------------------------------------------------------
+def classes_sharing_a_name(package: Path = PACKAGE) -> dict[str, list[str]]:
+    """{class name: 'path:line' of every class statement with it}, for the names more than one class
+    statement in the package has (nested and function-local classes included)."""
+    where: dict[str, list[str]] = {}
+    for path in sorted(package.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ClassDef):
+                where.setdefault(node.name, []).append(f"{path.relative_to(package.parent).as_posix()}:{node.lineno}")
+    return {name: places for name, places in where.items() if len(places) > 1}
+
+
+def test_no_two_classes_in_the_package_share_a_name():
+    # A class is found, imported and talked about by its name; two of one name are two meanings to untangle.
+    shared = classes_sharing_a_name()
+    assert not shared, "rename one of each: " + "; ".join(f"{n} ({', '.join(p)})" for n, p in sorted(shared.items()))
+
+
+def test_the_class_name_check_sees_two_classes_of_one_name(tmp_path):
+    pkg = tmp_path / "gptoss_cli"
+    (pkg / "a").mkdir(parents=True)
+    (pkg / "x.py").write_text("class Run:\n    pass\n\n\nclass Other:\n    pass\n")
+    (pkg / "a" / "y.py").write_text("def f():\n    class Run:\n        pass\n")
+    assert classes_sharing_a_name(pkg) == {"Run": ["gptoss_cli/a/y.py:2", "gptoss_cli/x.py:1"]}

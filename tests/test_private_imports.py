@@ -1,7 +1,7 @@
 """No module of the package imports another module's private names (`from gptoss_cli.x import _name`).
 
 A name with a leading underscore is its module's own business; a second module that needs it gets it
-under a public name (as model/grouped_gemm.map_experts for fp8/grouped.py).
+under a public name (as model/gemm/grouped.map_experts for fp8/grouped.py).
 """
 
 from __future__ import annotations

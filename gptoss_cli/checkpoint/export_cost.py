@@ -162,7 +162,7 @@ def measure_model(source, meter: RoundingMeter, build: Callable[[], Any]) -> Exp
 
 
 def _run_both(build: Callable[[], Any], seqs: list[torch.Tensor], where: str, cost: ExportCost) -> None:
-    from gptoss_cli.model.mxfp4 import round_to_mxfp4  # noqa: PLC0415
+    from gptoss_cli.model.mxfp4.codec import round_to_mxfp4  # noqa: PLC0415
 
     model = build().eval()
     before = [_logits(model, s) for s in seqs]

@@ -31,8 +31,8 @@ from gptoss_cli.errors import CheckpointError, ConfigError
 from gptoss_cli.model.build import build_model
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.model.hybrid import HybridModel
-from gptoss_cli.model.mxfp4 import NonFiniteError
-from gptoss_cli.model.mxfp4_experts import Mxfp4WeightSlot
+from gptoss_cli.model.mxfp4.codec import NonFiniteError
+from gptoss_cli.model.mxfp4.experts import Mxfp4WeightSlot
 
 LoadProgress = Callable[[str], None]  # called with the name(s) of each tensor (or HF group) once filled
 _HYBRID_HINT = "re-run `gptoss convert`, or check hybrid_config.json against the tensors"

@@ -87,7 +87,7 @@ def serve_check_cmd(
     Example: gptoss serve-check ./gpt-oss-20b --endpoint http://127.0.0.1:8000 --dtype bfloat16
     """
     check_json_path(json_path)
-    from gptoss_cli.parity.serve import ServeCheckOptions, serve_check
+    from gptoss_cli.parity.serve.check import ServeCheckOptions, serve_check
 
     options = ServeCheckOptions(engine=engine, engine_python=engine_python, endpoint=endpoint,
                                 served_model=served_model, dtype=dtype, experts=experts, lora=lora, export=export,

@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 
 from gptoss_cli.errors import ConfigError
-from gptoss_cli.model.attention_backends import choose, describe, document_attention
+from gptoss_cli.model.attention.backends import choose, describe, document_attention
 
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
 SAFETY = 4.0
@@ -162,9 +162,9 @@ def check_attention(device: str, backend: str) -> tuple[str, str]:
 
 # --- grouped GEMM -----------------------------------------------------------------------------------
 def check_grouped_gemm(device: str) -> tuple[str, str]:
-    """The experts' grouped linear (model/grouped_gemm.py) with an empty expert, forward and the
+    """The experts' grouped linear (model/gemm/grouped.py) with an empty expert, forward and the
     gradients of input, weight and bias, against a per-expert float64 loop on the CPU."""
-    from gptoss_cli.model.grouped_gemm import grouped_linear
+    from gptoss_cli.model.gemm.grouped import grouped_linear
 
     dtype = torch.bfloat16 if device != "cpu" else torch.float32
     counts = torch.tensor([40, 0, 56, 24])
@@ -190,8 +190,8 @@ def check_fp8(device: str, recipe: str) -> tuple[str, str]:
     numerics), dense (fprop, dgrad, wgrad) and grouped, against float64 products of the unquantised
     operands: every element within the FP8 error bound of its sum of |terms|."""
     from gptoss_cli.fp8.selection import Fp8Settings, select_gemms
-    from gptoss_cli.model.dense_gemm import linear
-    from gptoss_cli.model.grouped_gemm import grouped_linear
+    from gptoss_cli.model.gemm.dense import linear
+    from gptoss_cli.model.gemm.grouped import grouped_linear
 
     gemms = select_gemms(Fp8Settings(recipe=recipe, emulation=True), device)
     dtype = torch.bfloat16

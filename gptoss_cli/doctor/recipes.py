@@ -5,7 +5,7 @@ Each recipe is validated as `gptoss train` would on this machine: system.device 
 checks run on, system.gpu the detected generation (recipe/environment.py), the installed torch; so the
 rule registry says what is refused (e.g. MXFP8 on Hopper: fp8.native_gpu). The FP8 path and the
 attention kernels come from the same functions a training run calls (fp8's `native_kernel`,
-model/attention_backends.py's `layer_kernels`).
+model/attention/backends.py's `layer_kernels`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 
 from gptoss_cli.errors import GptossError
 from gptoss_cli.fp8.selection import native_kernel
-from gptoss_cli.model.attention_backends import layer_kernels
+from gptoss_cli.model.attention.backends import layer_kernels
 from gptoss_cli.model.dtypes import torch_dtype
 from gptoss_cli.recipe.load import available_recipes, load_recipe
 from gptoss_cli.recipe.validate import validate_recipe

@@ -39,7 +39,7 @@ from gptoss_cli.fp8 import grouped_kernel
 from gptoss_cli.fp8.linear import Fp8GemmBase
 from gptoss_cli.fp8.matmul import SCALED_MM
 from gptoss_cli.fp8.scaling import Fp8Format, check_all_finite, nonfinite_error
-from gptoss_cli.model.grouped_gemm import GroupedGemm, expert_of_row, map_experts
+from gptoss_cli.model.gemm.grouped import GroupedGemm, expert_of_row, map_experts
 
 
 def _nonempty(counts: list[int]) -> int:

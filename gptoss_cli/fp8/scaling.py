@@ -223,15 +223,11 @@ def cast_saturating_math(scaled: torch.Tensor, fmax: float, dtype: torch.dtype) 
     return scaled.clamp(-fmax, fmax).to(dtype)
 
 
-def mx_exponents(amax: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
-    """Biased UE8M0 exponents (uint8) of the blocks with these maxima: ceil(log2(amax / max)) + 127.
-
-    Computed exactly from frexp (amax / max = m x 2^p with m in [0.5, 1), so the ceiling of its
-    log2 is p, or p - 1 when m = 0.5), not from a rounded log2."""
-    return mx_exponents_math(amax, fmt.max)
-
-
 def mx_exponents_math(amax: torch.Tensor, fmax: float) -> torch.Tensor:
+    """Biased UE8M0 exponents (uint8) of the blocks with these maxima: ceil(log2(amax / fmax)) + 127.
+
+    Computed exactly from frexp (amax / fmax = m x 2^p with m in [0.5, 1), so the ceiling of its
+    log2 is p, or p - 1 when m = 0.5), not from a rounded log2."""
     descale = amax / fmax
     mantissa, exponent = torch.frexp(descale)
     e = exponent - (mantissa == 0.5).to(exponent.dtype)
@@ -257,5 +253,5 @@ for _fn in (tensor_math, row_math, mx_math):
 
 
 __all__ = ["Fp8Format", "E4M3", "E5M2", "MX_BLOCK", "SCALINGS", "Quantized", "quantize", "cast_saturating",
-           "check_finite", "check_all_finite", "nonfinite_error", "Checks", "mx_exponents", "mx_scale_values",
+           "check_finite", "check_all_finite", "nonfinite_error", "Checks", "mx_scale_values",
            "decode_scale", "tensor_math", "row_math", "mx_math"]

@@ -11,7 +11,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from gptoss_cli.model.kv_cache import KVCache, forward_cached, next_token_logits, prefill
+from gptoss_cli.model.decode.kv_cache import KVCache, forward_cached, next_token_logits, prefill
 
 STOP_TOKEN = "stop_token"
 MAX_NEW_TOKENS = "max_new_tokens"

@@ -7,14 +7,14 @@ import torch
 from gptoss_cli.errors import ConfigError
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.model.hybrid import HybridModel
-from gptoss_cli.model.mxfp4_experts import BASE_EXPERTS, pack_experts_
+from gptoss_cli.model.mxfp4.experts import BASE_EXPERTS, pack_experts_
 
 
 def build_model(arch: GptOssArch, pattern: str | None = None, *, device: str | torch.device = "cpu",
                 dtype: torch.dtype = torch.float32, base_experts: str = "bf16", **kwargs) -> HybridModel:
     """A HybridModel built on the meta device and materialised (uninitialised) on `device`.
 
-    `base_experts="mxfp4"`: the experts' weights are frozen MXFP4 blocks/scales (model/mxfp4_experts.py),
+    `base_experts="mxfp4"`: the experts' weights are frozen MXFP4 blocks/scales (model/mxfp4/experts.py),
     chosen on the meta device so their `dtype` stacks are never allocated. kwargs go to HybridModel
     (expert_offset, num_local_experts, token_dispatcher_factory)."""
     if base_experts not in BASE_EXPERTS:

@@ -3,8 +3,8 @@
 This module imports nothing, so `recipe/` and the rules can name these facts without torch; the
 model imports them from here, as `fp8/catalog.py` is for the FP8 recipes. One source for each:
 - how the clamped SwiGLU is computed (`model.swiglu_kernel`; model/mlp.py, model/swiglu_kernel.py);
-- which kernel computes attention with sinks (`model.attention_backend`; model/attention_backends.py);
-- the query block of a sliding-window layer (model/attention.py; the memory estimate's score blocks);
+- which kernel computes attention with sinks (`model.attention_backend`; model/attention/backends.py);
+- the query block of a sliding-window layer (model/attention/masks.py; the memory estimate's score blocks);
 - the layers LoRA can target (model/lora.py; the lora.* rules).
 """
 
@@ -18,7 +18,7 @@ SWIGLU_KERNEL_DEFAULT = "auto"
 # compiling costs seconds that a few forwards do not repay. HybridModel.set_swiglu_kernel changes it.
 SWIGLU_KERNEL_UNCONFIGURED = "eager"
 
-# model.attention_backend (docs/architecture.md, "Attention and sinks"; model/attention_backends.py):
+# model.attention_backend (docs/architecture.md, "Attention and sinks"; model/attention/backends.py):
 #   auto  - per device and layer: the flash kernel where it takes the layer, FlexAttention where not, else sdpa
 #   flash - a flash kernel's output and log-sum-exp, rescaled by the sink (CPU: every layer; CUDA: full layers)
 #   flex  - FlexAttention with a block mask (window, documents), the sink from its log-sum-exp

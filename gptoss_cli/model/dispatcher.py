@@ -30,7 +30,7 @@ GPU run still blocks the host:
     exchange runs on its own process group (`control_group`, parallel/state.py's
     `ep_control_group`): on the EP group's communicator it would queue behind the other
     microbatch's token all-to-all in flight there, and the `.tolist()` would wait for that too;
-  * the per-expert loops (model/grouped_gemm.py for dtypes without `torch._grouped_mm`, e.g. fp32
+  * the per-expert loops (model/gemm/grouped.py for dtypes without `torch._grouped_mm`, e.g. fp32
     on a GPU; fp8/grouped.py for what `torch._scaled_grouped_mm` does not take: MXFP8, e5m2
     gradients, fp32 activations) read the counts once per GEMM; torch's own `_grouped_mm` loops
     on GPUs other than sm90/sm100 and reads them inside the kernel call;

@@ -94,7 +94,7 @@ class PerExpertParams(nn.Module):
 
     def packed_slots(self) -> dict[str, Any]:
         """Stacks held in another form than a parameter: {stack name: local expert -> its load
-        destination} (model/mxfp4_experts.py's MXFP4 weights); none here."""
+        destination} (model/mxfp4/experts.py's MXFP4 weights); none here."""
         return {}
 
     def global_ids(self) -> range:

@@ -8,7 +8,7 @@ grouping `[..]` and pipeline splits `|` are accepted and only change scheduling,
 `decoder.layers.1.mlp.experts.linear_fc1.weight3` (the expert naming rule: model/expert_names.py).
 Filling a model from a checkpoint folder is gptoss_cli/checkpoint/load.py's job; the output and
 the LM loss are model/loss.py's, the initial weights model/init.py's, the GEMM numerics
-model/gemm_selection.py's.
+model/gemm/selection.py's.
 
 Activations are batch-first, [batch, seq, hidden].
 
@@ -30,19 +30,19 @@ import torch
 from torch import nn
 
 from gptoss_cli.errors import ConfigError
-from gptoss_cli.model.attention import AttentionLayer
-from gptoss_cli.model.attention_backends import warm_up
+from gptoss_cli.model.attention.layer import AttentionLayer
+from gptoss_cli.model.attention.backends import warm_up
 from gptoss_cli.model.catalog import SWIGLU_KERNELS
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.model.context_parallel import cp_size_of
-from gptoss_cli.model.dense_gemm import DenseGemm
+from gptoss_cli.model.gemm.dense import DenseGemm
 from gptoss_cli.model.dispatcher import AllToAllTokenDispatcher
 from gptoss_cli.model.expert_names import checkpoint_slots
-from gptoss_cli.model.gemm_selection import set_gemms
-from gptoss_cli.model.grouped_gemm import GroupedGemm
+from gptoss_cli.model.gemm.selection import set_gemms
+from gptoss_cli.model.gemm.grouped import GroupedGemm
 from gptoss_cli.model.init import init_weights_
 from gptoss_cli.model.loss import HybridOutput
-from gptoss_cli.model.main_grad import embedding
+from gptoss_cli.model.gemm.main_grad import embedding
 from gptoss_cli.model.mlp import DenseMLPLayer
 from gptoss_cli.model.moe import GroupedExperts, MoELayer
 from gptoss_cli.model.norm import RMSNorm
@@ -244,7 +244,7 @@ class HybridModel(nn.Module):
                 m.swiglu_kernel = kernel
 
     def set_attention_backend(self, backend: str) -> None:
-        """Which kernel computes every attention layer's core (model.attention_backend; model/attention_backends.py).
+        """Which kernel computes every attention layer's core (model.attention_backend; model/attention/backends.py).
         A name that is not a backend is a ConfigError. On a GPU, `auto` probes its kernels here, once."""
         for layer in self.decoder.layers:
             if isinstance(layer, AttentionLayer):
@@ -278,7 +278,7 @@ class HybridModel(nn.Module):
     # --- forward --------------------------------------------------------------------------
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         # the lookup of nn.Embedding (no padding row, no max_norm); in training, its gradient goes
-        # straight into the buffers' main_grad (model/main_grad.py)
+        # straight into the buffers' main_grad (model/gemm/main_grad.py)
         return embedding(input_ids, self.embedding.word_embeddings.weight)
 
     def rope(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, dtype: torch.dtype,
@@ -304,7 +304,7 @@ class HybridModel(nn.Module):
         (Megatron convention: labels[t] = input_ids[t+1]), -100 to ignore.
 
         cu_seqlens: packed documents, as start offsets into the flattened [B*S] tokens including
-        every row start (model/attention.py, `document_attention`): attention stays within each
+        every row start (model/attention/backends.py, `document_attention`): attention stays within each
         document and positions restart at 0 in each (unless position_ids are given)."""
         want = self.router_stats_request()
         x = self.embed(input_ids)

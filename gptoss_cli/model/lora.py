@@ -13,8 +13,8 @@ per expert, stacked `[E_local, rank, in]` / `[E_local, out, rank]` and named per
 expert parallelism and their names contain `.mlp.experts.` (reduced over the expert data-parallel
 group like the experts). The low-rank path runs in the params dtype with the default GEMMs,
 whatever gemm (FP8) the frozen base layer uses. Under delayed wgrad the expert adapters' weight
-gradients wait in the schedule's queue (model/grouped_gemm.py); the frozen base queues none.
-Under MXFP4 QAT (model/qat.py) an expert layer computes with its merged weight rounded,
+gradients wait in the schedule's queue (model/gemm/grouped.py); the frozen base queues none.
+Under MXFP4 QAT (model/mxfp4/qat.py) an expert layer computes with its merged weight rounded,
 Q(W + scaling * B @ A) (`merged_weight`, the formula the merged export uses too; W decoded from
 the blocks/scales when lora.base_experts=mxfp4), with the straight-through estimator's gradients
 (`ExpertLoraAdapter.adapted`; docs/lora.md).
@@ -34,15 +34,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from gptoss_cli.errors import ConfigError
-from gptoss_cli.model.attention import LayerNormLinear
+from gptoss_cli.model.attention.layer import LayerNormLinear
 from gptoss_cli.model.catalog import ATTENTION_TARGETS, MLP_TARGETS, TARGET_MODULES
-from gptoss_cli.model.dense_gemm import ADAPTER, Linear
+from gptoss_cli.model.gemm.dense import ADAPTER, Linear
 from gptoss_cli.model.expert_names import PerExpertParams, checkpoint_slots
-from gptoss_cli.model.grouped_gemm import WgradQueue, grouped_linear
+from gptoss_cli.model.gemm.grouped import WgradQueue, grouped_linear
 from gptoss_cli.model.init import name_generator
 from gptoss_cli.model.moe import ExpertLinear
-from gptoss_cli.model.mxfp4_experts import Mxfp4ExpertLinear
-from gptoss_cli.model.qat import Mxfp4QatGemm
+from gptoss_cli.model.mxfp4.experts import Mxfp4ExpertLinear
+from gptoss_cli.model.mxfp4.qat import Mxfp4QatGemm
 
 LINEAR_IN, LINEAR_OUT = "linear_in", "linear_out"  # A and B
 

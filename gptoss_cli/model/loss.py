@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from gptoss_cli.model.loss_chunk import LM_LOSS_CHUNK_TOKENS, lm_loss_chunk_tokens
-from gptoss_cli.model.main_grad import (added_to_main_grad, addmm_fp32_, fp32_accumulating_gemm, main_grad_target,
+from gptoss_cli.model.gemm.main_grad import (added_to_main_grad, addmm_fp32_, fp32_accumulating_gemm, main_grad_target,
                                         mm_fp32)
 from gptoss_cli.model.router_stats import RouterStats, load_balancing_loss, router_table, router_z_loss
 
@@ -37,7 +37,7 @@ class _ChunkedLMLoss(torch.autograd.Function):
     gradient with respect to the logits (autograd of token_cross_entropy), then dhidden = dlogits @ W
     and dW += dlogits^T @ hidden. backward scales them by the incoming gradient; no chunk's logits
     outlive it. dW is summed over the chunks in fp32: for a bf16 layer on a device with
-    fp32-accumulating GEMMs (model/main_grad.py) by the GEMM itself, elsewhere by adding each
+    fp32-accumulating GEMMs (model/gemm/main_grad.py) by the GEMM itself, elsewhere by adding each
     chunk's bf16 product (the CPU's path). Chunk sizes: model/loss_chunk.py."""
 
     @staticmethod
@@ -92,7 +92,7 @@ class _ChunkedLMLoss(torch.autograd.Function):
             raise RuntimeError("the chunked LM loss was computed without gradients (no_grad) and cannot back-propagate")
         if grad_w is not None:
             # In training, scaled and added into the buffers' fp32 main_grad in one pass
-            # (model/main_grad.py) instead of a scaled copy that the buffers' hook adds.
+            # (model/gemm/main_grad.py) instead of a scaled copy that the buffers' hook adds.
             # A bf16 layer's gradient goes in too where main_grad_target allows it (an fp32 add of
             # the bf16 gradient held since forward, in the same pass as the scaling).
             target = main_grad_target(weight)

@@ -12,7 +12,7 @@ from torch import nn
 
 from gptoss_cli.model.catalog import SWIGLU_KERNEL_UNCONFIGURED
 from gptoss_cli.model.config import GptOssArch
-from gptoss_cli.model.dense_gemm import Linear
+from gptoss_cli.model.gemm.dense import Linear
 from gptoss_cli.model.norm import RMSNorm
 from gptoss_cli.model.recompute import checkpointed, without_output
 from gptoss_cli.model.swiglu_kernel import compiled_clamped_swiglu, compiled_swiglu_available

@@ -7,7 +7,7 @@ router table model/router_stats.py's.
 An `E` layer is split along the boundaries the expert-parallel overlap schedule needs
 (docs/megatron-rules.md, "EP all-to-all overlap"): `pre_dispatch` (pre-MLP norm + router) ->
 `dispatch` (the token dispatcher's permutation and, with expert parallelism, its all-to-all;
-model/dispatcher.py) -> `experts` (grouped GEMMs on the local experts; model/grouped_gemm.py) ->
+model/dispatcher.py) -> `experts` (grouped GEMMs on the local experts; model/gemm/grouped.py) ->
 `combine` (the dispatcher's way back: routing weights, unpermute, reverse all-to-all) + residual.
 `forward` composes them.
 
@@ -29,10 +29,10 @@ from torch import nn
 from gptoss_cli.errors import ConfigError
 from gptoss_cli.model.catalog import SWIGLU_KERNEL_UNCONFIGURED
 from gptoss_cli.model.config import GptOssArch
-from gptoss_cli.model.dense_gemm import ADAPTER
+from gptoss_cli.model.gemm.dense import ADAPTER
 from gptoss_cli.model.dispatcher import AllToAllTokenDispatcher
 from gptoss_cli.model.expert_names import PerExpertParams
-from gptoss_cli.model.grouped_gemm import GroupedGemm, WgradQueue, grouped_linear
+from gptoss_cli.model.gemm.grouped import GroupedGemm, WgradQueue, grouped_linear
 from gptoss_cli.model.mlp import clamped_swiglu
 from gptoss_cli.model.norm import RMSNorm
 from gptoss_cli.model.recompute import checkpointed, discard_saved, without_output
@@ -81,9 +81,9 @@ class ExpertLinear(PerExpertParams):
     """Stacked weights of the local experts, `weight [E_local, out, in]`, `bias [E_local, out]`,
     saved and loaded per expert (see `PerExpertParams`).
 
-    `gemm` computes its grouped GEMMs (model/grouped_gemm.py; None: the default numerics). A frozen
+    `gemm` computes its grouped GEMMs (model/gemm/grouped.py; None: the default numerics). A frozen
     base may keep the weight as MXFP4 blocks and scales instead (`Mxfp4ExpertLinear`,
-    model/mxfp4_experts.py); code that needs only the shape reads `weight_shape`.
+    model/mxfp4/experts.py); code that needs only the shape reads `weight_shape`.
     """
 
     gemm: GroupedGemm | None = None

@@ -27,7 +27,7 @@ from the layer input straight to `combine`, the routing weights from `pre_dispat
 Comm nodes are not autograd ops: forward issues the all-to-all and finishes it later, backward
 issues the reverse all-to-all of the output gradient, so the schedule can put another
 microbatch's compute between issue and wait, in both directions. With delayed weight gradients
-the expert GEMMs queue their dW (model/grouped_gemm.py, `WgradQueue`) and the `dispatch` node's
+the expert GEMMs queue their dW (model/gemm/grouped.py, `WgradQueue`) and the `dispatch` node's
 backward runs the queue right after issuing its all-to-all, while it is in flight.
 
 Plain PyTorch; the only collectives are the dispatcher's (count exchange, all-to-all) on the EP
@@ -42,9 +42,9 @@ from typing import Any, Callable, Protocol
 import torch
 
 from gptoss_cli.errors import ConfigError
-from gptoss_cli.model.attention import AttentionLayer
+from gptoss_cli.model.attention.layer import AttentionLayer
 from gptoss_cli.model.dispatcher import PHASES, AsyncAllToAll, Comm, Routing, start_all_to_all
-from gptoss_cli.model.grouped_gemm import WgradQueue
+from gptoss_cli.model.gemm.grouped import WgradQueue
 from gptoss_cli.model.mlp import DenseMLPLayer
 from gptoss_cli.model.moe import MoELayer
 from gptoss_cli.model.router_stats import RouterStats, RouterStatsRequest
@@ -63,7 +63,7 @@ class ScheduleObserver(Protocol):
         (the handle, or a wrapper whose `wait()` returns the handle's rows)."""
 
     def delayed_wgrad(self, executed: int) -> None:
-        """At the end of a step: the number of delayed weight-gradient GEMMs run (model/grouped_gemm.py)."""
+        """At the end of a step: the number of delayed weight-gradient GEMMs run (model/gemm/grouped.py)."""
 
 
 # --------------------------------------------------------------------------------------------

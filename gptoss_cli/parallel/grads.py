@@ -8,7 +8,7 @@ view into the gradient buffer. A post-accumulate-grad hook adds every backward's
 `main_grad` and frees `.grad`, so the buffers hold the sum over all microbatches of the step
 whatever the parameter dtype. The experts', the output layer's and the embedding's backward add
 their weight gradients into `main_grad` themselves where both are fp32
-(gptoss_cli/model/main_grad.py), and the hook skips their add.
+(gptoss_cli/model/gemm/main_grad.py), and the hook skips their add.
 
 Buffers are split into *buckets* of whole parameters (in reverse order of `named_parameters`, so
 buckets fill in the order backward produces gradients), each padded to a multiple of
@@ -45,7 +45,7 @@ from torch import nn
 from gptoss_cli.buckets import ALIGN, default_bucket_size
 from gptoss_cli.errors import ConfigError, TrainingError
 from gptoss_cli.model.expert_names import is_expert_name
-from gptoss_cli.model.main_grad import take_added
+from gptoss_cli.model.gemm.main_grad import take_added
 from gptoss_cli.parallel.state import ParallelState, all_reduce, group_rank, group_size, reduce_scatter
 
 
@@ -225,7 +225,7 @@ class GradBuffers:
 
     def _accumulate(self, param: torch.Tensor) -> None:
         # A backward that added its gradient into main_grad itself hands autograd a stand-in
-        # (gptoss_cli/model/main_grad.py): nothing left to add.
+        # (gptoss_cli/model/gemm/main_grad.py): nothing left to add.
         if not take_added(param, param.grad):
             param.main_grad.add_(param.grad)
         param.grad = None

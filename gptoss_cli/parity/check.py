@@ -85,7 +85,7 @@ def run_parity(
     from gptoss_cli.checkpoint import formats
     from gptoss_cli.checkpoint.formats.registry import check_tensors
     from gptoss_cli.checkpoint.sources import open_source
-    from gptoss_cli.parity.forward import Ours, Reference, forward_parity
+    from gptoss_cli.parity.forward import Ours, TransformersReference, forward_parity
     from gptoss_cli.parity.weights import check_weights
 
     torch_dtype = parse_dtype(dtype, "--dtype", allowed=("float32", "bfloat16", "fp32", "bf16"))
@@ -132,7 +132,7 @@ def run_parity(
         with CheckpointReader(hybrid_path) as hybrid_reader:
             if check_weights_step:
                 report.weights = check_weights(source, hybrid_reader, arch, progress)
-            ref = Reference(source.folder, source.reader, torch_dtype, dev)
+            ref = TransformersReference(source.folder, source.reader, torch_dtype, dev)
             ours = Ours(cfg.arch, cfg.hybrid_layer_pattern, hybrid_reader, torch_dtype, dev)
             blocks = min(arch.num_hidden_layers, cfg.arch.num_hidden_layers)
             report.stages, report.logits, report.seconds_per_block = forward_parity(

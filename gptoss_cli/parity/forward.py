@@ -29,7 +29,7 @@ from gptoss_cli.parity.report import LogitMetrics, StageMetrics, Thresholds, com
 
 
 # --- reference side (transformers) ------------------------------------------------------
-class Reference:
+class TransformersReference:
     def __init__(self, hf_folder, reader, dtype: torch.dtype, device: torch.device):
         import transformers
         from transformers.models.gpt_oss import modeling_gpt_oss
@@ -158,7 +158,7 @@ def _free() -> None:
 
 @torch.no_grad()
 def forward_parity(
-    ref: Reference,
+    ref: TransformersReference,
     ours: Ours,
     ids: torch.Tensor,
     num_blocks: int,

@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
-from gptoss_cli.model.attention import AttentionLayer
-from gptoss_cli.model.grouped_gemm import WgradQueue
+from gptoss_cli.model.attention.layer import AttentionLayer
+from gptoss_cli.model.gemm.grouped import WgradQueue
 from gptoss_cli.model.mlp import DenseMLPLayer
 from gptoss_cli.model.moe import MoELayer
 from gptoss_cli.model.router_stats import RouterStats, router_table

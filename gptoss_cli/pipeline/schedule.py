@@ -33,7 +33,7 @@ from torch import nn
 from gptoss_cli.errors import ConfigError
 from gptoss_cli.model.pattern import MOE
 from gptoss_cli.parallel.grads import get_attr_wrapped_model, get_model_config, unwrap_model
-from gptoss_cli.model.grouped_gemm import WgradQueue
+from gptoss_cli.model.gemm.grouped import WgradQueue
 from gptoss_cli.pipeline.layout import SPLIT_BACKWARD, PipelineLayout, schedule_problems
 from gptoss_cli.pipeline.plan_stage import overlap_f_b, plan_stage_class
 from gptoss_cli.pipeline.stage import StageModule, StepTables, rank_stage_class, stage_metas

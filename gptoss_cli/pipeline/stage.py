@@ -22,7 +22,7 @@ Router telemetry does not travel: each stage adds its layers' table rows to the 
 `StepTables`, which the schedule folds into the step's totals.
 
 With a split-backward schedule (zero bubble, DualPipeV) the stage's experts queue their weight
-gradients during backward (`MoELayer.wgrad_queue`, model/grouped_gemm.py's WgradQueue, one per
+gradients during backward (`MoELayer.wgrad_queue`, model/gemm/grouped.py's WgradQueue, one per
 microbatch) and torch's W action runs the queue (`dw_builder`): the backward for inputs (I) is the
 rest of the backward, attention, router, norms, embedding and output layer included.
 """
@@ -36,7 +36,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from gptoss_cli.model.grouped_gemm import WgradQueue
+from gptoss_cli.model.gemm.grouped import WgradQueue
 from gptoss_cli.model.loss import HybridOutput
 from gptoss_cli.model.moe import MoELayer
 from gptoss_cli.model.router_stats import RouterStats, router_table

@@ -68,7 +68,7 @@ FP32 = 4
 ADAM_STATE_BYTES = 3 * FP32  # fp32 master, exp_avg, exp_avg_sq
 # fp32 parameters are their own master weights (train/optimizer.py): only the two moments
 ADAM_MOMENT_BYTES = 2 * FP32
-MXFP4_BITS = 4 + 8 / 32  # per weight: an E2M1 code, and one E8M0 scale per 32 (gptoss_cli/model/mxfp4_experts.py)
+MXFP4_BITS = 4 + 8 / 32  # per weight: an E2M1 code, and one E8M0 scale per 32 (gptoss_cli/model/mxfp4/experts.py)
 
 
 def size_text(n: float) -> str:
@@ -81,14 +81,14 @@ def size_text(n: float) -> str:
 
 # --- activations ----------------------------------------------------------------------------------
 def attention_head_dim_padded(head_dim: int) -> int:
-    """q and k carry one extra feature for the sinks, padded to a multiple of 8 (model/attention.py)."""
+    """q and k carry one extra feature for the sinks, padded to a multiple of 8 (model/attention/sink_padded.py)."""
     return -(-(head_dim + 1) // 8) * 8
 
 
 def attention_core_bytes_per_token(arch: GptOssArch, b: int) -> float:
     """What a fused attention kernel saves per token: q, k and v with the sink feature (head dim d'
     = head_dim + 1 padded to 8) and its d'-wide output in the params dtype, the fp32 log-sum-exp per
-    head. A sliding-window layer runs per query block (model/attention.py) and each block holds its
+    head. A sliding-window layer runs per query block (model/attention/masks.py) and each block holds its
     own copy of the keys and values it sees, its block and the window before it: k and v count
     (block + window) / block times, at most twice; the bound of the worst layer is used for all."""
     nh, kv, d = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim

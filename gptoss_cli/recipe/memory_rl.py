@@ -1,7 +1,7 @@
 """GRPO's items in the per-GPU memory estimate (recipe/memory.py): the rollout's KV cache and a vLLM engine
 sharing the training GPUs.
 
-- The gptoss engine decodes with `generate`'s preallocated cache (gptoss_cli/model/kv_cache.py): per
+- The gptoss engine decodes with `generate`'s preallocated cache (gptoss_cli/model/decode/kv_cache.py): per
   attention layer, keys and values [rows, kv_heads, slots, head_dim] in the parameters' dtype, where
   rows = rl.rollout.batch_size (at most the rank's completions of a rollout, training.global_batch_size x
   rl.steps_per_rollout / data-parallel size; all of them when null) and slots = the columns of a row

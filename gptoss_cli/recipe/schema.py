@@ -433,11 +433,6 @@ def iter_fields(cls: type = RecipeConfig, prefix: str = ""):
             yield name, f
 
 
-def get_field(dotted: str) -> dataclasses.Field | None:
-    """The schema field for a dotted name, or None."""
-    return dict(iter_fields()).get(dotted)
-
-
 def describe_schema() -> list[tuple[str, str, str]]:
     """(dotted name, default, help) for every field; docs/recipes.md's field table comes from here."""
     rows = []
@@ -480,5 +475,5 @@ __all__ = [
     "CudaGraphConfig", "RecomputeConfig", "TrainingConfig", "OptimizerConfig", "DataConfig",
     "CheckpointConfig", "LoraConfig", "ValidationConfig", "BlendSource", "LoggingConfig", "SystemConfig",
     "ServeCheckConfig", "ObjectiveConfig", "RLConfig", "RolloutConfig", "OBJECTIVES", "RL_LOSSES", "ROLLOUT_ENGINES",
-    "iter_fields", "get_field", "describe_schema",
+    "iter_fields", "describe_schema",
 ]

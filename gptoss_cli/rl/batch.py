@@ -21,7 +21,7 @@ from gptoss_cli.train.data import Microbatch
 
 
 @dataclass
-class Completion:
+class SampledCompletion:
     """One sampled completion of one prompt."""
 
     prompt: int  # the prompt's index in the prompt set
@@ -36,7 +36,7 @@ class Rollout:
     """This rank's completions of one rollout, in groups of rl.group_size consecutive completions."""
 
     index: int  # which rollout (0-based, over the run)
-    completions: list[Completion]
+    completions: list[SampledCompletion]
     rewards: list[float | None] = field(default_factory=list)  # None: the reward failed
     advantages: list[float] = field(default_factory=list)
     microbatches: list[Microbatch] = field(default_factory=list)
@@ -44,7 +44,7 @@ class Rollout:
     stats: dict[str, float] = field(default_factory=dict)  # metrics.jsonl fields of the rollout (global)
 
 
-def completion_rows(completions: Sequence[Completion], advantages: Sequence[float], seq_length: int,
+def completion_rows(completions: Sequence[SampledCompletion], advantages: Sequence[float], seq_length: int,
                     device: torch.device) -> Microbatch:
     """One microbatch of the given completions (see the module docstring)."""
     n = len(completions)
@@ -80,4 +80,4 @@ def step_microbatches(rollout: Rollout, step_in_rollout: int, per_step: int) -> 
     return iter(rollout.microbatches[step_in_rollout * per_step:(step_in_rollout + 1) * per_step])
 
 
-__all__ = ["Completion", "Rollout", "completion_rows", "split_microbatches", "step_microbatches"]
+__all__ = ["SampledCompletion", "Rollout", "completion_rows", "split_microbatches", "step_microbatches"]

@@ -15,7 +15,7 @@ with the policy as it is after `version` optimizer steps.
   vLLM's own in-place reload leaves GPT-OSS's experts, sinks and CPU-packed linear layers stale,
   generate/engines/vllm_worker.py), then checks a fingerprint: the engine's log-probabilities of a probe prompt over the whole vocabulary
   against the trainer's own, within serve-check's error budget for the engine's dtype
-  (parity/serve_budget.py). A push the engine did not take is a TrainingError naming the version.
+  (parity/serve/budget.py). A push the engine did not take is a TrainingError naming the version.
   The engine's log-probabilities are vLLM's `processed_logprobs`: after temperature and top_p, the
   distribution it sampled from, as gptoss's engine reports them.
 """
@@ -118,11 +118,11 @@ class VllmRollout:
             raise TrainingError(error[0], hint=error[1])
 
     def _fingerprint(self, model: torch.nn.Module, when: str) -> None:
-        from gptoss_cli.parity.serve_reference import reference_for
-        from gptoss_cli.parity.serve_report import compare_prompt
+        from gptoss_cli.parity.serve.reference import reference_for
+        from gptoss_cli.parity.serve.report import compare_prompt
         from gptoss_cli.rl.weights import ENGINE_DTYPES
 
-        # the coarser of the two dtypes sets the budget (serve-check's error model, parity/serve_budget.py)
+        # the coarser of the two dtypes sets the budget (serve-check's error model, parity/serve/budget.py)
         dtype = max(ENGINE_DTYPES[self.dtype], next(model.parameters()).dtype, key=lambda d: torch.finfo(d).eps)
         ref = reference_for(model, "probe", self.probe, greedy_tokens=0, dtype=dtype)
         result = compare_prompt(ref, self.engine.score([self.probe])[0], [])

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from gptoss_cli.errors import ConfigError, TrainingError
 from gptoss_cli.generate.decode import Sampling
-from gptoss_cli.rl.batch import Completion, Rollout, split_microbatches, step_microbatches
+from gptoss_cli.rl.batch import Rollout, SampledCompletion, split_microbatches, step_microbatches
 from gptoss_cli.rl.logprobs import policy_log_probs
 from gptoss_cli.rl.objective import group_advantages
 from gptoss_cli.rl.prompts import PromptOrder, read_records, render_records
@@ -166,7 +166,7 @@ class RolloutData:
         t_sample = time.perf_counter()
         samples = self.engine.sample(index, [list(self.prompts[i].ids) for i in repeated])
         sample_seconds = time.perf_counter() - t_sample
-        completions = [Completion(i, self.prompts[i].ids, ids, lps, finish)
+        completions = [SampledCompletion(i, self.prompts[i].ids, ids, lps, finish)
                        for i, (ids, lps, finish) in zip(repeated, samples)]
         if beat:
             beat()
@@ -180,7 +180,7 @@ class RolloutData:
         self.rollout = rollout
         return rollout
 
-    def _score(self, c: Completion) -> float | None:
+    def _score(self, c: SampledCompletion) -> float | None:
         p = self.prompts[c.prompt]
         value = call_reward(self.reward, p.messages, completion_text(c.ids, self.htok), c.ids, p.record, p.where)
         if isinstance(value, RewardFailure):

@@ -1,7 +1,7 @@
 """gptoss's own rollout engine: `generate`'s KV-cache decoding on the training model, with the log-probability
 of every sampled token, on every rank, in step with the expert-parallel group.
 
-The decoding is gptoss_cli/generate's: prompts left-padded (model/kv_cache.py: padding has position
+The decoding is gptoss_cli/generate's: prompts left-padded (model/decode/kv_cache.py: padding has position
 -1, no query sees it), prefill in chunks, then one token per row per step; the token is chosen as
 generate chooses it (`choose`: softmax(logits / temperature), cut to the top_p nucleus, sampled with
 the rollout's generator). The log-probability reported for it is that of the distribution it was
@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from gptoss_cli.generate.decode import Sampling, choose, left_pad, top_p_filter
-from gptoss_cli.model.kv_cache import KVCache, forward_cached, next_token_logits, prefill
+from gptoss_cli.model.decode.kv_cache import KVCache, forward_cached, next_token_logits, prefill
 
 
 def _group_max(value: int, group) -> int:

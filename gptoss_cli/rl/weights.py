@@ -21,7 +21,7 @@ from gptoss_cli.checkpoint.formats.hf.config import to_hf_config
 from gptoss_cli.checkpoint.formats.hf.layouts import HF_BF16
 from gptoss_cli.checkpoint.mapping import units
 from gptoss_cli.model.lora import is_adapter_name, lora_deltas
-from gptoss_cli.model.qat import rounded_weight
+from gptoss_cli.model.mxfp4.qat import rounded_weight
 
 EXPERT_WEIGHTS = ("mlp.experts.linear_fc1.weight", "mlp.experts.linear_fc2.weight")
 ENGINE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -20,7 +20,7 @@ merge depends only on the plan's structure, so every rank issues its collectives
 order.
 
 With `delay_wgrad_compute` the expert GEMMs queue their weight gradients
-(gptoss_cli/model/grouped_gemm.py) and each `dispatch` node runs the queue right after issuing its
+(gptoss_cli/model/gemm/grouped.py) and each `dispatch` node runs the queue right after issuing its
 backward all-to-all. At the end of the step the queue must be empty, else TrainingError.
 
 `finalize_model_grads_func` (from `get_model_config(model)`, never the provider's config) runs
@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from gptoss_cli.errors import ConfigError
-from gptoss_cli.model.grouped_gemm import WgradQueue
+from gptoss_cli.model.gemm.grouped import WgradQueue
 from gptoss_cli.model.schedule_plan import COMM, SchedulePlan, ScheduleObserver
 from gptoss_cli.parallel.grads import get_attr_wrapped_model, get_model_config
 from gptoss_cli.schedule.plain import ForwardStep, StepAccounting, finalizer, forward_backward_no_pipelining

@@ -201,7 +201,7 @@ class Microbatch:
     tokens: torch.Tensor  # [mbs, S] inputs
     labels: torch.Tensor  # [mbs, S] next tokens (IGNORE_INDEX where not trained)
     # packed documents (None: one sequence per row): positions restarting at 0 per document, and
-    # the document start offsets into the flattened [mbs*S] tokens (model/attention.py)
+    # the document start offsets into the flattened [mbs*S] tokens (model/attention/backends.py)
     position_ids: torch.Tensor | None = None
     cu_seqlens: tuple[int, ...] | None = None
     # per-position tensors [mbs, S] a training objective attaches (advantages, old log-probs, ...:

@@ -91,7 +91,7 @@ def train(recipe: Any, *, nproc_per_node: int | None = None, progress: TrainProg
 
 def _serve_check(section: Any, result: TrainResult) -> None:
     """serve-check the final checkpoint into the run folder; a failed check is a TrainingError (exit 1)."""
-    from gptoss_cli.parity.serve import check_after_training
+    from gptoss_cli.parity.serve.check import check_after_training
 
     if not result.checkpoint:
         raise TrainingError("serve_check: the run saved no checkpoint to check")

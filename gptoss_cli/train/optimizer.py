@@ -94,7 +94,7 @@ def flat_range_boxes(lo: int, hi: int, shape: tuple[int, ...]) -> list[tuple[tup
 
 
 @dataclass
-class _Run:
+class _DecayRun:
     """Elements [lo, hi) of the buffer (inside one shard) that belong to one parameter, or to
     neighbouring parameters that share the same weight-decay rule."""
 
@@ -137,7 +137,7 @@ class _Shard:
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
         self.params: list[int] = []  # buffer indices of the parameters with elements in the shard
-        runs: list[_Run] = []
+        runs: list[_DecayRun] = []
         for i in bucket.params:
             a, b = self.buffer.offsets[i]
             a, b = max(a, self.lo), min(b, self.hi)
@@ -148,7 +148,7 @@ class _Shard:
             if runs and runs[-1].hi == a and runs[-1].decays == d:
                 runs[-1].hi = b
             else:
-                runs.append(_Run(a, b, d))
+                runs.append(_DecayRun(a, b, d))
         self.runs = runs
 
     @property

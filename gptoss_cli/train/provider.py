@@ -7,11 +7,11 @@ it builds keeps its own deep copy as `model.config`, which is the object the sch
 
 With `precision.fp8_recipe` set, the attention projections and expert GEMMs get FP8 gemms
 (gptoss_cli/fp8/selection.py, `select_gemms`) for this rank's device; with `precision.qat=mxfp4` the
-expert GEMMs compute with MXFP4-rounded weights (gptoss_cli/model/qat.py), wrapping the FP8 gemm if any.
+expert GEMMs compute with MXFP4-rounded weights (gptoss_cli/model/mxfp4/qat.py), wrapping the FP8 gemm if any.
 
 With a `lora` section the base is frozen and adapters are added after the weights are loaded
 (gptoss_cli/model/lora.py); with `lora.base_experts=mxfp4` the frozen experts are built as MXFP4
-blocks/scales (gptoss_cli/model/mxfp4_experts.py) and each rank loads its own experts into them. Weights come from one of: a seed (every tensor drawn from a generator seeded by the seed and the
+blocks/scales (gptoss_cli/model/mxfp4/experts.py) and each rank loads its own experts into them. Weights come from one of: a seed (every tensor drawn from a generator seeded by the seed and the
 tensor's checkpoint name, so any EP layout gets the same initial model), a Hybrid checkpoint
 (each rank reads only its own experts' tensors) or a Hugging Face checkpoint (mapped on the fly).
 """
@@ -35,7 +35,7 @@ from gptoss_cli.model.pattern import parse_pattern
 from gptoss_cli.pipeline.layout import PipelineLayout, pipeline_layout
 from gptoss_cli.model.recompute_plan import RecomputePlan
 from gptoss_cli.recipe.memory import recompute_plan
-from gptoss_cli.model.qat import qat_gemms
+from gptoss_cli.model.mxfp4.qat import qat_gemms
 from gptoss_cli.recipe.schema import RecipeConfig
 from gptoss_cli.model.dispatcher import AllToAllTokenDispatcher
 from gptoss_cli.parallel.state import ParallelState
@@ -57,11 +57,11 @@ class ModelRuntimeConfig:
     z_loss_coeff: float = 0.0
     freeze_router: bool = False
     recompute: RecomputePlan = RecomputePlan()  # what backward recomputes (model/recompute.py)
-    qat: str = "none"  # precision.qat: "mxfp4" gives the experts Mxfp4QatGemm (gptoss_cli/model/qat.py)
+    qat: str = "none"  # precision.qat: "mxfp4" gives the experts Mxfp4QatGemm (gptoss_cli/model/mxfp4/qat.py)
     lora: LoraSettings | None = None  # LoRA: the provider freezes the base and adds adapters (model/lora.py)
     base_experts: str = "bf16"  # lora.base_experts with LoRA on: "mxfp4" keeps the frozen experts in MXFP4
     swiglu_kernel: str = SWIGLU_KERNEL_DEFAULT  # model.swiglu_kernel (model/swiglu_kernel.py), the recipe's default
-    attention_backend: str = ATTENTION_BACKEND_DEFAULT  # model.attention_backend (model/attention_backends.py)
+    attention_backend: str = ATTENTION_BACKEND_DEFAULT  # model.attention_backend (model/attention/backends.py)
     # pipeline parallelism (gptoss_cli/pipeline/): the provider builds the layers of this rank's stages
     pipeline_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: int | None = None

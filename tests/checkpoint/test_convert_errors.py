@@ -9,18 +9,15 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import save_file
-from typer.testing import CliRunner
 
-from gptoss_cli.cli import app
 from gptoss_cli.checkpoint.storage import safetensors_io
 from gptoss_cli.checkpoint.convert import convert
 from tests.checkpoint.test_convert_layout import load_all
-
-runner = CliRunner()
+from tests.support.cli import run_cli
 
 
 def run_convert(src, dst, *extra):
-    result = runner.invoke(app, ["convert", str(src), str(dst), "--quiet", *map(str, extra)])
+    result = run_cli("convert", src, dst, "--quiet", *extra)
     return result, result.output  # stdout and stderr, interleaved
 
 

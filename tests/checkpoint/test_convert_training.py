@@ -11,16 +11,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from typer.testing import CliRunner
 
 from gptoss_cli.checkpoint.convert import PROVENANCE_KEY, convert
 from gptoss_cli.checkpoint.load import load_hf, model_from_checkpoint
 from gptoss_cli.checkpoint.formats.training.record import TRAIN_STATE
 from gptoss_cli.model.build import build_model
-from gptoss_cli.cli import app
 from gptoss_cli.errors import CheckpointError, UsageError
 from tests.faults.conftest import digest
 from tests.model.tiny_checkpoints import load_hf_reference
+from tests.support.cli import exit_and_output
 from tests.tolerances import reassociation_rel
 from tests.train.dist_helpers import once_per_session
 from tests.train.workers import TINY, ep2_checkpoint_run, tiny_plan
@@ -72,7 +71,7 @@ def test_mxfp4_export_loads_in_transformers(trained, tmp_path):
     config = json.loads((out / "config.json").read_text())
     assert config["quantization_config"]["quant_method"] == "mxfp4"
     reference = load_hf_reference(out)  # transformers dequantises the blocks with its own code
-    ours = model_from_checkpoint(out).eval()  # and ours with gptoss_cli/model/mxfp4.py
+    ours = model_from_checkpoint(out).eval()  # and ours with gptoss_cli/model/mxfp4/codec.py
     with torch.no_grad():
         assert_logits_close(ours(ids()).logits, reference(ids()).logits)
     # The experts are the trained ones, rounded to MXFP4: e2m1 steps are at most 2 x the block's
@@ -171,13 +170,9 @@ def test_reader_fetches_experts_of_one_stack_ahead_within_its_budget(trained):
     source.close()
 
 
-runner = CliRunner()
-
-
 def invoke(*args: object) -> tuple[int, str]:
-    result = runner.invoke(app, [str(a) for a in args])
-    assert "Traceback" not in result.output, result.output
-    return result.exit_code, " ".join(result.output.split())
+    code, output = exit_and_output(*args)
+    return code, " ".join(output.split())  # rich wraps long lines at the runner's 80 columns
 
 
 @pytest.fixture

@@ -22,16 +22,14 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from typer.testing import CliRunner
 
 from gptoss_cli.checkpoint.convert import convert
 from gptoss_cli.checkpoint.storage.dcp_io import read_metadata
 from gptoss_cli.checkpoint.load import model_from_checkpoint
-from gptoss_cli.cli import app
 from tests.checkpoint import megatron_worker as ref
+from tests.support.cli import run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
-runner = CliRunner()
 
 
 def hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -275,7 +273,7 @@ def test_what_megatron_core_saves_converts_back_to_the_same_hf_weights(ep, singl
 
 # --- bad input ---------------------------------------------------------------------------
 def run_convert(src, dst, *extra):
-    result = runner.invoke(app, ["convert", str(src), str(dst), "--quiet", *map(str, extra)])
+    result = run_cli("convert", src, dst, "--quiet", *extra)
     return result, result.output
 
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from gptoss_cli.model import mxfp4
+from gptoss_cli.model.mxfp4 import codec as mxfp4
 
 
 def test_decode_reads_low_nibble_first_and_applies_the_scale():

@@ -7,6 +7,7 @@ counted with --errors skip."""
 from __future__ import annotations
 
 import json
+from functools import partial
 
 import pytest
 from typer.testing import CliRunner
@@ -15,6 +16,7 @@ from gptoss_cli.cli import app
 from gptoss_cli.data.token_format import read_token_header
 from tests.data.test_harmony import CONVERSATIONS, as_json
 from tests.data.test_harmony_tools import HF_SEVERAL_CALLS, TOOL_CONVERSATIONS
+from tests.support.cli import run_cli
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -23,8 +25,7 @@ datasets = pytest.importorskip("datasets", reason="the test extra installs datas
 NAMES = ["several-calls-and-errors", "builtin-tools", "two-exchanges", "result-spells-special-tokens"]
 
 
-def prepare(*args):
-    return CliRunner().invoke(app, ["prepare-data", *map(str, args), "--format", "harmony", "--quiet"])
+prepare = partial(run_cli, "prepare-data", "--format", "harmony", "--quiet")
 
 
 def token_files(prefix):

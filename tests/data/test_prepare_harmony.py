@@ -4,15 +4,15 @@ length limits that drop and count (or truncate), the packing report, and one-lin
 from __future__ import annotations
 
 import json
+from functools import partial
 
 import numpy as np
 import pytest
-from typer.testing import CliRunner
 
-from gptoss_cli.cli import app
 from gptoss_cli.data.packing import pack_documents, packing_efficiency
 from gptoss_cli.data.token_format import check_token_files, read_token_header
 from tests.data.test_harmony import CONVERSATIONS, RETURN, as_json
+from tests.support.cli import run_cli
 
 h = pytest.importorskip("openai_harmony")
 
@@ -21,8 +21,7 @@ HF_LINE = {"reasoning_effort": "low", "messages": [
     {"role": "assistant", "thinking": "A greeting.", "content": "Hello!"}]}
 
 
-def prepare(*args):
-    return CliRunner().invoke(app, ["prepare-data", *map(str, args), "--quiet"])
+prepare = partial(run_cli, "prepare-data", "--quiet")
 
 
 def read_documents(prefix):

@@ -48,8 +48,8 @@ def test_the_recipes_table_says_what_this_machine_runs_and_refuses(cpu_report):
 
 def test_a_wrong_attention_kernel_fails_its_check_and_exit_is_1(monkeypatch):
     # Planted bug: the flash path's sliding-window blocks see one key too many.
-    import gptoss_cli.model.attention_backends as backends
-    from gptoss_cli.model.attention_masks import query_blocks
+    import gptoss_cli.model.attention.backends as backends
+    from gptoss_cli.model.attention.masks import query_blocks
 
     monkeypatch.setattr(backends, "query_blocks", lambda s, w, device, dtype: query_blocks(
         s, None if w is None else w + 1, device, dtype))

@@ -8,26 +8,18 @@ import shutil
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
 from gptoss_cli.checkpoint.formats.training.record import run_record
-from gptoss_cli.cli import app
 from gptoss_cli.json_input import parse_json
 from gptoss_cli.checkpoint.formats.hf.config import to_hf_config
 from gptoss_cli.model.config import preset
 from tests.faults.conftest import TRAIN_FAST, assert_one_line, digest
+from tests.support.cli import exit_and_output as invoke
 
-runner = CliRunner()
 TINY = preset("tiny")
 BIG = "1" * 5000
 DEEP = "[" * 100_000 + "]" * 100_000
 HOSTILE = {"big": (BIG, "an integer of 5000 digits"), "deep": (DEEP, "nested too deeply")}
-
-
-def invoke(*args: object) -> tuple[int, str]:
-    result = runner.invoke(app, [str(a) for a in args])
-    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
-    return result.exit_code, result.output
 
 
 @pytest.mark.parametrize("kind", sorted(HOSTILE))

@@ -6,18 +6,9 @@ import json
 import math
 import shutil
 
-from typer.testing import CliRunner
 
-from gptoss_cli.cli import app
 from tests.faults.conftest import assert_one_line, gptoss, leftovers
-
-runner = CliRunner()
-
-
-def invoke(*args: object):
-    result = runner.invoke(app, [str(a) for a in args])
-    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
-    return result.exit_code, result.output
+from tests.support.cli import exit_and_output as invoke
 
 
 def test_a_path_that_looks_like_markup_is_printed_verbatim(tmp_path):

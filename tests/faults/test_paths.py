@@ -6,17 +6,9 @@ import shutil
 from collections import namedtuple
 
 import pytest
-from typer.testing import CliRunner
 
-from gptoss_cli.cli import app
 from tests.faults.conftest import assert_one_line, digest, gptoss
-
-runner = CliRunner()
-
-
-def invoke(*args: object):
-    result = runner.invoke(app, [str(a) for a in args])
-    return result.exit_code, result.output
+from tests.support.cli import exit_and_output as invoke
 
 
 def test_force_onto_the_folder_holding_the_source_destroys_nothing(tiny_hf, tmp_path):

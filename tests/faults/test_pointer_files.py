@@ -5,16 +5,15 @@ answer is one line naming the file, exit 2, never a traceback or a path thousand
 from __future__ import annotations
 
 import pytest
-from typer.testing import CliRunner
 
-from gptoss_cli.cli import app
+from tests.support.cli import run_cli
 
-runner = CliRunner()
+
 HOSTILE = {"5000 digits": "9" * 5000, "superscript two": "\u00b2", "arabic-indic three": "\u0663"}
 
 
 def _one_line_error(args: list[str]) -> str:
-    result = runner.invoke(app, args)
+    result = run_cli(*args)
     text = " ".join(result.output.split())
     assert result.exit_code == 2, result.output
     assert "Traceback" not in result.output and text.count("error:") == 1, result.output

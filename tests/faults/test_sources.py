@@ -4,18 +4,16 @@ from __future__ import annotations
 
 import json
 import shutil
+from functools import partial
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from typer.testing import CliRunner
 
 from gptoss_cli.checkpoint.mapping import is_vocab_padding
-from gptoss_cli.cli import app
 from gptoss_cli.model.config import preset
 from tests.faults.conftest import assert_one_line, gptoss, leftovers
-
-runner = CliRunner()
+from tests.support.cli import exit_and_output
 
 
 @pytest.fixture
@@ -32,10 +30,7 @@ def edit_config(folder, change) -> None:
     path.write_text(json.dumps(cfg))
 
 
-def convert(src, dst):
-    result = runner.invoke(app, ["convert", str(src), str(dst), "--quiet"])
-    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
-    return result.exit_code, result.output
+convert = partial(exit_and_output, "convert", "--quiet")
 
 
 def test_a_pattern_that_does_not_describe_the_tensors_is_refused(hybrid_copy, tmp_path):

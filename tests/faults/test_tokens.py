@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from typer.testing import CliRunner
 
 from gptoss_cli.cli import app
 from tests.faults.conftest import TRAIN_FAST, assert_one_line, gptoss, leftovers
+from tests.support.cli import exit_and_output
 
 pytest.importorskip("tokenizers")
 runner = CliRunner()
@@ -36,10 +38,7 @@ def tok(tmp_path_factory) -> Path:
     return write_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
-def prepare(*args: object):
-    result = runner.invoke(app, ["prepare-data", *map(str, args), "--quiet"])
-    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
-    return result.exit_code, result.output
+prepare = partial(exit_and_output, "prepare-data", "--quiet")
 
 
 def test_an_eos_id_outside_the_tokenizer_is_refused(tok, tmp_path):

@@ -13,12 +13,10 @@ import time
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
-from gptoss_cli.cli import app
 from tests.faults.conftest import TRAIN_FAST, assert_one_line, child_env, leftovers, start, wait_for
+from tests.support.cli import exit_and_output
 
-runner = CliRunner()
 TIMEOUT_S = 3  # system.heartbeat_timeout_s for the stopped-rank test
 
 
@@ -28,10 +26,8 @@ def train_args(ckpt: Path, run: Path, *extra: str) -> list[str]:
 
 def train_in_process(ckpt: Path, run: Path, *extra: str):
     """One process, EP=1: the cheap way to exercise what does not need two ranks."""
-    result = runner.invoke(app, train_args(ckpt, run, "--nproc-per-node", "1",
-                                           "parallelism.expert_model_parallel_size=1", *extra))
-    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
-    return result.exit_code, result.output
+    return exit_and_output(*train_args(ckpt, run, "--nproc-per-node", "1", "parallelism.expert_model_parallel_size=1",
+                                       *extra))
 
 
 def latest_step(ckpt: Path) -> int | None:

@@ -23,8 +23,8 @@ from gptoss_cli.fp8.linear import Fp8LinearGemm
 from gptoss_cli.fp8.matmul import BLOCK_SCALED_MM, DEQUANTIZE, SCALED_MM, Fp8Numerics
 from gptoss_cli.fp8.selection import Fp8Settings, select_gemms
 from gptoss_cli.fp8.scaling import E4M3, E5M2
-from gptoss_cli.model.dense_gemm import linear
-from gptoss_cli.model.grouped_gemm import WgradQueue, grouped_linear
+from gptoss_cli.model.gemm.dense import linear
+from gptoss_cli.model.gemm.grouped import WgradQueue, grouped_linear
 from tests.fp8.bounds import check_gemm
 from tests.tolerances import assert_tensors_close, reassociation_rel
 

@@ -16,7 +16,7 @@ from gptoss_cli.errors import TrainingError
 from gptoss_cli.fp8 import grouped_kernel
 from gptoss_cli.fp8.scaling import E4M3, E5M2
 from gptoss_cli.fp8.selection import Fp8Settings, select_gemms
-from gptoss_cli.model.grouped_gemm import expert_of_row
+from gptoss_cli.model.gemm.grouped import expert_of_row
 from tests.fp8.scaled_grouped_reference import scaled_grouped_mm
 
 COUNTS = [5, 0, 37, 32, 1]  # an expert without tokens, one of whole blocks of 16, odd counts
@@ -92,7 +92,7 @@ def test_a_non_finite_operand_names_the_expert_on_the_grouped_path(grouped_kerne
 @pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
 def test_a_rank_that_received_no_rows_reads_nothing_and_gets_zeros(grouped_kernel_on, fp8):
     # Under expert parallelism a rank can receive no tokens: no count is read, no kernel called.
-    from gptoss_cli.model.grouped_gemm import DEFAULT_GEMM
+    from gptoss_cli.model.gemm.grouped import DEFAULT_GEMM
     from tests.schedule.host_syncs import HostSyncCounter
 
     gemm = select_gemms(Fp8Settings("rowwise", "e4m3", emulation=True), "cpu").grouped("l") if fp8 else DEFAULT_GEMM

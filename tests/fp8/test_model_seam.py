@@ -8,8 +8,8 @@ import torch
 
 from gptoss_cli.fp8.selection import Fp8Settings, select_gemms
 from gptoss_cli.model.config import preset
-from gptoss_cli.model.dense_gemm import DenseGemm
-from gptoss_cli.model.grouped_gemm import GroupedGemm, WgradQueue
+from gptoss_cli.model.gemm.dense import DenseGemm
+from gptoss_cli.model.gemm.grouped import GroupedGemm, WgradQueue
 from gptoss_cli.model.hybrid import HybridModel
 from tests.fp8.bounds import typical_relative_error
 from tests.tolerances import assert_tensors_close, reassociation_rel

@@ -7,8 +7,8 @@ import torch
 
 from gptoss_cli.errors import TrainingError
 from gptoss_cli.fp8.selection import Fp8Settings, select_gemms
-from gptoss_cli.model.dense_gemm import linear
-from gptoss_cli.model.grouped_gemm import grouped_linear
+from gptoss_cli.model.gemm.dense import linear
+from gptoss_cli.model.gemm.grouped import grouped_linear
 from gptoss_cli.train.worker import run_worker
 from tests.schedule.host_syncs import HostSyncCounter
 from tests.train.workers import tiny_plan

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from functools import partial
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from gptoss_cli.cli import app
 from tests.faults.conftest import assert_one_line
 from tests.model.conftest import transformers
 from tests.model.tiny_checkpoints import load_hf_reference, write_converted_pair
+from tests.support.cli import run_cli
 
 SPECIALS = ["<|endoftext|>", "<|return|>", "<|call|>"]
 
@@ -58,8 +60,7 @@ def hf_greedy(model, prompt_ids: list[int], new: int, stops: set[int]) -> list[i
     return out
 
 
-def run(*args):
-    return CliRunner().invoke(app, ["generate", *map(str, args)])
+run = partial(run_cli, "generate")
 
 
 @pytest.mark.parametrize("kind", ["hf", "hybrid"])

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import json
 import shutil
+from functools import partial
 
 import pytest
-from typer.testing import CliRunner
 
-from gptoss_cli.cli import app
 from gptoss_cli.generate.decode import MAX_NEW_TOKENS, STOP_TOKEN, Generation
 from tests.faults.conftest import assert_one_line
 from tests.model.tiny_checkpoints import load_hf_reference, tiny_hf_model
+from tests.support.cli import run_cli
 
 h = pytest.importorskip("openai_harmony")
 Role, Message, SystemContent, DeveloperContent = h.Role, h.Message, h.SystemContent, h.DeveloperContent
@@ -35,8 +35,7 @@ def reference(checkpoint):
     return load_hf_reference(checkpoint)
 
 
-def run(*args):
-    return CliRunner().invoke(app, ["generate", *map(str, args), "--device", "cpu"])
+run = partial(run_cli, "generate", "--device", "cpu")
 
 
 def hf_greedy_until_stop(model, prompt_ids, new):

@@ -5,23 +5,22 @@ in --json with its recipient, constraint and arguments as openai-harmony parses 
 from __future__ import annotations
 
 import json
+from functools import partial
 
 import pytest
-from typer.testing import CliRunner
 
-from gptoss_cli.cli import app
 from gptoss_cli.generate.decode import STOP_TOKEN, Generation
 from tests.data.test_harmony import as_json
 from tests.data.test_harmony_tools import HF_SEVERAL_CALLS, TOOL_CONVERSATIONS, call
 from tests.generate.test_generate_harmony import checkpoint  # noqa: F401  (a fixture)
+from tests.support.cli import run_cli
 
 h = pytest.importorskip("openai_harmony")
 Role = h.Role
 CALL = 200012
 
 
-def run(*args):
-    return CliRunner().invoke(app, ["generate", *map(str, args), "--device", "cpu"])
+run = partial(run_cli, "generate", "--device", "cpu")
 
 
 def _scripted(monkeypatch, script):

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from gptoss_cli.generate.decode import MAX_NEW_TOKENS, generate_ids
-from gptoss_cli.model import kv_cache
+from gptoss_cli.model.decode import kv_cache
 from gptoss_cli.model.hybrid import HybridModel
-from gptoss_cli.model.kv_cache import KVCache, forward_cached, next_token_logits, prefill
+from gptoss_cli.model.decode.kv_cache import KVCache, forward_cached, next_token_logits, prefill
 from tests.model.conftest import TINY, hf_to_hybrid_state_dict, tokens, transformers
 from tests.tolerances import reassociation_rel
 
@@ -97,11 +97,11 @@ def test_cached_steps_equal_recomputing_the_whole_sequence(hf_tiny):
 
 
 def test_a_batch_through_the_blocked_few_row_products_equals_transformers_generate(hf_tiny, monkeypatch):
-    """A batch of 6 prompts takes model/skinny_gemm.py's blocked product for the LM head (6 rows) and
+    """A batch of 6 prompts takes model/decode/skinny_gemm.py's blocked product for the LM head (6 rows) and
     for experts that get 4 or more of a step's rows, once its size threshold is lowered to the tiny
     model's and its blocks cut to 8 rows (the vocabulary's last block short): same tokens and logits
     as transformers, whose LM head is one `F.linear`."""
-    from gptoss_cli.model import moe_decode, skinny_gemm
+    from gptoss_cli.model.decode import moe as moe_decode, skinny_gemm
 
     monkeypatch.setattr(skinny_gemm, "BLOCKED_MIN_BYTES", 0)
     monkeypatch.setattr(skinny_gemm, "BLOCK_BYTES", 8 * TINY.hidden_size * 4)

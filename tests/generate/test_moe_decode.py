@@ -1,4 +1,4 @@
-"""A decoding step's MoE layer (model/moe_decode.py), on the CPU's per-expert GEMMs and on the grouped
+"""A decoding step's MoE layer (model/decode/moe.py), on the CPU's per-expert GEMMs and on the grouped
 GEMM over device-side counts that accelerators take, equals transformers' MoE half of a block."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gptoss_cli.model.hybrid import HybridModel
-from gptoss_cli.model.moe_decode import DecodeExperts, decode_moe, decode_moe_available
+from gptoss_cli.model.decode.moe import DecodeExperts, decode_moe, decode_moe_available
 from tests.model.conftest import TINY, hf_to_hybrid_state_dict
 from tests.tolerances import reassociation_rel
 

@@ -1,4 +1,4 @@
-"""Every attention backend (model/attention_backends.py: flash, flex, sdpa): forward and every gradient
+"""Every attention backend (model/attention/backends.py: flash, flex, sdpa): forward and every gradient
 against transformers' eager GPT-OSS attention, on the CPU.
 
 Reference: transformers' `eager_attention_forward` of GPT-OSS (the sink as an explicit softmax
@@ -27,8 +27,8 @@ import pytest
 import torch
 
 from gptoss_cli.errors import ConfigError
-from gptoss_cli.model import sink_flash
-from gptoss_cli.model.attention_backends import document_attention, sink_attention
+from gptoss_cli.model.attention import sink_flash
+from gptoss_cli.model.attention.backends import document_attention, sink_attention
 from gptoss_cli.model.catalog import SLIDING_QUERY_BLOCK
 from gptoss_cli.model.positions import document_offsets
 from tests.tolerances import assert_tensors_close, reassociation_rel

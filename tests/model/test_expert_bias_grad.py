@@ -1,4 +1,4 @@
-"""The experts' bias gradient on the device path (model/grouped_gemm.py, `_bias_grad`) against fp64.
+"""The experts' bias gradient on the device path (model/gemm/grouped.py, `_bias_grad`) against fp64.
 
 On a GPU the counts stay on the device, so the per-expert column sums of the CPU path are not
 available; the bias gradient used to be an `index_add_` in bf16 there, which a GPU runs as atomics
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from gptoss_cli.model import grouped_gemm
+from gptoss_cli.model.gemm import grouped as grouped_gemm
 
 COUNTS = [512, 256, 0, 768]  # an expert without rows gets a zero gradient
 

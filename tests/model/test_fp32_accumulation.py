@@ -1,4 +1,4 @@
-"""bf16 weight gradients summed in fp32 by the GEMM on the way into an fp32 main_grad (model/main_grad.py), and the LM-head chunk per device.
+"""bf16 weight gradients summed in fp32 by the GEMM on the way into an fp32 main_grad (model/gemm/main_grad.py), and the LM-head chunk per device.
 
 On CUDA (torch 2.10+) `torch.addmm(..., out_dtype=torch.float32)` sums bf16 products into an fp32
 accumulator in one kernel; `main_grad_target` then lets a bf16 parameter's backward add into its fp32
@@ -15,10 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gptoss_cli.model import loss, main_grad
+from gptoss_cli.model import loss
+from gptoss_cli.model.gemm import main_grad
 from gptoss_cli.model.loss import chunked_lm_loss_sum, token_cross_entropy
 from gptoss_cli.model.loss_chunk import LM_LOSS_CHUNK_TOKENS, lm_loss_chunk_tokens
-from gptoss_cli.model.main_grad import embedding, take_added
+from gptoss_cli.model.gemm.main_grad import embedding, take_added
 
 SCALE = 0.375
 

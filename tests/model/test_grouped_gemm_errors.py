@@ -1,4 +1,4 @@
-"""A `torch._grouped_mm` failure stops the run naming the GEMM, every time: never a silent switch of the rest of the run to the per-expert loop (model/grouped_gemm.py)."""
+"""A `torch._grouped_mm` failure stops the run naming the GEMM, every time: never a silent switch of the rest of the run to the per-expert loop (model/gemm/grouped.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gptoss_cli.errors import TrainingError
-from gptoss_cli.model.grouped_gemm import GroupedGemm
+from gptoss_cli.model.gemm.grouped import GroupedGemm
 
 
 def test_a_grouped_kernel_error_is_a_training_error_each_time_not_a_demotion(monkeypatch):

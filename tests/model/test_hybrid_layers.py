@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from gptoss_cli.errors import ConfigError
-from gptoss_cli.model.attention_backends import sink_attention
-from gptoss_cli.model.attention_masks import attention_mask
+from gptoss_cli.model.attention.backends import sink_attention
+from gptoss_cli.model.attention.masks import attention_mask
 from gptoss_cli.model.catalog import SLIDING_QUERY_BLOCK
 from gptoss_cli.model.hybrid import HybridModel, layer_windows
 from gptoss_cli.model.dispatcher import AllToAllTokenDispatcher
-from gptoss_cli.model.grouped_gemm import grouped_linear
+from gptoss_cli.model.gemm.grouped import grouped_linear
 from gptoss_cli.model.mlp import clamped_swiglu
 from gptoss_cli.model.moe import MoELayer
 from gptoss_cli.model.pattern import parse_pattern, schedule_plan_support
@@ -59,7 +59,7 @@ def _sink_inputs(head_dim: int, seq: int = 11):
     return q, k, v, sinks
 
 
-# The CPU flash kernel's unpadded path (model/sink_flash.py) and the padded head dim (SDPA's sink key).
+# The CPU flash kernel's unpadded path (model/attention/sink_flash.py) and the padded head dim (SDPA's sink key).
 # FlexAttention's own checks: tests/model/test_attention_backends.py.
 PATHS = pytest.mark.parametrize("backend", ["flash", "sdpa"])
 
@@ -194,7 +194,7 @@ def test_grouped_gemm_equals_per_expert_linear_with_an_empty_expert():
 @pytest.mark.parametrize("delayed", [False, True], ids=["wgrad-at-once", "delayed-wgrad"])
 def test_grouped_linear_gradients_equal_autograd_of_per_expert_linear(delayed):
     # Empty experts first, inside and last, so a bias added to or summed from the wrong rows shows.
-    from gptoss_cli.model.grouped_gemm import WgradQueue
+    from gptoss_cli.model.gemm.grouped import WgradQueue
 
     g = torch.Generator().manual_seed(0)
     counts = torch.tensor([0, 3, 0, 5, 2, 0])
@@ -319,7 +319,7 @@ def test_schedule_plan_is_supported_for_attention_moe_and_mlp_patterns():
 
 
 def test_loop_over_experts_fallback_equals_grouped_gemm(monkeypatch):
-    import gptoss_cli.model.grouped_gemm as grouped_gemm
+    import gptoss_cli.model.gemm.grouped as grouped_gemm
 
     model = HybridModel(TINY).eval()
     ids = tokens(2, 9)

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gptoss_cli.model.grouped_gemm import WgradQueue
+from gptoss_cli.model.gemm.grouped import WgradQueue
 from gptoss_cli.model.lora import is_adapter_name, merge_lora_
 from gptoss_cli.model.moe import ExpertLinear
-from gptoss_cli.model.qat import qat_gemms
+from gptoss_cli.model.mxfp4.qat import qat_gemms
 from gptoss_cli.model.recompute_plan import SELECTIVE_MODULES, RecomputePlan
 from tests.model.hybrid_helpers import adapted_from
 from tests.model.tiny_checkpoints import write_converted_pair

@@ -1,4 +1,4 @@
-"""LoRA on a frozen base whose experts stay in MXFP4 (lora.base_experts=mxfp4, model/mxfp4_experts.py).
+"""LoRA on a frozen base whose experts stay in MXFP4 (lora.base_experts=mxfp4, model/mxfp4/experts.py).
 
 The reference is the same model with a bf16/fp32 base holding the decoded weights (transformers'
 own MXFP4 dequantisation is the reference for the decoded values in tests/checkpoint and
@@ -17,12 +17,12 @@ from gptoss_cli.checkpoint.load import model_from_checkpoint
 from gptoss_cli.checkpoint.mapping import deinterleave_experts
 from gptoss_cli.errors import CheckpointError, ConfigError
 from gptoss_cli.fp8.selection import Fp8Settings, select_gemms
-from gptoss_cli.model.grouped_gemm import WgradQueue
+from gptoss_cli.model.gemm.grouped import WgradQueue
 from gptoss_cli.model.lora import merge_lora_
 from gptoss_cli.model.moe import ExpertLinear
-from gptoss_cli.model.mxfp4 import GROUP, encode, round_to_mxfp4
-from gptoss_cli.model.mxfp4_experts import Mxfp4ExpertLinear, expert_storage_bytes
-from gptoss_cli.model.qat import qat_gemms
+from gptoss_cli.model.mxfp4.codec import GROUP, encode, round_to_mxfp4
+from gptoss_cli.model.mxfp4.experts import Mxfp4ExpertLinear, expert_storage_bytes
+from gptoss_cli.model.mxfp4.qat import qat_gemms
 from gptoss_cli.model.recompute_plan import SELECTIVE_MODULES, RecomputePlan
 from tests.model.hybrid_helpers import adapted_from
 from tests.model.tiny_checkpoints import rewrite_hybrid, write_converted_pair, write_hf_checkpoint

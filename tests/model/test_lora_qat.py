@@ -13,11 +13,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gptoss_cli.model.grouped_gemm import WgradQueue, grouped_linear
+from gptoss_cli.model.gemm.grouped import WgradQueue, grouped_linear
 from gptoss_cli.model.lora import ExpertLoraAdapter, LoraSettings, merged_weight
 from gptoss_cli.model.moe import ExpertLinear
-from gptoss_cli.model.mxfp4_experts import Mxfp4ExpertLinear, Mxfp4WeightSlot
-from gptoss_cli.model.qat import Mxfp4QatGemm, rounded_weight
+from gptoss_cli.model.mxfp4.experts import Mxfp4ExpertLinear, Mxfp4WeightSlot
+from gptoss_cli.model.mxfp4.qat import Mxfp4QatGemm, rounded_weight
 from tests.tolerances import reassociation_rel
 
 torchao_mx = pytest.importorskip("torchao.prototype.mx_formats.mx_tensor")

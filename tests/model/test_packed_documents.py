@@ -1,4 +1,4 @@
-"""Packed documents: per-document attention and positions (model/attention.py, `document_attention`).
+"""Packed documents: per-document attention and positions (model/attention/backends.py, `document_attention`).
 
 References: transformers' GptOssForCausalLM run on each document alone (logits), and our own model
 run on each document alone (loss and every gradient). Error model (tests/tolerances.py): the
@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gptoss_cli.model.attention_backends import document_attention, sink_attention
+from gptoss_cli.model.attention.backends import document_attention, sink_attention
 from gptoss_cli.model.positions import document_offsets, document_positions
 from gptoss_cli.model.hybrid import HybridModel
 from gptoss_cli.model.loss import IGNORE_INDEX

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gptoss_cli.model import mxfp4
-from gptoss_cli.model.grouped_gemm import WgradQueue, grouped_linear
-from gptoss_cli.model.qat import Mxfp4QatGemm, qat_gemms, rounded_weight
+from gptoss_cli.model.mxfp4 import codec as mxfp4
+from gptoss_cli.model.gemm.grouped import WgradQueue, grouped_linear
+from gptoss_cli.model.mxfp4.qat import Mxfp4QatGemm, qat_gemms, rounded_weight
 from tests.tolerances import reassociation_rel
 
 E, OUT, IN = 3, 48, 96  # IN: three MXFP4 blocks of 32 along the contraction axis
@@ -105,7 +105,7 @@ def test_mxfp8_forward_quantisation_keeps_mxfp4_rounded_weights_exact():
 
 
 def test_qat_gemms_wraps_the_inner_gemm_and_refuses_unknown_formats():
-    from gptoss_cli.model.grouped_gemm import GroupedGemm
+    from gptoss_cli.model.gemm.grouped import GroupedGemm
 
     inner = GroupedGemm()
     assert qat_gemms("none", None) is None

@@ -1,4 +1,4 @@
-"""model/skinny_gemm.py: the blocked few-row product equals the fp64 product of the same operands to
+"""model/decode/skinny_gemm.py: the blocked few-row product equals the fp64 product of the same operands to
 fp32 rounding at every output column, block edges and a short last block included, and is taken only
 where it was measured to pay (bench/generate.py --gemm)."""
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gptoss_cli.model import skinny_gemm
-from gptoss_cli.model.skinny_gemm import blocked, skinny_linear
+from gptoss_cli.model.decode import skinny_gemm
+from gptoss_cli.model.decode.skinny_gemm import blocked, skinny_linear
 from tests.tolerances import reassociation_rel
 
 # A weight over BLOCKED_MIN_BYTES whose row count is not a multiple of the block's (512 rows of 256

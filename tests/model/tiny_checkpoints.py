@@ -24,7 +24,7 @@ def write_hf_checkpoint(folder: Path, experts: str = "bf16", seed: int = 0) -> P
     ([E, out, in/32, 16] / [E, out, in/32], docs/checkpoint-layouts.md) and adds quantization_config."""
     from safetensors.torch import save_file
 
-    from gptoss_cli.model import mxfp4
+    from gptoss_cli.model.mxfp4 import codec as mxfp4
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

@@ -4,17 +4,17 @@ its interpreter has no vLLM, and the comparison of one prompt on hand-made logpr
 from __future__ import annotations
 
 import sys
+from functools import partial
 
 import numpy as np
 import pytest
 import torch
-from typer.testing import CliRunner
 
 from gptoss_cli.checkpoint.make_tiny import make_tiny
-from gptoss_cli.cli import app
 from gptoss_cli.generate.engines.base import PromptScores
-from gptoss_cli.parity.serve_reference import Reference
-from gptoss_cli.parity.serve_report import ServeReport, compare_prompt
+from gptoss_cli.parity.serve.reference import Reference
+from gptoss_cli.parity.serve.report import ServeReport, compare_prompt
+from tests.support.cli import run_cli
 
 
 @pytest.fixture(scope="module")
@@ -24,8 +24,7 @@ def tiny(tmp_path_factory):
     return folder
 
 
-def run(*args):
-    return CliRunner().invoke(app, ["serve-check", *map(str, args)])
+run = partial(run_cli, "serve-check")
 
 
 def one_line_error(result, code: int, needle: str) -> None:
@@ -96,7 +95,7 @@ def test_top_k_scores_compare_only_the_returned_entries():
 
 
 def test_a_failing_report_is_exit_1_naming_the_prompt_and_token(tiny, monkeypatch):
-    from gptoss_cli.parity import serve
+    from gptoss_cli.parity.serve import check as serve
 
     ref = _reference()
     engine = ref.logprobs.clone().numpy()

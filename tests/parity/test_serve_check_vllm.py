@@ -19,8 +19,8 @@ import torch
 
 from gptoss_cli.checkpoint.convert import convert
 from gptoss_cli.checkpoint.load import checkpoint_architecture
-from gptoss_cli.parity.serve import ServeCheckOptions, serve_check
-from gptoss_cli.parity.serve_export import MERGED_PEFT
+from gptoss_cli.parity.serve.check import ServeCheckOptions, serve_check
+from gptoss_cli.parity.serve.export import MERGED_PEFT
 from tests.parity.vllm_fixtures import WINDOW, VllmServer, engine_python, write_hf
 
 pytestmark = pytest.mark.xdist_group("vllm")
@@ -195,7 +195,7 @@ def test_train_checks_its_final_checkpoint_and_writes_the_proof_into_the_run(hyb
     from typer.testing import CliRunner
 
     from gptoss_cli.cli import app
-    from gptoss_cli.parity import serve
+    from gptoss_cli.parity.serve import check as serve
 
     real = serve.serve_check
     monkeypatch.setattr(serve, "serve_check", lambda ckpt, options, **kw: real(ckpt, options, engine=engine))

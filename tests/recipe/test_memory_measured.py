@@ -63,9 +63,9 @@ def test_the_output_layers_gradient_term_is_what_the_chunked_loss_allocates():
 def _mxfp4_layer_transient(num_experts: int, out: int, inp: int, qat: bool) -> tuple[int, int]:
     """(bytes the forward of an adapted MXFP4 expert layer allocates beyond its output, weight elements)."""
     from gptoss_cli.model.lora import ExpertLoraAdapter, LoraSettings
-    from gptoss_cli.model.mxfp4 import encode
-    from gptoss_cli.model.mxfp4_experts import Mxfp4ExpertLinear
-    from gptoss_cli.model.qat import Mxfp4QatGemm
+    from gptoss_cli.model.mxfp4.codec import encode
+    from gptoss_cli.model.mxfp4.experts import Mxfp4ExpertLinear
+    from gptoss_cli.model.mxfp4.qat import Mxfp4QatGemm
 
     layer = Mxfp4ExpertLinear(num_experts, 0, out, inp, dtype=torch.bfloat16)
     g = torch.Generator().manual_seed(1)

@@ -8,7 +8,7 @@ import torch
 
 from gptoss_cli.model.config import preset
 from gptoss_cli.model.hybrid import HybridModel
-from gptoss_cli.model.kv_cache import KVCache
+from gptoss_cli.model.decode.kv_cache import KVCache
 from gptoss_cli.model.pattern import parse_pattern
 from gptoss_cli.recipe import load_recipe
 from gptoss_cli.recipe import memory as M

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import json
+from functools import partial
 
 import pytest
-from typer.testing import CliRunner
 
-from gptoss_cli.cli import app
 from gptoss_cli.recipe.rules import RULES
-
-runner = CliRunner()
+from tests.support.cli import run_cli
 
 
 @pytest.fixture(autouse=True)
@@ -19,8 +17,7 @@ def wide_console(monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")
 
 
-def invoke(*args: str):
-    return runner.invoke(app, ["validate-config", *args])
+invoke = partial(run_cli, "validate-config")
 
 
 def test_valid_recipe_exits_0_with_a_valid_verdict():

@@ -22,7 +22,7 @@ import torch
 
 from gptoss_cli.model.config import preset
 from gptoss_cli.parallel.state import init_parallel
-from gptoss_cli.rl.batch import Completion, completion_rows
+from gptoss_cli.rl.batch import SampledCompletion, completion_rows
 from gptoss_cli.rl.objective import GRPOObjective
 from gptoss_cli.schedule import get_forward_backward_func
 from gptoss_cli.train.provider import HybridModelProvider
@@ -119,7 +119,7 @@ def _ours(setup, data, loss_type: str, beta: float, tis: bool, unbiased: bool = 
     from tests.train.dist_helpers import named_grads
 
     prompt_ids, completion, mask, old, ref, engine = data
-    comps = [Completion(0, prompt_ids[i].tolist(), completion[i, :n].tolist(), engine[i, :n].tolist())
+    comps = [SampledCompletion(0, prompt_ids[i].tolist(), completion[i, :n].tolist(), engine[i, :n].tolist())
              for i, n in enumerate(LENGTHS)]
     mbs = []
     for rows in (slice(0, 2), slice(2, 4)):

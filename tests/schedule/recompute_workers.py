@@ -8,7 +8,7 @@ from typing import Any, Iterator
 
 import torch.distributed as dist
 
-import gptoss_cli.model.attention as attention
+import gptoss_cli.model.attention.layer as attention
 import gptoss_cli.model.mlp as mlp
 import gptoss_cli.model.moe as moe
 import gptoss_cli.model.norm as norm

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gptoss_cli.errors import ConfigError, TrainingError
-from gptoss_cli.model.grouped_gemm import WgradQueue, grouped_linear
+from gptoss_cli.model.gemm.grouped import WgradQueue, grouped_linear
 from gptoss_cli.parallel.state import ParallelState
 from gptoss_cli.schedule import get_forward_backward_func
 from gptoss_cli.schedule.combined_1f1b import FINISH, RUN, START, forward_backward_combined_1f1b, run_interleaved

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from gptoss_cli.model import grouped_gemm
+from gptoss_cli.model.gemm import grouped as grouped_gemm
 from bench.simlink import LinkModel
 from gptoss_cli.parallel.state import ParallelState
 from tests.schedule.workers import (LINK_LATENCY_S, LINK_WIRE_S, SYNC_MICROBATCHES, TINY, build,
@@ -24,7 +24,7 @@ from tests.train.dist_helpers import once_per_session, run_distributed
 
 MICROBATCHES = SYNC_MICROBATCHES
 MOE_LAYERS = TINY.num_hidden_layers  # "*E*E*E"
-MODEL_FILES = ("model/dispatcher.py", "model/grouped_gemm.py", "model/moe.py", "model/router_stats.py", "model/mlp.py",
+MODEL_FILES = ("model/dispatcher.py", "model/gemm/grouped.py", "model/moe.py", "model/router_stats.py", "model/mlp.py",
                "model/schedule_plan.py")
 SCHEDULE_FILES = ("schedule/plain.py", "schedule/combined_1f1b.py")
 # A sleeping wait costs the process (its gloo threads included) well under a millisecond of CPU
@@ -79,7 +79,7 @@ def test_the_counter_sees_the_per_expert_loop_fallback(monkeypatch):
     monkeypatch.setattr(grouped_gemm, "_grouped_mm_usable", lambda *a: False)
     sites = count_step_host_syncs(build(ParallelState(), overlap=False, pattern="*E*E*E"), ParallelState(),
                                   microbatches=MICROBATCHES)
-    assert _in(sites, ("model/grouped_gemm.py",)) == 6 * MOE_LAYERS * MICROBATCHES, _report(sites)
+    assert _in(sites, ("model/gemm/grouped.py",)) == 6 * MOE_LAYERS * MICROBATCHES, _report(sites)
 
 
 # --- the simulated link -----------------------------------------------------------------------

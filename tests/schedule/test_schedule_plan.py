@@ -10,7 +10,7 @@ from gptoss_cli.model.config import preset
 from gptoss_cli.model.hybrid import HybridModel
 from gptoss_cli.model.pattern import schedule_plan_support
 from gptoss_cli.model.schedule_plan import COMM, COMPUTE, CommNode, Ref
-from gptoss_cli.model.grouped_gemm import WgradQueue
+from gptoss_cli.model.gemm.grouped import WgradQueue
 from tests.model.hybrid_helpers import tiny_batch as _batch, tiny_model as _model
 
 TINY = preset("tiny")

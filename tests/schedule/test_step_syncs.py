@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from gptoss_cli.fp8 import grouped_kernel
-from gptoss_cli.model import grouped_gemm
+from gptoss_cli.model.gemm import grouped as grouped_gemm
 from gptoss_cli.parallel.state import ParallelState
 from gptoss_cli.schedule import get_forward_backward_func
 from gptoss_cli.train.data import DataLoaderState
@@ -41,8 +41,8 @@ from tests.train.workers import RandomTokens
 MICROBATCHES = 2
 MOE_LAYERS = TINY.num_hidden_layers  # "*E*E*E"
 GEMM_FILES = ("fp8/grouped.py", "fp8/grouped_kernel.py", "fp8/linear.py", "fp8/matmul.py", "fp8/scaling.py",
-              "fp8/guard.py", "model/grouped_gemm.py", "model/dispatcher.py", "model/moe.py", "model/loss.py",
-              "model/main_grad.py", "schedule/plain.py", "schedule/combined_1f1b.py")
+              "fp8/guard.py", "model/gemm/grouped.py", "model/dispatcher.py", "model/moe.py", "model/loss.py",
+              "model/gemm/main_grad.py", "schedule/plain.py", "schedule/combined_1f1b.py")
 
 
 def _report(sites: dict[str, int]) -> str:

@@ -71,7 +71,7 @@ def count_step_host_syncs(setup: Any, state: ParallelState, microbatches: int, m
     finalisation through the setup's schedule, after one uncounted warm-up step. The expert bias
     paths run as on a GPU (their CPU-only per-expert branch reads the counts, which costs nothing
     there but would sync a device)."""
-    from gptoss_cli.model import grouped_gemm
+    from gptoss_cli.model.gemm import grouped as grouped_gemm
     from tests.schedule.host_syncs import HostSyncCounter
 
     data = DataLoaderState(RandomTokens(TINY.vocab_size, SEQ, seed=5), global_batch_size=microbatches * mbs * state.dp_size,

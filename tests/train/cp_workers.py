@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from gptoss_cli.model.attention import CoreAttention
+from gptoss_cli.model.attention.layer import CoreAttention
 from gptoss_cli.model.loss import IGNORE_INDEX
 from gptoss_cli.parallel.state import ParallelState, init_parallel
 from gptoss_cli.schedule import get_forward_backward_func

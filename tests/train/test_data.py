@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from functools import partial
 
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ from gptoss_cli.data.token_format import read_token_header
 from gptoss_cli.train.data import DataLoaderState, MockSource, TokenFileSource
 from gptoss_cli.train.worker import run_worker
 from gptoss_cli.train.objective import CrossEntropyObjective
+from tests.support.cli import run_cli
 from tests.train.jobs import train_job
 
 DOCS = [
@@ -157,8 +159,7 @@ def word_tokenizer(folder, size: int):
     return folder
 
 
-def prepare(*args):
-    return CliRunner().invoke(app, ["prepare-data", *map(str, args), "--quiet"])
+prepare = partial(run_cli, "prepare-data", "--quiet")
 
 
 @pytest.mark.parametrize(

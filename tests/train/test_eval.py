@@ -9,16 +9,16 @@ cross-entropy. Tolerance: the fp32 logits of the two implementations agree to 1e
 from __future__ import annotations
 
 import json
+from functools import partial
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from typer.testing import CliRunner
 
-from gptoss_cli.cli import app
 from gptoss_cli.data.token_format import token_file_paths, write_atomically, write_token_header
 from tests.model.tiny_checkpoints import load_hf_reference, write_converted_pair
+from tests.support.cli import run_cli
 from tests.train.sft_files import sft_documents, write_sft_file
 
 VOCAB = 1003  # tests/model/conftest.py's tiny transformers config
@@ -35,8 +35,7 @@ def reference(checkpoints):
     return load_hf_reference(checkpoints[0])
 
 
-def _eval(*args: str):
-    return CliRunner().invoke(app, ["eval", *map(str, args)])
+_eval = partial(run_cli, "eval")
 
 
 def _doc_loss(hf, doc: torch.Tensor, mask: torch.Tensor | None) -> tuple[float, int]:

@@ -175,10 +175,10 @@ def test_lora_qat_mxfp4_export_holds_the_rounded_merge_and_computes_the_training
     adapters unrounded (the behaviour before) is far from the export."""
     from safetensors import safe_open
 
-    from gptoss_cli.model import mxfp4
+    from gptoss_cli.model.mxfp4 import codec as mxfp4
     from gptoss_cli.model.lora import merged_weight
     from gptoss_cli.model.moe import ExpertLinear
-    from gptoss_cli.model.qat import qat_gemms
+    from gptoss_cli.model.mxfp4.qat import qat_gemms
     from tests.model.test_lora_qat import torchao_round
     from tests.train.reference import HfView
 
@@ -355,7 +355,7 @@ def test_lora_qat_on_an_mxfp4_stored_base_exports_the_rounded_merge_of_the_decod
     mxfp4` loads in transformers with the same expert weights and gives the logits of the training
     forward (the MXFP4-stored base, the adapters, the QAT gemm) within reassociation; `--to peft` notes
     the rounded merge once."""
-    from gptoss_cli.model.qat import qat_gemms
+    from gptoss_cli.model.mxfp4.qat import qat_gemms
     from tests.model.test_lora_qat import torchao_round
     from tests.model.tiny_checkpoints import write_hf_checkpoint
     from tests.train.reference import HfView

@@ -1,4 +1,4 @@
-"""Weight gradients a backward adds straight into main_grad (gptoss_cli/model/main_grad.py).
+"""Weight gradients a backward adds straight into main_grad (gptoss_cli/model/gemm/main_grad.py).
 
 The experts' grouped linear, the chunked LM head and the embedding accumulate their weight gradients into the
 training buffers' main_grad themselves and hand autograd a stand-in the buffers' hook discards.
@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from gptoss_cli.errors import TrainingError
-from gptoss_cli.model.grouped_gemm import grouped_linear
+from gptoss_cli.model.gemm.grouped import grouped_linear
 from gptoss_cli.model.loss import chunked_lm_loss_sum
-from gptoss_cli.model.main_grad import embedding, take_added
+from gptoss_cli.model.gemm.main_grad import embedding, take_added
 from gptoss_cli.parallel import grads
 from gptoss_cli.parallel.grads import GradAccumulatingModel, unwrap_model
 from gptoss_cli.parallel.state import ParallelState

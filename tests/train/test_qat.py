@@ -15,7 +15,7 @@ from gptoss_cli.checkpoint.load import model_from_checkpoint
 from gptoss_cli.checkpoint.formats.training.readers import Mxfp4QatReader
 from gptoss_cli.checkpoint.sources import open_source
 from gptoss_cli.checkpoint.formats.training.record import TRAIN_STATE
-from gptoss_cli.model.qat import Mxfp4QatGemm, qat_gemms, rounded_weight
+from gptoss_cli.model.mxfp4.qat import Mxfp4QatGemm, qat_gemms, rounded_weight
 from gptoss_cli.parallel.state import ParallelState, init_parallel
 from tests.model.tiny_checkpoints import load_hf_reference
 from tests.tolerances import assert_tensors_close, reassociation_rel

@@ -3,5 +3,5 @@ vllm_worker.py there) and an OpenAI-compatible server that is already running (e
 
 Both answer the interface of base.py: `score(prompts)` (prompt logprobs), `generate(prompts, sampling)`
 (token ids and their logprobs), `load_weights(folder)` (a weight push, as RL rollouts need) and
-`close()`. `serve-check` (gptoss_cli/parity/serve.py) uses them to compare the engine with gptoss.
+`close()`. `serve-check` (gptoss_cli/parity/serve/check.py) uses them to compare the engine with gptoss.
 """

@@ -3,7 +3,7 @@
 The overlap schedule and delayed wgrad combine with LoRA (tests/train/test_lora_ep.py): the frozen
 base queues no weight gradients, the expert adapters' wait in the queue. So do the FP8 recipes
 (tests/fp8/test_lora_fp8.py): the frozen base's GEMMs in FP8, the adapters in the params dtype. So does
-lora.base_experts=mxfp4 with all of them (gptoss_cli/model/mxfp4_experts.py): the GEMMs get the decoded
+lora.base_experts=mxfp4 with all of them (gptoss_cli/model/mxfp4/experts.py): the GEMMs get the decoded
 weight, FP8 quantises it as it would a bf16 base's, QAT rounds it with the adapters merged in."""
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ def seq_within_positions(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
                   f"set training.seq_length <= {cap}")]
 
 
-# --- attention kernels (model/attention_backends.py) -----------------------------------------------
+# --- attention kernels (model/attention/backends.py) -----------------------------------------------
 @rule("model.attention_backend",
       "attention_backend flash on CUDA needs layers without a sliding window (the CUDA flash kernel takes "
       "no mask); flex needs torch >= 2.5",

@@ -16,8 +16,8 @@ import torch
 
 from gptoss_cli.checkpoint.mapping import canonical_hf_shapes
 from gptoss_cli.checkpoint.storage.readers import RowReader
-from gptoss_cli.model import mxfp4
 from gptoss_cli.model.config import GptOssArch
+from gptoss_cli.model.mxfp4 import codec as mxfp4
 
 FLOAT = "float"
 UINT8 = "uint8"

@@ -26,9 +26,9 @@ from gptoss_cli.checkpoint.storage.pipeline import RELEASE_HELD, Task
 from gptoss_cli.checkpoint.storage.readers import RowReader
 from gptoss_cli.checkpoint.storage.safetensors_io import TensorSpec
 from gptoss_cli.errors import CheckpointError, UsageError
-from gptoss_cli.model import mxfp4
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.model.dtypes import dtype_name
+from gptoss_cli.model.mxfp4 import codec as mxfp4
 
 
 def plan_to_hf(arch: GptOssArch, layout: Layout, dtype: torch.dtype) -> list[Job]:

@@ -27,7 +27,7 @@ from gptoss_cli.errors import CheckpointError
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.model.expert_names import expert_name, parse_expert_name
 from gptoss_cli.model.lora import ADAPTER, LINEAR_IN, LINEAR_OUT, merged_weight
-from gptoss_cli.model.mxfp4 import round_to_mxfp4
+from gptoss_cli.model.mxfp4.codec import round_to_mxfp4
 
 
 def adapter_names(name: str) -> tuple[str, str] | None:

@@ -21,7 +21,7 @@ the wgrad GEMMs and accumulates into the parameters. `WgradQueue.finish_step()` 
 is left, so a schedule that forgot to run it fails instead of training on missing gradients.
 
 `frozen_grouped_linear` is the form for a frozen weight kept in another storage (MXFP4 blocks and
-scales, model/mxfp4_experts.py): `make_weight()` builds the weight for the fprop GEMM and again for
+scales, model/mxfp4/experts.py): `make_weight()` builds the weight for the fprop GEMM and again for
 the dgrad GEMM, and nothing keeps it in between, so at most one layer's weight exists at a time.
 There is no wgrad, so nothing is queued under delayed wgrad either.
 """
@@ -34,7 +34,7 @@ from typing import Any, Callable
 import torch
 
 from gptoss_cli.errors import TrainingError
-from gptoss_cli.model.main_grad import added_to_main_grad, main_grad_target, mm_fp32
+from gptoss_cli.model.gemm.main_grad import added_to_main_grad, main_grad_target, mm_fp32
 
 
 def _grouped_mm_usable(a: torch.Tensor, b_shape: tuple[int, ...]) -> bool:
@@ -186,7 +186,7 @@ class _GroupedLinear(torch.autograd.Function):
         dw = None
         if ctx.needs_input_grad[1]:
             # In training, straight into the buffers' main_grad where the GEMM can accumulate there
-            # (model/main_grad.py); else a fresh gradient for autograd and the buffers' hook.
+            # (model/gemm/main_grad.py); else a fresh gradient for autograd and the buffers' hook.
             target = main_grad_target(weight)
             if target is not None and ctx.gemm.wgrad_accumulate(x, dy, tokens_per_expert, target):
                 dw = added_to_main_grad(weight)

@@ -4,7 +4,7 @@ We append one feature to q (the sink logit) and to k (sqrt(head_dim) on a single
 the real keys), so the extra key scores exactly `sink_h` and the real keys score exactly
 `q.k / sqrt(head_dim)`; its value row is zero. Any SDPA backend then computes the sink softmax,
 gradients to the sinks included, at head dim d + 8 (72 for GPT-OSS's 64): 12.5% more attention
-FLOPs than the unpadded paths (model/sink_flash.py, model/sink_flex.py). It runs on every device
+FLOPs than the unpadded paths (model/attention/sink_flash.py, model/attention/sink_flex.py). It runs on every device
 and dtype, which makes it the fallback and the reference the other paths are probed against.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from gptoss_cli.model.attention_masks import window_block_mask
+from gptoss_cli.model.attention.masks import window_block_mask
 from gptoss_cli.model.catalog import SLIDING_QUERY_BLOCK
 
 

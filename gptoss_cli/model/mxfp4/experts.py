@@ -3,11 +3,11 @@
 A LoRA run never changes the base's expert weights, so it can keep them as the release stores them:
 per local expert `blocks uint8 [E_local, out, in/32, 16]` and `scales uint8 [E_local, out, in/32]`
 (4.25 bits per weight: 4 for the E2M1 code, 8 per group of 32 for the E8M0 scale; the layout is
-model/mxfp4.py's, the export's and HF's, in `[expert, out, in]` orientation with the contraction
+model/mxfp4/codec.py's, the export's and HF's, in `[expert, out, in]` orientation with the contraction
 axis `in` blocked). `Mxfp4ExpertLinear` holds them as buffers (no gradient, no optimizer state, not in
 a LoRA checkpoint, which names its base instead) and the biases as frozen parameters in the params
 dtype. Each GEMM decodes the layer's local stack to the params dtype right before it runs, fprop in
-forward and dgrad in backward, and drops it after (model/grouped_gemm.py, `frozen_grouped_linear`):
+forward and dgrad in backward, and drops it after (model/gemm/grouped.py, `frozen_grouped_linear`):
 the bf16 copy of one layer's experts exists at a time, never of the whole model. Decoding is exact
 (every MXFP4 value is a bf16 value), so the GEMMs see bit for bit the weights a bf16 base holding
 the decoded values would: same logits, same adapter gradients. Whatever gemm the layer has (FP8,
@@ -31,8 +31,8 @@ from torch import nn
 
 from gptoss_cli.errors import ConfigError
 from gptoss_cli.model.expert_names import PerExpertParams
-from gptoss_cli.model.grouped_gemm import GroupedGemm, WgradQueue, frozen_grouped_linear
-from gptoss_cli.model.mxfp4 import GROUP, decode, encode
+from gptoss_cli.model.gemm.grouped import GroupedGemm, WgradQueue, frozen_grouped_linear
+from gptoss_cli.model.mxfp4.codec import GROUP, decode, encode
 from gptoss_cli.model.moe import ExpertLinear
 
 BASE_EXPERTS = ("bf16", "mxfp4")  # lora.base_experts
@@ -102,7 +102,7 @@ class Mxfp4WeightSlot:
         self.device = layer.blocks.device
 
     def copy_(self, values: torch.Tensor) -> "Mxfp4WeightSlot":
-        """Store `values [out, in]` encoded (OCP floor rule; model/mxfp4.py). NaN/Inf: NonFiniteError."""
+        """Store `values [out, in]` encoded (OCP floor rule; model/mxfp4/codec.py). NaN/Inf: NonFiniteError."""
         if tuple(values.shape) != tuple(self.shape):
             raise ValueError(f"expert weight of shape {list(values.shape)} does not fit {list(self.shape)}")
         blocks, scales = encode(values.to(self.device))

@@ -19,13 +19,13 @@ import numpy as np
 import torch
 
 from gptoss_cli.generate.engines.base import PromptScores
-from gptoss_cli.parity.serve_reference import Reference
+from gptoss_cli.parity.serve.reference import Reference
 
 PASS, FAIL = "pass", "fail"
 
 
 @dataclass
-class Finding:
+class ServeFinding:
     """A known way an engine and a checkpoint part: a name, what it means here, whether it fails the check."""
 
     name: str
@@ -39,7 +39,7 @@ class PromptResult:
     tokens: int  # scored tokens: prompt + gptoss's greedy continuation
     prompt_tokens: int
     max_abs_logprob_diff: float
-    budget: float  # the error budget at the worst position (serve_budget.py)
+    budget: float  # the error budget at the worst position (budget.py)
     max_budget: float
     mean_kl: float
     first_divergent_position: int | None  # index of the first token outside its budget (not a near-tie)
@@ -120,7 +120,7 @@ class ServeReport:
     engine: dict[str, Any]
     error_model: str
     prompts: list[PromptResult]
-    findings: list[Finding]
+    findings: list[ServeFinding]
     seconds: dict[str, float]
     notes: list[str] = field(default_factory=list)
 
@@ -165,4 +165,4 @@ class ServeReport:
         }
 
 
-__all__ = ["Finding", "PromptResult", "ServeReport", "compare_prompt", "PASS", "FAIL"]
+__all__ = ["ServeFinding", "PromptResult", "ServeReport", "compare_prompt", "PASS", "FAIL"]

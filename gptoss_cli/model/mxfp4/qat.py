@@ -26,8 +26,8 @@ from typing import Callable
 
 import torch
 
-from gptoss_cli.model.grouped_gemm import DEFAULT_GEMM, GroupedGemm
-from gptoss_cli.model.mxfp4 import GROUP, round_to_mxfp4
+from gptoss_cli.model.gemm.grouped import DEFAULT_GEMM, GroupedGemm
+from gptoss_cli.model.mxfp4.codec import GROUP, round_to_mxfp4
 
 QAT_FORMATS = ("none", "mxfp4")
 

@@ -2,11 +2,11 @@
 (`sink_attention`, `document_attention`) and the choice among the kernels (`model.attention_backend`).
 
 Three kernels compute the same sink softmax (docs/architecture.md, "Attention and sinks"):
-  flash - a flash kernel's output and log-sum-exp, rescaled by the sink (model/sink_flash.py): the CPU's
+  flash - a flash kernel's output and log-sum-exp, rescaled by the sink (model/attention/sink_flash.py): the CPU's
           kernel takes every layer (masked query blocks); CUDA's takes causal blocks only (full layers);
   flex  - FlexAttention with a block mask for the window and the documents, the sink from its
-          log-sum-exp (model/sink_flex.py): compiled on CUDA, its unfused reference on the CPU;
-  sdpa  - SDPA with the sink as one more key, head dim padded to a multiple of 8 (model/sink_padded.py):
+          log-sum-exp (model/attention/sink_flex.py): compiled on CUDA, its unfused reference on the CPU;
+  sdpa  - SDPA with the sink as one more key, head dim padded to a multiple of 8 (model/attention/sink_padded.py):
           every device and dtype; the fallback.
 
 `auto` picks per device and layer (`choose`):
@@ -31,10 +31,10 @@ import warnings
 import torch
 
 from gptoss_cli.errors import ConfigError
-from gptoss_cli.model import sink_flash, sink_flex
-from gptoss_cli.model.attention_masks import query_blocks
+from gptoss_cli.model.attention import sink_flash, sink_flex
+from gptoss_cli.model.attention.masks import query_blocks
 from gptoss_cli.model.catalog import ATTENTION_BACKENDS
-from gptoss_cli.model.sink_padded import padded_sink_attention
+from gptoss_cli.model.attention.sink_padded import padded_sink_attention
 
 KERNELS = ("flash", "flex", "sdpa")  # what a backend resolves to for one layer
 

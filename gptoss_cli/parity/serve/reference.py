@@ -2,7 +2,7 @@
 
 Per prompt: gptoss's greedy continuation (the KV-cache decoding `gptoss generate` runs), then one
 forward over prompt + continuation that keeps the log-probabilities of every next token, the final
-normalised hidden states and the output weight (for the budget, serve_budget.py) and every router's
+normalised hidden states and the output weight (for the budget, budget.py) and every router's
 input and logits (for near-ties); then, where routers are near-tied, batched forwards with each such
 token's routers flipped (how far a flip on the engine's side can move each position).
 """
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gptoss_cli.parity.serve_budget import logit_budgets, router_near_ties
+from gptoss_cli.parity.serve.budget import logit_budgets, router_near_ties
 
 
 MAX_FLIPS = 64  # near-tie tokens flipped one by one; the rest together

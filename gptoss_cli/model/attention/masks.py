@@ -3,7 +3,7 @@ window, and the query blocks a sliding-window layer is computed in.
 
 Key k is visible from query q iff `q - W < k <= q` (W keys, the query's own included;
 docs/architecture.md, "Sliding window"), or `k <= q` without a window. FlexAttention takes the same
-rule as a function (model/sink_flex.py, `visibility`).
+rule as a function (model/attention/sink_flex.py, `visibility`).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ heads g*r .. g*r+r-1, then k_g, then v_g.
 
 Sinks are what section 2 says they are: one extra softmax column per query head whose value is
 zero. The core (`CoreAttention`) computes them with the kernel `model.attention_backend` chooses per
-device and layer (model/attention_backends.py: the flash kernels' log-sum-exp, FlexAttention, or SDPA
+device and layer (model/attention/backends.py: the flash kernels' log-sum-exp, FlexAttention, or SDPA
 with the sink as a padded extra key).
 """
 
@@ -19,11 +19,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gptoss_cli.model.attention_backends import check_backend, document_attention
+from gptoss_cli.model.attention.backends import check_backend, document_attention
 from gptoss_cli.model.catalog import ATTENTION_BACKEND_DEFAULT
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.model.context_parallel import head_range, heads_to_seq, seq_to_heads
-from gptoss_cli.model.dense_gemm import DenseAdapter, DenseGemm, Linear, attached_adapter, linear
+from gptoss_cli.model.gemm.dense import DenseAdapter, DenseGemm, Linear, attached_adapter, linear
 from gptoss_cli.model.norm import rms_norm
 from gptoss_cli.model.recompute import checkpointed, without_output
 from gptoss_cli.model.rope import apply_rotary
@@ -32,7 +32,7 @@ from gptoss_cli.model.rope import apply_rotary
 class LayerNormLinear(nn.Module):
     """RMSNorm fused with a linear projection: Megatron's `linear_qkv` with `layer_norm_weight`.
 
-    The norm stays in high precision; the projection's GEMMs are `gemm`'s (model/dense_gemm.py); an adapter
+    The norm stays in high precision; the projection's GEMMs are `gemm`'s (model/gemm/dense.py); an adapter
     (`adapter`, LoRA's) adds its output, computed from the normalised input.
     With `recompute_norm` the norm's output is not kept for backward (model/recompute.py, layernorm)."""
 
@@ -67,7 +67,7 @@ class CoreAttention(nn.Module):
     the rotary embedding and the core from it (model/recompute.py, core_attn)."""
 
     recompute = False
-    backend = ATTENTION_BACKEND_DEFAULT  # model.attention_backend (model/attention_backends.py); set_backend
+    backend = ATTENTION_BACKEND_DEFAULT  # model.attention_backend (model/attention/backends.py); set_backend
 
     def __init__(self, num_heads: int, window: int | None, device=None, dtype=None):
         super().__init__()
@@ -140,7 +140,7 @@ class SelfAttention(nn.Module):
         v = qkv[:, :, :, r + 1].transpose(1, 2)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
-    # --- the pieces of forward, for incremental decoding (model/kv_cache.py) ----------------
+    # --- the pieces of forward, for incremental decoding (model/decode/kv_cache.py) ----------------
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [B, S, H] -> q [B, heads, S, d], k and v [B, kv_heads, S, d], q and k rotated (as forward)."""
         return self._split_rotate(self.linear_qkv(x), cos, sin)

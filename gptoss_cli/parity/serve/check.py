@@ -1,9 +1,9 @@
 """`gptoss serve-check`: prove that a serving engine computes what gptoss computes for a checkpoint.
 
-Steps: open the checkpoint (any kind gptoss reads), choose the prompts (serve_prompts.py), run
-gptoss's own forward on them (serve_reference.py), write what the engine loads (serve_export.py),
+Steps: open the checkpoint (any kind gptoss reads), choose the prompts (prompts.py), run
+gptoss's own forward on them (reference.py), write what the engine loads (export.py),
 start the engine (gptoss_cli/generate/engines/) on it, score the same ids and greedy-continue them,
-then compare position by position against the error budget (serve_budget.py, serve_report.py).
+then compare position by position against the error budget (budget.py, report.py).
 Known ways an engine parts from a checkpoint become named findings (below) before any number is
 looked at, so a failure says why when the reason is known.
 """
@@ -20,7 +20,7 @@ from typing import Callable
 
 from gptoss_cli.errors import UsageError
 from gptoss_cli.model.config import FULL, SLIDING, GptOssArch
-from gptoss_cli.parity.serve_report import Finding, ServeReport, compare_prompt
+from gptoss_cli.parity.serve.report import ServeFinding, ServeReport, compare_prompt
 
 ENGINES = ("vllm",)
 LORA_MODES = ("auto", "adapter", "merged")
@@ -72,16 +72,16 @@ def alternating(arch: GptOssArch) -> bool:
     return tuple(arch.layer_types) == tuple(SLIDING if i % 2 == 0 else FULL for i in range(arch.num_hidden_layers))
 
 
-def known_findings(arch: GptOssArch, served_config: dict, engine_name: str, device: str) -> list[Finding]:
+def known_findings(arch: GptOssArch, served_config: dict, engine_name: str, device: str) -> list[ServeFinding]:
     """What is known to part this checkpoint and this engine, before any number is compared."""
     out = []
     if engine_name == "vllm" and not alternating(arch):
-        out.append(Finding("layer_types", "vLLM's GPT-OSS gives even blocks the sliding window and odd ones full "
+        out.append(ServeFinding("layer_types", "vLLM's GPT-OSS gives even blocks the sliding window and odd ones full "
                            "attention whatever config.json's layer_types says; this checkpoint's are "
                            f"{list(arch.layer_types)}, so the engine computes another model"))
     rope = served_config.get("rope_scaling") or served_config.get("rope_parameters") or {}
     if rope.get("rope_type") == "yarn" and "truncate" not in rope and not arch.rope_truncate:
-        out.append(Finding("yarn_truncate", "the served config.json has no rope_scaling.truncate, which engines "
+        out.append(ServeFinding("yarn_truncate", "the served config.json has no rope_scaling.truncate, which engines "
                            "read as true (rounded correction dimensions); the checkpoint computes with false"))
     return out
 
@@ -158,9 +158,9 @@ def serve_check(checkpoint: str, options: ServeCheckOptions | None = None, progr
     checkpoint's export is loaded; it is left running. Otherwise one is started and closed here."""
     import torch
 
-    from gptoss_cli.parity.serve_export import prepare_served
-    from gptoss_cli.parity.serve_prompts import load_prompts
-    from gptoss_cli.parity.serve_reference import references
+    from gptoss_cli.parity.serve.export import prepare_served
+    from gptoss_cli.parity.serve.prompts import load_prompts
+    from gptoss_cli.parity.serve.reference import references
 
     options = options or ServeCheckOptions()
     options.check()
@@ -225,16 +225,16 @@ def serve_check(checkpoint: str, options: ServeCheckOptions | None = None, progr
                        {k: round(v, 3) for k, v in timings.items()}, notes=list(served.notes))
 
 
-def _form_findings(served, options: ServeCheckOptions) -> list[Finding]:
-    from gptoss_cli.parity.serve_export import DEQUANTISED, MERGED_GPTOSS, MERGED_PEFT
+def _form_findings(served, options: ServeCheckOptions) -> list[ServeFinding]:
+    from gptoss_cli.parity.serve.export import DEQUANTISED, MERGED_GPTOSS, MERGED_PEFT
 
     out = []
     if served.form == DEQUANTISED:
-        out.append(Finding("mxfp4_kernel", "the engine has no MXFP4 MoE kernel here (vLLM's need a GPU, or AMX "
+        out.append(ServeFinding("mxfp4_kernel", "the engine has no MXFP4 MoE kernel here (vLLM's need a GPU, or AMX "
                            "and amd-quark on CPUs): the MXFP4 export's dequantised layout was checked, not the "
                            "engine's MXFP4 kernel"))
     if served.form in (MERGED_PEFT, MERGED_GPTOSS) and options.lora != "merged":
-        out.append(Finding("lora_experts", "the engine cannot serve a PEFT adapter on the MoE experts here "
+        out.append(ServeFinding("lora_experts", "the engine cannot serve a PEFT adapter on the MoE experts here "
                            f"(vLLM's expert LoRA kernels are Triton GPU kernels): checked the {served.form}"))
     return out
 

@@ -10,7 +10,7 @@ For `x [..., in]`, `weight [out, in]`, `bias [out]` the three GEMMs are
 provides the same three methods with other numerics and `linear(..., gemm=...)` runs them inside
 one autograd function. Without a gemm, `linear` is `F.linear` (bitwise what the model computed
 before the seam existed). The bias is added in the activation dtype outside the GEMM, like the
-experts' (model/grouped_gemm.py).
+experts' (model/gemm/grouped.py).
 """
 
 from __future__ import annotations

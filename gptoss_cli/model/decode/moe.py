@@ -12,7 +12,7 @@ math on the assignments alone:
 Where the GEMMs run: on the CPU, one `addmm` per expert that got rows, into slices of one
 preallocated output (the counts are read on the host, where they already are; a single token
 takes its k experts in the order chosen, without sorting); elsewhere, the
-grouped GEMM of model/grouped_gemm.py over device-side counts, so nothing is read back to the host
+grouped GEMM of model/gemm/grouped.py over device-side counts, so nothing is read back to the host
 (no device sync per layer and step, which the dispatcher's split sizes would cost).
 
 `decode_moe_available(layer)` says when it applies: a layer holding all experts as plain stacked
@@ -24,9 +24,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from gptoss_cli.model.grouped_gemm import DEFAULT_GEMM
+from gptoss_cli.model.gemm.grouped import DEFAULT_GEMM
 from gptoss_cli.model.moe import ExpertLinear, MoELayer, clamped_swiglu
-from gptoss_cli.model.skinny_gemm import BLOCKED_ROWS, skinny_linear, weight_blocked
+from gptoss_cli.model.decode.skinny_gemm import BLOCKED_ROWS, skinny_linear, weight_blocked
 
 
 def decode_moe_available(layer) -> bool:
@@ -61,7 +61,7 @@ class DecodeExperts:
 def _expert_gemm(x: torch.Tensor, lin: ExpertLinear, views, counts: torch.Tensor, expert_of_row: torch.Tensor | None,
                  host_counts: list[int] | None, blocks: bool = False) -> torch.Tensor:
     """Rows of x sorted by expert -> x_e @ W_e^T + b_e per row (`blocks`: the weights are large
-    enough for model/skinny_gemm.py's blocked form, taken at the row counts it serves)."""
+    enough for model/decode/skinny_gemm.py's blocked form, taken at the row counts it serves)."""
     if host_counts is None:
         return DEFAULT_GEMM.fprop(x, lin.weight, counts).add_(lin.bias.index_select(0, expert_of_row))
     out = x.new_empty(x.shape[0], lin.weight.shape[1])

@@ -12,13 +12,13 @@ built once per step, not per layer.
 attention layers write the new keys into their slots and attend to what the cache holds with the
 sink softmax of the reference (one extra logit per query head, zero value row); MoE and MLP layers
 are the model's own (a decoding step's MoE layer computes only the chosen experts,
-model/moe_decode.py). It returns the final-norm hidden states of the new tokens;
+model/decode/moe.py). It returns the final-norm hidden states of the new tokens;
 `next_token_logits` applies the LM head to the last one. Prefill and decode are the same call
 (prefill in chunks bounds the scores to chunk x keys).
 
 The attention is one fused kernel per layer where torch has one that returns the log-sum-exp (the
 CPU flash kernel): plain attention over the cached keys gives `out` and `lse`, and the sink only
-rescales, `out * exp(lse - logaddexp(lse, sink_h))` (model/sink_flash.py says why). Elsewhere the
+rescales, `out * exp(lse - logaddexp(lse, sink_h))` (model/attention/sink_flash.py says why). Elsewhere the
 same softmax is computed explicitly (`cached_sink_attention`, also the reference the tests hold the
 kernel path to). Nothing here reads a tensor back to the host: the column counters are Python ints
 that advance by one per step for every row.
@@ -28,10 +28,10 @@ from __future__ import annotations
 
 import torch
 
-from gptoss_cli.model.attention import AttentionLayer
+from gptoss_cli.model.attention.layer import AttentionLayer
 from gptoss_cli.model.hybrid import run_layer
-from gptoss_cli.model.moe_decode import DecodeExperts, decode_moe, decode_moe_available
-from gptoss_cli.model.skinny_gemm import skinny_linear
+from gptoss_cli.model.decode.moe import DecodeExperts, decode_moe, decode_moe_available
+from gptoss_cli.model.decode.skinny_gemm import skinny_linear
 
 # Queries per call when a long prompt is fed through the cache: the scores of one chunk are
 # [batch, heads, chunk, keys].
@@ -167,7 +167,7 @@ class KVCache:
                 self.by_window[window] = _Columns(batch, window if ring else capacity, ring, device, dtype)
             self.layers[j] = LayerKVCache(batch, arch.num_key_value_heads, arch.head_dim, self.by_window[window],
                                           window, device, dtype)
-        # MoE layers whose decoding steps run on the chosen experts alone (model/moe_decode.py)
+        # MoE layers whose decoding steps run on the chosen experts alone (model/decode/moe.py)
         self.moe_layers = {j: DecodeExperts(layer) for j, layer in enumerate(model.decoder.layers)
                            if decode_moe_available(layer)}
         self.seen = 0  # columns (left padding included) fed so far
@@ -276,5 +276,5 @@ def prefill(model, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: K
 @torch.no_grad()
 def next_token_logits(model, hidden: torch.Tensor) -> torch.Tensor:
     """LM head of the last position of final-norm hidden states [B, n, H] -> fp32 logits [B, V]
-    (a few rows against the vocabulary: model/skinny_gemm.py)."""
+    (a few rows against the vocabulary: model/decode/skinny_gemm.py)."""
     return skinny_linear(hidden[:, -1], model.output_layer.weight).float()

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from gptoss_cli.model.attention_masks import Block
+from gptoss_cli.model.attention.masks import Block
 
 def _op(name: str):
     try:

@@ -6,9 +6,9 @@ from typing import Callable
 
 from torch import nn
 
-from gptoss_cli.model.attention import LayerNormLinear
-from gptoss_cli.model.dense_gemm import DenseGemm, Linear
-from gptoss_cli.model.grouped_gemm import GroupedGemm
+from gptoss_cli.model.attention.layer import LayerNormLinear
+from gptoss_cli.model.gemm.dense import DenseGemm, Linear
+from gptoss_cli.model.gemm.grouped import GroupedGemm
 from gptoss_cli.model.moe import ExpertLinear
 
 

@@ -12,7 +12,7 @@ The sink of query head h is one more softmax column with score `sink_h` and a ze
 
     lse' = logaddexp(lse, sink_h),   out' = out * exp(lse - lse'),
 
-exactly as model/sink_flash.py does with the flash kernel. Here autograd differentiates that
+exactly as model/attention/sink_flash.py does with the flash kernel. Here autograd differentiates that
 formula: FlexAttention's backward takes the gradient of its log-sum-exp, so the gradients of q, k, v
 and of the sinks all come out of one backward.
 
@@ -64,7 +64,7 @@ def compiles(device: torch.device) -> bool:
 
 def document_ids(cu_seqlens: tuple[int, ...], batch: int, seq: int, device: torch.device) -> torch.Tensor:
     """int32 [B, S]: the index of the document each token lies in (cu_seqlens: offsets into the
-    flattened [B*S] tokens, every row start included; see model/attention.py, `document_attention`)."""
+    flattened [B*S] tokens, every row start included; see model/attention/backends.py, `document_attention`)."""
     starts = torch.tensor(cu_seqlens[:-1])
     lengths = torch.tensor(cu_seqlens[1:]) - starts
     ids = torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32), lengths)
