@@ -35,7 +35,6 @@ not: the bench then stops with one line; use --workdir on a disk, or --copies cp
 
 from __future__ import annotations
 
-import argparse
 import errno
 import json
 import mmap
@@ -50,18 +49,23 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 
-import torch
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
-from gptoss_cli.checkpoint.formats.hf.config import to_hf_config
-from gptoss_cli.checkpoint.formats.hf.layouts import HF_MXFP4
-from gptoss_cli.checkpoint.formats.hf.plan import plan_to_hf
-from gptoss_cli.checkpoint.mapping import units
-from gptoss_cli.checkpoint.storage import direct_write
-from gptoss_cli.checkpoint.storage.pipeline import worker_count
-from gptoss_cli.checkpoint.storage.safetensors_io import ShardedWriter
-from gptoss_cli.model.config import preset
-from gptoss_cli.model.mxfp4 import codec as mxfp4
-from gptoss_cli.resources import keep_freed_memory
+import torch  # noqa: E402
+
+from bench import harness  # noqa: E402
+from gptoss_cli.checkpoint.formats.hf.config import to_hf_config  # noqa: E402
+from gptoss_cli.checkpoint.formats.hf.layouts import HF_MXFP4  # noqa: E402
+from gptoss_cli.checkpoint.formats.hf.plan import plan_to_hf  # noqa: E402
+from gptoss_cli.checkpoint.mapping import units  # noqa: E402
+from gptoss_cli.checkpoint.storage import direct_write  # noqa: E402
+from gptoss_cli.checkpoint.storage.pipeline import worker_count  # noqa: E402
+from gptoss_cli.checkpoint.storage.safetensors_io import ShardedWriter  # noqa: E402
+from gptoss_cli.model.config import preset  # noqa: E402
+from gptoss_cli.model.mxfp4 import codec as mxfp4  # noqa: E402
+from gptoss_cli.resources import keep_freed_memory  # noqa: E402
 
 
 # --- the decode before issue 16, the baseline of the micro-benchmark -----------------------
@@ -85,7 +89,7 @@ def decode_before_issue_16(blocks: torch.Tensor, scales: torch.Tensor, dtype: to
     return values.reshape(*scales.shape[:-1], scales.shape[-1] * mxfp4.GROUP)
 
 
-def decode_microbench(rounds: int) -> None:
+def decode_microbench(run: harness.Run, rounds: int) -> None:
     """Decode one 120B gate_up stack expert by expert (convert's task size) with each decoder."""
     experts, rows, groups = 128, 5760, 90
     g = torch.Generator().manual_seed(0)
@@ -118,15 +122,17 @@ def decode_microbench(rounds: int) -> None:
     for n, pool in pools.items():
         who = "convert's workers" if n == workers else "all cores"
         cases[f"now, {n} Python threads ({who})"] = partial(spread, pool)
-    times: dict[str, list[float]] = {k: [] for k in cases}
-    for _ in range(rounds):  # interleaved rounds: a burst of load on the machine hits every case
-        for name, fn in cases.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
+    # interleaved rounds, the order rotating: a burst of load on the machine hits every case
+    timed = harness.interleave(cases, rounds, warmup=0, clock="wall")
     for pool in pools.values():
         pool.shutdown()
     torch.set_num_threads(default_threads)
+    times = {name: timed[name]["time_s"] for name in cases}
+    case = "MXFP4 decode of one 120B expert stack"
+    run.add_rounds(case, timed, ("time_s",))
+    for name in cases:
+        if name != before_default:
+            run.ratio(case, before_default, name, name=f"{name} / {before_default} speed")
     base_default = statistics.median(times[before_default])
     base_one = statistics.median(times.get(before_one, times[before_default]))
     print(f"decode of one expert stack ({experts} x {rows} x {groups} x 16 bytes -> {out_bytes / 1e9:.2f} GB bf16, "
@@ -287,8 +293,82 @@ def spread(xs) -> str:
     return f"{min(xs):.2f}-{max(xs):.2f}"
 
 
+def convert_rounds(run: harness.Run, args, work: Path, blocks: int) -> tuple:
+    """Convert and each copy in interleaved rounds on a synthetic checkpoint of `blocks` blocks,
+    recorded in `run`; the row of the summary table and the per-block report."""
+    src, dst = work / f"src{blocks}", work / f"dst{blocks}"
+    shutil.rmtree(src, ignore_errors=True)
+    src_bytes = write_synthetic(src, blocks, args.vocab, args.experts)
+    copies = list(args.copies)
+    summaries: list[dict] = []
+
+    def convert_side() -> dict:
+        seconds, summary, cached = timed_convert(src, dst)
+        summaries.append(summary)
+        own, workers, out = summary["own_seconds"], summary["workers"], summary["bytes_written"]
+        write_s = summary["write_seconds"] + summary["sync_seconds"]
+        return {"time_s": seconds, "own_time_s": own, "cached_share": cached, "peak_rss_bytes": summary["peak_rss_bytes"],
+                "read_gbps": summary["read_bytes"] / summary["read_seconds"] / 1e9,
+                "decode_gbps": out / summary["transform_seconds"] / 1e9, "write_gbps": out / write_s / 1e9,
+                # busy share of each stage: its busy time over the time its threads had
+                "read_share": summary["read_seconds"] / (own * workers),
+                "decode_share": summary["transform_seconds"] / (own * workers), "write_share": write_s / own}
+
+    def copy_side(how: str):
+        def copy() -> dict:
+            seconds, cached = timed_copy(how, dst, work / f"copy{blocks}")
+            return {"time_s": seconds, "cached_share": cached}
+        return copy
+
+    def make_output() -> None:  # the copies copy convert's output: make it first (untimed)
+        if not dst.exists():
+            timed_convert(src, dst)
+
+    sides = {"convert": convert_side, **{k: copy_side(k) for k in copies}}
+    timed = harness.interleave(sides, args.rounds, warmup=0, clock="wall", before=make_output)
+    shutil.rmtree(dst, ignore_errors=True)
+    shutil.rmtree(src)
+    out_bytes, workers = summaries[-1]["bytes_written"], summaries[-1]["workers"]
+    case = f"{blocks} block{'s' if blocks > 1 else ''}, {args.experts} experts, vocab {args.vocab}"
+    run.add_rounds(case, timed)
+    secs = {k: timed[k]["time_s"] for k in sides}
+    for k in copies:  # convert's output rate over each copy's in the same round
+        run.ratio(case, k, "convert", name=f"convert / {k} speed")
+    best = min(copies, key=lambda k: statistics.median(secs[k]))  # the stronger copy: the floor
+    floor = [min(secs[k][i] for k in copies) / secs["convert"][i] for i in range(args.rounds)]
+    floor_own = [min(secs[k][i] for k in copies) / timed["convert"]["own_time_s"][i] for i in range(args.rounds)]
+    run.ratio(case, best, "convert", name="convert / faster copy speed (whole process)", values=floor)
+    run.ratio(case, best, "convert", "own_time_s", name="convert / faster copy speed (convert()'s own time)",
+              values=floor_own)
+    share = {k: timed.median("convert", f"{k}_share") for k in ("read", "decode", "write")}
+    bound = max(share, key=share.get)
+    med = {k: statistics.median(v) for k, v in secs.items()}
+    cached = {k: timed[k]["cached_share"] for k in sides}
+    print(f"blocks={blocks} experts={args.experts} src={src_bytes / 1e9:.2f} GB out={out_bytes / 1e9:.2f} GB, "
+          f"{args.rounds} rounds; share of the source in the page cache when "
+          f"timed: " + ", ".join(f"{k} {min(v):.0%}" for k, v in cached.items()) + " (lowest)")
+    for k in sides:
+        print(f"  {k:10s} median {med[k]:6.1f} s ({out_bytes / med[k] / 1e9:.2f} GB/s), per round "
+              + " ".join(f"{x:.1f}" for x in secs[k]))
+    for k in copies:
+        r = run.cases[case]["ratios"][f"convert / {k} speed"]
+        print(f"  convert / {k:10s} median ratio {r['median']:.2f} (per round {r['min']:.2f}-{r['max']:.2f})")
+    print(f"  convert / faster copy per round: median {statistics.median(floor):.2f} ({spread(floor)}); "
+          f"stronger copy by median: {best}  [whole process, start-up included: the headline]")
+    print(f"  the same from convert()'s own time (start-up excluded, median "
+          f"{timed.median('convert', 'own_time_s'):.1f} s): median {statistics.median(floor_own):.2f} ({spread(floor_own)})")
+    print("  busy shares: " + ", ".join(f"{k} {v:.0%}" for k, v in share.items()), flush=True)
+    rss = timed["convert"]["peak_rss_bytes"]
+    row = (blocks, out_bytes, out_bytes / med["convert"], out_bytes / med[best], best,
+           statistics.median(floor), spread(floor), max(rss), 1e9 * timed.median("convert", "read_gbps"),
+           1e9 * timed.median("convert", "decode_gbps"), 1e9 * timed.median("convert", "write_gbps"), workers,
+           f"{bound} ({share[bound]:.0%} busy)")
+    return row, {"blocks": blocks, "source_bytes": src_bytes, "output_bytes": out_bytes, "workers": workers,
+                 "busy_shares": share}
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser(__doc__)
     ap.add_argument("--blocks", type=int, nargs="*", default=[1])
     ap.add_argument("--rounds", "--repeats", type=int, default=5,
                     help="interleaved rounds: convert and each copy once per round, the order alternating")
@@ -301,15 +381,16 @@ def main() -> None:
     ap.add_argument("--copies", nargs="+", choices=list(COPIES), default=["dd direct"],
                     help="the copies to time against (default: the faster one on the reference machine)")
     ap.add_argument("--workdir", type=Path, default=None)
-    ap.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = ap.parse_args()
     keep_freed_memory()  # as `gptoss convert` does: the micro-benchmark's buffers come from the heap
     print(f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
           f"{len(os.sched_getaffinity(0))} cores, convert workers {worker_count()}, load average "
           f"{os.getloadavg()[0]:.1f} at start\n", flush=True)
+    run = harness.Run("convert", args, clock="wall").__enter__()
     if args.decode_rounds:
-        decode_microbench(args.decode_rounds)
+        decode_microbench(run, args.decode_rounds)
     if not args.blocks:
+        run.finish()
         return
     work = Path(args.workdir or tempfile.mkdtemp(prefix="gptoss-bench-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -318,75 +399,9 @@ def main() -> None:
                  "needs: pass --workdir on a real disk, or --copies cp")
     rows, report = [], []
     for blocks in args.blocks:
-        src, dst = work / f"src{blocks}", work / f"dst{blocks}"
-        shutil.rmtree(src, ignore_errors=True)
-        src_bytes = write_synthetic(src, blocks, args.vocab, args.experts)
-        copies = list(args.copies)
-        sides = ["convert", *copies]
-        secs: dict[str, list[float]] = {k: [] for k in sides}
-        cached: dict[str, list[float]] = {k: [] for k in sides}
-        rss, read_r, dec_r, write_r, shares, loads, own = [], [], [], [], [], [], []
-        out_bytes = workers = 0
-        for r in range(args.rounds):
-            order = sides if r % 2 == 0 else sides[::-1]  # alternate, so that a drift hits both sides
-            if not dst.exists():  # the copies copy convert's output: make it first
-                timed_convert(src, dst)
-            for side in order:
-                if side == "convert":
-                    seconds, summary, c = timed_convert(src, dst)
-                    sync_s = summary["sync_seconds"]
-                    own.append(summary["own_seconds"])
-                    rss.append(summary["peak_rss_bytes"])
-                    out_bytes, workers = summary["bytes_written"], summary["workers"]
-                    read_r.append(summary["read_bytes"] / summary["read_seconds"])
-                    dec_r.append(out_bytes / summary["transform_seconds"])
-                    write_r.append(out_bytes / (summary["write_seconds"] + sync_s))
-                    # busy share of each stage: its busy time over the time its threads had
-                    shares.append({
-                        "read": summary["read_seconds"] / (own[-1] * workers),
-                        "decode": summary["transform_seconds"] / (own[-1] * workers),
-                        "write": (summary["write_seconds"] + sync_s) / own[-1],
-                    })
-                else:
-                    seconds, c = timed_copy(side, dst, work / f"copy{blocks}")
-                secs[side].append(seconds)
-                cached[side].append(c)
-            loads.append(os.getloadavg()[0])
-            print(f"  blocks={blocks} round {r + 1}/{args.rounds}: "
-                  + ", ".join(f"{k} {secs[k][-1]:.1f} s" for k in sides)
-                  + f"; load average {loads[-1]:.1f}", flush=True)
-        shutil.rmtree(dst, ignore_errors=True)
-        shutil.rmtree(src)
-        # per-round ratios: convert's output rate over each copy's rate in the same round
-        ratio = {k: [secs[k][i] / secs["convert"][i] for i in range(args.rounds)] for k in copies}
-        best = min(copies, key=lambda k: statistics.median(secs[k]))  # the stronger copy: the floor
-        floor = [min(secs[k][i] for k in copies) / secs["convert"][i] for i in range(args.rounds)]
-        floor_own = [min(secs[k][i] for k in copies) / own[i] for i in range(args.rounds)]
-        share = {k: statistics.median(s[k] for s in shares) for k in ("read", "decode", "write")}
-        bound = max(share, key=share.get)
-        med = {k: statistics.median(v) for k, v in secs.items()}
-        print(f"blocks={blocks} experts={args.experts} src={src_bytes / 1e9:.2f} GB out={out_bytes / 1e9:.2f} GB, "
-              f"{args.rounds} rounds, load average {spread(loads)}; share of the source in the page cache when "
-              f"timed: " + ", ".join(f"{k} {min(v):.0%}" for k, v in cached.items()) + " (lowest)")
-        for k in sides:
-            print(f"  {k:10s} median {med[k]:6.1f} s ({out_bytes / med[k] / 1e9:.2f} GB/s), per round "
-                  + " ".join(f"{x:.1f}" for x in secs[k]))
-        for k in copies:
-            print(f"  convert / {k:10s} median ratio {statistics.median(ratio[k]):.2f} (per round {spread(ratio[k])})")
-        print(f"  convert / faster copy per round: median {statistics.median(floor):.2f} ({spread(floor)}); "
-              f"stronger copy by median: {best}  [whole process, start-up included: the headline]")
-        print(f"  the same from convert()'s own time (start-up excluded, median {statistics.median(own):.1f} s): "
-              f"median {statistics.median(floor_own):.2f} ({spread(floor_own)})")
-        print("  busy shares: " + ", ".join(f"{k} {v:.0%}" for k, v in share.items()), flush=True)
-        rows.append((blocks, out_bytes, out_bytes / med["convert"], out_bytes / med[best], best,
-                     statistics.median(floor), spread(floor), max(rss), statistics.median(read_r),
-                     statistics.median(dec_r), statistics.median(write_r), workers, f"{bound} ({share[bound]:.0%} busy)"))
-        report.append({"blocks": blocks, "experts": args.experts, "vocab": args.vocab, "source_bytes": src_bytes,
-                       "output_bytes": out_bytes, "rounds": args.rounds, "seconds": secs, "cached_share": cached,
-                       "ratio_per_round": ratio, "ratio_vs_faster_copy_per_round": floor,
-                       "median_ratio_vs_faster_copy": statistics.median(floor), "load_average": loads,
-                       "convert_own_seconds": own, "ratio_vs_faster_copy_own_time_per_round": floor_own,
-                       "peak_rss_bytes": rss, "busy_shares": share, "workers": workers})
+        row, per_block = convert_rounds(run, args, work, blocks)
+        rows.append(row)
+        report.append(per_block)
     print("\nblocks  out_GB  convert_GB/s  copy_GB/s (copy)  ratio (per round)  peak_RSS_GiB  read_GB/s"
           "  decode_GB/s  write_GB/s  workers  bound")
     for b, o, c, p, how, ratio_med, ratio_spread, rss_max, rd, dc, wr, w, bound in rows:
@@ -401,8 +416,8 @@ def main() -> None:
         flat = max(r[7] for r in rows) / min(r[7] for r in rows)
         print(f"peak RSS max/min across block counts: {flat:.2f} (flat = 1.0)")
     print("targets: ratio >= 1.0 (issue 29), RSS < 4 GiB")
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=1))
+    run.extra["blocks"] = report
+    run.finish()
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ so MX's padding of the token group to 32 rows is included). 120B has hidden = in
 (a multiple of 32, not of 128); the CPU default scales it down by 3 to 960 and uses 500 tokens
 (not a multiple of 32). `--hidden 2880 --tokens 4096 --device cuda` is the real shape.
 
-Each round runs every recipe once, in turn (so machine noise hits all of them alike), and times
+Each round runs every recipe once, the order rotating (so machine noise hits all of them alike), and times
 forward + backward (dx, dW, db); the table shows median times, the ratio to bf16 measured in the
 same run, and the relative Frobenius error of y, dx and dW against an fp64 reference. On CPU
 there is no FP8 hardware: tensorwise/rowwise run torch's reference `_scaled_mm` kernel and MXFP8
@@ -18,7 +18,7 @@ tensorwise/rowwise, sm100+ for MXFP8) or emulated.
     python bench/fp8.py --device cuda --hidden 2880 --tokens 4096 --rounds 20
     python bench/fp8.py --gemm-tflops --device cuda     # measure_gemm_tflops: FP8 vs bf16 TFLOP/s
 
-`measure_gemm_tflops(device, ...)` is the same comparison as a function (bench/gpu_check.py calls
+`measure_gemm_tflops(device, ...)` is the same comparison as a function (tools/gpu_check.py calls
 it): the forward GEMM of a dense layer and of a grouped expert layer, bf16 against each FP8 recipe
 that runs natively on the device (emulated on a CPU), timed as training runs them (operands
 quantised at every call) and, for the dense GEMM, the FP8 kernel alone on pre-quantised operands.
@@ -26,10 +26,7 @@ quantised at every call) and, for the dense GEMM, the FP8 kernel alone on pre-qu
 
 from __future__ import annotations
 
-import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,6 +35,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
+from bench import harness  # noqa: E402
 from gptoss_cli.errors import ConfigError  # noqa: E402
 from gptoss_cli.fp8.catalog import RECIPES as FP8_RECIPES  # noqa: E402
 from gptoss_cli.fp8.matmul import run_kernel  # noqa: E402
@@ -109,22 +107,9 @@ def measure_gemm_tflops(device: str | torch.device = "cuda", *, tokens: int = 81
 
 
 def _median_ms(fn, device: torch.device, rounds: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(rounds):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    """Median milliseconds of `fn` (CUDA events on a GPU, wall clock elsewhere; bench/harness.py)."""
+    timed = harness.interleave({"fn": fn}, rounds, warmup=warmup, clock="cuda" if device.type == "cuda" else "wall")
+    return 1e3 * timed.median("fn")
 
 
 def print_gemm_tflops(rows: list[dict]) -> None:
@@ -138,7 +123,7 @@ def print_gemm_tflops(rows: list[dict]) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = harness.parser(__doc__)
     p.add_argument("--gemm-tflops", action="store_true", help="FP8 vs bf16 GEMM and grouped-GEMM TFLOP/s instead")
     p.add_argument("--experts", type=int, default=8, help="--gemm-tflops: experts of the grouped GEMM")
     p.add_argument("--tokens", type=int, default=500)
@@ -151,14 +136,47 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    clock = "cuda" if device.type == "cuda" else "wall"
     if args.gemm_tflops:
         print(f"forward GEMM, tokens {args.tokens}, hidden {args.hidden}, out {2 * (args.intermediate or args.hidden)}, "
               f"{args.experts} experts for the grouped one, fp8_format={args.format}, device {device}, "
               f"{args.rounds} rounds (medians)")
-        print_gemm_tflops(measure_gemm_tflops(device, tokens=args.tokens, hidden=args.hidden,
-                                              out_features=2 * (args.intermediate or args.hidden), experts=args.experts,
-                                              fp8_format=args.format, rounds=args.rounds))
+        with harness.Run("fp8 --gemm-tflops", args, clock=clock) as run:
+            rows = measure_gemm_tflops(device, tokens=args.tokens, hidden=args.hidden,
+                                       out_features=2 * (args.intermediate or args.hidden), experts=args.experts,
+                                       fp8_format=args.format, rounds=args.rounds)
+        print_gemm_tflops(rows)
+        for r in rows:
+            if not r["skipped"]:
+                run.add(f"{r['gemm']} {r['timing']}", r["recipe"], "tflops", r["tflops"])
+        run.extra["rows"] = rows
+        run.finish()
         return
+    with harness.Run("fp8", args, clock=clock) as run:
+        errors, gemms = expert_fc1_rounds(run, args, device, clock)
+    inter = args.intermediate or args.hidden
+    case = f"expert fc1 {args.tokens} x {args.hidden} -> {2 * inter}"
+    print(f"expert fc1 forward + backward: tokens {args.tokens}, hidden {args.hidden}, out {2 * inter}, "
+          f"bf16 activations, fp8_format={args.format}, device {device}, {args.threads} thread(s), "
+          f"{args.rounds} rounds (medians)")
+    print(f"{'recipe':<11} {'path':<30} {'ms':>9} {'x bf16':>7} {'err y':>8} {'err dx':>8} {'err dW':>8}")
+    for recipe in RECIPES:
+        g = gemms[recipe]
+        path = "torch (no FP8)" if g is None else f"{g.path} ({g.numerics.kernel})"
+        med = run.cases[case]["settings"][recipe]["time_s"]["median"]
+        ratio = run.ratio(case, recipe, "bf16")["median"] if recipe != "bf16" else 1.0
+        ey, edx, edw = errors[recipe]
+        print(f"{recipe:<11} {path:<30} {med * 1e3:9.2f} {ratio:7.2f} {ey:8.4f} {edx:8.4f} {edw:8.4f}")
+    run.extra["relative_errors_y_dx_dw"] = errors
+    if device.type == "cpu":
+        print("CPU: no FP8 hardware, so these ratios measure only the emulation's overhead (quantise, "
+              "dequantise or torch's reference _scaled_mm), never an FP8 speed-up.")
+    run.finish()
+
+
+def expert_fc1_rounds(run: harness.Run, args, device: torch.device, clock: str) -> tuple[dict, dict]:
+    """Every recipe's expert fc1 forward + backward in interleaved rounds, recorded in `run`; the
+    relative errors of each against the fp64 reference (from an untimed first call), and the GEMMs."""
     inter = args.intermediate or args.hidden
     g = torch.Generator().manual_seed(0)
     x64 = torch.randn(args.tokens, args.hidden, generator=g, dtype=torch.float64)
@@ -173,44 +191,28 @@ def main() -> None:
     for recipe in RECIPES[1:]:
         gemms[recipe] = select_gemms(Fp8Settings(recipe, args.format, emulation=True), device)
 
-    def run(recipe: str):
+    def forward_backward(recipe: str):
         x = x64.to(device, torch.bfloat16).requires_grad_(True)
         w = w64.to(device, torch.bfloat16).requires_grad_(True)
         b = b64.to(device, torch.bfloat16).requires_grad_(True)
         gemm = gemms[recipe].grouped("bench.linear_fc1") if gemms[recipe] is not None else None
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
+        _, timed = harness.measure(lambda: grouped_linear(x, w, b, counts, gemm=gemm).backward(
+            dy64.to(device, torch.bfloat16)), clock)
+        return timed
+
+    errors: dict[str, tuple[float, float, float]] = {}
+    for recipe in RECIPES:  # the warm-up call: not timed; its results give the errors
+        x = x64.to(device, torch.bfloat16).requires_grad_(True)
+        w = w64.to(device, torch.bfloat16).requires_grad_(True)
+        b = b64.to(device, torch.bfloat16).requires_grad_(True)
+        gemm = gemms[recipe].grouped("bench.linear_fc1") if gemms[recipe] is not None else None
         y = grouped_linear(x, w, b, counts, gemm=gemm)
         y.backward(dy64.to(device, torch.bfloat16))
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        return time.perf_counter() - t0, y.detach(), x.grad, w.grad[0]
-
-    times: dict[str, list[float]] = {r: [] for r in RECIPES}
-    errors: dict[str, tuple[float, float, float]] = {}
-    for i in range(args.rounds + 1):
-        for recipe in RECIPES:
-            dt, y, dx, dw = run(recipe)
-            if i == 0:  # warm-up round: not timed; its results give the errors
-                errors[recipe] = tuple(_rel(a, ref) for a, ref in ((y, ref_y), (dx, ref_dx), (dw, ref_dw)))
-            else:
-                times[recipe].append(dt)
-
-    base = statistics.median(times["bf16"])
-    print(f"expert fc1 forward + backward: tokens {args.tokens}, hidden {args.hidden}, out {2 * inter}, "
-          f"bf16 activations, fp8_format={args.format}, device {device}, {args.threads} thread(s), "
-          f"{args.rounds} rounds (medians)")
-    print(f"{'recipe':<11} {'path':<30} {'ms':>9} {'x bf16':>7} {'err y':>8} {'err dx':>8} {'err dW':>8}")
-    for recipe in RECIPES:
-        g = gemms[recipe]
-        path = "torch (no FP8)" if g is None else f"{g.path} ({g.numerics.kernel})"
-        med = statistics.median(times[recipe])
-        ey, edx, edw = errors[recipe]
-        print(f"{recipe:<11} {path:<30} {med * 1e3:9.2f} {med / base:7.2f} {ey:8.4f} {edx:8.4f} {edw:8.4f}")
-    if device.type == "cpu":
-        print("CPU: no FP8 hardware, so these ratios measure only the emulation's overhead (quantise, "
-              "dequantise or torch's reference _scaled_mm), never an FP8 speed-up.")
+        errors[recipe] = tuple(_rel(a, ref) for a, ref in ((y.detach(), ref_y), (x.grad, ref_dx), (w.grad[0], ref_dw)))
+    timed = harness.interleave({r: (lambda r=r: forward_backward(r)) for r in RECIPES}, args.rounds, warmup=0,
+                               clock="wall")
+    run.add_rounds(f"expert fc1 {args.tokens} x {args.hidden} -> {2 * inter}", timed)
+    return errors, gemms
 
 
 def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:

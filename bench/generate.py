@@ -25,26 +25,24 @@ The load average during the run is printed with the figures.
 against model/decode/skinny_gemm.py's `skinny_linear` on an LM head and expert weights, 1-16 rows.
 
 Presets: `tiny` (gptoss_cli/model/config.py), `medium` (tiny at hidden 512, 16 experts top-4) and
-`wide` (medium with 8 query / 2 kv heads of 64 and a 20480-token vocabulary): bench/common.py.
+`wide` (medium with 8 query / 2 kv heads of 64 and a 20480-token vocabulary): bench/peers.py.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (  # noqa: E402
-    LoadMonitor, allocator_text, bench_arch, cpu_clock, hf_peer, hybrid_weights, median_min_max, ratio_text, rotating,
-)
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+from bench import harness  # noqa: E402
+from bench.peers import bench_arch, hf_peer, hybrid_weights  # noqa: E402
 
 import torch  # noqa: E402
 
-CLOCK = cpu_clock
+CLOCK = harness.cpu_clock
 
 
 def prompts_for(arch, batch: int, length: int, seed: int = 1) -> list[list[int]]:
@@ -136,43 +134,86 @@ GEMM_ROWS = (1, 2, 4, 8, 12, 16)
 GEMM_BYTES = 192 << 20  # of each weight shape, in copies (at least 2: more than the last-level cache)
 
 
-def gemm_sweep(rounds: int) -> dict:
+def gemm_sweep(run: harness.Run, rounds: int) -> None:
     """GB/s of weight read by F.linear and by skinny_linear per weight shape and row count, in rounds
     alternating which goes first (medians); the largest difference between their outputs."""
     import torch.nn.functional as F
 
     from gptoss_cli.model.decode.skinny_gemm import blocked, skinny_linear
 
-    out = {}
-    with LoadMonitor() as load:
-        for label, (rows_out, cols) in GEMM_WEIGHTS.items():
-            copies = max(2, GEMM_BYTES // (rows_out * cols * 4))
-            weights = [torch.randn(rows_out, cols) for _ in range(copies)]
-            gb = copies * rows_out * cols * 4 / 1e9
-            for m in GEMM_ROWS:
-                x = torch.randn(m, cols)
-                fns = {"F.linear": lambda: [F.linear(x, w) for w in weights],
-                       "skinny_linear": lambda: [skinny_linear(x, w) for w in weights]}
-                seconds = {name: [] for name in fns}
-                for r in range(rounds):
-                    for name in rotating(list(fns), r):
-                        t0 = cpu_clock()
-                        fns[name]()
-                        seconds[name].append(cpu_clock() - t0)
-                diff = float((F.linear(x, weights[0]) - skinny_linear(x, weights[0])).abs().max())
-                rates = {name: gb / statistics.median(v) for name, v in seconds.items()}
-                out[f"{label} {rows_out}x{cols} rows {m}"] = {
-                    **{f"{name}_GBps": v for name, v in rates.items()}, "blocked": blocked(x, weights[0]),
-                    "ratio": rates["skinny_linear"] / rates["F.linear"], "max_abs_diff": diff}
-                print(f"  {label:<20} {rows_out:>5} x {cols:<5} rows {m:>2}: F.linear {rates['F.linear']:5.1f} GB/s, "
-                      f"skinny_linear {rates['skinny_linear']:5.1f} GB/s ({'blocked' if blocked(x, weights[0]) else 'whole'}), "
-                      f"ratio {rates['skinny_linear'] / rates['F.linear']:.2f}x, max |diff| {diff:.1e}", flush=True)
-    print(load.text())
-    return {"gemm": out, **load.summary()}
+    run.extra["max_abs_diff"], run.extra["blocked"] = {}, {}
+    for label, (rows_out, cols) in GEMM_WEIGHTS.items():
+        copies = max(2, GEMM_BYTES // (rows_out * cols * 4))
+        weights = [torch.randn(rows_out, cols) for _ in range(copies)]
+        gb = copies * rows_out * cols * 4 / 1e9
+        for m in GEMM_ROWS:
+            x = torch.randn(m, cols)
+            fns = {"F.linear": lambda: [F.linear(x, w) for w in weights],
+                   "skinny_linear": lambda: [skinny_linear(x, w) for w in weights]}
+            timed = harness.interleave(fns, rounds, warmup=0, clock="cpu")
+            case = f"{label} {rows_out}x{cols} rows {m}"
+            for name in fns:
+                run.add(case, name, "read_gbps", [gb / s for s in timed[name]["time_s"]])
+            ratio = run.ratio(case, "skinny_linear", "F.linear", "read_gbps")["median"]
+            diff = float((F.linear(x, weights[0]) - skinny_linear(x, weights[0])).abs().max())
+            run.extra["max_abs_diff"][case], run.extra["blocked"][case] = diff, blocked(x, weights[0])
+            rates = {n: run.cases[case]["settings"][n]["read_gbps"]["median"] for n in fns}
+            print(f"  {label:<20} {rows_out:>5} x {cols:<5} rows {m:>2}: F.linear {rates['F.linear']:5.1f} GB/s, "
+                  f"skinny_linear {rates['skinny_linear']:5.1f} GB/s ({'blocked' if blocked(x, weights[0]) else 'whole'}), "
+                  f"ratio {ratio:.2f}x, max |diff| {diff:.1e}", flush=True)
+
+
+def compare(run: harness.Run, args, ours, peer, prompts) -> int:
+    """The decoding rounds of ours against transformers (and ours without expert GEMMs: --ceiling)."""
+    def timed(fn):
+        return lambda: dict(zip(("prefill_s", "decode_s"), fn(prompts, args.new)[1:]))
+
+    sides = {"ours": lambda p, n: run_ours(ours, p, n), "transformers": lambda p, n: run_transformers(peer, p, n)}
+    tokens = {name: fn(prompts, args.new)[0] for name, fn in sides.items()}  # warm-up, and the tokens to compare
+    diff = first_difference(tokens["ours"], tokens["transformers"])
+    if diff is not None:
+        print(f"bench: the two sides generate different tokens ({diff}); they do not compute the same thing")
+        return 1
+    if args.ceiling:
+        sides["ours_without_expert_gemms"] = lambda p, n: run_ours_without_expert_gemms(ours, p, n)
+    rounds = harness.interleave({name: timed(fn) for name, fn in sides.items()}, args.rounds, warmup=0,
+                                clock=args.clock)
+    for name in sides:
+        rounds[name]["total_s"] = [a + b for a, b in zip(rounds[name]["prefill_s"], rounds[name]["decode_s"])]
+    new_tokens = args.batch * (args.new - 1)  # decode steps after the first token
+    for name in sides:
+        rounds[name]["decode_tokens_per_s"] = [new_tokens / s for s in rounds[name]["decode_s"]]
+    case = f"{args.preset}{' ' + args.arch if args.arch else ''} batch {args.batch}"
+    run.add_rounds(case, rounds, ("prefill_s", "decode_s", "total_s", "decode_tokens_per_s"))
+    for part in ("decode", "prefill", "total"):
+        run.ratio(case, "transformers", "ours", f"{part}_s", name=f"ours / transformers speed, {part}")
+    print(f"{args.preset}{' ' + args.arch if args.arch else ''}: batch {args.batch} (prompts of "
+          f"{', '.join(str(len(p)) for p in prompts)} tokens), {args.new} new tokens each, greedy, fp32, "
+          f"{args.threads} thread(s), {args.clock} clock, {args.rounds} rounds; same tokens on both sides")
+    for name in sides:
+        print(f"  {name:<13} prefill {rounds.median(name, 'prefill_s') * 1e3:8.1f} ms   decode "
+              f"{rounds.median(name, 'decode_s') * 1e3:8.1f} ms ({rounds.median(name, 'decode_tokens_per_s'):7.1f} tokens/s)")
+    ratios = {part: harness.ratio_text(rounds.ratios("transformers", "ours", f"{part}_s"))
+              for part in ("decode", "prefill", "total")}
+    print(f"ours / transformers, median [min, max] of the per-round ratios: decode {ratios['decode']}, "
+          f"prefill {ratios['prefill']}, end to end {ratios['total']}")
+    if args.ceiling:
+        decode = rounds["ours"]["decode_s"]
+        experts = [o - n for o, n in zip(decode, rounds["ours_without_expert_gemms"]["decode_s"])]
+        share = statistics.median([e / o for e, o in zip(experts, decode)])
+        run.extra["ours_expert_gemm_share_of_decode"] = share
+        run.extra["ratio_decode_ceiling"] = statistics.median(
+            [t / e if e > 0 else float("inf") for t, e in zip(rounds["transformers"]["decode_s"], experts)])
+        if share <= 0.05:
+            print("ours' decoding step: the expert GEMMs are within this host's noise (no ceiling from them)")
+        else:
+            print(f"ours' decoding step: the expert GEMMs {share:.0%} of it; "
+                  f"decode ratio were everything else of ours free: {run.extra['ratio_decode_ceiling']:.2f}x")
+    return 0
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser(__doc__)
     ap.add_argument("--preset", default="tiny", help="tiny, medium, wide or a model preset")
     ap.add_argument("--arch", default=None, help="integer architecture overrides, e.g. num_hidden_layers=4")
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens (the longest prompt with --batch)")
@@ -180,8 +221,7 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=1, help="prompts generated as one batch")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--clock", default="cpu", choices=("cpu", "wall"))
-    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--clock", default="cpu", choices=tuple(harness.CLOCKS))
     ap.add_argument("--ceiling", action="store_true",
                     help="also time ours without a decoding step's expert GEMMs (a third side in the rotation) and "
                          "print the ratio's ceiling were everything else free")
@@ -189,81 +229,27 @@ def main() -> int:
                     help="instead: the decoding step's few-row products, F.linear against model/decode/skinny_gemm.py, GB/s")
     args = ap.parse_args()
     global CLOCK
-    if args.clock == "cpu" and args.threads != 1:
-        ap.error("--clock cpu adds up the CPU time of every thread: use it with --threads 1")
-    CLOCK = cpu_clock if args.clock == "cpu" else time.perf_counter
+    harness.check_clock(ap, args.clock, args.threads)
+    CLOCK = harness.CLOCKS[args.clock]
     torch.set_num_threads(args.threads)
     if args.gemm:
         print(f"few-row products x @ W^T, fp32, {args.threads} thread(s), CPU clock, {args.rounds} rounds, "
               "GB/s of weight read (medians)")
-        result = gemm_sweep(args.rounds)
-        if args.json:
-            args.json.write_text(json.dumps(result, indent=2) + "\n")
+        with harness.Run("generate --gemm", args, clock="cpu") as run:
+            gemm_sweep(run, args.rounds)
+        run.finish()
         return 0
     arch = bench_arch(args.preset, args.arch)
     ours, peer = build(arch)
     prompts = prompts_for(arch, args.batch, args.prompt)
-    sides = {"ours": lambda: run_ours(ours, prompts, args.new),
-             "transformers": lambda: run_transformers(peer, prompts, args.new)}
-    with LoadMonitor() as load:
-        tokens = {name: fn()[0] for name, fn in sides.items()}  # warm-up, and the tokens to compare
-        diff = first_difference(tokens["ours"], tokens["transformers"])
-        if diff is not None:
-            print(f"bench: the two sides generate different tokens ({diff}); they do not compute the same thing")
-            return 1
-        if args.ceiling:
-            sides["ours_without_expert_gemms"] = lambda: run_ours_without_expert_gemms(ours, prompts, args.new)
-        times: dict[str, dict[str, list[float]]] = {n: {"prefill": [], "decode": []} for n in sides}
-        for r in range(args.rounds):
-            for name in rotating(list(sides), r):
-                _, prefill_s, decode_s = sides[name]()
-                times[name]["prefill"].append(prefill_s)
-                times[name]["decode"].append(decode_s)
-    per_round = {part: [t / o for t, o in zip(times["transformers"][part], times["ours"][part])]
-                 for part in ("prefill", "decode")}
-    per_round["total"] = [(tp + td) / (op + od) for tp, td, op, od in zip(
-        times["transformers"]["prefill"], times["transformers"]["decode"], times["ours"]["prefill"],
-        times["ours"]["decode"])]
-    steps = args.new - 1  # decode steps after the first token
-    new_tokens = args.batch * steps
-    result = {
-        "preset": args.preset, "arch": args.arch or "", "batch": args.batch, "prompt_lengths": [len(p) for p in prompts],
-        "new_tokens": args.new, "rounds": args.rounds, "threads": args.threads, "clock": args.clock,
-        "allocator": allocator_text(False), "dtype": "float32",
-        "transformers_attn_implementation": peer.config._attn_implementation,
-        "transformers_experts_implementation": getattr(peer.config, "_experts_implementation", None),
-        **load.summary(),
-    }
-    for name in sides:
-        for part in ("prefill", "decode"):
-            result[f"{name}_{part}_s"] = statistics.median(times[name][part])
-        result[f"{name}_decode_tokens_per_s"] = new_tokens / result[f"{name}_decode_s"]
-    for part, values in per_round.items():
-        med, lo, hi = median_min_max(values)
-        result[f"ratio_{part}"], result[f"ratio_{part}_min_max"] = med, [lo, hi]
-    print(f"{args.preset}{' ' + args.arch if args.arch else ''}: batch {args.batch} (prompts of "
-          f"{', '.join(str(len(p)) for p in prompts)} tokens), {args.new} new tokens each, greedy, fp32, "
-          f"{args.threads} thread(s), {args.clock} clock, {args.rounds} rounds; same tokens on both sides")
-    print(load.text())
-    for name in sides:
-        print(f"  {name:<13} prefill {result[f'{name}_prefill_s'] * 1e3:8.1f} ms   decode "
-              f"{result[f'{name}_decode_s'] * 1e3:8.1f} ms ({result[f'{name}_decode_tokens_per_s']:7.1f} tokens/s)")
-    print(f"ours / transformers, median [min, max] of the per-round ratios: decode {ratio_text(per_round['decode'])}, "
-          f"prefill {ratio_text(per_round['prefill'])}, end to end {ratio_text(per_round['total'])}")
-    if args.ceiling:
-        experts = [o - n for o, n in zip(times["ours"]["decode"], times["ours_without_expert_gemms"]["decode"])]
-        result["ours_expert_gemm_share_of_decode"] = statistics.median(
-            [e / o for e, o in zip(experts, times["ours"]["decode"])])
-        result["ratio_decode_ceiling"] = statistics.median(
-            [t / e if e > 0 else float("inf") for t, e in zip(times["transformers"]["decode"], experts)])
-        if result["ours_expert_gemm_share_of_decode"] <= 0.05:
-            print("ours' decoding step: the expert GEMMs are within this host's noise (no ceiling from them)")
-        else:
-            print(f"ours' decoding step: the expert GEMMs {result['ours_expert_gemm_share_of_decode']:.0%} of it; "
-                  f"decode ratio were everything else of ours free: {result['ratio_decode_ceiling']:.2f}x")
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-    return 0
+    with harness.Run("generate", args) as run:
+        run.extra.update(prompt_lengths=[len(p) for p in prompts], allocator=harness.allocator_text(False),
+                         dtype="float32", transformers_attn_implementation=peer.config._attn_implementation,
+                         transformers_experts_implementation=getattr(peer.config, "_experts_implementation", None))
+        code = compare(run, args, ours, peer, prompts)
+    if code == 0:
+        run.finish()
+    return code
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ The headline is rollout tokens/s over generate's, the median of the per-round ra
 
 from __future__ import annotations
 
-import argparse
 import json
 import resource
 import statistics
@@ -26,19 +25,22 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import LoadMonitor, bench_arch, cpu_clock, median_min_max, ratio_text, rotating  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+from bench import harness  # noqa: E402
+from bench.peers import bench_arch  # noqa: E402
 
 import torch  # noqa: E402
 
 
-def grpo_step_times(arch, steps: int, folder: Path, overrides: list[str]) -> dict:
-    """Run tiny_cpu_grpo's settings on `arch` for `steps` steps; medians of its per-step times."""
+def grpo_step_times(run: harness.Run, arch, steps: int, folder: Path, overrides: list[str]) -> dict:
+    """Run tiny_cpu_grpo's settings on `arch` for `steps` steps; medians of its per-step times (and
+    each step's, recorded as the `step` case)."""
     from gptoss_cli.data.tiny_tokenizer import tiny_tokenizer
     from gptoss_cli.recipe import load_recipe
     from gptoss_cli.train.job import TrainJob
-    from gptoss_cli.train.worker import run_worker
+    from gptoss_cli.run.worker import run_worker
 
     tok = folder / "tokenizer.json"
     tok.write_text(json.dumps(tiny_tokenizer(arch.vocab_size)))
@@ -52,6 +54,9 @@ def grpo_step_times(arch, steps: int, folder: Path, overrides: list[str]) -> dic
     rows = [r for r in rows if r.get("rank", 0) == 0][1:] or rows
     rollout = statistics.median(r["rollout_time_s"] for r in rows)
     train = statistics.median(r["train_time_s"] for r in rows)
+    run.add("step", "gptoss", "rollout_s", [r["rollout_time_s"] for r in rows])
+    run.add("step", "gptoss", "train_s", [r["train_time_s"] for r in rows])
+    run.add("step", "gptoss", "rollout_tokens_per_s", [r["rollout_tokens_per_s"] for r in rows])
     return {"steps_timed": len(rows), "rollout_s": rollout, "train_s": train, "rollout_share": rollout / (rollout + train),
             "rollout_tokens_per_s": statistics.median(r["rollout_tokens_per_s"] for r in rows),
             "completion_length": statistics.median(r["completion_length"] for r in rows),
@@ -60,7 +65,7 @@ def grpo_step_times(arch, steps: int, folder: Path, overrides: list[str]) -> dic
             "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9}
 
 
-def decode_ratio(arch, rows: int, prompt: int, new: int, rounds: int) -> dict:
+def decode_ratio(run: harness.Run, arch, rows: int, prompt: int, new: int, rounds: int) -> dict:
     """Rollout sampling against generate's sampling loop: tokens/s of each, per round, alternating."""
     from gptoss_cli.generate.decode import Sampling, generate_ids
     from gptoss_cli.model.hybrid import HybridModel
@@ -71,47 +76,45 @@ def decode_ratio(arch, rows: int, prompt: int, new: int, rounds: int) -> dict:
     prompts = [torch.randint(0, arch.vocab_size - 3, (prompt,), generator=g).tolist() for _ in range(rows)]
     sampling = Sampling(temperature=1.0, top_p=1.0, seed=0)
 
-    def rollout() -> int:
+    def rollout() -> dict:
         out = sample_completions(model, prompts, max_new_tokens=new, stop_ids=(), sampling=sampling,
                                  generator=torch.Generator().manual_seed(0))
-        return sum(len(ids) for ids, _, _ in out)
+        return {"tokens": sum(len(ids) for ids, _, _ in out)}
 
-    def generate() -> int:
-        return sum(len(gen.output_ids) for gen in generate_ids(model, prompts, max_new_tokens=new, sampling=sampling))
+    def generate() -> dict:
+        return {"tokens": sum(len(gen.output_ids) for gen in generate_ids(model, prompts, max_new_tokens=new,
+                                                                          sampling=sampling))}
 
-    sides = {"rollout": rollout, "generate": generate}
-    rates: dict[str, list[float]] = {k: [] for k in sides}
     with torch.inference_mode():
-        for fn in sides.values():  # warm-up
-            fn()
-        for i in range(rounds):
-            for name in rotating(list(sides), i):
-                start = cpu_clock()
-                tokens = sides[name]()
-                rates[name].append(tokens / (cpu_clock() - start))
-    ratios = [a / b for a, b in zip(rates["rollout"], rates["generate"])]
+        timed = harness.interleave({"rollout": rollout, "generate": generate}, rounds, clock="cpu")
+    case = f"decode {rows} x ({prompt} + {new})"
+    for name in ("rollout", "generate"):
+        run.add(case, name, "tokens_per_s", [n / s for n, s in zip(timed[name]["tokens"], timed[name]["time_s"])])
+    ratio = run.ratio(case, "rollout", "generate", "tokens_per_s")
+    med = {name: run.cases[case]["settings"][name]["tokens_per_s"] for name in ("rollout", "generate")}
     return {"rows": rows, "prompt": prompt, "new": new,
-            "rollout_tokens_per_s": median_min_max(rates["rollout"]),
-            "generate_tokens_per_s": median_min_max(rates["generate"]),
-            "ratio": median_min_max(ratios), "ratio_text": ratio_text(ratios)}
+            "rollout_tokens_per_s": (med["rollout"]["median"], med["rollout"]["min"], med["rollout"]["max"]),
+            "generate_tokens_per_s": (med["generate"]["median"], med["generate"]["min"], med["generate"]["max"]),
+            "ratio_text": harness.ratio_text(ratio["values"])}
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default="tiny", help="tiny, medium or wide (bench/common.py)")
+    p = harness.parser(__doc__)
+    p.add_argument("--preset", default="tiny", help="tiny, medium or wide (bench/peers.py)")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--prompt", type=int, default=136, help="prompt tokens in part 2 (the arithmetic prompts' length)")
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--json", help="also write the figures here")
     p.add_argument("overrides", nargs="*", help="recipe overrides for part 1 (key=value)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     arch = bench_arch(args.preset)
-    with LoadMonitor() as load, tempfile.TemporaryDirectory() as tmp:
-        step = grpo_step_times(arch, args.steps, Path(tmp), args.overrides)
-        decode = decode_ratio(arch, step["rows"], args.prompt, step["max_new_tokens"], args.rounds)
-    print(f"preset {args.preset}, {args.threads} thread(s); {load.text()}")
+    with harness.Run("grpo", args, clock="cpu") as run, tempfile.TemporaryDirectory() as tmp:
+        step = grpo_step_times(run, arch, args.steps, Path(tmp), args.overrides)
+        decode = decode_ratio(run, arch, step["rows"], args.prompt, step["max_new_tokens"], args.rounds)
+    run.add("step", "gptoss", "peak_rss_gb", step["peak_rss_gb"])
+    run.extra["step"] = step
+    print(f"preset {args.preset}, {args.threads} thread(s)")
     print(f"GRPO step ({step['rows']} completions of up to {step['max_new_tokens']} tokens, median over "
           f"{step['steps_timed']} steps): rollout {step['rollout_s']:.3f} s, train {step['train_s']:.3f} s, rollout "
           f"{100 * step['rollout_share']:.0f}% of the step; rollout {step['rollout_tokens_per_s']:.0f} tokens/s; "
@@ -120,9 +123,7 @@ def main() -> int:
     print(f"decode, {decode['rows']} rows x ({decode['prompt']} + {decode['new']}) tokens, CPU time: rollout "
           f"{r[0]:.0f} tokens/s [{r[1]:.0f}, {r[2]:.0f}], generate {g[0]:.0f} [{g[1]:.0f}, {g[2]:.0f}]: rollout / "
           f"generate {decode['ratio_text']}")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"preset": args.preset, "step": step, "decode": decode,
-                                               "load": load.summary()}, indent=2))
+    run.finish()
     return 0
 
 

@@ -32,9 +32,6 @@ the full sha256 read (the baseline, from the page cache: its fastest) against th
 
 from __future__ import annotations
 
-import argparse
-import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -44,9 +41,9 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-import bench.train as train_bench  # noqa: E402
-from bench.train import GEMM_OPS, _batch, _median_step, bench_arch  # noqa: E402
-from common import LoadMonitor  # noqa: E402  (bench/ is on the path once bench.train is imported)
+from bench import harness  # noqa: E402
+from bench.peers import bench_arch  # noqa: E402
+from bench.train import GEMM_OPS, _batch  # noqa: E402
 
 TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 
@@ -140,11 +137,10 @@ def hf_peft_step_fn(arch, tokens: torch.Tensor, dtype: str, rank: int, alpha: fl
     return step, state_bytes, kind
 
 
-def bench_base_hash(megabytes: int, repeats: int) -> dict[str, float]:
-    """Median seconds of the full hash and of the cached fingerprint of a base of `megabytes` MB (4 files)."""
+def bench_base_hash(run: harness.Run, megabytes: int, repeats: int) -> None:
+    """The full hash and the cached fingerprint of a base of `megabytes` MB (4 files), interleaved."""
     import os
     import tempfile
-    import time
 
     from gptoss_cli.checkpoint.formats.training.record import base_fingerprint, hash_base_files
 
@@ -160,20 +156,23 @@ def bench_base_hash(megabytes: int, repeats: int) -> dict[str, float]:
                     fh.write(block)
         files = sorted(base.glob("*.safetensors"))
         digest = base_fingerprint(base)["sha256"]  # the first start: hashes in full, fills the cache
-        full, cached = [], []
-        for _ in range(repeats):  # interleaved
-            t0 = time.perf_counter()
+
+        def full() -> None:
             assert hash_base_files(files) == digest
-            t1 = time.perf_counter()
+
+        def cached() -> None:
             assert base_fingerprint(base)["sha256"] == digest
-            full.append(t1 - t0)
-            cached.append(time.perf_counter() - t1)
-    med = {"full_hash_s": statistics.median(full), "cached_s": statistics.median(cached)}
+
+        timed = harness.interleave({"full sha256": full, "cached fingerprint": cached}, repeats, warmup=0,
+                                   clock="wall")
+    case = f"base fingerprint, {megabytes} MB"
+    run.add_rounds(case, timed, ("time_s",))
+    ratio = run.ratio(case, "full sha256", "cached fingerprint")
+    full_s, cached_s = timed.median("full sha256"), timed.median("cached fingerprint")
     print(f"base fingerprint of {megabytes} MB in 4 safetensors files, {repeats} repeats")
-    print(f"full sha256 (baseline)  {1e3 * med['full_hash_s']:>10.1f} ms  ({megabytes / med['full_hash_s']:.0f} MB/s)")
-    print(f"cached fingerprint      {1e3 * med['cached_s']:>10.3f} ms")
-    print(f"full / cached: {med['full_hash_s'] / med['cached_s']:.0f}x")
-    return med
+    print(f"full sha256 (baseline)  {1e3 * full_s:>10.1f} ms  ({megabytes / full_s:.0f} MB/s)")
+    print(f"cached fingerprint      {1e3 * cached_s:>10.3f} ms")
+    print(f"full / cached: {ratio['median']:.0f}x")
 
 
 def profile_steps(name: str, step, steps: int, top: int = 15) -> float:
@@ -193,37 +192,33 @@ def profile_steps(name: str, step, steps: int, top: int = 15) -> float:
     return gemm / total
 
 
+SIDES = ("ours_lora", "hf_peft", "ours_full", "ours_lora_mxfp4")
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--alpha", type=float, default=16.0)
     ap.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=5, help="steps of each side per repeat, alternating")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--json", type=Path)
     ap.add_argument("--profile", type=int, default=0, help="also profile this many steps of ours-LoRA and HF+PEFT")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--clock", default="cpu", choices=("cpu", "wall"),
+    ap.add_argument("--clock", default="cpu", choices=tuple(harness.CLOCKS),
                     help="time steps by this process's CPU time (default; one thread) or by wall clock")
     ap.add_argument("--base-hash-mb", type=int, help="time the base fingerprint on a base of this many MB instead")
     args = ap.parse_args()
     if args.base_hash_mb:
-        med = bench_base_hash(args.base_hash_mb, args.repeats)
-        if args.json:
-            args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "median_s": med,
-                                             "ratio_full_over_cached": med["full_hash_s"] / med["cached_s"]},
-                                            indent=2) + "\n")
+        with harness.Run("lora --base-hash-mb", args, clock="wall") as run:
+            bench_base_hash(run, args.base_hash_mb, args.repeats)
+        run.finish()
         return
-    if args.clock == "cpu" and args.threads != 1:
-        ap.error("--clock cpu adds up the CPU time of every thread: use it with --threads 1")
-    import time
-
-    train_bench.CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
+    harness.check_clock(ap, args.clock, args.threads)
     torch.set_num_threads(args.threads)
-    load = LoadMonitor().__enter__()
+    run = harness.Run("lora", args).__enter__()
     torch.manual_seed(0)
     arch = bench_arch(args.preset)
     tokens = _batch(arch, args.batch, args.seq)
@@ -232,27 +227,27 @@ def main() -> None:
     theirs, theirs_state, adamw = hf_peft_step_fn(arch, tokens, args.dtype, args.rank, args.alpha)
     full, full_setup = ours_step_fn(arch, tokens, args.dtype, 0, args.alpha)
     mx, mx_setup = ours_step_fn(arch, tokens, args.dtype, args.rank, args.alpha, base_experts="mxfp4")
-    times = {"ours_lora": [], "hf_peft": [], "ours_full": [], "ours_lora_mxfp4": []}
-    steps = {"ours_lora": ours, "hf_peft": theirs, "ours_full": full, "ours_lora_mxfp4": mx}
-    for r in range(args.repeats):  # interleaved, the order rotating, so a slow phase of the machine hits all
-        names = list(steps)
-        for k in names[r % len(names):] + names[:r % len(names)]:
-            times[k].append(_median_step(steps[k], args.steps))
-    load.__exit__(None, None, None)
-    med = {k: statistics.median(v) for k, v in times.items()}
-    per_repeat = [h / o for h, o in zip(times["hf_peft"], times["ours_lora"])]
+    steps = dict(zip(SIDES, (ours, theirs, full, mx)))
+    # interleaved step by step, the order rotating, so a slow phase of the machine hits all
+    timed = harness.interleave(steps, args.repeats, steps=args.steps, warmup=2, clock=args.clock)
+    case = f"{args.preset} batch {args.batch} x {args.seq}, rank {args.rank}"
+    run.add_rounds(case, timed)
+    med = {k: timed.median(k) for k in SIDES}
+    speed = run.ratio(case, "hf_peft", "ours_lora", name="ours_lora / hf_peft speed")["median"]
+    run.ratio(case, "ours_lora_mxfp4", "ours_lora", name="MXFP4 base / bf16 base step time")
     state = {"ours_lora": ours_state_bytes(ours_setup), "hf_peft": theirs_state(),
              "ours_full": ours_state_bytes(full_setup), "ours_lora_mxfp4": ours_state_bytes(mx_setup)}
+    for k, v in state.items():
+        run.add(case, k, "trainable_state_bytes", v)
     base = {"ours_lora": frozen_base_bytes(ours_setup), "ours_lora_mxfp4": frozen_base_bytes(mx_setup)}
     tok = args.batch * args.seq
     print(f"{args.preset}, batch {args.batch} x {args.seq} tokens, rank {args.rank}, {args.dtype}, "
           f"torch AdamW {adamw} for transformers + PEFT; threads {torch.get_num_threads()}, {args.clock} clock, "
           f"glibc's default allocator for every side (one process)")
-    print(load.text())
     print(f"{'run':<15} {'step ms':>10} {'tokens/s':>10} {'trainable state':>16}")
-    for k in ("ours_lora", "hf_peft", "ours_full", "ours_lora_mxfp4"):
+    for k in SIDES:
         print(f"{k:<15} {1e3 * med[k]:>10.1f} {tok / med[k]:>10.0f} {state[k] / 1e6:>13.2f} MB")
-    speed = med["hf_peft"] / med["ours_lora"]
+    per_repeat = timed.ratios("hf_peft", "ours_lora")
     share = state["ours_lora"] / state["ours_full"]
     print(f"LoRA step: ours {speed:.2f}x transformers + PEFT (per repeat {min(per_repeat):.2f}-{max(per_repeat):.2f}; "
           f"goal >= 1.5); "
@@ -264,23 +259,17 @@ def main() -> None:
           f"frozen base {mx_base['base'] / 1e6:.2f} MB vs {bf_base['base'] / 1e6:.2f} MB "
           f"({mx_base['base'] / bf_base['base']:.3f}); expert weights {mx_base['experts'] / 1e6:.2f} MB vs "
           f"{bf_base['experts'] / 1e6:.2f} MB ({mx_base['experts'] / bf_base['experts']:.4f})")
-    ceiling = None
+    run.extra.update(torch_adamw_for_peft=adamw, state_share_of_full=share, frozen_base_bytes=base)
     if args.profile:
         share_ours = profile_steps("ours_lora", ours, args.profile)
         share_hf = profile_steps("hf_peft", theirs, args.profile)
         # What bounds the ratio: with every non-GEMM operator of ours free, our step is its GEMM share
         # of the measured median (the GEMMs as fast as they ran).
         ceiling = med["hf_peft"] / (med["ours_lora"] * share_ours)
+        run.extra["ceiling_non_gemm_free"] = ceiling
         print(f"\nGEMM share of the step: ours-LoRA {100 * share_ours:.0f}%, transformers + PEFT {100 * share_hf:.0f}%; "
               f"ours / theirs ceiling with every non-GEMM operator of ours free: {ceiling:.2f}x")
-    if args.json:
-        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "median_s": med,
-                                         "times_s": times, "state_bytes": state, "speedup_vs_hf_peft": speed,
-                                         "speedup_per_repeat": per_repeat, "ceiling_non_gemm_free": ceiling,
-                                         **load.summary(),
-                                         "state_share_of_full": share, "frozen_base_bytes": base,
-                                         "mxfp4_step_time_ratio": med["ours_lora_mxfp4"] / med["ours_lora"]},
-                                        indent=2) + "\n")
+    run.finish()
 
 
 if __name__ == "__main__":

@@ -20,8 +20,6 @@ Prints the load average during the run.
 
 from __future__ import annotations
 
-import argparse
-import json
 import subprocess
 import sys
 import tempfile
@@ -29,8 +27,10 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, LoadMonitor, peer_env  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+from bench import harness  # noqa: E402
 
 KEEP_TUNABLES = "glibc.malloc.mmap_threshold=1073741824:glibc.malloc.trim_threshold=2147483648"
 # --allocator tunables=STRING: any other GLIBC_TUNABLES for the workers (e.g. a fixed mmap threshold)
@@ -111,11 +111,11 @@ class RssWatch:
 
 def runtime_rss(threads: int) -> int:
     """RSS of a process that imported what a training worker imports (torch, torch.distributed, the loop)."""
-    code = ("import torch, torch.distributed, gptoss_cli.train.loop, gptoss_cli.train.launch\n"
+    code = ("import torch, torch.distributed, gptoss_cli.train.loop, gptoss_cli.run.launch\n"
             "from gptoss_cli.resources import peak_rss_bytes\n"
             "import pathlib; print([int(l.split()[1]) * 1024 for l in pathlib.Path('/proc/self/status')"
             ".read_text().splitlines() if l.startswith('VmRSS')][0])")
-    out = subprocess.run([sys.executable, "-c", code], env=peer_env(threads), capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", code], env=harness.peer_env(threads), capture_output=True, text=True,
                          check=True, cwd=ROOT)
     return int(out.stdout.strip().splitlines()[-1])
 
@@ -134,7 +134,7 @@ def measure(recipe: str, vocab: int, args, workdir: Path) -> dict:
                  f"training.train_iters={args.iters}", "checkpoint.dir=null", "checkpoint.save_interval=null",
                  f"logging.run_dir={workdir / f'{recipe}-{vocab}'}", *args.override]
     tunables = allocator_tunables(args.allocator)
-    env = peer_env(args.threads, {"GLIBC_TUNABLES": tunables} if tunables else None)
+    env = harness.peer_env(args.threads, {"GLIBC_TUNABLES": tunables} if tunables else None)
     env["COLUMNS"] = "200"
     cmd = [sys.executable, "-m", "gptoss_cli", "train", "--recipe", recipe, *overrides]
     t0 = time.perf_counter()
@@ -158,7 +158,7 @@ def measure(recipe: str, vocab: int, args, workdir: Path) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser(__doc__)
     ap.add_argument("--recipes", nargs="+", default=["tiny_cpu_ep2"])
     ap.add_argument("--vocab", nargs="+", type=int, default=[1003, 32768, 201088])
     ap.add_argument("--seq", type=int, default=256)
@@ -169,23 +169,22 @@ def main() -> int:
                     help="train: as `gptoss train` runs; keep: glibc keeping freed memory; tunables=STRING: "
                          "these GLIBC_TUNABLES for the workers")
     ap.add_argument("--override", nargs="*", default=[], help="more recipe overrides for every run")
-    ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
+    if args.allocator not in ("train", "keep") and not args.allocator.startswith(TUNABLES_PREFIX):
+        ap.error(f"--allocator {args.allocator}: train, keep or tunables=STRING")
     runtime = runtime_rss(args.threads)
     results = []
-    with LoadMonitor() as load, tempfile.TemporaryDirectory(prefix="gptoss-bench-memory-") as tmp:
+    with harness.Run("memory", args, clock="wall") as run, \
+            tempfile.TemporaryDirectory(prefix="gptoss-bench-memory-") as tmp:
         for recipe in args.recipes:
             for vocab in args.vocab:
                 results.append(measure(recipe, vocab, args, Path(tmp)))
                 r = results[-1]
                 print(f"{recipe} vocab {vocab}: {r['seconds']:.0f} s", flush=True)
-    if args.allocator not in ("train", "keep") and not args.allocator.startswith(TUNABLES_PREFIX):
-        ap.error(f"--allocator {args.allocator}: train, keep or tunables=STRING")
     alloc = ("as gptoss train runs" if args.allocator == "train"
              else f"GLIBC_TUNABLES={allocator_tunables(args.allocator)}")
     print(f"\nseq {args.seq}, {args.iters} steps, allocator: {alloc}, {args.threads} thread(s) per worker; "
           f"runtime (torch + gptoss imported, no model): {runtime / GB:.2f} GB")
-    print(load.text())
     print("per run, the worker with the highest peak; delta: over the recipe's smallest vocabulary (its fixed cost)")
     print(f"{'recipe':<22} {'vocab':>7} {'estimate':>9} {'peak RSS':>9} {'peak-runtime':>13} {'d peak':>8} "
           f"{'d estimate':>11} {'d ratio':>8} {'RSS 1st quarter':>16} {'RSS last quarter':>17}")
@@ -195,13 +194,20 @@ def main() -> int:
         base_peak = max(w["peak_rss"] for w in base["workers"])
         d_peak, d_est = worst["peak_rss"] - base_peak, r["estimate"] - base["estimate"]
         r.update(delta_peak=d_peak, delta_estimate=d_est)
+        case = f"{r['recipe']} vocab {r['vocab']}"
+        run.add(case, "gptoss train", "peak_rss_gb", worst["peak_rss"] / GB)
+        run.add(case, "gptoss train", "rss_first_quarter_gb", worst["rss_first_quarter_max"] / GB)
+        run.add(case, "gptoss train", "rss_last_quarter_gb", worst["rss_last_quarter_max"] / GB)
+        run.add(case, "gptoss train", "run_s", r["seconds"])
+        run.add(case, "validate-config estimate", "peak_rss_gb", r["estimate"] / GB)
+        run.ratio(case, "gptoss train", "validate-config estimate", "peak_rss_gb",
+                  name="(peak - runtime) / estimate", values=[(worst["peak_rss"] - runtime) / r["estimate"]])
         ratio = f"{d_peak / d_est:7.2f}x" if d_est > 0 else f"{'-':>8}"
         print(f"{r['recipe']:<22} {r['vocab']:>7} {r['estimate'] / GB:>8.2f}G {worst['peak_rss'] / GB:>8.2f}G "
               f"{(worst['peak_rss'] - runtime) / GB:>12.2f}G {d_peak / GB:>7.2f}G {d_est / GB:>10.2f}G {ratio} "
               f"{worst['rss_first_quarter_max'] / GB:>15.2f}G {worst['rss_last_quarter_max'] / GB:>16.2f}G")
-    if args.json:
-        args.json.write_text(json.dumps({"runtime_rss": runtime, "allocator": args.allocator, **load.summary(),
-                                         "runs": results}, indent=2) + "\n")
+    run.extra.update(runtime_rss=runtime, allocator=args.allocator, runs=results)
+    run.finish()
     return 0
 
 

@@ -7,7 +7,8 @@ optimizer) with each schedule in turn:
   * plan       the combined-1F1B plans run one microbatch after the other (interleave=False):
                the cost of splitting the model into nodes, with nothing hidden
   * overlap    combined 1F1B, F(i) interleaved with B(i-1), delayed expert wgrad
-and prints median step times, the ratios overlap/plain and overlap/plan, and the fraction of the
+(bench/harness.py: rounds in rotating order, per-round ratios) and prints median step times, the
+ratios overlap/plain and overlap/plan, and the fraction of the
 all-to-all time hidden behind compute, from the collectives' own timings: for every all-to-all,
 in flight = issue -> wait returned, blocked = time inside wait(); hidden = 1 - blocked/in flight.
 
@@ -22,7 +23,6 @@ blocked time is real.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -35,6 +35,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+
+from bench import harness  # noqa: E402
 
 
 class OverlapStats:
@@ -119,7 +121,7 @@ def build_model(args: dict, state):
 
 
 def worker(rank: int, args: dict) -> dict:
-    from bench.simlink import LinkModel, use_link
+    from tests.support.simlink import LinkModel, use_link
     from gptoss_cli.parallel.state import init_parallel
     from gptoss_cli.schedule.combined_1f1b import forward_backward_combined_1f1b
     from gptoss_cli.schedule.plain import forward_backward_no_pipelining
@@ -156,24 +158,16 @@ def worker(rank: int, args: dict) -> dict:
             torch.cuda.synchronize()
         dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=state.device)
         torch.distributed.all_reduce(dt, op=torch.distributed.ReduceOp.MAX)  # the step ends when both ranks end
-        return {"time": float(dt), "modeled": model_link.modeled_s, "blocked": model_link.blocked_s,
+        return {"time_s": float(dt), "modeled_s": model_link.modeled_s, "blocked_s": model_link.blocked_s,
                 "bytes": model_link.bytes_moved, "bulk": model_link.counts["bulk"],
-                "control": model_link.counts["control"],
-                "comm": None if stats is None else (stats.in_flight_s, stats.blocked_s, len(stats.comms),
-                                                    stats.wgrad_gemms)}
+                "control": model_link.counts["control"]}
 
     kinds = ["plain", "overlap"] if args["no_plan"] else ["plain", "plan", "overlap"]
 
-    def measure(link: tuple[float, float] | None) -> dict[str, list[dict]]:
-        for _ in range(args["warmup"]):
-            for kind in kinds:
-                step(kind, link)
-        rows: dict[str, list[dict]] = {k: [] for k in kinds}
-        for r in range(args["rounds"]):
-            order = kinds[r % len(kinds):] + kinds[:r % len(kinds)]  # no schedule always runs first
-            for kind in order:
-                rows[kind].append(step(kind, link))
-        return rows
+    def measure(link: tuple[float, float] | None) -> dict[str, dict[str, list[float]]]:
+        """Per schedule and metric, one value per round; no schedule always runs first (bench/harness.py)."""
+        sides = {kind: (lambda kind=kind: step(kind, link)) for kind in kinds}
+        return harness.interleave(sides, args["rounds"], warmup=args["warmup"], clock="wall").values
 
     configs = [{"link": None, "rows": measure(None)}]
     if args["link_gbps"]:
@@ -182,9 +176,9 @@ def worker(rank: int, args: dict) -> dict:
         # Communication = ratio x compute, where compute is the plain step without a simulated link
         # (gloo's own loopback all-to-alls included). Both ranks use rank 0's link.
         base = configs[0]["rows"]["plain"]
-        compute = statistics.median(r["time"] for r in base)
-        bulk_bytes = base[0]["bytes"]
-        transfers = base[0]["bulk"] + base[0]["control"]
+        compute = statistics.median(base["time_s"])
+        bulk_bytes = base["bytes"][0]
+        transfers = base["bulk"][0] + base["control"][0]
         wire = ratio * compute - transfers * args["link_latency_us"] * 1e-6
         if wire <= 0:
             raise SystemExit(f"latency alone exceeds {ratio} x compute; lower --link-latency-us")
@@ -197,20 +191,19 @@ def worker(rank: int, args: dict) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = harness.parser(__doc__)
     add_model_args(ap, microbatches=8, micro_batch=4)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     ap.add_argument("--link-gbps", type=float, default=None,
-                    help="simulated link bandwidth, Gbit/s per direction (bench/simlink.py)")
+                    help="simulated link bandwidth, Gbit/s per direction (tests/support/simlink.py)")
     ap.add_argument("--link-latency-us", type=float, default=10.0, help="simulated link latency, microseconds")
     ap.add_argument("--sweep", default="",
                     help="comma-separated communication/compute ratios: the bandwidth for each is chosen from "
                          "the measured compute time and bytes (e.g. 0.25,0.5,1,2)")
     ap.add_argument("--no-plan", action="store_true", help="skip the serial-plans control (plain and overlap only)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
     args = {k: getattr(a, k) for k in ("microbatches", "micro_batch", "seq", "hidden", "intermediate", "experts",
                                        "pattern", "rounds", "warmup", "threads", "device", "link_gbps",
@@ -219,16 +212,18 @@ def main() -> None:
     if a.device == "cuda":
         if a.link_gbps or args["sweep"]:
             raise SystemExit("the link model simulates a network on CPU; on cuda the real one is measured")
-        _run_cuda(args)
+        with harness.Run("overlap", a, clock="wall") as run:
+            ranks = _run_cuda(args)
+        report(run, ranks, args)
         return
     from tests.train.dist_helpers import run_distributed
 
-    with tempfile.TemporaryDirectory() as tmp:
+    with harness.Run("overlap", a, clock="wall") as run, tempfile.TemporaryDirectory() as tmp:
         ranks = run_distributed(worker, 2, Path(tmp), args, timeout=3600)
-    report(ranks, args, a.json)
+    report(run, ranks, args)
 
 
-def _run_cuda(args: dict) -> None:  # pragma: no cover - needs 2 GPUs
+def _run_cuda(args: dict) -> list[dict]:  # pragma: no cover - needs 2 GPUs
     import os
 
     import torch.multiprocessing as mp
@@ -238,8 +233,7 @@ def _run_cuda(args: dict) -> None:  # pragma: no cover - needs 2 GPUs
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2")
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_cuda_entry, args=(args, tmp), nprocs=2)
-        ranks = [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(2)]
-    report(ranks, args, None)
+        return [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
 def _cuda_entry(rank: int, args: dict, tmp: str) -> None:  # pragma: no cover - needs 2 GPUs
@@ -249,10 +243,11 @@ def _cuda_entry(rank: int, args: dict, tmp: str) -> None:  # pragma: no cover - 
     torch.save(worker(rank, args), Path(tmp) / f"rank{rank}.pt")
 
 
-def _summary(ranks: list[dict], i: int, base: dict | None) -> dict:
-    """One configuration: median step per schedule (max over ranks), ratios, communication and hidden share."""
+def _summary(run: harness.Run, ranks: list[dict], i: int, base: dict | None) -> dict:
+    """One configuration: median step per schedule (max over ranks), ratios, communication and hidden
+    share; recorded in `run` as one case."""
     rows = [r["configs"][i]["rows"] for r in ranks]
-    times = {k: [x["time"] for x in rows[0][k]] for k in rows[0]}  # max over ranks already
+    times = {k: rows[0][k]["time_s"] for k in rows[0]}  # max over ranks already
     med = {k: statistics.median(v) for k, v in times.items()}
     out: dict = {
         "link_gbps": ranks[0]["configs"][i]["link"][0] if ranks[0]["configs"][i]["link"] else None,
@@ -265,18 +260,29 @@ def _summary(ranks: list[dict], i: int, base: dict | None) -> dict:
         "plain_over_overlap": med["plain"] / med["overlap"],
         "plan_over_plain": med["plan"] / med["plain"] if "plan" in med else None,
     }
+    link = ranks[0]["configs"][i]["link"]
+    case = "no simulated link" if link is None else (
+        f"link {link[0]:.3g} Gbit/s" + (f" (comm {out['target_ratio']:g} x compute)" if out["target_ratio"] else ""))
+    for k, v in times.items():
+        run.add(case, k, "step_s", v)
+    run.ratio(case, "plain", "overlap", "step_s", name="overlap / plain speed")
+    if "plan" in times:
+        run.ratio(case, "plan", "plain", "step_s", name="plan / plain step time")
     comm = {}
     for k in times:
-        modeled = statistics.mean(x["modeled"] for r in rows for x in r[k])
-        blocked = statistics.mean(x["blocked"] for r in rows for x in r[k])
+        modeled = statistics.mean(x for r in rows for x in r[k]["modeled_s"])
+        blocked = statistics.mean(x for r in rows for x in r[k]["blocked_s"])
         comm[k] = {"modeled_ms_per_step": 1e3 * modeled, "blocked_ms_per_step": 1e3 * blocked,
                    "hidden_by_collectives": (1 - blocked / modeled) if modeled else None,
-                   "all_to_alls_per_step": rows[0][k][0]["bulk"], "count_exchanges_per_step": rows[0][k][0]["control"],
-                   "mbytes_per_step": rows[0][k][0]["bytes"] / 1e6}
+                   "all_to_alls_per_step": rows[0][k]["bulk"][0], "count_exchanges_per_step": rows[0][k]["control"][0],
+                   "mbytes_per_step": rows[0][k]["bytes"][0] / 1e6}
+        if modeled and link is not None:
+            run.add(case, k, "hidden_by_collectives_share", comm[k]["hidden_by_collectives"])
         if base is not None and modeled:
             # What the link added to the step, against the same schedule without it.
             exposed = med[k] - base["median_step_s"][k]
             comm[k]["hidden_by_step_time"] = 1 - exposed / modeled
+            run.add(case, k, "hidden_by_step_time_share", comm[k]["hidden_by_step_time"])
     out["comm"] = comm
     out["median_step_s"] = med
     if base is not None:
@@ -284,10 +290,10 @@ def _summary(ranks: list[dict], i: int, base: dict | None) -> dict:
     return out
 
 
-def report(ranks: list[dict], args: dict, json_path: Path | None) -> None:
+def report(run: harness.Run, ranks: list[dict], args: dict) -> None:
     n = len(ranks[0]["configs"])
-    base = _summary(ranks, 0, None)
-    results = [base] + [_summary(ranks, i, base) for i in range(1, n)]
+    base = _summary(run, ranks, 0, None)
+    results = [base] + [_summary(run, ranks, i, base) for i in range(1, n)]
     print(f"EP=2 on 2 {args['device']} processes (gloo on cpu / nccl on cuda), {args['microbatches']} microbatches "
           f"of {args['micro_batch']}x{args['seq']} tokens, hidden {args['hidden']}, intermediate "
           f"{args['intermediate']}, {args['experts']} experts, pattern {args['pattern'] or 'preset'}, "
@@ -313,8 +319,8 @@ def report(ranks: list[dict], args: dict, json_path: Path | None) -> None:
                 print(f"    {k:8s} hidden: {100 * c['hidden_by_step_time']:5.1f}% by step time, "
                       f"{100 * c['hidden_by_collectives']:5.1f}% by collectives (blocked "
                       f"{c['blocked_ms_per_step']:.0f} of {c['modeled_ms_per_step']:.0f} ms)")
-    if json_path:
-        json_path.write_text(json.dumps({"config": args, "results": results}, indent=2) + "\n")
+    run.extra["results"] = results
+    run.finish()
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ to hide communication from the host's noise:
   2. for each communication/compute ratio r, the recorded op streams are fed to the real
      `run_interleaved` again (the production merge policy) as ops that advance a virtual clock:
      compute ops by their recorded time, each all-to-all through the FIFO link of
-     bench/simlink.py with r x compute / (number of all-to-alls) on the wire;
+     tests/support/simlink.py with r x compute / (number of all-to-alls) on the wire;
   3. the plain schedule is compute + communication, the overlap schedule the replayed clock;
      hidden = 1 - (time spent waiting) / communication.
 Communication is spread evenly over the all-to-alls (dispatch and combine move the same rows,
@@ -40,8 +40,9 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
+from bench import harness  # noqa: E402
 from bench.overlap import add_model_args  # noqa: E402
-from bench.simlink import LinkModel  # noqa: E402
+from tests.support.simlink import LinkModel  # noqa: E402
 from gptoss_cli.model.gemm import grouped as grouped_gemm  # noqa: E402
 from gptoss_cli.schedule import combined_1f1b as c1f1b  # noqa: E402
 
@@ -140,12 +141,13 @@ def replay(calls: list[tuple[list, list]], wire_s: float) -> tuple[float, float]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = harness.parser(__doc__)
     add_model_args(ap, microbatches=16, micro_batch=2)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--ratios", default="0.25,0.5,1,2")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    run = harness.Run("overlap_replay", args, clock="cpu").__enter__()  # op times: CPU time of the recording thread
     calls = record(args)
     ops = [op for f, b in calls for op in f + b]
     compute = sum(before + after for kind, before, after in ops)
@@ -160,7 +162,14 @@ def main() -> None:
         plain = compute + comm
         print(f"  comm = {r:g} x compute: plain {1e3 * plain:.0f} ms, overlap {1e3 * clock:.0f} ms -> "
               f"{plain / clock:.2f}x, hidden {100 * (1 - waited / comm):.1f}%")
+        case = f"comm = {r:g} x compute (virtual time)"
+        run.add(case, "plain", "step_s", plain)
+        run.add(case, "overlap", "step_s", clock)
+        run.add(case, "overlap", "hidden_share", 1 - waited / comm)
+        run.ratio(case, "plain", "overlap", "step_s", name="overlap / plain speed")
     assert abs(idle_clock - compute) < 1e-9 * max(1.0, compute)
+    run.extra.update(compute_s=compute, all_to_alls=comms)
+    run.finish()
 
 
 if __name__ == "__main__":

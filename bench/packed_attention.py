@@ -1,6 +1,6 @@
 """Benchmark per-document attention on packed rows: our per-document loop vs one block-diagonal masked SDPA call.
 
-`document_attention` (gptoss_cli/model/attention/backends.py) runs the sink attention once per document of a
+`document_attention` (gptoss_cli/model/attention.py) runs the sink attention once per document of a
 packed row. The peer is what an SDPA user without a varlen kernel writes: one
 `scaled_dot_product_attention` over the whole row with a boolean mask that is block-diagonal
 (documents), causal, windowed (sliding layers) and has the sink column, computing every masked
@@ -8,18 +8,16 @@ score. Both compute the same attention (checked here before timing). Forward + b
 head layout scaled down (--heads query heads over --kv kv heads of 64), rows of --seq tokens split
 into --docs equal documents, full and sliding (window 128) layers.
 
-Prints per setting the median over --repeats of the forward+backward time and the ratio
-masked / ours (> 1: ours is faster), plus the unpacked row (one causal sequence) for scale.
+Prints per setting the median over --repeats of the forward+backward time (wall clock; the three
+sides interleaved, the order rotating each round) and the ratio masked / ours (> 1: ours is faster),
+the median of the per-round ratios, plus the unpacked row (one causal sequence) for scale.
 
     python bench/packed_attention.py --seq 1024 --docs 1,4,16,64 --repeats 5
 """
 
 from __future__ import annotations
 
-import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,6 +27,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from bench import harness  # noqa: E402
 from gptoss_cli.model.attention.backends import document_attention, sink_attention  # noqa: E402
 
 
@@ -56,19 +55,8 @@ def masked_peer(q, k, v, sinks, window, cu):
     return out[..., :d]
 
 
-def timed(fn, inputs, repeats: int) -> float:
-    times = []
-    for _ in range(repeats + 1):  # the first run warms up
-        for t in inputs:
-            t.grad = None
-        start = time.perf_counter()
-        fn(*inputs).square().sum().backward()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--docs", default="1,4,16,64")
     ap.add_argument("--heads", type=int, default=8)
@@ -82,22 +70,37 @@ def main() -> None:
     v = torch.randn(1, args.kv, s, d, requires_grad=True)
     sinks = torch.randn(args.heads, requires_grad=True)
     inputs = (q, k, v, sinks)
+
+    def clear_grads() -> None:
+        for t in inputs:
+            t.grad = None
+
+    def fwd_bwd(fn):
+        return lambda: fn(*inputs).square().sum().backward()
+
     print(f"rows of {s} tokens, {args.heads} query / {args.kv} kv heads of {d}; median of {args.repeats}, "
           f"forward + backward, {torch.get_num_threads()} threads")
     print(f"{'layer':<8}{'docs':>6}{'ours ms':>10}{'masked ms':>11}{'masked/ours':>13}{'unpacked ms':>13}")
-    for window in (None, 128):
-        unpacked = timed(lambda q, k, v, sk: sink_attention(q, k, v, sk, window), inputs, args.repeats)
-        for n in (int(x) for x in args.docs.split(",")):
-            cu = tuple(range(0, s + 1, s // n))
-            cu = cu if cu[-1] == s else cu + (s,)
-            with torch.no_grad():
-                a = document_attention(q, k, v, sinks, window, cu)
-                b = masked_peer(q, k, v, sinks, window, cu)
-                assert torch.allclose(a, b, atol=1e-5), (window, n, (a - b).abs().max())
-            ours = timed(lambda q, k, v, sk: document_attention(q, k, v, sk, window, cu), inputs, args.repeats)
-            peer = timed(lambda q, k, v, sk: masked_peer(q, k, v, sk, window, cu), inputs, args.repeats)
-            name = "full" if window is None else f"win{window}"
-            print(f"{name:<8}{n:>6}{ours * 1e3:>10.2f}{peer * 1e3:>11.2f}{peer / ours:>13.2f}{unpacked * 1e3:>13.2f}")
+    with harness.Run("packed_attention", args, clock="wall") as run:
+        for window in (None, 128):
+            for n in (int(x) for x in args.docs.split(",")):
+                cu = tuple(range(0, s + 1, s // n))
+                cu = cu if cu[-1] == s else cu + (s,)
+                with torch.no_grad():
+                    a = document_attention(q, k, v, sinks, window, cu)
+                    b = masked_peer(q, k, v, sinks, window, cu)
+                    assert torch.allclose(a, b, atol=1e-5), (window, n, (a - b).abs().max())
+                sides = {"ours": fwd_bwd(lambda q, k, v, sk: document_attention(q, k, v, sk, window, cu)),
+                         "masked": fwd_bwd(lambda q, k, v, sk: masked_peer(q, k, v, sk, window, cu)),
+                         "unpacked": fwd_bwd(lambda q, k, v, sk: sink_attention(q, k, v, sk, window))}
+                timed = harness.interleave(sides, args.repeats, clock="wall", before=clear_grads)
+                name = "full" if window is None else f"win{window}"
+                case = f"{name}, {n} docs"
+                run.add_rounds(case, timed, ("time_s",))
+                ratio = run.ratio(case, "masked", "ours")["median"]
+                ms = {k: 1e3 * timed.median(k) for k in sides}
+                print(f"{name:<8}{n:>6}{ms['ours']:>10.2f}{ms['masked']:>11.2f}{ratio:>13.2f}{ms['unpacked']:>13.2f}")
+    run.finish()
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ real dims with 4 and 32 experts: block max abs diff < 1e-4, logits KL < 1e-12).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -31,7 +30,13 @@ import sys
 import time
 from pathlib import Path
 
-import torch
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from bench import harness  # noqa: E402
 
 
 def arch_for(blocks: int, experts: int, vocab: int):
@@ -125,7 +130,7 @@ def child(hf: str, hybrid: str, dtype: str, seq_len: int) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser(__doc__)
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/gptoss-parity-bench"))
     ap.add_argument("--blocks", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--experts", type=int, default=128)
@@ -142,6 +147,7 @@ def main() -> None:
     from gptoss_cli.resources import keep_freed_memory
 
     keep_freed_memory()  # as `gptoss convert` does before converting
+    run = harness.Run("parity", args, clock="wall").__enter__()
     work = args.workdir
     shutil.rmtree(work, ignore_errors=True)
     shards = work / "shards"
@@ -174,6 +180,11 @@ def main() -> None:
         rows.append(r)
         shutil.rmtree(hybrid)
         print(f"{n} blocks done: {r['summary']}", flush=True)
+        case = f"{n} block{'s' if n > 1 else ''}, {args.experts} experts, {args.dtype}"
+        run.add(case, "parity-check", "peak_rss_gb", r["peak_rss"] / 1e9)
+        run.add(case, "parity-check", "rss_after_imports_gb", r["rss_after_imports"] / 1e9)
+        run.add(case, "parity-check", "seconds_per_block_s", r["seconds_per_block"] or [float("nan")])
+        run.add(case, "convert", "time_s", t_convert)
 
     base = rows[0]["peak_rss"]
     print(f"\n{'blocks':>6} {'peak RSS GB':>12} {'vs 1 block':>10} {'RSS after imports GB':>21} "
@@ -183,6 +194,8 @@ def main() -> None:
         print(f"{r['blocks']:>6} {r['peak_rss'] / 1e9:>12.2f} {r['peak_rss'] / base:>10.3f} "
               f"{r['rss_after_imports'] / 1e9:>21.2f} {spb:>15.1f} {r['convert_seconds']:>10.1f}  {r['passed']}")
     shutil.rmtree(work, ignore_errors=True)
+    run.extra["runs"] = rows
+    run.finish()
 
 
 if __name__ == "__main__":

@@ -5,19 +5,19 @@ Part 1, the bubble: PP=2 on 2 gloo processes (one per core; EP=1, the widened ti
 data), each schedule in turn, `rounds` timed training steps (forward, backward, finalize; no optimizer).
 Every stage action (torch's forward, backward, backward-for-weights of a chunk) is timed on its rank:
   measured bubble = 1 - busy / step time, on the rank that idles most (both ranks' figures printed);
-  theory (closed form) = pipeline/layout.py's `bubble_fraction` at the measured per-microbatch f, b, w;
+  theory (closed form) = schedule/pipeline/layout.py's `bubble_fraction` at the measured per-microbatch f, b, w;
   theory (the schedule's own order) = torch's action lists of the schedule replayed with the measured
       action times and free communication (an event simulation: F(s, m) after F(s-1, m), the backward
       of (s, m) after that of (s+1, m), W after its I), i.e. what the order itself costs.
 The activations go between the stages over gloo's loopback (nearly free here).
 
 Part 2, the overlap: 4 gloo processes, EP=2, every MoE all-to-all carried by the simulated link
-(bench/simlink.py) at a bandwidth chosen so that the link time is `--ratio` x the compute of the
+(tests/support/simlink.py) at a bandwidth chosen so that the link time is `--ratio` x the compute of the
 no-pipelining step; hidden share = 1 - (time blocked on the link) / (the link's modelled time):
   no pipelining      DP=2 x EP=2, combined 1F1B with overlap and delayed wgrad (issue 6's schedule)
   dualpipev          PP=2 x EP=2, DualPipeV, its overlapped actions run in sequence (the control)
   dualpipev+overlap  PP=2 x EP=2, DualPipeV, OVERLAP_F_B interleaving two microbatches' plans
-                     (gptoss_cli/pipeline/plan_stage.py), delayed wgrad
+                     (gptoss_cli/schedule/pipeline/plan_stage.py), delayed wgrad
 On 2 cores 4 processes share them: compute is slower than it would be alone and gloo's copies
 compete with it; the figures are what this machine measures (bench/README.md).
 
@@ -27,8 +27,6 @@ compete with it; the figures are what this machine measures (bench/README.md).
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -41,6 +39,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+
+from bench import harness  # noqa: E402
 
 SCHEDULES = {"1f1b": (None, "Et*2|t*2L"), "interleaved_1f1b": (2, "Et|t|t|tL"),
              "interleaved_zero_bubble": (None, "Et*2|t*2L"), "zbv_zero_bubble": (2, "Et|t|t|tL"),
@@ -203,7 +203,7 @@ def one_f_one_b_order(pp: int, n: int) -> dict[int, list[str]]:
 
 def bubble_worker(rank: int, args: dict) -> dict:
     from gptoss_cli.parallel.state import init_parallel
-    from gptoss_cli.pipeline.schedule import forward_backward_pipelining
+    from gptoss_cli.schedule.pipeline.schedule import forward_backward_pipelining
 
     torch.set_num_threads(1)
     out = {}
@@ -216,13 +216,16 @@ def bubble_worker(rank: int, args: dict) -> dict:
         timed_step(model, config, source, state, args, forward_backward_pipelining)  # builds the runtime, warms up
         runtime = model.module.pipeline_runtime
         clock = ActionClock(runtime)
-        steps, busy, acts = [], [], {}
-        for _ in range(args["rounds"]):
-            clock.reset()
-            steps.append(timed_step(model, config, source, state, args, forward_backward_pipelining))
-            busy.append(clock.busy)
+        acts: dict = {}
+
+        def step() -> dict:
+            seconds = timed_step(model, config, source, state, args, forward_backward_pipelining)
             for k, v in clock.times.items():
                 acts.setdefault(k, []).extend(v)
+            return {"time_s": seconds, "busy_s": clock.busy}
+
+        timed = harness.interleave({name: step}, args["rounds"], warmup=0, clock="wall", before=clock.reset)
+        steps, busy = timed[name]["time_s"], timed[name]["busy_s"]
         med = {k: statistics.median(v) for k, v in acts.items()}
         order = one_f_one_b_order(2, args["microbatches"]) if name == "1f1b" else runtime.schedule.pipeline_order
         out[name] = {"step_s": steps, "busy_s": busy, "actions": {f"{s}{k}": v for (s, k), v in med.items()},
@@ -232,9 +235,9 @@ def bubble_worker(rank: int, args: dict) -> dict:
 
 
 def overlap_worker(rank: int, args: dict) -> dict:
-    from bench.simlink import LinkModel, use_link
+    from tests.support.simlink import LinkModel, use_link
     from gptoss_cli.parallel.state import init_parallel
-    from gptoss_cli.pipeline.schedule import forward_backward_pipelining
+    from gptoss_cli.schedule.pipeline.schedule import forward_backward_pipelining
     from gptoss_cli.schedule.combined_1f1b import forward_backward_combined_1f1b
 
     torch.set_num_threads(1)
@@ -260,19 +263,27 @@ def overlap_worker(rank: int, args: dict) -> dict:
     gbps = torch.tensor([probe.bytes_moved * 8 / max(wire, 1e-9) / 1e9], dtype=torch.float64)
     torch.distributed.broadcast(gbps, 0)
     out: dict[str, Any] = {"gbps": float(gbps), "compute_s": compute}
-    for name, (state, built, source, fn) in built_runs.items():
-        rows = []
-        for _ in range(args["rounds"]):
+
+    def side(state, built, source, fn):
+        def step() -> dict:
             link = LinkModel(float(gbps), args["latency_us"])
             with use_link(built.model, link):
-                step = timed_step(built.model, built.config, source, state, args, fn)
-            rows.append({"step_s": step, "modeled_s": link.modeled_s, "blocked_s": link.blocked_s})
-        out[name] = rows
+                seconds = timed_step(built.model, built.config, source, state, args, fn)
+            return {"time_s": seconds, "modeled_s": link.modeled_s, "blocked_s": link.blocked_s}
+        return step
+
+    # the three runs in interleaved rounds, the order rotating (every rank runs the same order)
+    timed = harness.interleave({name: side(*run) for name, run in built_runs.items()}, args["rounds"], warmup=0,
+                               clock="wall")
+    for name in built_runs:
+        v = timed[name]
+        out[name] = [{"step_s": s, "modeled_s": m, "blocked_s": b}
+                     for s, m, b in zip(v["time_s"], v["modeled_s"], v["blocked_s"])]
     return out
 
 
 def bubble_report(ranks: list[dict], microbatches: int) -> list[dict]:
-    from gptoss_cli.pipeline.layout import SPLIT_BACKWARD, bubble_fraction
+    from gptoss_cli.schedule.pipeline.layout import SPLIT_BACKWARD, bubble_fraction
     from torch.distributed.pipelining.schedules import _Action
 
     results = []
@@ -295,14 +306,15 @@ def bubble_report(ranks: list[dict], microbatches: int) -> list[dict]:
         w = statistics.mean(v for (s, k), v in durations.items() if k == "W") * per_rank[0]["vpp"] if split else 0.0
         if full and split:  # some of a split schedule's backwards are whole
             b = min(b, statistics.mean(full) * per_rank[0]["vpp"])
-        results.append({"schedule": name, "median_step_ms": 1e3 * step, "measured_bubble": measured,
+        results.append({"schedule": name, "median_step_ms": 1e3 * step, "step_s": per_rank[0]["step_s"],
+                        "measured_bubble": measured,
                         "theory_closed_form": bubble_fraction(name, 2, per_rank[0]["vpp"], microbatches, f, b, w),
                         "theory_replayed": simulated, "f_b_w_ms": [1e3 * f, 1e3 * b, 1e3 * w]})
     return results
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--micro-batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=64)
@@ -313,13 +325,13 @@ def main() -> None:
     ap.add_argument("--ratio", type=float, default=1.0, help="link time / no-pipelining compute (part 2)")
     ap.add_argument("--latency-us", type=float, default=10.0)
     ap.add_argument("--skip", choices=["bubble", "overlap"], default=None)
-    ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
     args = {k: getattr(a, k) for k in ("microbatches", "micro_batch", "seq", "hidden", "intermediate", "experts",
                                        "rounds", "ratio", "latency_us")}
     from tests.train.dist_helpers import run_distributed
 
-    result: dict[str, Any] = {"config": args}
+    result: dict[str, Any] = {}
+    run = harness.Run("pipeline", a, clock="wall").__enter__()
     with tempfile.TemporaryDirectory() as tmp:
         if a.skip != "bubble":
             result["bubble"] = bubble_report(run_distributed(bubble_worker, 2, Path(tmp) / "b", args, timeout=3600),
@@ -332,18 +344,28 @@ def main() -> None:
                 print(f"  {r['schedule']:24s} step {r['median_step_ms']:7.1f} ms  measured {meas}  |  theory: closed "
                       f"form {100 * r['theory_closed_form']:.1f}%, torch's order replayed {sim}  (f, b, w ms "
                       + ", ".join(f"{x:.1f}" for x in r["f_b_w_ms"]) + ")")
+                run.add("PP=2 bubble", r["schedule"], "step_s", r["step_s"])
+                for k, v in sorted(r["measured_bubble"].items()):
+                    run.add("PP=2 bubble", r["schedule"], f"bubble_rank{k}_share", v)
+                run.add("PP=2 bubble", r["schedule"], "closed_form_bubble_share", r["theory_closed_form"])
+                for k, v in sorted(r["theory_replayed"].items()):
+                    run.add("PP=2 bubble", r["schedule"], f"replayed_bubble_rank{k}_share", v)
         if a.skip != "overlap":
             ranks = run_distributed(overlap_worker, 4, Path(tmp) / "o", args, timeout=3600,
-                                    preload=("gptoss_cli.train.loop", "gptoss_cli.pipeline.schedule"))
+                                    preload=("gptoss_cli.train.loop", "gptoss_cli.schedule.pipeline.schedule"))
             result["overlap"] = overlap_report(ranks)
             r0 = ranks[0]
             print(f"overlap: EP=2 on the simulated link, {r0['gbps']:.3g} Gbit/s (= {args['ratio']:g} x the "
                   f"no-pipelining compute of {1e3 * r0['compute_s']:.0f} ms), {args['rounds']} rounds")
+            case = f"EP=2 overlap, link = {args['ratio']:g} x compute"
             for name, r in result["overlap"].items():
                 print(f"  {name:20s} step {r['median_step_ms']:7.1f} ms  link {r['modeled_ms']:6.1f} ms, hidden "
                       f"{100 * r['hidden']:5.1f}% (median over ranks and rounds)")
-    if a.json:
-        a.json.write_text(json.dumps(result, indent=2, default=str) + "\n")
+                run.add(case, name, "step_s", [row["step_s"] for row in ranks[0][name]])
+                run.add(case, name, "hidden_share", r["hidden"])
+            run.ratio(case, "dualpipev", "dualpipev+overlap", "step_s", name="dualpipev+overlap / dualpipev speed")
+    run.extra.update(result)
+    run.finish()
 
 
 def overlap_report(ranks: list[dict]) -> dict[str, dict]:

@@ -7,7 +7,7 @@ one conversation per row: a JSONL file and a
 Parquet file (snappy, the column `conversation`) of the same rows for the comparison, and one Parquet file
 of --gb gigabytes for the memory bound. Each prepare-data run is its own process (`python -m gptoss_cli`),
 timed by wall clock, its peak RSS read from wait4's rusage. The comparison alternates JSONL and Parquet runs
-(--rounds each) and prints the median tokens/s of each and their ratio; the large file runs once, with the
+(--rounds each) and prints the median tokens/s of each and their ratio (the median of the per-round ratios); the large file runs once, with the
 subset's Parquet peak RSS beside it (memory bounded by a batch of rows means the two stay close).
 
 The tokenizer is the real GPT-OSS one, built offline from the test extra's bpe-openai (tests/data/
@@ -16,11 +16,9 @@ harmony_tokenizer.py). Example: python bench/prepare_parquet.py --gb 1 --compare
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
-import statistics
 import subprocess
 import sys
 import time
@@ -28,9 +26,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from bench import harness  # noqa: E402
 
 WORDS: list[str] = []
-UNIQUE_CHUNKS = 8  # of 5,000 conversations (about 190 MB of JSON); the large file repeats them
+UNIQUE_CHUNKS = 8  # of --chunk-rows conversations (5,000 by default: about 190 MB of JSON); the large file repeats them
 
 
 def _words(rng: random.Random) -> list[str]:
@@ -68,7 +67,8 @@ def conversation(rng: random.Random) -> dict:
     return {"messages": messages}
 
 
-def write_data(folder: Path, gb: float, compare_mb: float, compression: str, seed: int = 0) -> tuple[Path, Path, Path]:
+def write_data(folder: Path, gb: float, compare_mb: float, compression: str, seed: int = 0,
+               chunk: int = 5000) -> tuple[Path, Path, Path]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -84,12 +84,12 @@ def write_data(folder: Path, gb: float, compare_mb: float, compression: str, see
         chunks: list[list[str]] = []
         while not big.exists() or big.stat().st_size < gb * 1e9:
             if len(chunks) < UNIQUE_CHUNKS:  # then cycled: the text generator, not the file, is the slow part
-                chunks.append([json.dumps(conversation(rng), ensure_ascii=False) for _ in range(5000)])
-            rows = chunks[(n // 5000) % len(chunks)]
+                chunks.append([json.dumps(conversation(rng), ensure_ascii=False) for _ in range(chunk)])
+            rows = chunks[(n // chunk) % len(chunks)]
             table = pa.table({"id": list(range(n, n + len(rows))), "conversation": rows})
-            w_big.write_table(table, row_group_size=5000)
+            w_big.write_table(table, row_group_size=chunk)
             if small_bytes < compare_mb * 1e6:
-                w_small.write_table(table, row_group_size=5000)
+                w_small.write_table(table, row_group_size=chunk)
                 jl.write("".join(r + "\n" for r in rows))
                 small_bytes += sum(len(r) + 1 for r in rows)
             n += len(rows)
@@ -129,43 +129,52 @@ def run_prepare(source: Path, tokenizer: Path, out: Path, field: bool) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser(__doc__)
     ap.add_argument("--gb", type=float, default=1.0, help="size of the large Parquet file")
     ap.add_argument("--compare-mb", type=float, default=64, help="size of the JSONL / Parquet comparison data")
     ap.add_argument("--rounds", type=int, default=2, help="alternating JSONL / Parquet runs each")
     ap.add_argument("--compression", default="snappy", help="Parquet compression (snappy, zstd, none)")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/gptoss-bench-prepare-parquet"))
-    ap.add_argument("--json", type=Path, help="also write the figures as JSON")
+    ap.add_argument("--chunk-rows", type=int, default=5000,
+                    help="conversations per written batch and row group (the smallest unit of each file)")
     args = ap.parse_args()
     from tests.data.harmony_tokenizer import gpt_oss_tokenizer_json
 
+    run = harness.Run("prepare_parquet", args, clock="wall").__enter__()
     args.workdir.mkdir(parents=True, exist_ok=True)
     tokenizer = gpt_oss_tokenizer_json(args.workdir / "tokenizer")
-    big, small_pq, small_jl = write_data(args.workdir, args.gb, args.compare_mb, args.compression)
+    big, small_pq, small_jl = write_data(args.workdir, args.gb, args.compare_mb, args.compression,
+                                          chunk=args.chunk_rows)
     floor = tokenizer_rss(tokenizer)
-    runs: dict[str, list[dict]] = {"jsonl": [], "parquet": []}
-    for r in range(args.rounds):
-        for kind, source in (("jsonl", small_jl), ("parquet", small_pq)) if r % 2 == 0 else \
-                (("parquet", small_pq), ("jsonl", small_jl)):
-            runs[kind].append(run_prepare(source, tokenizer, args.workdir / f"out-{kind}", kind == "parquet"))
-            print(f"{kind:8s} {runs[kind][-1]}", file=sys.stderr)
+
+    def side(kind: str, source: Path):
+        def once() -> dict:
+            out = run_prepare(source, tokenizer, args.workdir / f"out-{kind}", kind == "parquet")
+            print(f"{kind:8s} {out}", file=sys.stderr)
+            return out
+        return once
+
+    timed = harness.interleave({"jsonl": side("jsonl", small_jl), "parquet": side("parquet", small_pq)}, args.rounds,
+                               warmup=0, clock="wall")
+    case = f"{args.compare_mb:g} MB of agent traces"
+    run.add_rounds(case, timed, ("tokens_per_s", "peak_rss_mib"))
+    ratio = run.ratio(case, "parquet", "jsonl", "tokens_per_s")["median"]
     large = run_prepare(big, tokenizer, args.workdir / "out-big", True)
-    med = {k: statistics.median(x["tokens_per_s"] for x in v) for k, v in runs.items()}
-    figures = {"load_average": os.getloadavg(), "big_file_bytes": big.stat().st_size, "tokenizer_rss_mib": floor,
-               "compare_bytes": {"jsonl": small_jl.stat().st_size, "parquet": small_pq.stat().st_size},
-               "runs": runs, "large": large, "median_tokens_per_s": med,
-               "parquet_over_jsonl": med["parquet"] / med["jsonl"]}
+    large_case = f"{big.stat().st_size / 1e9:.2f} GB Parquet file"
+    run.add(large_case, "parquet", "tokens_per_s", large["tokens_per_s"])
+    run.add(large_case, "parquet", "peak_rss_mib", large["peak_rss_mib"])
+    run.add(large_case, "tokenizer alone", "peak_rss_mib", floor)
+    run.extra.update(big_file_bytes=big.stat().st_size, large=large,
+                     compare_bytes={"jsonl": small_jl.stat().st_size, "parquet": small_pq.stat().st_size})
+    med = {k: timed.median(k, "tokens_per_s") for k in ("jsonl", "parquet")}
     print(f"comparison ({small_jl.stat().st_size / 1e6:.0f} MB JSONL, {small_pq.stat().st_size / 1e6:.0f} MB "
-          f"Parquet, {runs['jsonl'][0]['tokens']:,} tokens): JSONL {med['jsonl']:,.0f} tokens/s, Parquet "
-          f"{med['parquet']:,.0f} tokens/s, ratio {figures['parquet_over_jsonl']:.2f}; peak RSS JSONL "
-          f"{max(x['peak_rss_mib'] for x in runs['jsonl']):.0f} MiB, Parquet "
-          f"{max(x['peak_rss_mib'] for x in runs['parquet']):.0f} MiB")
+          f"Parquet, {timed.returned['jsonl']['tokens']:,} tokens): JSONL {med['jsonl']:,.0f} tokens/s, Parquet "
+          f"{med['parquet']:,.0f} tokens/s, ratio {ratio:.2f}; peak RSS JSONL "
+          f"{max(timed['jsonl']['peak_rss_mib']):.0f} MiB, Parquet {max(timed['parquet']['peak_rss_mib']):.0f} MiB")
     print(f"large Parquet {big.stat().st_size / 1e9:.2f} GB, {large['documents']:,} conversations, "
           f"{large['tokens']:,} tokens in {large['seconds']:.0f} s: {large['tokens_per_s']:,.0f} tokens/s, "
-          f"peak RSS {large['peak_rss_mib']:.0f} MiB (loading the tokenizer alone: {floor:.0f} MiB); load average "
-          f"{figures['load_average']}")
-    if args.json:
-        args.json.write_text(json.dumps(figures, indent=1))
+          f"peak RSS {large['peak_rss_mib']:.0f} MiB (loading the tokenizer alone: {floor:.0f} MiB)")
+    run.finish()
 
 
 if __name__ == "__main__":

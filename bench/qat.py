@@ -32,7 +32,6 @@ in this tiny setting depends on the steps and the learning rate (see docs/qat.md
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -45,6 +44,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from bench import harness  # noqa: E402
 from gptoss_cli.model.config import preset  # noqa: E402
 from gptoss_cli.model.moe import ExpertLinear  # noqa: E402
 from gptoss_cli.model.mxfp4.qat import rounded_weight  # noqa: E402
@@ -147,7 +147,7 @@ def export_mxfp4(model) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = harness.parser(__doc__)
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--steps", type=int, default=120)
     p.add_argument("--lr", type=float, default=1e-3)
@@ -160,6 +160,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     rows = []
+    run = harness.Run("qat", args, clock="wall").__enter__()
     for seed in range(args.seeds):
         r: dict[str, float] = {}
         split = args.steps - args.qat_steps
@@ -187,8 +188,17 @@ def main() -> None:
     base = held_out_loss(fine_tune(0, "none", 0, args.lr, args.seq, args.batch)[0], 0, args.seq, args.eval_rows)
 
     def med(key: str, fmt: str = "+.4f") -> str:
-        vals = [r[key] for r in rows]
-        return f"{statistics.median(vals):{fmt}} [{min(vals):{fmt}}, {max(vals):{fmt}}]"
+        s = harness.stats([r[key] for r in rows])
+        return f"{s['median']:{fmt}} [{s['min']:{fmt}}, {s['max']:{fmt}}]"
+
+    case = f"tiny, {args.steps} steps, lr {args.lr}"  # one value per seed
+    for setting, key in (("full", "full"), ("ptq", "ptq"), ("qat (trained forward)", "qat_trained"),
+                         ("qat", "qat"), ("full-then-qat", "after")):
+        run.add(case, setting, "held_out_loss", [r[key] for r in rows])
+    for name, key in (("export-gap ratio QAT / PTQ", "export_ratio"), ("quality-gap ratio QAT / PTQ", "quality_ratio"),
+                      ("quality-gap ratio full-then-QAT / PTQ", "after_ratio")):
+        run.ratio(case, "qat", "ptq", "held_out_loss", name=name, values=[r[key] for r in rows])
+    run.extra.update(untrained_held_out_loss=base, per_seed=rows)
 
     print(f"\n{args.seeds} seeds x {args.steps} steps (fp32 params, lr {args.lr}, {args.batch} x {args.seq} tokens/step), "
           f"{time.perf_counter() - t0:.0f} s; untrained model's held-out loss (seed 0) {base:.4f}")
@@ -201,6 +211,7 @@ def main() -> None:
     print(f"  quality-gap ratio QAT / PTQ                    {med('quality_ratio', '.3f')}")
     print(f"  full then QAT ({args.qat_steps} steps): gap (export - full)  {med('after_gap')}")
     print(f"  quality-gap ratio full-then-QAT / PTQ          {med('after_ratio', '.3f')}")
+    run.finish()
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 In one run, on one model (the `wide` preset of bench/train.py by default) and one batch, for each
 setting below: forward + backward of the training loss (chunked LM loss + aux loss), the time as
 the median over --repeats of the median over --steps steps (after 2 warm-up steps), the settings
-interleaved inside each repeat; then, in a separate untimed pass, the peak memory of one step
+interleaved step by step inside each repeat (the order rotating); then, in a separate untimed pass, the peak memory of one step
 (CUDA: torch.cuda.max_memory_allocated; CPU: every live storage counted by the dispatcher,
 tests/recipe/live_bytes.py) and what the forward holds for backward. Prints medians and the ratios
 to `none`, the baseline measured in the same run (the fastest setting: it repeats nothing).
@@ -15,10 +15,7 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,7 +24,8 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from bench.train import bench_arch  # noqa: E402
+from bench import harness  # noqa: E402
+from bench.peers import bench_arch  # noqa: E402
 from gptoss_cli.model.hybrid import HybridModel  # noqa: E402
 from gptoss_cli.model.recompute_plan import RecomputePlan  # noqa: E402
 
@@ -53,19 +51,6 @@ def _step(model: HybridModel, ids: torch.Tensor) -> None:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
-
-
-def _median_step(model: HybridModel, ids: torch.Tensor, steps: int) -> float:
-    for _ in range(2):
-        _step(model, ids)
-    times = []
-    for _ in range(steps):
-        _sync(ids.device)
-        t0 = time.perf_counter()
-        _step(model, ids)
-        _sync(ids.device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def _memory(model: HybridModel, ids: torch.Tensor) -> tuple[float, float]:
@@ -96,7 +81,7 @@ def _memory(model: HybridModel, ids: torch.Tensor) -> tuple[float, float]:
     return live.peak, held
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(record: harness.Run, args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
@@ -108,28 +93,37 @@ def run(args: argparse.Namespace) -> dict:
     ids = ids.to(device)
     layers = len(model.pattern.layers)
     plans = {name: RecomputePlan.from_settings(g, m, meth, n, layers) for name, (g, m, meth, n) in SETTINGS.items()}
-    times: dict[str, list[float]] = {name: [] for name in plans}
-    for _ in range(args.repeats):
-        for name, plan in plans.items():  # interleaved: drift hits every setting alike
+
+    def side(plan):
+        def step() -> None:
             model.set_recompute(plan)
-            times[name].append(_median_step(model, ids, args.steps))
+            _step(model, ids)
+            _sync(device)  # the step's kernels are done when its time is taken
+        return step
+
+    timed = harness.interleave({name: side(plan) for name, plan in plans.items()}, args.repeats, steps=args.steps,
+                               warmup=2, clock="wall", before=lambda: _sync(device))
+    case = f"{args.preset} batch {args.batch} x {args.seq} {args.dtype} {device.type}"
+    record.add_rounds(case, timed)
     rows = {}
     for name, plan in plans.items():
         model.set_recompute(plan)
         peak, held = _memory(model, ids)
-        rows[name] = {"step_s": statistics.median(times[name]), "peak_bytes": peak, "held_bytes": held}
-    base = rows["none"]
-    for r in rows.values():
-        r["time_ratio"] = r["step_s"] / base["step_s"]
-        r["peak_ratio"] = r["peak_bytes"] / base["peak_bytes"]
-        r["held_ratio"] = r["held_bytes"] / base["held_bytes"]
-    return {"preset": args.preset, "batch": args.batch, "seq": args.seq, "dtype": args.dtype, "device": str(device),
-            "threads": args.threads, "steps": args.steps, "repeats": args.repeats, "settings": rows}
+        record.add(case, name, "peak_bytes", peak)
+        record.add(case, name, "held_bytes", held)
+        rows[name] = {"step_s": timed.median(name), "peak_bytes": peak, "held_bytes": held}
+    for name in plans:
+        if name != "none":
+            rows[name]["time_ratio"] = record.ratio(case, name, "none")["median"]
+            rows[name]["peak_ratio"] = record.ratio(case, name, "none", "peak_bytes")["median"]
+            rows[name]["held_ratio"] = record.ratio(case, name, "none", "held_bytes")["median"]
+    rows["none"].update(time_ratio=1.0, peak_ratio=1.0, held_ratio=1.0)
+    return {"preset": args.preset, "device": str(device), "settings": rows}
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="wide", help="a model preset or `wide` (bench/train.py)")
+    p = harness.parser(__doc__)
+    p.add_argument("--preset", default="wide", help="a model preset or `wide` (bench/peers.py)")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--steps", type=int, default=3, help="measured steps per repeat (after 2 warm-up steps)")
@@ -137,17 +131,16 @@ def main() -> None:
     p.add_argument("--dtype", default="bf16", choices=("fp32", "bf16"))
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
-    p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
-    result = run(args)
+    with harness.Run("recompute", args, clock="wall") as record:
+        result = run(record, args)
     print(f"recompute on {result['preset']}, batch {args.batch} x seq {args.seq}, {args.dtype}, {result['device']}, "
           f"{args.threads} threads; medians of {args.repeats} repeats x {args.steps} steps; ratios to none")
     print(f"{'setting':30} {'step ms':>9} {'x none':>7} {'peak MB':>9} {'x none':>7} {'held MB':>9} {'x none':>7}")
     for name, r in result["settings"].items():
         print(f"{name:30} {1e3 * r['step_s']:9.1f} {r['time_ratio']:7.2f} {r['peak_bytes'] / 1e6:9.1f} "
               f"{r['peak_ratio']:7.2f} {r['held_bytes'] / 1e6:9.1f} {r['held_ratio']:7.2f}")
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    record.finish()
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ at the recipe's world size and EP size, in one process.
 
 The real model of the rank (on the meta device), its bucketed gradient and parameter buffers, the
 distributed optimizer, `finalize_model_grads` and the MoE dispatcher run on torch's fake process
-group; every collective is recorded (bench/simulate.py says what is real and what is
+group; every collective is recorded (tests/support/simulate.py says what is real and what is
 simulated). Memory is read from the real buffers and optimizer shards; activations are the
 formula of gptoss_cli/recipe/memory.py, printed with it. `--sweep` repeats the simulation at other
 world sizes to show that the optimizer makes two collectives per bucket whatever W.
@@ -14,8 +14,6 @@ world sizes to show that the optimizer makes two collectives per bucket whatever
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -23,7 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.simulate import RankSimulation, simulate_rank  # noqa: E402
+from bench import harness  # noqa: E402
+from tests.support.simulate import RankSimulation, simulate_rank  # noqa: E402
 from gptoss_cli.model.pattern import ATTENTION, MLP, MOE  # noqa: E402
 from gptoss_cli.recipe import load_recipe  # noqa: E402
 from gptoss_cli.recipe.memory import DTYPE_BYTES, activation_bytes_per_token, estimate_memory, size_text  # noqa: E402
@@ -123,14 +122,14 @@ def optimizer_collectives(sim: RankSimulation) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = harness.parser(__doc__)
     p.add_argument("--recipe", default="gb200_bf16", help="recipe name or YAML path")
     p.add_argument("overrides", nargs="*", help="key=value recipe overrides")
     p.add_argument("--world-size", type=int, default=None, help="default: the recipe's")
     p.add_argument("--ranks", default=None, help="ranks to simulate, e.g. 0,63 (default: first and last)")
     p.add_argument("--sweep", default=None, help="also simulate rank 0 at these world sizes, e.g. 64,128,256")
-    p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
+    run = harness.Run("scale", args).__enter__()  # a simulation: no clock
 
     recipe = load_recipe(args.recipe, args.overrides)
     cfg, arch = recipe.config, recipe.arch
@@ -169,15 +168,28 @@ def main() -> None:
             sweep.append(o)
             print(f"{w:>6}{o['reduced_buckets']:>10}{o['reduce_scatter']:>16}{o['all_gather']:>12}{o['all_reduce']:>12}"
                   f"{o['per_bucket']:>12g}")
-    if args.json:
-        args.json.write_text(json.dumps({
-            "recipe": name, "world_size": world, "ranks": [
-                {"rank": s.rank, "memory": s.memory, "buckets": s.buckets} for s in sims],
-            "estimate": est.to_dict() if est else None,
-            "estimates": [e.to_dict() if e else None for e in estimates], "collectives": collective_rows(s0),
-            "collectives_per_step": s0.count(), "sent_bytes_per_step": s0.wire_bytes(),
-            "optimizer": opt, "sweep": sweep,
-        }, indent=2) + "\n")
+    for s, e in zip(sims, estimates):
+        case = f"{name}, W={world}, rank {s.rank}"
+        for key, value in s.memory.items():
+            run.add(case, "simulated", f"{key}_gb", value / 1e9)
+        run.add(case, "simulated", "state_gb", sum(s.memory.values()) / 1e9)
+        if e is not None:
+            run.add(case, "estimate", "peak_gb", e.total_bytes / 1e9)
+    case = f"{name}, W={world}, rank {s0.rank}, one step"
+    run.add(case, "simulated", "collectives", s0.count())
+    run.add(case, "simulated", "sent_gb", s0.wire_bytes() / 1e9)
+    run.add(case, "simulated", "optimizer_collectives_per_bucket", opt["per_bucket"])
+    for o in sweep:
+        run.add(f"{name}, W={o['world_size']}, rank 0, one step", "simulated", "optimizer_collectives_per_bucket",
+                o["per_bucket"])
+    run.extra.update({
+        "recipe": name, "world_size": world, "ranks": [
+            {"rank": s.rank, "memory": s.memory, "buckets": s.buckets} for s in sims],
+        "estimate": est.to_dict() if est else None,
+        "estimates": [e.to_dict() if e else None for e in estimates], "collectives": collective_rows(s0),
+        "collectives_per_step": s0.count(), "sent_bytes_per_step": s0.wire_bytes(),
+        "optimizer": opt, "sweep": sweep})
+    run.finish()
 
 
 if __name__ == "__main__":

@@ -23,11 +23,8 @@ as the median of the per-round ratios with their min-max; `--json FILE` writes t
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,11 +33,11 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
+from bench import harness  # noqa: E402
 from bench.train import _arch  # noqa: E402
 from gptoss_cli.model.attention.layer import AttentionLayer, CoreAttention  # noqa: E402
 from gptoss_cli.model.attention.backends import sink_attention  # noqa: E402
 from gptoss_cli.model.hybrid import HybridModel  # noqa: E402
-from gptoss_cli.outputs import replace_text  # noqa: E402
 from gptoss_cli.resources import keep_freed_memory  # noqa: E402
 
 # name: (batch, query heads, kv heads, head dim, window of the sliding layers) at --seq tokens
@@ -72,26 +69,14 @@ def _step(inputs, window, padded: bool, grad) -> list[torch.Tensor]:
     return [out.detach(), *(t.grad for t in inputs)]
 
 
-def _timed(fn) -> float:
-    t0 = time.process_time()
-    fn()
-    return time.process_time() - t0
-
-
-def _alternate(run, repeats: int) -> tuple[float, float, list[float]]:
-    """run(padded) in rounds (F T T F, then T F F T, ...) -> (median unpadded s, median padded s,
-    per-round ratios padded / unpadded)."""
-    times = {False: [], True: []}
-    ratios = []
-    for r in range(repeats):
-        order = (False, True, True, False) if r % 2 == 0 else (True, False, False, True)
-        got = {False: [], True: []}
-        for padded in order:
-            got[padded].append(_timed(lambda: run(padded)))
-        for padded in (False, True):
-            times[padded] += got[padded]
-        ratios.append(statistics.median(got[True]) / statistics.median(got[False]))
-    return statistics.median(times[False]), statistics.median(times[True]), ratios
+def _alternate(record: harness.Run, case: str, run, repeats: int) -> tuple[float, float, list[float]]:
+    """run(padded) in rounds of two calls each (unpadded, padded, padded, unpadded, then rotated), CPU
+    time, recorded as `case` -> (median unpadded s, median padded s, per-round ratios padded / unpadded)."""
+    timed = harness.interleave({"unpadded": lambda: run(False), "padded": lambda: run(True)}, repeats, steps=2,
+                               warmup=0, clock="cpu")
+    record.add_rounds(case, timed)
+    ratios = record.ratio(case, "padded", "unpadded")["values"]
+    return timed.median("unpadded"), timed.median("padded"), ratios
 
 
 def _set_path(model: HybridModel, padded: bool) -> None:
@@ -124,13 +109,12 @@ def _print_row(name: str, layer: str, un: float, pad: float, ratios: list[float]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=7, help="rounds; each times both paths twice")
     ap.add_argument("--model-repeats", type=int, default=3, help="rounds of the model-step section (0: skip it)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
-    ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     if (not 1 <= args.seq <= 1 << 16 or not 1 <= args.repeats <= 1000 or not 0 <= args.model_repeats <= 1000
             or not 1 <= args.threads <= 1024):
@@ -142,6 +126,7 @@ def main() -> None:
           f"CPU time, {args.repeats} alternating rounds")
     print(f"{'shape':<26}{'layer':<8}{'unpadded ms':>12}{'padded ms':>11}{'padded/unpadded (min-max)':>28}")
     rows = []
+    record = harness.Run("sink_attention", args, clock="cpu").__enter__()
     for name, (b, h, kv, d, window) in SHAPES.items():
         inputs = _inputs(b, h, kv, d, args.seq, dtype)
         grad = torch.randn(b, h, args.seq, d, generator=torch.Generator().manual_seed(1)).to(dtype)
@@ -152,8 +137,10 @@ def main() -> None:
                 scale = p.double().abs().max().item()
                 err = (a.double() - p.double()).abs().max().item()
                 assert err <= (1e-2 if dtype == torch.bfloat16 else 1e-4) * scale, (name, win, what, err, scale)
-            un, pad, ratios = _alternate(lambda padded: _step(inputs, win, padded, grad), args.repeats)
-            _print_row(name, "full" if win is None else f"win{win}", un, pad, ratios)
+            layer = "full" if win is None else f"win{win}"
+            un, pad, ratios = _alternate(record, f"core, {name}, {layer}", lambda padded: _step(inputs, win, padded, grad),
+                                         args.repeats)
+            _print_row(name, layer, un, pad, ratios)
             rows.append({"shape": name, "batch": b, "heads": h, "kv_heads": kv, "head_dim": d, "seq": args.seq,
                          "window": win, "unpadded_ms": un * 1e3, "padded_ms": pad * 1e3,
                          "padded_over_unpadded": statistics.median(ratios), "ratio_min": min(ratios),
@@ -178,15 +165,14 @@ def main() -> None:
             for part, run, rounds in (
                     ("attn", lambda padded: _attention_layers(model, x, cos, sin, grad, padded), 4 * args.model_repeats),
                     ("step", lambda padded: _model_step(model, ids, padded), args.model_repeats)):
-                un, pad, ratios = _alternate(run, rounds)
+                un, pad, ratios = _alternate(record, f"{part}, {name}", run, rounds)
                 _print_row(name, part, un, pad, ratios)
                 models.append({"model": name, "preset": preset_name, "arch": overrides, "seq": args.seq, "part": part,
                                "rounds": rounds, "unpadded_s": un, "padded_s": pad,
                                "padded_over_unpadded": statistics.median(ratios),
                                "ratio_min": min(ratios), "ratio_max": max(ratios)})
-    if args.json is not None:
-        replace_text(args.json, json.dumps({"dtype": args.dtype, "threads": args.threads, "rows": rows,
-                                            "models": models}, indent=2) + "\n")
+    record.extra.update(rows=rows, models=models)
+    record.finish()
 
 
 if __name__ == "__main__":

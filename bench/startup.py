@@ -17,20 +17,19 @@ round: its total is the whole process a user waits for, start-up included.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import selectors
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import LoadMonitor, peer_env, rotating  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+from bench import harness  # noqa: E402
 
 HEAVY = ("torch", "omegaconf", "transformers", "numpy", "safetensors")
 
@@ -91,14 +90,14 @@ def imported(cmd: list[str], cwd: Path, env: dict) -> list[str]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser(__doc__)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--commands", nargs="+", default=None, help="a subset of: python, torch, help, validate, convert")
     ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every process")
-    ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
-    env = peer_env(args.threads, {"COLUMNS": "120"})
-    with tempfile.TemporaryDirectory(prefix="gptoss-bench-startup-") as tmp:
+    env = harness.peer_env(args.threads, {"COLUMNS": "120"})
+    with harness.Run("startup", args, clock="wall") as run, \
+            tempfile.TemporaryDirectory(prefix="gptoss-bench-startup-") as tmp:
         work = Path(tmp)
         cmds = commands(work)
         if args.commands:
@@ -107,34 +106,35 @@ def main() -> int:
         if "convert" in cmds:
             subprocess.run([*gptoss_cmd(), "make-tiny", str(work / "tiny")], cwd=work, env=env, check=True,
                            capture_output=True)
-        times = {name: [] for name in cmds}
-        with LoadMonitor() as load:
-            for name in cmds:  # warm the page cache of every command's files (not timed)
-                run_once(cmds[name], work, env)
-            for r in range(args.rounds):
-                for name in rotating(list(cmds), r):
-                    times[name].append(run_once(cmds[name], work, env))
-                    shutil.rmtree(work / "out", ignore_errors=True)
+
+        def side(cmd):
+            def once() -> dict:  # the child's own times (its CPU time from wait4), not this process's
+                out = run_once(cmd, work, env)
+                shutil.rmtree(work / "out", ignore_errors=True)
+                return out
+            return once
+
+        # the warm-up round fills the page cache with every command's files (not timed)
+        rounds = harness.interleave({name: side(cmd) for name, cmd in cmds.items()}, args.rounds, clock="wall")
         heavy = {name: imported(cmd, work, env) for name, cmd in cmds.items()}
-    print(f"{args.rounds} rounds, rotating order, medians [min, max]; {args.threads} thread(s)")
-    print(load.text())
-    print(f"{'command':<16} {'first output (s)':>22} {'exit (s)':>22} {'CPU (s)':>22}  heavy imports")
-    result = {"rounds": args.rounds, **load.summary(), "commands": {}}
-    for name, runs in times.items():
-        cols = []
-        for key in ("first_output_s", "total_s", "cpu_s"):
-            v = [x[key] for x in runs]
-            cols.append(f"{statistics.median(v):6.2f} [{min(v):5.2f}, {max(v):5.2f}]")
-        print(f"{name:<16} {cols[0]:>22} {cols[1]:>22} {cols[2]:>22}  {', '.join(heavy[name]) or '-'}")
-        result["commands"][name] = {"command": " ".join(cmds[name]), "runs": runs, "imports": heavy[name]}
-    if "import torch" in times:
-        base = statistics.median(x["total_s"] for x in times["import torch"])
+    metrics = ("first_output_s", "total_s", "cpu_s")
+    run.add_rounds("start-up", rounds, metrics)
+    if "import torch" in cmds:
         for name in ("help", "validate"):
-            if name in times:
-                first = statistics.median(x["first_output_s"] for x in times[name])
-                print(f"{name}: first output at {first / base:.2f}x the time of `python -c \"import torch\"`")
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+            if name in cmds:
+                base = rounds["import torch"]["total_s"]
+                run.ratio("start-up", name, "import torch", "first_output_s", name=f"{name} first output / import torch",
+                          values=[a / b for a, b in zip(rounds[name]["first_output_s"], base)])
+    run.extra["commands"] = {name: {"command": " ".join(cmd), "imports": heavy[name]} for name, cmd in cmds.items()}
+    print(f"{args.rounds} rounds, rotating order, medians [min, max]; {args.threads} thread(s)")
+    print(f"{'command':<16} {'first output (s)':>22} {'exit (s)':>22} {'CPU (s)':>22}  heavy imports")
+    for name in cmds:
+        cols = [f"{s['median']:6.2f} [{s['min']:5.2f}, {s['max']:5.2f}]"
+                for s in (run.cases["start-up"]["settings"][name][k] for k in metrics)]
+        print(f"{name:<16} {cols[0]:>22} {cols[1]:>22} {cols[2]:>22}  {', '.join(heavy[name]) or '-'}")
+    for label, r in run.cases["start-up"]["ratios"].items():
+        print(f"{label}: {r['median']:.2f}x [{r['min']:.2f}, {r['max']:.2f}]")
+    run.finish()
     return 0
 
 

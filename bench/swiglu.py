@@ -26,10 +26,7 @@ activation, fc2) and prints whether it compiles and, if so, its time against eag
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -40,12 +37,13 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
+from bench import harness  # noqa: E402
 from gptoss_cli.model.mlp import clamped_swiglu  # noqa: E402
 
 LIMIT, ALPHA = 7.0, 1.702
 SHAPES = {"512 config / wide [4096, 2x512]": (4096, 512), "GPT-OSS width [1024, 2x2880]": (1024, 2880)}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-CLOCK = time.process_time
+CLOCK = "cpu"
 
 
 def _fwd_bwd(kernel: str, gate_up: torch.Tensor, dy: torch.Tensor):
@@ -62,28 +60,14 @@ def _fwd(kernel: str, gate_up: torch.Tensor, _dy: torch.Tensor):
     return run
 
 
-def _timed(fn) -> float:
-    t0 = CLOCK()
-    fn()
-    return CLOCK() - t0
-
-
-def compare(eager, compiled, steps: int, repeats: int) -> dict:
-    """Alternating rounds of the two; medians and per-repeat ratios eager / compiled."""
-    eager(), compiled()  # warm-up
-    e_all, c_all, ratios = [], [], []
-    for r in range(repeats):
-        e_r, c_r = [], []
-        for i in range(steps):
-            order = ((eager, e_r), (compiled, c_r)) if (r * steps + i) % 2 == 0 else ((compiled, c_r), (eager, e_r))
-            for fn, out in order:
-                out.append(_timed(fn))
-        e_all += e_r
-        c_all += c_r
-        ratios.append(statistics.median(e_r) / statistics.median(c_r))
-    return {"eager_ms": 1e3 * statistics.median(e_all), "compiled_ms": 1e3 * statistics.median(c_all),
-            "ratio": statistics.median(ratios), "ratio_min": min(ratios),
-            "ratio_max": max(ratios)}
+def compare(run: harness.Run, case: str, eager, compiled, steps: int, repeats: int) -> dict:
+    """Alternating steps of the two (bench/harness.py), recorded as `case`; the medians and the
+    per-repeat ratios eager / compiled."""
+    timed = harness.interleave({"eager": eager, "compiled": compiled}, repeats, steps=steps, warmup=1, clock=CLOCK)
+    run.add_rounds(case, timed)
+    ratio = run.ratio(case, "eager", "compiled")
+    return {"eager_ms": 1e3 * timed.median("eager"), "compiled_ms": 1e3 * timed.median("compiled"),
+            "ratio": ratio["median"], "ratio_min": ratio["min"], "ratio_max": ratio["max"]}
 
 
 def first_call_s(dtype: torch.dtype) -> float:
@@ -94,9 +78,9 @@ def first_call_s(dtype: torch.dtype) -> float:
     return time.perf_counter() - t0
 
 
-def whole_mlp(steps: int, repeats: int) -> dict:
+def whole_mlp(run: harness.Run, steps: int, repeats: int) -> dict:
     """torch.compile of GroupedExperts._mlp on the `wide` experts, fp32: compiles or not, and how fast."""
-    from bench.train import bench_arch
+    from bench.peers import bench_arch
     from gptoss_cli.model.moe import GroupedExperts
 
     arch = bench_arch("wide")
@@ -121,14 +105,16 @@ def whole_mlp(steps: int, repeats: int) -> dict:
         lines = str(exc).strip().splitlines() or [""]
         why = next((ln.strip() for ln in lines if "): got RuntimeError(" in ln), lines[0]).split("): got ", 1)[-1]
         return {"compiles": False, "error": f"{type(exc).__name__}: {why[:200]}"}
-    return {"compiles": True, **compare(step(experts._mlp), step(compiled_mlp), steps, repeats)}
+    return {"compiles": True, **compare(run, "whole experts body, wide, fp32", step(experts._mlp), step(compiled_mlp),
+                                        steps, repeats)}
 
 
 MODELS = {"wide": ("wide", None),
           "512": ("tiny", "hidden_size=512,intermediate_size=512,num_local_experts=16,num_experts_per_tok=4")}
 
 
-def model_step(name: str, dtype: torch.dtype, batch: int, seq: int, steps: int, repeats: int) -> dict:
+def model_step(record: harness.Run, name: str, dtype: torch.dtype, batch: int, seq: int, steps: int,
+               repeats: int) -> dict:
     """The model's forward + backward with each kernel, alternating; the same weights and batch."""
     from bench.train import _arch, _batch
     from gptoss_cli.model.hybrid import HybridModel
@@ -152,17 +138,18 @@ def model_step(name: str, dtype: torch.dtype, batch: int, seq: int, steps: int, 
             losses[kernel] = float(loss.detach()) / ids[:, 1:].numel()
         return step
 
-    r = compare(run("eager"), run("auto"), steps, repeats)
+    r = compare(record, f"model {name} {str(dtype).removeprefix('torch.')} batch {batch} x {seq}", run("eager"),
+                run("auto"), steps, repeats)
     return {"model": name, "dtype": str(dtype).removeprefix("torch."), "batch": batch, "seq": seq, **r,
             "loss_eager": losses["eager"], "loss_compiled": losses["auto"]}
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = harness.parser(__doc__)
     p.add_argument("--steps", type=int, default=10, help="rounds per repeat (after one warm-up)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", action="append", choices=tuple(DTYPES), help="repeatable; default fp32 and bf16")
-    p.add_argument("--clock", default="cpu", choices=("wall", "cpu"))
+    p.add_argument("--clock", default="cpu", choices=tuple(harness.CLOCKS))
     p.add_argument("--model", action="append", choices=tuple(MODELS),
                    help="also time the model's forward + backward with each kernel (repeatable)")
     p.add_argument("--batch", type=int, default=2)
@@ -170,15 +157,14 @@ def main() -> None:
     p.add_argument("--no-kernels", dest="kernels", action="store_false",
                    help="skip the activation-only timings (with --model: only the model's step)")
     p.add_argument("--whole-mlp", action="store_true", help="also try torch.compile of the whole experts body")
-    p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     global CLOCK
-    CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
+    CLOCK = args.clock
     torch.set_num_threads(1)
     if os.environ.get("TORCH_COMPILE_DISABLE", "0") == "1":
         raise SystemExit("bench: TORCH_COMPILE_DISABLE=1 is set; the compiled kernels would not run")
-    result: dict = {"torch": torch.__version__, "threads": 1, "clock": args.clock, "steps": args.steps,
-                    "repeats": args.repeats, "first_call_s": {}, "settings": []}
+    run = harness.Run("swiglu", args).__enter__()
+    result: dict = {"threads": 1, "first_call_s": {}, "settings": []}
     for dname in args.dtype or ["fp32", "bf16"]:
         dtype = DTYPES[dname]
         result["first_call_s"][dname] = first_call_s(dtype)
@@ -189,14 +175,15 @@ def main() -> None:
             gate_up = (4 * torch.randn(rows, 2 * inter, generator=g)).to(dtype)
             dy = torch.randn(rows, inter, generator=g).to(dtype)
             for pass_name, make in (("forward+backward", _fwd_bwd), ("forward", _fwd)):
-                r = compare(make("eager", gate_up, dy), make("auto", gate_up, dy), args.steps, args.repeats)
+                r = compare(run, f"{sname} {dname} {pass_name}", make("eager", gate_up, dy), make("auto", gate_up, dy),
+                            args.steps, args.repeats)
                 result["settings"].append({"shape": sname, "dtype": dname, "pass": pass_name, **r})
     for name in args.model or []:
         for dname in args.dtype or ["fp32"]:
             result.setdefault("models", []).append(
-                model_step(name, DTYPES[dname], args.batch, args.seq, args.steps, args.repeats))
+                model_step(run, name, DTYPES[dname], args.batch, args.seq, args.steps, args.repeats))
     if args.whole_mlp:
-        result["whole_mlp"] = whole_mlp(args.steps, args.repeats)
+        result["whole_mlp"] = whole_mlp(run, args.steps, args.repeats)
     print(f"{'shape':<32} {'dtype':<5} {'pass':<17} {'eager ms':>9} {'compiled ms':>12} {'ratio':>6}  min-max")
     for s in result["settings"]:
         print(f"{s['shape']:<32} {s['dtype']:<5} {s['pass']:<17} {s['eager_ms']:>9.2f} {s['compiled_ms']:>12.2f} "
@@ -210,8 +197,8 @@ def main() -> None:
         print("whole experts body compiled (wide, fp32): " + (
             f"eager {w['eager_ms']:.1f} ms, compiled {w['compiled_ms']:.1f} ms, ratio {w['ratio']:.2f}"
             if w["compiles"] else f"does not compile ({w['error']})"))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    run.extra.update(result)
+    run.finish()
 
 
 if __name__ == "__main__":

@@ -11,15 +11,15 @@ the same batch:
     (tests/model/conftest.py), so the first step's losses must agree (checked, printed);
   * ours at EP=2 on 2 gloo processes (each process takes half of the same global batch; wall
     clock only, so only with `--clock wall`).
-Steps alternate between the two implementations (ours, transformers, transformers, ours, ...), so
-load on a shared machine hits both alike. By default each step is timed by this process's CPU
-time on one thread (`--clock cpu --threads 1`): on a shared host that measures the work, not the
-waiting. Prints tokens/s from the median step time, the ratio ours / transformers per repeat
-(median of that repeat's steps; the spread is their min-max), and the share of the GEMM peak:
-model FLOPs per step (`model_flops_per_step`: 6 x matmul parameters touched per token x tokens,
-plus the attention scores and their products over the visible keys) divided by the step time and
-by the fp32 `torch.mm` rate of this CPU measured between the repeats of the same run
-(`gemm_peak_gflops`, the median, with its min-max). `--profile` adds one profiled step of each side
+Steps alternate between the two implementations and a square fp32 `torch.mm` (the GEMM peak), the
+order rotating at every step (bench/harness.py), so load on a shared machine hits all alike. By
+default each step is timed by this process's CPU time on one thread (`--clock cpu --threads 1`): on
+a shared host that measures the work, not the waiting. Prints tokens/s from the median step time,
+the ratio ours / transformers per repeat (median of that repeat's steps; the figure is the median
+over repeats, the spread their min-max), and the share of the GEMM peak: model FLOPs per step
+(`model_flops_per_step`: 6 x matmul parameters touched per token x tokens, plus the attention scores
+and their products over the visible keys) divided by the step time and by the fp32 `torch.mm` rate
+of this CPU measured in the same rotation (`gemm_peak_gflops`, the median, with its min-max). `--profile` adds one profiled step of each side
 after the timings: the top operators by self CPU time, each side's GEMM share, and the ceilings of
 the ratio and of the share of the GEMM peak if every non-GEMM operator of ours were free.
 
@@ -43,7 +43,7 @@ gradients, at W=1 and at W=2 (2 gloo processes, EP=2), and prints the ratios:
 intermediate 512, 16 experts top-4; what `--arch hidden_size=512,intermediate_size=512,
 num_local_experts=16,num_experts_per_tok=4` gave before) or `wide` (medium with 8 query / 2 kv
 heads of 64 and a 20480-token vocabulary, 61M parameters, where the experts, attention and LM head
-have realistic shares of the step): bench/common.py.
+have realistic shares of the step): bench/peers.py.
 
 Both sides share the process, so they share its allocator and thread settings. The headline runs
 with the allocator as `gptoss train` runs it (glibc's defaults); `--allocators train keep` adds a
@@ -60,7 +60,6 @@ import math
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,8 +72,8 @@ from gptoss_cli.checkpoint.formats.hf.config import to_hf_config
 from gptoss_cli.model.catalog import SWIGLU_KERNELS
 from gptoss_cli.recipe.flops import model_flops_per_token
 
-sys.path.insert(0, str(ROOT / "bench"))
-from common import LoadMonitor, allocator_text, bench_arch  # noqa: E402
+from bench import harness  # noqa: E402
+from bench.peers import bench_arch, hf_peer, hybrid_weights  # noqa: E402
 
 
 def _batch(arch, batch: int, seq: int, seed: int = 0) -> torch.Tensor:
@@ -82,22 +81,11 @@ def _batch(arch, batch: int, seq: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, arch.vocab_size, (batch, seq + 1), generator=g)
 
 
-# The clock steps are timed with: wall time, or (--clock cpu) this process's CPU time, which on a
-# machine shared with other jobs measures the work of a single-threaded run, not its waiting.
-CLOCK = time.perf_counter
+# The clock steps are timed with (bench/harness.py): wall time, or (--clock cpu) this process's CPU
+# time, which on a machine shared with other jobs measures the work of a single-threaded run, not its waiting.
+CLOCK = "wall"
 # Ours' clamped SwiGLU (model.swiglu_kernel; --swiglu-kernel): the recipe's default unless told.
 SWIGLU_KERNEL = "auto"
-
-
-def _median_step(step, steps: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(steps):
-        t0 = CLOCK()
-        step()
-        times.append(CLOCK() - t0)
-    return statistics.median(times)
 
 
 def _recipe(dtype: str, ep_size: int = 1):
@@ -138,9 +126,9 @@ def ours_step_fn(arch, tokens: torch.Tensor, dtype: str, state=None, microbatche
         model.zero_grad_buffer()
         logs = schedule(forward_step_func=forward_step, data_iterator=iter(mbs), model=model,
                         num_microbatches=len(mbs))
-        t0 = CLOCK()
+        t0 = harness.CLOCKS[CLOCK]()
         optimizer.step(1e-4)
-        step.optimizer_times.append(CLOCK() - t0)
+        step.optimizer_times.append(harness.CLOCKS[CLOCK]() - t0)
         return float(sum(log["loss_sum"] for log in logs) / sum(log["num_tokens"] for log in logs))
 
     step.optimizer_times = []
@@ -149,31 +137,9 @@ def ours_step_fn(arch, tokens: torch.Tensor, dtype: str, state=None, microbatche
 
 def hf_model(arch, dtype: str):
     """transformers' GptOssForCausalLM at its default attention and expert implementations, with
-    the tests' random weights (tests/model/conftest.py `randomize_`: sinks, norms, biases and router
-    at scales where each matters), so that the loss is far from log(vocab) and the first-step
-    check below can tell two different computations apart."""
-    from transformers import GptOssConfig, GptOssForCausalLM
-
-    from tests.model.conftest import randomize_
-
-    hf_cfg = to_hf_config(arch)
-    hf_cfg.update(output_router_logits=False)
-    hf_cfg.pop("torch_dtype", None)
-    torch.manual_seed(0)
-    model = GptOssForCausalLM(GptOssConfig(**hf_cfg))
-    randomize_(model, seed=0)
-    return model.to({"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]).train()
-
-
-def hybrid_weights(arch, model) -> dict[str, torch.Tensor]:
-    """The Hybrid state dict of an HF model, by the test-local re-arrangement (independent of convert)."""
-    from tests.model.conftest import hf_to_hybrid_state_dict
-
-    if arch.hybrid_layer_pattern != "*E" * arch.num_hidden_layers:
-        raise SystemExit(f"bench: the HF -> Hybrid re-arrangement expects the pattern '*E' x layers, "
-                         f"not {arch.hybrid_layer_pattern!r}")
-    return hf_to_hybrid_state_dict(model.state_dict(), arch.num_hidden_layers, arch.num_attention_heads,
-                                   arch.num_key_value_heads, arch.head_dim)
+    the tests' random weights (bench/peers.py), so that the loss is far from log(vocab) and the
+    first-step check below can tell two different computations apart."""
+    return hf_peer(arch, {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]).train()
 
 
 def hf_step_fn(model, tokens: torch.Tensor):
@@ -202,18 +168,19 @@ def model_flops_per_step(arch, batch: int, seq: int) -> float:
     return model_flops_per_token(arch, seq, arch.hybrid_layer_pattern) * batch * seq
 
 
-def gemm_rates(rounds: int = 3, n: int = 1024) -> list[float]:
-    """GFLOP/s of `rounds` fp32 `torch.mm` calls (n x n by n x n) at the current thread count, by CLOCK:
-    the GEMM peak of this CPU, measured between the steps so the same machine state prices both."""
+GEMM_N = 1024  # the square fp32 GEMM whose rate is taken as this CPU's peak
+
+
+def gemm_fn(n: int = GEMM_N):
+    """One fp32 `torch.mm` (n x n by n x n) at the current thread count: timed as a side of the step
+    rounds, it gives the GEMM peak of this CPU in the same machine state as the steps it prices."""
     a, b = torch.randn(n, n), torch.randn(n, n)
     out = torch.empty(n, n)
-    torch.mm(a, b, out=out)
-    rates = []
-    for _ in range(rounds):
-        t0 = CLOCK()
+
+    def mm() -> None:
         torch.mm(a, b, out=out)
-        rates.append(2 * n**3 / (CLOCK() - t0) / 1e9)
-    return rates
+
+    return mm
 
 
 def _on_two_ranks(worker, cfg: dict) -> list:
@@ -236,11 +203,9 @@ def _ep_worker(rank: int, args: dict) -> list[float]:
     arch = _arch(args["preset"], args.get("arch"))
     tokens = _batch(arch, args["batch"], args["seq"]).chunk(2)[rank]
     step = ours_step_fn(arch, tokens, args["dtype"], state)
-    times = []
-    for _ in range(args["repeats"]):
-        dist.barrier()
-        times.append(_median_step(step, args["steps"]))
-    return times
+    timed = harness.interleave({"ours": step}, args["repeats"], steps=args["steps"], warmup=2, clock="wall",
+                               before=dist.barrier)
+    return timed["ours"]["time_s"]
 
 
 def run_ep2(args: argparse.Namespace) -> float:
@@ -368,38 +333,26 @@ def optimizer_step_fns(arch, dtype: str, state):
         for n, p in m.module.named_parameters():
             p.main_grad.copy_(grads[n])
 
-    def new_step() -> float:
+    def new_step() -> dict:  # its own time: the gradient fill is not timed
         fill(new)
-        t0 = time.perf_counter()
-        finalize_model_grads([new], tokens, parallel_state=state)
-        new_opt.step(1e-4)
-        return time.perf_counter() - t0
+        _, timed = harness.measure(lambda: (finalize_model_grads([new], tokens, parallel_state=state),
+                                            new_opt.step(1e-4)), "wall")
+        return timed
 
-    def old_step() -> float:
+    def old_step() -> dict:
         fill(old)
-        t0 = time.perf_counter()
-        baseline_finalize(old, state, tokens)
-        old_opt.step(1e-4)
-        return time.perf_counter() - t0
+        _, timed = harness.measure(lambda: (baseline_finalize(old, state, tokens), old_opt.step(1e-4)), "wall")
+        return timed
 
     return new_step, old_step
 
 
-def optimizer_times(arch, dtype: str, state, steps: int, repeats: int, barrier=lambda: None) -> tuple[list, list]:
-    """Per repeat, the median seconds of each optimizer's finalize + step (interleaved repeats)."""
+def optimizer_times(arch, dtype: str, state, steps: int, repeats: int, barrier=None) -> tuple[list, list]:
+    """Per repeat, the median seconds of each optimizer's finalize + step (interleaved step by step)."""
     new_step, old_step = optimizer_step_fns(arch, dtype, state)
-    new_t, old_t = [], []
-    for _ in range(repeats):
-        for fn, out in ((new_step, new_t), (old_step, old_t)):
-            for _ in range(2):
-                barrier()
-                fn()
-            times = []
-            for _ in range(steps):
-                barrier()
-                times.append(fn())
-            out.append(statistics.median(times))
-    return new_t, old_t
+    timed = harness.interleave({"new": new_step, "baseline": old_step}, repeats, steps=steps, warmup=2,
+                               clock="wall", before=barrier)
+    return timed["new"]["time_s"], timed["baseline"]["time_s"]
 
 
 def _optimizer_worker(rank: int, args: dict) -> tuple[list[float], list[float]]:
@@ -417,22 +370,25 @@ def _arch(name: str, overrides: str | None):
     return bench_arch(name, overrides)
 
 
-def run_optimizer_bench(args: argparse.Namespace) -> dict:
+def run_optimizer_bench(run: harness.Run, args: argparse.Namespace) -> dict:
     from gptoss_cli.parallel.state import ParallelState
+    from gptoss_cli.recipe.memory import parameter_layout
 
     arch = _arch(args.preset, args.arch)
     new1, old1 = optimizer_times(arch, args.dtype, ParallelState(), args.steps, args.repeats)
-    result = {"params": sum(p.numel for p in __import__("gptoss_cli.recipe.memory", fromlist=["x"]).parameter_layout(
-                  arch, arch.hybrid_layer_pattern)),
-              "w1_new_s": statistics.median(new1), "w1_baseline_s": statistics.median(old1)}
-    result["w1_ratio_baseline_over_new"] = result["w1_baseline_s"] / result["w1_new_s"]
     cfg = {"preset": args.preset, "arch": args.arch, "dtype": args.dtype, "steps": args.steps,
            "repeats": args.repeats, "threads": max(1, args.threads // 2)}
     per_rank = _on_two_ranks(_optimizer_worker, cfg)
     new2 = [max(ts) for ts in zip(*(r[0] for r in per_rank))]  # the slowest rank sets the step
     old2 = [max(ts) for ts in zip(*(r[1] for r in per_rank))]
-    result.update(w2_new_s=statistics.median(new2), w2_baseline_s=statistics.median(old2))
-    result["w2_ratio_baseline_over_new"] = result["w2_baseline_s"] / result["w2_new_s"]
+    result = {"params": sum(p.numel for p in parameter_layout(arch, arch.hybrid_layer_pattern))}
+    for w, new, old in (("w1", new1, old1), ("w2", new2, old2)):
+        case = f"finalize + optimizer step, W={w[1]}"
+        run.add(case, "new", "time_s", new)
+        run.add(case, "baseline", "time_s", old)
+        ratio = run.ratio(case, "baseline", "new", name="new / baseline speed")
+        result.update({f"{w}_new_s": statistics.median(new), f"{w}_baseline_s": statistics.median(old),
+                       f"{w}_ratio_baseline_over_new": ratio["median"]})
     return result
 
 
@@ -460,7 +416,7 @@ def profile_step(name: str, step, top: int = 25) -> dict:
     return {"total_s": total, "gemm_s": gemm, "top_non_gemm": rest}
 
 
-def run_step_bench(args: argparse.Namespace) -> dict:
+def run_step_bench(run: harness.Run, args: argparse.Namespace) -> dict:
     """Ours vs transformers, steps alternating, from the same weights on the same batch."""
     from gptoss_cli.resources import keep_freed_memory
 
@@ -481,23 +437,17 @@ def run_step_bench(args: argparse.Namespace) -> dict:
     if loss_rel > 1e-5:
         raise SystemExit(f"bench: first-step losses differ: ours {first_ours:.7g}, transformers {first_hf:.7g} "
                          f"(relative {loss_rel:.2g}); the two sides do not compute the same step")
-    ours()
-    hf()  # warm-up
-    ours_t, hf_t, per_repeat, rates = [], [], [], []
-    for r in range(args.repeats):
-        rates += gemm_rates()
-        o_r, h_r = [], []
-        for i in range(args.steps):
-            pair = ((ours, o_r), (hf, h_r)) if (r * args.steps + i) % 2 == 0 else ((hf, h_r), (ours, o_r))
-            for fn, out in pair:
-                t0 = CLOCK()
-                fn()
-                out.append(CLOCK() - t0)
-        ours_t += o_r
-        hf_t += h_r
-        per_repeat.append(statistics.median(h_r) / statistics.median(o_r))
-    ours_s, hf_s = statistics.median(ours_t), statistics.median(hf_t)
+    # Steps alternate (the order rotating step by step), with the GEMM peak's square mm as a third
+    # side, so the same machine state prices all three.
+    sides = {"ours": ours, "transformers": hf, "fp32 GEMM peak": gemm_fn()}
+    timed = harness.interleave(sides, args.repeats, steps=args.steps, warmup=1, clock=CLOCK)
+    timed["fp32 GEMM peak"]["gflops"] = [2 * GEMM_N**3 / s / 1e9 for s in timed["fp32 GEMM peak"]["time_s"]]
+    case = f"{args.preset}{' ' + args.arch if args.arch else ''} batch {args.batch} x {args.seq}"
+    run.add_rounds(case, timed)
+    ratio = run.ratio(case, "transformers", "ours", name="ours / transformers speed")
+    ours_s, hf_s = timed.median("ours"), timed.median("transformers")
     flops = model_flops_per_step(arch, args.batch, args.seq)
+    rates = timed["fp32 GEMM peak"]["gflops"]
     peak = statistics.median(rates)
     ceilings = {}
     if args.profile:
@@ -510,17 +460,14 @@ def run_step_bench(args: argparse.Namespace) -> dict:
                     "ratio_ceiling_non_gemm_free": hf_s / (ours_s * gemm_share),
                     "share_of_gemm_peak_ceiling_non_gemm_free": flops / (ours_s * gemm_share) / 1e9 / peak}
     return {
-        "preset": args.preset, "arch": args.arch or "", "batch": args.batch, "seq": args.seq, "dtype": args.dtype,
-        "threads": args.threads, "clock": args.clock, "swiglu_kernel": args.swiglu_kernel,
-        "allocator": allocator_text(args.allocators == ["keep"]),
+        "allocator": harness.allocator_text(args.allocators == ["keep"]),
         "tokens_per_step": n_tokens,
         "first_loss_ours": first_ours, "first_loss_transformers": first_hf, "first_loss_rel_diff": loss_rel,
         "ours_step_s": ours_s, "transformers_step_s": hf_s,
         "ours_tokens_per_s": n_tokens / ours_s, "transformers_tokens_per_s": n_tokens / hf_s,
-        "ratio_ours_vs_transformers": hf_s / ours_s,
-        # per repeat, the ratio of the two medians measured alternately; min and max are the spread
-        "ratio_per_repeat": per_repeat,
-        "ratio_min": min(per_repeat), "ratio_max": max(per_repeat),
+        # the median over repeats of transformers' median step / ours in that repeat; min and max their spread
+        "ratio_ours_vs_transformers": ratio["median"], "ratio_per_repeat": ratio["values"],
+        "ratio_min": ratio["min"], "ratio_max": ratio["max"],
         "ours_optimizer_share": statistics.median(ours.optimizer_times) / ours_s,
         "model_flops_per_step": flops, "gemm_peak_gflops": peak, "gemm_peak_gflops_min_max": [min(rates), max(rates)],
         "ours_share_of_gemm_peak": flops / ours_s / 1e9 / peak,
@@ -532,9 +479,9 @@ def run_step_bench(args: argparse.Namespace) -> dict:
     }
 
 
-def run_per_allocator(args: argparse.Namespace) -> int:
+def run_per_allocator(run: harness.Run, args: argparse.Namespace) -> None:
     """The step bench once per allocator, each in a fresh process (an allocator setting cannot be
-    undone in a process); one row each, the first the headline."""
+    undone in a process); one case each (named by the allocator), the first the headline."""
     import subprocess
 
     rest, skip = [], False
@@ -547,20 +494,28 @@ def run_per_allocator(args: argparse.Namespace) -> int:
     for allocator in args.allocators:
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
             subprocess.run([sys.executable, __file__, *rest, "--allocators", allocator, "--json", out.name], check=True)
-            rows.append(json.loads(Path(out.name).read_text()))
+            child = json.loads(Path(out.name).read_text())
+        rows.append(child["extra"])
+        for case, body in child["cases"].items():
+            run.cases[f"{child['extra']['allocator']}: {case}"] = body
+    run.extra["per_allocator"] = rows
     print("\nper allocator (both sides in one process each; the first row is the headline):")
     for i, r in enumerate(rows):
         print(f"  {'headline' if i == 0 else 'second  '} {r['allocator']}: ours / transformers "
               f"{r['ratio_ours_vs_transformers']:.2f}x [{r['ratio_min']:.2f}, {r['ratio_max']:.2f}], ours "
               f"{r['ours_step_s']:.3f} s, transformers {r['transformers_step_s']:.3f} s per step, ours "
-              f"{100 * r['ours_share_of_gemm_peak']:.0f}% of the GEMM peak; load {r['load_min']:.1f}-{r['load_max']:.1f}")
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=2) + "\n")
-    return 0
+              f"{100 * r['ours_share_of_gemm_peak']:.0f}% of the GEMM peak")
+
+
+def print_result(result: dict) -> None:
+    width = max(len(k) for k in result)
+    for k, v in result.items():
+        shown = f"{v:.4g}" if isinstance(v, float) else ", ".join(f"{x:.3f}" for x in v) if isinstance(v, list) else v
+        print(f"{k:<{width}}  {shown}")
 
 
 def main() -> int | None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = harness.parser(__doc__)
     p.add_argument("--preset", default="tiny")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=128)
@@ -568,13 +523,12 @@ def main() -> int | None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--clock", default="cpu", choices=("wall", "cpu"),
+    p.add_argument("--clock", default="cpu", choices=tuple(harness.CLOCKS),
                    help="time steps by this process's CPU time (default; one thread) or by wall clock")
     p.add_argument("--allocators", nargs="+", default=["train"], choices=("train", "keep"),
                    help="train: glibc's defaults, as gptoss train runs (the headline); keep: glibc keeping freed "
                         "memory. Several: one process each, one row each, the first the headline")
     p.add_argument("--no-ep", action="store_true", help="skip the 2-process EP=2 measurement (wall clock only)")
-    p.add_argument("--json", type=Path, default=None)
     p.add_argument("--swiglu-kernel", default="auto", choices=SWIGLU_KERNELS,
                    help="ours' clamped SwiGLU: compiled where it works (the recipe default) or eager")
     p.add_argument("--optimizer", action="store_true",
@@ -585,32 +539,30 @@ def main() -> int | None:
                         "print the GEMM shares and the ceilings with every non-GEMM operator free")
     args = p.parse_args()
     global CLOCK, SWIGLU_KERNEL
-    CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
+    CLOCK = args.clock
     SWIGLU_KERNEL = args.swiglu_kernel
-    if args.clock == "cpu" and args.threads != 1:
-        p.error("--clock cpu adds up the CPU time of every thread: use it with --threads 1")
+    harness.check_clock(p, args.clock, args.threads)
     torch.set_num_threads(args.threads)
     if args.optimizer:
-        result = run_optimizer_bench(args)
-        for k, v in result.items():
-            print(f"{k:<28}  {v:.4g}" if isinstance(v, float) else f"{k:<28}  {v}")
-        if args.json:
-            args.json.write_text(json.dumps(result, indent=2) + "\n")
+        with harness.Run("train --optimizer", args, clock="wall") as run:
+            result = run_optimizer_bench(run, args)
+        print_result(result)
+        run.extra.update(result)
+        run.finish()
         return
     if len(args.allocators) > 1:
-        return run_per_allocator(args)
-    with LoadMonitor() as load:
-        result = run_step_bench(args)
-    result.update(load.summary())
-    if args.clock == "wall" and not args.no_ep:
-        ep_tps = run_ep2(args)
-        result.update(ep2_tokens_per_s=ep_tps, ratio_ep2_vs_ours_single=ep_tps / result["ours_tokens_per_s"])
-    width = max(len(k) for k in result)
-    for k, v in result.items():
-        shown = f"{v:.4g}" if isinstance(v, float) else ", ".join(f"{x:.3f}" for x in v) if isinstance(v, list) else v
-        print(f"{k:<{width}}  {shown}")
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        with harness.Run("train", args) as run:
+            run_per_allocator(run, args)
+        run.finish()
+        return 0
+    with harness.Run("train", args) as run:
+        result = run_step_bench(run, args)
+        if args.clock == "wall" and not args.no_ep:
+            ep_tps = run_ep2(args)
+            result.update(ep2_tokens_per_s=ep_tps, ratio_ep2_vs_ours_single=ep_tps / result["ours_tokens_per_s"])
+    print_result(result)
+    run.extra.update(result)
+    run.finish()
 
 
 if __name__ == "__main__":

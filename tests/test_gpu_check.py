@@ -1,4 +1,4 @@
-"""bench/gpu_check.py's dry path on the CPU: the prepared GPU script's own code (the real training step,
+"""tools/gpu_check.py's dry path on the CPU: the prepared GPU script's own code (the real training step,
 tiny parity, the GEMM and FP8 timings, the 2-layer model's tokens/s, MFU and attention kernels) runs
 end to end on tiny shapes, so the GPU run fails only on what needs a GPU; and the offline wheels'
 installer installs only what does not import."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from bench import gpu_check, offline_deps
+from tools import gpu_check, offline_deps
 
 
 def test_the_dry_run_measures_every_section_and_passes(tmp_path):

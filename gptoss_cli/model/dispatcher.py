@@ -39,7 +39,7 @@ GPU run still blocks the host:
     `finalize_model_grads` stays on the device.
 
 Every all-to-all goes through the dispatcher's communication object (`comm`, default `DIST_COMM`:
-torch.distributed); benchmarks inject their own (bench/simlink.py), the package has no other.
+torch.distributed); benchmarks inject their own (tests/support/simlink.py), the package has no other.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def expert_counts(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 class Comm(Protocol):
     """What carries the dispatcher's all-to-alls. Training uses `DIST_COMM` (torch.distributed);
-    a benchmark may inject another (bench/simlink.py wraps it with a simulated link)."""
+    a benchmark may inject another (tests/support/simlink.py wraps it with a simulated link)."""
 
     def all_to_all(self, out: torch.Tensor, x: torch.Tensor, output_splits: list[int] | None,
                    input_splits: list[int] | None, group: Any, *, control: bool = False) -> None:

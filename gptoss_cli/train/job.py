@@ -1,6 +1,6 @@
 """What a training worker is handed: `TrainJob`, the recipe's typed config and what was resolved from it.
 
-Resolved in the launching process (train/launch.py) and pickled into spawned workers: plain data,
+Resolved in the launching process (gptoss_cli/run/launch.py) and pickled into spawned workers: plain data,
 plus the training objective when a caller brings its own (train/objective.py).
 """
 
@@ -30,7 +30,7 @@ class TrainJob:
     run_dir: str
     recipe: dict[str, Any] = field(default_factory=dict)  # the resolved recipe as plain data, for the run dir
     heartbeat_dir: str | None = None  # set by the local launcher, whose watchdog reads the beats
-    # What each step computes; None = the recipe's (`build_objective` in train/worker.py).
+    # What each step computes; None = the recipe's (its `objective.kind`'s row in gptoss_cli/run/objectives.py).
     objective: TrainingObjective | None = None
 
     def run_record(self, lora_base: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -26,9 +26,14 @@ like the loss itself. `prepare_step` sees the step's microbatches before the sch
 objective that needs the current or a reference policy's log-probabilities of the batch gets them;
 per-position inputs such as advantages or those log-probabilities ride on `Microbatch.extras`.
 
-`build_objective(config)` (train/worker.py) is the one place an objective is chosen from the recipe; a `TrainJob`
-may carry its own instead (`TrainJob.objective`), which is how a new objective is run without
-touching the loop. Objectives travel to spawned workers inside the job: plain, picklable objects.
+An objective is built from a recipe by its class's `from_recipe(config)`, which reads the recipe's
+section for it; gptoss_cli/run/objectives.py's table is the one place a recipe's `objective.kind`
+picks the objective (and the Trainer that runs it). A `TrainJob` may carry its own instead
+(`TrainJob.objective`), which is how an objective is run without a recipe kind. Objectives travel to
+spawned workers inside the job: plain, picklable objects. `shown_metrics` names the metrics (of
+`metrics`, or of the objective's Trainer) that `gptoss train`'s console line and `gptoss report`
+show, with their labels: the loop hands them on without knowing their names (train/progress.py,
+`MetricDisplay`).
 """
 
 from __future__ import annotations
@@ -45,7 +50,9 @@ from torch.utils.checkpoint import checkpoint
 from gptoss_cli.model.loss import IGNORE_INDEX, lm_loss_sum
 from gptoss_cli.model.loss_chunk import lm_loss_chunk_tokens
 from gptoss_cli.parallel.grads import get_attr_wrapped_model, get_model_config
+from gptoss_cli.recipe.schema import RecipeConfig
 from gptoss_cli.train.data import Microbatch
+from gptoss_cli.train.progress import MetricDisplay
 
 @dataclass
 class StepContext:
@@ -77,6 +84,15 @@ class TrainingObjective(abc.ABC):
     # Names in every microbatch's logs that the step adds up (device scalars). The schedule puts
     # `loss_sum` and `num_tokens` (the normaliser) in every log itself.
     sums: ClassVar[tuple[str, ...]] = ("loss_sum", "num_tokens")
+    # The step's metrics (metrics.jsonl fields) the console line and `gptoss report` show, in this
+    # order, with their labels and formats; every metric goes to metrics.jsonl and the loggers anyway.
+    shown_metrics: ClassVar[tuple[MetricDisplay, ...]] = ()
+
+    @classmethod
+    def from_recipe(cls, config: RecipeConfig) -> "TrainingObjective":
+        """The objective a recipe (`RecipeConfig`) asks for, from its section for this objective: what
+        the objective table (gptoss_cli/run/objectives.py) calls for the recipe's `objective.kind`."""
+        raise NotImplementedError(f"{cls.__name__} is not built from a recipe: hand it to the run in TrainJob.objective")
 
     def prepare_step(self, microbatches: Iterator[Microbatch], context: StepContext) -> Iterator[Microbatch]:
         """The step's microbatches, before the schedule runs them; the default hands them on as they come."""
@@ -130,6 +146,10 @@ class CrossEntropyObjective(TrainingObjective):
     z_loss_coeff: float = 0.0
     name: ClassVar[str] = "cross_entropy"
     sums: ClassVar[tuple[str, ...]] = ("lm_loss_sum", "num_tokens", "aux_loss_sum", "z_loss_sum")
+
+    @classmethod
+    def from_recipe(cls, config: RecipeConfig) -> "CrossEntropyObjective":
+        return cls(config.moe.aux_loss_coeff, config.moe.z_loss_coeff)
 
     def loss(self, microbatch: Microbatch, config: Any, output: Any) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
         labels = microbatch.labels

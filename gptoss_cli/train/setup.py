@@ -52,7 +52,7 @@ def setup_model_and_optimizer(provider: Any, state: ParallelState, optimizer: Op
 def wrap_model_and_optimizer(built: nn.Module, state: ParallelState, optimizer: OptimizerConfig, lr: float, *,
                              overlap_grad_reduce: bool = False) -> tuple[GradAccumulatingModel, DistributedAdamW]:
     """A built model in its gradient buffers (bucketed, sharded as the optimizer is) and the distributed
-    AdamW over them: what training builds and bench/simulate.py measures, from one recipe mapping."""
+    AdamW over them: what training builds and tests/support/simulate.py measures, from one recipe mapping."""
     buffers = GradBufferConfig(use_distributed_optimizer=optimizer.use_distributed_optimizer,
                                overlap_grad_reduce=overlap_grad_reduce, bucket_size=optimizer.bucket_size,
                                grad_reduce_in_fp32=optimizer.grad_reduce_in_fp32)

@@ -1,4 +1,4 @@
-"""bench/fp8.py's `measure_gemm_tflops`, the function bench/gpu_check.py calls: its rows' contract, on tiny CPU shapes (no timing is asserted)."""
+"""bench/fp8.py's `measure_gemm_tflops`, the function tools/gpu_check.py calls: its rows' contract, on tiny CPU shapes (no timing is asserted)."""
 
 from __future__ import annotations
 

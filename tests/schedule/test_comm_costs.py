@@ -5,7 +5,7 @@ on a GPU, by call site). The budget: at most one per MoE layer and microbatch in
 (grouped-GEMM) path, the split sizes of the token all-to-all under expert parallelism; one per step
 for gradient finalisation; nothing per microbatch in the schedules.
 
-The link model (bench/simlink.py, a communication object the bench injects) must make an
+The link model (tests/support/simlink.py, a communication object the bench injects) must make an
 all-to-all last its modelled time, in the synchronous path of the plain schedule and the
 asynchronous one of the overlap schedule alike, by sleeping: a busy wait would take a core from the
 compute it is meant to overlap with; installed on a model, it must carry every all-to-all of a step.
@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 
 from gptoss_cli.model.gemm import grouped as grouped_gemm
-from bench.simlink import LinkModel
+from tests.support.simlink import LinkModel
 from gptoss_cli.parallel.state import ParallelState
 from tests.schedule.workers import (LINK_LATENCY_S, LINK_WIRE_S, SYNC_MICROBATCHES, TINY, build,
                                     comm_costs_worker, count_step_host_syncs)

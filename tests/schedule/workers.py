@@ -97,14 +97,14 @@ SYNC_MICROBATCHES = 2
 
 
 def link_timings(group: Any) -> dict[str, Any]:
-    """Wall and process CPU time of all-to-alls under a simulated link (bench/simlink.py, injected as
+    """Wall and process CPU time of all-to-alls under a simulated link (tests/support/simlink.py, injected as
     the communication object): latency only (synchronous, and asynchronous with the wait after it),
     bandwidth only, two queued asynchronous transfers, and no link."""
     import time
 
     import torch.distributed as dist
 
-    from bench.simlink import LinkComm, LinkModel
+    from tests.support.simlink import LinkComm, LinkModel
     from gptoss_cli.model.dispatcher import all_to_all, start_all_to_all
 
     x = torch.randn(64, 32)  # 32 rows to the other rank: 4096 bytes
@@ -137,7 +137,7 @@ def link_timings(group: Any) -> dict[str, Any]:
     out["wire_sync"] = timed(lambda: all_to_all(x, splits, splits, group, wire))
     out["wire_two_async"] = timed(lambda: two_async(wire_two))
     # No communication object given: the dispatcher's default (torch.distributed). Whatever delays a
-    # simulated link adds is a sleep (bench/simlink.wait_until), so count the sleeps instead of
+    # simulated link adds is a sleep (tests/support/simlink.wait_until), so count the sleeps instead of
     # timing the call, which a loaded host can stretch past any bound.
     sleeps: list[float] = []
     real_sleep = time.sleep
@@ -151,9 +151,9 @@ def link_timings(group: Any) -> dict[str, Any]:
 
 
 def model_link_counts(setup: Any, state: ParallelState, microbatches: int, mbs: int = 2) -> dict[str, Any]:
-    """What a link installed on a model (bench/simlink.py `use_link`) carries in one training step
+    """What a link installed on a model (tests/support/simlink.py `use_link`) carries in one training step
     through the setup's schedule, and whether every dispatcher has its own communication object back."""
-    from bench.simlink import LinkComm, LinkModel, token_dispatchers, use_link
+    from tests.support.simlink import LinkComm, LinkModel, token_dispatchers, use_link
     from gptoss_cli.model.dispatcher import DIST_COMM
 
     data = DataLoaderState(RandomTokens(TINY.vocab_size, SEQ, seed=5), global_batch_size=microbatches * mbs * state.dp_size,
@@ -171,7 +171,7 @@ def model_link_counts(setup: Any, state: ParallelState, microbatches: int, mbs: 
 def step_groups(setup: Any, state: ParallelState, microbatches: int, mbs: int = 2) -> dict[str, list[str]]:
     """Which process group each all-to-all of one step ran on, by kind: the token-count exchange
     ("control") and the token rows ("bulk"), as "ep_control", "ep" or "other"."""
-    from bench.simlink import token_dispatchers
+    from tests.support.simlink import token_dispatchers
     from gptoss_cli.model.dispatcher import DistComm
 
     def name(group: Any) -> str:

@@ -1,4 +1,4 @@
-"""The scale simulator (bench/simulate.py, bench/scale.py) against closed-form numbers,
+"""The scale simulator (tests/support/simulate.py, bench/scale.py) against closed-form numbers,
 and the memory estimate against the measured peak of a real training step of the tiny recipes."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from gptoss_cli.model.hybrid import HybridModel
 from gptoss_cli.parallel.grads import ALIGN
 from gptoss_cli.recipe import load_recipe
 from gptoss_cli.recipe.memory import estimate_memory
-from bench.simulate import simulate_rank
+from tests.support.simulate import simulate_rank
 
 BUCKET = 20_000
 
@@ -100,13 +100,13 @@ def _peak_bytes(fn) -> int:
 @pytest.mark.parametrize("name", ["tiny_cpu_ep2", "tiny_cpu_ep2_overlap"])
 def test_measured_peak_of_a_tiny_recipe_step_is_within_15_percent_of_the_estimate(name, tmp_path):
     """Rank 0 of the recipe (W=2, EP=2) trains one step through `run_worker` in this process on the
-    fake process group (collectives simulated, bench/simulate.py): from building the
+    fake process group (collectives simulated, tests/support/simulate.py): from building the
     model to the optimizer step, the peak of what torch allocated against the estimate's total
     (state, activations and transients). On the CPU attention runs SDPA's math path, which saves
     more than the fused kernel the estimate counts; at 32 tokens that difference is small."""
     from gptoss_cli.train.job import TrainJob
-    from gptoss_cli.train.worker import run_worker
-    from bench.simulate import CollectiveRecorder, fake_world
+    from gptoss_cli.run.worker import run_worker
+    from tests.support.simulate import CollectiveRecorder, fake_world
 
     r = load_recipe(name, ["training.train_iters=1", "checkpoint.dir=null", "checkpoint.save_interval=null",
                            f"logging.run_dir={tmp_path}"])
@@ -125,8 +125,8 @@ def test_overlap_grad_reduce_issues_every_bucket_during_the_last_backward(overla
     finalize_model_grads waits for them; without it, none is."""
     from gptoss_cli.parallel import grads
     from gptoss_cli.train.job import TrainJob
-    from gptoss_cli.train.worker import run_worker
-    from bench.simulate import CollectiveRecorder, fake_world
+    from gptoss_cli.run.worker import run_worker
+    from tests.support.simulate import CollectiveRecorder, fake_world
 
     r = tiny(4, "training.train_iters=1", "checkpoint.dir=null", "checkpoint.save_interval=null",
              f"logging.run_dir={tmp_path}", f"overlap.overlap_grad_reduce={str(overlap).lower()}")

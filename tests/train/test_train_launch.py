@@ -97,7 +97,7 @@ def test_a_worker_the_oom_killer_ended_is_reported_as_out_of_memory(tmp_path, mo
     """The elastic agent sees a SIGKILLed worker as exit code -9; the kernel's own count of OOM kills
     (/proc/vmstat `oom_kill`) going up during the run is what says it was out of memory."""
     from gptoss_cli.errors import TrainingError
-    from gptoss_cli.train import launch
+    from gptoss_cli.run import launch
 
     vmstat = tmp_path / "vmstat"
     vmstat.write_text("nr_free_pages 1\noom_kill 3\npgfault 9\n")

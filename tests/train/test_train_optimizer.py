@@ -113,7 +113,7 @@ def test_without_warmup_the_first_step_uses_the_full_lr():
 
 
 def test_metrics_lr_column_follows_megatron_schedule_through_the_loop(tmp_path):
-    from gptoss_cli.train.worker import run_worker
+    from gptoss_cli.run.worker import run_worker
 
     plan = train_job(tmp_path, name="lr", device="cpu", seq_length=8, micro_batch_size=1, global_batch_size=1,
                      train_iters=7, lr=1e-3, min_lr=1e-4, warmup_iters=2, lr_decay_iters=6, lr_decay_style="cosine")

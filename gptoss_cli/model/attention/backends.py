@@ -132,7 +132,7 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks:
 
 # --- what each kernel is, and whether it works here -----------------------------------------------
 def describe(kernel: str, device: torch.device | str) -> str:
-    """One line naming what computes a layer with `kernel` on `device` (doctor, bench/gpu_check.py)."""
+    """One line naming what computes a layer with `kernel` on `device` (doctor, tools/gpu_check.py)."""
     kind = torch.device(device).type
     if kernel == "flash":
         return "CPU flash kernel + sink from its log-sum-exp" if kind == "cpu" else \
