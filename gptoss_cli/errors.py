@@ -51,6 +51,12 @@ class TrainingError(GptossError):
     exit_code = 1
 
 
+class OutOfMemory(GptossError):
+    """An allocation that failed, or a claim no allocation here could meet: names what was being read (exit 1)."""
+
+    exit_code = 1
+
+
 class Terminated(BaseException):
     """SIGTERM arrived: unwinds like KeyboardInterrupt (temporary files are removed on the way out)."""
 

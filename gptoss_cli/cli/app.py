@@ -18,7 +18,8 @@ from rich.text import Text
 from typer.core import TyperGroup
 
 from gptoss_cli import outputs
-from gptoss_cli.errors import FileSystemError, GptossError, Terminated, UsageError, describe_os_error
+from gptoss_cli.allocation import is_allocation_failure, out_of_memory
+from gptoss_cli.errors import FileSystemError, GptossError, OutOfMemory, Terminated, UsageError, describe_os_error
 
 class _OneLineUsageErrors(TyperGroup):
     """Click's usage errors (an option value outside its range or of the wrong type, a missing argument,
@@ -118,9 +119,11 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         except OSError as exc:  # an unwritable, missing or full path the library did not name itself
             print_error(describe_os_error(exc))
             raise typer.Exit(FileSystemError.exit_code) from None
-        except MemoryError:
-            print_error("out of memory")
-            raise typer.Exit(1) from None
+        except (MemoryError, RuntimeError) as exc:  # an allocator's failure that no reader named (allocation.py)
+            if not is_allocation_failure(exc):
+                raise
+            print_error(str(out_of_memory(None, exc)))
+            raise typer.Exit(OutOfMemory.exit_code) from None
         except KeyboardInterrupt:
             print_error("nothing was left half-written", label="interrupted: ")
             raise typer.Exit(EXIT_INTERRUPTED) from None

@@ -49,6 +49,8 @@ def open_training(src: str, root: Path, revision: str | None, options: OpenOptio
         prefix, suffix = f"{OPTIMIZER}.", f".{MASTER}"
         reader = DcpReader(folder, lambda n: optimizer_key(n, MASTER),
                            lambda k: k[len(prefix):-len(suffix)] if k.startswith(prefix) and k.endswith(suffix) else None)
+    if run.lora is None:  # a LoRA run's group holds its adapters: check_lora_record below checks those
+        _check_group(reader, run, folder, weights)
     # Tokenizer files come from the weights the run started from, when that folder is still there.
     extras = Path(run.pretrained) if run.pretrained and Path(run.pretrained).is_dir() else folder
     if run.lora is not None:
@@ -70,6 +72,36 @@ def open_training(src: str, root: Path, revision: str | None, options: OpenOptio
     return Source(TRAINING, src, None, folder, extras, run.arch, reader, hybrid_layer_pattern=run.hybrid_layer_pattern,
                   provenance={**run.provenance(), "weights": weights}, protected=(ckpt_dir,) if ckpt_dir else (),
                   lora=run.lora, experts_form=form)
+
+
+def _check_group(reader, run, folder: Path, weights: str) -> None:
+    """Every tensor the recorded architecture has is in the group `--weights` reads, at its shape: a
+    checkpoint whose metadata lacks some (master copies a run never saved, a damaged `.metadata`) is one
+    line naming the first, before anything is read or written."""
+    from gptoss_cli.checkpoint.mapping import VOCAB_PADDED_HYBRID, hybrid_shapes  # noqa: PLC0415 (imports torch)
+
+    key = model_key if weights == MODEL else (lambda n: optimizer_key(n, MASTER))
+    try:
+        names = set(reader.names())
+        expected = hybrid_shapes(run.arch)
+        missing = [n for n in expected if n not in names]
+        if missing:
+            more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+            raise CheckpointError(
+                f"{folder}: its DCP metadata has no tensor {key(missing[0])!r}{more}, which the recorded architecture "
+                f"needs (--weights {weights})",
+                hint="the checkpoint is incomplete or damaged; use an earlier iter_* folder"
+                + (", or --weights model" if weights == MASTER else ""))
+        for name, shape in expected.items():
+            stored = tuple(reader.shape(name))
+            padded = name in VOCAB_PADDED_HYBRID and stored[1:] == shape[1:] and stored[0] >= shape[0]
+            if stored != tuple(shape) and not padded:
+                raise CheckpointError(f"{folder}: tensor {key(name)!r} has shape {list(stored)} in the DCP metadata, "
+                                      f"the recorded architecture gives it {list(shape)}",
+                                      hint="train_state.json's run record does not describe these tensors")
+    except BaseException:
+        reader.close()
+        raise
 
 
 def _merged_with_base(run, folder: Path, adapters, open_source):

@@ -18,11 +18,13 @@ import contextlib
 import io
 import pickle
 import warnings
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
 
+from gptoss_cli.allocation import claimed
 from gptoss_cli.checkpoint.storage.safetensors_io import TensorSpec
 from gptoss_cli.errors import CheckpointError, describe_os_error, first_line
 from gptoss_cli.model.expert_names import expert_name, parse_expert_name
@@ -68,7 +70,7 @@ def read_metadata(folder: str | Path) -> Any:
 
     path = Path(folder) / METADATA
     try:
-        data = path.read_bytes()
+        data = claimed(str(path), path.stat().st_size, path.read_bytes, path)
     except FileNotFoundError:
         raise CheckpointError(f"{folder}: has no {METADATA}; the checkpoint is incomplete",
                               hint="use a checkpoint that `latest` points at (saves are renamed into place when done)"
@@ -258,13 +260,17 @@ class SpecReader:
         return name in self._specs
 
     def spec(self, name: str) -> TensorSpec:
-        return self._specs[name]
+        try:
+            return self._specs[name]
+        except KeyError:  # a name the metadata lacks: one line, never a KeyError
+            raise CheckpointError(f"{getattr(self, 'folder', '?')}: tensor {name!r} is not in the checkpoint's "
+                                  "metadata", hint="the checkpoint is incomplete or damaged") from None
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return self._specs[name].shape
+        return self.spec(name).shape
 
     def dtype(self, name: str) -> torch.dtype:
-        return self._specs[name].dtype
+        return self.spec(name).dtype
 
 
 class DcpReader(SpecReader):
@@ -336,7 +342,9 @@ class DcpReader(SpecReader):
         from torch.distributed.checkpoint.api import CheckpointException
 
         self._cache = {}  # drop the previous tensors before the next ones are allocated
-        state = {self._key_of(n): torch.empty(self._specs[n].shape, dtype=self._specs[n].dtype) for n in names}
+        state = {self._key_of(n): claimed(f"{self.file_of(n)}: tensor {self._key_of(n)!r}", self._specs[n].nbytes,
+                                          partial(torch.empty, self._specs[n].shape, dtype=self._specs[n].dtype),
+                                          self.file_of(n)) for n in names}
         try:
             with quiet_single_process():
                 dcp.load(state, storage_reader=self._storage, no_dist=True)
