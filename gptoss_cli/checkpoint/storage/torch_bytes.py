@@ -16,7 +16,7 @@ import io
 import os
 import signal
 import threading
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 HELD = (signal.SIGINT, signal.SIGTERM)
 
@@ -26,24 +26,48 @@ def signals_held() -> Iterator[None]:
     """SIGINT and SIGTERM arriving inside the block take effect when it ends, through the handlers that
     were installed (KeyboardInterrupt, the CLI's Terminated), never inside it. Only the main thread can
     install handlers, and only there do Python's handlers run: elsewhere this holds nothing."""
-    if threading.current_thread() is not threading.main_thread():
+    with signals_deferred():
         yield
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[Callable[[], None]]:
+    """`signals_held`, and the block may call the `check()` it is given at its safe points: a signal that
+    arrived meanwhile is raised there (the handlers put back first). For a loop that waits on worker
+    threads: a handler's exception raised inside a lock's bookkeeping (`Condition.__exit__` of a future
+    or a queue) can leave that lock held, and the workers, then the interpreter's exit, wait for it forever."""
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: None
         return
     arrived: list[int] = []
     before = {s: signal.getsignal(s) for s in HELD}
+    restored = False
+
+    def restore_and_raise() -> None:
+        nonlocal restored
+        if not restored:
+            restored = True
+            for s, handler in before.items():
+                signal.signal(s, handler)
+        if arrived:
+            signum = arrived.pop(0)
+            arrived.clear()
+            handler = before[signum]
+            if callable(handler):
+                handler(signum, None)  # raises (KeyboardInterrupt, Terminated) as if it had landed now
+            elif handler == signal.SIG_DFL:
+                os.kill(os.getpid(), signum)
+
+    def check() -> None:
+        if arrived:
+            restore_and_raise()
+
     for s in HELD:
         signal.signal(s, lambda signum, frame: arrived.append(signum))
     try:
-        yield
+        yield check
     finally:
-        for s, handler in before.items():
-            signal.signal(s, handler)
-        if arrived:
-            handler = before[arrived[0]]
-            if callable(handler):
-                handler(arrived[0], None)  # raises (KeyboardInterrupt, Terminated) as if it had landed now
-            elif handler == signal.SIG_DFL:
-                os.kill(os.getpid(), arrived[0])
+        restore_and_raise()
 
 
 def save_bytes(obj: Any) -> memoryview:
@@ -56,4 +80,4 @@ def save_bytes(obj: Any) -> memoryview:
     return buf.getbuffer()
 
 
-__all__ = ["signals_held", "save_bytes"]
+__all__ = ["signals_held", "signals_deferred", "save_bytes"]
