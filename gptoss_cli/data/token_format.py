@@ -145,7 +145,8 @@ def read_token_header(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{json_path}: not JSON ({exc.msg} at line {exc.lineno})") from None
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{json_path}: not JSON (not UTF-8: {exc.reason})") from None
-    if not isinstance(header, dict) or header.get("format") != TOKEN_FORMAT or header.get("dtype") not in TOKEN_ITEMSIZE:
+    if not isinstance(header, dict) or header.get("format") != TOKEN_FORMAT or not isinstance(header.get("dtype"), str) \
+            or header["dtype"] not in TOKEN_ITEMSIZE:
         got = header if not isinstance(header, dict) else {k: header.get(k) for k in ("format", "dtype")}
         raise ConfigError(f"{json_path}: not a gptoss token header ({got})",
                           hint="create the files with `gptoss prepare-data`")

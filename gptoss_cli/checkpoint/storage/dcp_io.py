@@ -156,25 +156,28 @@ def metadata_problem(metadata: Any) -> str | None:
     leaves the folder); every reader relies on what is checked here."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-    for key, meta in metadata.state_dict_metadata.items():
-        if not isinstance(key, str):
-            return f"state dict key {key!r:.60} is not a name"
-        if isinstance(meta, BytesStorageMetadata):
-            continue
-        if not isinstance(meta, TensorStorageMetadata):
-            return f"entry {key!r} is a {type(meta).__name__}"
-        problem = _tensor_problem(key, meta)
-        if problem:
-            return problem
-    storage = metadata.storage_data
-    if storage is None:
-        return None
-    if not isinstance(storage, dict):
-        return f"storage_data is a {type(storage).__name__}, not a table"
-    for index, info in storage.items():
-        problem = _storage_problem(index, info)
-        if problem:
-            return problem
+    try:  # an allow-listed object unpickled without one of its fields: AttributeError on reading it
+        for key, meta in metadata.state_dict_metadata.items():
+            if not isinstance(key, str):
+                return f"state dict key {key!r:.60} is not a name"
+            if isinstance(meta, BytesStorageMetadata):
+                continue
+            if not isinstance(meta, TensorStorageMetadata):
+                return f"entry {key!r} is a {type(meta).__name__}"
+            problem = _tensor_problem(key, meta)
+            if problem:
+                return problem
+        storage = metadata.storage_data
+        if storage is None:
+            return None
+        if not isinstance(storage, dict):
+            return f"storage_data is a {type(storage).__name__}, not a table"
+        for index, info in storage.items():
+            problem = _storage_problem(index, info)
+            if problem:
+                return problem
+    except AttributeError as exc:
+        return f"an entry lacks a field ({first_line(exc)})"
     return None
 
 
