@@ -1,0 +1,72 @@
+"""GRPO's per-step numbers against values computed here from their definitions (rl/objective.py's docstring):
+a failed reward left out of its group's statistics, clip_fraction, mismatch_kl as KL(engine || trainer) and
+kl_ref per completion token. Pure functions on a hand-made microbatch: no model, no engine.
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from gptoss_cli.model.loss import IGNORE_INDEX
+from gptoss_cli.rl.objective import ADVANTAGE_EPS, GRPOObjective, group_advantages
+from gptoss_cli.train.data import Microbatch
+
+
+def test_a_failed_reward_is_left_out_of_its_groups_mean_and_std():
+    # group 1: rewards 1, (failed), 3, 5 -> mean 3, unbiased std 2 over the three that scored
+    got = group_advantages([1.0, None, 3.0, 5.0, 0.0, 2.0], group_size=4, scale=True)
+    want = [(1 - 3) / (2 + ADVANTAGE_EPS), 0.0, 0.0, (5 - 3) / (2 + ADVANTAGE_EPS)]
+    assert got[:4] == pytest.approx(want, rel=1e-6)
+    # group 2 (two completions, none failed): mean 1, std sqrt(2)
+    assert got[4:] == pytest.approx([-1 / (math.sqrt(2) + ADVANTAGE_EPS), 1 / (math.sqrt(2) + ADVANTAGE_EPS)], rel=1e-6)
+    assert group_advantages([2.0, None, 4.0], group_size=3, scale=False) == [-1.0, 0.0, 1.0]
+
+
+def _microbatch(logits: torch.Tensor, labels: torch.Tensor, **extras: torch.Tensor) -> tuple[Microbatch, object]:
+    return Microbatch(tokens=torch.zeros_like(labels), labels=labels, extras=extras), SimpleNamespace(
+        logits=logits, hidden=None)
+
+
+def test_clip_fraction_mismatch_kl_and_kl_ref_are_their_definitions_per_completion_token():
+    g = torch.Generator().manual_seed(0)
+    rows, seq, vocab = 2, 5, 7
+    logits = torch.randn(rows, seq, vocab, generator=g)
+    labels = torch.randint(0, vocab, (rows, seq), generator=g)
+    labels[0, :2] = IGNORE_INDEX  # the prompt: not completion tokens
+    labels[1, 4] = IGNORE_INDEX
+    logp = torch.log_softmax(logits, -1).gather(-1, labels.clamp(min=0)[..., None])[..., 0]
+    mask = labels != IGNORE_INDEX
+    old = logp + torch.tensor([[0, 0, 0.5, -0.5, 0.01], [0.3, -0.3, 0.0, 0.25, 0]])  # ratio = exp(logp - old)
+    engine = old + torch.randn(rows, seq, generator=g) * 0.3
+    ref = logp + torch.randn(rows, seq, generator=g) * 0.2
+    adv = torch.tensor([[1.0] * seq, [-1.0] * seq])
+    objective = GRPOObjective(kl_coeff=0.1, clip_low=0.2, clip_high=0.2)
+    mb, output = _microbatch(logits, labels, advantages=adv, old_logp=old, rollout_logp=engine, ref_logp=ref)
+    _, _, logs = objective.loss(mb, None, output)
+    sums = {k: float(v) for k, v in logs.items()}
+    sums.setdefault("num_tokens", float(mask.sum()))
+    sums.update({k: 0.0 for k in objective.sums if k not in sums})
+    metrics = objective.metrics(sums)
+
+    tokens = mask.sum().item()
+    ratio = torch.exp(logp - old)
+    clipped = ((ratio < 0.8) & (adv < 0)) | ((ratio > 1.2) & (adv > 0))
+    assert metrics["clip_fraction"] == pytest.approx((clipped & mask).sum().item() / tokens, abs=1e-6)
+    assert 0 < metrics["clip_fraction"] < 1  # the case exercises both sides of the mask
+    # KL(engine || trainer) per token sampled by the engine: E_engine[log q_engine - log p_trainer]; its
+    # k3 estimate from the engine's samples is exp(d) - 1 - d with d = log p_trainer - log q_engine
+    d = old - engine
+    want_mismatch = ((torch.exp(d) - 1 - d) * mask).sum().item() / tokens
+    assert metrics["mismatch_kl"] == pytest.approx(want_mismatch, rel=1e-5)
+    reverse = ((torch.exp(-d) - 1 + d) * mask).sum().item() / tokens  # the other direction: must differ
+    assert abs(reverse - want_mismatch) > 1e-3 * want_mismatch
+    # kl_ref: k3 of the policy against the reference, exp(ref - logp) - (ref - logp) - 1, per completion token
+    diff = ref - logp
+    want_kl = ((torch.exp(diff) - diff - 1) * mask).sum().item() / tokens
+    assert metrics["kl_ref"] == pytest.approx(want_kl, rel=1e-5)
+    per_row = ((torch.exp(diff) - diff - 1) * mask).sum().item() / rows
+    assert abs(metrics["kl_ref"] - per_row) > 1e-3 * want_kl  # per token, not per completion
