@@ -70,3 +70,46 @@ def test_clip_fraction_mismatch_kl_and_kl_ref_are_their_definitions_per_completi
     assert metrics["kl_ref"] == pytest.approx(want_kl, rel=1e-5)
     per_row = ((torch.exp(diff) - diff - 1) * mask).sum().item() / rows
     assert abs(metrics["kl_ref"] - per_row) > 1e-3 * want_kl  # per token, not per completion
+
+
+def test_data_parallel_ranks_sample_different_prompts_and_together_the_whole_rollout():
+    from gptoss_cli.rl.prompts import PromptOrder
+
+    order = PromptOrder(num_prompts=10, seed=3)
+    for rollout in range(4):  # rollouts 1 and 3 cross an epoch boundary (8 prompts a rollout, 10 prompts)
+        ranks = [order.rank_slice(rollout, 8, r, 4) for r in range(4)]
+        positions = [order.index(k) for k in range(rollout * 8, rollout * 8 + 8)]
+        assert sum(ranks, []) == positions  # the rollout's prompts, split between the ranks, none twice
+
+
+def test_each_rank_and_each_rollout_samples_from_its_own_random_stream(monkeypatch):
+    from gptoss_cli.rl import engines
+
+    drawn = []
+    monkeypatch.setattr(engines, "sample_completions",
+                        lambda model, prompts, generator, **kw: drawn.append(torch.rand(4, generator=generator)))
+
+    def stream(rollout: int, dp_rank: int, seed: int = 7) -> torch.Tensor:
+        engine = engines.GptossRollout(None, sampling=None, max_new_tokens=1, stop_ids=[], batch_size=None, seed=seed,
+                                       dp_rank=dp_rank)
+        engine.sample(rollout, [[1]])
+        return drawn[-1]
+
+    assert torch.equal(stream(0, 0), stream(0, 0))  # reproducible: a resumed run samples the same
+    assert not torch.equal(stream(0, 0), stream(0, 1))  # another data-parallel rank
+    assert not torch.equal(stream(0, 0), stream(1, 0))  # another rollout
+    assert not torch.equal(stream(0, 0), stream(0, 0, seed=8))  # another rl.seed
+
+
+@pytest.mark.parametrize("field", ["seed", "group_size", "prompts_digest"])
+def test_a_resume_with_another_rl_setting_is_refused(field):
+    from gptoss_cli.errors import ConfigError
+    from gptoss_cli.rl.rollouts import RolloutData
+
+    saved = {"prompts": "builtin:arithmetic", "prompts_digest": "ab", "reward": "r", "seed": 1, "group_size": 4,
+             "steps_per_rollout": 1}
+    now = {**saved, field: saved[field] + (1 if isinstance(saved[field], int) else "c")}
+    run = SimpleNamespace(state_dict=lambda: now, rl=SimpleNamespace(steps_per_rollout=1))
+    with pytest.raises(ConfigError, match=f"rl.{field} changed"):
+        RolloutData.resumed(run, 2, {"rl": saved})
+    RolloutData.resumed(SimpleNamespace(state_dict=lambda: saved, rl=run.rl), 2, {"rl": saved})
