@@ -33,7 +33,6 @@ from typer.testing import CliRunner
 from gptoss_cli.checkpoint.convert import convert
 from gptoss_cli.cli import app
 from gptoss_cli.cli.app import handle_errors, install_signal_handlers
-from gptoss_cli.errors import Terminated
 from tests.faults.conftest import TRAIN_FAST, assert_one_line, leftovers
 from tests.faults.test_train_faults import latest_step
 from tests.support.signal_points import count_points, signal_at, sweep_points
