@@ -119,7 +119,13 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         mark = signals_seen()
         try:
-            return fn(*args, **kwargs)
+            result = fn(*args, **kwargs)
+            # a signal whose exception something swallowed (a finaliser, a C++ frame): the work is done, but
+            # the command still ends as the signal asked
+            stop = signal_since(mark)
+            if stop is None:
+                return result
+            _exit_for(stop)
         except (typer.Exit, SystemExit):
             raise
         except BaseException as exc:  # noqa: BLE001 - each kind below is one line; anything else is re-raised

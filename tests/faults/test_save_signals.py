@@ -121,6 +121,7 @@ def test_a_signal_anywhere_in_a_convert_write_ends_as_that_signal_with_nothing_a
             code, err = through_the_cli(save(out / "dst"))
         assert where["fired"], (point, sweep)
         want, label = EXPECTED[signum]
+        assert code == want, (where, code, err)
         assert_one_line((code, err), want, "nothing was left half-written", prefix=label)
         # DST is absent, or complete when the signal came after it was put in place (the command still stops)
         assert leftovers(out) == [] and [p.name for p in out.iterdir()] in ([], ["dst"]), (where, list(out.iterdir()))

@@ -47,27 +47,50 @@ def signals_deferred() -> Iterator[Callable[[], None]]:
         nonlocal restored
         if not restored:
             restored = True
-            for s, handler in before.items():
-                signal.signal(s, handler)
+            _restore(list(before.items()))
         if arrived:
             signum = arrived.pop(0)
             arrived.clear()
-            handler = before[signum]
-            if callable(handler):
-                handler(signum, None)  # raises (KeyboardInterrupt, Terminated) as if it had landed now
-            elif handler == signal.SIG_DFL:
-                os.kill(os.getpid(), signum)
+            _forward(before[signum], signum, None)  # raises (KeyboardInterrupt, Terminated) as if it landed now
 
     def check() -> None:
         if arrived:
             restore_and_raise()
 
-    for s in HELD:
-        signal.signal(s, lambda signum, frame: arrived.append(signum))
-    try:
+    def record(signum: int, frame: Any) -> None:
+        if restored:  # left installed by a signal that ended the block mid-restore: act as the handler replaced
+            _forward(before[signum], signum, frame)
+        else:
+            arrived.append(signum)
+
+    try:  # installed inside the try: a signal landing between the two still gets both handlers put back
+        for s in HELD:
+            signal.signal(s, record)
         yield check
     finally:
         restore_and_raise()
+
+
+def _forward(handler: Any, signum: int, frame: Any) -> None:
+    """What `handler` (a saved signal handler) does with `signum`."""
+    if callable(handler):
+        handler(signum, frame)
+    elif handler == signal.SIG_DFL:
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+
+def _restore(handlers: list[tuple[int, Any]]) -> None:
+    """Put every handler back, each in the `finally` of the one before. A signal the first restored handler raises
+    for can still land before the next call (Python checks for signals as a function starts): the handler left
+    installed then forwards to the one it replaced (`record`), so no signal is lost."""
+    if not handlers:
+        return
+    (signum, handler), rest = handlers[0], handlers[1:]
+    try:
+        signal.signal(signum, handler)
+    finally:
+        _restore(rest)
 
 
 def save_bytes(obj: Any) -> memoryview:
