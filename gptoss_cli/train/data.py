@@ -40,7 +40,9 @@ from gptoss_cli.errors import ConfigError
 from gptoss_cli.model.positions import document_offsets, document_positions
 from gptoss_cli.model.context_parallel import slice_sequence
 from gptoss_cli.model.loss import IGNORE_INDEX
-from gptoss_cli.data.token_format import INDEX_DTYPE, TOKEN_ITEMSIZE, check_token_files, document_file_paths, has_documents, read_token_header
+from gptoss_cli.data.token_format import (
+    TOKEN_ITEMSIZE, check_token_files, document_file_paths, has_documents, read_document_offsets, read_token_header,
+)
 
 # The format's dtype names (gptoss_cli/data/token_format.py) as the torch dtypes the reader maps them to.
 TOKEN_DTYPES = {name: getattr(torch, name) for name in TOKEN_ITEMSIZE}
@@ -171,7 +173,7 @@ class PackedDocumentSource(_EpochOrder):
             raise ConfigError(f"{bin_path}: a version-1 token file has no documents to pack")
         self.tokens = _map_tokens(bin_path, header, num_tokens)
         idx_path, mask_path = document_file_paths(path)
-        self.offsets = np.fromfile(idx_path, dtype=INDEX_DTYPE).astype(np.int64)  # checked by check_token_files
+        self.offsets = read_document_offsets(idx_path)  # checked by check_token_files
         self.mask = (torch.from_file(str(mask_path), shared=False, size=num_tokens, dtype=torch.uint8)
                      if header.get("loss_mask") else None)
         self.lengths = np.diff(self.offsets).tolist()
