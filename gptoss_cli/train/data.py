@@ -32,6 +32,7 @@ from gptoss_cli.errors import ConfigError
 from gptoss_cli.model.positions import document_offsets, document_positions
 from gptoss_cli.model.context_parallel import slice_sequence
 from gptoss_cli.model.loss import IGNORE_INDEX
+from gptoss_cli.model.routes import ExpertRoutes
 from gptoss_cli.data.token_format import INDEX_DTYPE, TOKEN_ITEMSIZE, check_token_files, document_file_paths, has_documents, read_token_header
 
 # The format's dtype names (gptoss_cli/data/token_format.py) as the torch dtypes the reader maps them to.
@@ -207,12 +208,17 @@ class Microbatch:
     # per-position tensors [mbs, S] a training objective attaches (advantages, old log-probs, ...:
     # train/objective.py, `prepare_step`); sliced with the labels under context parallel
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    # expert ids per position and MoE layer the forward is handed (routing replay, model/routes.py);
+    # sliced with the tokens under context parallel
+    routes: ExpertRoutes | None = None
 
     def model_inputs(self) -> dict:
         """Keyword arguments of the model's forward (and schedule plan) besides the tokens."""
-        if self.cu_seqlens is None and self.position_ids is None:
-            return {}
-        return {"position_ids": self.position_ids, "cu_seqlens": self.cu_seqlens}
+        out = {} if self.cu_seqlens is None and self.position_ids is None else {
+            "position_ids": self.position_ids, "cu_seqlens": self.cu_seqlens}
+        if self.routes is not None:
+            out["routes"] = self.routes
+        return out
 
     def context_slice(self, cp_size: int, cp_rank: int) -> "Microbatch":
         """CP rank `cp_rank`'s contiguous slice of every row: tokens, labels and positions (of the
@@ -226,7 +232,8 @@ class Microbatch:
         return Microbatch(tokens=slice_sequence(self.tokens, cp_size, cp_rank),
                           labels=slice_sequence(self.labels, cp_size, cp_rank),
                           position_ids=slice_sequence(positions, cp_size, cp_rank), cu_seqlens=self.cu_seqlens,
-                          extras={k: slice_sequence(v, cp_size, cp_rank) for k, v in self.extras.items()})
+                          extras={k: slice_sequence(v, cp_size, cp_rank) for k, v in self.extras.items()},
+                          routes=None if self.routes is None else self.routes.context_slice(cp_size, cp_rank))
 
 
 class DataLoaderState:
