@@ -12,7 +12,8 @@ softmax of the LIVE router's logits gathered at the given ids, so their gradient
 `E` layers of the full pattern, in order), -1 where a token has none (then it routes live):
 
 - `engine`: the ids the rollout engine routed each token to. The forward counts, before any replay,
-  the token-layer pairs whose live top-k SET differs from them (`routing_flip_rate`);
+  per position the MoE layers whose live top-k SET differs from them (`routing_flip_rate`); each
+  router counts on its own input, i.e. after the layers before it routed as the forward routes them;
 - `replay`: route each token to these ids instead of its live top-k;
 - `record`: hand back the forward's own live ids (what `rl.routing_replay: old_policy` replays).
 
@@ -66,8 +67,8 @@ class ExpertRoutes:
 
 
 class LayerRoutes:
-    """One MoE layer's ids of a forward, and what its router found: `flips` and `pairs` (scalars: tokens
-    with engine ids whose live top-k set differs from them, and tokens with engine ids), `live` [T, k]
+    """One MoE layer's ids of a forward, and what its router found: `flips` and `pairs` ([T] int: the token
+    has engine ids and its live top-k set differs from them; the token has engine ids), `live` [T, k]
     (when recording). A recompute of the layer sets them again to the same values."""
 
     def __init__(self, engine: torch.Tensor | None = None, replay: torch.Tensor | None = None, record: bool = False):
@@ -88,8 +89,8 @@ class LayerRoutes:
             if self.engine is not None:
                 given = self.engine[:, 0] >= 0
                 same = (torch.sort(live, dim=-1).values == torch.sort(self.engine.long(), dim=-1).values).all(-1)
-                self.flips = (given & ~same).sum()
-                self.pairs = given.sum()
+                self.flips = (given & ~same).to(torch.int32)
+                self.pairs = given.to(torch.int32)
         if self.replay is None:
             return torch.softmax(top, dim=-1), live
         forced = (self.replay[:, :1] >= 0)
@@ -99,10 +100,11 @@ class LayerRoutes:
 
 def collect(layers: list[LayerRoutes], batch: int, seq: int) -> tuple[torch.Tensor | None, torch.Tensor | None,
                                                                       torch.Tensor | None]:
-    """(flips, pairs, live ids [B, S, L, k] or None) summed / stacked over the MoE layers of one forward."""
+    """(flips, pairs [B, S]: summed over the MoE layers, live ids [B, S, L, k]; None where not counted or
+    recorded) of one forward."""
     counted = [lr for lr in layers if lr.pairs is not None]
-    flips = torch.stack([lr.flips for lr in counted]).sum() if counted else None
-    pairs = torch.stack([lr.pairs for lr in counted]).sum() if counted else None
+    flips = torch.stack([lr.flips for lr in counted]).sum(0).reshape(batch, seq) if counted else None
+    pairs = torch.stack([lr.pairs for lr in counted]).sum(0).reshape(batch, seq) if counted else None
     live = None
     if layers and all(lr.live is not None for lr in layers):
         live = torch.stack([lr.live.reshape(batch, seq, -1) for lr in layers], dim=2)
