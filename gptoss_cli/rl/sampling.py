@@ -31,7 +31,6 @@ import torch.distributed as dist
 
 from gptoss_cli.generate.decode import Sampling, choose, left_pad, top_p_filter
 from gptoss_cli.model.decode.kv_cache import KVCache, forward_cached, next_token_logits, prefill
-from gptoss_cli.model.routes import routes_dtype
 
 
 def _group_max(value: int, group) -> int:
@@ -92,7 +91,7 @@ def sample_batch(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int
         next_pos = next_pos + 1
     if chosen is None:
         return out
-    columns = torch.cat(chosen, dim=1).to("cpu", routes_dtype(model.arch.num_local_experts))
+    columns = torch.cat(chosen, dim=1).cpu()
     return [(*row, _row_routes(columns, r, len(p), width, len(row[0]))) for r, (row, p) in enumerate(zip(out, prompts))]
 
 

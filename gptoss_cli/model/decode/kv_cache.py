@@ -34,7 +34,7 @@ from gptoss_cli.model.hybrid import run_layer
 from gptoss_cli.model.decode.moe import DecodeExperts, decode_moe, decode_moe_available
 from gptoss_cli.model.decode.skinny_gemm import skinny_linear
 from gptoss_cli.model.moe import MoELayer
-from gptoss_cli.model.routes import LayerRoutes
+from gptoss_cli.model.routes import LayerRoutes, routes_dtype
 
 # Queries per call when a long prompt is fed through the cache: the scores of one chunk are
 # [batch, heads, chunk, keys].
@@ -266,8 +266,9 @@ def forward_cached(model, input_ids: torch.Tensor, position_ids: torch.Tensor, c
         for cols in cache.by_window.values():
             cols.record(start, position_ids)
     cache.seen += n
-    if routes_out is not None and chosen:
-        routes_out.append(torch.stack(chosen, dim=1).reshape(input_ids.shape[0], n, len(chosen), -1))
+    if routes_out is not None and chosen:  # stored narrow at once: a rollout keeps every column's
+        ids = torch.stack(chosen, dim=1).to(routes_dtype(model.arch.num_local_experts))
+        routes_out.append(ids.reshape(input_ids.shape[0], n, len(chosen), -1))
     return model.decoder.final_norm(x)
 
 
