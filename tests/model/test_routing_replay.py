@@ -12,23 +12,10 @@ import torch.nn.functional as F
 
 from gptoss_cli.model.hybrid import HybridModel
 from gptoss_cli.model.recompute import RecomputePlan
-from gptoss_cli.model.routes import NO_ROUTE, ExpertRoutes
+from gptoss_cli.model.routes import ExpertRoutes
 from gptoss_cli.train.objective import token_log_probs
-from tests.model.conftest import TINY, hf_to_hybrid_state_dict, tokens
-
-L, K, E = TINY.num_hidden_layers, TINY.num_experts_per_tok, TINY.num_local_experts
-TOL = dict(rtol=1e-5, atol=1e-5)
-
-
-def random_routes(batch: int, seq: int, seed: int = 3, live_every: int | None = 5) -> torch.Tensor:
-    """[B, S, L, k] distinct random ids per token and layer; every `live_every`-th position has none (-1)."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(batch * seq * L)])
-    ids = ids.reshape(batch, seq, L, K).to(torch.int16)
-    if live_every:
-        ids[:, ::live_every] = NO_ROUTE
-    return ids
-
+from tests.model.conftest import TINY, hf_to_hybrid_state_dict
+from tests.model.replay_inputs import TOL, E, K, L, batch, random_routes, weights_for
 
 def patch_routers(hf_model, routes: torch.Tensor | None, seen: list | None = None) -> None:
     """Each HF router sends token t of layer i to routes[..., i, :] (flattened like its input), with the
@@ -63,10 +50,6 @@ def hf_copy(hf_tiny):
     return copy.deepcopy(hf_tiny).train()
 
 
-def weights_for(ids: torch.Tensor) -> torch.Tensor:
-    return torch.randn(ids.shape, generator=torch.Generator().manual_seed(9))
-
-
 def hf_run(hf_model, ids, labels, w):
     logits = hf_model(ids).logits.float()
     logp = torch.log_softmax(logits, -1).gather(-1, labels[..., None])[..., 0]
@@ -81,12 +64,6 @@ def ours_run(model, ids, labels, w, routes):
     logp = token_log_probs(out, labels)
     (logp * w).sum().backward()
     return logp.detach(), {n: p.grad for n, p in model.named_parameters()}, out
-
-
-def batch():
-    ids = tokens()
-    ids[ids == 1001] = 0  # transformers' padding id: its embedding row gets no gradient there
-    return ids, torch.roll(ids, -1, dims=1)
 
 
 def test_replayed_forward_equals_transformers_with_patched_routers(hf_tiny):
