@@ -174,3 +174,47 @@ def test_routes_of_the_wrong_shape_are_one_line(hf_tiny):
     ids, _ = batch()
     with pytest.raises(ConfigError, match=r"routes.replay has shape .*3 MoE layers"):
         ours_from(hf_tiny)(ids, routes=ExpertRoutes(replay=random_routes(*ids.shape)[:, :, :2]))
+
+
+def test_lora_adapted_experts_follow_the_replayed_ids(tmp_path):
+    """LoRA on every target (the experts' fc1 and fc2 included) with replay: transformers + PEFT with our
+    exported adapter and patched routers gives our logits (tests/model/test_lora_vs_peft.py's tolerance)."""
+    peft = pytest.importorskip("peft")
+    from tests.model.test_lora_vs_peft import LOGITS_REL, _adapted, _tokens, _write_peft
+    from tests.model.tiny_checkpoints import load_hf_reference, write_converted_pair
+
+    hf, hybrid = write_converted_pair(tmp_path / "pair", "bf16", seed=3)
+    model, settings = _adapted(hybrid)
+    folder = _write_peft(tmp_path / "adapter", model, settings, hf)
+    ids = _tokens(model.arch.vocab_size)
+    routes = random_routes(*ids.shape)
+    base = load_hf_reference(hf)
+    patch_routers(base, routes)
+    with torch.no_grad():
+        ours = model(ids, routes=ExpertRoutes(replay=routes)).logits
+        live = model(ids).logits
+        theirs = peft.PeftModel.from_pretrained(base, str(folder)).eval()(ids).logits
+    assert (live - theirs).abs().max() > 100 * LOGITS_REL * theirs.abs().max()  # the replay shows
+    assert (ours - theirs).abs().max().item() <= LOGITS_REL * theirs.abs().max().item()
+
+
+def test_context_parallel_slices_the_ids_with_their_tokens():
+    """Each CP rank's microbatch holds the ids of exactly its tokens (the MoE layers are token-local, so a
+    rank's forward replays its tokens' ids): Microbatch.context_slice cuts both along the sequence alike."""
+    from gptoss_cli.train.data import Microbatch
+
+    ids, labels = batch()
+    routes = random_routes(*ids.shape)
+    position = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
+    stamped = routes.clone()
+    stamped[..., 0] = torch.where(routes[..., 0] >= 0, position[..., None].to(routes.dtype), routes[..., 0])
+    mb = Microbatch(tokens=ids[:, :20], labels=labels[:, :20], routes=ExpertRoutes(engine=stamped[:, :20],
+                                                                                     replay=stamped[:, :20]))
+    for rank in (0, 1):
+        part = mb.context_slice(2, rank)
+        assert torch.equal(part.tokens, ids[:, 10 * rank:10 * rank + 10])
+        for t in (part.routes.engine, part.routes.replay):
+            given = t[..., 0] >= 0
+            assert torch.equal(t[..., 0][given].long(), (position[:, 10 * rank:10 * rank + 10, None]
+                                                         .expand(-1, -1, L)[given]))
+        assert part.model_inputs()["routes"] is part.routes
