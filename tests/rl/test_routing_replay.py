@@ -175,7 +175,7 @@ def test_resume_with_old_policy_replay_is_the_whole_run_bit_for_bit(tmp_path):
     rollout's weights; checkpoints fall between rollouts, so a resumed run records them anew."""
     import json as _json
 
-    from gptoss_cli.checkpoint.training_format import iter_name
+    from gptoss_cli.checkpoint.formats.training.record import iter_name
     from gptoss_cli.run.worker import run_worker
     from tests.rl.helpers import grpo_job, metrics
     from tests.rl.test_grpo_train import _checkpoint_weights
