@@ -239,7 +239,7 @@ def _zip_bomb() -> bytes:
 
 
 def read_megatron(folder: Path) -> None:
-    from gptoss_cli.checkpoint.megatron.common import find_iteration_folder, load_common
+    from gptoss_cli.checkpoint.formats.megatron.common import find_iteration_folder, load_common
 
     find_iteration_folder(folder)
     load_common(folder / "iter_0000001" / "common.pt")
@@ -268,7 +268,7 @@ def read_tokens(folder: Path) -> None:
 
 
 def _run_record() -> dict:
-    from gptoss_cli.checkpoint.training_format import run_record
+    from gptoss_cli.checkpoint.formats.training.record import run_record
     from gptoss_cli.model.config import preset
 
     lora = {"rank": 2, "alpha": 4.0, "dropout": 0.0, "target_modules": ["linear_qkv"],
@@ -293,7 +293,7 @@ def run_record_folder(draw) -> tuple[Folder, dict[str, int]]:
 
 
 def read_run(folder: Path) -> None:
-    from gptoss_cli.checkpoint.training_format import read_training_run
+    from gptoss_cli.checkpoint.formats.training.record import read_training_run
 
     read_training_run(folder / "iter_0000002")
 
@@ -335,7 +335,7 @@ def conversations_folder(draw) -> tuple[Folder, dict[str, int]]:
 
 
 def read_conversations(folder: Path) -> None:
-    from gptoss_cli.data.prepare_conversations import prepare_conversations
+    from gptoss_cli.data.prepare.conversations import prepare_conversations
 
     inputs = sorted(p for p in folder.iterdir() if p.suffix in (".jsonl", ".parquet"))
     prepare_conversations(inputs, folder / "out" / "sft", TOKENIZER_FOLDER)
@@ -344,8 +344,8 @@ def read_conversations(folder: Path) -> None:
 @st.composite
 def config_folder(draw) -> tuple[Folder, dict[str, int]]:
     """An HF config.json (architecture fields), a Hybrid hybrid_config.json, a PEFT adapter_config.json."""
-    from gptoss_cli.checkpoint.hf_config import to_hf_config
-    from gptoss_cli.checkpoint.peft_format import adapter_config
+    from gptoss_cli.checkpoint.formats.hf.config import to_hf_config
+    from gptoss_cli.checkpoint.formats.peft.adapter import adapter_config
     from gptoss_cli.model.config import preset
 
     which = draw(st.sampled_from(["config.json", "adapter_config.json"]))

@@ -113,7 +113,7 @@ LORA = {"rank": 2, "alpha": 4.0, "dropout": 0.0, "target_modules": ["linear_qkv"
     ("target_modules", ["q_proj"], "run.lora is not a LoRA record"),
 ])
 def test_a_run_record_number_out_of_range_is_refused_before_export(training_ckpt, tmp_path, field, value, words):
-    from gptoss_cli.checkpoint.training_format import read_training_run
+    from gptoss_cli.checkpoint.formats.training.record import read_training_run
 
     src = tmp_path / "ckpt"
     shutil.copytree(training_ckpt, src)

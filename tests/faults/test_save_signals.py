@@ -91,7 +91,7 @@ WRITERS = {
 def lora_ckpt(tiny_hybrid, tmp_path_factory) -> Path:
     """The checkpoint.dir of a 1-step LoRA run on tiny_hybrid (the PEFT writer's source)."""
     from gptoss_cli.checkpoint.load import checkpoint_architecture
-    from gptoss_cli.train.worker import run_worker
+    from gptoss_cli.run.worker import run_worker
     from tests.train.jobs import train_job
 
     run = tmp_path_factory.mktemp("lora-run")

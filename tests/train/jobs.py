@@ -54,6 +54,7 @@ FIELDS = {
     "kl_coeff": "rl.kl_coeff", "kl_unbiased": "rl.kl_unbiased", "rollout_engine": "rl.rollout.engine",
     "engine_python": "rl.rollout.engine_python", "rollout_batch_size": "rl.rollout.batch_size",
     "is_cap": "rl.rollout.is_cap", "mismatch_warn": "rl.rollout.mismatch_warn",
+    "routing_replay": "rl.routing_replay",
 }
 
 BASE: dict[str, Any] = dict(
