@@ -121,11 +121,11 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         except MemoryError:
             print_error("out of memory")
             raise typer.Exit(1) from None
-        except KeyboardInterrupt:
-            print_error("nothing was left half-written", label="interrupted: ")
+        except KeyboardInterrupt as exc:  # a command may say what survives in the message (train does)
+            print_error(str(exc) or "nothing was left half-written", label="interrupted: ")
             raise typer.Exit(EXIT_INTERRUPTED) from None
-        except Terminated:
-            print_error("nothing was left half-written", label="terminated: ")
+        except Terminated as exc:
+            print_error(str(exc) or "nothing was left half-written", label="terminated: ")
             raise typer.Exit(EXIT_TERMINATED) from None
 
     return wrapper
