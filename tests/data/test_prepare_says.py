@@ -1,6 +1,7 @@
-"""`prepare-data --format harmony` says why it dropped each conversation it dropped (issue 53): a count per reason
-and the first rows, each with its length or its first trained token, checked against the same conversations
-rendered without any limit; and a file of which nothing is left names the reason and the fix."""
+"""What `prepare-data` says (issue 53): `--format harmony` says why it dropped each conversation it dropped, a
+count per reason and the first rows, each with its length or its first trained token, checked against the same
+conversations rendered without any limit, and a file of which nothing is left names the reason and the fix;
+plain prepare-data on conversations points at --format harmony."""
 
 from __future__ import annotations
 
@@ -91,3 +92,15 @@ def test_when_nothing_is_left_the_error_names_the_reason_and_the_fix(files, tmp_
     assert f"all 1 conversations in ['{only_tools}'] were dropped: 1 no trained token in their first" in text, text
     assert "--truncate" in text and "pass --truncate" not in text  # it was passed: the fix is a longer limit
     assert not list(tmp_path.glob("none*"))
+
+
+def test_text_prepare_data_on_conversations_points_at_format_harmony(files, tmp_path):
+    tok, chats, _ = files
+    result = run_cli("prepare-data", chats, "--tokenizer", tok, "--out", tmp_path / "t")
+    text = " ".join(result.output.split())
+    assert result.exit_code == 2 and f"{chats}:1: no string field 'text' (the line is a conversation" in text, text
+    assert "pass --format harmony" in text and "--text-key" not in text
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text(json.dumps({"body": "hello"}) + "\n")
+    result = run_cli("prepare-data", plain, "--tokenizer", tok, "--out", tmp_path / "p")
+    assert result.exit_code == 2 and "pass --text-key" in result.output and "harmony" not in result.output
