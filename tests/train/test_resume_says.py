@@ -76,6 +76,14 @@ def test_a_changed_learning_rate_is_refused_naming_the_step_and_saying_how_to_tr
     check_resume_recipe(tmp_path, _saved(10, **cosine), recipe_config(**dict(cosine, train_iters=20, lr_decay_iters=10)))
 
 
+def test_a_changed_min_lr_is_refused_where_the_schedule_decays_to_it_and_moot_where_it_is_constant(tmp_path):
+    cosine = dict(lr=3e-4, min_lr=3e-5, warmup_iters=2, train_iters=10, lr_decay_style="cosine")
+    with pytest.raises(ConfigError, match=r"training\.min_lr=1e-05 gives min_lr 1e-05, the checkpoint's min_lr is 3e-05"):
+        check_resume_recipe(tmp_path, _saved(4, **cosine), recipe_config(**dict(cosine, min_lr=1e-5)))
+    constant = dict(cosine, lr_decay_style="constant")
+    check_resume_recipe(tmp_path, _saved(4, **constant), recipe_config(**dict(constant, min_lr=1e-5)))
+
+
 def test_a_change_to_the_steps_already_taken_is_refused(tmp_path):
     constant = dict(lr=3e-4, warmup_iters=2, lr_decay_style="constant")
     with pytest.raises(ConfigError, match=r"training\.warmup_iters=0 gives warmup_iters 0.*lr of step 1: 0 in the"):
