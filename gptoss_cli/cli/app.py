@@ -152,11 +152,11 @@ def _exit_for(exc: BaseException) -> None:
             raise
         print_error(str(out_of_memory(None, exc)))
         raise typer.Exit(OutOfMemory.exit_code) from None
-    except KeyboardInterrupt:
-        print_error("nothing was left half-written", label="interrupted: ")
+    except KeyboardInterrupt:  # a command may say what survives in the message (train does)
+        print_error(str(exc) or "nothing was left half-written", label="interrupted: ")
         raise typer.Exit(EXIT_INTERRUPTED) from None
     except Terminated:
-        print_error("nothing was left half-written", label="terminated: ")
+        print_error(str(exc) or "nothing was left half-written", label="terminated: ")
         raise typer.Exit(EXIT_TERMINATED) from None
 
 

@@ -246,6 +246,10 @@ class CheckpointConfig:
         False, "resume with this recipe's learning-rate schedule (training.lr, min_lr, warmup_iters, lr_decay_style, "
         "lr_decay_iters or train_iters) even where it differs from the checkpoint's; false = such a resume is refused",
     )
+    override_data: bool = _f(
+        False, "resume on this recipe's data (data.kind, path, blend) even where it differs from the checkpoint's "
+        "run, carrying on from the checkpoint's position (consumed_samples); false = such a resume is refused",
+    )
 
 
 @dataclass

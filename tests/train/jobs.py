@@ -43,6 +43,7 @@ FIELDS = {
     "pretrained": "checkpoint.pretrained", "log_interval": "logging.log_interval",
     "keep_last": "checkpoint.keep_last", "keep_every": "checkpoint.keep_every",
     "override_lr_schedule": "checkpoint.override_lr_schedule", "data_blend": "data.blend",
+    "override_data": "checkpoint.override_data",
     "validation_data": "validation.data", "validation_interval": "validation.interval",
     "validation_iters": "validation.iters",
     "lora_rank": "lora.rank", "lora_alpha": "lora.alpha", "lora_dropout": "lora.dropout",
