@@ -91,7 +91,7 @@ def test_vllm_rollouts_push_weights_and_match_the_trainer_in_fp32(trainer):
     with torch.no_grad():
         for p in planted.values():
             p.add_(0.2 * torch.randn(p.shape, generator=gen))
-        perturbed = write_hf_folder(model, model.arch, t.data.engine._tmp / "perturbed", qat=False, dtype="float32")
+        perturbed = write_hf_folder(model, model.arch, t.data.engine.stage.path / "perturbed", qat=False, dtype="float32")
         for n, p in planted.items():
             p.copy_(saved[n])
     t.data.engine.engine.load_weights(perturbed)
@@ -127,7 +127,7 @@ def test_vllm_rollouts_push_weights_and_match_the_trainer_in_fp32(trainer):
     engine.engine.load_weights(perturbed)  # what the engine serves now: not the policy
     with pytest.raises(TrainingError, match=r"does not serve the policy's weights of version"):
         engine._fingerprint(model, "in the test")
-    policy = write_hf_folder(model, model.arch, engine._tmp / "policy", qat=False, dtype="float32")
+    policy = write_hf_folder(model, model.arch, engine.stage.path / "policy", qat=False, dtype="float32")
     engine.engine.load_weights(policy, method="vllm_inplace")  # vLLM's reload_weights: experts, sinks stay stale
     with pytest.raises(TrainingError, match=r"differ from the trainer's by up to"):
         engine._fingerprint(model, "after vLLM's in-place reload")

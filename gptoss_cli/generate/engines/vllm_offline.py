@@ -71,6 +71,7 @@ class VllmEngine:
         self._scratch = ScratchFolder("gptoss-vllm-", log_dir)
         self._tmp = self._scratch.path
         self.log_path = Path(log_file).expanduser().resolve() if log_file else self._tmp / "engine.log"
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab" if log_file else "wb")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env.pop("PYTHONPATH", None)  # the engine's venv, not ours
