@@ -88,7 +88,8 @@ class GRPOObjective(TrainingObjective):
     # reward_mean is the rollout's (RLTrainer adds it to the step's metrics, rl/rollouts.py)
     shown_metrics: ClassVar[tuple[MetricDisplay, ...]] = (
         MetricDisplay("reward_mean", label="mean reward", console="reward", format=".3f"),
-        MetricDisplay("mismatch_kl", label="mismatch KL (engine || trainer)", console="mismatch", format=".1e"))
+        MetricDisplay("mismatch_kl", label="mismatch KL (engine || trainer)", console="mismatch", format=".1e"),
+        MetricDisplay("mismatch_logp_abs", label="mean |logprob engine - trainer|", console="|dlogp|", format=".1e"))
 
     @classmethod
     def from_recipe(cls, config: RecipeConfig) -> "GRPOObjective":
@@ -135,7 +136,8 @@ class GRPOObjective(TrainingObjective):
         high = (ratio > 1 + self.clip_high) & (adv > 0)
         logs.update(pg_loss_sum=objective.detach(), completion_tokens=mask.sum(), completions=rows.sum(),
                     clipped_sum=((low | high).float() * mask).sum(), entropy_sum=(entropy * mask).sum(),
-                    mismatch_sum=((torch.exp(d) - 1 - d) * mask).sum().detach(),
+                    # in float64, expm1: exp(d) - 1 - d >= 0 without rounding's negatives at |d| ~ 1e-7
+                    mismatch_sum=((torch.expm1(d.double()) - d.double()) * mask).sum().detach().to(d.dtype),
                     mismatch_abs_sum=d.abs().sum().detach())
         loss_sum = objective + router_losses(output, normaliser, self.aux_loss_coeff, self.z_loss_coeff, logs)
         return loss_sum, normaliser, logs
