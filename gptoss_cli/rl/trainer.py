@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from gptoss_cli.checkpoint.training_format import iter_name
+from gptoss_cli.checkpoint.formats.training.record import iter_name
 from gptoss_cli.errors import GptossError
 from gptoss_cli.rl.rollouts import RolloutData
 from gptoss_cli.train.loop import StepOutcome, Trainer
