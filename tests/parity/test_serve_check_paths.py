@@ -89,3 +89,13 @@ def test_a_head_size_the_cpu_engine_refuses_is_named_before_it_starts(tmp_path, 
         serve_check("h16", ServeCheckOptions(engine_python=fake_engine_python(tmp_path / "fake"), **FEW))
     assert "make-tiny DST --head-dim 64" in info.value.hint
     assert records(tmp_path / "record.jsonl") == []  # no engine was started
+
+
+def test_make_tiny_writes_the_head_size_asked_and_refuses_an_odd_one(tmp_path):
+    import json
+
+    code, out = exit_and_output("make-tiny", tmp_path / "h64", "--head-dim", "64", "--experts", "bf16")
+    assert code == 0, out
+    assert json.loads((tmp_path / "h64" / "config.json").read_text())["head_dim"] == 64
+    code, out = exit_and_output("make-tiny", tmp_path / "odd", "--head-dim", "63")
+    assert code == 2 and "--head-dim 63 must be an even number" in out and not (tmp_path / "odd").exists(), out
