@@ -22,6 +22,7 @@ import pytest
 
 from gptoss_cli.errors import TrainingError
 from gptoss_cli.run.worker import run_worker
+from gptoss_cli.train.progress import TrainStarted
 from tests.rl.helpers import TINY, grpo_job, metrics, write_inputs
 from tests.support.fake_engine import RECORD_ENV, fake_engine_python, records
 
@@ -43,7 +44,8 @@ def _staged(root: Path) -> list[str]:
 def test_every_update_is_pushed_and_fingerprinted_and_nothing_stays_staged(tmp_path, monkeypatch):
     monkeypatch.setenv(RECORD_ENV, str(tmp_path / "record.jsonl"))
     job = _job(tmp_path, train_iters=3)
-    result = run_worker(job)
+    events = []
+    result = run_worker(job, progress=events.append)
     rows = metrics(job.run_dir)
     assert [r["weights_version"] for r in rows] == [0, 1, 2]
     for r in rows:  # transformers against gptoss, both fp32: within the budget of the pushed weights
@@ -56,7 +58,12 @@ def test_every_update_is_pushed_and_fingerprinted_and_nothing_stays_staged(tmp_p
     assert all(Path(f).is_absolute() and Path(f).is_relative_to(stage) for f in started + pushes), started + pushes
     assert _staged(tmp_path) == []
     assert (Path(job.run_dir) / "rollout-engine.log").is_file()
-    assert [m["name"] for m in result.shown] == ["reward_mean", "mismatch_kl"]
+    # the console: which engine, its log, its start-up; the summary: the reward, first and last
+    notes = [n for e in events if isinstance(e, TrainStarted) for n in e.notes]
+    assert len(notes) == 1 and "rollout engine: vllm fake on cpu" in notes[0] and "rollout-engine.log" in notes[0]
+    assert "started in" in notes[0] and str(stage) in notes[0]
+    reward = next(m for m in result.shown if m["name"] == "reward_mean")
+    assert (reward["first"], reward["last"]) == (rows[0]["reward_mean"], rows[-1]["reward_mean"])
 
 
 def test_a_skipped_push_stops_the_run_naming_it_after_saving_the_policy(tmp_path, monkeypatch):
