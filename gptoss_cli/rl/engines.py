@@ -10,12 +10,15 @@ with the policy as it is after `version` optimizer steps.
 - `VllmRollout` runs vLLM in its own interpreter (generate/engines/vllm_offline.py), fed by rank 0:
   every rank's prompts are gathered there and the completions sent back. Each completion has its
   own vLLM seed, from (rl.seed, rollout, its index in the rollout). `sync` writes the policy's
-  served weights to an HF folder (rl/weights.py) and has the engine serve them without a restart
+  served weights to an HF folder (rl/weights.py) in the stage folder (rl.rollout.stage_dir, an
+  outputs.ScratchFolder: removed however the run ends) and has the engine serve them without a restart
   (vLLM's loader builds them in the engine's process and they replace the served tensors in place:
   vLLM's own in-place reload leaves GPT-OSS's experts, sinks and CPU-packed linear layers stale,
-  generate/engines/vllm_worker.py), then checks a fingerprint: the engine's log-probabilities of a probe prompt over the whole vocabulary
-  against the trainer's own, within serve-check's error budget for the engine's dtype
-  (parity/serve/budget.py). A push the engine did not take is a TrainingError naming the version.
+  generate/engines/vllm_worker.py), then checks a fingerprint (rl/fingerprint.py): the engine's
+  log-probabilities of a probe prompt over the whole vocabulary against the trainer's own, within the
+  error budget of the pushed weights. A push the engine did not take, or other weights served, is a
+  TrainingError naming the version and the likely cause, on every rank; an engine that only rounds more
+  than the budget allows is a warning. The engine's log goes to the run folder (rollout-engine.log).
   The engine's log-probabilities are vLLM's `processed_logprobs`: after temperature and top_p, the
   distribution it sampled from, as gptoss's engine reports them.
 """

@@ -4,43 +4,43 @@ Error model. The engine and gptoss compute the same network from the same weight
 rounding of the checkpoint) on the same token ids; they differ only in rounding: where each rounds an
 activation to the compute dtype and in which order its dot products add. Each rounding is a relative
 error of at most u (unit roundoff: 2**-8 in bf16, 2**-24 in fp32), of random sign and roughly
-uniform, so of standard deviation u/sqrt(3). Per sublayer (attention or MoE) an activation element
-passes through about R_PER_SUBLAYER roundings (the norm, a GEMM output, the softmax or activation, a
-second GEMM, the weighting, the residual add), and every dot product of n terms adds the reassociation
-error of an n-term fp32 sum, about sqrt(n) * 2**-24 relative (fp32 accumulation on both sides, bf16
-included). Over the 2L sublayers of L blocks these add as a random walk (the residual stream carries
-an error forward with gain about 1), so an element of the final normalised hidden state h carries a
-relative error of standard deviation
+uniform, so of standard deviation u/sqrt(3), and every dot product or row sum of n terms adds the
+reassociation error of an n-term fp32 sum, about sqrt(n) * 2**-24 relative (fp32 accumulation on both
+sides, bf16 included; n = max(hidden, intermediate, head size, tokens)). Where a block rounds is
+ROUNDING_POINTS: a module's output with its number of roundings r, so a point leaves a relative error of
+standard deviation
 
-    sigma = sqrt(2L) * (sqrt(R) * u + sqrt(n) * 2**-24) / sqrt(3),   n = max(hidden, intermediate, tokens).
+    s(point) = (sqrt(r) * u + sqrt(n) * 2**-24) / sqrt(3)        (no sum term for the residual add).
 
-That is the error one implementation leaves on the final hidden state where every sublayer passes an
-error on with gain 1. Trained weights do not: attention's softmax over sharpened scores, a norm over a
-small residual or a large expert scales what reaches it, and a GRPO run moves the weights step by step
-(and with them the gains: a budget from gain 1 passed a GRPO run's first pushes and stopped it at step 17). So the
-model's own layers carry the rounding: gptoss runs the forward once more over ROUNDING_SAMPLES rows
-of the same ids, each row's residual stream multiplied after every sublayer by (1 + s * xi) with xi
-drawn from N(0, 1) per element and s the sigma of one sublayer (above, with 2L = 1), every router held
-to the experts it chose in the plain forward (a choice that a rounding can change is a near-tie,
-below). The draws are made at `injected_scale(s)`, far above the forward's own rounding and well
-inside its linear response (2**-13 relative in fp32), and scaled back by s over that; each position's
-`spread` is the largest over the vocabulary of the root mean square over the rows of how far its
-logprob moved. Where every gain is 1 this is the relative error sigma of h carried through the output
-layer, sigma * ||w_i * h||_2 per logit, as a formula would give; elsewhere it is what this model's
-layers make of it, computed from the weights being checked (the policy a GRPO push serves, not the
-model it started from). The logit's own rounding u * |z_i| adds to it; the largest of V such errors
-sits within SAFETY = 4 standard deviations; two independent implementations differ by sqrt(2) times
-one's error, and that rounding reaches a logprob z_i - logsumexp(z) twice. So, per position,
+How far those errors reach a logprob depends on the weights: attention's softmax over sharpened scores,
+a norm over a small residual, a grown output layer each scale what reaches them, and a GRPO run moves
+the weights step by step. (The budget once assumed a gain of 1 per sublayer, sigma = sqrt(2L) *
+(sqrt(R) * u + sqrt(n) * 2**-24) / sqrt(3) on the final hidden state with R = 7 roundings per sublayer,
+`relative_sigma`; that held at a model's initial weights and fell behind the ones training made.) So
+the model's own layers carry them (reference.py, `rounding_spread`): gptoss runs the forward once more
+over ROUNDING_SAMPLES rows of the same ids, each row's output of every rounding point multiplied by
+(1 + s * xi), xi drawn from N(0, 1) per element, every router held to the experts it chose in the plain
+forward (a choice a rounding can change is a near-tie, below). The draws are `amplification` times
+larger than s (the smallest at INJECTED_FLOOR, far above the forward's own fp32 rounding and well inside
+its linear response: 2**-16 and 2**-13 give the same budget to 1%) and the logprobs' response is scaled back
+by as much. The output layer's own rounding, sqrt(n) * 2**-24 * ||w_i * h||_2 + u * |z_i| over sqrt(3)
+per logit (`head_rounding_sd`), is drawn on each row's logits at its size and reaches the logprobs
+through the log-sum-exp to first order. Each position's `spread` is the largest over the vocabulary of
+the root mean square over the rows of how far its logprob moved: one implementation's error, from the
+weights being checked (for a GRPO push, the policy pushed). The largest of V such errors sits within
+SAFETY = 4 standard deviations and two independent implementations differ by sqrt(2) times one's, so,
+per position,
 
-    budget = sqrt(2) * SAFETY * spread + 2 * sqrt(2) * u * max_i |z_i|,
+    budget = sqrt(2) * SAFETY * spread,
 
-in fp32 on the tiny test model about 2e-5 nats. What it does not cover: a router whose k-th and
-(k+1)-th logits lie within their own rounding error of each other (a near-tie) may pick another
-expert on the other side, which moves that token by O(1). Such positions are found from gptoss's
-router logits with the same model (the router's input is the normalised hidden state of its block);
-gptoss then runs once more with every near-tie router taking the other expert, and how far that moves
-its own logprobs at each position (the flipped token, and the tokens that attend to it) is added to
-that position's budget. Without near-ties (the rule in fp32) the budget is the rounding model's alone.
+in fp32 on the tiny test model with head size 64 about 3e-5 to 6e-5 nats. What it does not cover: a
+router whose k-th and (k+1)-th logits lie within their own rounding error of each other (a near-tie)
+may pick another expert on the other side, which moves that token by O(1). Such positions are found
+from gptoss's router logits with the same model (the router's input is the normalised hidden state of
+its block; `router_near_ties`, still with the gain-1 sigma of its block); gptoss then runs once more
+with every near-tie router taking the other expert, and how far that moves its own logprobs at each
+position (the flipped token, and the tokens that attend to it) is added to that position's budget.
+Without near-ties (the rule in fp32) the budget is the rounding model's alone.
 """
 
 from __future__ import annotations
