@@ -248,6 +248,9 @@ def serve_check(checkpoint: str, options: ServeCheckOptions | None = None, progr
         findings = known_findings(arch, _served_config(served.model), engine.info.name, engine.info.device)
         findings += _form_findings(served, options)
         info = engine.info.to_json()
+        if any(r.verdict != "pass" for r in results) and engine is not running and hasattr(engine, "keep_log"):
+            engine.keep_log()  # the engine's side of a failed check, for the user to read
+            info["log"] = str(engine.log_path)
     finally:
         if engine is not None and engine is not running:
             engine.close()
