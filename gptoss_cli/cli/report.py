@@ -20,7 +20,7 @@ def _value(v: float | None) -> str:
 
 def _trend(t: float | None) -> str:
     if t is None:
-        return "-"
+        return "-"  # too few values, or a start at the series' noise level (train/report.py, trend)
     word = "up" if t > 0 else "down" if t < 0 else "flat"
     return f"{word} {abs(t) * 100:.1f}%"
 

@@ -340,6 +340,10 @@ class RolloutConfig:
     engine_python: Optional[str] = _f(None, "vllm: the Python of the engine's venv; null = $GPTOSS_ENGINE_PYTHON")
     dtype: Optional[str] = _f(None, "vllm: what the engine computes in; null = precision.params_dtype",
                               choices=(None, "float32", "bfloat16"))
+    stage_dir: Optional[str] = _f(
+        None, "vllm: the folder each push writes the policy's served weights to for the engine to load (a folder "
+        "gptoss-rl-weights-PID-* made there, removed when the run ends however it ends; room for two copies in the "
+        "engine's dtype: about 84 GB for gpt-oss-20b in bf16); null = $TMPDIR")
     batch_size: Optional[int] = _f(
         None, "gptoss: completions decoded at once per rank (the KV cache holds this many rows); null = all of the "
         "rank's completions of a rollout", min=1, max=INT32_MAX)

@@ -92,6 +92,7 @@ class GRPOObjective(TrainingObjective):
     shown_metrics: ClassVar[tuple[MetricDisplay, ...]] = (
         MetricDisplay("reward_mean", label="mean reward", console="reward", format=".3f"),
         MetricDisplay("mismatch_kl", label="mismatch KL (engine || trainer)", console="mismatch", format=".1e"),
+        MetricDisplay("mismatch_logp_abs", label="mean |logprob engine - trainer|", console="|dlogp|", format=".1e"),
         MetricDisplay("routing_flip_rate", label="routing flip rate (trainer vs engine top-k)", console="flips",
                       format=".1e"))
 
@@ -140,7 +141,8 @@ class GRPOObjective(TrainingObjective):
         high = (ratio > 1 + self.clip_high) & (adv > 0)
         logs.update(pg_loss_sum=objective.detach(), completion_tokens=mask.sum(), completions=rows.sum(),
                     clipped_sum=((low | high).float() * mask).sum(), entropy_sum=(entropy * mask).sum(),
-                    mismatch_sum=((torch.exp(d) - 1 - d) * mask).sum().detach(),
+                    # in float64, expm1: exp(d) - 1 - d >= 0 without rounding's negatives at |d| ~ 1e-7
+                    mismatch_sum=((torch.expm1(d.double()) - d.double()) * mask).sum().detach().to(d.dtype),
                     mismatch_abs_sum=d.abs().sum().detach())
         flips, pairs = ex.get("route_flips"), ex.get("route_pairs")  # counted at the rollout's weights when scored
         if pairs is None and getattr(output, "route_pairs", None) is not None:

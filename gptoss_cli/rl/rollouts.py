@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
     from gptoss_cli.train.job import TrainJob
 
 MAX_WARNINGS_PER_ROLLOUT = 3
+ENGINE_LOG = "rollout-engine.log"  # in the run folder: the vLLM engine's own output, kept
 # fields of train_state.json's rl entry a resume must find unchanged
 RESUME_FIELDS = ("prompts", "prompts_digest", "reward", "seed", "group_size", "steps_per_rollout")
 
@@ -67,6 +69,11 @@ def open_tokenizer(cfg: RecipeConfig, arch: GptOssArch):
     if not file.is_file():
         raise ConfigError(f"rl.tokenizer={cfg.rl.tokenizer}: {file} not found")
     return read_tokenizer(file, "train (objective.kind=grpo)"), file
+
+
+def _every_rank(exc: TrainingError) -> TrainingError:
+    exc.every_rank = True  # raised alike on every rank: RLTrainer may save before stopping
+    return exc
 
 
 class RolloutData:
@@ -119,7 +126,8 @@ class RolloutData:
                            stop_ids=self.stop_ids, seed=self.seed, dtype=dtype,
                            max_model_len=self.cfg.training.seq_length, qat=self.cfg.precision.qat == "mxfp4",
                            probe=self.prompts[0].ids, python=rl.rollout.engine_python, version=0,
-                           rollout_rows=self.prompts_per_rollout * rl.group_size,
+                           rollout_rows=self.prompts_per_rollout * rl.group_size, stage_dir=rl.rollout.stage_dir,
+                           log_file=Path(self.job.run_dir) / ENGINE_LOG,
                            routes_of=self.moe_layers if rl.routing_replay == "rollout" else None)
 
     def _reference(self):
@@ -174,6 +182,8 @@ class RolloutData:
         """Rollout `index` (0-based) with the policy after `version` optimizer steps."""
         t0 = time.perf_counter()
         self.engine.sync(self.model.module, version)
+        self._warnings += self.engine.warnings  # what the engine's check carries on with
+        self.engine.warnings.clear()
         push = self.engine.push_seconds if version else 0.0
         rl = self.rl
         picked = self.order.rank_slice(index, self.prompts_per_rollout, self.dp_rank, self.dp_size)
@@ -280,9 +290,9 @@ class RolloutData:
             dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=self.state.dp_group)
         total, squares, n, failed, zero_var, n_groups, tokens, truncated = sums.tolist()
         sample_s, rollout_s, push_s = maxima.tolist()
-        if n == 0:
-            raise TrainingError(f"every reward of rollout {rollout.index + 1} failed ({self._warnings[0] if self._warnings else 'rl.reward'})",
-                                hint="fix rl.reward; the run stops before training on rewards it does not have")
+        if n == 0:  # every rank knows it (the sums above are all-reduced)
+            raise _every_rank(TrainingError(f"every reward of rollout {rollout.index + 1} failed ({self._warnings[0] if self._warnings else 'rl.reward'})",
+                                hint="fix rl.reward; the run stops before training on rewards it does not have"))
         mean = total / n
         var = (squares - n * mean * mean) / (n - 1) if n > 1 else 0.0
         return {"reward_mean": mean, "reward_std": max(var, 0.0) ** 0.5, "zero_variance_groups": zero_var / n_groups,
@@ -296,7 +306,17 @@ class RolloutData:
         if step_in_rollout:
             stats.update(rollout_time_s=0.0, weight_push_s=0.0)
         stats.update(train_time_s=train_seconds, rollout=self.rollout.index + 1, weights_version=self.engine.version)
+        if not step_in_rollout:  # the push's fingerprint (vLLM, rank 0): worst |dlogprob| on the probe, its budget
+            stats.update(getattr(self.engine, "last_fingerprint", {}))
         return stats
+
+    def started_notes(self) -> list[str]:
+        """Which rollout engine, where its log is, how long it took to start (rank 0's; vLLM only)."""
+        s = getattr(self.engine, "started", None)
+        if not s:
+            return []
+        return [f"rollout engine: {s['engine']} ({s['python']}), started in {s['seconds']:.1f} s; its log: {s['log']}; "
+                f"pushes staged in {s['stage']}"]
 
     def take_warnings(self) -> list[str]:
         lines, self._warnings = self._warnings, []

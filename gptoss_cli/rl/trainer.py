@@ -18,6 +18,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from gptoss_cli.checkpoint.formats.training.record import iter_name
+from gptoss_cli.errors import GptossError
 from gptoss_cli.rl.rollouts import RolloutData
 from gptoss_cli.train.loop import StepOutcome, Trainer
 from gptoss_cli.train.objective import StepContext
@@ -42,14 +44,33 @@ class RLTrainer(Trainer):
             self.heartbeat.progress(step + 1, "rollout")
             # forward-only scoring through the plain schedule (the overlap schedule's plans are for training)
             context = StepContext(step=step, model=self.model, state=self.state)
-            self.data.sample(step // rl.steps_per_rollout, version=step, context=context,
-                             beat=lambda: self.heartbeat.progress(step + 1, "rollout"))
+            try:
+                self.data.sample(step // rl.steps_per_rollout, version=step, context=context,
+                                 beat=lambda: self.heartbeat.progress(step + 1, "rollout"))
+            except GptossError as exc:
+                raise self._saved_before_stopping(exc, step) from None
         self.data.step_in_rollout = k
         t0 = time.perf_counter()
         out = super().train_step(step)
         out.metrics.update(self.data.step_metrics(k, train_seconds=time.perf_counter() - t0))
         self._warn_mismatch(out)
         return out
+
+    def _saved_before_stopping(self, exc: GptossError, step: int) -> GptossError:
+        """A rollout that cannot go on (the engine failed its check or died, every reward failed) stops the run; the
+        policy trained so far is saved first where checkpoint.dir is set (every rank: it is a collective), at
+        `step`, a rollout boundary. The error again, its hint naming the checkpoint."""
+        if not self.cfg.checkpoint.dir or step <= self.start_step:
+            return exc  # nothing trained since the run started (or since the checkpoint it resumed)
+        if self.state.distributed and not getattr(exc, "every_rank", False):
+            return exc  # raised on one rank: the others could not join the save
+        if self.last_checkpoint is None or self.last_checkpoint.name != iter_name(step):
+            self.save_checkpoint(step)
+        saved = f"the policy after step {step} is saved in {self.last_checkpoint} (the same command resumes from it)"
+        return type(exc)(exc.message, hint=f"{exc.hint}; {saved}" if exc.hint else saved)
+
+    def started_notes(self) -> list[str]:
+        return self.data.started_notes()
 
     def _warn_mismatch(self, out: StepOutcome) -> None:
         threshold = self.cfg.rl.rollout.mismatch_warn

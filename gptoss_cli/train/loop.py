@@ -128,6 +128,7 @@ class Trainer:
         self.start_step, self.resumed_from = 0, None
         self.resumed_meta: dict[str, Any] | None = None  # the resumed checkpoint's train_state.json
         self.losses: list[float] = []
+        self._shown: dict[str, dict[str, Any]] = {}  # the objective's shown metrics, first and last (the summary)
         self.grad_norms: list[float] = []
         self._timed = [0.0, 0.0, 0]  # tokens, seconds, steps (the first step warms up: not counted)
         self.last_checkpoint: Path | None = None
@@ -184,7 +185,12 @@ class Trainer:
                                    pipeline_schedule=self.cfg.parallelism.pipeline_schedule
                                    if self.state.pp_size > 1 else None, resumed_from=self.resumed_from,
                                    fp8=self.fp8.describe() if self.fp8 else None, packing=self.packing,
-                                   qat=self.cfg.precision.qat, shown_metrics=self.objective.shown_metrics))
+                                   qat=self.cfg.precision.qat, shown_metrics=self.objective.shown_metrics,
+                                   notes=tuple(self.started_notes())))
+
+    def started_notes(self) -> list[str]:
+        """Lines the run's start shows besides the loop's own (a subclass's: GRPO's rollout engine)."""
+        return []
 
     def _resume_blend(self, folder: Path, saved: dict[str, Any] | None) -> None:
         source = getattr(self.data, "source", None)
@@ -272,6 +278,7 @@ class Trainer:
         records = self.metrics.write(out.step, common, [rank_loss, local_tokens, dt], rank0=out.router)
         if self.loggers is not None:
             self.loggers.log(out.step, records)
+        self._follow_shown(common)
         if self.emit and (out.step % self.cfg.logging.log_interval == 0 or out.step == t.train_iters):
             # every other number of the line by name (the objective's, its Trainer's, a validation's
             # beyond val_loss): the loop knows none of them
@@ -281,6 +288,14 @@ class Trainer:
             self.emit(StepDone(step=out.step, objective_metrics=objective,
                                **{k: v for k, v in common.items() if k in STEP_FIELDS}))
         return common
+
+    def _follow_shown(self, values: dict[str, Any]) -> None:
+        """The first and last value of each of the objective's shown metrics, for the run's summary."""
+        for m in self.objective.shown_metrics:
+            v = values.get(m.name)
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                entry = self._shown.setdefault(m.name, {"name": m.name, "label": m.label, "format": m.format, "first": v})
+                entry["last"] = v
 
     # -- checkpoints -----------------------------------------------------------------------------
     def should_save(self, done: int) -> bool:
@@ -340,7 +355,7 @@ class Trainer:
             resumed_from=self.resumed_from, world_size=self.state.world_size, ep_size=self.state.ep_size,
             fp8=self.fp8.summary() if self.fp8 else None, packing=self.packing,
             model_flops_per_token=self.flops_per_token, tflops_per_gpu=tflops, mfu=mfu if seconds else None,
-            peak_tflops=self.peak, qat=self.cfg.precision.qat,
+            peak_tflops=self.peak, qat=self.cfg.precision.qat, shown=list(self._shown.values()),
         )
 
 

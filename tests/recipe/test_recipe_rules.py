@@ -456,3 +456,23 @@ def test_rollout_replay_with_vllms_cpu_build_is_refused_at_launch(monkeypatch):
     assert len(findings) == 1 and "CPU build" in findings[0].message and "\n" not in findings[0].message
     monkeypatch.setattr(offline, "vllm_build", lambda python: "gpu")
     assert run_rule("rl.routing_replay", replay, check_paths=True) == []
+
+
+VLLM = [*GRPO, "parallelism.world_size=1", "parallelism.expert_model_parallel_size=1", "rl.rollout.engine=vllm"]
+
+
+def test_grpo_with_vllm_on_the_cpu_refuses_a_head_size_its_attention_refuses_naming_the_fix():
+    findings = run_rule("rl.layout", VLLM)  # the tiny preset: head size 16, system.device cpu
+    assert len(findings) == 1 and "head_dim 16" in findings[0].message, findings
+    assert "make-tiny DST --head-dim 64" in findings[0].hint
+    assert run_rule("rl.layout", [*VLLM, "model.architecture={head_dim: 64}"]) == []
+    assert run_rule("rl.layout", [*VLLM, "system.device=cuda", "system.gpu=h100"]) == []  # vLLM's GPU kernels differ
+
+
+def test_the_pushes_stage_folder_must_be_writable_at_launch(tmp_path, monkeypatch):
+    monkeypatch.setenv("GPTOSS_ENGINE_PYTHON", "/bin/sh")  # an executable: the interpreter check passes
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    ok = run_rule("rl.engine", [*VLLM, f"rl.rollout.stage_dir={tmp_path / 'stage'}"], check_paths=True)
+    bad = run_rule("rl.engine", [*VLLM, f"rl.rollout.stage_dir={blocker / 'stage'}"], check_paths=True)
+    assert ok == [] and len(bad) == 1 and "is a file, not a folder" in bad[0].message, bad

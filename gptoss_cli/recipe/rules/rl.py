@@ -110,9 +110,11 @@ def rl_checkpoints(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
 
 
 @rule("rl.layout", "what GRPO does not run with: lora.dropout (the ratio would compare two dropout masks), context "
-      "or pipeline parallelism, validation on token files; the vllm engine with EP > 1, an MXFP4-stored LoRA base or fp16",
+      "or pipeline parallelism, validation on token files; the vllm engine with EP > 1, an MXFP4-stored LoRA base, fp16, "
+      "or (on the CPU) a head size vLLM's CPU attention refuses",
       fix="lora.dropout=0, parallelism.context_parallel_size=1, pipeline_model_parallel_size=1, validation.data=null; with rl.rollout.engine=vllm "
-          "expert_model_parallel_size=1, lora.base_experts=bf16 and fp32 or bf16 (or rl.rollout.engine=gptoss)")
+          "expert_model_parallel_size=1, lora.base_experts=bf16, fp32 or bf16 and a model with head_dim 64 (`gptoss "
+          "make-tiny DST --head-dim 64`) (or rl.rollout.engine=gptoss)")
 def rl_layout(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     if not _grpo(cfg):
         return []
@@ -146,12 +148,29 @@ def rl_layout(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
         if cfg.precision.params_dtype == "fp16":
             out.append(error({"rl.rollout.engine": engine, "precision.params_dtype": "fp16"},
                              "the vLLM engine is run in float32 or bfloat16", "precision.params_dtype=bf16"))
+        out += _engine_shapes(cfg, ctx)
     return out
 
 
+def _engine_shapes(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
+    """A model vLLM would refuse half a minute into its start-up, refused here (the engine runs where training does)."""
+    from gptoss_cli.generate.engines.vllm_offline import shape_problem  # noqa: PLC0415
+
+    device = "cpu" if cfg.system.device == "cpu" or (cfg.system.device == "auto" and ctx.gpu == "none") else "cuda"
+    problem = shape_problem(ctx.arch.head_dim, device)
+    if problem is None:
+        return []
+    return [error({"rl.rollout.engine": "vllm", "system.device": cfg.system.device, "head_dim": ctx.arch.head_dim},
+                  f"the vLLM rollout engine cannot serve this model: {problem}",
+                  "a model with head_dim 64: `gptoss make-tiny DST --head-dim 64`, then model.preset=null "
+                  "model.checkpoint=DST checkpoint.pretrained=DST (or rl.rollout.engine=gptoss)")]
+
+
 @rule("rl.engine", "at launch, rl.rollout.engine=vllm finds the engine's Python (rl.rollout.engine_python or "
-      "$GPTOSS_ENGINE_PYTHON, else this one with vLLM)",
-      fix="rl.rollout.engine_python to the python of the venv vLLM is installed in (docs/serve-check.md)")
+      "$GPTOSS_ENGINE_PYTHON, else this one with vLLM), and rl.rollout.stage_dir (or $TMPDIR) can be written and "
+      "has room for two copies of the served weights (a push is written beside the last)",
+      fix="rl.rollout.engine_python to the python of the venv vLLM is installed in (docs/serve-check.md); "
+          "rl.rollout.stage_dir on a disk with room for the weights")
 def rl_engine(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     r = cfg.rl.rollout
     if not _grpo(cfg) or r.engine != "vllm" or not ctx.check_paths:
@@ -163,6 +182,32 @@ def rl_engine(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
         engine_python(r.engine_python)
     except GptossError as exc:
         return [error({"rl.rollout.engine_python": r.engine_python}, exc.message, exc.hint)]
+    return _stage_room(cfg, ctx)
+
+
+def _stage_room(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
+    import shutil  # noqa: PLC0415
+    import tempfile  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    from gptoss_cli.errors import GptossError  # noqa: PLC0415
+    from gptoss_cli.outputs import check_writable_location, existing_ancestor  # noqa: PLC0415
+    from gptoss_cli.recipe.estimate.parameters import parameter_layout  # noqa: PLC0415
+
+    r = cfg.rl.rollout
+    folder = Path(r.stage_dir).expanduser() if r.stage_dir else Path(tempfile.gettempdir())
+    fields = {"rl.rollout.stage_dir": r.stage_dir}
+    try:
+        check_writable_location(folder / "gptoss-rl-weights", "rl.rollout.stage_dir")
+    except GptossError as exc:
+        return [error(fields, exc.message, exc.hint, bad_input=True)]
+    dtype = r.dtype or {"fp32": "float32", "bf16": "bfloat16"}.get(cfg.precision.params_dtype, "bfloat16")
+    needed = 2 * sum(p.numel for p in parameter_layout(ctx.arch, ctx.pattern)) * (4 if dtype == "float32" else 2)
+    free = shutil.disk_usage(existing_ancestor(folder)).free
+    if needed > free:
+        return [error({**fields, "stage folder": str(folder)},
+                      f"{folder}: {free / 1e9:.3g} GB free, the weight pushes need {needed / 1e9:.3g} GB (two copies of "
+                      f"the served weights in {dtype})", "rl.rollout.stage_dir on a disk with room for them")]
     return []
 
 
