@@ -135,11 +135,14 @@ class TokenFileSource(_EpochOrder):
 @dataclass
 class PackedRow:
     """One row of packed documents: inputs, labels (IGNORE_INDEX where untrained, at each document's
-    last token and on the padding) and the lengths of the documents it holds, in order."""
+    last token and on the padding), the lengths of the documents it holds and their indices in the file,
+    in order, and per-position tensors [S] an objective's source adds (they become `Microbatch.extras`)."""
 
     tokens: torch.Tensor  # [S]
     labels: torch.Tensor  # [S]
     lengths: list[int]
+    documents: list[int] = field(default_factory=list)
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class PackedDocumentSource(_EpochOrder):
@@ -147,11 +150,13 @@ class PackedDocumentSource(_EpochOrder):
 
     The packing (best-fit decreasing) is computed once over the whole file; epochs reshuffle the
     order of its rows. The label of a document's token t is its token t+1 where the loss mask marks
-    that token trained (every token of a file without a mask), else IGNORE_INDEX."""
+    that token trained (every token of a file without a mask), else IGNORE_INDEX. With `unit` > 1 the
+    packing moves runs of `unit` consecutive documents as one (a preference pair's two sides,
+    gptoss_cli/preference/data.py): a row holds whole runs, never part of one."""
 
     documents = True
 
-    def __init__(self, path: str | Path, seq_length: int, seed: int, vocab_size: int | None = None):
+    def __init__(self, path: str | Path, seq_length: int, seed: int, vocab_size: int | None = None, unit: int = 1):
         bin_path, _, header, num_tokens = check_token_files(path, vocab_size)
         if not has_documents(header):
             raise ConfigError(f"{bin_path}: a version-1 token file has no documents to pack")
@@ -161,13 +166,18 @@ class PackedDocumentSource(_EpochOrder):
         self.mask = (torch.from_file(str(mask_path), shared=False, size=num_tokens, dtype=torch.uint8)
                      if header.get("loss_mask") else None)
         self.lengths = np.diff(self.offsets).tolist()
+        if len(self.lengths) % unit:
+            raise ConfigError(f"{idx_path}: {len(self.lengths)} documents are not runs of {unit}",
+                              hint="re-create the files with `gptoss prepare-data`")
+        units = [sum(self.lengths[u:u + unit]) for u in range(0, len(self.lengths), unit)]
         try:
-            self.rows = pack_documents(self.lengths, seq_length)
+            packed = pack_documents(units, seq_length)
         except ValueError as exc:
             raise ConfigError(f"{idx_path}: {exc} (training.seq_length={seq_length})",
                               hint="raise training.seq_length to the longest document, or re-create the file with "
                                    "a smaller --max-length") from None
-        self.efficiency = packing_efficiency(self.lengths, self.rows, seq_length)
+        self.rows = [[u * unit + k for u in row for k in range(unit)] for row in packed]
+        self.efficiency = packing_efficiency(units, packed, seq_length)
         self.seq_length, self.seed = seq_length, seed
         self.num_samples = len(self.rows)
         self.bin_path, self.vocab_size = bin_path, vocab_size
@@ -190,7 +200,7 @@ class PackedDocumentSource(_EpochOrder):
             labels[at:at + n - 1] = target
             at += n
             lengths.append(n)
-        return PackedRow(tokens, labels, lengths)
+        return PackedRow(tokens, labels, lengths, list(self.rows[j]))
 
     def sample(self, index: int) -> PackedRow:
         return self.row(self.sample_at(index))
@@ -278,7 +288,8 @@ def packed_microbatch(rows: list[PackedRow], device: torch.device) -> Microbatch
     cu = document_offsets([r.lengths for r in rows], seq)
     return Microbatch(tokens=torch.stack([r.tokens for r in rows]).to(device),
                       labels=torch.stack([r.labels for r in rows]).to(device),
-                      position_ids=document_positions(cu, len(rows), seq, device), cu_seqlens=cu)
+                      position_ids=document_positions(cu, len(rows), seq, device), cu_seqlens=cu,
+                      extras={k: torch.stack([r.extras[k] for r in rows]).to(device) for k in rows[0].extras})
 
 
 def file_rows(source: Any, js: list[int], device: torch.device) -> Microbatch:
