@@ -12,7 +12,7 @@ model/gemm/selection.py's.
 
 Activations are batch-first, [batch, seq, hidden].
 
-A pipeline stage's model (gptoss_cli/pipeline/) is the same class built with `held_layers` (the
+A pipeline stage's model (gptoss_cli/schedule/pipeline/) is the same class built with `held_layers` (the
 layers of the rank's stages; the others are parameterless `AbsentLayer`s, so every name keeps its
 global index), and without the embedding (`pre_process=False`) or the final norm and output layer
 (`post_process=False`), Megatron's names. `run_layers` runs any range of the held layers.

@@ -130,7 +130,7 @@ def recompute_flops_per_token(arch: GptOssArch, seq_length: int, pattern: Hybrid
 def pipeline_op_flops(arch: GptOssArch, seq_length: int, pattern: HybridPattern | str | None = None
                       ) -> tuple[float, float, float]:
     """(forward, backward for inputs, deferred weight gradients) model FLOPs per token, what a pipeline
-    schedule's F, I and W actions compute (gptoss_cli/pipeline/: W is the experts' weight-gradient
+    schedule's F, I and W actions compute (gptoss_cli/schedule/pipeline/: W is the experts' weight-gradient
     GEMMs, the rest of the backward runs in I): forward = a third of the training FLOPs, backward
     twice the forward, W = 2 x the experts' active matmul parameters."""
     pattern = parse_pattern(pattern or arch.hybrid_layer_pattern) if not isinstance(pattern, HybridPattern) else pattern

@@ -30,7 +30,7 @@ Pure Python: validation must not need torch. The layout is gptoss train's (PP x 
   parameters; with `lora.base_experts=mxfp4` the expert weights at 4.25 bits each plus one expert
   layer's weight decoded to the params dtype for the GEMM that runs (twice that under MXFP4 QAT).
 
-- Pipeline parallelism (gptoss_cli/pipeline/layout.py): every pipeline rank holds the parameters of its
+- Pipeline parallelism (gptoss_cli/schedule/pipeline/layout.py): every pipeline rank holds the parameters of its
   stages' layers (the embedding on the first stage's rank, the final norm and output layer on the
   last's), its buffers reduced over the stage's world / PP ranks; its activations are those of its
   layers times the microbatches in flight at its peak (`in_flight`: the first rank of 1F1B holds PP),
@@ -240,7 +240,7 @@ class RankView:
     layers: frozenset[int] | None = None  # None: every layer
     embedding: bool = True
     head: bool = True
-    in_flight: float = 1.0  # microbatches whose activations it holds at its peak (pipeline/layout.py)
+    in_flight: float = 1.0  # microbatches whose activations it holds at its peak (schedule/pipeline/layout.py)
     rank: int = 0
     text: str = ""  # its stages in the layout grammar
 
@@ -340,7 +340,7 @@ def _rank_views(cfg: RecipeConfig, pattern: HybridPattern, data_parallel: int) -
     if pp == 1:
         return [RankView()]
     from gptoss_cli.errors import ConfigError
-    from gptoss_cli.pipeline.layout import in_flight, pipeline_layout
+    from gptoss_cli.schedule.pipeline.layout import in_flight, pipeline_layout
 
     try:
         layout = pipeline_layout(pattern, pp, vpp, par.pipeline_schedule, par.pipeline_model_parallel_layout)

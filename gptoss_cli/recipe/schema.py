@@ -21,7 +21,7 @@ from gptoss_cli.limits import INT32_MAX
 from gptoss_cli.model.catalog import (ATTENTION_BACKEND_DEFAULT, ATTENTION_BACKENDS, SWIGLU_KERNEL_DEFAULT,
                                       SWIGLU_KERNELS, TARGET_MODULES as LORA_TARGETS)
 from gptoss_cli.model.dtypes import RECIPE_DTYPES
-from gptoss_cli.pipeline.layout import SCHEDULES as PIPELINE_SCHEDULES
+from gptoss_cli.schedule.pipeline.layout import SCHEDULES as PIPELINE_SCHEDULES
 from gptoss_cli.recipe.field_spec import spec as _f
 from gptoss_cli.recipe.schema_dpo import DPO_LOSSES, DPO_REFERENCES, DPOConfig
 

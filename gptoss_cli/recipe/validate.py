@@ -15,7 +15,7 @@ from typing import Any, Sequence
 from gptoss_cli.errors import ConfigError, UsageError, ValidationFailed
 from gptoss_cli.recipe.load import Recipe, load_recipe, recipe_from_config
 from gptoss_cli.recipe.environment import installed_torch_version
-from gptoss_cli.pipeline.layout import SPLIT_BACKWARD, bubble_fraction, pipeline_layout
+from gptoss_cli.schedule.pipeline.layout import SPLIT_BACKWARD, bubble_fraction, pipeline_layout
 from gptoss_cli.recipe.flops import FlopCount, count_flops, pipeline_op_flops, recompute_flops_per_token
 from gptoss_cli.recipe.rules.parallel import microbatches_per_step
 from gptoss_cli.recipe.memory import MemoryEstimate, recompute_plan
@@ -201,7 +201,7 @@ def validate_recipe(
 
 def pipeline_summary(cfg: RecipeConfig, recipe: Recipe, world: int) -> dict[str, Any] | None:
     """With PP > 1 and a layout that fits: the stages, the schedule, microbatches per step and the bubble
-    in theory (pipeline/layout.py's `bubble_fraction`, at the model's forward, input-gradient and
+    in theory (schedule/pipeline/layout.py's `bubble_fraction`, at the model's forward, input-gradient and
     deferred weight-gradient FLOPs: recipe/flops.py)."""
     p = cfg.parallelism
     m = microbatches_per_step(cfg, world)

@@ -25,12 +25,13 @@ def adapters_off(model: nn.Module) -> Iterator[nn.Module]:
     taken = []
     for layer_name, adapter in list(adapter_modules(model)):
         layer = model.get_submodule(layer_name)
-        taken.append((layer, layer._modules.pop(ADAPTER)))
+        taken.append((layer, adapter))
+        delattr(layer, ADAPTER)  # as model/lora.py detaches it
     try:
         yield model
     finally:
         for layer, adapter in taken:
-            layer._modules[ADAPTER] = adapter
+            setattr(layer, ADAPTER, adapter)
 
 
 def frozen_copy(provider, state) -> nn.Module:

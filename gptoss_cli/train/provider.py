@@ -32,7 +32,7 @@ from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.model.lora import LoraSettings, attach_lora
 from gptoss_cli.model.dtypes import torch_dtype
 from gptoss_cli.model.pattern import parse_pattern
-from gptoss_cli.pipeline.layout import PipelineLayout, pipeline_layout
+from gptoss_cli.schedule.pipeline.layout import PipelineLayout, pipeline_layout
 from gptoss_cli.model.recompute_plan import RecomputePlan
 from gptoss_cli.recipe.memory import recompute_plan
 from gptoss_cli.model.mxfp4.qat import qat_gemms
@@ -62,7 +62,7 @@ class ModelRuntimeConfig:
     base_experts: str = "bf16"  # lora.base_experts with LoRA on: "mxfp4" keeps the frozen experts in MXFP4
     swiglu_kernel: str = SWIGLU_KERNEL_DEFAULT  # model.swiglu_kernel (model/swiglu_kernel.py), the recipe's default
     attention_backend: str = ATTENTION_BACKEND_DEFAULT  # model.attention_backend (model/attention/backends.py)
-    # pipeline parallelism (gptoss_cli/pipeline/): the provider builds the layers of this rank's stages
+    # pipeline parallelism (gptoss_cli/schedule/pipeline/): the provider builds the layers of this rank's stages
     pipeline_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: int | None = None
     pipeline_schedule: str = "1f1b"
@@ -94,7 +94,7 @@ class ModelRuntimeConfig:
         )
 
     def pipeline_layout(self) -> PipelineLayout | None:
-        """The stages and their ranks (gptoss_cli/pipeline/layout.py); None without pipeline parallelism."""
+        """The stages and their ranks (gptoss_cli/schedule/pipeline/layout.py); None without pipeline parallelism."""
         if self.pipeline_model_parallel_size == 1:
             return None
         return pipeline_layout(parse_pattern(self.hybrid_layer_pattern), self.pipeline_model_parallel_size,
