@@ -32,11 +32,12 @@ FORBIDDEN = {
     "parallel": ("train", "cli", "checkpoint", "recipe", "run"),
     "schedule": ("train", "cli", "checkpoint", "recipe", "run"),  # pipeline/ included
     "fp8": ("train", "cli", "checkpoint", "recipe", "parallel", "schedule", "run"),
-    "train": ("cli", "rl", "preference", "run"),
+    "train": ("cli", "rl", "preference", "run", "score"),
     "parity": ("cli", "train", "run"),
     "generate": ("cli", "train", "schedule", "run"),
     "rl": ("cli", "preference", "run"),
     "preference": ("cli", "run"),
+    "score": ("cli", "rl", "preference", "run"),
     "run": ("cli",),
     "data": ("cli", "train", "model", "checkpoint", "parallel", "schedule", "fp8", "recipe", "parity", "run"),
     "doctor": ("cli", "train", "checkpoint", "schedule", "run"),
