@@ -20,6 +20,7 @@ import torch.distributed as dist
 from gptoss_cli.model.loss import IGNORE_INDEX
 from gptoss_cli.preference.data import PAIR_FIRST, PAIR_SIDE, PairSource
 from gptoss_cli.preference.objective import DPOObjective
+from gptoss_cli.preference.reference import AdaptersOffReference, FrozenModelReference
 from gptoss_cli.train.data import DataLoaderState, Microbatch, file_rows
 from gptoss_cli.train.loop import Trainer
 from gptoss_cli.train.objective import StepContext
@@ -27,23 +28,25 @@ from gptoss_cli.train.objective import StepContext
 VAL_METRICS = ("loss", "rewards_chosen", "rewards_rejected", "rewards_margin", "rewards_accuracy", "pairs")
 
 
-def reference_for(trainer: Trainer) -> Any:
-    """What attaches the reference's log-probabilities for this run (None: the loss needs none)."""
+def reference_for(trainer: Trainer, prefix: str) -> Any:
+    """What attaches the reference's log-probabilities to the microbatches of the token file `prefix` (None:
+    the loss needs none)."""
     cfg = trainer.cfg
     if not trainer.objective.needs_reference:
         return None
     if cfg.dpo.reference == "precomputed":
         from gptoss_cli.preference.scores import PrecomputedReference  # noqa: PLC0415
 
-        return PrecomputedReference(trainer)
-    from gptoss_cli.preference.reference import AdaptersOffReference, FrozenModelReference  # noqa: PLC0415
-
+        return PrecomputedReference(cfg, trainer.state, prefix, trainer.job.arch.vocab_size)
     if cfg.lora.rank > 0:
         return AdaptersOffReference()
-    from gptoss_cli.train.provider import HybridModelProvider  # noqa: PLC0415
+    if trainer.frozen_reference is None:
+        from gptoss_cli.train.provider import HybridModelProvider  # noqa: PLC0415
 
-    return FrozenModelReference.from_provider(HybridModelProvider(trainer.runtime, seed=cfg.training.seed,
-                                                    weights=cfg.checkpoint.pretrained), trainer.state)
+        trainer.frozen_reference = FrozenModelReference.from_provider(
+            HybridModelProvider(trainer.runtime, seed=cfg.training.seed, weights=cfg.checkpoint.pretrained),
+            trainer.state)
+    return trainer.frozen_reference
 
 
 class PairValidator:
@@ -57,6 +60,7 @@ class PairValidator:
         rows = self.source.num_samples
         self.rows = rows if v.iters is None else min(rows, v.iters * t.global_batch_size)
         self.micro_batch_size = t.micro_batch_size
+        self.reference = reference_for(trainer, v.data)
 
     def due(self, done: int) -> bool:
         return done == self.train_iters or bool(self.interval and done % self.interval == 0)
@@ -72,7 +76,7 @@ class PairValidator:
                 out.append(file_rows(self.source, js, s.device))
                 continue
             pad = torch.zeros(1, seq, dtype=torch.long, device=s.device)
-            out.append(Microbatch(tokens=pad, labels=torch.full_like(pad, IGNORE_INDEX),
+            out.append(Microbatch(tokens=pad, labels=torch.full_like(pad, IGNORE_INDEX), token_index=torch.full_like(pad, -1),
                                   extras={PAIR_SIDE: torch.full_like(pad, -1), PAIR_FIRST: torch.zeros_like(pad)}))
         return [mb.context_slice(s.cp_size, s.cp_rank) for mb in out]
 
@@ -87,7 +91,10 @@ class PairValidator:
         try:
             with torch.no_grad():
                 context = StepContext(step=done, model=model, state=s)  # the plain schedule: forward only
-                mbs = list(objective.prepare_step(iter(mbs), context))
+                if self.reference is not None:
+                    self.reference.attach(mbs, context)
+                if objective.rpo_alpha > 0:
+                    objective.attach_rpo_weight(mbs, s)
                 for mb in mbs:
                     if beat is not None:
                         beat()
@@ -108,10 +115,18 @@ class PreferenceTrainer(Trainer):
     """The Trainer for objective.kind=dpo (module docstring)."""
 
     def __init__(self, job, state, **kw):
+        cfg = job.config
+        if cfg.dpo.reference == "precomputed" and job.objective.needs_reference:
+            # scored (when absent) before the policy is built: the reference never sits beside it
+            from gptoss_cli.preference.scores import score_reference  # noqa: PLC0415
+
+            for prefix in filter(None, (cfg.data.path, cfg.validation.data)):
+                score_reference(cfg, state, prefix)
+        self.frozen_reference = None
         super().__init__(job, state, **kw)
         self.objective.cp_group = state.cp_group if state.cp_size > 1 else None
-        self.objective.reference = reference_for(self)
-        self.validator = PairValidator(self) if self.cfg.validation.data else None
+        self.objective.reference = reference_for(self, cfg.data.path)
+        self.validator = PairValidator(self) if cfg.validation.data else None
 
     def _build_data(self) -> DataLoaderState:
         t, state = self.cfg.training, self.state
