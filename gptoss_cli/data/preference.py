@@ -19,14 +19,33 @@ ConversationError naming the side (callers add the file and row). Torch-free.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Sequence
 
 from gptoss_cli.data.conversation import MESSAGES_FIELD, parse_conversation
 from gptoss_cli.data.harmony import ConversationError, HarmonyTokenizer, Message, Rendered, render_many
+from gptoss_cli.data.token_format import read_token_header
+from gptoss_cli.errors import ConfigError
 
 SIDES = ("chosen", "rejected")
 PROMPT = "prompt"
 PREFERENCE_KIND = "preference"  # a token file's header "kind": documents 2i (chosen) and 2i+1 (rejected) are pair i
+REFERENCE_SUFFIX = ".reference"  # PREFIX.reference: the reference's scores of the pairs PREFIX (preference/scores.py)
+
+
+def check_preference_file(path: str | Path) -> dict:
+    """The header of a preference token file (ConfigError naming the file and its kind otherwise)."""
+    header = read_token_header(path)
+    if header.get("kind") != PREFERENCE_KIND or header.get("num_documents", 1) % 2:
+        raise ConfigError(f"{path}: a token file of kind {header.get('kind')!r} with {header.get('num_documents')} "
+                          "documents, not preference pairs", hint="create it with `gptoss prepare-data "
+                          "--format preference` (objective.kind=dpo trains on pairs)")
+    return header
+
+
+def reference_folder(prefix: str | Path) -> Path:
+    """Where the reference's scores of the pairs `prefix` live: PREFIX.reference."""
+    return Path(str(prefix) + REFERENCE_SUFFIX)
 
 
 @dataclass
@@ -116,4 +135,5 @@ def render_pairs(pairs: Sequence[tuple[list[Message], list[Message]]], tok: Harm
     return out
 
 
-__all__ = ["RenderedPair", "pair_conversations", "parse_pair", "check_pair", "render_pairs", "SIDES", "PROMPT", "PREFERENCE_KIND"]
+__all__ = ["RenderedPair", "pair_conversations", "parse_pair", "check_pair", "render_pairs", "SIDES", "PROMPT", "PREFERENCE_KIND",
+           "REFERENCE_SUFFIX", "check_preference_file", "reference_folder"]

@@ -19,24 +19,12 @@ from pathlib import Path
 
 import torch
 
-from gptoss_cli.data.preference import PREFERENCE_KIND
-from gptoss_cli.data.token_format import read_token_header
-from gptoss_cli.errors import ConfigError
+from gptoss_cli.data.preference import check_preference_file
 from gptoss_cli.model.loss import IGNORE_INDEX
 from gptoss_cli.train.data import PackedDocumentSource, PackedRow
 
 PAIR_SIDE = "pair_side"
 PAIR_FIRST = "pair_first"
-
-
-def check_preference_file(path: str | Path) -> dict:
-    """The header of a preference token file (ConfigError naming the file and its kind otherwise)."""
-    header = read_token_header(path)
-    if header.get("kind") != PREFERENCE_KIND or header.get("num_documents", 1) % 2:
-        raise ConfigError(f"{path}: a token file of kind {header.get('kind')!r} with {header.get('num_documents')} "
-                          "documents, not preference pairs", hint="create it with `gptoss prepare-data "
-                          "--format preference` (objective.kind=dpo trains on pairs)")
-    return header
 
 
 def pair_sides(row: PackedRow) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,4 +63,4 @@ class PairSource:
         return self.row(self.inner.sample_at(index))
 
 
-__all__ = ["PairSource", "check_preference_file", "pair_sides", "PAIR_SIDE", "PAIR_FIRST", "PREFERENCE_KIND"]
+__all__ = ["PairSource", "pair_sides", "PAIR_SIDE", "PAIR_FIRST"]

@@ -29,21 +29,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gptoss_cli.data.preference import reference_folder
 from gptoss_cli.errors import ConfigError
 from gptoss_cli.model.dtypes import torch_dtype
 from gptoss_cli.preference.objective import REF_LOGP
 from gptoss_cli.score import checkpoint_digest, data_digest, open_scores
-from gptoss_cli.score.files import MANIFEST
 from gptoss_cli.train.data import Microbatch
 from gptoss_cli.train.objective import StepContext
-
-REFERENCE_SUFFIX = ".reference"
-
-
-def reference_folder(prefix: str | Path) -> Path:
-    """Where the reference's scores of the token file `prefix` live: PREFIX.reference."""
-    return Path(str(prefix) + REFERENCE_SUFFIX)
-
 
 def _kernels(cfg: Any):
     def setup(model: Any) -> None:
@@ -65,7 +57,7 @@ def score_reference(cfg: Any, state: Any, prefix: str) -> Path:
     from gptoss_cli.score.command import score  # noqa: PLC0415
 
     folder = reference_folder(prefix)
-    if _broadcast((folder / MANIFEST).is_file(), state):
+    if _broadcast(folder.is_dir(), state):  # a killed pass leaves no folder (score writes it whole or not at all)
         return folder
     if state.pp_size > 1 or state.cp_size > 1:
         raise ConfigError(f"{folder}: no reference scores for {prefix}, and a run with pipeline or context parallel "
@@ -95,4 +87,4 @@ class PrecomputedReference:
             mb.extras[REF_LOGP] = got.logprobs.to(torch.float32)
 
 
-__all__ = ["PrecomputedReference", "score_reference", "reference_folder", "REFERENCE_SUFFIX"]
+__all__ = ["PrecomputedReference", "score_reference"]
