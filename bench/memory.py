@@ -4,7 +4,7 @@ For each recipe and vocabulary, `gptoss train` runs as a user would run it (its 
 its own allocator setting) while this script polls every worker's /proc status: the peak resident
 set (VmHWM, exact), and the resident set over the run, to see whether it keeps growing (the RSS in
 the first and last quarter of the run's samples). The estimate is validate-config's per-process
-memory (`recipe.memory`, the same recipe and overrides); it counts the tensors a step holds, not
+memory (`recipe.estimate.memory`, the same recipe and overrides); it counts the tensors a step holds, not
 the runtime every process carries (torch's libraries, gloo), which is measured apart: the RSS of
 a process that imported what a worker imports (`runtime`). So `peak - runtime` is what the
 estimate should match.

@@ -50,6 +50,7 @@ SCHEDULES = {"1f1b": (None, "Et*2|t*2L"), "interleaved_1f1b": (2, "Et|t|t|tL"),
 def setup(args: dict, state: Any, **fields: Any):
     """The widened tiny model (4 blocks) at `state`, wrapped and with its optimizer, and its mock data."""
     from gptoss_cli.model.config import preset
+    from gptoss_cli.model.pattern import default_pattern
     from gptoss_cli.recipe.schema import RecipeConfig
     from gptoss_cli.train.data import MockSource
     from gptoss_cli.train.provider import HybridModelProvider, ModelRuntimeConfig
@@ -62,7 +63,7 @@ def setup(args: dict, state: Any, **fields: Any):
     for dotted, value in fields.items():
         section, name = dotted.split(".")
         setattr(getattr(cfg, section), name, value)
-    runtime = ModelRuntimeConfig.from_recipe(cfg, arch, arch.hybrid_layer_pattern)
+    runtime = ModelRuntimeConfig.from_recipe(cfg, arch, default_pattern(arch))
     built = setup_model_and_optimizer(HybridModelProvider(runtime, seed=1), state, cfg.optimizer, cfg.training.lr)
     built.model.train()
     return built, MockSource(arch.vocab_size, args["seq"], seed=3)

@@ -309,7 +309,7 @@ def _sft(hooks: DemoHooks, hf: Path, hybrid: Path, folder: Path) -> StageResult:
         return StageResult("sft", SKIPPED, "install .[data] (the tokenizers package) for prepare-data", figure="-")
     import json
 
-    from gptoss_cli.data.prepare_conversations import prepare_conversations
+    from gptoss_cli.data.prepare.conversations import prepare_conversations
     from gptoss_cli.recipe.load import load_recipe
     from gptoss_cli.train.evaluate import evaluate
     from gptoss_cli.run.launch import train

@@ -1,7 +1,7 @@
 """How many tokens the chunked LM head + loss takes at a time, per device (torch-free: the memory estimate reads it too).
 
 Per token of a chunk the head holds its logits in the activation dtype, their fp32 copy for the
-loss and the loss's fp32 gradient (b + 12 bytes x vocabulary, recipe/memory.py's "logits"). On
+loss and the loss's fp32 gradient (b + 12 bytes x vocabulary, recipe/estimate/memory.py's "logits"). On
 the CPU the chunk stays small (256 tokens: a chunk of a 20k vocabulary stays in cache, 11% faster
 in bench/train.py). On a GPU the output layer's weight gradient is accumulated over the chunks in
 fp32: every chunk's GEMM reads and writes the [V, h] accumulator once (8 V h bytes), against

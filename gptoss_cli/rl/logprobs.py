@@ -11,13 +11,11 @@ layer, each chunk's logits recomputed in backward rather than kept (as train/obj
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from gptoss_cli.model.loss import IGNORE_INDEX
+from gptoss_cli.model.loss import IGNORE_INDEX, HybridOutput
 from gptoss_cli.model.loss_chunk import lm_loss_chunk_tokens
 
 
@@ -33,7 +31,7 @@ def _chunk(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
     return picked, entropy
 
 
-def policy_log_probs(output: Any, labels: torch.Tensor, temperature: float = 1.0,
+def policy_log_probs(output: HybridOutput, labels: torch.Tensor, temperature: float = 1.0,
                      chunk_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(log p(label) [*labels.shape] fp32 with gradients, entropy [*labels.shape] fp32 detached) of
     softmax(logits / temperature); both 0 where the label is IGNORE_INDEX."""

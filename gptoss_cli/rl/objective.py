@@ -29,16 +29,19 @@ for the tokens it sampled.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Sequence
 
 import torch
 
-from gptoss_cli.model.loss import IGNORE_INDEX
+from gptoss_cli.model.loss import IGNORE_INDEX, HybridOutput
 from gptoss_cli.recipe.schema import RecipeConfig
 from gptoss_cli.rl.logprobs import policy_log_probs
 from gptoss_cli.train.data import Microbatch
 from gptoss_cli.train.objective import TrainingObjective, router_losses
 from gptoss_cli.train.progress import MetricDisplay
+
+if TYPE_CHECKING:
+    from gptoss_cli.train.provider import ModelRuntimeConfig
 
 ADVANTAGE_EPS = 1e-4  # TRL's: advantages / (std + 1e-4)
 
@@ -96,7 +99,8 @@ class GRPOObjective(TrainingObjective):
                    is_cap=None if rl.rollout.engine == "gptoss" else rl.rollout.is_cap,
                    aux_loss_coeff=config.moe.aux_loss_coeff, z_loss_coeff=config.moe.z_loss_coeff)
 
-    def loss(self, microbatch: Microbatch, config: Any, output: Any) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+    def loss(self, microbatch: Microbatch, config: ModelRuntimeConfig, output: HybridOutput
+             ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
         ex = microbatch.extras
         mask = (microbatch.labels != IGNORE_INDEX).float()
         logp, entropy = policy_log_probs(output, microbatch.labels, self.temperature)

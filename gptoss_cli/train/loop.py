@@ -34,7 +34,7 @@ from gptoss_cli.errors import ConfigError, TrainingError
 from gptoss_cli.model.pattern import MOE
 from gptoss_cli.parallel.state import ParallelState, barrier
 from gptoss_cli.recipe.environment import gpu_from_device_name
-from gptoss_cli.recipe.flops import model_flops_per_token, peak_tflops, recompute_flops_per_token, throughput
+from gptoss_cli.recipe.estimate.flops import model_flops_per_token, peak_tflops, recompute_flops_per_token, throughput
 from gptoss_cli.recipe.schema import RecipeConfig
 from gptoss_cli.resources import release_freed_heap
 from gptoss_cli.schedule import get_forward_backward_func
@@ -103,7 +103,7 @@ class Trainer:
         self.emit = progress if (progress is not None and state.rank == 0) else None
         self.run_dir = Path(job.run_dir)
         _seed_all(t.seed)
-        self.runtime = ModelRuntimeConfig.from_recipe(cfg, job.arch, job.hybrid_layer_pattern)
+        self.runtime = ModelRuntimeConfig.from_recipe(cfg, job.arch, job.pattern)
         provider = HybridModelProvider(self.runtime, seed=t.seed, weights=cfg.checkpoint.pretrained)
         setup = setup_model_and_optimizer(provider, state, cfg.optimizer, t.lr,
                                           overlap_grad_reduce=cfg.overlap.overlap_grad_reduce)
@@ -148,10 +148,10 @@ class Trainer:
 
     def _flops_setup(self) -> None:
         job, t = self.job, self.cfg.training
-        self.flops_per_token = model_flops_per_token(job.arch, t.seq_length, job.hybrid_layer_pattern)
+        self.flops_per_token = model_flops_per_token(job.arch, t.seq_length, job.pattern)
         # recompute's repeated forward work: hardware FLOPs, reported apart from the model's
         self.hardware_flops = self.flops_per_token + recompute_flops_per_token(
-            job.arch, t.seq_length, job.hybrid_layer_pattern,
+            job.arch, t.seq_length, job.pattern,
             self.runtime.recompute.layer_pieces(self.model.module.pattern.layers))
         self.peak = run_peak_tflops(self.cfg, self.state.device)
         self.step_tokens = t.global_batch_size * t.seq_length  # every token of the step runs through the model

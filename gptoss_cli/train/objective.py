@@ -41,18 +41,22 @@ from __future__ import annotations
 import abc
 import functools
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Iterator
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from gptoss_cli.model.loss import IGNORE_INDEX, lm_loss_sum
+from gptoss_cli.model.loss import IGNORE_INDEX, HybridOutput, lm_loss_sum
 from gptoss_cli.model.loss_chunk import lm_loss_chunk_tokens
 from gptoss_cli.parallel.grads import get_attr_wrapped_model, get_model_config
+from gptoss_cli.parallel.state import ParallelState
 from gptoss_cli.recipe.schema import RecipeConfig
 from gptoss_cli.train.data import Microbatch
 from gptoss_cli.train.progress import MetricDisplay
+
+if TYPE_CHECKING:  # the provider builds the model this module's objectives score: imported for types only
+    from gptoss_cli.train.provider import ModelRuntimeConfig
 
 @dataclass
 class StepContext:
@@ -62,7 +66,7 @@ class StepContext:
 
     step: int  # 0-based: optimizer steps done before this one
     model: torch.nn.Module
-    state: Any  # the rank's ParallelState
+    state: ParallelState
     schedule: Callable[..., list[dict[str, Any]]] | None = None  # None: the plain schedule
 
     def forward_only(self, forward_step_func: Callable[..., Any], microbatches: list[Microbatch]) -> list[dict[str, Any]]:
@@ -109,7 +113,8 @@ class TrainingObjective(abc.ABC):
         return model(mb.tokens, **mb.model_inputs()), loss_func
 
     @abc.abstractmethod
-    def loss(self, microbatch: Microbatch, config: Any, output: Any) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+    def loss(self, microbatch: Microbatch, config: ModelRuntimeConfig, output: HybridOutput
+             ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
         """(objective summed over the microbatch, normaliser, device logs) of one microbatch's output;
         `config` is the model's runtime config (`get_model_config(model)`)."""
 
@@ -118,7 +123,7 @@ class TrainingObjective(abc.ABC):
         """The step's metrics.jsonl fields from its reduced `sums`: at least `loss` and `tokens`."""
 
 
-def router_losses(output: Any, weight: torch.Tensor, aux_coeff: float, z_coeff: float,
+def router_losses(output: HybridOutput, weight: torch.Tensor, aux_coeff: float, z_coeff: float,
                   logs: dict[str, Any]) -> torch.Tensor | int:
     """The model's router losses (aux, z) as a sum to add to an objective's `loss_sum`: each is a
     per-microbatch mean, weighted by `weight` (the microbatch's normaliser) so that the global division
@@ -151,7 +156,8 @@ class CrossEntropyObjective(TrainingObjective):
     def from_recipe(cls, config: RecipeConfig) -> "CrossEntropyObjective":
         return cls(config.moe.aux_loss_coeff, config.moe.z_loss_coeff)
 
-    def loss(self, microbatch: Microbatch, config: Any, output: Any) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+    def loss(self, microbatch: Microbatch, config: ModelRuntimeConfig, output: HybridOutput
+             ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
         labels = microbatch.labels
         lm_sum = lm_loss_sum(output, labels)  # chunked over tokens for HybridOutput (model/loss.py)
         num_tokens = (labels != IGNORE_INDEX).sum()
@@ -177,7 +183,7 @@ def forward_step(data_iterator: Iterator[Microbatch], model: torch.nn.Module,
     return objective.forward_step(data_iterator, model, return_schedule_plan)
 
 
-def token_log_probs(output: Any, labels: torch.Tensor, chunk_tokens: int | None = None) -> torch.Tensor:
+def token_log_probs(output: HybridOutput, labels: torch.Tensor, chunk_tokens: int | None = None) -> torch.Tensor:
     """log p(label) of every position of a model output, [*labels.shape] fp32, 0 where the label is
     IGNORE_INDEX; differentiable. Computed `chunk_tokens` positions at a time from the final hidden
     states and the output layer (HybridOutput), each chunk's logits recomputed in backward rather than

@@ -45,7 +45,7 @@ class TrainResult:
     fp8: dict[str, Any] | None = None  # recipe, format, path (native/emulated), kernel, FP8 GEMMs run (rank 0)
     # packed documents (a version-2 token file): real tokens / row positions, and the number of rows
     packing: dict[str, Any] | None = None
-    model_flops_per_token: float = 0.0  # training FLOPs per token (gptoss_cli/recipe/flops.py)
+    model_flops_per_token: float = 0.0  # training FLOPs per token (gptoss_cli/recipe/estimate/flops.py)
     tflops_per_gpu: float = 0.0  # model TFLOP/s per GPU over the timed steps (the first step excluded)
     mfu: float | None = None  # tflops_per_gpu / the GPU's dense peak; None when the peak is unknown
     peak_tflops: float | None = None  # the peak used (bf16 or FP8 by precision.fp8_recipe, per system.gpu)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from gptoss_cli.data.preference import parse_pair, render_pairs
-from gptoss_cli.data.prepare_preference import prepare_preference
+from gptoss_cli.data.prepare.preference import prepare_preference
 from gptoss_cli.data.token_format import check_token_files, read_token_header
 from gptoss_cli.errors import UsageError
 from tests.data.test_harmony import SYSTEM, as_json, expected, msg
@@ -123,7 +123,7 @@ def test_a_bad_pair_is_one_line_naming_the_row(row, why, tmp_path, gpt_oss_token
     assert f"{path}:2: {why}" in err.value.message and "\n" not in err.value.message
     assert not list(tmp_path.glob("out*"))  # nothing half-written
     result = prepare_preference([path], tmp_path / "out", gpt_oss_tokenizer_file, errors="skip")
-    assert (result.num_pairs, result.num_skipped) == (1, 1) and why in result.skipped[0]
+    assert (result.details["num_pairs"], result.num_skipped) == (1, 1) and why in result.skipped[0]
 
 
 def test_parquet_and_jsonl_give_the_same_paired_token_file(tmp_path, gpt_oss_tokenizer_file):
@@ -153,4 +153,5 @@ def test_max_length_bounds_a_pair_and_drops_longer_ones(tmp_path, gpt_oss_tokeni
             {"prompt": "Hi " * 200, "chosen": "Hello!", "rejected": "No."}]
     (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     result = prepare_preference([tmp_path / "pairs.jsonl"], tmp_path / "out", gpt_oss_tokenizer_file, seq_length=400)
-    assert (result.num_pairs, result.num_dropped) == (1, 1) and result.max_pair_length <= 400
+    assert (result.details["num_pairs"], result.details["num_dropped"]) == (1, 1)
+    assert result.details["max_pair_length"] <= 400

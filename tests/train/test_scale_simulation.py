@@ -8,7 +8,7 @@ import pytest
 from gptoss_cli.model.hybrid import HybridModel
 from gptoss_cli.parallel.grads import ALIGN
 from gptoss_cli.recipe import load_recipe
-from gptoss_cli.recipe.memory import estimate_memory
+from gptoss_cli.recipe.estimate.memory import estimate_memory
 from tests.support.simulate import simulate_rank
 
 BUCKET = 20_000

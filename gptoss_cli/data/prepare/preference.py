@@ -13,7 +13,6 @@ names unless every row rendered (or was skipped); the header OUT.json is written
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -23,7 +22,8 @@ from gptoss_cli import outputs
 from gptoss_cli.data.harmony import ANALYSIS_MODES, ConversationError, HarmonyTokenizer
 from gptoss_cli.data.packing import pack_documents, packing_efficiency
 from gptoss_cli.data.preference import PREFERENCE_KIND, parse_pair, render_pairs
-from gptoss_cli.data.prepare_text import DECODE_ERRORS, open_tokenizer, prepare_outputs, to_bytes
+from gptoss_cli.data.prepare.result import PrepareResult
+from gptoss_cli.data.prepare.text import DECODE_ERRORS, open_tokenizer, prepare_outputs, to_bytes
 from gptoss_cli.data.rows import BATCH_ROWS, Row, iter_rows, resolve_inputs
 from gptoss_cli.data.token_format import (
     INDEX_DTYPE, commit_token_set, document_file_paths, token_dtype_for, token_file_paths, token_header,
@@ -33,27 +33,6 @@ from gptoss_cli.limits import INT32_MAX
 
 ROW_ERRORS = DECODE_ERRORS + ("skip",)
 MAX_REPORTED = 20
-
-
-@dataclass
-class PreparePreferenceResult:
-    bin_path: str
-    header_path: str
-    index_path: str
-    mask_path: str
-    num_tokens: int
-    num_pairs: int
-    num_documents: int
-    num_loss_tokens: int
-    num_dropped: int  # pairs longer than max_length (both sides together)
-    max_pair_length: int
-    dtype: str
-    vocab_size: int
-    rendering: dict[str, Any]
-    packing: dict[str, Any] | None
-    sources: list[str] = field(default_factory=list)
-    num_skipped: int = 0
-    skipped: list[str] = field(default_factory=list)
 
 
 class _PairWriter:
@@ -127,7 +106,7 @@ def prepare_preference(
     split: str | None = None,
     batch_rows: int = BATCH_ROWS,
     progress: Callable[[int, int], None] | None = None,
-) -> PreparePreferenceResult:
+) -> PrepareResult:
     """Render the pairs of `inputs` into OUT.bin, OUT.idx, OUT.mask and OUT.json (version 2, kind preference).
 
     max_length: pairs whose two sides together are longer are dropped and counted; defaults to seq_length,
@@ -184,10 +163,26 @@ def prepare_preference(
     finally:
         for tmp in (tmp_bin, tmp_mask, tmp_idx):
             tmp.unlink(missing_ok=True)
-    return PreparePreferenceResult(
-        str(bin_path), str(header_path), str(idx_path), str(mask_path), w.offsets[-1], len(w.pair_lengths),
-        len(w.offsets) - 1, w.num_loss, w.num_dropped, max(w.pair_lengths), dtype_name, vocab_size, rendering,
-        packing, sources, w.num_skipped, w.skipped)
+    details = {"index_path": str(idx_path), "mask_path": str(mask_path), "num_pairs": len(w.pair_lengths),
+               "num_loss_tokens": w.num_loss, "num_dropped": w.num_dropped, "max_pair_length": max(w.pair_lengths),
+               "rendering": rendering, "packing": packing}
+    return PrepareResult(
+        "preference", str(bin_path), str(header_path), [str(bin_path), str(idx_path), str(mask_path), str(header_path)],
+        w.offsets[-1], len(w.offsets) - 1, dtype_name, vocab_size, sources, details=details,
+        summary=_summary(w, rendering, packing), num_skipped=w.num_skipped, skipped=w.skipped)
 
 
-__all__ = ["prepare_preference", "PreparePreferenceResult"]
+def _summary(w: _PairWriter, rendering: dict[str, Any], packing: dict[str, Any] | None) -> list[tuple[str, str]]:
+    rows = [("pairs", f"{len(w.pair_lengths):,} (longest {max(w.pair_lengths):,} tokens, both sides)"),
+            ("trained tokens", f"{w.num_loss:,} ({w.num_loss / w.offsets[-1]:.1%})"),
+            ("dropped", f"{w.num_dropped:,} (max length {rendering['max_length'] or 'none'}, both sides)")]
+    if w.num_skipped:
+        rows.append(("skipped rows", f"{w.num_skipped:,} (--errors skip)"))
+    rows.append(("rendering", f"analysis {rendering['analysis']}, the reply after the prompt trained"))
+    if packing:
+        rows.append(("packing", f"{packing['efficiency']:.2%} of {packing['rows']:,} rows of "
+                                f"{packing['seq_length']:,} tokens, a pair at a time"))
+    return rows
+
+
+__all__ = ["prepare_preference"]

@@ -37,9 +37,9 @@ Pure Python: validation must not need torch. The layout is gptoss train's (PP x 
   the head's only on the last stage's rank. The estimate is that of the largest rank; `stages` lists
   every rank's.
 
-- GRPO (objective.kind=grpo, recipe/memory_rl.py): the rollout's KV cache with the gptoss engine, the
+- GRPO (objective.kind=grpo, recipe/estimate/memory_rl.py): the rollout's KV cache with the gptoss engine, the
   vLLM engine's share of the GPU when it runs on the training GPUs, the KL reference of full fine-tuning.
-- DPO (objective.kind=dpo, recipe/memory_dpo.py): the frozen reference model of full fine-tuning with
+- DPO (objective.kind=dpo, recipe/estimate/memory_dpo.py): the frozen reference model of full fine-tuning with
   dpo.reference=model.
 
 Not included: the CUDA context, NCCL and allocator slack; the 90% warning leaves room for them.
@@ -55,11 +55,11 @@ from gptoss_cli.model.catalog import SLIDING_QUERY_BLOCK
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.model.loss_chunk import LM_LOSS_CHUNK_TOKENS as LM_LOSS_CHUNK
 from gptoss_cli.model.loss_chunk import lm_loss_chunk_tokens
-from gptoss_cli.model.pattern import ATTENTION, MLP, MOE, HybridPattern, parse_pattern
+from gptoss_cli.model.pattern import ATTENTION, MLP, MOE, HybridPattern
 from gptoss_cli.model.recompute_plan import RecomputePlan
-from gptoss_cli.recipe.memory_dpo import dpo_items
-from gptoss_cli.recipe.memory_rl import rl_items
-from gptoss_cli.recipe.parameters import ParamSpec, buffer_numel, lora_layout, parameter_layout
+from gptoss_cli.recipe.estimate.memory_dpo import dpo_items
+from gptoss_cli.recipe.estimate.memory_rl import rl_items
+from gptoss_cli.recipe.estimate.parameters import ParamSpec, buffer_numel, lora_layout, parameter_layout
 from gptoss_cli.recipe.schema import RecipeConfig
 
 GB = 1e9
@@ -308,7 +308,7 @@ def _head_items(cfg: RecipeConfig, arch: GptOssArch, t: int, b: int, per_token: 
     return items
 
 
-def estimate_memory(cfg: RecipeConfig, arch: GptOssArch, pattern: HybridPattern | str, world_size: int,
+def estimate_memory(cfg: RecipeConfig, arch: GptOssArch, pattern: HybridPattern, world_size: int,
                     gpu: str | None = None, pipeline_rank: int | None = None) -> MemoryEstimate | None:
     """The per-GPU estimate of `cfg` at `world_size` (with PP > 1: of the pipeline rank that needs the
     most, or of `pipeline_rank`; every rank's total in `stages`); None when TP or ETP is above 1 (not what gptoss train runs),
@@ -324,7 +324,6 @@ def estimate_memory(cfg: RecipeConfig, arch: GptOssArch, pattern: HybridPattern 
     stage_world = world_size // pp
     if stage_world % cp or ep < 1 or stage_world % ep or arch.num_local_experts % ep:
         return None
-    pattern = parse_pattern(pattern) if isinstance(pattern, str) else pattern
     views = _rank_views(cfg, pattern, stage_world // cp)
     if views is None:
         return None
