@@ -184,6 +184,11 @@ class PackedDocumentSource(_EpochOrder):
             raise ConfigError(f"{idx_path}: {len(self.lengths)} documents are not runs of {unit}",
                               hint="re-create the files with `gptoss prepare-data`")
         units = [sum(self.lengths[u:u + unit]) for u in range(0, len(self.lengths), unit)]
+        if unit > 1 and units and max(units) > seq_length:
+            u = units.index(max(units))
+            raise ConfigError(f"{idx_path}: documents {u * unit} to {u * unit + unit - 1}, packed together, have "
+                              f"{units[u]} tokens, more than a row of training.seq_length={seq_length} holds",
+                              hint="raise training.seq_length, or re-create the file with a smaller --max-length")
         try:
             packed = pack_documents(units, seq_length)
         except ValueError as exc:

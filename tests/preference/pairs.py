@@ -57,7 +57,7 @@ class ModelReference:
 
 
 def dpo_step_worker(rank: int, prefix: str, policy: str, reference: str, seq: int, global_batch: int, mbs: int,
-                    ep: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+                    ep: int, cases: list[dict[str, Any]], cp: int = 1) -> list[dict[str, Any]]:
     """Per case (DPOObjective keywords): the step's metrics and the finalised gradients of this rank's tensors."""
     from gptoss_cli.model.config import preset
     from gptoss_cli.parallel.state import init_parallel
@@ -73,7 +73,7 @@ def dpo_step_worker(rank: int, prefix: str, policy: str, reference: str, seq: in
     from tests.train.jobs import optimizer_config, runtime_config
 
     tiny = preset("tiny")
-    state = init_parallel(ep, "cpu")
+    state = init_parallel(ep, "cpu", cp_size=cp)
     runtime = runtime_config(ep_size=ep, aux_loss_coeff=0.0)
     setup = setup_model_and_optimizer(HybridModelProvider(runtime, weights=policy), state, optimizer_config(), 1e-3)
     ref = ModelReference(frozen_copy(HybridModelProvider(runtime, weights=reference), state))
@@ -81,9 +81,10 @@ def dpo_step_worker(rank: int, prefix: str, policy: str, reference: str, seq: in
     out = []
     for case in cases:
         objective = DPOObjective(**case)
-        objective.reference = ref
+        objective.reference, objective.cp_group = ref, state.cp_group if cp > 1 else None
         data = DataLoaderState(PairSource(prefix, seq, 0, tiny.vocab_size), global_batch_size=global_batch,
-                               micro_batch_size=mbs, dp_rank=state.data_parallel_rank, dp_size=state.data_parallel_size)
+                               micro_batch_size=mbs, dp_rank=state.data_parallel_rank, dp_size=state.data_parallel_size,
+                               cp_size=state.cp_size, cp_rank=state.cp_rank)
         setup.model.zero_grad_buffer()
         context = StepContext(step=0, model=setup.model, state=state, schedule=schedule)
         logs = schedule(forward_step_func=objective.forward_step,
@@ -91,7 +92,7 @@ def dpo_step_worker(rank: int, prefix: str, policy: str, reference: str, seq: in
                         num_microbatches=data.num_microbatches)
         sums = torch.tensor([float(sum(float(log[k]) for log in logs if k in log)) for k in objective.sums],
                             dtype=torch.float64)
-        if state.distributed:
+        if state.distributed:  # the loop's one collective: every rank (a CP group's ranks each count their part)
             torch.distributed.all_reduce(sums)
         out.append({"metrics": objective.metrics(dict(zip(objective.sums, sums.tolist()))),
                     "grads": named_grads(setup.model)})

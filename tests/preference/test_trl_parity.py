@@ -8,8 +8,8 @@ gradients; TRL's metrics are its rewards/chosen, rewards/rejected, rewards/margi
 gptoss: the same pairs in a preference token file (two documents per pair, packed a pair at a time into
 rows of 48 tokens), read by PairSource, scored by the frozen reference through the objective's
 prepare_step, and the step run through the training schedule over several microbatches (EP=2: two gloo
-processes, each with half of the rows and half of the experts), the gradients finalised by the buffers
-(divided by the step's pairs). RPO is TRL's loss_type [.., "sft"] with loss_weights [1, rpo_alpha].
+processes, each with half of the rows and half of the experts; CP=2: two processes each holding half of
+every row's positions), the gradients finalised by the buffers (divided by the step's pairs). RPO is TRL's loss_type [.., "sft"] with loss_weights [1, rpo_alpha].
 SimPO is CPOTrainer's `cpo_loss` (loss_type simpo) on the mean log-probabilities of the same pairs
 computed from transformers' logits here.
 
@@ -72,9 +72,16 @@ def world(tmp_path_factory):
                          train_dataset=Dataset.from_dict({"prompt": ["a"], "chosen": ["b"], "rejected": ["c"]}))
     # TRL adds the MoE router's aux loss at config.router_aux_loss_coef; the preference loss is compared alone
     trainer.aux_loss_enabled = False
-    pairs = random_pairs(N_PAIRS, TINY.vocab_size, seed=4)
+    # replies of 5-12 tokens: most pairs straddle the middle of their 48-token row, so under CP=2 a pair's tokens
+    # are on both ranks (its sums cross ranks)
+    pairs = random_pairs(N_PAIRS, TINY.vocab_size, seed=4, completion=(5, 12))
     prefix = write_pair_file(root / "pairs", pairs, TINY.vocab_size)
-    return SimpleNamespace(root=root, trainer=trainer, policy=policy, reference=reference, pairs=pairs, prefix=prefix)
+    from gptoss_cli.preference.data import PairSource
+
+    rows = PairSource(prefix, SEQ, 0, TINY.vocab_size).num_samples
+    assert rows % 2 == 0  # one step over every row, split over two data-parallel ranks at EP=2
+    return SimpleNamespace(root=root, trainer=trainer, policy=policy, reference=reference, pairs=pairs, prefix=prefix,
+                           rows=rows)
 
 
 def _batch(pairs):
@@ -118,16 +125,16 @@ def simpo_step(w, beta, gamma, label_smoothing):
     return float(loss.detach()), metrics, {n: p.grad.detach().clone() for n, p in w.policy.named_parameters()}
 
 
-def ours(w, cases, ep: int, tmp_path):
+def ours(w, cases, ep: int, tmp_path, cp: int = 1):
     """Each case's (metrics, gradients under transformers' names) from gptoss's training path."""
     from tests.train.dist_helpers import run_distributed
     from tests.train.reference import HfView
 
-    args = (str(w.prefix), str(w.root / "policy"), str(w.root / "reference"), SEQ, 4, 1, ep, cases)
-    if ep == 1:
+    args = (str(w.prefix), str(w.root / "policy"), str(w.root / "reference"), SEQ, w.rows, 1, ep, cases, cp)
+    if ep * cp == 1:
         ranks = [dpo_step_worker(0, *args)]
     else:
-        ranks = run_distributed(dpo_step_worker, ep, tmp_path / "ranks", *args, timeout=300)
+        ranks = run_distributed(dpo_step_worker, ep * cp, tmp_path / "ranks", *args, timeout=300)
     out = []
     for k in range(len(cases)):
         grads = {}
@@ -148,13 +155,78 @@ def _check(got, want, context):
     assert_tensors_close(grads, want_grads, rel, context=context)
 
 
-@pytest.mark.parametrize("ep", [1, 2])
-def test_loss_metrics_and_gradients_equal_trl_dpo_trainer(world, ep, tmp_path):
+@pytest.mark.parametrize("ep,cp", [(1, 1), (2, 1), (1, 2)], ids=["ep1", "ep2", "cp2"])
+def test_loss_metrics_and_gradients_equal_trl_dpo_trainer(world, ep, cp, tmp_path):
+    """EP=2: two data-parallel ranks with half the experts each; CP=2: two ranks holding halves of the same rows,
+    each pair's sums added over them."""
     cases = list(CASES)
-    got = ours(world, [CASES[c][0] for c in cases] + [SIMPO], ep, tmp_path)
+    got = ours(world, [CASES[c][0] for c in cases] + [SIMPO], ep, tmp_path, cp)
     for name, result in zip(cases, got):
         kw, types, weights = CASES[name]
         want = trl_step(world, types, weights, kw["beta"], kw.get("label_smoothing", 0.0))
         assert 0.0 < want[1]["rewards_accuracy"] < 1.0  # the pairs are not all won (or lost) already
-        _check(result, want, f"{name} EP={ep}")
-    _check(got[-1], simpo_step(world, SIMPO["beta"], SIMPO["simpo_gamma"], SIMPO["label_smoothing"]), f"simpo EP={ep}")
+        _check(result, want, f"{name} EP={ep} CP={cp}")
+    _check(got[-1], simpo_step(world, SIMPO["beta"], SIMPO["simpo_gamma"], SIMPO["label_smoothing"]),
+           f"simpo EP={ep} CP={cp}")
+
+
+LR = 1e-3
+
+
+def test_three_adamw_steps_equal_trl_loss_with_torch_adamw(world):
+    """Three DPO steps (sigmoid with RPO) through gptoss's training path and its AdamW, against TRL's loss and
+    torch.optim.AdamW on transformers' model. As tests/tolerances.py says, AdamW turns a rounding-level
+    difference of a near-zero gradient into a whole step, so each step starts both from gptoss's weights (torch's
+    AdamW keeps its own moments across the three); after each, the weights agree far inside one step (0.01 lr)."""
+    from gptoss_cli.parallel.grads import get_model_config, unwrap_model
+    from gptoss_cli.parallel.state import init_parallel
+    from gptoss_cli.preference.data import PairSource
+    from gptoss_cli.preference.objective import DPOObjective
+    from gptoss_cli.rl.reference import frozen_copy
+    from gptoss_cli.schedule import get_forward_backward_func
+    from gptoss_cli.train.data import DataLoaderState
+    from gptoss_cli.train.objective import StepContext
+    from gptoss_cli.train.provider import HybridModelProvider
+    from gptoss_cli.train.setup import setup_model_and_optimizer
+    from tests.preference.pairs import ModelReference
+    from tests.train.jobs import optimizer_config, runtime_config
+    from tests.train.reference import HfView
+
+    state, runtime = init_parallel(1, "cpu"), runtime_config(aux_loss_coeff=0.0)
+    opt = optimizer_config(weight_decay=0.0, clip_grad=1e9)
+    setup = setup_model_and_optimizer(HybridModelProvider(runtime, weights=str(world.root / "policy")), state, opt, LR)
+    objective = DPOObjective(loss_type="sigmoid", beta=0.5, rpo_alpha=0.7)
+    objective.reference = ModelReference(frozen_copy(HybridModelProvider(runtime, weights=str(world.root / "reference")),
+                                                     state))
+    schedule = get_forward_backward_func(get_model_config(setup.model))
+    data = DataLoaderState(PairSource(world.prefix, SEQ, 0, TINY.vocab_size), global_batch_size=world.rows,
+                           micro_batch_size=1, dp_rank=0, dp_size=1)
+    inner, view = unwrap_model(setup.model), HfView(world.policy)
+    saved = {n: p.detach().clone() for n, p in world.policy.named_parameters()}
+    torch_adamw = torch.optim.AdamW(world.policy.parameters(), lr=LR, betas=(opt.adam_beta1, opt.adam_beta2),
+                                    eps=opt.adam_eps, weight_decay=0.0, foreach=False)
+
+    def ours_as_hf():
+        return view.to_hf({name: t.detach() for name, t in inner.named_checkpoint_slots()})
+
+    try:
+        for step in range(3):
+            with torch.no_grad():  # both from gptoss's weights
+                for name, p in world.policy.named_parameters():
+                    p.copy_(ours_as_hf()[name])
+            trl_step(world, ["sigmoid", "sft"], [1.0, 0.7], 0.5)
+            torch_adamw.step()
+            setup.model.zero_grad_buffer()
+            context = StepContext(step=step, model=setup.model, state=state, schedule=schedule)
+            schedule(forward_step_func=objective.forward_step, model=setup.model, num_microbatches=data.num_microbatches,
+                     data_iterator=objective.prepare_step(data.step_iterator(), context))
+            setup.optimizer.step(LR)
+            got = ours_as_hf()
+            for name, want in world.policy.named_parameters():
+                err = float((got[name] - want.detach()).abs().max())
+                assert err <= 0.01 * LR, f"step {step + 1}: {name} differs by {err:.3g}"
+                assert float((want.detach() - saved[name]).abs().max()) > 0.5 * LR  # it moved
+    finally:
+        with torch.no_grad():
+            for name, p in world.policy.named_parameters():
+                p.copy_(saved[name])
