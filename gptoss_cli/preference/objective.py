@@ -107,7 +107,10 @@ class DPOObjective(TrainingObjective):
     shown_metrics: ClassVar[tuple[MetricDisplay, ...]] = (
         MetricDisplay("rewards_accuracy", label="reward accuracy (chosen > rejected)", console="acc", format=".3f"),
         MetricDisplay("rewards_margin", label="reward margin (chosen - rejected)", console="margin", format=".3g"),
-        MetricDisplay("val_rewards_accuracy", label="held-out reward accuracy", console="val acc", format=".3f"))
+        MetricDisplay("rewards_chosen", label="chosen reward", console="chosen", format=".3g"),
+        MetricDisplay("rewards_rejected", label="rejected reward", console="rejected", format=".3g"),
+        MetricDisplay("val_rewards_accuracy", label="held-out reward accuracy", console="val acc", format=".3f"),
+        MetricDisplay("val_rewards_margin", label="held-out reward margin", console="val margin", format=".3g"))
     # set by the run (preference/trainer.py): the CP group a pair's tokens are spread over, and what
     # attaches the reference's log-probabilities to a step's microbatches
     cp_group: Any = None

@@ -58,6 +58,10 @@ def test_held_out_accuracy_rises_above_0_9_and_not_with_lr_0(runs):
     assert validated[-1]["val_rewards_accuracy"] > 0.9 and validated[-1]["val_rewards_margin"] > 0
     assert validated[-1]["val_loss"] < 0.5 * math.log(2)
     assert "acc" in console and "val acc" in console  # the objective's metrics on the console line
+    report = run_cli("report", runs["root"] / "model")
+    assert report.exit_code == 0, report.output
+    for name in ("rewards_accuracy", "rewards_margin", "rewards_chosen", "rewards_rejected", "val_rewards_accuracy"):
+        assert f"{name}.png" in report.output
     frozen = [m for m in runs["lr0"][0] if "val_rewards_accuracy" in m]
     assert [m["val_rewards_accuracy"] for m in frozen] == [0.0, 0.0]
     assert all(m["val_loss"] == pytest.approx(math.log(2), abs=1e-6) for m in frozen)
