@@ -104,6 +104,16 @@ def test_trls_chat_form_and_string_form_render_as_the_equivalent_harmony_convers
     assert plain.rejected.ids == pair.rejected.ids
 
 
+@pytest.fixture(scope="module")
+def tiny_tokenizer_file(tmp_path_factory):
+    """make-tiny's small harmony tokenizer: the checks do not depend on the vocabulary, and it loads at once."""
+    from gptoss_cli.data.tiny_tokenizer import tiny_tokenizer
+
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    path.write_text(json.dumps(tiny_tokenizer(1003)))
+    return path
+
+
 @pytest.mark.parametrize("row,why", [
     ({"chosen": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "x"}],
       "rejected": [{"role": "user", "content": "b"}, {"role": "assistant", "content": "y"}]},
@@ -115,14 +125,14 @@ def test_trls_chat_form_and_string_form_render_as_the_equivalent_harmony_convers
     ({"chosen": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "x"}],
       "rejected": [{"role": "user", "content": "a"}]}, "the rejected side: the conversation has no assistant turn"),
 ])
-def test_a_bad_pair_is_one_line_naming_the_row(row, why, tmp_path, gpt_oss_tokenizer_file):
+def test_a_bad_pair_is_one_line_naming_the_row(row, why, tmp_path, tiny_tokenizer_file):
     path = tmp_path / "pairs.jsonl"
     path.write_text(json.dumps({"prompt": "ok", "chosen": "yes", "rejected": "no"}) + "\n" + json.dumps(row) + "\n")
     with pytest.raises(UsageError) as err:
-        prepare_preference([path], tmp_path / "out", gpt_oss_tokenizer_file)
+        prepare_preference([path], tmp_path / "out", tiny_tokenizer_file)
     assert f"{path}:2: {why}" in err.value.message and "\n" not in err.value.message
     assert not list(tmp_path.glob("out*"))  # nothing half-written
-    result = prepare_preference([path], tmp_path / "out", gpt_oss_tokenizer_file, errors="skip")
+    result = prepare_preference([path], tmp_path / "out", tiny_tokenizer_file, errors="skip")
     assert (result.details["num_pairs"], result.num_skipped) == (1, 1) and why in result.skipped[0]
 
 
