@@ -5,8 +5,8 @@ A fenced block whose info string is `bash tiny` holds commands that need nothing
 order, in a new empty folder (never the repository: recipes are found by name, paths are relative
 to where the reader stands), through the CLI in this process; a line's `# comment` is dropped and
 `&&` chains commands. What a reader brings, their own conversations (`conversations.jsonl`,
-`held_out.jsonl`: plain exchanges and conversations with tool definitions, calls and results), is
-written first. Every command must exit 0.
+`held_out.jsonl`: plain exchanges and conversations with tool definitions, calls and results) and
+preference pairs (`pairs.jsonl`, `held_out_pairs.jsonl`), is written first. Every command must exit 0.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import pytest
 from typer.testing import CliRunner
 
 from gptoss_cli.cli import app
-from gptoss_cli.demo import sft_conversations
+from gptoss_cli.demo import preference_pairs, sft_conversations
 
 ROOT = Path(__file__).resolve().parent.parent
 FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -78,6 +78,8 @@ def test_tiny_commands_run_as_written_from_another_directory(name, tmp_path, mon
     monkeypatch.chdir(tmp_path)
     for file, held_out in (("conversations.jsonl", False), ("held_out.jsonl", True)):
         Path(file).write_text("".join(json.dumps(c) + "\n" for c in reader_conversations(held_out)))
+    for file, held_out in (("pairs.jsonl", False), ("held_out_pairs.jsonl", True)):
+        Path(file).write_text("".join(json.dumps(p) + "\n" for p in preference_pairs(held_out)))
     runner = CliRunner()
     for argv in DOCUMENTED[name]:
         result = runner.invoke(app, argv)
