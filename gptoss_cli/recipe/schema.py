@@ -22,28 +22,14 @@ from gptoss_cli.model.catalog import (ATTENTION_BACKEND_DEFAULT, ATTENTION_BACKE
                                       SWIGLU_KERNELS, TARGET_MODULES as LORA_TARGETS)
 from gptoss_cli.model.dtypes import RECIPE_DTYPES
 from gptoss_cli.schedule.pipeline.layout import SCHEDULES as PIPELINE_SCHEDULES
+from gptoss_cli.recipe.field_spec import spec as _f
+from gptoss_cli.recipe.schema_distill import DISTILL_LOSSES, DISTILL_TEACHERS, DistillConfig
 
 # numpy and Megatron seed with at most 2**32 - 1; the data sources seed torch generators with
 # seed x 1_000_003 + sample index, which must stay below 2**64 (torch.Generator.manual_seed).
 SEED_MAX = 2**32 - 1
 # A step that makes no progress for a day is a hang whatever the model; the collective timeout is 10 minutes.
 HEARTBEAT_MAX_S = 86_400.0
-
-
-def _f(default: Any = None, help: str = "", *, choices: tuple | None = None, min: float | None = None,
-       max: float | None = None, below: float | None = None, factory: Any = None) -> Any:
-    meta: dict[str, Any] = {"help": help}
-    if choices is not None:
-        meta["choices"] = choices
-    if min is not None:
-        meta["min"] = min
-    if max is not None:
-        meta["max"] = max
-    if below is not None:
-        meta["below"] = below
-    if factory is not None:
-        return field(default_factory=factory, metadata=meta)
-    return field(default=default, metadata=meta)
 
 
 @dataclass
@@ -313,7 +299,7 @@ class ServeCheckConfig:
 
 
 # What a training step minimises (gptoss_cli/train/objective.py): the kinds of gptoss_cli/run/objectives.py's table.
-OBJECTIVES = ("cross_entropy", "grpo")
+OBJECTIVES = ("cross_entropy", "grpo", "distill")
 # GRPO's loss normalisations, as TRL names them (docs/rl.md)
 RL_LOSSES = ("grpo", "dapo", "dr_grpo")
 ROLLOUT_ENGINES = ("gptoss", "vllm")
@@ -321,8 +307,9 @@ ROLLOUT_ENGINES = ("gptoss", "vllm")
 
 @dataclass
 class ObjectiveConfig:
-    kind: str = _f("cross_entropy", "what a step minimises: cross_entropy (pre-training, SFT: the data section) or "
-                   "grpo (reinforcement learning from rewards of sampled completions: the rl section, docs/rl.md)",
+    kind: str = _f("cross_entropy", "what a step minimises: cross_entropy (pre-training, SFT: the data section), "
+                   "grpo (reinforcement learning from rewards of sampled completions: the rl section, docs/rl.md) or "
+                   "distill (a frozen teacher's distributions: the distill section, docs/distill.md)",
                    choices=OBJECTIVES)
 
 
@@ -418,6 +405,7 @@ class RecipeConfig:
     serve_check: ServeCheckConfig = field(default_factory=ServeCheckConfig)
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     rl: RLConfig = field(default_factory=RLConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
 
 
 def iter_fields(cls: type = RecipeConfig, prefix: str = ""):
@@ -466,7 +454,7 @@ _GROUPS: dict[str, type] = {
     c.__name__: c for c in (
         ModelConfig, ParallelismConfig, MoEConfig, OverlapConfig, PrecisionConfig, CudaGraphConfig,
         RecomputeConfig, TrainingConfig, OptimizerConfig, DataConfig, CheckpointConfig, LoraConfig, ValidationConfig,
-        LoggingConfig, SystemConfig, ServeCheckConfig, ObjectiveConfig, RLConfig, RolloutConfig,
+        LoggingConfig, SystemConfig, ServeCheckConfig, ObjectiveConfig, RLConfig, RolloutConfig, DistillConfig,
     )
 }
 
@@ -475,5 +463,6 @@ __all__ = [
     "CudaGraphConfig", "RecomputeConfig", "TrainingConfig", "OptimizerConfig", "DataConfig",
     "CheckpointConfig", "LoraConfig", "ValidationConfig", "BlendSource", "LoggingConfig", "SystemConfig",
     "ServeCheckConfig", "ObjectiveConfig", "RLConfig", "RolloutConfig", "OBJECTIVES", "RL_LOSSES", "ROLLOUT_ENGINES",
+    "DistillConfig", "DISTILL_LOSSES", "DISTILL_TEACHERS",
     "iter_fields", "describe_schema",
 ]
