@@ -44,7 +44,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
+from gptoss_cli.recipe.schema_distill import DISTILL_LOSSES
+
+DIVERGENCES = DISTILL_LOSSES  # the recipe's names (recipe/schema_distill.py)
 # A chunk holds about four [tokens, vocabulary] fp32 tensors more than the LM loss's (teacher
 # log-probs, the mixture, their products): distillation takes this fraction of the loss's chunk.
 CHUNK_DIVISOR = 4
