@@ -284,3 +284,13 @@ def test_bad_options_are_one_line_exit_2_and_write_nothing(checkpoints, data, tm
     assert result.exit_code == 2 and message in " ".join(result.output.split()), result.output
     assert "Traceback" not in result.output and not (tmp_path / "s").exists()
     assert [p.name for p in tmp_path.iterdir()] == []
+
+
+def test_an_opened_file_travels_to_a_spawned_worker_without_its_open_shards(scored, data):
+    import pickle
+
+    scores = open_scores(scored)
+    before = scores.lookup(torch.arange(10))
+    again = pickle.loads(pickle.dumps(scores))
+    assert again._files is None
+    torch.testing.assert_close(again.lookup(torch.arange(10)).topk_logprobs, before.topk_logprobs)
