@@ -24,6 +24,7 @@ from gptoss_cli.model.dtypes import RECIPE_DTYPES
 from gptoss_cli.schedule.pipeline.layout import SCHEDULES as PIPELINE_SCHEDULES
 from gptoss_cli.recipe.field_spec import spec as _f
 from gptoss_cli.recipe.schema_dpo import DPO_LOSSES, DPO_REFERENCES, DPOConfig
+from gptoss_cli.recipe.schema_distill import DISTILL_LOSSES, DISTILL_TEACHERS, DistillConfig
 
 # numpy and Megatron seed with at most 2**32 - 1; the data sources seed torch generators with
 # seed x 1_000_003 + sample index, which must stay below 2**64 (torch.Generator.manual_seed).
@@ -303,7 +304,7 @@ class ServeCheckConfig:
 
 
 # What a training step minimises (gptoss_cli/train/objective.py): the kinds of gptoss_cli/run/objectives.py's table.
-OBJECTIVES = ("cross_entropy", "grpo", "dpo")
+OBJECTIVES = ("cross_entropy", "grpo", "dpo", "distill")
 # GRPO's loss normalisations, as TRL names them (docs/rl.md)
 RL_LOSSES = ("grpo", "dapo", "dr_grpo")
 ROLLOUT_ENGINES = ("gptoss", "vllm")
@@ -314,8 +315,10 @@ ROUTING_REPLAY = ("none", "rollout", "old_policy")
 @dataclass
 class ObjectiveConfig:
     kind: str = _f("cross_entropy", "what a step minimises: cross_entropy (pre-training, SFT: the data section), "
-                   "grpo (reinforcement learning from rewards of sampled completions: the rl section, docs/rl.md) or "
-                   "dpo (preference pairs of the data section: the dpo section, docs/dpo.md)", choices=OBJECTIVES)
+                   "grpo (reinforcement learning from rewards of sampled completions: the rl section, docs/rl.md), "
+                   "dpo (preference pairs of the data section: the dpo section, docs/dpo.md) or "
+                   "distill (a frozen teacher's distributions: the distill section, docs/distill.md)",
+                   choices=OBJECTIVES)
 
 
 @dataclass
@@ -421,6 +424,7 @@ class RecipeConfig:
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     rl: RLConfig = field(default_factory=RLConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
 
 
 def iter_fields(cls: type = RecipeConfig, prefix: str = ""):
@@ -469,7 +473,7 @@ _GROUPS: dict[str, type] = {
     c.__name__: c for c in (
         ModelConfig, ParallelismConfig, MoEConfig, OverlapConfig, PrecisionConfig, CudaGraphConfig,
         RecomputeConfig, TrainingConfig, OptimizerConfig, DataConfig, CheckpointConfig, LoraConfig, ValidationConfig,
-        LoggingConfig, SystemConfig, ServeCheckConfig, ObjectiveConfig, RLConfig, RolloutConfig, DPOConfig,
+        LoggingConfig, SystemConfig, ServeCheckConfig, ObjectiveConfig, RLConfig, RolloutConfig, DPOConfig, DistillConfig,
     )
 }
 
@@ -479,5 +483,6 @@ __all__ = [
     "CheckpointConfig", "LoraConfig", "ValidationConfig", "BlendSource", "LoggingConfig", "SystemConfig",
     "ServeCheckConfig", "ObjectiveConfig", "RLConfig", "RolloutConfig", "OBJECTIVES", "RL_LOSSES", "ROLLOUT_ENGINES",
     "DPOConfig", "DPO_LOSSES", "DPO_REFERENCES",
+    "DistillConfig", "DISTILL_LOSSES", "DISTILL_TEACHERS",
     "iter_fields", "describe_schema",
 ]

@@ -105,18 +105,25 @@ class GRPOObjective(TrainingObjective):
                    is_cap=None if rl.rollout.engine == "gptoss" else rl.rollout.is_cap,
                    aux_loss_coeff=config.moe.aux_loss_coeff, z_loss_coeff=config.moe.z_loss_coeff)
 
+    def advantages(self, microbatch: Microbatch, old: torch.Tensor, mask: torch.Tensor,
+                   logs: dict[str, Any]) -> torch.Tensor:
+        """Each position's advantage: the completion's, from the rollout (rl/batch.py). An objective built on
+        this surrogate may derive them per token instead (on-policy distillation: teacher minus `old`, the
+        trainer's log-prob at the rollout's weights), adding its own device logs to `logs`."""
+        return microbatch.extras["advantages"]
+
     def loss(self, microbatch: Microbatch, config: ModelRuntimeConfig, output: HybridOutput
              ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
         ex = microbatch.extras
         mask = (microbatch.labels != IGNORE_INDEX).float()
         logp, entropy = policy_log_probs(output, microbatch.labels, self.temperature)
         old = ex["old_logp"] if "old_logp" in ex else logp.detach()
-        adv = ex["advantages"]
+        logs: dict[str, Any] = {}
+        adv = self.advantages(microbatch, old, mask, logs)
         ratio = torch.exp(logp - old)
         clipped = torch.clamp(ratio, 1 - self.clip_low, 1 + self.clip_high)
         per_token = -torch.minimum(ratio * adv, clipped * adv)
         d = (old - ex["rollout_logp"]) * mask
-        logs: dict[str, Any] = {}
         if self.is_cap is not None:
             weight = torch.clamp(torch.exp(d), max=self.is_cap)
             per_token = per_token * weight

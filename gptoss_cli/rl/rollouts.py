@@ -77,7 +77,12 @@ def _every_rank(exc: TrainingError) -> TrainingError:
 
 
 class RolloutData:
-    """The rollouts of a GRPO run as the Trainer's data (see the module docstring)."""
+    """The rollouts of a GRPO run as the Trainer's data (see the module docstring). A subclass with
+    `rewarded = False` samples without a reward (advantages 0, no reward statistics) and adds what its
+    objective needs to the microbatches in `_score_policies` (on-policy distillation: the teacher's
+    log-probabilities of the sampled tokens, gptoss_cli/distill/on_policy.py)."""
+
+    rewarded = True
 
     def __init__(self, job: TrainJob, state: ParallelState, model: torch.nn.Module, heartbeat: Heartbeat | None = None):
         from gptoss_cli.data.harmony import HarmonyTokenizer
@@ -101,7 +106,8 @@ class RolloutData:
         self.prompts = render_records(read_records(self.rl.prompts), self.htok,
                                       max_prompt_tokens=t.seq_length - self.rl.max_new_tokens)
         self.order = PromptOrder(len(self.prompts), self.seed)
-        self.reward = load_reward(self.rl.reward)
+        # a run whose objective scores the samples itself (on-policy distillation) has no reward
+        self.reward = load_reward(self.rl.reward) if self.rewarded else None
         self.stop_ids = stop_token_ids(tok, HARMONY_STOP_TOKENS)
         self.consumed_samples = 0
         self.rollout: Rollout | None = None
@@ -195,8 +201,11 @@ class RolloutData:
         self._check_routes(completions, version, index)
         if beat:
             beat()
-        rewards = [self._score(c) for c in completions]
-        rollout = Rollout(index, completions, rewards, group_advantages(rewards, rl.group_size, rl.scale_rewards))
+        if self.reward is None:
+            rollout = Rollout(index, completions, [None] * len(completions), [0.0] * len(completions))
+        else:
+            rewards = [self._score(c) for c in completions]
+            rollout = Rollout(index, completions, rewards, group_advantages(rewards, rl.group_size, rl.scale_rewards))
         rollout.microbatches = split_microbatches(rollout, self.micro_batch_size, self.cfg.training.seq_length,
                                                   self.state.device)
         if rl.routing_replay == "rollout":  # R3: every forward of the rollout routes to the engine's experts
@@ -290,15 +299,17 @@ class RolloutData:
             dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=self.state.dp_group)
         total, squares, n, failed, zero_var, n_groups, tokens, truncated = sums.tolist()
         sample_s, rollout_s, push_s = maxima.tolist()
+        common = {"truncated_fraction": truncated / (n + failed), "rollout_time_s": rollout_s, "rollout_tokens": tokens,
+                  "rollout_tokens_per_s": tokens / sample_s if sample_s > 0 else 0.0, "weight_push_s": push_s}
+        if self.reward is None:
+            return common
         if n == 0:  # every rank knows it (the sums above are all-reduced)
             raise _every_rank(TrainingError(f"every reward of rollout {rollout.index + 1} failed ({self._warnings[0] if self._warnings else 'rl.reward'})",
                                 hint="fix rl.reward; the run stops before training on rewards it does not have"))
         mean = total / n
         var = (squares - n * mean * mean) / (n - 1) if n > 1 else 0.0
         return {"reward_mean": mean, "reward_std": max(var, 0.0) ** 0.5, "zero_variance_groups": zero_var / n_groups,
-                "reward_failures": failed, "truncated_fraction": truncated / (n + failed),
-                "rollout_time_s": rollout_s, "rollout_tokens": tokens,
-                "rollout_tokens_per_s": tokens / sample_s if sample_s > 0 else 0.0, "weight_push_s": push_s}
+                "reward_failures": failed, **common}
 
     def step_metrics(self, step_in_rollout: int, *, train_seconds: float) -> dict[str, Any]:
         """What a step adds to its metrics.jsonl line: the rollout's statistics (its time on its first step)."""

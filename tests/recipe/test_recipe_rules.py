@@ -18,6 +18,7 @@ LORA = ["lora.rank=4", "lora.target_modules=[linear_qkv, linear_fc1]"]
 # The quiet case differs from the trigger only in what the rule is about.
 GRPO = ["objective.kind=grpo", "rl.prompts=builtin:arithmetic", "rl.tokenizer=TOK", "rl.max_new_tokens=8",
         "rl.group_size=2"]
+DISTILL = ["objective.kind=distill", "distill.teacher_checkpoint=checkpoints/teacher"]
 CASES = {
     "field.range": (["training.micro_batch_size=0"], "error", ["training.micro_batch_size=1"]),
     "model.pattern_matches_architecture": (
@@ -138,6 +139,11 @@ CASES = {
                  ["objective.kind=dpo", "dpo.loss=robust", "dpo.label_smoothing=0.1"]),
     "dpo.reference": (["objective.kind=dpo", "dpo.reference=precomputed"], "error",
                       ["objective.kind=dpo", "dpo.reference=precomputed", "checkpoint.pretrained=checkpoints/base"]),
+    "distill.inputs": (["objective.kind=distill"], "error", [*DISTILL]),
+    "distill.teacher": ([*DISTILL, "distill.teacher_preset=gpt_oss_20b"], "error", [*DISTILL, "distill.teacher_preset=tiny"]),
+    "distill.loss": ([*DISTILL, "distill.loss=jsd", "distill.jsd_beta=0"], "error", [*DISTILL, "distill.loss=jsd"]),
+    "distill.layout": ([*DISTILL, "parallelism.pipeline_model_parallel_size=2", "parallelism.world_size=4"], "error",
+                       [*DISTILL, "parallelism.world_size=4"]),
     "serve_check.engine": (["serve_check.engine=vllm", "checkpoint.dir=null", "checkpoint.save_interval=null"], "error",
                            ["serve_check.engine=vllm"]),
     "lora.combinations": ([*LORA, "parallelism.context_parallel_size=2", "parallelism.world_size=2"], "error",

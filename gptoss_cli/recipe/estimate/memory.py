@@ -41,6 +41,8 @@ Pure Python: validation must not need torch. The layout is gptoss train's (PP x 
   vLLM engine's share of the GPU when it runs on the training GPUs, the KL reference of full fine-tuning.
 - DPO (objective.kind=dpo, recipe/estimate/memory_dpo.py): the frozen reference model of full fine-tuning with
   dpo.reference=model.
+- Distillation (objective.kind=distill, recipe/estimate/memory_distill.py): a model teacher's parameters (its own
+  architecture, MXFP4 experts allowed) and forward, the teacher's top-K or hidden states of a microbatch, the loss chunk.
 
 Not included: the CUDA context, NCCL and allocator slack; the 90% warning leaves room for them.
 """
@@ -58,6 +60,7 @@ from gptoss_cli.model.loss_chunk import lm_loss_chunk_tokens
 from gptoss_cli.model.pattern import ATTENTION, MLP, MOE, HybridPattern
 from gptoss_cli.model.recompute_plan import RecomputePlan
 from gptoss_cli.recipe.estimate.memory_dpo import dpo_items
+from gptoss_cli.recipe.estimate.memory_distill import distill_items
 from gptoss_cli.recipe.estimate.memory_rl import rl_items
 from gptoss_cli.recipe.estimate.parameters import ParamSpec, buffer_numel, lora_layout, parameter_layout
 from gptoss_cli.recipe.schema import RecipeConfig
@@ -418,6 +421,7 @@ def _rank_estimate(cfg: RecipeConfig, arch: GptOssArch, pattern: HybridPattern, 
     items += rl_items(cfg, arch, pattern, dp, b, cap * GB if cap else None, MemoryItem, notes,
                       rank_params=sum(p.numel for p in frozen_layout))
     items += dpo_items(cfg, b, sum(p.numel for p in frozen_layout), MemoryItem)
+    items += distill_items(cfg, arch, t, b, ep, MemoryItem, notes, lambda a, nb: activation_bytes_per_token(a, nb, False))
     return MemoryEstimate(items=items, world_size=world_size, ep_size=ep, dp_size=dp, expert_dp_size=edp,
                           tokens_per_microbatch=t, buckets={"dense": dense_buckets, "expert": expert_buckets},
                           gpu=gpu, capacity_bytes=cap * GB if cap else None, notes=notes,

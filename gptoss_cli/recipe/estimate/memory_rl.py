@@ -54,9 +54,9 @@ def rollout_rows(cfg: RecipeConfig, dp: int) -> int:
 def rl_items(cfg: RecipeConfig, arch: GptOssArch, pattern: HybridPattern, dp: int, b: int, capacity_bytes: float | None,
              item_type: ItemType[Item], notes: list[str], rank_params: int = 0) -> list[Item]:
     """The GRPO items (`item_type` is memory.MemoryItem) of one rank holding `rank_params` model parameters;
-    [] unless objective.kind=grpo."""
-    if cfg.objective.kind != "grpo":
-        return []
+    [] unless the run samples rollouts (objective.kind=grpo, or distill with distill.on_policy)."""
+    if cfg.objective.kind != "grpo" and not (cfg.objective.kind == "distill" and cfg.distill.on_policy):
+        return []  # on-policy distillation samples with GRPO's rollouts
     return (_reference_items(cfg, b, rank_params, item_type) + _routes_items(cfg, pattern, arch, dp, item_type)
             + _rollout_items(cfg, arch, pattern, dp, b, capacity_bytes, item_type, notes))
 

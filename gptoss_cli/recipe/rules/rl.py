@@ -1,4 +1,5 @@
-"""rl: GRPO (objective.kind=grpo), its prompts, reward, sampling, batch arithmetic and rollout engine."""
+"""rl: GRPO (objective.kind=grpo), its prompts, reward, sampling, batch arithmetic and rollout engine; the same
+rollouts' rules for on-policy distillation (objective.kind=distill with distill.on_policy), which has no reward."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ from gptoss_cli.recipe.estimate.sizes import data_parallel_size
 
 
 def _grpo(cfg: RecipeConfig) -> bool:
-    return cfg.objective.kind == "grpo"
+    """The run samples rollouts: GRPO, or on-policy distillation (its rollouts are GRPO's, without a reward)."""
+    return cfg.objective.kind == "grpo" or (cfg.objective.kind == "distill" and cfg.distill.on_policy)
 
 
-@rule("rl.inputs", "objective.kind=grpo needs rl.prompts and a tokenizer (rl.tokenizer or checkpoint.pretrained); at "
-      "launch the prompts file and tokenizer exist and rl.reward imports; an rl section without grpo is ignored",
+@rule("rl.inputs", "objective.kind=grpo (and on-policy distillation) needs rl.prompts and a tokenizer (rl.tokenizer or "
+      "checkpoint.pretrained); at launch the prompts file and tokenizer exist and GRPO's rl.reward imports; an rl section "
+      "without rollouts is ignored",
       fix="set rl.prompts (a JSONL file of conversations, or builtin:arithmetic), rl.tokenizer or "
           "checkpoint.pretrained, and rl.reward to a built-in or an importable module:function",
       severities=(ERROR, WARNING))
@@ -21,13 +24,13 @@ def rl_inputs(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     if not _grpo(cfg):
         if rl.prompts:
             return [warning({"objective.kind": cfg.objective.kind, "rl.prompts": rl.prompts},
-                            "the rl section is ignored: the objective is cross-entropy on the data section",
-                            "set objective.kind=grpo to train on rl.prompts")]
+                            f"the rl section is ignored: objective.kind={cfg.objective.kind} trains on the data "
+                            "section", "set objective.kind=grpo (or distill with distill.on_policy) to sample rl.prompts")]
         return []
     out = []
     if not rl.prompts:
-        out.append(error({"objective.kind": "grpo", "rl.prompts": None}, "GRPO samples completions of prompts: "
-                         "rl.prompts is not set"))
+        out.append(error({"objective.kind": cfg.objective.kind, "rl.prompts": None}, "the run samples completions of "
+                         "prompts: rl.prompts is not set"))
     if not rl.tokenizer and not cfg.checkpoint.pretrained:
         out.append(error({"rl.tokenizer": None, "checkpoint.pretrained": None},
                          "the harmony prompts need a tokenizer: neither rl.tokenizer nor checkpoint.pretrained is set"))
@@ -54,7 +57,8 @@ def _launch_problems(cfg: RecipeConfig) -> list[Finding]:
             out.append(error({"rl.tokenizer": rl.tokenizer}, f"rl.tokenizer={rl.tokenizer}: no tokenizer.json there",
                              bad_input=True))
     try:
-        load_reward(rl.reward)
+        if cfg.objective.kind == "grpo":  # on-policy distillation's teacher scores the samples instead
+            load_reward(rl.reward)
     except GptossError as exc:
         out.append(error({"rl.reward": rl.reward}, exc.message, exc.hint))
     return out
@@ -109,9 +113,9 @@ def rl_checkpoints(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
                   "no half-trained rollout")]
 
 
-@rule("rl.layout", "what GRPO does not run with: lora.dropout (the ratio would compare two dropout masks), context "
-      "or pipeline parallelism, validation on token files; the vllm engine with EP > 1, an MXFP4-stored LoRA base, fp16, "
-      "or (on the CPU) a head size vLLM's CPU attention refuses",
+@rule("rl.layout", "what GRPO (and on-policy distillation) does not run with: lora.dropout (the ratio would compare two "
+      "dropout masks), context or pipeline parallelism, validation on token files (GRPO); the vllm engine with EP > 1, an "
+      "MXFP4-stored LoRA base, fp16, or (on the CPU) a head size vLLM's CPU attention refuses",
       fix="lora.dropout=0, parallelism.context_parallel_size=1, pipeline_model_parallel_size=1, validation.data=null; with rl.rollout.engine=vllm "
           "expert_model_parallel_size=1, lora.base_experts=bf16, fp32 or bf16 and a model with head_dim 64 (`gptoss "
           "make-tiny DST --head-dim 64`) (or rl.rollout.engine=gptoss)")
@@ -131,7 +135,7 @@ def rl_layout(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
         out.append(error({"parallelism.pipeline_model_parallel_size": cfg.parallelism.pipeline_model_parallel_size},
                          "GRPO's rollouts decode with the whole model on each rank (the KV cache is not split "
                          "into pipeline stages)", "parallelism.pipeline_model_parallel_size=1"))
-    if cfg.validation.data:
+    if cfg.validation.data and cfg.objective.kind == "grpo":
         out.append(error({"validation.data": cfg.validation.data}, "validation scores token files with "
                          "cross-entropy; a GRPO run logs its rewards instead", "validation.data=null"))
     if engine == "vllm":
