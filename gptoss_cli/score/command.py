@@ -102,8 +102,8 @@ def check_out(out: Path, force: bool) -> None:
 def _check_options(top_k: int, temperature: float) -> None:
     if top_k < 0:
         raise UsageError(f"--top-k {top_k} is negative", hint="0 stores the log-prob of each trained token only")
-    if not (math.isfinite(temperature) and temperature > 0):
-        raise UsageError(f"--temperature {temperature} is not a positive number")
+    if not (math.isfinite(temperature) and 1e-6 <= temperature <= 100):  # logits / T stay finite (generate's bound)
+        raise UsageError(f"--temperature {temperature} must be a finite number in [1e-06, 100]")
 
 
 def _rank() -> int:
