@@ -68,6 +68,7 @@ def test_the_model_teacher_in_the_estimate_is_what_a_built_teacher_holds():
     held = sum(t.numel() * t.element_size() for name, t in [*model.named_parameters(), *model.named_buffers()]
                if not name.endswith("inv_freq"))  # RoPE's 8 frequencies: not weights
     assert est.bytes_of("distill.teacher") == held
-    assert est.bytes_of("distill.teacher_hidden") == 160 * tiny.hidden_size * 4  # fp32, one row of 160
+    seq = recipe.config.training.seq_length
+    assert est.bytes_of("distill.teacher_hidden") == seq * tiny.hidden_size * 4  # fp32, one row of seq_length
     precomputed = M.estimate_memory(load_recipe("tiny_cpu_distill").config, recipe.arch, recipe.pattern, 1)
-    assert precomputed.bytes_of("distill.teacher") == 0 and precomputed.bytes_of("distill.topk") == 160 * (12 * 16 + 4)
+    assert precomputed.bytes_of("distill.teacher") == 0 and precomputed.bytes_of("distill.topk") == seq * (12 * 16 + 4)
