@@ -31,13 +31,14 @@ How a run ends with a save in flight:
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import time
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -109,15 +110,19 @@ class AsyncCheckpointer:
         mark = signals_seen()
         try:
             prepare_folder(ckpt_dir, tmp, state)
-            future = dcp.async_save(payload, checkpoint_id=str(tmp), process_group=self.group,
-                                    async_stager=self.stager, no_dist=not state.distributed)
+            # held from the copy until the upload is recorded as in flight: a signal then leaves it to `abandon`
+            with signals_deferred():
+                future = dcp.async_save(payload, checkpoint_id=str(tmp), process_group=self.group,
+                                        async_stager=self.stager, no_dist=not state.distributed)
+                self.pending = InFlight(ckpt_dir, step, tmp, final, dict(train_state), future, mark)
         except BaseException as exc:
+            if self.pending is not None:  # the upload runs: a signal after it started (abandon() finishes it)
+                raise
             if state.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
-            if isinstance(exc, Exception):
+            if isinstance(exc, Exception):  # the copy failed (out of host memory...)
                 raise save_failed(ckpt_dir, tmp, step, exc, mark) from None
             raise
-        self.pending = InFlight(ckpt_dir, step, tmp, final, dict(train_state), future, mark)
         return published
 
     # -- the step's end --------------------------------------------------------------------------------
@@ -150,27 +155,37 @@ class AsyncCheckpointer:
         return self.settle(False, failed)
 
     # -- ending -------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def guarded(self) -> Iterator[None]:
+        """The training loop's block: whatever ends it early (an error, a signal) goes through `abandon`;
+        the staged copy's buffers are released when it ends."""
+        try:
+            yield
+        except BaseException:
+            self.abandon()
+            raise
+        finally:
+            self.close()
+
     def abandon(self) -> None:
         """On the way out of a failed or stopped run (no collective: ranks may be anywhere): wait for this rank's
-        upload; rank 0 publishes it if it completed, else removes its folder. Never raises for the upload."""
+        upload; rank 0 publishes it if it completed, else removes its folder. Never raises for the upload;
+        signals arriving meanwhile are raised when it is done."""
         p = self.pending
         if p is None:
             return
-        try:
-            with signals_deferred():
-                self._wait_own()
-                if self.state.rank == 0:
-                    if p.failure() is None and self._verified(p):
-                        publish_checkpoint(p.ckpt_dir, p.tmp, p.final, p.step, p.train_state, self.state)
-                        self.published.append((p.step, p.final))
-                    else:
-                        shutil.rmtree(p.tmp, ignore_errors=True)
-        finally:
+        with signals_deferred():
+            self._wait_own()
+            if self.state.rank == 0:
+                if p.failure() is None and self._verified(p):
+                    publish_checkpoint(p.ckpt_dir, p.tmp, p.final, p.step, p.train_state, self.state)
+                    self.published.append((p.step, p.final))
+                else:
+                    shutil.rmtree(p.tmp, ignore_errors=True)
             self.pending = None
-            self.close()
 
     def close(self) -> None:
-        """Release the staged copy's buffers (nothing must be in flight)."""
+        """Release the staged copy's buffers (when nothing is in flight; the stager stays usable)."""
         if self.pending is None:
             self.stager.close()
 
@@ -190,22 +205,27 @@ class AsyncCheckpointer:
         return True
 
     def _fail(self) -> None:
-        p, self.pending = self.pending, None
-        self._wait_for(p)
+        """Every rank: the upload failed somewhere. Its folder goes (rank 0), then the run stops (CheckpointError)."""
+        p = self.pending
+        self._wait_own()
         if self.state.rank == 0:
             shutil.rmtree(p.tmp, ignore_errors=True)
+        self.pending = None
         exc = p.failure() or CheckpointError(f"{p.tmp}: the upload failed on another rank")
         raise save_failed(p.ckpt_dir, p.tmp, p.step, exc, p.mark)
 
-    def _wait_for(self, p: InFlight) -> None:
-        while not p.ended():
-            time.sleep(0.005)
-
     def _publish(self) -> Path:
-        p, self.pending = self.pending, None
+        """Every upload has ended well: rank 0 checks the folder against its metadata and publishes it."""
+        p = self.pending
         if self.state.rank == 0:
-            check_storage_files(p.tmp, read_metadata(p.tmp))  # complete: every byte the metadata places is there
+            try:
+                check_storage_files(p.tmp, read_metadata(p.tmp))
+            except CheckpointError:  # one line naming the first missing byte range; the folder goes
+                shutil.rmtree(p.tmp, ignore_errors=True)
+                self.pending = None
+                raise
             publish_checkpoint(p.ckpt_dir, p.tmp, p.final, p.step, p.train_state, self.state)
+        self.pending = None
         self.published.append((p.step, p.final))
         return p.final
 

@@ -19,6 +19,7 @@ line, train/telemetry.py), and to TensorBoard / W&B when the recipe asks (train/
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import random
@@ -363,26 +364,20 @@ class Trainer:
         """Steps from the resumed one to training.train_iters, saving as checkpoint.* says; the result.
         A save still in flight when the run stops is finished or removed (train/async_save.py, `abandon`)."""
         t = self.cfg.training
-        with self.step_end.watching():
-            try:
-                for step in range(self.start_step, t.train_iters):
-                    outcome = self.train_step(step)
-                    self.record_step(outcome, self.validate(step + 1))
-                    if self.state.device.type == "cpu":
-                        release_freed_heap()  # the heap's free pages back to the OS (resources.py says why)
-                    if self.should_save(step + 1):
-                        self.save_checkpoint(step + 1)
-                    self.end_step(step + 1)
-                self.heartbeat.progress(t.train_iters, "finishing", watched=False)
-                if self.async_saves is not None:
-                    self._published(self.async_saves.wait())  # the last save completes before the run ends
-                self.end_step(max(self.start_step, t.train_iters))  # a signal during the last save still stops it
-            except BaseException:
-                if self.async_saves is not None:
-                    self.async_saves.abandon()
-                raise
-        if self.async_saves is not None:
-            self.async_saves.close()
+        saves = self.async_saves.guarded() if self.async_saves is not None else contextlib.nullcontext()
+        with self.step_end.watching(), saves:
+            for step in range(self.start_step, t.train_iters):
+                outcome = self.train_step(step)
+                self.record_step(outcome, self.validate(step + 1))
+                if self.state.device.type == "cpu":
+                    release_freed_heap()  # the heap's free pages back to the OS (resources.py says why)
+                if self.should_save(step + 1):
+                    self.save_checkpoint(step + 1)
+                self.end_step(step + 1)
+            self.heartbeat.progress(t.train_iters, "finishing", watched=False)
+            if self.async_saves is not None:
+                self._published(self.async_saves.wait())  # the last save completes before the run ends
+            self.end_step(max(self.start_step, t.train_iters))  # a signal during the last save still stops it
         barrier()
         result = self.result()
         if self.emit:

@@ -34,8 +34,6 @@ def _is_sharded(value: Any) -> bool:
 class HostStager(AsyncStager):
     """Stages a checkpoint's state into host buffers reused across saves (see the module docstring)."""
 
-    _synchronize_after_execute = False  # the copy is complete when `stage` returns
-
     def __init__(self, pin_memory: bool = False):
         self.pin_memory = pin_memory
         self.buffers: dict[str, torch.Tensor] = {}
@@ -70,6 +68,10 @@ class HostStager(AsyncStager):
         buf.copy_(t)
         memo[ident] = buf
         return buf
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return False  # the copy is complete when `stage` returns
 
     @property
     def nbytes(self) -> int:
