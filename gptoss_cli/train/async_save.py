@@ -31,9 +31,9 @@ How a run ends with a save in flight:
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import shutil
-import time
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
@@ -191,11 +191,12 @@ class AsyncCheckpointer:
 
     # -- helpers ---------------------------------------------------------------------------------------
     def _wait_own(self) -> None:
-        # polled, not future.result(): a signal handler's exception inside a Condition's bookkeeping can leave
-        # its lock held (torch_bytes.signals_deferred)
-        p = self.pending
-        while p is not None and not p.ended():
-            time.sleep(0.005)
+        """Until this rank's upload has ended. Signals are held meanwhile and raised once it has (a handler's
+        exception inside a Condition's bookkeeping can leave its lock held: torch_bytes.signals_deferred); the
+        wait is bounded by the upload's collectives' timeout."""
+        if self.pending is not None:
+            with signals_deferred():
+                concurrent.futures.wait([self.pending.future])
 
     def _verified(self, p: InFlight) -> bool:
         try:
