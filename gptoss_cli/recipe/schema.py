@@ -229,6 +229,10 @@ class CheckpointConfig:
         None, "with keep_last, also keep every checkpoint whose step is a multiple of N; null = none extra",
         min=1, max=INT32_MAX,
     )
+    async_save: bool = _f(False, "write checkpoints while the next steps run (a host copy, counted in the estimate; "
+                          "`latest` moves once one is complete): docs/reliability.md")
+    save_on_signal: bool = _f(False, "on SIGTERM / SIGINT every rank finishes the step, saves it and exits 143 / 130; "
+                              "false = stop at once (steps since the last save are lost)")
     override_lr_schedule: bool = _f(
         False, "resume with this recipe's learning-rate schedule (training.lr, min_lr, warmup_iters, lr_decay_style, "
         "lr_decay_iters or train_iters) even where it differs from the checkpoint's; false = such a resume is refused",

@@ -86,6 +86,10 @@ class RLTrainer(Trainer):
     def extra_train_state(self) -> dict[str, Any]:
         return {"rl": self.data.state_dict()}
 
+    def checkpoint_boundary(self, done: int) -> bool:
+        """Checkpoints fall on rollout boundaries (a save on a signal waits for the next one)."""
+        return done % self.cfg.rl.steps_per_rollout == 0
+
     def close(self) -> None:
         self.data.close()
 

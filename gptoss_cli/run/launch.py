@@ -215,11 +215,23 @@ def what_survives(job: TrainJob, last_step: int | None) -> str:
         lost = last_step if last_step is not None else 0
         return text + (f"; the {_steps(lost)} of this run are lost" if lost else "")
     text = f"nothing was left half-written; last checkpoint: step {saved} ({folder})"
+    if (last_step is None or last_step <= saved) and _saved_on_signal(folder):
+        return text + ", saved on the signal (checkpoint.save_on_signal): no step was lost"
     if last_step is None or last_step <= saved:
         return text + "; no step since is lost"
     lost = last_step - saved
     since = f"step {last_step}" if lost == 1 else f"steps {saved + 1}-{last_step}"
     return text + f"; {_steps(lost)} since ({since}) {'is' if lost == 1 else 'are'} lost (a resume trains them again)"
+
+
+def _saved_on_signal(folder: Path) -> bool:
+    """Whether the checkpoint `folder` was saved because a signal stopped the run (its train_state.json says)."""
+    from gptoss_cli.checkpoint.formats.training.record import read_train_state
+
+    try:
+        return read_train_state(folder).get("saved_on") == "signal"
+    except GptossError:
+        return False
 
 
 def _steps(n: int) -> str:
@@ -268,6 +280,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+SIGNAL_EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}  # what a process a signal stopped exits with (128 + signum)
+
+
 def _exit_on_interrupt(signum: int, frame: Any) -> None:
     # Ctrl-C reaches every worker twice (from the terminal, then from the agent stopping them);
     # unwinding a KeyboardInterrupt through DCP threads and gloo teardown can print tracebacks and
@@ -282,10 +297,14 @@ def _exit_on_interrupt(signum: int, frame: Any) -> None:
 
 
 def _worker_entry(job: TrainJob, progress: TrainProgress | None) -> TrainResult:
-    """Body of one elastic worker: a GptossError is recorded for the agent as one line, no traceback."""
+    """Body of one elastic worker: a GptossError is recorded for the agent as one line, no traceback; a run
+    stopped by a signal after its save (checkpoint.save_on_signal) exits 130 / 143, which the launcher reports
+    as the signal."""
     signal.signal(signal.SIGINT, _exit_on_interrupt)
     try:
         return run_worker(job, progress)
+    except (KeyboardInterrupt, Terminated) as exc:
+        raise SystemExit(SIGNAL_EXIT[signal.SIGINT if isinstance(exc, KeyboardInterrupt) else signal.SIGTERM]) from None
     except (GptossError, OSError) as exc:  # an OSError (full disk, unwritable metrics) is one line naming the path
         from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
@@ -309,8 +328,11 @@ def launch_local(job: TrainJob, nproc: int, progress: TrainProgress | None = Non
 
     options: dict[str, Any] = {}
     if "shutdown_timeout" in {f.name for f in dataclasses.fields(LaunchConfig)}:
-        # Workers die on SIGTERM at once unless they are stopped; do not wait 30 s for those.
-        options["shutdown_timeout"] = 5
+        # Workers die on SIGTERM at once unless they are stopped; do not wait 30 s for those. With
+        # checkpoint.save_on_signal they finish the step and save first: they get a rank's heartbeat budget.
+        ckpt = job.config.checkpoint
+        options["shutdown_timeout"] = (max(5, int(job.config.system.heartbeat_timeout_s))
+                                       if ckpt.dir and ckpt.save_on_signal else 5)
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"gptoss-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", rdzv_configs={"timeout": int(timeout_s)},
@@ -336,6 +358,9 @@ def launch_local(job: TrainJob, nproc: int, progress: TrainProgress | None = Non
                 if watchdog.reason:
                     raise TrainingError(watchdog.reason) from None
                 rank, failure = exc.get_first_failure()
+                stopped = {code: signum for signum, code in SIGNAL_EXIT.items()}.get(failure.exitcode)
+                if stopped is not None:  # the ranks stopped for a signal one of them got (checkpoint.save_on_signal)
+                    raise (KeyboardInterrupt if stopped == signal.SIGINT else Terminated)() from None
                 raise _worker_error(rank, failure, oom_before) from None
             except SignalException as exc:  # the agent has stopped the workers
                 if exc.sigval == signal.SIGINT:

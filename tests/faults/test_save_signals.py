@@ -181,3 +181,103 @@ def test_a_signal_anywhere_in_a_training_save_keeps_latest_complete_and_the_run_
     assert resumed.exit_code == 0, resumed.output
     assert latest_step(ckpt) == 3 and sorted(p.name for p in ckpt.glob("iter_*")) == [
         "iter_0000001", "iter_0000002", "iter_0000003"]
+
+
+# --- checkpoint.async_save: the main thread's part of a save, to its publication ------------------------------
+def test_a_signal_anywhere_in_an_async_save_keeps_latest_complete_and_the_run_resumes(
+        tmp_path, monkeypatch, cli_handlers):
+    """As above with checkpoint.async_save: the signal lands anywhere in the training thread's part of the save
+    of step 2 (the copy, the upload's start, the wait for it, the check and the publication), the way out
+    (`guarded`: `abandon`) finishes the upload and publishes it or removes its folder; nothing is left in
+    flight, `latest` names a complete checkpoint, and a resume trains on."""
+    from gptoss_cli.train.async_save import AsyncCheckpointer
+
+    real, ckpt, seen = AsyncCheckpointer.save, tmp_path / "ckpt", []
+
+    def whole(saver, folder: Path, kw: dict) -> Callable[[], object]:
+        def run():
+            with saver.guarded():  # what the loop's block does on the way out
+                real(saver, folder, **kw)
+                saver.wait()
+        return run
+
+    def interrupted_saves(self, ckpt_dir, **kw):
+        if kw["step"] != 2:
+            return real(self, ckpt_dir, **kw)
+        self.wait()  # step 1's upload published first, as the real save of step 2 does
+        # counted as the sweep runs it, through the CLI's wrapper: a landmark early in the save is hit there
+        sweep = points(lambda folder: lambda: through_the_cli(whole(self, folder, kw)), tmp_path, spread=6)
+        for i, point in enumerate(sweep):
+            signum = (signal.SIGINT, signal.SIGTERM)[i % 2]
+            with signal_at(point, signum) as where:
+                code, err = through_the_cli(whole(self, ckpt_dir, kw))
+            want, label = EXPECTED[signum]
+            seen.append(where["where"])
+            assert where["fired"] and code == want and err.startswith(label), (where, code, err)
+            assert self.pending is None, where
+            assert latest_step(ckpt) in (1, 2) and leftovers(ckpt) == [], (where, sorted(os.listdir(ckpt)))
+            shutil.rmtree(ckpt / "iter_0000002", ignore_errors=True)
+            (ckpt / "latest").write_text("iter_0000001\n")
+        with signal_at(sweep[len(sweep) // 2], signal.SIGINT):
+            return whole(self, ckpt_dir, kw)()
+
+    monkeypatch.setattr(AsyncCheckpointer, "save", interrupted_saves)
+    result = CliRunner().invoke(app, _train_args(ckpt, tmp_path / "run", "training.train_iters=3",
+                                                 "checkpoint.async_save=true"))
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    assert_one_line((result.exit_code, result.output), 130, "nothing was left half-written", prefix="interrupted:")
+    assert len(seen) >= 6 and latest_step(ckpt) in (1, 2) and leftovers(ckpt) == []
+    monkeypatch.setattr(AsyncCheckpointer, "save", real)
+    resumed = CliRunner().invoke(app, _train_args(ckpt, tmp_path / "run2", "training.train_iters=3",
+                                                  "checkpoint.async_save=true"))
+    assert resumed.exit_code == 0, resumed.output
+    assert latest_step(ckpt) == 3 and leftovers(ckpt) == []
+
+
+# --- checkpoint.save_on_signal: a signal never interrupts a save; the run stops after it --------------------------
+@pytest.mark.parametrize("async_save", [False, True])
+def test_with_save_on_signal_a_signal_anywhere_in_a_save_lets_it_finish_and_the_run_stops_after_it(
+        async_save, tmp_path, monkeypatch, cli_handlers):
+    """With checkpoint.save_on_signal the handlers only record a signal: at every point of the save of step 2
+    (to its publication, asynchronous or not) the save completes (`latest` on step 2, nothing partial) and the
+    signal is recorded; the run then ends after step 2 as the last signal asks, losing no step."""
+    import gptoss_cli.train.loop as loop
+
+    real, ckpt, seen = loop.Trainer.save_checkpoint, tmp_path / "ckpt", []
+
+    def whole(trainer) -> Callable[[], object]:
+        def run():
+            real(trainer, 2)
+            if trainer.async_saves is not None:
+                trainer._published(trainer.async_saves.wait())
+        return run
+
+    def swept(self, done, reason=None):
+        if done != 2 or reason is not None:
+            return real(self, done, reason)
+        whole(self)()  # imports what the save imports lazily
+        total, landmarks, _ = count_points(lambda: through_the_cli(whole(self)))
+        sweep = sweep_points(total, landmarks, POINTS or 6)
+        for i, point in enumerate(sweep):
+            signum = (signal.SIGINT, signal.SIGTERM)[i % 2]
+            with signal_at(point, signum) as where:
+                code, err = through_the_cli(whole(self))
+            seen.append(where["where"])
+            assert where["fired"] and code is None, (where, code, err)
+            assert self.step_end.seen == signum, where
+            assert latest_step(ckpt) == 2 and leftovers(ckpt) == [], (where, sorted(os.listdir(ckpt)))
+            self.step_end.seen = 0
+        self.step_end.seen = signal.SIGTERM  # the last one stands: the run stops after this step
+        return None
+
+    monkeypatch.setattr(loop.Trainer, "save_checkpoint", swept)
+    args = ["training.train_iters=4", "checkpoint.save_on_signal=true", f"checkpoint.async_save={async_save}"]
+    result = CliRunner().invoke(app, _train_args(ckpt, tmp_path / "run", *args))
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    assert_one_line((result.exit_code, result.output), 143, "last checkpoint: step 2", "no step since is lost",
+                    prefix="terminated:")
+    assert len(seen) >= 6 and latest_step(ckpt) == 2 and leftovers(ckpt) == []
+    monkeypatch.setattr(loop.Trainer, "save_checkpoint", real)
+    resumed = CliRunner().invoke(app, _train_args(ckpt, tmp_path / "run2", *args))
+    assert resumed.exit_code == 0, resumed.output
+    assert latest_step(ckpt) == 4

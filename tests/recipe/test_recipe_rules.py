@@ -115,6 +115,11 @@ CASES = {
     "data.source": (["data.kind=tokens"], "error", ["data.kind=tokens", "data.path=data/tokens"]),
     "checkpoint.settings": (["checkpoint.dir=null"], "warning", ["checkpoint.dir=null", "checkpoint.save_interval=null"]),
     "checkpoint.retention": (["checkpoint.keep_every=5"], "warning", ["checkpoint.keep_every=5", "checkpoint.keep_last=2"]),
+    "checkpoint.async_save": (["checkpoint.async_save=true", "checkpoint.dir=null", "checkpoint.save_interval=null"],
+                              "warning", ["checkpoint.async_save=true"]),
+    "checkpoint.save_on_signal": ([*GRPO, "checkpoint.save_on_signal=true", "rl.steps_per_rollout=2",
+                                   "training.train_iters=4", "checkpoint.save_interval=2"], "warning",
+                                  [*GRPO, "checkpoint.save_on_signal=true", "rl.steps_per_rollout=1"]),
     "validation.source": (["validation.interval=10"], "warning", ["validation.interval=10", "validation.data=data/val"]),
     # ~130 GB per GPU: 4M tokens per microbatch of the tiny model's activations and logits
     "memory.fits": (["system.gpu=h100", "training.seq_length=65536", "training.micro_batch_size=128"], "error",

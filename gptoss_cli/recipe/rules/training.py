@@ -241,6 +241,38 @@ def checkpoint_retention(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     return []
 
 
+@rule("checkpoint.async_save", "checkpoint.async_save saves into checkpoint.dir (without one it has nothing to do: "
+      "a warning); its staged copy is host memory, which the memory estimate counts per rank",
+      fix="set checkpoint.dir, or checkpoint.async_save=false", severities=(WARNING,))
+def checkpoint_async_save(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
+    c = cfg.checkpoint
+    if c.async_save and not c.dir:
+        return [warning({"checkpoint.async_save": True, "checkpoint.dir": None},
+                        "checkpoint.async_save without checkpoint.dir: this run saves no checkpoint")]
+    return []
+
+
+@rule("checkpoint.save_on_signal", "checkpoint.save_on_signal saves into checkpoint.dir (without one a signal stops "
+      "the run at once, as without the field: a warning); under GRPO a signal inside a rollout of "
+      "rl.steps_per_rollout steps trains to the rollout's end before the save (a warning: the scheduler's grace "
+      "period must cover those steps)",
+      fix="set checkpoint.dir; with GRPO, rl.steps_per_rollout=1 saves after the step the signal arrives in",
+      severities=(WARNING,))
+def checkpoint_save_on_signal(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
+    c, out = cfg.checkpoint, []
+    if not c.save_on_signal:
+        return out
+    if not c.dir:
+        out.append(warning({"checkpoint.save_on_signal": True, "checkpoint.dir": None},
+                           "checkpoint.save_on_signal without checkpoint.dir: a signal stops the run at once and "
+                           "nothing is saved"))
+    elif cfg.objective.kind == "grpo" and cfg.rl.steps_per_rollout > 1:
+        out.append(warning({"checkpoint.save_on_signal": True, "rl.steps_per_rollout": cfg.rl.steps_per_rollout},
+                           f"a signal inside a rollout trains up to {cfg.rl.steps_per_rollout - 1} more steps (to the "
+                           "rollout's end, where GRPO checkpoints fall) before the save"))
+    return out
+
+
 @rule("system.backend", "the distributed backend suits the device (nccl needs cuda)",
       fix="parallelism.backend=auto (nccl on CUDA, gloo on the CPU); gloo on GPUs is a warning",
       severities=(ERROR, WARNING))
