@@ -85,7 +85,7 @@ def routes_array(pa: Any, routes: list[Any], width: int) -> Any:
     values = pa.FixedSizeBinaryArray.from_buffers(pa.binary(width), len(data) // width, [None, pa.py_buffer(data)])
     offsets = np.zeros(len(routes) + 1, np.int32)
     np.cumsum([0 if r is None else len(r) for r in routes], out=offsets[1:])
-    return pa.ListArray.from_arrays(pa.array(offsets), values, mask=pa.array([r is None for r in routes]))
+    return pa.ListArray.from_arrays(pa.array(offsets), values, mask=pa.array([r is None for r in routes], pa.bool_()))
 
 
 def write_rollout_file(folder: Path, rollout: int, rows: list[dict[str, Any]], routes: list[Any],
@@ -172,7 +172,7 @@ def read_rows(path: Path, columns: Iterable[str]) -> Iterator[dict[str, Any]]:
     pf, _ = open_rollout_file(path)
     want = {f.name: f.type for f in schema(pa, None)}
     have = {f.name: f.type for f in pf.schema_arrow}
-    for name in columns:
+    for name in [*columns, *(n for n in have if n in want and n not in columns)]:  # every known column's type
         if name not in have:
             raise UsageError(f"{path}: no column {name!r}", hint=HINT)
         if name != "routes" and have[name] != want[name]:
@@ -212,7 +212,7 @@ def _check_row(path: Path, index: int, row: dict[str, Any]) -> None:
 
 # --- the summary ---------------------------------------------------------------------------------------
 SUMMARY_COLUMNS = ("step", "prompt_text", "completion_ids", "final_text", "completion_text", "finish", "reward",
-                   "is_weights")
+                   *PER_TOKEN)  # the per-token columns are read to be checked
 MASKING = ("mis", "icepop", "seq_mis")  # the corrections whose weight 0 means masked (rl/importance.py)
 
 
@@ -267,7 +267,10 @@ def _distribution(values: list[float], failed: int) -> dict[str, Any]:
         return out
     s = sorted(values)
     mean = sum(s) / len(s)
-    var = sum((v - mean) ** 2 for v in s) / (len(s) - 1) if len(s) > 1 else 0.0
+    try:
+        var = sum((v - mean) ** 2 for v in s) / (len(s) - 1) if len(s) > 1 else 0.0
+    except OverflowError:  # rewards near the float range's edge
+        var = math.inf
 
     def q(p: float) -> float:  # linear interpolation between the closest ranks
         x = p * (len(s) - 1)
