@@ -13,8 +13,8 @@ The loss is GRPO's clipped surrogate (rl/objective.py) with a per-token advantag
 
 so its gradient, -A_t grad log p_t at the rollout's weights, is the policy gradient of the per-token
 reverse KL, KL(student || teacher) estimated on the student's own samples (each token's own term, no
-sum over the tokens after it). The importance weights of an engine other than gptoss (truncated at
-rl.rollout.is_cap), the mismatch metrics and the clip are GRPO's own. A precomputed teacher cannot
+sum over the tokens after it). The importance correction (rl.is_correction, rl/importance.py), the
+mismatch metrics and the clip are GRPO's own. A precomputed teacher cannot
 score tokens that do not exist yet: the rules refuse it on-policy.
 
 Metrics: `reverse_kl`, the mean of old_t - teacher_t over sampled tokens (an unbiased estimate of

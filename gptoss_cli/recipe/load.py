@@ -208,6 +208,13 @@ def parse_overrides(overrides: Iterable[str]) -> dict[str, Any]:
 
 
 # --- checking names, types and choices -------------------------------------------------------
+# fields a recipe may still carry that were replaced: dotted name -> what to write instead (one line)
+RETIRED_FIELDS = {
+    "rl.rollout.is_cap": "rl.is_max (rl.is_correction: tis, the default, truncates each token's importance "
+                         "weight at it, with every engine; docs/rl.md)",
+}
+
+
 def _schema_children(cls: type) -> dict[str, Any]:
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
@@ -221,6 +228,9 @@ def _check_keys(data: Any, cls: type, prefix: str, problems: list[str]) -> None:
     children = _schema_children(cls)
     for key, value in data.items():
         dotted = f"{prefix}{key}"
+        if dotted in RETIRED_FIELDS:
+            problems.append(f"{dotted} was replaced by {RETIRED_FIELDS[dotted]}")
+            continue
         if key not in children:
             close = difflib.get_close_matches(str(key), list(children), n=1, cutoff=0.6)
             # a field written at top level instead of inside its group

@@ -314,6 +314,9 @@ RL_LOSSES = ("grpo", "dapo", "dr_grpo")
 ROLLOUT_ENGINES = ("gptoss", "vllm")
 # what the trainer's MoE layers route a rollout's tokens to (docs/rl.md, "Routing replay")
 ROUTING_REPLAY = ("none", "rollout", "old_policy")
+# the trainer/engine importance-sampling corrections (gptoss_cli/rl/importance.py, docs/rl.md)
+IS_CORRECTIONS = ("tis", "mis", "icepop", "seq_tis", "seq_mis", "none")
+IS_SEQUENCE_RATIOS = ("geometric", "product")
 
 
 @dataclass
@@ -340,8 +343,6 @@ class RolloutConfig:
     batch_size: Optional[int] = _f(
         None, "gptoss: completions decoded at once per rank (the KV cache holds this many rows); null = all of the "
         "rank's completions of a rollout", min=1, max=INT32_MAX)
-    is_cap: float = _f(3.0, "truncated importance sampling when the engine is not gptoss: each token's loss is "
-                       "weighted by min(p_trainer / p_engine, is_cap) of the token the engine sampled", min=1.0)
     mismatch_warn: float = _f(1.0e-3, "mismatch_kl (engine vs trainer, per token) above which a step warns, naming "
                               "the likely source", min=0.0)
     gpu_memory_utilization: float = _f(
@@ -383,6 +384,21 @@ class RLConfig:
     kl_unbiased: bool = _f(True, "multiply the KL term by the ratio p / p_old, which makes its gradient the unbiased "
                            "reverse-KL gradient (DeepSeek-V3.2; TRL's use_bias_correction_kl); false = GRPO's plain k3 "
                            "estimator")
+    # --- the trainer/engine mismatch (docs/rl.md, "Importance-sampling corrections") ---
+    is_correction: str = _f("tis", "how each token's loss is weighted by rho = p_trainer / p_engine of the sampled "
+                            "token: tis (clamp(rho, is_min, is_max)), mis (rho, 0 above is_max), icepop (rho, 0 "
+                            "outside [is_min, is_max]), seq_tis / seq_mis (the completion's ratio, rl.is_sequence_ratio, "
+                            "truncated / masked alike on every token), none (TRL's vLLM importance-sampling modes)",
+                            choices=IS_CORRECTIONS)
+    is_max: float = _f(3.0, "upper bound of the importance ratio (TRL's vllm_importance_sampling_clip_max)", min=1.0)
+    is_min: Optional[float] = _f(None, "lower bound of the importance ratio (TRL's vllm_importance_sampling_clip_min); "
+                                 "null = none; icepop needs one (IcePop: 0.5)", min=0.0, max=1.0)
+    is_sequence_ratio: str = _f("geometric", "seq_tis / seq_mis: the completion's ratio is the geometric mean of its "
+                                "tokens' (exp of the mean log-ratio) or their product (TRL's sequence modes)",
+                                choices=IS_SEQUENCE_RATIOS)
+    save_rollouts: bool = _f(False, "write each rollout batch to logging.run_dir/rollouts/ as Parquet (prompts, "
+                             "completions, rewards, advantages, engine and trainer log-probs, IS weights, routes; "
+                             "pyarrow: the datasets extra); `gptoss report` summarises them")
     # --- routing replay (docs/rl.md, "Routing replay") ---
     routing_replay: str = _f("none", "which experts the trainer's MoE layers send a rollout's tokens to: none (their "
                              "own live top-k), rollout (the experts the rollout engine used, R3; needs an engine that "

@@ -5,7 +5,8 @@ instead of token files, its objective is GRPO (rl/objective.py; the two are obje
 row in gptoss_cli/run/objectives.py), and before the first step of each rollout batch it brings the
 engine up to date with the policy and samples (`train_step`). Everything else (schedule, gradient
 finalisation, optimizer, metrics.jsonl, checkpoints, resume) is the loop's own. A rollout batch is
-trained by rl.steps_per_rollout steps of training.global_batch_size completions each.
+trained by rl.steps_per_rollout steps of training.global_batch_size completions each; after the last of
+them, with rl.save_rollouts, the rollout is written to logging.run_dir/rollouts/ (rl/rollout_save.py).
 
 Checkpoints fall on rollout boundaries (rule rl.checkpoints), where nothing of a rollout is pending;
 train_state.json's `rl` entry records the rollouts done (the prompt cursor, from which the sampling
@@ -53,8 +54,20 @@ class RLTrainer(Trainer):
         t0 = time.perf_counter()
         out = super().train_step(step)
         out.metrics.update(self.data.step_metrics(k, train_seconds=time.perf_counter() - t0))
+        if rl.save_rollouts and k == rl.steps_per_rollout - 1:  # every completion of the rollout is trained on
+            self._save_rollout(step - k + 1)
         self._warn_mismatch(out)
         return out
+
+    def _save_rollout(self, first_step: int) -> None:
+        """rl.save_rollouts: the rollout's file, written by rank 0 (rl/rollout_save.py)."""
+        from gptoss_cli.rl.importance import ImportanceCorrection
+        from gptoss_cli.rl.rollout_save import save_rollout
+
+        rl = self.cfg.rl
+        correction = getattr(self.objective, "correction", None) or ImportanceCorrection(
+            rl.is_correction, rl.is_min, rl.is_max, rl.is_sequence_ratio)
+        save_rollout(self.data, self.data.rollout, first_step, correction, self.job.run_dir)
 
     def _saved_before_stopping(self, exc: GptossError, step: int) -> GptossError:
         """A rollout that cannot go on (the engine failed its check or died, every reward failed) stops the run; the

@@ -366,6 +366,52 @@ def read_config(folder: Path) -> None:
     checkpoint_architecture(folder)
 
 
+@st.composite
+def rollouts_folder(draw) -> tuple[Folder, dict[str, int]]:
+    """A run folder's rollout file (rl.save_rollouts): valid, its bytes mutated, its metadata record edited, or a
+    table whose columns have other types, nulls or per-token lists of other lengths."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from gptoss_cli.rl.rollout_file import META_KEY, file_name, write_rollout_file
+
+    with tempfile.TemporaryDirectory() as tmp:
+        n = draw(st.integers(0, 3))
+        rows = [{"step": draw(st.integers(-2, 2**40)), "rank": 0, "prompt": 0, "prompt_source": "p:1",
+                 "prompt_ids": [1], "prompt_text": draw(st.text(max_size=4)), "completion_ids": list(range(n)),
+                 "completion_text": "c", "final_text": "f", "finish": draw(st.sampled_from(["stop", "length", ""])),
+                 "reward": draw(st.one_of(st.none(), st.floats(allow_nan=True, allow_infinity=True))),
+                 "advantage": 0.0, "engine_logprobs": [-1.0] * draw(st.sampled_from([n, n + 1])),
+                 "trainer_logprobs": None, "is_weights": draw(st.lists(st.floats(0, 3), min_size=n, max_size=n))}
+                for _ in range(draw(st.integers(0, 3)))]
+        meta = {"is_correction": {"mode": draw(st.sampled_from(["icepop", "tis", 7]))}}
+        path = write_rollout_file(Path(tmp), 1, rows, [None] * len(rows), meta)
+        raw = path.read_bytes()
+        how = draw(st.sampled_from(["bytes", "meta", "columns"]))
+        if how == "meta":
+            table = pq.read_table(path)
+            record = json.loads(table.schema.metadata[META_KEY])
+            table = table.replace_schema_metadata({META_KEY: draw(edited_json(record))})
+            pq.write_table(table, path)
+            raw = path.read_bytes()
+        elif how == "columns":
+            table = pq.read_table(path)
+            name = draw(st.sampled_from(table.column_names))
+            column = draw(st.sampled_from([pa.array([None] * len(table), pa.int64()), pa.array(["x"] * len(table)),
+                                           pa.array([[1.5]] * len(table))]))
+            pq.write_table(table.set_column(table.column_names.index(name), name, column), path)
+            raw = path.read_bytes()
+        else:
+            raw = draw(mutated(raw))
+    return {f"rollouts/{file_name(1)}": raw}, {}
+
+
+def read_rollouts(folder: Path) -> None:
+    from gptoss_cli.rl.rollout_file import summarise_rollouts
+
+    summarise_rollouts(folder)
+
+
 READERS: dict[str, Reader] = {
     "safetensors": Reader(safetensors_folder, read_safetensors),
     "dcp-metadata": Reader(dcp_folder, read_dcp),
@@ -375,6 +421,7 @@ READERS: dict[str, Reader] = {
     "rl-prompts-jsonl": Reader(prompts_folder, read_prompts),
     "conversations-jsonl-parquet": Reader(conversations_folder, read_conversations),
     "configs": Reader(config_folder, read_config),
+    "rollout-files": Reader(rollouts_folder, read_rollouts),
 }
 
 

@@ -8,7 +8,8 @@ end with exit 130 ("interrupted:") or 143 ("terminated:"), one line; then:
 - training (DCP): `latest` names the last complete checkpoint (the previous one, or the one being saved
   if the signal landed after it was published), no `.iter_*.partial` is left, and a resume trains on;
 - convert (`WRITERS`: hybrid, hf, megatron, peft): DST does not exist and nothing is left beside it,
-  and converting again succeeds.
+  and converting again succeeds;
+- a GRPO run's rollout file (rl.save_rollouts, rl/rollout_file.py): it is whole or absent, nothing beside it.
 
 A new writer is one entry in `WRITERS` (a GGUF writer: `"gguf": Writer(source, "gguf")`).
 GPTOSS_SAVE_POINTS raises the number of spread points (default 4 per writer, 6 for training) for a
@@ -136,6 +137,33 @@ def _sizes(folder: Path) -> dict[str, int]:
     """Every file of an output and its size, but the files recording where and when it was made."""
     return {str(p.relative_to(folder)): p.stat().st_size for p in folder.rglob("*")
             if p.is_file() and p.suffix != ".json" and p.name != "common.pt"}
+
+
+# --- GRPO's rollout files (rl.save_rollouts) -----------------------------------------------------------------
+def test_a_signal_anywhere_in_a_rollout_file_write_leaves_it_whole_or_absent(tmp_path, cli_handlers):
+    pq = pytest.importorskip("pyarrow.parquet")
+    from gptoss_cli.rl.rollout_file import file_name, write_rollout_file
+
+    rows = [{"step": 1, "rank": 0, "prompt": i, "prompt_source": "p.jsonl:1", "prompt_ids": [1, 2], "prompt_text": "p",
+             "completion_ids": [3, 4, 5], "completion_text": "c", "final_text": "", "finish": "stop", "reward": 1.0,
+             "advantage": 0.0, "engine_logprobs": [-1.0] * 3, "trainer_logprobs": [-1.0] * 3, "is_weights": [1.0] * 3}
+            for i in range(8)]
+
+    def save(folder: Path) -> Callable[[], object]:
+        return lambda: write_rollout_file(folder, 1, rows, [None] * 8, {})
+
+    save(tmp_path / "warm")()  # pyarrow's first table of a schema costs more calls than the ones after it
+    for i, point in enumerate(points(save, tmp_path, spread=6)):
+        folder = tmp_path / f"rollouts-{i}"  # each save as the counted one: into a new folder
+        signum = (signal.SIGINT, signal.SIGTERM)[i % 2]
+        with signal_at(point, signum) as where:
+            code, err = through_the_cli(save(folder))
+        assert where["fired"], point
+        want, label = EXPECTED[signum]
+        assert_one_line((code, err), want, "nothing was left half-written", prefix=label)
+        path = folder / file_name(1)
+        assert not path.exists() or pq.read_table(path).num_rows == 8, where
+        assert not folder.exists() or leftovers(folder) == [], where
 
 
 # --- training's DCP checkpoints ---------------------------------------------------------------------------

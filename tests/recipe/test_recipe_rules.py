@@ -149,6 +149,8 @@ CASES = {
     "distill.loss": ([*DISTILL, "distill.loss=jsd", "distill.jsd_beta=0"], "error", [*DISTILL, "distill.loss=jsd"]),
     "distill.layout": ([*DISTILL, "parallelism.pipeline_model_parallel_size=2", "parallelism.world_size=4"], "error",
                        [*DISTILL, "parallelism.world_size=4"]),
+    "rl.is_correction": ([*GRPO, "rl.is_correction=icepop"], "error", [*GRPO, "rl.is_correction=icepop", "rl.is_min=0.5"]),
+    "rl.save_rollouts": (["rl.save_rollouts=true"], "warning", [*GRPO, "rl.save_rollouts=true"]),
     "serve_check.engine": (["serve_check.engine=vllm", "checkpoint.dir=null", "checkpoint.save_interval=null"], "error",
                            ["serve_check.engine=vllm"]),
     "lora.combinations": ([*LORA, "parallelism.context_parallel_size=2", "parallelism.world_size=2"], "error",
@@ -460,6 +462,25 @@ def test_old_policy_replay_with_one_step_per_rollout_is_a_warning():
     assert [(f.severity, f.fields["rl.steps_per_rollout"]) for f in findings] == [("warning", 1)]
     assert run_rule("rl.routing_replay", [*GRPO, "rl.routing_replay=old_policy", "rl.steps_per_rollout=2",
                                           "training.train_iters=4"]) == []
+
+
+def test_is_correction_refuses_a_lower_bound_mis_ignores_and_warns_on_none_with_vllm():
+    (f,) = run_rule("rl.is_correction", [*GRPO, "rl.is_correction=mis", "rl.is_min=0.5"])
+    assert f.severity == "error" and f.fields == {"rl.is_correction": "mis", "rl.is_min": 0.5} and "icepop" in f.hint
+    assert run_rule("rl.is_correction", [*GRPO, "rl.is_correction=mis"]) == []
+    (f,) = run_rule("rl.is_correction", [*GRPO, "rl.is_correction=none", "rl.rollout.engine=vllm"])
+    assert f.severity == "warning" and f.fields["rl.rollout.engine"] == "vllm"
+    assert run_rule("rl.is_correction", [*GRPO, "rl.is_correction=none"]) == []  # gptoss's engine is the trainer
+
+
+def test_save_rollouts_needs_pyarrow_at_launch(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "pyarrow" else real(name, *a))
+    (f,) = run_rule("rl.save_rollouts", [*GRPO, "rl.save_rollouts=true"], check_paths=True)
+    assert f.severity == "error" and "pyarrow" in f.message and "datasets" in f.hint
+    assert run_rule("rl.save_rollouts", [*GRPO, "rl.save_rollouts=true"]) == []  # validate-config elsewhere: not asked
 
 
 def test_rollout_replay_with_vllms_cpu_build_is_refused_at_launch(monkeypatch):

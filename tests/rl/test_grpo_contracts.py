@@ -113,3 +113,25 @@ def test_a_resume_with_another_rl_setting_is_refused(field):
     with pytest.raises(ConfigError, match=f"rl.{field} changed"):
         RolloutData.resumed(run, 2, {"rl": saved})
     RolloutData.resumed(SimpleNamespace(state_dict=lambda: saved, rl=run.rl), 2, {"rl": saved})
+
+
+def test_keeping_the_trainer_logprobs_for_the_rollout_file_changes_neither_loss_nor_gradient():
+    """rl.save_rollouts: with one step per rollout the loss leaves its own detached log-probs in extras["old_logp"]
+    (the trainer's at the rollout's weights), after using them, exactly as the plain objective computes."""
+    g = torch.Generator().manual_seed(1)
+    labels = torch.randint(0, 7, (2, 5), generator=g)
+    labels[:, 0] = IGNORE_INDEX
+    extras = dict(advantages=torch.tensor([[1.0] * 5, [-0.5] * 5]), rollout_logp=-torch.rand(2, 5, generator=g))
+    base = torch.randn(2, 5, 7, generator=g)
+    got = []
+    for keep in (False, True):
+        logits = base.clone().requires_grad_(True)
+        mb, output = _microbatch(logits, labels, **{k: v.clone() for k, v in extras.items()})
+        loss, _, _ = GRPOObjective(keep_old_logp=keep, kl_coeff=0.0).loss(mb, None, output)
+        loss.backward()
+        got.append((loss.detach(), logits.grad, mb.extras.get("old_logp")))
+    (plain_loss, plain_grad, none), (loss, grad, kept) = got
+    assert none is None and torch.equal(plain_loss, loss) and torch.equal(plain_grad, grad)
+    logp = torch.log_softmax(base, -1).gather(-1, labels.clamp(min=0)[..., None])[..., 0]
+    at = labels != IGNORE_INDEX
+    assert torch.allclose(kept[at], logp[at], rtol=0, atol=1e-6) and not kept.requires_grad

@@ -43,7 +43,7 @@ def trainer(tmp_path_factory):
     convert(str(write_hf(root / "hf", seed=3)), root / "hybrid", dtype="float32")
     arch, _ = checkpoint_architecture(root / "hybrid")
     job = grpo_job(root, arch=arch, pretrained=str(root / "hybrid"), rollout_engine="vllm", engine_python=python,
-                   train_iters=2, is_cap=IS_CAP, lr=1e-2)
+                   train_iters=2, is_max=IS_CAP, lr=1e-2)
     job = dataclasses.replace(job, objective=build_objective(job.config))  # what run_worker does
     state = init_parallel(1, "cpu")
     t = RLTrainer(job, state)

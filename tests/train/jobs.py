@@ -55,7 +55,8 @@ FIELDS = {
     "scale_rewards": "rl.scale_rewards", "clip_low": "rl.clip_low", "clip_high": "rl.clip_high",
     "kl_coeff": "rl.kl_coeff", "kl_unbiased": "rl.kl_unbiased", "rollout_engine": "rl.rollout.engine",
     "engine_python": "rl.rollout.engine_python", "rollout_batch_size": "rl.rollout.batch_size",
-    "is_cap": "rl.rollout.is_cap", "mismatch_warn": "rl.rollout.mismatch_warn", "stage_dir": "rl.rollout.stage_dir",
+    "is_correction": "rl.is_correction", "is_max": "rl.is_max", "is_min": "rl.is_min",
+    "is_sequence_ratio": "rl.is_sequence_ratio", "save_rollouts": "rl.save_rollouts", "mismatch_warn": "rl.rollout.mismatch_warn", "stage_dir": "rl.rollout.stage_dir",
     "routing_replay": "rl.routing_replay",
 }
 

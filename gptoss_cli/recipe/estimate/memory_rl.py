@@ -18,6 +18,11 @@ sharing the training GPUs.
   data-parallel size), recorded whenever the engine is gptoss (the flip rate is logged in every mode) or
   rl.routing_replay=rollout; twice that under old_policy, whose scoring forward records the trainer's own ids
   beside the engine's.
+- The trainer's log-probabilities rl.save_rollouts writes: with one step per rollout the step's own forward
+  computes them, and the objective keeps them ([rows, training.seq_length] fp32 for the rank's completions of
+  the rollout) until the rollout's file is written after the step; with several steps the rollout scores
+  them anyway. Rank 0 gathers the rollout's rows in host memory to write them, which the per-GPU estimate
+  does not count.
 - The KL term's reference (rl.kl_coeff > 0) under full fine-tuning is a second, frozen model
   (rl/reference.py): the rank's parameters once more in the parameters' dtype. Under LoRA it is the base
   with the adapters off, which costs nothing.
@@ -58,7 +63,8 @@ def rl_items(cfg: RecipeConfig, arch: GptOssArch, pattern: HybridPattern, dp: in
     if cfg.objective.kind != "grpo" and not (cfg.objective.kind == "distill" and cfg.distill.on_policy):
         return []  # on-policy distillation samples with GRPO's rollouts
     return (_reference_items(cfg, b, rank_params, item_type) + _routes_items(cfg, pattern, arch, dp, item_type)
-            + _rollout_items(cfg, arch, pattern, dp, b, capacity_bytes, item_type, notes))
+            + _saved_items(cfg, dp, item_type) + _rollout_items(cfg, arch, pattern, dp, b, capacity_bytes, item_type,
+                                                                  notes))
 
 
 ROUTE_ID_BYTES = 2  # int16 on the device (rl/routes.py, `rows_routes`)
@@ -83,6 +89,19 @@ def _routes_items(cfg, pattern: HybridPattern, arch: GptOssArch, dp: int, item_t
     return [item_type("rl.routes", "rollout expert routes (routing replay, routing_flip_rate)", size,
                       f"{size // (rows * cfg.training.seq_length)} B x {rows} rows x {cfg.training.seq_length}",
                       "rl.routing_replay=none with rl.rollout.engine=vllm keeps none")]
+
+
+LOGPROB_BYTES = 4  # fp32, as the rollout's other per-position tensors (rl/batch.py)
+
+
+def _saved_items(cfg: RecipeConfig, dp: int, item_type: ItemType[Item]) -> list[Item]:
+    rl = cfg.rl
+    if not rl.save_rollouts or rl.steps_per_rollout > 1:
+        return []
+    rows = max(1, cfg.training.global_batch_size // max(dp, 1))
+    size = rows * cfg.training.seq_length * LOGPROB_BYTES
+    return [item_type("rl.saved_logprobs", "trainer log-probs kept for the rollout file (rl.save_rollouts)", size,
+                      f"{LOGPROB_BYTES} B x {rows} rows x {cfg.training.seq_length}", "rl.save_rollouts=false")]
 
 
 def _reference_items(cfg: RecipeConfig, b: int, rank_params: int, item_type: ItemType[Item]) -> list[Item]:

@@ -253,4 +253,49 @@ def _vllm_without_routes(cfg: RecipeConfig, ctx: Context) -> tuple[dict, str] | 
     return None
 
 
-__all__ = ["rl_inputs", "rl_sampling", "rl_batch", "rl_checkpoints", "rl_layout", "rl_engine", "rl_routing_replay"]
+@rule("rl.is_correction", "the importance-sampling correction's bounds fit its mode: icepop masks on both sides and "
+      "needs rl.is_min; mis masks above rl.is_max only, so an rl.is_min with it would do nothing; none with the vLLM "
+      "engine trains on the engine's samples as if the trainer had drawn them (a warning)",
+      fix="icepop with rl.is_min (IcePop: 0.5) and rl.is_max (5); mis without rl.is_min (icepop is the two-sided "
+          "token mask); tis or a mask with rl.rollout.engine=vllm", severities=(ERROR, WARNING))
+def rl_is_correction(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
+    rl = cfg.rl
+    if not _grpo(cfg):
+        return []
+    if rl.is_correction == "icepop" and rl.is_min is None:
+        return [error({"rl.is_correction": "icepop", "rl.is_min": None}, "rl.is_correction=icepop masks tokens whose "
+                      "ratio p_trainer / p_engine is below rl.is_min or above rl.is_max: rl.is_min is not set")]
+    if rl.is_correction == "mis" and rl.is_min is not None:
+        return [error({"rl.is_correction": "mis", "rl.is_min": rl.is_min}, f"rl.is_correction=mis masks tokens whose "
+                      f"ratio is above rl.is_max only; rl.is_min={rl.is_min} would do nothing",
+                      "rl.is_correction=icepop to mask on both sides, or rl.is_min=null")]
+    if rl.is_correction == "none" and rl.rollout.engine != "gptoss":
+        return [warning({"rl.is_correction": "none", "rl.rollout.engine": rl.rollout.engine},
+                        f"rl.is_correction=none with the {rl.rollout.engine} engine: its samples are trained on as if "
+                        "the trainer had drawn them, whatever mismatch_kl says",
+                        "rl.is_correction=tis (or a mask: mis, icepop, seq_mis)")]
+    return []
+
+
+@rule("rl.save_rollouts", "rl.save_rollouts writes a GRPO run's rollouts as Parquet, which needs pyarrow on the "
+      "training machine (checked at launch); without objective.kind=grpo there are no rollouts to save (a warning)",
+      fix="pip install 'gptoss-cli[datasets]' (pyarrow), or rl.save_rollouts=false", severities=(ERROR, WARNING))
+def rl_save_rollouts(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
+    if not cfg.rl.save_rollouts:
+        return []
+    if not _grpo(cfg):
+        return [warning({"rl.save_rollouts": True, "objective.kind": cfg.objective.kind},
+                        f"rl.save_rollouts is ignored: objective.kind={cfg.objective.kind} samples no rollouts",
+                        "rl.save_rollouts=false, or objective.kind=grpo")]
+    if not ctx.check_paths:
+        return []
+    import importlib.util  # noqa: PLC0415
+
+    if importlib.util.find_spec("pyarrow") is None:
+        return [error({"rl.save_rollouts": True}, "rl.save_rollouts writes Parquet files, which needs the `pyarrow` "
+                      "package: it is not installed")]
+    return []
+
+
+__all__ = ["rl_inputs", "rl_sampling", "rl_batch", "rl_checkpoints", "rl_layout", "rl_engine", "rl_routing_replay",
+           "rl_is_correction", "rl_save_rollouts"]
