@@ -36,6 +36,18 @@ def available_memory_bytes() -> int | None:
 
 
 @functools.cache
+def total_memory_bytes() -> int | None:
+    """The host's total memory (Linux MemTotal), read once; None where it is unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+@functools.cache
 def _glibc():
     """glibc's allocator controls (ctypes), loaded once; None where the C library is not glibc."""
     try:
