@@ -39,15 +39,16 @@ def grpo_step_times(run: harness.Run, arch, steps: int, folder: Path, overrides:
     each step's, recorded as the `step` case)."""
     from gptoss_cli.data.tiny_tokenizer import tiny_tokenizer
     from gptoss_cli.recipe import load_recipe
+    from gptoss_cli.model.pattern import default_pattern
     from gptoss_cli.train.job import TrainJob
-    from gptoss_cli.train.worker import run_worker
+    from gptoss_cli.run.worker import run_worker
 
     tok = folder / "tokenizer.json"
     tok.write_text(json.dumps(tiny_tokenizer(arch.vocab_size)))
     recipe = load_recipe("tiny_cpu_grpo", [f"training.train_iters={steps}", "checkpoint.pretrained=null",
                                            "checkpoint.dir=null", f"rl.tokenizer={tok}",
                                            f"logging.run_dir={folder / 'run'}", *overrides])
-    job = TrainJob(config=recipe.config, arch=arch, hybrid_layer_pattern=arch.hybrid_layer_pattern, name="bench",
+    job = TrainJob(config=recipe.config, arch=arch, pattern=default_pattern(arch), name="bench",
                    run_dir=str(folder / "run"))
     run_worker(job)
     rows = [json.loads(line) for line in (folder / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -55,6 +55,7 @@ def ours_step_fn(arch, tokens: torch.Tensor, dtype: str, rank: int, alpha: float
     from gptoss_cli.schedule import get_forward_backward_func
     from gptoss_cli.train.data import Microbatch
     from gptoss_cli.train.objective import forward_step
+    from gptoss_cli.model.pattern import default_pattern
     from gptoss_cli.train.provider import HybridModelProvider, ModelRuntimeConfig
     from gptoss_cli.train.setup import setup_model_and_optimizer
 
@@ -64,7 +65,7 @@ def ours_step_fn(arch, tokens: torch.Tensor, dtype: str, rank: int, alpha: float
     if rank:
         recipe.lora.rank, recipe.lora.alpha, recipe.lora.target_modules = rank, alpha, list(TARGETS)
         recipe.lora.base_experts = base_experts
-    cfg = ModelRuntimeConfig.from_recipe(recipe, arch, arch.hybrid_layer_pattern)
+    cfg = ModelRuntimeConfig.from_recipe(recipe, arch, default_pattern(arch))
     setup = setup_model_and_optimizer(HybridModelProvider(cfg, seed=0), ParallelState(), recipe.optimizer, 1e-4)
     schedule = get_forward_backward_func(setup.config)
     mbs = [Microbatch(tokens=tokens[:, :-1].contiguous(), labels=tokens[:, 1:].contiguous())]

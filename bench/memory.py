@@ -4,7 +4,7 @@ For each recipe and vocabulary, `gptoss train` runs as a user would run it (its 
 its own allocator setting) while this script polls every worker's /proc status: the peak resident
 set (VmHWM, exact), and the resident set over the run, to see whether it keeps growing (the RSS in
 the first and last quarter of the run's samples). The estimate is validate-config's per-process
-memory (`recipe.memory`, the same recipe and overrides); it counts the tensors a step holds, not
+memory (`recipe.estimate.memory`, the same recipe and overrides); it counts the tensors a step holds, not
 the runtime every process carries (torch's libraries, gloo), which is measured apart: the RSS of
 a process that imported what a worker imports (`runtime`). So `peak - runtime` is what the
 estimate should match.
@@ -111,7 +111,7 @@ class RssWatch:
 
 def runtime_rss(threads: int) -> int:
     """RSS of a process that imported what a training worker imports (torch, torch.distributed, the loop)."""
-    code = ("import torch, torch.distributed, gptoss_cli.train.loop, gptoss_cli.train.launch\n"
+    code = ("import torch, torch.distributed, gptoss_cli.train.loop, gptoss_cli.run.launch\n"
             "from gptoss_cli.resources import peak_rss_bytes\n"
             "import pathlib; print([int(l.split()[1]) * 1024 for l in pathlib.Path('/proc/self/status')"
             ".read_text().splitlines() if l.startswith('VmRSS')][0])")

@@ -103,6 +103,7 @@ def build_model(args: dict, state):
     """(arch, setup, data source): the tiny model widened by `args`, in train mode, built for the
     overlap schedule with delayed wgrad at `state`'s EP size, and its mock data."""
     from gptoss_cli.model.config import preset
+    from gptoss_cli.model.pattern import default_pattern, parse_pattern
     from gptoss_cli.recipe.schema import RecipeConfig
     from gptoss_cli.train.data import MockSource
     from gptoss_cli.train.provider import HybridModelProvider, ModelRuntimeConfig
@@ -114,7 +115,8 @@ def build_model(args: dict, state):
     cfg.precision.params_dtype, cfg.moe.aux_loss_coeff = "fp32", 0.001
     cfg.parallelism.expert_model_parallel_size = state.ep_size
     cfg.overlap.overlap_moe_expert_parallel_comm = cfg.overlap.delay_wgrad_compute = True
-    runtime = ModelRuntimeConfig.from_recipe(cfg, arch, args["pattern"] or arch.hybrid_layer_pattern)
+    runtime = ModelRuntimeConfig.from_recipe(
+        cfg, arch, parse_pattern(args["pattern"]) if args["pattern"] else default_pattern(arch))
     setup = setup_model_and_optimizer(HybridModelProvider(runtime, seed=1), state, cfg.optimizer, cfg.training.lr)
     setup.model.train()
     return arch, setup, MockSource(arch.vocab_size, args["seq"], seed=3)

@@ -5,7 +5,7 @@ Part 1, the bubble: PP=2 on 2 gloo processes (one per core; EP=1, the widened ti
 data), each schedule in turn, `rounds` timed training steps (forward, backward, finalize; no optimizer).
 Every stage action (torch's forward, backward, backward-for-weights of a chunk) is timed on its rank:
   measured bubble = 1 - busy / step time, on the rank that idles most (both ranks' figures printed);
-  theory (closed form) = pipeline/layout.py's `bubble_fraction` at the measured per-microbatch f, b, w;
+  theory (closed form) = schedule/pipeline/layout.py's `bubble_fraction` at the measured per-microbatch f, b, w;
   theory (the schedule's own order) = torch's action lists of the schedule replayed with the measured
       action times and free communication (an event simulation: F(s, m) after F(s-1, m), the backward
       of (s, m) after that of (s+1, m), W after its I), i.e. what the order itself costs.
@@ -17,7 +17,7 @@ no-pipelining step; hidden share = 1 - (time blocked on the link) / (the link's 
   no pipelining      DP=2 x EP=2, combined 1F1B with overlap and delayed wgrad (issue 6's schedule)
   dualpipev          PP=2 x EP=2, DualPipeV, its overlapped actions run in sequence (the control)
   dualpipev+overlap  PP=2 x EP=2, DualPipeV, OVERLAP_F_B interleaving two microbatches' plans
-                     (gptoss_cli/pipeline/plan_stage.py), delayed wgrad
+                     (gptoss_cli/schedule/pipeline/plan_stage.py), delayed wgrad
 On 2 cores 4 processes share them: compute is slower than it would be alone and gloo's copies
 compete with it; the figures are what this machine measures (bench/README.md).
 
@@ -50,6 +50,7 @@ SCHEDULES = {"1f1b": (None, "Et*2|t*2L"), "interleaved_1f1b": (2, "Et|t|t|tL"),
 def setup(args: dict, state: Any, **fields: Any):
     """The widened tiny model (4 blocks) at `state`, wrapped and with its optimizer, and its mock data."""
     from gptoss_cli.model.config import preset
+    from gptoss_cli.model.pattern import default_pattern
     from gptoss_cli.recipe.schema import RecipeConfig
     from gptoss_cli.train.data import MockSource
     from gptoss_cli.train.provider import HybridModelProvider, ModelRuntimeConfig
@@ -62,7 +63,7 @@ def setup(args: dict, state: Any, **fields: Any):
     for dotted, value in fields.items():
         section, name = dotted.split(".")
         setattr(getattr(cfg, section), name, value)
-    runtime = ModelRuntimeConfig.from_recipe(cfg, arch, arch.hybrid_layer_pattern)
+    runtime = ModelRuntimeConfig.from_recipe(cfg, arch, default_pattern(arch))
     built = setup_model_and_optimizer(HybridModelProvider(runtime, seed=1), state, cfg.optimizer, cfg.training.lr)
     built.model.train()
     return built, MockSource(arch.vocab_size, args["seq"], seed=3)
@@ -203,7 +204,7 @@ def one_f_one_b_order(pp: int, n: int) -> dict[int, list[str]]:
 
 def bubble_worker(rank: int, args: dict) -> dict:
     from gptoss_cli.parallel.state import init_parallel
-    from gptoss_cli.pipeline.schedule import forward_backward_pipelining
+    from gptoss_cli.schedule.pipeline.schedule import forward_backward_pipelining
 
     torch.set_num_threads(1)
     out = {}
@@ -237,7 +238,7 @@ def bubble_worker(rank: int, args: dict) -> dict:
 def overlap_worker(rank: int, args: dict) -> dict:
     from tests.support.simlink import LinkModel, use_link
     from gptoss_cli.parallel.state import init_parallel
-    from gptoss_cli.pipeline.schedule import forward_backward_pipelining
+    from gptoss_cli.schedule.pipeline.schedule import forward_backward_pipelining
     from gptoss_cli.schedule.combined_1f1b import forward_backward_combined_1f1b
 
     torch.set_num_threads(1)
@@ -283,7 +284,7 @@ def overlap_worker(rank: int, args: dict) -> dict:
 
 
 def bubble_report(ranks: list[dict], microbatches: int) -> list[dict]:
-    from gptoss_cli.pipeline.layout import SPLIT_BACKWARD, bubble_fraction
+    from gptoss_cli.schedule.pipeline.layout import SPLIT_BACKWARD, bubble_fraction
     from torch.distributed.pipelining.schedules import _Action
 
     results = []
@@ -352,7 +353,7 @@ def main() -> None:
                     run.add("PP=2 bubble", r["schedule"], f"replayed_bubble_rank{k}_share", v)
         if a.skip != "overlap":
             ranks = run_distributed(overlap_worker, 4, Path(tmp) / "o", args, timeout=3600,
-                                    preload=("gptoss_cli.train.loop", "gptoss_cli.pipeline.schedule"))
+                                    preload=("gptoss_cli.train.loop", "gptoss_cli.schedule.pipeline.schedule"))
             result["overlap"] = overlap_report(ranks)
             r0 = ranks[0]
             print(f"overlap: EP=2 on the simulated link, {r0['gbps']:.3g} Gbit/s (= {args['ratio']:g} x the "

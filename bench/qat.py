@@ -48,6 +48,7 @@ from bench import harness  # noqa: E402
 from gptoss_cli.model.config import preset  # noqa: E402
 from gptoss_cli.model.moe import ExpertLinear  # noqa: E402
 from gptoss_cli.model.mxfp4.qat import rounded_weight  # noqa: E402
+from gptoss_cli.model.pattern import default_pattern  # noqa: E402
 from gptoss_cli.parallel.grads import unwrap_model  # noqa: E402
 from gptoss_cli.parallel.state import ParallelState  # noqa: E402
 from gptoss_cli.recipe.schema import RecipeConfig  # noqa: E402
@@ -110,7 +111,7 @@ def fine_tune(seed: int, qat: str, steps: int, lr: float, seq: int, batch: int, 
     cfg.precision.params_dtype, cfg.precision.qat = "fp32", qat
     cfg.moe.aux_loss_coeff = 0.01
     cfg.optimizer.weight_decay, cfg.optimizer.clip_grad = 0.0, 1.0
-    runtime = ModelRuntimeConfig.from_recipe(cfg, ARCH, ARCH.hybrid_layer_pattern)
+    runtime = ModelRuntimeConfig.from_recipe(cfg, ARCH, default_pattern(ARCH))
     provider = Mxfp4BaseProvider(runtime, seed=seed, start=start)
     setup = setup_model_and_optimizer(provider, ParallelState(), cfg.optimizer, lr)
     data = DataLoaderState(MarkovTokens(ARCH.vocab_size, seq, chain_seed=seed), global_batch_size=batch,

@@ -5,7 +5,7 @@ The real model of the rank (on the meta device), its bucketed gradient and param
 distributed optimizer, `finalize_model_grads` and the MoE dispatcher run on torch's fake process
 group; every collective is recorded (tests/support/simulate.py says what is real and what is
 simulated). Memory is read from the real buffers and optimizer shards; activations are the
-formula of gptoss_cli/recipe/memory.py, printed with it. `--sweep` repeats the simulation at other
+formula of gptoss_cli/recipe/estimate/memory.py, printed with it. `--sweep` repeats the simulation at other
 world sizes to show that the optimizer makes two collectives per bucket whatever W.
 
     python bench/scale.py --recipe gb200_bf16
@@ -25,8 +25,8 @@ from bench import harness  # noqa: E402
 from tests.support.simulate import RankSimulation, simulate_rank  # noqa: E402
 from gptoss_cli.model.pattern import ATTENTION, MLP, MOE  # noqa: E402
 from gptoss_cli.recipe import load_recipe  # noqa: E402
-from gptoss_cli.recipe.memory import DTYPE_BYTES, activation_bytes_per_token, estimate_memory, size_text  # noqa: E402
-from gptoss_cli.recipe.sizes import resolve_world_size  # noqa: E402
+from gptoss_cli.recipe.estimate.memory import DTYPE_BYTES, activation_bytes_per_token, estimate_memory, size_text  # noqa: E402
+from gptoss_cli.recipe.estimate.sizes import resolve_world_size  # noqa: E402
 
 MEMORY_ROWS = [("params", "parameters"), ("grads", "gradients (fp32 main_grad)"),
                ("optimizer.master", "optimizer: fp32 master"), ("optimizer.exp_avg", "optimizer: exp_avg (fp32)"),
@@ -78,7 +78,7 @@ def formula_lines(cfg, arch) -> list[str]:
     return [
         f"activations per token (b = {b} B params dtype, h = {h}, I = {i}, k = {k}, V = {v}, "
         f"{arch.num_attention_heads} q / {arch.num_key_value_heads} kv heads of {arch.head_dim}; "
-        "gptoss_cli/recipe/memory.py):",
+        "gptoss_cli/recipe/estimate/memory.py):",
         f"  attention layer  8h + b*h + b*(2*nh*d' + c*2*kv*d') + 4*nh + b*nh*d (c <= 2: sliding blocks) = {per[ATTENTION]:,.0f} B",
         f"  MoE layer        8h + b*h + k*(b*(4h + 3I) + 16 + b) + 8k + b*k (+ 4E aux) = {per[MOE]:,.0f} B",
         f"  dense MLP layer  8h + b*h + 3*b*I = {per[MLP]:,.0f} B",

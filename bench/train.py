@@ -70,7 +70,7 @@ import torch  # noqa: E402
 
 from gptoss_cli.checkpoint.hf_config import to_hf_config
 from gptoss_cli.model.catalog import SWIGLU_KERNELS
-from gptoss_cli.recipe.flops import model_flops_per_token
+from gptoss_cli.recipe.estimate.flops import model_flops_per_token
 
 from bench import harness  # noqa: E402
 from bench.peers import bench_arch, hf_peer, hybrid_weights  # noqa: E402
@@ -107,12 +107,13 @@ def ours_step_fn(arch, tokens: torch.Tensor, dtype: str, state=None, microbatche
     from gptoss_cli.schedule import get_forward_backward_func
     from gptoss_cli.train.data import Microbatch
     from gptoss_cli.train.objective import forward_step
+    from gptoss_cli.model.pattern import default_pattern
     from gptoss_cli.train.provider import HybridModelProvider, ModelRuntimeConfig
     from gptoss_cli.train.setup import install_training_callbacks, wrap_model_and_optimizer
 
     state = state or ParallelState()
     recipe = _recipe(dtype, state.ep_size)
-    cfg = ModelRuntimeConfig.from_recipe(recipe, arch, arch.hybrid_layer_pattern)
+    cfg = ModelRuntimeConfig.from_recipe(recipe, arch, default_pattern(arch))
     built = HybridModelProvider(cfg, seed=0).provide(state)
     if weights is not None:  # before the buffers and the optimizer's state are built from the parameters
         built.load_state_dict(weights, strict=True)
@@ -163,9 +164,9 @@ def hf_step_fn(model, tokens: torch.Tensor):
 
 
 def model_flops_per_step(arch, batch: int, seq: int) -> float:
-    """Training FLOPs of one step: the project's one count (gptoss_cli/recipe/flops.py, docs/flops.md)
+    """Training FLOPs of one step: the project's one count (gptoss_cli/recipe/estimate/flops.py, docs/flops.md)
     per token, times the step's tokens."""
-    return model_flops_per_token(arch, seq, arch.hybrid_layer_pattern) * batch * seq
+    return model_flops_per_token(arch, seq) * batch * seq
 
 
 GEMM_N = 1024  # the square fp32 GEMM whose rate is taken as this CPU's peak
@@ -371,8 +372,9 @@ def _arch(name: str, overrides: str | None):
 
 
 def run_optimizer_bench(run: harness.Run, args: argparse.Namespace) -> dict:
+    from gptoss_cli.model.pattern import default_pattern
     from gptoss_cli.parallel.state import ParallelState
-    from gptoss_cli.recipe.memory import parameter_layout
+    from gptoss_cli.recipe.estimate.parameters import parameter_layout
 
     arch = _arch(args.preset, args.arch)
     new1, old1 = optimizer_times(arch, args.dtype, ParallelState(), args.steps, args.repeats)
@@ -381,7 +383,7 @@ def run_optimizer_bench(run: harness.Run, args: argparse.Namespace) -> dict:
     per_rank = _on_two_ranks(_optimizer_worker, cfg)
     new2 = [max(ts) for ts in zip(*(r[0] for r in per_rank))]  # the slowest rank sets the step
     old2 = [max(ts) for ts in zip(*(r[1] for r in per_rank))]
-    result = {"params": sum(p.numel for p in parameter_layout(arch, arch.hybrid_layer_pattern))}
+    result = {"params": sum(p.numel for p in parameter_layout(arch, default_pattern(arch)))}
     for w, new, old in (("w1", new1, old1), ("w2", new2, old2)):
         case = f"finalize + optimizer step, W={w[1]}"
         run.add(case, "new", "time_s", new)

@@ -1,6 +1,6 @@
 """The gradient-buffer bucket layout's two numbers, shared by the buffers and the memory estimate (no torch here).
 
-gptoss_cli/parallel/grads.py builds the buffers; gptoss_cli/recipe/memory.py predicts their size
+gptoss_cli/parallel/grads.py builds the buffers; gptoss_cli/recipe/estimate/memory.py predicts their size
 and must stay torch-free, and parallel/ may not import recipe/: both import these from here.
 """
 

@@ -252,7 +252,7 @@ def _validate() -> StageResult:
 def _train(hooks: DemoHooks, hybrid: Path, data: Path, run_dir: Path, steps: int) -> StageResult:
     from gptoss_cli.checkpoint.load import checkpoint_architecture
     from gptoss_cli.recipe.load import load_recipe
-    from gptoss_cli.train.launch import train
+    from gptoss_cli.run.launch import train
 
     arch, _ = checkpoint_architecture(hybrid)
     cfg_tokens = 8 * 32  # global batch x seq_length of the tiny recipe
@@ -297,10 +297,10 @@ def _sft(hooks: DemoHooks, hf: Path, hybrid: Path, folder: Path) -> StageResult:
         return StageResult("sft", SKIPPED, "install .[data] (the tokenizers package) for prepare-data", figure="-")
     import json
 
-    from gptoss_cli.data.prepare_conversations import prepare_conversations
+    from gptoss_cli.data.prepare.conversations import prepare_conversations
     from gptoss_cli.recipe.load import load_recipe
     from gptoss_cli.train.evaluate import evaluate
-    from gptoss_cli.train.launch import train
+    from gptoss_cli.run.launch import train
 
     folder.mkdir(parents=True, exist_ok=True)
     for name, held_out in (("train", False), ("val", True)):

@@ -25,7 +25,7 @@ In order, each printed as it finishes and all written to --json:
   4. a 2-layer model at GPT-OSS width (hidden 2880, 32 experts top-4, 64 / 8 heads of 64, vocabulary
      201088; a sliding-window and a full-attention layer) trained `--steps` steps in bf16 at sequence
      4096 through the real training step: tokens/s, MFU against the measured bf16 peak (model FLOPs:
-     gptoss_cli/recipe/flops.py), peak memory, and which attention kernel each layer kind got.
+     gptoss_cli/recipe/estimate/flops.py), peak memory, and which attention kernel each layer kind got.
 `--dry` runs all four on tiny shapes (any device, the CPU included: tests/test_gpu_check.py does).
 """
 
@@ -100,6 +100,7 @@ def training_step(arch, device: str, dtype: str, seq: int, microbatches: int,
     from gptoss_cli.schedule import get_forward_backward_func
     from gptoss_cli.train.data import Microbatch
     from gptoss_cli.train.objective import forward_step
+    from gptoss_cli.model.pattern import default_pattern
     from gptoss_cli.train.provider import HybridModelProvider, ModelRuntimeConfig
     from gptoss_cli.train.setup import install_training_callbacks, wrap_model_and_optimizer
 
@@ -107,7 +108,7 @@ def training_step(arch, device: str, dtype: str, seq: int, microbatches: int,
     recipe.precision.params_dtype, recipe.moe.aux_loss_coeff = dtype, 0.0
     recipe.optimizer.weight_decay, recipe.optimizer.use_distributed_optimizer = 0.0, True
     state = ParallelState(device=torch.device(device))
-    built = HybridModelProvider(ModelRuntimeConfig.from_recipe(recipe, arch, arch.hybrid_layer_pattern), seed=0).provide(state)
+    built = HybridModelProvider(ModelRuntimeConfig.from_recipe(recipe, arch, default_pattern(arch)), seed=0).provide(state)
     if weights is not None:
         built.load_state_dict(weights, strict=True)
     model, optimizer = wrap_model_and_optimizer(built, state, recipe.optimizer, 1e-4)
@@ -192,7 +193,7 @@ def gemm_throughput(device: str, dry: bool, repeats: int) -> dict[str, Any]:
 def wide_model_step(device: str, dry: bool, steps: int, seq: int, microbatches: int, peak_tflops: float) -> dict[str, Any]:
     from gptoss_cli.model.attention.backends import describe, layer_kernels
     from gptoss_cli.model.config import preset
-    from gptoss_cli.recipe.flops import model_flops_per_token
+    from gptoss_cli.recipe.estimate.flops import model_flops_per_token
 
     arch = preset("tiny") if dry else preset("gpt_oss_20b").replace(num_hidden_layers=2)
     seq = 32 if dry else seq
@@ -207,7 +208,7 @@ def wide_model_step(device: str, dry: bool, steps: int, seq: int, microbatches: 
     it = iter(batches)
     step_s = median_seconds(lambda: losses.append(step(next(it))), device, steps, warmup=2)
     tokens = microbatches * seq
-    flops = model_flops_per_token(arch, seq, arch.hybrid_layer_pattern) * tokens
+    flops = model_flops_per_token(arch, seq) * tokens
     window = arch.sliding_window
     kernels = layer_kernels("auto", device, torch.bfloat16, arch.head_dim, seq, window)
     result = {

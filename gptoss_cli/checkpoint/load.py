@@ -26,7 +26,7 @@ from gptoss_cli.checkpoint.hybrid_format import HYBRID_CONFIG, read_hybrid_confi
 from gptoss_cli.checkpoint.layouts import EXPERT_CHUNK
 from gptoss_cli.checkpoint.mapping import VOCAB_PADDED_HYBRID, check_vocab_padding, units
 from gptoss_cli.checkpoint.formats.registry import Source, check_tensors
-from gptoss_cli.checkpoint.sources import open_source
+from gptoss_cli.checkpoint.sources import open_source, source_pattern
 from gptoss_cli.checkpoint.storage.readers import TensorReader
 from gptoss_cli.checkpoint.storage.safetensors_io import CheckpointReader
 from gptoss_cli.checkpoint.training_format import MODEL
@@ -235,7 +235,7 @@ def model_from_checkpoint(folder: str | Path, *, dtype: torch.dtype = torch.floa
     to HybridModel (expert_offset, num_local_experts, token_dispatcher_factory)."""
     source = open_source(str(folder), weights=weights)
     try:
-        model = build_model(source.arch, source.hybrid_layer_pattern, device=device, dtype=dtype, **kwargs)
+        model = build_model(source.arch, source_pattern(source), device=device, dtype=dtype, **kwargs)
         _fill_from_source(model, source, progress)
     finally:
         source.close()

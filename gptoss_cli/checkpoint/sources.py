@@ -14,6 +14,7 @@ from gptoss_cli.checkpoint.formats.registry import OpenOptions, Source
 from gptoss_cli.checkpoint.hf_config import EXTRA_FILES
 from gptoss_cli.errors import UsageError
 from gptoss_cli.model.config import GptOssArch
+from gptoss_cli.model.pattern import HybridPattern, default_pattern, parse_pattern
 
 HUB_PATTERNS = ["config.json", "model*.safetensors", "model.safetensors.index.json", *EXTRA_FILES]
 HUB_ORIGINAL_PATTERNS = ["original/config.json", "original/*.safetensors", "original/*.json"]
@@ -73,4 +74,11 @@ def open_source(src: str, revision: str | None = None, *, weights: str | None = 
     return fmt.open(src, root, revision, options)
 
 
-__all__ = ["open_source", "resolve", "HUB_PATTERNS"]
+def source_pattern(source: Source) -> HybridPattern:
+    """The layer pattern a checkpoint records (a Hybrid folder's, a training run's), parsed once here where
+    it is read; the architecture's `*E` per block for the formats that record none (HF, original)."""
+    stored = source.hybrid_layer_pattern
+    return parse_pattern(stored) if stored is not None else default_pattern(source.arch)
+
+
+__all__ = ["open_source", "source_pattern", "resolve", "HUB_PATTERNS"]

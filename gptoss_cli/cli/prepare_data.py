@@ -1,8 +1,7 @@
-"""`gptoss prepare-data`: tokenize text/JSONL files into the token file format training reads."""
+"""`gptoss prepare-data`: files into the token files training reads, in the format --format names (data/prepare/)."""
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import List, Optional
 
@@ -12,7 +11,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 from rich.table import Table
 
 from gptoss_cli.cli.app import app, check_json_path, console, err_console, handle_errors, write_json
-from gptoss_cli.errors import UsageError
+from gptoss_cli.data.prepare.formats import FORMATS, PrepareOptions, data_format
 
 
 @app.command(
@@ -49,7 +48,7 @@ def prepare_data_cmd(
     batch_rows: Optional[int] = typer.Option(None, "--batch-rows", min=1, max=1 << 20,
                                              help="harmony: rows rendered per batch (memory is bounded by a batch; "
                                                   "default 256)", show_default=False),
-    fmt: str = typer.Option("text", "--format", help="text (token streams) or harmony (conversations, loss mask)"),
+    fmt: str = typer.Option("text", "--format", help=" or ".join(f"{f.name} ({f.reads})" for f in FORMATS.values())),
     analysis: Optional[str] = typer.Option(
         None, "--analysis", help="harmony: keep (default; the last turn's analysis is trained, earlier ones dropped) "
         "or drop (no analysis messages)", show_default=False),
@@ -66,66 +65,28 @@ def prepare_data_cmd(
     json_path: Optional[Path] = typer.Option(None, "--json", help="also write the result as JSON"),
 ) -> None:
     check_json_path(json_path)
-    if fmt not in ("text", "harmony"):
-        raise UsageError(f"--format {fmt!r} is not one of text, harmony")
-    given = {"--text-key": text_key != "text", "--eos-id": eos_id is not None}
-    harmony_only = {"--analysis": analysis is not None, "--train-on": train_on is not None,
-                    "--max-length": max_length is not None, "--truncate": truncate, "--seq-length": seq_length is not None,
-                    "--split": split is not None, "--field": field_name is not None, "--errors skip": errors == "skip",
-                    "--batch-rows": batch_rows is not None}
-    wrong = [k for k, v in (harmony_only if fmt == "text" else given).items() if v]
-    if wrong:
-        raise UsageError(f"{', '.join(wrong)} {'does' if len(wrong) == 1 else 'do'} not apply to --format {fmt}")
-
+    options = PrepareOptions(text_key=text_key, eos_id=eos_id, analysis=analysis, train_on=train_on,
+                             max_length=max_length, truncate=truncate, seq_length=seq_length, split=split,
+                             field=field_name, errors=errors, batch_rows=batch_rows)
+    writer = data_format(fmt, options)  # an unknown format or an option it does not take: one line, before the bar
     bar = Progress(TextColumn("[bold]tokenizing"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                    TimeRemainingColumn(), console=err_console, transient=True,
                    disable=quiet or not err_console.is_terminal)
     with bar:
         task = bar.add_task("tokenizing", total=None)
-
-        def progress(done: int, total: int) -> None:
-            bar.update(task, completed=done, total=total)
-
-        if fmt == "harmony":
-            from gptoss_cli.data.prepare_conversations import prepare_conversations
-
-            result = prepare_conversations(list(inputs), out, tokenizer, analysis=analysis or "keep",
-                                           train_on=train_on or "last", max_length=max_length, truncate=truncate,
-                                           seq_length=seq_length, errors=errors, split=split,
-                                           field_name=field_name or "messages", batch_rows=batch_rows or 256,
-                                           progress=progress)
-        else:
-            from gptoss_cli.data.prepare_text import prepare_data
-
-            result = prepare_data([Path(p) for p in inputs], out, tokenizer, text_key=text_key, eos_token_id=eos_id,
-                                  progress=progress, errors=errors)
-    skipped = getattr(result, "skipped", [])  # harmony only: rows --errors skip left out
-    for line in skipped:
+        result = writer.write(list(inputs), out, tokenizer, options,
+                              lambda done, total: bar.update(task, completed=done, total=total))
+    for line in result.skipped:
         err_console.print(f"[yellow]skipped[/] {escape(line)}", highlight=False)
-    if getattr(result, "num_skipped", 0) > len(skipped):
-        err_console.print(f"[yellow]skipped[/] {result.num_skipped - len(skipped)} more rows", highlight=False)
+    if result.num_skipped > len(result.skipped):
+        err_console.print(f"[yellow]skipped[/] {result.num_skipped - len(result.skipped)} more rows", highlight=False)
     if not quiet:
         table = Table(title="prepare-data", title_justify="left", show_header=False)
         table.add_column("", style="bold")
         table.add_column("")
-        table.add_row("tokens", f"{result.num_tokens:,} {result.dtype}")
-        if fmt == "harmony":
-            table.add_row("conversations", f"{result.num_documents:,} (longest {result.max_document_length:,} tokens)")
-            table.add_row("trained tokens", f"{result.num_loss_tokens:,} ({result.num_loss_tokens / result.num_tokens:.1%})")
-            table.add_row("dropped / truncated", f"{result.num_dropped:,} / {result.num_truncated:,} "
-                          f"(max length {result.rendering['max_length'] or 'none'})")
-            if result.num_skipped:
-                table.add_row("skipped rows", f"{result.num_skipped:,} (--errors skip)")
-            table.add_row("rendering", f"analysis {result.rendering['analysis']}, train on {result.rendering['train_on']}")
-            if result.packing:
-                pk = result.packing
-                table.add_row("packing", f"{pk['efficiency']:.2%} of {pk['rows']:,} rows of {pk['seq_length']:,} tokens")
-            files = [result.bin_path, result.index_path, result.mask_path, result.header_path]
-        else:
-            table.add_row("documents", f"{result.num_documents:,}")
-            table.add_row("vocab / eos", f"{result.vocab_size} / {result.eos_token_id}")
-            files = [result.bin_path, result.header_path]
-        table.add_row("files", escape(", ".join(files)))
+        for label, value in [("tokens", f"{result.num_tokens:,} {result.dtype}"), *result.summary,
+                             ("files", escape(", ".join(result.files)))]:
+            table.add_row(label, value)
         console.print(table)
     if json_path:
-        write_json(json_path, dataclasses.asdict(result), done=f"wrote {result.bin_path}")
+        write_json(json_path, result.to_dict(), done=f"wrote {result.bin_path}")

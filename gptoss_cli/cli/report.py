@@ -62,7 +62,7 @@ def render_summary(summary: dict[str, Any], plots: list[Path]) -> None:
     "report",
     help=(
         "Plot and summarise a training run from its folder's metrics.jsonl: PNGs of loss, lr, grad norm, "
-        "tokens/s (and MFU, aux/z-loss when recorded), a heatmap of expert load per MoE layer, and a "
+        "tokens/s (and MFU, aux/z-loss and the metrics the run's objective shows when recorded), a heatmap of expert load per MoE layer, and a "
         "summary table (last values, trends, most and least loaded experts). Works on a run that is "
         "still going or was killed. Plots need matplotlib (the plot extra of gptoss-cli).\n\n"
         "Example: gptoss report runs/tiny_cpu_ep2 --out /tmp/plots --json /tmp/summary.json"

@@ -15,16 +15,19 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from gptoss_cli.cli.app import app, check_json_path, console, handle_errors, make_console, print_note, write_json
-from gptoss_cli.train.progress import CheckpointSaved, RunWarning, StepDone, TrainEvent, TrainFinished, TrainStarted
+from gptoss_cli.train.progress import (
+    CheckpointSaved, MetricDisplay, RunWarning, StepDone, TrainEvent, TrainFinished, TrainStarted,
+)
 
 
 class TrainProgressBar:
     """The library's `TrainProgress` callback: rank 0's process renders its events (it is pickled into the worker).
 
-    A live bar (loss, lr, grad norm, tokens/s, step time, MFU when the step reports it, ETA) on a
-    terminal; one plain line per logged step otherwise, so CI logs keep the loss curve. The ETA is
-    the mean time per step since the first step this process saw (which includes warm-up) times
-    the steps left.
+    A live bar (loss, the objective's shown metrics, lr, grad norm, tokens/s, step time, MFU when the
+    step reports it, ETA) on a terminal; one plain line per logged step otherwise, so CI logs keep the
+    loss curve. The objective's metrics are those `TrainStarted.shown_metrics` names, each under its
+    console word and format (known by no name here). The ETA is the mean time per step since the
+    first step this process saw (which includes warm-up) times the steps left.
     """
 
     def __init__(self, quiet: bool = False):
@@ -34,6 +37,7 @@ class TrainProgressBar:
         self._task: Any = None
         self._train_iters = 0
         self._first: tuple[float, int] | None = None  # (monotonic time, step) of the first step event
+        self._shown: tuple[MetricDisplay, ...] = ()  # the objective's metrics the step lines show
 
     def __getstate__(self) -> dict[str, Any]:
         return {"quiet": self.quiet}
@@ -49,8 +53,7 @@ class TrainProgressBar:
         elif isinstance(event, StepDone):
             text = (f"loss {event.loss:.4f} "
                     + (f"val {event.val_loss:.4f} " if event.val_loss is not None else "")
-                    + (f"reward {event.reward_mean:.3f} " if event.reward_mean is not None else "")
-                    + (f"mismatch {event.mismatch_kl:.1e} " if event.mismatch_kl is not None else "")
+                    + shown_text(self._shown, event.objective_metrics)
                     + f"lr {event.lr:.1e} gnorm {event.grad_norm:.3f} "
                     f"{event.tokens_per_s:.0f} tok/s {event.step_time_s * 1000:.0f} ms/step "
                     f"{flops_text(event.tflops_per_gpu, event.mfu)}")
@@ -73,6 +76,7 @@ class TrainProgressBar:
 
     def _start(self, event: TrainStarted) -> None:
         self._train_iters = event.train_iters
+        self._shown = event.shown_metrics
         self._console = make_console()
         where = f"world {event.world_size}, EP {event.ep_size}"
         if event.pp_size > 1:
@@ -107,6 +111,11 @@ class TrainProgressBar:
         minutes, seconds = divmod(int(round(left)), 60)
         hours, minutes = divmod(minutes, 60)
         return f"{hours}:{minutes:02d}:{seconds:02d}"
+
+
+def shown_text(shown: tuple[MetricDisplay, ...], values: dict[str, float]) -> str:
+    """The objective's shown metrics of one step, each as "word value " in its format (those the step has)."""
+    return "".join(f"{m.console} {values[m.name]:{m.format}} " for m in shown if values.get(m.name) is not None)
 
 
 def flops_text(tflops: float, mfu: float | None) -> str:
@@ -169,7 +178,7 @@ def train_cmd(
 ) -> None:
     check_json_path(json_path)
     from gptoss_cli.recipe.load import load_recipe
-    from gptoss_cli.train.launch import train
+    from gptoss_cli.run.launch import train
 
     loaded = load_recipe(recipe, overrides or [])
     result = train(loaded, nproc_per_node=nproc_per_node, progress=TrainProgressBar(quiet))

@@ -31,7 +31,7 @@ def _fields(fields: dict) -> str:
 
 
 def _memory_row(report: ValidationReport) -> tuple[str, str, str] | None:
-    from gptoss_cli.recipe.memory import size_text
+    from gptoss_cli.recipe.estimate.memory import size_text
 
     est = report.memory
     if est is None:

@@ -17,7 +17,7 @@ from typing import Any, Iterator
 
 from gptoss_cli.errors import UsageError
 from gptoss_cli.json_input import parse_json
-from gptoss_cli.data.prepare_text import decode_line
+from gptoss_cli.data.prepare.text import decode_line
 
 JSONL = (".jsonl", ".json")
 TABLES = (".parquet", ".arrow")

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from gptoss_cli import torch_private
 from gptoss_cli.errors import UsageError
 from gptoss_cli.recipe.environment import gpu_from_device_name, installed_torch_version
 
@@ -94,7 +95,7 @@ def _driver_version() -> str | None:
         except (OSError, subprocess.SubprocessError):
             pass
     try:
-        v = torch._C._cuda_getDriverVersion()  # e.g. 12040: the CUDA version the driver supports
+        v = torch_private.cuda_driver_version()  # e.g. 12040: the CUDA version the driver supports
     except Exception:  # noqa: BLE001
         return None
     return f"CUDA {v // 1000}.{v % 1000 // 10} driver API"

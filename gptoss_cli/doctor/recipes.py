@@ -20,6 +20,7 @@ from gptoss_cli.fp8.selection import native_kernel
 from gptoss_cli.model.attention.backends import layer_kernels
 from gptoss_cli.model.dtypes import torch_dtype
 from gptoss_cli.recipe.load import available_recipes, load_recipe
+from gptoss_cli.recipe.schema import RecipeConfig
 from gptoss_cli.recipe.validate import validate_recipe
 
 
@@ -64,7 +65,7 @@ def recipe_verdict(name: str, device: str, generation: str) -> RecipeVerdict:
     return verdict
 
 
-def _fp8_path(cfg: Any, device: str) -> str:
+def _fp8_path(cfg: RecipeConfig, device: str) -> str:
     recipe = cfg.precision.fp8_recipe
     if recipe == "none":
         return "none"

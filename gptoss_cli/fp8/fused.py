@@ -9,14 +9,18 @@ counts change every step).
 
 `kernel(fn, device)` returns the compiled `fn` on a GPU where `fused_available(device)` holds, else
 `fn` itself. The CPU keeps the eager ops: there FP8 is an emulation for checking numerics, and
-compiling every quantiser would cost a CPU run about a minute before its first step. The verdict is taken once per device type, in the calling thread: every registered
-function runs compiled and eager on probe operands that hold what the rules treat specially
-(zeros, negative zeros, values that round to ties, subnormal results, values past the format's
-max, a block clamped to 2^-127, powers of two on the MX boundary) and the fp8 bytes, scales and
-amaxes must be equal bit for bit; a compile failure or any difference gives one warning line and
-the eager ops from then on. `TORCH_COMPILE_DISABLE=1` (the test suite sets it) chooses eager
-without a warning. tests/fp8/test_fused_quantize.py lifts it and checks the same equality on
-random and edge-case operands.
+compiling every quantiser would cost a CPU run about a minute before its first step.
+
+The verdict is taken per device type, in the calling thread: every registered function runs
+compiled and eager on probe operands that hold what the rules treat specially (zeros, negative
+zeros, values that round to ties, subnormal results, values past the format's max, a block clamped
+to 2^-127, powers of two on the MX boundary) and the fp8 bytes, scales and amaxes must be equal bit
+for bit; a compile failure or any difference gives one warning line and the eager ops from then on.
+The modules that define the functions register them when imported (scaling.py, grouped_kernel.py;
+they import this module, never the other way round), so a function registered after a verdict (its
+module imported later) is probed at the next `kernel` call: nothing runs compiled before its probe.
+`TORCH_COMPILE_DISABLE=1` (the test suite sets it) chooses eager without a warning.
+tests/fp8/test_fused_quantize.py lifts it and checks the same equality on random and edge-case operands.
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ from typing import Callable
 import torch
 
 _compiled: dict[Callable, Callable] = {}
-_verdicts: dict[str, bool] = {}
+_verdicts: dict[str, bool] = {}  # device type -> the verdict over the first _probed[type] registered functions
+_probed: dict[str, int] = {}
 _lock = threading.Lock()
 # Functions the probe checks: (fn, probe-argument builder); fp8/scaling.py's and the grouped path's.
 _PROBES: list[tuple[Callable, Callable[[torch.device], list[tuple]]]] = []
@@ -57,15 +62,19 @@ def kernel(fn: Callable, device: torch.device) -> Callable:
 
 
 def fused_available(device: torch.device) -> bool:
-    """Whether compiled quantisation runs here and equals the eager math bit for bit (decided once
-    per device type; a failure warns once and answers False for good)."""
-    verdict = _verdicts.get(device.type)
-    if verdict is not None:
+    """Whether compiled quantisation runs here and equals the eager math bit for bit for every function
+    registered so far (each probed once per device type; a failure warns once and answers False for good)."""
+    kind = device.type
+    verdict = _verdicts.get(kind)
+    if verdict is False or (verdict and _probed.get(kind) == len(_PROBES)):
         return verdict
     with _lock:
-        if device.type not in _verdicts:
-            _verdicts[device.type] = _probe(device)
-        return _verdicts[device.type]
+        probes = list(_PROBES)
+        done = _probed.get(kind, 0) if kind in _verdicts else None
+        if done is None or (_verdicts[kind] and done < len(probes)):
+            _verdicts[kind] = _probe(device, probes[done or 0:])
+            _probed[kind] = len(probes)
+        return _verdicts[kind]
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -82,12 +91,11 @@ def _same(a, b) -> bool:
     return all(_same(x, y) for x, y in zip(a, b)) and len(a) == len(b)
 
 
-def _probe(device: torch.device) -> bool:
+def _probe(device: torch.device, probes: list[tuple[Callable, Callable[[torch.device], list[tuple]]]]) -> bool:
     if os.environ.get("TORCH_COMPILE_DISABLE", "0") == "1":
         return False
-    _load_registrations()
     try:
-        for fn, probe_args in _PROBES:
+        for fn, probe_args in probes:
             for args in probe_args(device):
                 if not _same(compiled(fn)(*args), fn(*args)):
                     warnings.warn(f"compiled FP8 quantisation ({fn.__name__}) differs from the eager ops on "
@@ -99,12 +107,6 @@ def _probe(device: torch.device) -> bool:
                       "quantising with the eager ops", stacklevel=4)
         return False
     return True
-
-
-def _load_registrations() -> None:
-    """Import the modules that register functions (they import this one, not the other way round)."""
-    import gptoss_cli.fp8.grouped_kernel  # noqa: F401
-    import gptoss_cli.fp8.scaling  # noqa: F401
 
 
 def edge_values(device: torch.device, rows: int = 6, cols: int = 64, seed: int = 0) -> torch.Tensor:

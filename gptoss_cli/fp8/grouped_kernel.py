@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import torch
 
+from gptoss_cli import torch_private
 from gptoss_cli.fp8 import fused
 from gptoss_cli.fp8.scaling import E4M3, Fp8Format, cast_saturating_math, decode_scale
 
@@ -44,7 +45,7 @@ MAX_GROUPS = 1024
 
 def available(device: torch.device) -> bool:
     """Whether this device has torch's grouped FP8 kernel (CUDA sm90 / sm100)."""
-    if device.type != "cuda" or not hasattr(torch, "_scaled_grouped_mm") or not torch.cuda.is_available():
+    if device.type != "cuda" or not torch_private.has_scaled_grouped_mm() or not torch.cuda.is_available():
         return False
     return torch.cuda.get_device_capability(device)[0] in (9, 10)
 
@@ -58,7 +59,7 @@ def supports(scaling: str, fa: Fp8Format, fb: Fp8Format, k: int, n: int, out_dty
 def run(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
         offs: torch.Tensor) -> torch.Tensor:
     """The kernel call (the one line that needs a GPU; the tests put a contract-checking emulation here)."""
-    return torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offs, out_dtype=torch.bfloat16)
+    return torch_private.scaled_grouped_mm(a, b, scale_a, scale_b, offs=offs, out_dtype=torch.bfloat16)
 
 
 # --- quantisation per expert, the counts on the device ----------------------------------------------

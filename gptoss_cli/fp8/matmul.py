@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from gptoss_cli import torch_private
 from gptoss_cli.errors import TrainingError
 from gptoss_cli.fp8.scaling import MX_BLOCK, Fp8Format, Quantized, quantize
 
@@ -97,13 +98,13 @@ def run_kernel(kernel: str, qa: Quantized, qb: Quantized, out_dtype: torch.dtype
             scale_a, scale_b = qa.scale, qb.scale
         else:
             raise ValueError(f"{kernel} takes tensorwise or rowwise scales, not {qa.scaling}")
-        return torch._scaled_mm(qa.data, qb.data.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+        return torch_private.scaled_mm(qa.data, qb.data.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
     if kernel == BLOCK_SCALED_MM:
         if qa.scaling != "mx":
             raise ValueError(f"{kernel} takes MX scales, not {qa.scaling}")
         # The call torchao's MX linear makes on sm100: scales as UE8M0 in the swizzled layout.
-        return torch._scaled_mm(qa.data, qb.data.t(), swizzle_mx_scales(qa.scale).view(torch.float8_e8m0fnu),
-                                swizzle_mx_scales(qb.scale).view(torch.float8_e8m0fnu), out_dtype=out_dtype)
+        return torch_private.scaled_mm(qa.data, qb.data.t(), swizzle_mx_scales(qa.scale).view(torch.float8_e8m0fnu),
+                                       swizzle_mx_scales(qb.scale).view(torch.float8_e8m0fnu), out_dtype=out_dtype)
     raise ValueError(f"unknown FP8 kernel {kernel!r} (one of {', '.join(KERNELS)})")
 
 

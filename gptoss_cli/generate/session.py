@@ -14,13 +14,15 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from gptoss_cli.checkpoint.sources import open_source
+from gptoss_cli.checkpoint.sources import open_source, source_pattern
 from gptoss_cli.data.tokenizer import TOKENIZER_FILE, read_tokenizer, tokenizer_path
 from gptoss_cli.errors import CheckpointError, UsageError
 from gptoss_cli.generate.decode import MAX_NEW_TOKENS, STOP_TOKEN, Generation, Sampling, generate_ids
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.model.dtypes import torch_dtype
-from gptoss_cli.recipe.memory import parameter_layout, size_text
+from gptoss_cli.model.pattern import HybridPattern
+from gptoss_cli.recipe.estimate.memory import size_text
+from gptoss_cli.recipe.estimate.parameters import parameter_layout
 from gptoss_cli.resources import available_memory_bytes
 from gptoss_cli.json_input import jsonl_lines, strict_utf8
 
@@ -40,7 +42,7 @@ class Checkpoint:
     path: str
     kind: str
     arch: GptOssArch
-    pattern: str | None
+    pattern: HybridPattern
     tokenizer_file: Path
 
 
@@ -49,7 +51,7 @@ def open_checkpoint(path: str, tokenizer: str | Path | None = None) -> Checkpoin
     tokenizer.json and no `tokenizer` is a UsageError saying so)."""
     source = open_source(str(path))
     try:
-        kind, arch, pattern, extras = source.kind, source.arch, source.hybrid_layer_pattern, source.extras_folder
+        kind, arch, pattern, extras = source.kind, source.arch, source_pattern(source), source.extras_folder
     finally:
         source.close()
     if tokenizer is not None:
@@ -133,11 +135,11 @@ def host_available_memory() -> int:
         return 1 << 62
 
 
-def check_fits(arch: GptOssArch, pattern: str | None, dtype: torch.dtype, device: str) -> int:
+def check_fits(arch: GptOssArch, pattern: HybridPattern, dtype: torch.dtype, device: str) -> int:
     """The weights' bytes in `dtype`; a UsageError saying what fits where when they do not fit `device`.
 
     One process holds the whole model (multi-process expert-parallel generation is not implemented)."""
-    numel = sum(p.numel for p in parameter_layout(arch, pattern or arch.hybrid_layer_pattern))
+    numel = sum(p.numel for p in parameter_layout(arch, pattern))
     need = numel * torch.empty((), dtype=dtype).element_size()
     have, where = device_memory(device)
     if need > WEIGHTS_FRACTION * have:

@@ -8,9 +8,10 @@ from gptoss_cli.errors import ConfigError
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.model.hybrid import HybridModel
 from gptoss_cli.model.mxfp4.experts import BASE_EXPERTS, pack_experts_
+from gptoss_cli.model.pattern import HybridPattern
 
 
-def build_model(arch: GptOssArch, pattern: str | None = None, *, device: str | torch.device = "cpu",
+def build_model(arch: GptOssArch, pattern: HybridPattern | None = None, *, device: str | torch.device = "cpu",
                 dtype: torch.dtype = torch.float32, base_experts: str = "bf16", **kwargs) -> HybridModel:
     """A HybridModel built on the meta device and materialised (uninitialised) on `device`.
 

@@ -1,8 +1,9 @@
 """HybridModel: GPT-OSS in the Megatron Hybrid layer layout, pure PyTorch (no I/O; collectives only over the
 groups handed in: `set_token_dispatchers`, `set_context_parallel`).
 
-Built from a `GptOssArch` and a `hybrid_layer_pattern` (`*` attention, `E` MoE, `-` dense MLP;
-grouping `[..]` and pipeline splits `|` are accepted and only change scheduling, not the math).
+Built from a `GptOssArch` and a parsed `hybrid_layer_pattern` (a `HybridPattern`, model/pattern.py:
+`*` attention, `E` MoE, `-` dense MLP; grouping `[..]` and pipeline splits `|` are accepted and only
+change scheduling, not the math).
 `model.state_dict()` keys are exactly the Hybrid checkpoint names (docs/checkpoint-layouts.md,
 "Hybrid layout"), e.g. `decoder.layers.0.self_attention.linear_qkv.weight`,
 `decoder.layers.1.mlp.experts.linear_fc1.weight3` (the expert naming rule: model/expert_names.py).
@@ -12,7 +13,7 @@ model/gemm/selection.py's.
 
 Activations are batch-first, [batch, seq, hidden].
 
-A pipeline stage's model (gptoss_cli/pipeline/) is the same class built with `held_layers` (the
+A pipeline stage's model (gptoss_cli/schedule/pipeline/) is the same class built with `held_layers` (the
 layers of the rank's stages; the others are parameterless `AbsentLayer`s, so every name keeps its
 global index), and without the embedding (`pre_process=False`) or the final norm and output layer
 (`post_process=False`), Megatron's names. `run_layers` runs any range of the held layers.
@@ -46,24 +47,23 @@ from gptoss_cli.model.gemm.main_grad import embedding
 from gptoss_cli.model.mlp import DenseMLPLayer
 from gptoss_cli.model.moe import GroupedExperts, MoELayer
 from gptoss_cli.model.norm import RMSNorm
-from gptoss_cli.model.pattern import ATTENTION, MLP, MOE, HybridPattern, layer_windows, parse_pattern
+from gptoss_cli.model.pattern import ATTENTION, MLP, MOE, HybridPattern, default_pattern, layer_windows
 from gptoss_cli.model.positions import default_position_ids
 from gptoss_cli.model.recompute import RecomputePlan, checkpointed
 from gptoss_cli.model.rope import YarnRotaryEmbedding
 from gptoss_cli.model.router_stats import RouterStats, RouterStatsRequest
 
-def buildable_pattern(arch: GptOssArch, pattern: str | HybridPattern) -> HybridPattern:
-    """`pattern` parsed, checked buildable and holding one attention layer per HF block of `arch`."""
-    parsed = parse_pattern(pattern) if isinstance(pattern, str) else pattern
-    parsed.require_buildable()
-    n_attn = parsed.layers.count(ATTENTION)
+def buildable_pattern(arch: GptOssArch, pattern: HybridPattern) -> HybridPattern:
+    """`pattern`, checked buildable and holding one attention layer per HF block of `arch`."""
+    pattern.require_buildable()
+    n_attn = pattern.layers.count(ATTENTION)
     if n_attn != arch.num_hidden_layers:
         raise ConfigError(
-            f"hybrid_layer_pattern {parsed.text!r} has {n_attn} attention layers but the architecture has "
+            f"hybrid_layer_pattern {pattern.text!r} has {n_attn} attention layers but the architecture has "
             f"num_hidden_layers={arch.num_hidden_layers} (one per HF block)",
             hint=f"use {arch.hybrid_layer_pattern!r} or change num_hidden_layers",
         )
-    return parsed
+    return pattern
 
 
 def build_layer(
@@ -146,7 +146,7 @@ class HybridModel(nn.Module):
     def __init__(
         self,
         arch: GptOssArch,
-        pattern: str | HybridPattern | None = None,
+        pattern: HybridPattern | None = None,
         *,
         expert_offset: int = 0,
         num_local_experts: int | None = None,
@@ -159,7 +159,7 @@ class HybridModel(nn.Module):
     ):
         super().__init__()
         self.arch = arch
-        self.pattern = buildable_pattern(arch, pattern or arch.hybrid_layer_pattern)
+        self.pattern = buildable_pattern(arch, pattern or default_pattern(arch))
         held = set(range(self.pattern.num_layers)) if held_layers is None else set(held_layers)
         self.pre_process, self.post_process = pre_process, post_process
         self.is_stage = not (pre_process and post_process and len(held) == self.pattern.num_layers)

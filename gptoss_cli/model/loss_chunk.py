@@ -1,20 +1,22 @@
 """How many tokens the chunked LM head + loss takes at a time, per device (torch-free: the memory estimate reads it too).
 
-Per token of a chunk the head holds its logits in the activation dtype, their fp32 copy for the
-loss and the loss's fp32 gradient (b + 12 bytes x vocabulary, recipe/memory.py's "logits"). On
-the CPU the chunk is at most 256 tokens (a chunk of a 20k vocabulary stays in cache, 11% faster
-in bench/train.py), and its buffers are kept and reused from chunk to chunk and step to step
-(model/workspace.py): two fp32 rows per token, and a third in the activation dtype when that is
-not fp32 (the GEMM's output before its fp32 copy), which must fit 1/LM_HEAD_CPU_MEMORY_SHARE of
-the host's memory, so a small host takes fewer tokens at a time (never fewer than 32): at GPT-OSS's
-201,088 in fp32, 256 tokens (412 MB kept) on a host of 13.2 GB or more, 160 on one of 8 GiB. More tokens per chunk gain little on the CPU
-once the chunk's GEMM reads the output layer's weight once per 128 tokens or so (256 was 5% faster
-than 128 at hidden 64 and vocabulary 201,088). On a GPU the output layer's weight gradient is accumulated over the chunks in
-fp32: every chunk's GEMM reads and writes the [V, h] accumulator once (8 V h bytes), against
-2 V h x chunk FLOPs, so a chunk of c tokens does c/4 FLOPs per byte of accumulator traffic and
-needs c in the thousands to stay compute-bound on an H100 (about 300 FLOPs per byte). The chunk
-is the largest multiple of 256, at most 4096, whose logits fit LM_LOSS_CHUNK_GPU_BYTES: 1280
-tokens at GPT-OSS's vocabulary of 201,088 in bf16 (3.6 GB), 4096 for the tiny preset.
+Per token of a chunk the head holds its logits in the activation dtype, their fp32 copy for the loss
+and the loss's fp32 gradient (b + 12 bytes x vocabulary, recipe/estimate/memory.py's "logits"). On
+the CPU the chunk is at most 256 tokens (a chunk of a 20k vocabulary stays in cache, 11% faster in
+bench/train.py), and its buffers are kept and reused from chunk to chunk and step to step
+(model/workspace.py): two fp32 rows per token, and a third in the activation dtype when that is not
+fp32 (the GEMM's output before its fp32 copy), which must fit 1/LM_HEAD_CPU_MEMORY_SHARE of the
+host's memory, so a small host takes fewer tokens at a time (never fewer than 32): at GPT-OSS's
+201,088 in fp32, 256 tokens (412 MB kept) on a host of 13.2 GB or more, 160 on one of 8 GiB. Fewer
+tokens cost time on the CPU too, as every chunk reads the output layer's weight once: with reused
+buffers, 256 tokens ran 5% faster than 128 and 1.5x faster than 32 at hidden 64 and vocabulary
+201,088, 9% and 1.4x faster at hidden 512. On a GPU the output layer's weight gradient is
+accumulated over the chunks in fp32: every chunk's GEMM reads and writes the [V, h] accumulator once
+(8 V h bytes), against 2 V h x chunk FLOPs, so a chunk of c tokens does c/4 FLOPs per byte of
+accumulator traffic and needs c in the thousands to stay compute-bound on an H100 (about 300 FLOPs
+per byte). The chunk is the largest multiple of 256, at most 4096, whose logits fit
+LM_LOSS_CHUNK_GPU_BYTES: 1280 tokens at GPT-OSS's vocabulary of 201,088 in bf16 (3.6 GB), 4096 for
+the tiny preset.
 """
 
 from __future__ import annotations

@@ -99,7 +99,7 @@ class ExpertLinear(PerExpertParams):
     @property
     def adapter(self) -> ExpertAdapter | None:
         """The adapter model/lora.py attached as the `adapter` submodule; None without one."""
-        return self._modules.get(ADAPTER)
+        return dict(self.named_children()).get(ADAPTER)  # not getattr: that is this property
 
     @property
     def weight_shape(self) -> tuple[int, int, int]:
@@ -179,7 +179,7 @@ class MoELayer(nn.Module):
     symbol = "E"
     recompute_norm = False  # the pre-MLP norm's output is not kept for backward (model/recompute.py)
     # Where the experts' weight gradients wait when a schedule runs them later (a zero-bubble
-    # pipeline's W actions: gptoss_cli/pipeline/stage.py); None: computed in backward.
+    # pipeline's W actions: gptoss_cli/schedule/pipeline/stage.py); None: computed in backward.
     wgrad_queue: WgradQueue | None = None
 
     def __init__(

@@ -114,6 +114,12 @@ def parse_pattern(text: str) -> HybridPattern:
     )
 
 
+def default_pattern(arch: GptOssArch) -> HybridPattern:
+    """The pattern of a model whose recipe or checkpoint names none: `arch.hybrid_layer_pattern`, one `*E`
+    per HF block (the layout convert writes), parsed."""
+    return parse_pattern(arch.hybrid_layer_pattern)
+
+
 def layer_windows(arch: GptOssArch, pattern: HybridPattern) -> dict[int, int | None]:
     """Sliding window of every attention layer (None: full attention), keyed by physical layer index:
     the k-th attention layer is HF block k. Torch-free: the model, parity and the memory estimate share it."""
@@ -126,20 +132,14 @@ def layer_windows(arch: GptOssArch, pattern: HybridPattern) -> dict[int, int | N
     return windows
 
 
-def schedule_plan_support(pattern: str | HybridPattern | None) -> tuple[bool, str]:
+def schedule_plan_support(pattern: HybridPattern) -> tuple[bool, str]:
     """Whether the combined-1F1B schedule plan (model/schedule_plan.py) can split `pattern` into
     nodes: (True, "") when every symbol is `*`, `E` or `-` (grouped or not) and there is no `|`,
     else (False, the reason naming the symbol or the split)."""
-    if pattern is None:
-        return True, ""
-    try:
-        parsed = parse_pattern(pattern) if isinstance(pattern, str) else pattern
-    except ConfigError as exc:
-        return False, str(exc)
-    bad = sorted({s for s in parsed.layers if s not in PLAN_SYMBOLS})
+    bad = sorted({s for s in pattern.layers if s not in PLAN_SYMBOLS})
     if bad:
         names = ", ".join(f"{s!r} ({LAYER_SYMBOLS.get(s, '?')})" for s in bad)
         return False, f"the HybridModel schedule plan has no nodes for layer symbol {names}"
-    if parsed.pipeline_splits:
+    if pattern.pipeline_splits:
         return False, "the HybridModel schedule plan does not split pipeline stages ('|' in the pattern)"
     return True, ""

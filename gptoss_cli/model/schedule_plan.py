@@ -356,7 +356,7 @@ def moe_layer_nodes(plan: SchedulePlan, j: int, layer: MoELayer, x: Ref,
                     want: RouterStatsRequest | None) -> list[PlanNode]:
     """The four nodes of MoE layer `j` reading `x` (pre_dispatch, dispatch, experts, combine; the
     first outputs `stat_<field>` of RouterStats when `want` asks): what a pipeline stage's plan
-    (gptoss_cli/pipeline/plan_stage.py) strings together for its own layers."""
+    (gptoss_cli/schedule/pipeline/plan_stage.py) strings together for its own layers."""
     return _moe_nodes(plan, j, layer, x, want)
 
 

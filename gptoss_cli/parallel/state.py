@@ -36,13 +36,17 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 import torch.distributed as dist
 
 from gptoss_cli.errors import ConfigError
 from gptoss_cli.model.expert_names import ep_slice
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup, ReduceOp, Work
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 @dataclass
@@ -56,24 +60,24 @@ class ParallelState:
     expert_dp_size: int = 1
     expert_dp_rank: int = 0
     device: torch.device = torch.device("cpu")
-    mesh: Any = None  # torch.distributed.device_mesh.DeviceMesh when distributed
-    dp_group: Any = None  # dense parameters: the whole world
-    ep_group: Any = None
+    mesh: DeviceMesh | None = None  # when distributed
+    dp_group: ProcessGroup | None = None  # dense parameters: the whole world
+    ep_group: ProcessGroup | None = None
     # The same ranks as ep_group on a communicator of their own: the MoE dispatcher's token-count
     # exchange, so that it never queues behind the other microbatch's token all-to-all in flight on
     # ep_group (NCCL runs each communicator on its own stream; model/dispatcher.py).
-    ep_control_group: Any = None
-    expert_dp_group: Any = None
+    ep_control_group: ProcessGroup | None = None
+    expert_dp_group: ProcessGroup | None = None
     cp_size: int = 1
     cp_rank: int = 0
-    cp_group: Any = None  # the ranks that hold slices of the same sequences (None: CP = 1)
+    cp_group: ProcessGroup | None = None  # the ranks that hold slices of the same sequences (None: CP = 1)
     pp_size: int = 1
     pp_rank: int = 0
-    pp_group: Any = None  # the ranks of the other pipeline stages at this rank's place (None: PP = 1)
-    world_group: Any = None  # every rank (None: one process)
+    pp_group: ProcessGroup | None = None  # the ranks of the other pipeline stages at this rank's place (None: PP = 1)
+    world_group: ProcessGroup | None = None  # every rank (None: one process)
 
     @property
-    def global_group(self) -> Any:
+    def global_group(self) -> ProcessGroup | None:
         """Every rank: what the step's normaliser, its totals and the gradient norm are summed over
         (the data-parallel group when the state was built without a world group: PP = 1)."""
         return self.world_group if self.world_group is not None else self.dp_group
@@ -335,41 +339,43 @@ def destroy_parallel() -> None:
 
 
 # --- collectives that are no-ops without a group ---------------------------------------------
-def group_size(group: Any) -> int:
+def group_size(group: ProcessGroup | None) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
-def all_reduce(tensor: torch.Tensor, group: Any, op: Any = None) -> torch.Tensor:
+def all_reduce(tensor: torch.Tensor, group: ProcessGroup | None, op: ReduceOp | None = None) -> torch.Tensor:
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM, group=group)
     return tensor
 
 
-def group_rank(group: Any) -> int:
+def group_rank(group: ProcessGroup | None) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
 # all_gather_into_tensor / reduce_scatter_tensor were renamed *_single in torch 2.13.
-def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Any, async_op: bool = False) -> Any:
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | None, async_op: bool = False
+                   ) -> Work | None:
     """Sum `input` (group size x output.numel() elements) over the group; rank r keeps the r-th part
     in `output` (which may be that part of `input` itself)."""
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return fn(output, input, group=group, async_op=async_op)
 
 
-def all_gather(output: torch.Tensor, input: torch.Tensor, group: Any, async_op: bool = False) -> Any:
+def all_gather(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | None, async_op: bool = False
+               ) -> Work | None:
     """Concatenate every rank's `input` into `output` (which may hold this rank's `input` in place)."""
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return fn(output, input, group=group, async_op=async_op)
 
 
-def broadcast(tensor: torch.Tensor, src_group_rank: int, group: Any) -> torch.Tensor:
+def broadcast(tensor: torch.Tensor, src_group_rank: int, group: ProcessGroup | None) -> torch.Tensor:
     if group is not None and dist.get_world_size(group) > 1:
         dist.broadcast(tensor, src=dist.get_global_rank(group, src_group_rank), group=group)
     return tensor
 
 
-def barrier(group: Any = None) -> None:
+def barrier(group: ProcessGroup | None = None) -> None:
     if dist.is_initialized():
         dist.barrier(group=group)
 

@@ -21,7 +21,7 @@ from gptoss_cli.limits import INT32_MAX
 from gptoss_cli.model.catalog import (ATTENTION_BACKEND_DEFAULT, ATTENTION_BACKENDS, SWIGLU_KERNEL_DEFAULT,
                                       SWIGLU_KERNELS, TARGET_MODULES as LORA_TARGETS)
 from gptoss_cli.model.dtypes import RECIPE_DTYPES
-from gptoss_cli.pipeline.layout import SCHEDULES as PIPELINE_SCHEDULES
+from gptoss_cli.schedule.pipeline.layout import SCHEDULES as PIPELINE_SCHEDULES
 
 # numpy and Megatron seed with at most 2**32 - 1; the data sources seed torch generators with
 # seed x 1_000_003 + sample index, which must stay below 2**64 (torch.Generator.manual_seed).
@@ -312,7 +312,7 @@ class ServeCheckConfig:
     dtype: str = _f("float32", "what the engine computes in", choices=("float32", "bfloat16"))
 
 
-# What a training step minimises (gptoss_cli/train/objective.py; chosen by `build_objective` in train/worker.py).
+# What a training step minimises (gptoss_cli/train/objective.py): the kinds of gptoss_cli/run/objectives.py's table.
 OBJECTIVES = ("cross_entropy", "grpo")
 # GRPO's loss normalisations, as TRL names them (docs/rl.md)
 RL_LOSSES = ("grpo", "dapo", "dr_grpo")

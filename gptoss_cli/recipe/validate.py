@@ -15,12 +15,12 @@ from typing import Any, Sequence
 from gptoss_cli.errors import ConfigError, UsageError, ValidationFailed
 from gptoss_cli.recipe.load import Recipe, load_recipe, recipe_from_config
 from gptoss_cli.recipe.environment import installed_torch_version
-from gptoss_cli.pipeline.layout import SPLIT_BACKWARD, bubble_fraction, pipeline_layout
-from gptoss_cli.recipe.flops import FlopCount, count_flops, pipeline_op_flops, recompute_flops_per_token
+from gptoss_cli.schedule.pipeline.layout import SPLIT_BACKWARD, bubble_fraction, pipeline_layout
+from gptoss_cli.recipe.estimate.flops import FlopCount, count_flops, pipeline_op_flops, recompute_flops_per_token
 from gptoss_cli.recipe.rules.parallel import microbatches_per_step
-from gptoss_cli.recipe.memory import MemoryEstimate, recompute_plan
+from gptoss_cli.recipe.estimate.memory import MemoryEstimate, recompute_plan
 from gptoss_cli.recipe.rules import ERROR, RULES, SEMANTIC, UNSUPPORTED, WARNING, Context, Finding, Rule
-from gptoss_cli.recipe.sizes import data_parallel_size, expert_data_parallel_size, resolve_world_size
+from gptoss_cli.recipe.estimate.sizes import data_parallel_size, expert_data_parallel_size, resolve_world_size
 from gptoss_cli.limits import INT32_MAX
 from gptoss_cli.recipe.schema import RecipeConfig
 
@@ -40,8 +40,8 @@ class ValidationReport:
     expert_data_parallel_size: int | None
     findings: list[Finding] = field(default_factory=list)
     skipped: bool = False  # other rules were skipped because field bounds failed
-    memory: MemoryEstimate | None = None  # per-GPU estimate at this layout (recipe/memory.py)
-    flops: FlopCount | None = None  # model FLOPs per token at training.seq_length (recipe/flops.py)
+    memory: MemoryEstimate | None = None  # per-GPU estimate at this layout (recipe/estimate/memory.py)
+    flops: FlopCount | None = None  # model FLOPs per token at training.seq_length (recipe/estimate/flops.py)
     hardware_flops_per_token: float | None = None  # + what the recipe's recompute repeats
     pipeline: dict[str, Any] | None = None  # with PP > 1: layout, schedule, microbatches, bubble in theory
 
@@ -201,8 +201,8 @@ def validate_recipe(
 
 def pipeline_summary(cfg: RecipeConfig, recipe: Recipe, world: int) -> dict[str, Any] | None:
     """With PP > 1 and a layout that fits: the stages, the schedule, microbatches per step and the bubble
-    in theory (pipeline/layout.py's `bubble_fraction`, at the model's forward, input-gradient and
-    deferred weight-gradient FLOPs: recipe/flops.py)."""
+    in theory (schedule/pipeline/layout.py's `bubble_fraction`, at the model's forward, input-gradient and
+    deferred weight-gradient FLOPs: recipe/estimate/flops.py)."""
     p = cfg.parallelism
     m = microbatches_per_step(cfg, world)
     if p.pipeline_model_parallel_size == 1 or m is None or cfg.training.seq_length < 1:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,10 @@ import torch.distributed as dist
 from gptoss_cli.errors import TrainingError
 from gptoss_cli.generate.decode import Sampling
 from gptoss_cli.rl.sampling import sample_completions
+
+if TYPE_CHECKING:
+    from gptoss_cli.model.config import GptOssArch
+    from gptoss_cli.parallel.state import ParallelState
 
 Sample = tuple[list[int], list[float], str]
 
@@ -77,7 +81,7 @@ class VllmRollout:
 
     name = "vllm"
 
-    def __init__(self, model: torch.nn.Module, arch: Any, state: Any, *, sampling: Sampling, max_new_tokens: int,
+    def __init__(self, model: torch.nn.Module, arch: GptOssArch, state: ParallelState, *, sampling: Sampling, max_new_tokens: int,
                  stop_ids: Sequence[int], seed: int, dtype: str, max_model_len: int, qat: bool, probe: Sequence[int],
                  python: str | None, version: int, rollout_rows: int = 1, log_dir: str | Path | None = None):
         self.arch, self.state, self.sampling, self.max_new_tokens = arch, state, sampling, max_new_tokens

@@ -12,16 +12,14 @@ its chunk.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from gptoss_cli.model.lm_head import chunked_log_probs
-from gptoss_cli.model.loss import IGNORE_INDEX
+from gptoss_cli.model.loss import IGNORE_INDEX, HybridOutput
 from gptoss_cli.model.loss_chunk import lm_loss_chunk_tokens
 
 
-def policy_log_probs(output: Any, labels: torch.Tensor, temperature: float = 1.0,
+def policy_log_probs(output: HybridOutput, labels: torch.Tensor, temperature: float = 1.0,
                      chunk_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(log p(label) [*labels.shape] fp32 with gradients, entropy [*labels.shape] fp32 detached) of
     softmax(logits / temperature); both 0 where the label is IGNORE_INDEX."""

@@ -29,14 +29,19 @@ for the tokens it sampled.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Sequence
 
 import torch
 
-from gptoss_cli.model.loss import IGNORE_INDEX
+from gptoss_cli.model.loss import IGNORE_INDEX, HybridOutput
+from gptoss_cli.recipe.schema import RecipeConfig
 from gptoss_cli.rl.logprobs import policy_log_probs
 from gptoss_cli.train.data import Microbatch
 from gptoss_cli.train.objective import TrainingObjective, router_losses
+from gptoss_cli.train.progress import MetricDisplay
+
+if TYPE_CHECKING:
+    from gptoss_cli.train.provider import ModelRuntimeConfig
 
 ADVANTAGE_EPS = 1e-4  # TRL's: advantages / (std + 1e-4)
 
@@ -80,8 +85,22 @@ class GRPOObjective(TrainingObjective):
         "loss_sum", "num_tokens", "pg_loss_sum", "completion_tokens", "completions", "kl_ref_sum", "clipped_sum",
         "entropy_sum", "mismatch_sum", "mismatch_abs_sum", "is_weight_sum", "is_capped_sum", "aux_loss_sum",
         "z_loss_sum")
+    # reward_mean is the rollout's (RLTrainer adds it to the step's metrics, rl/rollouts.py)
+    shown_metrics: ClassVar[tuple[MetricDisplay, ...]] = (
+        MetricDisplay("reward_mean", label="mean reward", console="reward", format=".3f"),
+        MetricDisplay("mismatch_kl", label="mismatch KL (engine || trainer)", console="mismatch", format=".1e"))
 
-    def loss(self, microbatch: Microbatch, config: Any, output: Any) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+    @classmethod
+    def from_recipe(cls, config: RecipeConfig) -> "GRPOObjective":
+        """GRPO at the recipe's rl section; truncated importance sampling only for an engine other than gptoss."""
+        rl = config.rl
+        return cls(loss_type=rl.loss, clip_low=rl.clip_low, clip_high=rl.clip_high, kl_coeff=rl.kl_coeff,
+                   kl_unbiased=rl.kl_unbiased, temperature=rl.temperature, max_new_tokens=rl.max_new_tokens,
+                   is_cap=None if rl.rollout.engine == "gptoss" else rl.rollout.is_cap,
+                   aux_loss_coeff=config.moe.aux_loss_coeff, z_loss_coeff=config.moe.z_loss_coeff)
+
+    def loss(self, microbatch: Microbatch, config: ModelRuntimeConfig, output: HybridOutput
+             ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
         ex = microbatch.extras
         mask = (microbatch.labels != IGNORE_INDEX).float()
         logp, entropy = policy_log_probs(output, microbatch.labels, self.temperature)

@@ -5,7 +5,7 @@ its layer for the length of a `with` block (the layers compute without them: mod
 adapter up by attribute) and puts it back, so the reference costs no memory. With full fine-tuning it
 is a second, frozen model built by the run's own provider (the same seed or pretrained weights, the
 same expert-parallel slice, GEMMs and recompute), whose parameters count once more in the memory
-estimate (recipe/memory_rl.py).
+estimate (recipe/estimate/memory_rl.py).
 """
 
 from __future__ import annotations
@@ -25,12 +25,13 @@ def adapters_off(model: nn.Module) -> Iterator[nn.Module]:
     taken = []
     for layer_name, adapter in list(adapter_modules(model)):
         layer = model.get_submodule(layer_name)
-        taken.append((layer, layer._modules.pop(ADAPTER)))
+        taken.append((layer, adapter))
+        delattr(layer, ADAPTER)  # as model/lora.py detaches it
     try:
         yield model
     finally:
         for layer, adapter in taken:
-            layer._modules[ADAPTER] = adapter
+            setattr(layer, ADAPTER, adapter)
 
 
 def frozen_copy(provider, state) -> nn.Module:

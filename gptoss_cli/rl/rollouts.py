@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -33,12 +33,19 @@ from gptoss_cli.rl.rewards import RewardFailure, call_reward, completion_text, l
 from gptoss_cli.train.data import Microbatch
 from gptoss_cli.train.objective import StepContext
 
+if TYPE_CHECKING:
+    from gptoss_cli.model.config import GptOssArch
+    from gptoss_cli.parallel.state import ParallelState
+    from gptoss_cli.recipe.schema import RecipeConfig
+    from gptoss_cli.train.heartbeat import Heartbeat
+    from gptoss_cli.train.job import TrainJob
+
 MAX_WARNINGS_PER_ROLLOUT = 3
 # fields of train_state.json's rl entry a resume must find unchanged
 RESUME_FIELDS = ("prompts", "prompts_digest", "reward", "seed", "group_size", "steps_per_rollout")
 
 
-def open_tokenizer(cfg: Any, arch: Any):
+def open_tokenizer(cfg: RecipeConfig, arch: GptOssArch):
     """(tokenizers.Tokenizer, its path): rl.tokenizer, else checkpoint.pretrained's tokenizer.json."""
     from gptoss_cli.data.tokenizer import TOKENIZER_FILE, read_tokenizer, tokenizer_path
 
@@ -59,7 +66,7 @@ def open_tokenizer(cfg: Any, arch: Any):
 class RolloutData:
     """The rollouts of a GRPO run as the Trainer's data (see the module docstring)."""
 
-    def __init__(self, job: Any, state: Any, model: torch.nn.Module, heartbeat: Any = None):
+    def __init__(self, job: TrainJob, state: ParallelState, model: torch.nn.Module, heartbeat: Heartbeat | None = None):
         from gptoss_cli.data.harmony import HarmonyTokenizer
         from gptoss_cli.generate.session import HARMONY_STOP_TOKENS, stop_token_ids
 
@@ -113,7 +120,7 @@ class RolloutData:
         from gptoss_cli.rl.reference import frozen_copy
         from gptoss_cli.train.provider import HybridModelProvider, ModelRuntimeConfig
 
-        runtime = ModelRuntimeConfig.from_recipe(self.cfg, self.job.arch, self.job.hybrid_layer_pattern)
+        runtime = ModelRuntimeConfig.from_recipe(self.cfg, self.job.arch, self.job.pattern)
         return frozen_copy(HybridModelProvider(runtime, seed=self.cfg.training.seed,
                                                weights=self.cfg.checkpoint.pretrained), self.state)
 

@@ -1,11 +1,11 @@
 """GRPO training: the Trainer (train/loop.py) with rollouts as its data.
 
 `RLTrainer` is the loop's Trainer with three differences: its data is `RolloutData` (rl/rollouts.py)
-instead of token files, its objective is GRPO (rl/objective.py, chosen by `build_objective`), and
-before the first step of each rollout batch it brings the engine up to date with the policy and
-samples (`train_step`). Everything else (schedule, gradient finalisation, optimizer, metrics.jsonl,
-checkpoints, resume) is the loop's own. A rollout batch is trained by rl.steps_per_rollout steps of
-training.global_batch_size completions each.
+instead of token files, its objective is GRPO (rl/objective.py; the two are objective.kind=grpo's
+row in gptoss_cli/run/objectives.py), and before the first step of each rollout batch it brings the
+engine up to date with the policy and samples (`train_step`). Everything else (schedule, gradient
+finalisation, optimizer, metrics.jsonl, checkpoints, resume) is the loop's own. A rollout batch is
+trained by rl.steps_per_rollout steps of training.global_batch_size completions each.
 
 Checkpoints fall on rollout boundaries (rule rl.checkpoints), where nothing of a rollout is pending;
 train_state.json's `rl` entry records the rollouts done (the prompt cursor, from which the sampling
@@ -18,7 +18,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from gptoss_cli.errors import ConfigError
 from gptoss_cli.rl.rollouts import RolloutData
 from gptoss_cli.train.loop import StepOutcome, Trainer
 from gptoss_cli.train.objective import StepContext
@@ -70,10 +69,4 @@ class RLTrainer(Trainer):
         self.data.close()
 
 
-def check_objective(cfg: Any) -> None:
-    """A recipe whose objective the run cannot honour (rules catch these first)."""
-    if cfg.objective.kind == "grpo" and not cfg.rl.prompts:
-        raise ConfigError("objective.kind=grpo needs rl.prompts", hint="a JSONL file of conversations, or builtin:arithmetic")
-
-
-__all__ = ["RLTrainer", "check_objective"]
+__all__ = ["RLTrainer"]

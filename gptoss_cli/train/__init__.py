@@ -1,9 +1,8 @@
 """Training: the loop, what it reads and writes, and what reads that back as training computes it.
 
-- launching: launch.py (validate, lock the folders, start the workers), job.py (`TrainJob`, what a
-  worker is handed), heartbeat.py (per-step heartbeats and the watchdog);
-- the loop: worker.py (`run_worker`; where the recipe's objective kind picks its objective and
-  Trainer), loop.py (`Trainer`: build, resume, train_step, record, save), objective.py (what a step
+- what a run is handed: job.py (`TrainJob`, what a worker is handed), heartbeat.py (per-step
+  heartbeats and the watchdog);
+- the loop: loop.py (`Trainer`: build, resume, train_step, record, save), objective.py (what a step
   computes from its batch: the training-objective seam), setup.py and provider.py (the
   rank's model and optimizer), optimizer.py (distributed AdamW, the lr schedule), resume.py (what a
   resume must agree with);
@@ -15,5 +14,8 @@
   tokens, with training's data sources and EP layout) and report.py (`gptoss report`: the run's
   metrics.jsonl summarised and plotted; torch-free).
 
-prepare-data's library side (tokenizing into token files) lives in gptoss_cli/data/, not here.
+Launching a run (`gptoss train`'s library entry, the workers, the table from `objective.kind` to its
+objective and Trainer) lives above this package and the ones that build on the loop (rl/), in
+gptoss_cli/run/; this package never imports them. prepare-data's library side (tokenizing into
+token files) lives in gptoss_cli/data/.
 """

@@ -1,4 +1,4 @@
-"""The training loop of one rank: the `Trainer` that train/worker.py's `run_worker` runs.
+"""The training loop of one rank: the `Trainer` that `run_worker` (gptoss_cli/run/worker.py) runs.
 
 The `Trainer` is built in named steps as torchtitan's is:
 `Trainer(job, state)` builds the model, optimizer, data and schedule; `resume()` loads the latest
@@ -34,7 +34,7 @@ from gptoss_cli.errors import ConfigError, TrainingError
 from gptoss_cli.model.pattern import MOE
 from gptoss_cli.parallel.state import ParallelState, barrier
 from gptoss_cli.recipe.environment import gpu_from_device_name
-from gptoss_cli.recipe.flops import model_flops_per_token, peak_tflops, recompute_flops_per_token, throughput
+from gptoss_cli.recipe.estimate.flops import model_flops_per_token, peak_tflops, recompute_flops_per_token, throughput
 from gptoss_cli.recipe.schema import RecipeConfig
 from gptoss_cli.resources import release_freed_heap
 from gptoss_cli.schedule import get_forward_backward_func
@@ -51,6 +51,7 @@ from gptoss_cli.train.progress import (
     CheckpointSaved, StepDone, TrainFinished, TrainProgress, TrainResult, TrainStarted,
 )
 from gptoss_cli.train.provider import HybridModelProvider, ModelRuntimeConfig
+from gptoss_cli.train.report import OBJECTIVE, objective_record
 from gptoss_cli.train.resume import check_resume_base, check_resume_recipe, lora_base
 from gptoss_cli.train.setup import setup_model_and_optimizer
 from gptoss_cli.train.telemetry import StepTotals
@@ -102,7 +103,7 @@ class Trainer:
         self.emit = progress if (progress is not None and state.rank == 0) else None
         self.run_dir = Path(job.run_dir)
         _seed_all(t.seed)
-        self.runtime = ModelRuntimeConfig.from_recipe(cfg, job.arch, job.hybrid_layer_pattern)
+        self.runtime = ModelRuntimeConfig.from_recipe(cfg, job.arch, job.pattern)
         provider = HybridModelProvider(self.runtime, seed=t.seed, weights=cfg.checkpoint.pretrained)
         setup = setup_model_and_optimizer(provider, state, cfg.optimizer, t.lr,
                                           overlap_grad_reduce=cfg.overlap.overlap_grad_reduce)
@@ -112,7 +113,7 @@ class Trainer:
         self.data = self._build_data()
         self.validator = Validator(cfg, state, job.arch.vocab_size) if cfg.validation.data else None
         if job.objective is None:
-            raise ValueError("TrainJob.objective is None: train/worker.py's build_objective chooses the recipe's")
+            raise ValueError("TrainJob.objective is None: run_worker builds the recipe's (gptoss_cli/run/objectives.py)")
         self.objective = job.objective
         self.schedule = get_forward_backward_func(self.model_config)
         # every MoE layer of the model, also those other pipeline stages hold
@@ -147,10 +148,10 @@ class Trainer:
 
     def _flops_setup(self) -> None:
         job, t = self.job, self.cfg.training
-        self.flops_per_token = model_flops_per_token(job.arch, t.seq_length, job.hybrid_layer_pattern)
+        self.flops_per_token = model_flops_per_token(job.arch, t.seq_length, job.pattern)
         # recompute's repeated forward work: hardware FLOPs, reported apart from the model's
         self.hardware_flops = self.flops_per_token + recompute_flops_per_token(
-            job.arch, t.seq_length, job.hybrid_layer_pattern,
+            job.arch, t.seq_length, job.pattern,
             self.runtime.recompute.layer_pieces(self.model.module.pattern.layers))
         self.peak = run_peak_tflops(self.cfg, self.state.device)
         self.step_tokens = t.global_batch_size * t.seq_length  # every token of the step runs through the model
@@ -172,6 +173,10 @@ class Trainer:
         if self.state.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             outputs.replace_text(self.run_dir / "recipe.json", json.dumps(self.job.recipe, indent=2, default=str) + "\n")
+            # which of the objective's metrics report shows, and how (it knows none by name)
+            record = objective_record(getattr(self.objective, "name", type(self.objective).__name__),
+                                      self.objective.shown_metrics)
+            outputs.replace_text(self.run_dir / OBJECTIVE, json.dumps(record, indent=2) + "\n")
         if self.emit:
             self.emit(TrainStarted(start_step=self.start_step, train_iters=self.cfg.training.train_iters,
                                    world_size=self.state.world_size, ep_size=self.state.ep_size,
@@ -179,7 +184,7 @@ class Trainer:
                                    pipeline_schedule=self.cfg.parallelism.pipeline_schedule
                                    if self.state.pp_size > 1 else None, resumed_from=self.resumed_from,
                                    fp8=self.fp8.describe() if self.fp8 else None, packing=self.packing,
-                                   qat=self.cfg.precision.qat))
+                                   qat=self.cfg.precision.qat, shown_metrics=self.objective.shown_metrics))
 
     def _resume_blend(self, folder: Path, saved: dict[str, Any] | None) -> None:
         source = getattr(self.data, "source", None)
@@ -265,7 +270,13 @@ class Trainer:
         if self.loggers is not None:
             self.loggers.log(out.step, records)
         if self.emit and (out.step % self.cfg.logging.log_interval == 0 or out.step == t.train_iters):
-            self.emit(StepDone(step=out.step, **{k: v for k, v in common.items() if k in STEP_FIELDS}))
+            # every other number of the line by name (the objective's, its Trainer's, a validation's
+            # beyond val_loss): the loop knows none of them
+            objective = {k: v for k, v in {**out.metrics, **(extra or {})}.items()
+                         if k not in STEP_FIELDS and k != "tokens" and isinstance(v, (int, float))
+                         and not isinstance(v, bool)}
+            self.emit(StepDone(step=out.step, objective_metrics=objective,
+                               **{k: v for k, v in common.items() if k in STEP_FIELDS}))
         return common
 
     # -- checkpoints -----------------------------------------------------------------------------
@@ -330,6 +341,6 @@ class Trainer:
         )
 
 
-STEP_FIELDS = {f for f in StepDone.__dataclass_fields__ if f != "step"}
+STEP_FIELDS = {f for f in StepDone.__dataclass_fields__ if f not in ("step", "objective_metrics")}
 
 __all__ = ["Trainer", "StepOutcome", "run_peak_tflops"]

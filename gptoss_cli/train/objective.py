@@ -26,9 +26,14 @@ like the loss itself. `prepare_step` sees the step's microbatches before the sch
 objective that needs the current or a reference policy's log-probabilities of the batch gets them;
 per-position inputs such as advantages or those log-probabilities ride on `Microbatch.extras`.
 
-`build_objective(config)` (train/worker.py) is the one place an objective is chosen from the recipe; a `TrainJob`
-may carry its own instead (`TrainJob.objective`), which is how a new objective is run without
-touching the loop. Objectives travel to spawned workers inside the job: plain, picklable objects.
+An objective is built from a recipe by its class's `from_recipe(config)`, which reads the recipe's
+section for it; gptoss_cli/run/objectives.py's table is the one place a recipe's `objective.kind`
+picks the objective (and the Trainer that runs it). A `TrainJob` may carry its own instead
+(`TrainJob.objective`), which is how an objective is run without a recipe kind. Objectives travel to
+spawned workers inside the job: plain, picklable objects. `shown_metrics` names the metrics (of
+`metrics`, or of the objective's Trainer) that `gptoss train`'s console line and `gptoss report`
+show, with their labels: the loop hands them on without knowing their names (train/progress.py,
+`MetricDisplay`).
 """
 
 from __future__ import annotations
@@ -36,16 +41,22 @@ from __future__ import annotations
 import abc
 import functools
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Iterator
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator
 
 import torch
 import torch.nn.functional as F
 
 from gptoss_cli.model.lm_head import chunked_log_probs
-from gptoss_cli.model.loss import IGNORE_INDEX, lm_loss_sum
+from gptoss_cli.model.loss import IGNORE_INDEX, HybridOutput, lm_loss_sum
 from gptoss_cli.model.loss_chunk import lm_loss_chunk_tokens
 from gptoss_cli.parallel.grads import get_attr_wrapped_model, get_model_config
+from gptoss_cli.parallel.state import ParallelState
+from gptoss_cli.recipe.schema import RecipeConfig
 from gptoss_cli.train.data import Microbatch
+from gptoss_cli.train.progress import MetricDisplay
+
+if TYPE_CHECKING:  # the provider builds the model this module's objectives score: imported for types only
+    from gptoss_cli.train.provider import ModelRuntimeConfig
 
 @dataclass
 class StepContext:
@@ -55,7 +66,7 @@ class StepContext:
 
     step: int  # 0-based: optimizer steps done before this one
     model: torch.nn.Module
-    state: Any  # the rank's ParallelState
+    state: ParallelState
     schedule: Callable[..., list[dict[str, Any]]] | None = None  # None: the plain schedule
 
     def forward_only(self, forward_step_func: Callable[..., Any], microbatches: list[Microbatch]) -> list[dict[str, Any]]:
@@ -77,6 +88,15 @@ class TrainingObjective(abc.ABC):
     # Names in every microbatch's logs that the step adds up (device scalars). The schedule puts
     # `loss_sum` and `num_tokens` (the normaliser) in every log itself.
     sums: ClassVar[tuple[str, ...]] = ("loss_sum", "num_tokens")
+    # The step's metrics (metrics.jsonl fields) the console line and `gptoss report` show, in this
+    # order, with their labels and formats; every metric goes to metrics.jsonl and the loggers anyway.
+    shown_metrics: ClassVar[tuple[MetricDisplay, ...]] = ()
+
+    @classmethod
+    def from_recipe(cls, config: RecipeConfig) -> "TrainingObjective":
+        """The objective a recipe (`RecipeConfig`) asks for, from its section for this objective: what
+        the objective table (gptoss_cli/run/objectives.py) calls for the recipe's `objective.kind`."""
+        raise NotImplementedError(f"{cls.__name__} is not built from a recipe: hand it to the run in TrainJob.objective")
 
     def prepare_step(self, microbatches: Iterator[Microbatch], context: StepContext) -> Iterator[Microbatch]:
         """The step's microbatches, before the schedule runs them; the default hands them on as they come."""
@@ -93,7 +113,8 @@ class TrainingObjective(abc.ABC):
         return model(mb.tokens, **mb.model_inputs()), loss_func
 
     @abc.abstractmethod
-    def loss(self, microbatch: Microbatch, config: Any, output: Any) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+    def loss(self, microbatch: Microbatch, config: ModelRuntimeConfig, output: HybridOutput
+             ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
         """(objective summed over the microbatch, normaliser, device logs) of one microbatch's output;
         `config` is the model's runtime config (`get_model_config(model)`)."""
 
@@ -102,7 +123,7 @@ class TrainingObjective(abc.ABC):
         """The step's metrics.jsonl fields from its reduced `sums`: at least `loss` and `tokens`."""
 
 
-def router_losses(output: Any, weight: torch.Tensor, aux_coeff: float, z_coeff: float,
+def router_losses(output: HybridOutput, weight: torch.Tensor, aux_coeff: float, z_coeff: float,
                   logs: dict[str, Any]) -> torch.Tensor | int:
     """The model's router losses (aux, z) as a sum to add to an objective's `loss_sum`: each is a
     per-microbatch mean, weighted by `weight` (the microbatch's normaliser) so that the global division
@@ -131,7 +152,12 @@ class CrossEntropyObjective(TrainingObjective):
     name: ClassVar[str] = "cross_entropy"
     sums: ClassVar[tuple[str, ...]] = ("lm_loss_sum", "num_tokens", "aux_loss_sum", "z_loss_sum")
 
-    def loss(self, microbatch: Microbatch, config: Any, output: Any) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+    @classmethod
+    def from_recipe(cls, config: RecipeConfig) -> "CrossEntropyObjective":
+        return cls(config.moe.aux_loss_coeff, config.moe.z_loss_coeff)
+
+    def loss(self, microbatch: Microbatch, config: ModelRuntimeConfig, output: HybridOutput
+             ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
         labels = microbatch.labels
         lm_sum = lm_loss_sum(output, labels)  # chunked over tokens for HybridOutput (model/loss.py)
         num_tokens = (labels != IGNORE_INDEX).sum()
@@ -157,7 +183,7 @@ def forward_step(data_iterator: Iterator[Microbatch], model: torch.nn.Module,
     return objective.forward_step(data_iterator, model, return_schedule_plan)
 
 
-def token_log_probs(output: Any, labels: torch.Tensor, chunk_tokens: int | None = None) -> torch.Tensor:
+def token_log_probs(output: HybridOutput, labels: torch.Tensor, chunk_tokens: int | None = None) -> torch.Tensor:
     """log p(label) of every position of a model output, [*labels.shape] fp32, 0 where the label is
     IGNORE_INDEX; differentiable. Computed `chunk_tokens` positions at a time from the final hidden
     states and the output layer (HybridOutput; model/lm_head.py, `chunked_log_probs`), each chunk's

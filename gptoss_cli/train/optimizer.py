@@ -38,6 +38,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
+from gptoss_cli import torch_private
 from gptoss_cli.errors import ConfigError, TrainingError
 from gptoss_cli.model.expert_names import PerExpertParams, parse_expert_name
 from gptoss_cli.parallel.grads import Bucket, GradAccumulatingModel, GradBuffer
@@ -274,7 +275,7 @@ class DistributedAdamW:
                     out.append(s.local(flat, run.lo, run.hi))
         for decayed, (params, grads, exp_avgs, exp_avg_sqs) in groups.items():
             if params:
-                torch._fused_adamw_(
+                torch_private.fused_adamw_(
                     params, grads, exp_avgs, exp_avg_sqs, [], [self._step] * len(params), lr=lr,
                     beta1=self.betas[0], beta2=self.betas[1], weight_decay=self.weight_decay if decayed else 0.0,
                     eps=self.eps, amsgrad=False, maximize=False, grad_scale=unscale,
@@ -335,9 +336,7 @@ class DistributedAdamW:
     def _sharded(self, s: _Shard, local: torch.Tensor, shape: tuple[int, ...], base: int, lo: int) -> Any:
         """A ShardedTensor of `shape` whose local shards are this rank's boxes of `local` (elements
         [lo, lo + local.numel()) of the buffer); the global metadata lists every rank's boxes."""
-        from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardMetadata
-        from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
-
+        st = torch_private.sharded_tensor_api()
         numel = math.prod(shape)
         metadata, shards = [], []
         for r in range(s.buffer.shards):
@@ -345,15 +344,14 @@ class DistributedAdamW:
             a, b = max(r_lo, base) - base, min(r_hi, base + numel) - base
             placement = f"rank:{dist.get_global_rank(s.buffer.group, r)}/{local.device}"
             for offsets, sizes, fa, fb in flat_range_boxes(a, b, shape):
-                md = ShardMetadata(shard_offsets=list(offsets), shard_sizes=list(sizes), placement=placement)
+                md = st.ShardMetadata(shard_offsets=list(offsets), shard_sizes=list(sizes), placement=placement)
                 metadata.append(md)
                 if r == s.buffer.shard_rank:
                     start = base + fa - lo
-                    shards.append(Shard(local[start : start + fb - fa].view(sizes), md))
-        props = TensorProperties(dtype=local.dtype, layout=torch.strided, requires_grad=False,
-                                 memory_format=torch.contiguous_format, pin_memory=False)
-        return ShardedTensor._init_from_local_shards_and_global_metadata(
-            shards, ShardedTensorMetadata(metadata, torch.Size(shape), props))
+                    shards.append(st.Shard(local[start : start + fb - fa].view(sizes), md))
+        props = st.TensorProperties(dtype=local.dtype, layout=torch.strided, requires_grad=False,
+                                    memory_format=torch.contiguous_format, pin_memory=False)
+        return st.from_local_shards(shards, st.ShardedTensorMetadata(metadata, torch.Size(shape), props))
 
     def after_load(self) -> None:
         """Parameters follow the loaded masters: every rank writes its shard, every bucket is gathered."""

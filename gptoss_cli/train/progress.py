@@ -2,9 +2,14 @@
 
 Rank 0's training loop calls `progress(event)` (gptoss_cli/train/loop.py) with one of the events
 below; the CLI renders them (gptoss_cli/cli/train.py, `TrainProgressBar`). The callback object is
-pickled into the spawned workers (gptoss_cli/train/launch.py) and called there; the events are
+pickled into the spawned workers (gptoss_cli/run/launch.py) and called there; the events are
 plain frozen dataclasses of plain data, so they pickle too. `TrainResult` is what the run returns
 (and `TrainFinished` carries).
+
+A step's own numbers (loss, lr, throughput...) are `StepDone`'s fields; the objective's (GRPO's
+reward and mismatch, a router loss, whatever an objective reports) ride in its `objective_metrics`
+by name, and `MetricDisplay` is how an objective asks the console line and `gptoss report` to show
+one of them (`TrainingObjective.shown_metrics`, train/objective.py): neither knows any by name.
 """
 
 from __future__ import annotations
@@ -13,9 +18,19 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Union
 
 
+@dataclass(frozen=True)
+class MetricDisplay:
+    """How `gptoss train`'s console line and `gptoss report` show one of an objective's metrics."""
+
+    name: str  # the metrics.jsonl field, e.g. "reward_mean"
+    label: str  # report's name for its curve (axis and title), e.g. "mean reward"
+    console: str  # the word before its value on the console line, e.g. "reward"
+    format: str = ".4g"  # the value's format spec on the console line
+
+
 @dataclass
 class TrainResult:
-    """What a run did: rank 0's view, returned by `run_worker` and `gptoss_cli.train.launch.train`."""
+    """What a run did: rank 0's view, returned by `run_worker` and `gptoss_cli.run.launch.train`."""
 
     steps: int  # optimizer steps done by this run
     final_step: int  # global step count reached
@@ -30,7 +45,7 @@ class TrainResult:
     fp8: dict[str, Any] | None = None  # recipe, format, path (native/emulated), kernel, FP8 GEMMs run (rank 0)
     # packed documents (a version-2 token file): real tokens / row positions, and the number of rows
     packing: dict[str, Any] | None = None
-    model_flops_per_token: float = 0.0  # training FLOPs per token (gptoss_cli/recipe/flops.py)
+    model_flops_per_token: float = 0.0  # training FLOPs per token (gptoss_cli/recipe/estimate/flops.py)
     tflops_per_gpu: float = 0.0  # model TFLOP/s per GPU over the timed steps (the first step excluded)
     mfu: float | None = None  # tflops_per_gpu / the GPU's dense peak; None when the peak is unknown
     peak_tflops: float | None = None  # the peak used (bf16 or FP8 by precision.fp8_recipe, per system.gpu)
@@ -53,6 +68,7 @@ class TrainStarted:
     fp8: str | None = None  # `Fp8Gemms.describe()`: recipe, format, path and kernel, device
     packing: dict[str, Any] | None = None  # {"efficiency", "rows", "seq_length"} for packed documents
     qat: str = "none"  # precision.qat
+    shown_metrics: tuple[MetricDisplay, ...] = ()  # the objective's, for the step lines (TrainingObjective)
 
 
 @dataclass(frozen=True)
@@ -70,12 +86,12 @@ class StepDone:
     tflops_per_gpu: float
     mfu: float | None  # None where the GPU's peak is unknown (a CPU)
     hardware_tflops_per_gpu: float  # with recompute's repeated forward work
-    aux_loss: float | None = None  # when moe.aux_loss_coeff > 0
-    z_loss: float | None = None  # when moe.z_loss_coeff > 0
     fp8: dict[str, Any] | None = None  # `Fp8Gemms.summary()` when FP8 runs
     val_loss: float | None = None  # the held-out loss, at the steps validation ran (validation.*)
-    reward_mean: float | None = None  # GRPO (objective.kind=grpo): the rollout's mean reward
-    mismatch_kl: float | None = None  # GRPO: engine vs trainer log-probabilities (gptoss_cli/rl/objective.py)
+    # The line's other numbers by their metrics.jsonl names: the objective's and its Trainer's (aux_loss,
+    # GRPO's reward_mean...), and a validation's beyond val_loss; `TrainStarted.shown_metrics` says
+    # which the step lines show.
+    objective_metrics: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -101,5 +117,5 @@ class TrainFinished:
 TrainEvent = Union[TrainStarted, StepDone, CheckpointSaved, RunWarning, TrainFinished]
 TrainProgress = Callable[[TrainEvent], None]
 
-__all__ = ["TrainResult", "TrainStarted", "StepDone", "CheckpointSaved", "RunWarning", "TrainFinished", "TrainEvent",
+__all__ = ["MetricDisplay", "TrainResult", "TrainStarted", "StepDone", "CheckpointSaved", "RunWarning", "TrainFinished", "TrainEvent",
            "TrainProgress"]

@@ -26,15 +26,15 @@ import torch
 from torch import nn
 
 from gptoss_cli.errors import ConfigError
-from gptoss_cli.fp8.selection import Fp8Settings, select_gemms
+from gptoss_cli.fp8.selection import Fp8Gemms, Fp8Settings, select_gemms
 from gptoss_cli.model.catalog import ATTENTION_BACKEND_DEFAULT, SWIGLU_KERNEL_DEFAULT
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.model.lora import LoraSettings, attach_lora
 from gptoss_cli.model.dtypes import torch_dtype
-from gptoss_cli.model.pattern import parse_pattern
-from gptoss_cli.pipeline.layout import PipelineLayout, pipeline_layout
+from gptoss_cli.model.pattern import HybridPattern
+from gptoss_cli.schedule.pipeline.layout import PipelineLayout, pipeline_layout
 from gptoss_cli.model.recompute_plan import RecomputePlan
-from gptoss_cli.recipe.memory import recompute_plan
+from gptoss_cli.recipe.estimate.memory import recompute_plan
 from gptoss_cli.model.mxfp4.qat import qat_gemms
 from gptoss_cli.recipe.schema import RecipeConfig
 from gptoss_cli.model.dispatcher import AllToAllTokenDispatcher
@@ -47,7 +47,7 @@ class ModelRuntimeConfig:
     Built from a recipe by `from_recipe`: the recipe's schema is the only table of defaults."""
 
     arch: GptOssArch
-    hybrid_layer_pattern: str
+    pattern: HybridPattern
     params_dtype: str
     fp8: Fp8Settings  # the provider gives the model its FP8 gemms when enabled
     aux_loss_coeff: float
@@ -62,28 +62,28 @@ class ModelRuntimeConfig:
     base_experts: str = "bf16"  # lora.base_experts with LoRA on: "mxfp4" keeps the frozen experts in MXFP4
     swiglu_kernel: str = SWIGLU_KERNEL_DEFAULT  # model.swiglu_kernel (model/swiglu_kernel.py), the recipe's default
     attention_backend: str = ATTENTION_BACKEND_DEFAULT  # model.attention_backend (model/attention/backends.py)
-    # pipeline parallelism (gptoss_cli/pipeline/): the provider builds the layers of this rank's stages
+    # pipeline parallelism (gptoss_cli/schedule/pipeline/): the provider builds the layers of this rank's stages
     pipeline_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: int | None = None
     pipeline_schedule: str = "1f1b"
     pipeline_model_parallel_layout: str | None = None
     # Set at run time: the FP8 gemms the provider selected (which path runs, GEMM counts), and the
     # training callbacks, installed by setup on the model's own copy of this config.
-    fp8_gemms: Any = None
+    fp8_gemms: Fp8Gemms | None = None
     finalize_model_grads_func: Callable[..., Any] | None = None
     grad_scale_func: Callable[[torch.Tensor], torch.Tensor] | None = None
     no_sync_func: Callable[[], Any] | None = None
 
     @classmethod
-    def from_recipe(cls, cfg: RecipeConfig, arch: GptOssArch, hybrid_layer_pattern: str) -> "ModelRuntimeConfig":
+    def from_recipe(cls, cfg: RecipeConfig, arch: GptOssArch, pattern: HybridPattern) -> "ModelRuntimeConfig":
         return cls(
-            arch=arch, hybrid_layer_pattern=hybrid_layer_pattern, params_dtype=cfg.precision.params_dtype,
+            arch=arch, pattern=pattern, params_dtype=cfg.precision.params_dtype,
             fp8=Fp8Settings.from_precision(cfg.precision), aux_loss_coeff=cfg.moe.aux_loss_coeff,
             expert_model_parallel_size=cfg.parallelism.expert_model_parallel_size,
             overlap_moe_expert_parallel_comm=cfg.overlap.overlap_moe_expert_parallel_comm,
             delay_wgrad_compute=cfg.overlap.delay_wgrad_compute,
             qat=cfg.precision.qat, z_loss_coeff=cfg.moe.z_loss_coeff, freeze_router=cfg.moe.freeze_router,
-            recompute=recompute_plan(cfg, parse_pattern(hybrid_layer_pattern)),
+            recompute=recompute_plan(cfg, pattern),
             lora=lora_settings(cfg), swiglu_kernel=cfg.model.swiglu_kernel,
             attention_backend=cfg.model.attention_backend,
             base_experts=cfg.lora.base_experts if cfg.lora.rank > 0 else "bf16",
@@ -94,10 +94,10 @@ class ModelRuntimeConfig:
         )
 
     def pipeline_layout(self) -> PipelineLayout | None:
-        """The stages and their ranks (gptoss_cli/pipeline/layout.py); None without pipeline parallelism."""
+        """The stages and their ranks (gptoss_cli/schedule/pipeline/layout.py); None without pipeline parallelism."""
         if self.pipeline_model_parallel_size == 1:
             return None
-        return pipeline_layout(parse_pattern(self.hybrid_layer_pattern), self.pipeline_model_parallel_size,
+        return pipeline_layout(self.pattern, self.pipeline_model_parallel_size,
                                self.virtual_pipeline_model_parallel_size, self.pipeline_schedule,
                                self.pipeline_model_parallel_layout)
 
@@ -156,7 +156,7 @@ class HybridModelProvider:
         offset, n_local = state.local_expert_range(arch.num_local_experts)
         if cfg.base_experts != "bf16" and cfg.lora is None:
             raise ConfigError(f"base_experts={cfg.base_experts} keeps frozen experts; it needs LoRA (a frozen base)")
-        model = build_model(arch, cfg.hybrid_layer_pattern, device=state.device, dtype=cfg.torch_dtype,
+        model = build_model(arch, cfg.pattern, device=state.device, dtype=cfg.torch_dtype,
                             base_experts=cfg.base_experts, expert_offset=offset, num_local_experts=n_local,
                             token_dispatcher_factory=dispatcher_factory(arch.num_local_experts, state),
                             **stage_parts(cfg.pipeline_layout(), state.pp_rank))

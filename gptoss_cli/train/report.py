@@ -1,32 +1,50 @@
 """`gptoss report`'s library side: read a run folder's metrics.jsonl, summarise the run, draw its PNG plots.
 
-A run's metrics.jsonl (written by train/metrics.py) holds one line per rank and step; the step's global values
-(loss, lr, grad norm, tokens/s, i23's mfu when present, the validation loss at the steps it ran,
-the router telemetry, a GRPO run's reward and trainer/engine mismatch) are on rank 0's line. A resumed run appends again from its checkpoint's step: the later line of a (step, rank)
-wins. A run killed while rank 0 wrote a line leaves that last line torn (no newline at its end):
-it is dropped with a note naming the file and line, and the rest is summarised. Any other line
+A run's metrics.jsonl (written by train/metrics.py) holds one line per rank and step; the step's
+global values (loss, lr, grad norm, tokens/s, i23's mfu when present, the validation loss at the
+steps it ran, the router telemetry, the objective's metrics) are on rank 0's line. A resumed run
+appends again from its checkpoint's step: the later line of a (step, rank) wins. A run killed while
+rank 0 wrote a line leaves that last line torn (no newline at its end): it is dropped with a note
+naming the file and line, and the rest is summarised. Any other line
 that is not a JSON record, or whose fields the summary reads have the wrong shape (a list where a
 number belongs, an `expert_load` layer without experts), is an error naming the file, line and
 field (docs/router-telemetry.md).
+
+Which of the objective's metrics are curves, and under what label, the run folder's objective.json
+says (written at the start of the run from the objective's `shown_metrics`, train/objective.py):
+this module knows no objective's metrics by name. A folder written before objective.json existed
+gets the curves report drew then (`BEFORE_OBJECTIVE_FILE`).
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+import re
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from gptoss_cli.errors import UsageError, file_system_error, require_extra
 from gptoss_cli.json_input import parse_json
+from gptoss_cli.train.progress import MetricDisplay
 
 METRICS = "metrics.jsonl"
-# Per-step curves drawn when the records carry them (mfu / tflops_per_gpu come from i23's FLOPs accounting;
-# reward_mean and mismatch_kl from a GRPO run, docs/rl.md).
+OBJECTIVE = "objective.json"  # the run's objective and the metrics of it that report shows
+# The loop's and the model's per-step curves, drawn when the records carry them (mfu / tflops_per_gpu
+# come from i23's FLOPs accounting; aux_loss and z_loss from the router losses any objective may add);
+# the objective's own follow them (objective.json).
 CURVES = (("loss", "loss"), ("lr", "learning rate"), ("grad_norm", "gradient norm"),
           ("tokens_per_s", "tokens/s"), ("mfu", "MFU"), ("tflops_per_gpu", "TFLOP/s per GPU"),
-          ("aux_loss", "aux loss"), ("z_loss", "router z-loss"), ("val_loss", "validation loss"),
-          ("reward_mean", "mean reward"), ("mismatch_kl", "mismatch KL (engine || trainer)"))
+          ("aux_loss", "aux loss"), ("z_loss", "router z-loss"), ("val_loss", "validation loss"))
+# A run folder without objective.json was written before it existed: the objective curves report
+# drew then (a GRPO run's; absent from other runs' records, so drawn for none of them).
+BEFORE_OBJECTIVE_FILE = (("reward_mean", "mean reward"), ("mismatch_kl", "mismatch KL (engine || trainer)"))
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*\Z")  # a metric's name is also its plot's file name
+
+
+def objective_record(name: str, shown: Sequence[MetricDisplay]) -> dict[str, Any]:
+    """objective.json's content: the objective's name and how its shown metrics are shown."""
+    return {"objective": name, "shown_metrics": [asdict(m) for m in shown]}
 
 
 @dataclass
@@ -38,6 +56,8 @@ class RunMetrics:
     ranks: dict[int, list[dict[str, Any]]]  # every rank's records, by step
     notes: list[str] = field(default_factory=list)
     train_iters: int | None = None  # from the run's recipe.json, when present
+    # (field, label) of every curve: the loop's (CURVES), then the objective's (objective.json)
+    curves: tuple[tuple[str, str], ...] = CURVES
 
 
 def read_metrics(run_dir: str | Path) -> RunMetrics:
@@ -53,6 +73,8 @@ def read_metrics(run_dir: str | Path) -> RunMetrics:
                          "stopped before its first step)", hint="give the logging.run_dir of a run") from None
     except OSError as exc:
         raise file_system_error(exc) from None
+    curves = CURVES + tuple(c for c in objective_curves(run_dir) if c[0] not in dict(CURVES))
+    numbers = tuple(key for key, _ in curves) + ("rank_step_time_s",)
     lines = raw.split(b"\n")
     torn = lines.pop() if lines else b""  # the text after the last newline: empty unless a write was cut
     notes: list[str] = []
@@ -60,11 +82,11 @@ def read_metrics(run_dir: str | Path) -> RunMetrics:
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
-        records_key, record = _parse(path, number, line)
+        records_key, record = _parse(path, number, line, numbers)
         records[records_key] = record
     if torn.strip():
         try:
-            key, record = _parse(path, len(lines) + 1, torn)
+            key, record = _parse(path, len(lines) + 1, torn, numbers)
             records[key] = record  # complete JSON, only its newline is missing
         except UsageError:
             notes.append(f"{path}:{len(lines) + 1}: the last line is cut off (the run was killed while writing "
@@ -76,10 +98,40 @@ def read_metrics(run_dir: str | Path) -> RunMetrics:
     ranks: dict[int, list[dict[str, Any]]] = {}
     for (step, rank), r in sorted(records.items()):
         ranks.setdefault(rank, []).append(r)
-    return RunMetrics(path=path, steps=steps, ranks=ranks, notes=notes, train_iters=_train_iters(run_dir))
+    return RunMetrics(path=path, steps=steps, ranks=ranks, notes=notes, train_iters=_train_iters(run_dir),
+                      curves=curves)
 
 
-def _parse(path: Path, number: int, line: bytes) -> tuple[tuple[int, int], dict[str, Any]]:
+def objective_curves(run_dir: Path) -> tuple[tuple[str, str], ...]:
+    """(field, label) of the objective metrics the run's objective.json names (BEFORE_OBJECTIVE_FILE
+    without one); a file that is not such a record is an error naming it and the entry."""
+    path = run_dir / OBJECTIVE
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return BEFORE_OBJECTIVE_FILE
+    except OSError as exc:
+        raise file_system_error(exc) from None
+    hint = "objective.json is written by gptoss train from the objective's shown_metrics; restore or remove it"
+    try:
+        shown = parse_json(raw)["shown_metrics"]
+    except (ValueError, UnicodeDecodeError, KeyError, TypeError):
+        raise UsageError(f"{path}: not a record with a 'shown_metrics' list", hint=hint) from None
+    if not isinstance(shown, list):
+        raise UsageError(f"{path}: 'shown_metrics' is {_short(shown)}, not a list", hint=hint)
+    out = []
+    for i, entry in enumerate(shown):
+        name = entry.get("name") if isinstance(entry, dict) else None
+        label = entry.get("label", name) if isinstance(entry, dict) else None
+        if not isinstance(name, str) or not _PLAIN_NAME.match(name) or not isinstance(label, str):
+            raise UsageError(f"{path}: shown_metrics[{i}] is {_short(entry)}, not {{'name': a metrics.jsonl field, "
+                             "'label': text}", hint=hint)
+        out.append((name, label))
+    return tuple(out)
+
+
+def _parse(path: Path, number: int, line: bytes,
+           numbers: tuple[str, ...]) -> tuple[tuple[int, int], dict[str, Any]]:
     try:
         record = parse_json(line)
     except (ValueError, UnicodeDecodeError):
@@ -88,22 +140,21 @@ def _parse(path: Path, number: int, line: bytes) -> tuple[tuple[int, int], dict[
     if not isinstance(record, dict) or not _is_int(record.get("step")) or not _is_int(record.get("rank")):
         raise UsageError(f"{path}:{number}: a record needs integer 'step' and 'rank' fields",
                          hint="metrics.jsonl is written by gptoss train; restore it or remove the line")
-    problem = _shape_problem(record)
+    problem = _shape_problem(record, numbers)
     if problem:
         raise UsageError(f"{path}:{number}: {problem}",
                          hint="metrics.jsonl is written by gptoss train; restore it or remove the line")
     return (record["step"], record["rank"]), record
 
 
-# Fields the summary and the plots read, beyond step and rank: numbers (null allowed), and the router's
-# per-layer tables (docs/router-telemetry.md).
-NUMBER_FIELDS = tuple(key for key, _ in CURVES) + ("rank_step_time_s",)
+# Fields the summary and the plots read, beyond step and rank: the curves' and rank_step_time_s
+# (numbers, null allowed), and the router's per-layer tables (docs/router-telemetry.md).
 PER_LAYER_NUMBERS = ("router_cv", "router_entropy")
 
 
-def _shape_problem(record: dict[str, Any]) -> str | None:
-    """What is wrong with the fields of `record` the summary reads, or None."""
-    for key in NUMBER_FIELDS:
+def _shape_problem(record: dict[str, Any], numbers: tuple[str, ...]) -> str | None:
+    """What is wrong with the fields of `record` the summary reads (`numbers`: those that are numbers), or None."""
+    for key in numbers:
         value = record.get(key)
         if value is not None and _number(value) is None:
             return f"field {key!r} is {_short(value)}, not a number"
@@ -182,7 +233,7 @@ def summarise(metrics: RunMetrics) -> dict[str, Any]:
         "finished": metrics.train_iters is not None and last_step >= metrics.train_iters,
         "curves": {}, "router": {}, "ranks": {}, "notes": list(metrics.notes),
     }
-    for key, _ in CURVES:
+    for key, _ in metrics.curves:
         _, ys = series(metrics, key)
         if ys:
             out["curves"][key] = {"last": ys[-1], "first": ys[0], "min": min(ys), "max": max(ys), "trend": trend(ys)}
@@ -209,7 +260,7 @@ def summarise(metrics: RunMetrics) -> dict[str, Any]:
 
 
 def write_plots(metrics: RunMetrics, out_dir: str | Path) -> list[Path]:
-    """PNG plots into `out_dir`: one per curve the records carry (CURVES) and `expert_load.png`, a
+    """PNG plots into `out_dir`: one per curve the records carry (`metrics.curves`) and `expert_load.png`, a
     heatmap per MoE layer of each expert's share of the layer's routed tokens over the steps.
     Each file is written under a temporary name and renamed into place. Needs matplotlib (`.[plot]`)."""
     require_extra("matplotlib", "gptoss report's plots", "plot")
@@ -224,7 +275,7 @@ def write_plots(metrics: RunMetrics, out_dir: str | Path) -> list[Path]:
     except OSError as exc:
         raise file_system_error(exc) from None
     written: list[Path] = []
-    for key, label in CURVES:
+    for key, label in metrics.curves:
         xs, ys = series(metrics, key)
         if ys:
             written.append(_save(curve_figure(xs, ys, label, plt), out_dir / f"{key}.png"))
@@ -289,4 +340,4 @@ def _save(fig: Any, path: Path) -> Path:
 
 
 __all__ = ["RunMetrics", "read_metrics", "summarise", "write_plots", "curve_figure", "series", "trend", "CURVES",
-           "METRICS"]
+           "METRICS", "OBJECTIVE", "BEFORE_OBJECTIVE_FILE", "objective_record", "objective_curves"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
 
 from torch import nn
 
@@ -19,16 +19,24 @@ from gptoss_cli.parallel.grads import GradAccumulatingModel, GradBufferConfig, g
 from gptoss_cli.parallel.state import ParallelState
 from gptoss_cli.recipe.schema import OptimizerConfig
 from gptoss_cli.train.optimizer import DistributedAdamW
+from gptoss_cli.train.provider import ModelRuntimeConfig
+
+
+class ModelProvider(Protocol):
+    """What builds a rank's model (train/provider.py's `HybridModelProvider`): the model carries its own
+    runtime config as `model.config`."""
+
+    def provide(self, state: ParallelState) -> nn.Module: ...
 
 
 @dataclass
 class TrainingSetup:
     model: GradAccumulatingModel
     optimizer: DistributedAdamW
-    config: Any  # the runtime config the schedule reads, with the callbacks installed
+    config: ModelRuntimeConfig  # the runtime config the schedule reads, with the callbacks installed
 
 
-def install_training_callbacks(model: nn.Module, state: ParallelState) -> Any:
+def install_training_callbacks(model: nn.Module, state: ParallelState) -> ModelRuntimeConfig:
     """Install the training callbacks on the runtime config of the BUILT model; returns that config."""
     config = get_model_config(model)
     # Looked up through the module at call time so a test can observe the real call.
@@ -39,7 +47,7 @@ def install_training_callbacks(model: nn.Module, state: ParallelState) -> Any:
     return config
 
 
-def setup_model_and_optimizer(provider: Any, state: ParallelState, optimizer: OptimizerConfig, lr: float, *,
+def setup_model_and_optimizer(provider: ModelProvider, state: ParallelState, optimizer: OptimizerConfig, lr: float, *,
                                overlap_grad_reduce: bool = False) -> TrainingSetup:
     """provider.provide(state) -> gradient-buffer wrapper (bucketed, sharded as the optimizer is) ->
     distributed AdamW (the recipe's optimizer section, initial `lr`) -> callbacks."""

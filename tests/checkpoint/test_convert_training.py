@@ -93,7 +93,7 @@ def _resave_at_ep1(folder: Path, ckpt_dir: Path) -> Path:
 
     job = tiny_plan(str(ckpt_dir.parent / "run1"), ep_size=1)
     state = init_parallel(1, "cpu")
-    runtime = ModelRuntimeConfig.from_recipe(job.config, job.arch, job.hybrid_layer_pattern)
+    runtime = ModelRuntimeConfig.from_recipe(job.config, job.arch, job.pattern)
     setup = setup_model_and_optimizer(HybridModelProvider(runtime), state, job.config.optimizer, job.config.training.lr)
     meta = load_checkpoint(folder, model=setup.model.module, optimizer=setup.optimizer, state=state)
     keep = {k: v for k, v in meta.items() if k not in ("step", "world_size", "ep_size")}

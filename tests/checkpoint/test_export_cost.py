@@ -20,7 +20,7 @@ from gptoss_cli.checkpoint.export_cost import SEQ_LENGTH, SEQUENCES
 from gptoss_cli.cli import app
 from gptoss_cli.data.token_format import token_file_paths, write_atomically, write_token_header
 from gptoss_cli.model.mxfp4.codec import decode
-from gptoss_cli.train.worker import run_worker
+from gptoss_cli.run.worker import run_worker
 from tests.model.tiny_checkpoints import load_hf_reference, write_hf_checkpoint
 from tests.train.jobs import train_job
 

@@ -23,7 +23,7 @@ from gptoss_cli.checkpoint.convert import convert
 from gptoss_cli.checkpoint.load import checkpoint_architecture
 from gptoss_cli.cli import app
 from gptoss_cli.model.config import GptOssArch
-from gptoss_cli.train.worker import run_worker
+from gptoss_cli.run.worker import run_worker
 from tests.checkpoint.test_convert_sources import write_openai_original
 from tests.train.jobs import train_job
 

@@ -122,6 +122,6 @@ def test_packing_the_renderer_the_token_format_and_prepare_data_do_not_need_torc
     import sys
 
     code = ("import sys, gptoss_cli.data.packing, gptoss_cli.data.harmony, gptoss_cli.data.token_format, "
-            "gptoss_cli.data.prepare_text, gptoss_cli.data.prepare_conversations; "
+            "gptoss_cli.data.prepare.text, gptoss_cli.data.prepare.conversations, gptoss_cli.data.prepare.formats; "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True)

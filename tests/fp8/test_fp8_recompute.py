@@ -9,6 +9,7 @@ import torch
 from gptoss_cli.fp8.selection import Fp8Settings, select_gemms
 from gptoss_cli.model.config import preset
 from gptoss_cli.model.hybrid import HybridModel
+from gptoss_cli.model.pattern import parse_pattern
 from gptoss_cli.model.recompute_plan import RecomputePlan
 
 TINY = preset("tiny").replace(hidden_size=64, intermediate_size=96)
@@ -17,7 +18,7 @@ TINY = preset("tiny").replace(hidden_size=64, intermediate_size=96)
 @pytest.mark.parametrize("recipe", ["tensorwise", "mxfp8"])
 def test_fp8_gradients_are_unchanged_by_selective_and_full_recompute(recipe):
     torch.manual_seed(0)
-    model = HybridModel(TINY, "*E*-*E", dtype=torch.float32).train()  # a dense layer for `mlp`
+    model = HybridModel(TINY, parse_pattern("*E*-*E"), dtype=torch.float32).train()  # a dense layer for `mlp`
     model.aux_loss_coef = 0.01
     gemms = select_gemms(Fp8Settings(recipe, "hybrid" if recipe == "tensorwise" else "e4m3", emulation=True), "cpu")
     assert model.set_gemms(dense=gemms.dense, grouped=gemms.grouped)

@@ -104,7 +104,7 @@ def _at_weights(rank: int, run_root: Path, snapshots: dict[int, dict[str, torch.
     from gptoss_cli.fp8.matmul import Fp8Numerics
     from gptoss_cli.recipe.load import load_recipe
     from gptoss_cli.train.job import TrainJob
-    from gptoss_cli.train.worker import run_worker
+    from gptoss_cli.run.worker import run_worker
     from tests.train.dist_helpers import named_grads
 
     init, real_matmul = model_init.init_weights_, Fp8Numerics.matmul
@@ -144,7 +144,7 @@ def _train_all(rank: int, run_root: str) -> dict:
     import gptoss_cli.model.init as model_init
     from gptoss_cli.recipe.load import load_recipe
     from gptoss_cli.train.job import TrainJob
-    from gptoss_cli.train.worker import run_worker
+    from gptoss_cli.run.worker import run_worker
 
     model_init.init_weights_ = _large_expert_biases(model_init.init_weights_)
     out = {}

@@ -77,3 +77,28 @@ def test_without_compilation_the_eager_ops_run_without_a_warning(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert fused.fused_available(torch.device("cpu")) is False  # TORCH_COMPILE_DISABLE=1 in the suite
+
+
+def test_a_function_registered_after_the_verdict_is_probed_before_it_runs_compiled(compiling, monkeypatch):
+    # The registering modules import fused.py, never the other way round: one imported after the verdict
+    # registers late, and its functions must still be probed before `kernel` hands out their compiled form.
+    wrong = set()
+
+    def stand_in(fn):  # "compiling" that equals the eager ops except for the functions in `wrong`
+        return (lambda *args: tuple(t + 1 for t in fn(*args))) if fn in wrong else (lambda *args: fn(*args))
+
+    monkeypatch.setattr(fused, "_PROBES", list(fused._PROBES))
+    monkeypatch.setattr(fused, "compiled", stand_in)
+    monkeypatch.setattr(fused, "FUSED_DEVICE_TYPES", ("cpu",))
+    cpu = torch.device("cpu")
+    assert fused.fused_available(cpu) is True  # scaling.py's and grouped_kernel.py's functions
+    assert fused.kernel(scaling.row_math, cpu) is not scaling.row_math  # the stand-in's "compiled" form
+
+    def late(x):
+        return (x * 2,)
+
+    wrong.add(late)
+    fused.register(late, lambda device: [(torch.ones(2, device=device),)])
+    with pytest.warns(UserWarning, match=r"compiled FP8 quantisation \(late\) differs from the eager ops on cpu"):
+        compiled_late = fused.kernel(late, cpu)
+    assert compiled_late is late and fused.fused_available(cpu) is False

@@ -40,7 +40,7 @@ def test_a_cuda_device_without_fp8_hardware_emulates_by_dequantizing():
 
 def test_the_recipe_reaches_the_models_runtime_config():
     recipe = load_recipe("tiny_cpu_ep2_mxfp8")
-    runtime = ModelRuntimeConfig.from_recipe(recipe.config, recipe.arch, recipe.pattern.text)
+    runtime = ModelRuntimeConfig.from_recipe(recipe.config, recipe.arch, recipe.pattern)
     assert runtime.fp8 == Fp8Settings("mxfp8", "hybrid", emulation=True)
     assert runtime.overlap_moe_expert_parallel_comm and runtime.delay_wgrad_compute
 

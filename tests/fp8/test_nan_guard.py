@@ -9,7 +9,7 @@ from gptoss_cli.errors import TrainingError
 from gptoss_cli.fp8.selection import Fp8Settings, select_gemms
 from gptoss_cli.model.gemm.dense import linear
 from gptoss_cli.model.gemm.grouped import grouped_linear
-from gptoss_cli.train.worker import run_worker
+from gptoss_cli.run.worker import run_worker
 from tests.schedule.host_syncs import HostSyncCounter
 from tests.train.workers import tiny_plan
 

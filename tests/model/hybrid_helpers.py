@@ -6,6 +6,7 @@ import torch
 
 from gptoss_cli.model.config import preset
 from gptoss_cli.model.hybrid import HybridModel
+from gptoss_cli.model.pattern import parse_pattern
 
 TINY = preset("tiny")
 
@@ -13,7 +14,7 @@ TINY = preset("tiny")
 def tiny_model(pattern: str = "*E*E*E", aux: float = 0.01, seed: int = 0) -> HybridModel:
     """The tiny preset in `pattern`, initialised from torch's global seed `seed`, in train mode."""
     torch.manual_seed(seed)
-    model = HybridModel(TINY, pattern)
+    model = HybridModel(TINY, parse_pattern(pattern))
     model.aux_loss_coef = aux
     return model.train()
 

@@ -287,7 +287,7 @@ def test_expert_tensor_shapes_are_out_by_in():
 
 
 def test_dense_mlp_layer_has_megatron_names_and_runs():
-    model = HybridModel(TINY, "*-*E*E")
+    model = HybridModel(TINY, parse_pattern("*-*E*E"))
     names = [k for k in model.state_dict() if k.startswith("decoder.layers.1.")]
     assert names == ["decoder.layers.1.pre_mlp_layernorm.weight", "decoder.layers.1.mlp.linear_fc1.weight",
                      "decoder.layers.1.mlp.linear_fc1.bias", "decoder.layers.1.mlp.linear_fc2.weight",
@@ -296,25 +296,25 @@ def test_dense_mlp_layer_has_megatron_names_and_runs():
 
 
 def test_grouped_pattern_builds_the_same_layers():
-    model = HybridModel(TINY, "[*E][*E]|[*E]")
+    model = HybridModel(TINY, parse_pattern("[*E][*E]|[*E]"))
     assert [type(m).__name__ for m in model.decoder.layers] == ["AttentionLayer", "MoELayer"] * 3
 
 
 def test_mamba_symbol_is_rejected_by_name():
     with pytest.raises(ConfigError, match=r"'M' \(mamba\)"):
-        HybridModel(TINY, "*E*M*E")
+        HybridModel(TINY, parse_pattern("*E*M*E"))
 
 
 def test_pattern_with_wrong_attention_count_is_rejected():
     with pytest.raises(ConfigError, match="num_hidden_layers=3"):
-        HybridModel(TINY, "*E*E")
+        HybridModel(TINY, parse_pattern("*E*E"))
 
 
 def test_schedule_plan_is_supported_for_attention_moe_and_mlp_patterns():
     # Issue 6 gave HybridModel a build_schedule_plan; plan tests live in tests/schedule/.
-    assert schedule_plan_support("*E*E") == (True, "")
-    assert schedule_plan_support("[*E][*E]") == (True, "")
-    ok, why = schedule_plan_support("*E*M")
+    assert schedule_plan_support(parse_pattern("*E*E")) == (True, "")
+    assert schedule_plan_support(parse_pattern("[*E][*E]")) == (True, "")
+    ok, why = schedule_plan_support(parse_pattern("*E*M"))
     assert not ok and "'M'" in why
 
 

@@ -202,8 +202,9 @@ def test_torch_compile_disable_chooses_eager_without_a_warning(monkeypatch):
 def test_the_layers_take_the_kernel_the_model_is_given():
     from gptoss_cli.errors import ConfigError
     from gptoss_cli.model.hybrid import HybridModel
+    from gptoss_cli.model.pattern import parse_pattern
 
-    model = HybridModel(TINY, "*E*-*E")
+    model = HybridModel(TINY, parse_pattern("*E*-*E"))
     layers = [m for m in model.modules() if isinstance(m, (GroupedExperts, DenseMLPLayer))]
     assert {m.swiglu_kernel for m in layers} == {"eager"}  # built directly: eager, as tests expect
     model.set_swiglu_kernel("auto")
@@ -215,6 +216,7 @@ def test_the_layers_take_the_kernel_the_model_is_given():
 @pytest.mark.parametrize("kernel", ["auto", "eager"])
 def test_the_recipe_setting_reaches_every_activation(kernel):
     # recipe model.swiglu_kernel -> ModelRuntimeConfig -> the provider's model (what `gptoss train` builds)
+    from gptoss_cli.model.pattern import parse_pattern
     from gptoss_cli.parallel.state import ParallelState
     from gptoss_cli.train.provider import HybridModelProvider, ModelRuntimeConfig
     from tests.train.jobs import recipe_config
@@ -222,7 +224,7 @@ def test_the_recipe_setting_reaches_every_activation(kernel):
     recipe = recipe_config()
     assert recipe.model.swiglu_kernel == "auto"  # the recipe's default
     recipe.model.swiglu_kernel = kernel
-    cfg = ModelRuntimeConfig.from_recipe(recipe, TINY, "*E*-*E")
+    cfg = ModelRuntimeConfig.from_recipe(recipe, TINY, parse_pattern("*E*-*E"))
     model = HybridModelProvider(cfg, seed=0).provide(ParallelState())
     layers = [m for m in model.modules() if isinstance(m, (GroupedExperts, DenseMLPLayer))]
     assert len(layers) == 3 and {m.swiglu_kernel for m in layers} == {kernel}

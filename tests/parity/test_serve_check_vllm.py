@@ -66,7 +66,7 @@ def hybrid(hf, root):
 
 
 def _train(root: Path, hybrid: Path, name: str, **changes) -> Path:
-    from gptoss_cli.train.worker import run_worker
+    from gptoss_cli.run.worker import run_worker
     from tests.train.jobs import train_job
 
     arch, _ = checkpoint_architecture(hybrid)

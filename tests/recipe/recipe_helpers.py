@@ -6,7 +6,7 @@ from typing import Any, Sequence
 
 from gptoss_cli.recipe.load import load_recipe
 from gptoss_cli.recipe.rules import RULES, Context, Finding
-from gptoss_cli.recipe.sizes import resolve_world_size
+from gptoss_cli.recipe.estimate.sizes import resolve_world_size
 from gptoss_cli.recipe.validate import validate_recipe
 
 OVERLAP = ["overlap.overlap_moe_expert_parallel_comm=true"]

@@ -7,7 +7,7 @@ import pytest
 
 from gptoss_cli.errors import ConfigError
 from gptoss_cli.parallel.state import init_parallel
-from gptoss_cli.recipe import memory as M
+from gptoss_cli.recipe.estimate import memory as M
 from gptoss_cli.recipe.load import load_recipe
 from tests.recipe.recipe_helpers import run_rule
 

@@ -1,4 +1,4 @@
-"""Model FLOPs per token (gptoss_cli/recipe/flops.py): hand-derived 20B and 120B numbers, transformers'
+"""Model FLOPs per token (gptoss_cli/recipe/estimate/flops.py): hand-derived 20B and 120B numbers, transformers'
 own parameter shapes as the independent count of active matmul parameters, a brute-force count of the
 keys each query sees, and validate-config --json carrying the number."""
 
@@ -13,7 +13,8 @@ from typer.testing import CliRunner
 from gptoss_cli.cli import app
 from gptoss_cli.checkpoint.hf_config import to_hf_config
 from gptoss_cli.model.config import PRESETS
-from gptoss_cli.recipe.flops import (
+from gptoss_cli.model.pattern import parse_pattern
+from gptoss_cli.recipe.estimate.flops import (
     average_keys_per_query, count_flops, model_flops_per_token, peak_tflops, recompute_flops_per_token, throughput,
 )
 
@@ -41,7 +42,8 @@ def test_each_hf_block_counts_once_whatever_the_layout():
     # The *E split must not double the count (Megatron-Bridge's issue #4508): the grouped [*E]
     # form and the default *E give the same number, and it is the HF per-block number.
     arch = PRESETS["gpt_oss_120b"]
-    assert model_flops_per_token(arch, 4096, "*E" * 36) == model_flops_per_token(arch, 4096, "[*E]" * 36)
+    assert model_flops_per_token(arch, 4096, parse_pattern("*E" * 36)) == model_flops_per_token(
+        arch, 4096, parse_pattern("[*E]" * 36))
 
 
 @pytest.mark.parametrize("preset", ["tiny", "gpt_oss_20b", "gpt_oss_120b"])
@@ -129,5 +131,5 @@ def test_each_attention_layer_gets_its_own_blocks_window_by_value(layer_types):
         visible = sum(1 for q in range(seq) for k in range(q + 1) if window is None or k > q - window)
         want.append(4 * arch.num_attention_heads * arch.head_dim * visible / seq)
     for pattern in ("*E" * 5, "[*E]" * 5, "*-" * 5):
-        got = count_flops(arch, seq, pattern).attention_layers
+        got = count_flops(arch, seq, parse_pattern(pattern)).attention_layers
         assert got == pytest.approx(want, rel=1e-12), pattern

@@ -9,7 +9,7 @@ from gptoss_cli.cli import app
 from gptoss_cli.errors import ConfigError
 from gptoss_cli.recipe import load_recipe
 from gptoss_cli.recipe.load import recipe_from_config
-from gptoss_cli.recipe.memory import ADAM_STATE_BYTES, FP32, estimate_memory, lora_layout, parameter_layout
+from gptoss_cli.recipe.estimate.memory import ADAM_STATE_BYTES, FP32, estimate_memory, lora_layout, parameter_layout
 from gptoss_cli.recipe.schema import LoraConfig, ModelConfig, RecipeConfig
 from gptoss_cli.recipe.validate import validate_recipe
 

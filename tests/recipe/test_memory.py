@@ -1,4 +1,4 @@
-"""The memory formulas (gptoss_cli/recipe/memory.py) against the real model, buffers and autograd."""
+"""The memory formulas (gptoss_cli/recipe/estimate/memory.py) against the real model, buffers and autograd."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from gptoss_cli.model.config import preset
 from gptoss_cli.model.expert_names import is_expert_name
 from gptoss_cli.model.hybrid import HybridModel
 from gptoss_cli.model.loss import LM_LOSS_CHUNK_TOKENS
-from gptoss_cli.model.pattern import ATTENTION, MLP, MOE
+from gptoss_cli.model.pattern import ATTENTION, MLP, MOE, default_pattern, parse_pattern
 from gptoss_cli.parallel.grads import ALIGN, GradAccumulatingModel, GradBufferConfig
 from gptoss_cli.parallel.state import ParallelState
 from gptoss_cli.recipe import load_recipe, validate_recipe
-from gptoss_cli.recipe import memory as M
+from gptoss_cli.recipe.estimate import memory as M
 
 TINY = preset("tiny")
 
@@ -21,23 +21,23 @@ TINY = preset("tiny")
 @pytest.mark.parametrize("pattern,ep", [("*E*E*E", 1), ("*E*-[*E]", 2)], ids=["moe", "dense-mlp-and-ep-slice"])
 def test_parameter_layout_is_the_models_named_parameters(pattern, ep):
     n_local = TINY.num_local_experts // ep
-    model = HybridModel(TINY, pattern, expert_offset=0, num_local_experts=n_local, device="meta")
+    model = HybridModel(TINY, parse_pattern(pattern), expert_offset=0, num_local_experts=n_local, device="meta")
     want = [(n, p.numel(), is_expert_name(n)) for n, p in model.named_parameters()]
-    assert [(p.name, p.numel, p.expert) for p in M.parameter_layout(TINY, pattern, n_local)] == want
+    assert [(p.name, p.numel, p.expert) for p in M.parameter_layout(TINY, parse_pattern(pattern), n_local)] == want
 
 
 @pytest.mark.parametrize("name,total", [("gpt_oss_20b", 20.9e9), ("gpt_oss_120b", 116.8e9)])
 def test_parameter_totals_are_the_published_sizes(name, total):
     # docs/architecture.md, "Sizes": 20.9B and 116.8B parameters in total
     arch = preset(name)
-    count = sum(p.numel for p in M.parameter_layout(arch, arch.hybrid_layer_pattern))
+    count = sum(p.numel for p in M.parameter_layout(arch, default_pattern(arch)))
     assert round(count / 1e8) == round(total / 1e8)
 
 
 def test_buffer_layout_equals_the_gradient_buffers():
     model = HybridModel(TINY, device="meta")
     wrapped = GradAccumulatingModel(model, ParallelState(device=torch.device("meta")), GradBufferConfig(bucket_size=20_000))
-    layout = M.parameter_layout(TINY, TINY.hybrid_layer_pattern)
+    layout = M.parameter_layout(TINY, default_pattern(TINY))
     for buf, expert in ((wrapped.grad_buffers.dense, False), (wrapped.grad_buffers.expert, True)):
         numel, buckets = M.buffer_numel([p.numel for p in layout if p.expert == expert], 1, 20_000)
         assert (buf.numel, len(buf.buckets)) == (numel, buckets) and len(buf.buckets) > 1
@@ -50,7 +50,7 @@ def saved_bytes_per_layer(arch, pattern: str, tokens: int) -> dict[str, int]:
     saved them (parameters excluded, each storage once); attention's core (SDPA) apart: on the CPU
     it runs the math path, not a fused kernel."""
     torch.manual_seed(0)
-    model = HybridModel(arch, pattern, dtype=torch.bfloat16).train()
+    model = HybridModel(arch, parse_pattern(pattern), dtype=torch.bfloat16).train()
     model.aux_loss_coef = 0.01
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, tuple[str, int]] = {}
@@ -224,9 +224,9 @@ def test_activations_held_for_backward_match_the_estimate_for_each_recompute_set
     small = ["parallelism.world_size=1", "parallelism.expert_model_parallel_size=1", "moe.aux_loss_coeff=0.01",
              "training.micro_batch_size=2", f"training.seq_length={tokens // 2}"]
     cfg = load_recipe("tiny_cpu_ep2", [*small, *RECOMPUTE_SETTINGS[setting]]).config
-    est = M.estimate_memory(cfg, arch, "*E*E", 1)
+    est = M.estimate_memory(cfg, arch, parse_pattern("*E*E"), 1)
     torch.manual_seed(0)
-    model = HybridModel(arch, "*E*E", dtype=torch.bfloat16).train()
+    model = HybridModel(arch, parse_pattern("*E*E"), dtype=torch.bfloat16).train()
     model.aux_loss_coef = 0.01
     model.set_recompute(M.recompute_plan(cfg, model.pattern))
     ids = torch.randint(0, arch.vocab_size, (2, tokens // 2))
@@ -245,4 +245,4 @@ def test_activations_held_for_backward_match_the_estimate_for_each_recompute_set
     want = outliving(est) + 2 * arch.vocab_size * arch.hidden_size
     assert held == pytest.approx(want, rel=0.15), (setting, [(it.key, it.bytes) for it in est.items])
     if setting != "none":  # and recompute really holds less than the no-recompute estimate
-        assert outliving(est) < outliving(M.estimate_memory(load_recipe("tiny_cpu_ep2", small).config, arch, "*E*E", 1))
+        assert outliving(est) < outliving(M.estimate_memory(load_recipe("tiny_cpu_ep2", small).config, arch, parse_pattern("*E*E"), 1))

@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from gptoss_cli.model.config import preset
+from gptoss_cli.model.pattern import parse_pattern
 from gptoss_cli.recipe import load_recipe
-from gptoss_cli.recipe import memory as M
+from gptoss_cli.recipe.estimate import memory as M
 from tests.recipe.live_bytes import LiveBytes
 
 SMALL = ["parallelism.world_size=1", "parallelism.expert_model_parallel_size=1", "training.micro_batch_size=1",
@@ -48,10 +49,10 @@ def test_the_output_layers_gradient_term_is_what_the_chunked_loss_allocates():
     tokens = 8
     arch = preset("tiny").replace(hidden_size=512)
     seq = [f"training.seq_length={tokens}"]
-    full = M.estimate_memory(load_recipe("tiny_cpu_ep2", [*SMALL, *seq]).config, arch, "*E*E*E", 1)
+    full = M.estimate_memory(load_recipe("tiny_cpu_ep2", [*SMALL, *seq]).config, arch, parse_pattern("*E*E*E"), 1)
     lora = M.estimate_memory(load_recipe("tiny_cpu_ep2", [*SMALL, *seq, "lora.rank=4",
                                                           "lora.target_modules=[linear_qkv]"]).config,
-                             arch, "*E*E*E", 1)
+                             arch, parse_pattern("*E*E*E"), 1)
     term = full.bytes_of("activations.logits") - lora.bytes_of("activations.logits")
     vh = arch.vocab_size * arch.hidden_size
     peak, held = _chunked_loss_bytes(arch.vocab_size, arch.hidden_size, tokens, trainable=True)
@@ -96,7 +97,7 @@ def test_an_mxfp4_bases_decode_transient_is_what_a_layer_allocates(qat):
     overrides = [*SMALL, "lora.rank=4", "lora.target_modules=[linear_fc1]", "lora.base_experts=mxfp4"]
     if qat:
         overrides.append("precision.qat=mxfp4")
-    est = M.estimate_memory(load_recipe("tiny_cpu_ep2", overrides).config, arch, "*E*E*E", 1)
+    est = M.estimate_memory(load_recipe("tiny_cpu_ep2", overrides).config, arch, parse_pattern("*E*E*E"), 1)
     want = est.bytes_of("transient.decode")
     got, n = _mxfp4_layer_transient(32, 2 * arch.intermediate_size, arch.hidden_size, qat)
     assert want == (2 if qat else 1) * 2 * n  # the fc1 stack is the largest expert weight

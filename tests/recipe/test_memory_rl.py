@@ -11,8 +11,8 @@ from gptoss_cli.model.hybrid import HybridModel
 from gptoss_cli.model.decode.kv_cache import KVCache
 from gptoss_cli.model.pattern import parse_pattern
 from gptoss_cli.recipe import load_recipe
-from gptoss_cli.recipe import memory as M
-from gptoss_cli.recipe.memory_rl import kv_cache_bytes
+from gptoss_cli.recipe.estimate import memory as M
+from gptoss_cli.recipe.estimate.memory_rl import kv_cache_bytes
 
 # openai/gpt-oss-20b and -120b config.json: num_hidden_layers 24 / 36, layer_types alternating
 # sliding_attention (even blocks) and full_attention, sliding_window 128, num_key_value_heads 8, head_dim 64.

@@ -19,7 +19,7 @@ from gptoss_cli.checkpoint.training_format import latest_checkpoint
 from gptoss_cli.model.expert_names import checkpoint_slots
 from gptoss_cli.model.lora import LoraSettings, attach_lora
 from gptoss_cli.rl.reference import adapters_off
-from gptoss_cli.train.worker import run_worker
+from gptoss_cli.run.worker import run_worker
 from tests.model.tiny_checkpoints import write_converted_pair
 from tests.rl.helpers import grpo_job, metrics
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from gptoss_cli.rl.objective import GRPOObjective
-from gptoss_cli.train.worker import run_worker
+from gptoss_cli.run.worker import run_worker
 from gptoss_cli.train.progress import RunWarning
 from tests.rl.helpers import grpo_job, metrics
 from tests.train.dist_helpers import run_distributed

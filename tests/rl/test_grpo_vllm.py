@@ -36,7 +36,7 @@ def trainer(tmp_path_factory):
     from gptoss_cli.checkpoint.convert import convert
     from gptoss_cli.checkpoint.load import checkpoint_architecture
     from gptoss_cli.rl.trainer import RLTrainer
-    from gptoss_cli.train.worker import build_objective
+    from gptoss_cli.run.objectives import build_objective
 
     python = engine_python()
     root = tmp_path_factory.mktemp("grpo-vllm")

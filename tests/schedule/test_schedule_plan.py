@@ -8,7 +8,7 @@ import torch
 from gptoss_cli.errors import ConfigError
 from gptoss_cli.model.config import preset
 from gptoss_cli.model.hybrid import HybridModel
-from gptoss_cli.model.pattern import schedule_plan_support
+from gptoss_cli.model.pattern import parse_pattern, schedule_plan_support
 from gptoss_cli.model.schedule_plan import COMM, COMPUTE, CommNode, Ref
 from gptoss_cli.model.gemm.grouped import WgradQueue
 from tests.model.hybrid_helpers import tiny_batch as _batch, tiny_model as _model
@@ -110,11 +110,11 @@ def test_plan_forward_backward_equals_the_model(pattern, delayed):
 
 
 def test_supports_schedule_plan_names_what_it_cannot_split():
-    assert schedule_plan_support("*E*E") == (True, "")
-    assert schedule_plan_support("[*E][*-]") == (True, "")
-    ok, reason = schedule_plan_support("*E*M")
+    assert schedule_plan_support(parse_pattern("*E*E")) == (True, "")
+    assert schedule_plan_support(parse_pattern("[*E][*-]")) == (True, "")
+    ok, reason = schedule_plan_support(parse_pattern("*E*M"))
     assert not ok and "'M' (mamba)" in reason
-    ok, reason = schedule_plan_support("*E|*E")
+    ok, reason = schedule_plan_support(parse_pattern("*E|*E"))
     assert not ok and "'|'" in reason
 
 

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from gptoss_cli.errors import ConfigError
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.model.dtypes import torch_dtype
-from gptoss_cli.model.pattern import MOE, HybridPattern, parse_pattern
+from gptoss_cli.model.pattern import MOE, HybridPattern
 from gptoss_cli.recipe.schema import RecipeConfig
 
 # ring algorithms: how much of a collective's buffer each rank sends
@@ -214,7 +214,7 @@ def balanced_routing(tokens: int, top_k: int, num_experts: int) -> torch.Tensor:
     return (torch.arange(tokens * top_k) % num_experts).view(tokens, top_k)
 
 
-def simulate_rank(cfg: RecipeConfig, arch: GptOssArch, pattern: HybridPattern | str, world_size: int,
+def simulate_rank(cfg: RecipeConfig, arch: GptOssArch, pattern: HybridPattern, world_size: int,
                   rank: int = 0, *, device: str = "meta", lr: float | None = None) -> RankSimulation:
     """Rank `rank` of `cfg` at `world_size` (DP x EP): its state and one step's collectives."""
     from gptoss_cli.model.hybrid import HybridModel
@@ -223,7 +223,6 @@ def simulate_rank(cfg: RecipeConfig, arch: GptOssArch, pattern: HybridPattern | 
     from gptoss_cli.train.provider import ModelRuntimeConfig, dispatcher_factory, stage_parts
     from gptoss_cli.train.setup import wrap_model_and_optimizer
 
-    pattern = parse_pattern(pattern) if isinstance(pattern, str) else pattern
     ep, pp = cfg.parallelism.expert_model_parallel_size, cfg.parallelism.pipeline_model_parallel_size
     t = cfg.training
     dp = world_size // pp if world_size % pp == 0 else 0
@@ -231,7 +230,7 @@ def simulate_rank(cfg: RecipeConfig, arch: GptOssArch, pattern: HybridPattern | 
         raise ConfigError(f"world size {world_size} does not fit PP={pp}, EP={ep} and global batch "
                           f"{t.global_batch_size} of microbatches of {t.micro_batch_size}")
     dtype = torch_dtype(cfg.precision.params_dtype)
-    runtime = ModelRuntimeConfig.from_recipe(cfg, arch, pattern.text)
+    runtime = ModelRuntimeConfig.from_recipe(cfg, arch, pattern)
     with fake_world(world_size, rank):
         state = replace(state_from_world(ep, torch.device("cpu"), pp_size=pp), device=torch.device(device))
         names: dict[int, str] = {}

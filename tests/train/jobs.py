@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from gptoss_cli.model.config import GptOssArch, preset
+from gptoss_cli.model.pattern import HybridPattern, default_pattern, parse_pattern
 from gptoss_cli.recipe.schema import OptimizerConfig, RecipeConfig
 from gptoss_cli.train.job import TrainJob
 from gptoss_cli.train.provider import ModelRuntimeConfig
@@ -76,13 +77,18 @@ def recipe_config(**changes: Any) -> RecipeConfig:
 
 def train_job(run_dir: str | Path, *, arch: GptOssArch = TINY, pattern: str | None = None, name: str = "test",
               **changes: Any) -> TrainJob:
-    """What `gptoss train` hands a worker, for the tiny model unless `arch` says otherwise."""
-    return TrainJob(config=recipe_config(**changes), arch=arch, hybrid_layer_pattern=pattern or arch.hybrid_layer_pattern,
-                    name=name, run_dir=str(run_dir))
+    """What `gptoss train` hands a worker, for the tiny model unless `arch` says otherwise (`pattern`: the
+    layer pattern as a recipe spells it; default the architecture's `*E` per block)."""
+    return TrainJob(config=recipe_config(**changes), arch=arch, pattern=_parsed(arch, pattern), name=name,
+                    run_dir=str(run_dir))
 
 
 def runtime_config(arch: GptOssArch = TINY, pattern: str | None = None, **changes: Any) -> ModelRuntimeConfig:
-    return ModelRuntimeConfig.from_recipe(recipe_config(**changes), arch, pattern or arch.hybrid_layer_pattern)
+    return ModelRuntimeConfig.from_recipe(recipe_config(**changes), arch, _parsed(arch, pattern))
+
+
+def _parsed(arch: GptOssArch, pattern: str | None) -> HybridPattern:
+    return parse_pattern(pattern) if pattern is not None else default_pattern(arch)
 
 
 def optimizer_config(**changes: Any) -> OptimizerConfig:

@@ -167,7 +167,7 @@ def recording_optimizer_steps(records: list[dict[str, Any]], grads=None):
 
 def train_layouts(rank: int, plans: list) -> list[list[dict[str, Any]]]:
     """run_worker for each plan in turn (in an initialised gloo group); this rank's step records per plan."""
-    from gptoss_cli.train.worker import run_worker
+    from gptoss_cli.run.worker import run_worker
 
     out = []
     for p in plans:

@@ -17,7 +17,7 @@ from gptoss_cli.errors import ConfigError
 from gptoss_cli.model.config import preset
 from gptoss_cli.data.token_format import read_token_header
 from gptoss_cli.train.data import DataLoaderState, MockSource, TokenFileSource
-from gptoss_cli.train.worker import run_worker
+from gptoss_cli.run.worker import run_worker
 from gptoss_cli.train.objective import CrossEntropyObjective
 from tests.support.cli import run_cli
 from tests.train.jobs import train_job

@@ -10,7 +10,7 @@ from gptoss_cli.model.hybrid import HybridModel
 from gptoss_cli.parallel.grads import GradAccumulatingModel, GradBufferConfig
 from gptoss_cli.parallel.state import ParallelState
 from gptoss_cli.recipe import load_recipe
-from gptoss_cli.recipe import memory as M
+from gptoss_cli.recipe.estimate import memory as M
 from gptoss_cli.train.optimizer import DistributedAdamW
 from tests.train.jobs import optimizer_config
 

@@ -13,7 +13,7 @@ import torch
 from gptoss_cli.errors import ConfigError
 from gptoss_cli.parallel import state
 from gptoss_cli.recipe.load import load_recipe
-from gptoss_cli.train import launch
+from gptoss_cli.run import launch
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from gptoss_cli.train.blend import BlendedSource, blended_source
 from gptoss_cli.train.checkpointing import prune_checkpoints
 from gptoss_cli.train.evaluate import evaluate
 from gptoss_cli.train.loggers import scalar_tags
-from gptoss_cli.train.worker import run_worker
+from gptoss_cli.run.worker import run_worker
 from gptoss_cli.train.optimizer import WarmupCosineLR
 from gptoss_cli.train.progress import CheckpointSaved
 from gptoss_cli.train.report import read_metrics, summarise

@@ -18,7 +18,7 @@ from gptoss_cli.checkpoint.sources import open_source
 from gptoss_cli.checkpoint.training_format import TRAIN_STATE, latest_checkpoint
 from gptoss_cli.cli import app
 from gptoss_cli.errors import CheckpointError
-from gptoss_cli.train.worker import run_worker
+from gptoss_cli.run.worker import run_worker
 from tests.checkpoint.test_convert_errors import assert_clean_failure, run_convert
 from tests.model.tiny_checkpoints import load_hf_reference, rewrite_hybrid, write_converted_pair
 from tests.tolerances import reassociation_rel

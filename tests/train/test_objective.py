@@ -1,5 +1,6 @@
-"""The training-objective seam (train/objective.py): per-token log-probabilities, and an objective of
-one's own run by the unchanged loop.
+"""The training-objective seam (train/objective.py, run/objectives.py): per-token log-probabilities, an
+objective of one's own run by the unchanged loop, and the same objective added as one row of the
+objective table, its metric shown on the console, in metrics.jsonl, the loggers and report.
 
 The custom objective here has GRPO's shape: `prepare_step` scores the step's microbatches with a
 forward-only pass (the "old policy" log-probabilities), the loss is the clipped-ratio surrogate
@@ -16,10 +17,18 @@ import json
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
+from gptoss_cli.cli import app
+from gptoss_cli.cli.train import TrainProgressBar
 from gptoss_cli.model.loss import IGNORE_INDEX, HybridOutput
-from gptoss_cli.train.worker import run_worker
+from gptoss_cli.recipe import schema
+from gptoss_cli.run.objectives import OBJECTIVES, ObjectiveRow, build_objective, objective_row
+from gptoss_cli.run.worker import run_worker
+from gptoss_cli.train.loggers import scalar_tags
+from gptoss_cli.train.loop import Trainer
 from gptoss_cli.train.objective import CrossEntropyObjective, TrainingObjective, forward_step, router_losses, token_log_probs
+from gptoss_cli.train.progress import MetricDisplay
 from tests.tolerances import U_FP32, reassociation_rel
 from tests.train.workers import TINY, tiny_plan
 
@@ -57,6 +66,12 @@ class ClippedRatioObjective(TrainingObjective):
     forward_only_passes: int = 0
     name = "clipped_ratio_test"
     sums = ("nll_sum", "num_tokens", "ratio_sum")
+    shown_metrics = (MetricDisplay("mean_ratio", label="mean ratio p / p_old", console="ratio", format=".4f"),
+                     MetricDisplay("val_score", label="held-out score", console="val score", format=".2f"))
+
+    @classmethod
+    def from_recipe(cls, config):
+        return cls(aux_loss_coeff=config.moe.aux_loss_coeff)
 
     def prepare_step(self, microbatches, context):
         mbs = list(microbatches)
@@ -104,9 +119,52 @@ def test_an_objective_of_ones_own_runs_in_the_loop_and_adds_its_metrics(tmp_path
     assert objective.forward_only_passes == 1  # one step: one forward-only scoring of its microbatches
 
 
-def test_the_default_objective_is_the_recipes_cross_entropy(tmp_path):
-    from gptoss_cli.train.worker import build_objective
+class EvenStepValidation(Trainer):
+    """The loop's Trainer with a held-out number of its own on even steps (as a kind's Trainer may have:
+    DPO's held-out accuracy); its metrics.jsonl field is shown like the objective's own."""
 
+    def validate(self, done):
+        return {"val_score": 0.25 * done} if done % 2 == 0 else {}
+
+
+def test_a_new_objective_is_one_class_and_one_table_row(tmp_path, monkeypatch, capsys):
+    """The objective above as a row of the objective table and nothing else: the recipe's objective.kind
+    picks it, and the metrics it declares are on the console line (its words and formats), in
+    metrics.jsonl, in the loggers' scalars and in `gptoss report`'s summary and curves (its labels)."""
+    row = ObjectiveRow(ClippedRatioObjective.from_recipe, EvenStepValidation)
+    monkeypatch.setitem(OBJECTIVES, "clipped_ratio", row)
+    monkeypatch.setenv("COLUMNS", "200")  # one line per step, unwrapped
+    run = tmp_path / "run"
+    run_worker(tiny_plan(str(run), train_iters=2, objective="clipped_ratio"), TrainProgressBar())
+
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step")]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(lines) == len(records) == 2 and records[-1]["val_score"] == 0.5 and "val_score" not in records[0]
+    assert f"loss {records[0]['loss']:.4f} ratio {records[0]['mean_ratio']:.4f} lr " in lines[0], lines[0]
+    assert f"loss {records[1]['loss']:.4f} ratio {records[1]['mean_ratio']:.4f} val score 0.50 lr " in lines[1]
+    for key in ("mean_ratio", "val_score"):
+        assert scalar_tags(records[-1])[f"train/{key}"] == records[-1][key]  # TensorBoard / W&B
+    result = CliRunner().invoke(app, ["report", str(run), "--no-plots", "--json", str(tmp_path / "summary.json")])
+    assert result.exit_code == 0, result.output
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    for key in ("mean_ratio", "val_score"):
+        assert summary["curves"][key]["last"] == records[-1][key] and key in result.output
+    from gptoss_cli.train.report import read_metrics
+
+    assert read_metrics(run).curves[-2:] == (("mean_ratio", "mean ratio p / p_old"), ("val_score", "held-out score"))
+
+
+def test_the_objective_table_has_a_row_for_every_kind_a_recipe_may_name():
+    assert tuple(OBJECTIVES) == schema.OBJECTIVES
+    from gptoss_cli.errors import ConfigError
+
+    config = schema.RecipeConfig()
+    config.objective.kind = "dpo"
+    with pytest.raises(ConfigError, match="objective.kind='dpo': no such training objective"):
+        objective_row(config)
+
+
+def test_the_default_objective_is_the_recipes_cross_entropy(tmp_path):
     plan = tiny_plan(str(tmp_path), aux_loss_coeff=0.01)
     objective = build_objective(plan.config)
     assert isinstance(objective, CrossEntropyObjective) and objective.aux_loss_coeff == 0.01

@@ -28,14 +28,32 @@ def test_progress_lines_show_eta_and_mfu(monkeypatch, capsys):
     assert lines[2].endswith("ETA 1:00:00")  # 240 steps left x 15 s; no mfu in this event
 
 
+def test_step_lines_show_the_objectives_metrics_as_it_declares_them(monkeypatch, capsys):
+    """GRPO's declared metrics (rl/objective.py) in its words and formats, after the loss and the validation
+    loss; the step's other metrics (entropy here) stay in metrics.jsonl."""
+    from gptoss_cli.rl.objective import GRPOObjective
+
+    monkeypatch.setenv("COLUMNS", "200")
+    bar = TrainProgressBar()
+    bar(TrainStarted(start_step=0, train_iters=3, world_size=1, ep_size=1, shown_metrics=GRPOObjective.shown_metrics))
+    bar(replace(STEP, step=1, val_loss=1.5, objective_metrics={"mismatch_kl": 2.5e-7, "entropy": 3.0,
+                                                               "reward_mean": 0.25}))
+    bar(replace(STEP, step=2, objective_metrics={"reward_mean": 0.5}))
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step")]
+    assert "step 1: loss 2.0000 val 1.5000 reward 0.250 mismatch 2.5e-07 lr 1.0e-04 " in lines[0]
+    assert "step 2: loss 2.0000 reward 0.500 lr 1.0e-04 " in lines[1]
+    assert "entropy" not in lines[0] + lines[1]
+
+
 def test_the_loop_emits_typed_events_that_carry_the_metrics_line_and_pickle(tmp_path):
     """run_worker's events in order, each a plain dataclass that survives pickling (the callback runs in a
-    spawned worker); a step event holds exactly the numbers of rank 0's metrics.jsonl line for that step."""
+    spawned worker); a step event holds exactly the numbers of rank 0's metrics.jsonl line for that step,
+    the objective's (here cross-entropy's aux_loss) in `objective_metrics`."""
     import json
     import pickle
     from dataclasses import asdict, fields
 
-    from gptoss_cli.train.worker import run_worker
+    from gptoss_cli.run.worker import run_worker
     from gptoss_cli.train.progress import CheckpointSaved, TrainFinished
     from tests.train.workers import tiny_plan
 
@@ -50,6 +68,7 @@ def test_the_loop_emits_typed_events_that_carry_the_metrics_line_and_pickle(tmp_
     lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     for event, line in zip(steps, lines, strict=True):
         expected = {f.name: line.get(f.name) for f in fields(StepDone)}
+        expected["objective_metrics"] = {"aux_loss": line["aux_loss"]}  # tiny_plan's moe.aux_loss_coeff > 0
         assert asdict(event) == expected
 
 

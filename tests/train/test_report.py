@@ -111,6 +111,15 @@ BAD_FIELDS = {  # a record whose fields the summary reads have the wrong shape
 }
 
 
+BAD_OBJECTIVE_FILES = {  # objective.json (the objective's shown metrics) that is not such a record
+    "objective.json not JSON": ("{oops", "objective.json: not a record with a 'shown_metrics' list"),
+    "shown metric named a path": ('{"shown_metrics": [{"name": "../loss", "label": "x"}]}',
+                                  "objective.json: shown_metrics[0] is {'name': '../loss'"),
+    "shown metric not a number": ('{"shown_metrics": [{"name": "ratio", "label": "ratio"}]}',
+                                  "metrics.jsonl:3: field 'ratio' is [1.0], not a number"),
+}
+
+
 @pytest.mark.parametrize("case,expect", [
     ("no folder", "not a run folder"),
     ("no metrics", "no metrics.jsonl"),
@@ -123,6 +132,7 @@ BAD_FIELDS = {  # a record whose fields the summary reads have the wrong shape
     ("expert_load a list", "metrics.jsonl:3: field 'expert_load' is [4, 4], not an object"),
     ("list for a number", "metrics.jsonl:3: field 'loss' is [6.0], not a number"),
     ("list for a layer's entropy", "metrics.jsonl:3: field 'router_entropy' layer 1: [0.5] is not a number"),
+    *[(case, expect) for case, (_, expect) in BAD_OBJECTIVE_FILES.items()],
 ])
 def test_bad_run_folder_is_one_line_exit_2(tmp_path, case, expect):
     run = tmp_path / "run"
@@ -138,6 +148,9 @@ def test_bad_run_folder_is_one_line_exit_2(tmp_path, case, expect):
         _write(run, '{"rank": 0, "loss": 1.0}\n')
     elif case in BAD_FIELDS:
         _write(run, GOOD + '{"step": 3, "rank": 0, %s}\n' % BAD_FIELDS[case])
+    elif case in BAD_OBJECTIVE_FILES:
+        _write(run, GOOD + '{"step": 3, "rank": 0, "ratio": [1.0]}\n')
+        (run / "objective.json").write_text(BAD_OBJECTIVE_FILES[case][0])
     result = CliRunner().invoke(app, ["report", str(run), "--no-plots"])
     assert result.exit_code == 2, result.output
     lines = [line for line in result.output.splitlines() if line.strip()]
@@ -150,6 +163,20 @@ def test_a_resumed_run_keeps_the_later_record_of_a_step(tmp_path):
     assert result.exit_code == 0, result.output
     summary = json.loads((tmp_path / "s.json").read_text())
     assert summary["steps_recorded"] == 2 and summary["curves"]["loss"]["last"] == 6.0
+
+
+def test_the_objective_curves_are_those_objective_json_names_and_grpos_in_a_folder_written_before_it(tmp_path):
+    """The run folder's objective.json names the objective's curves (report knows none by name); a folder
+    without one was written before it existed, when report drew a GRPO run's reward_mean and mismatch_kl."""
+    lines = GOOD.replace('"lr": 0.0}', '"lr": 0.0, "reward_mean": 0.5, "mismatch_kl": 1e-7, "entropy": 2.0}')
+    run = _write(tmp_path / "run", lines)
+    assert "reward_mean" in lines
+    before = CliRunner().invoke(app, ["report", str(run), "--no-plots", "--json", str(tmp_path / "before.json")])
+    (run / "objective.json").write_text('{"objective": "own", "shown_metrics": [{"name": "entropy", "label": "H"}]}')
+    after = CliRunner().invoke(app, ["report", str(run), "--no-plots", "--json", str(tmp_path / "after.json")])
+    assert before.exit_code == after.exit_code == 0, before.output + after.output
+    curves = [set(json.loads((tmp_path / f"{name}.json").read_text())["curves"]) for name in ("before", "after")]
+    assert curves == [{"loss", "lr", "reward_mean", "mismatch_kl"}, {"loss", "lr", "entropy"}]
 
 
 def test_json_summary_is_strict_json_when_the_run_recorded_nan_and_infinity(tmp_path):
@@ -195,7 +222,7 @@ def test_line_plots_keep_the_step_axis_label_inside_the_image():
 
 def test_a_grpo_run_gets_reward_and_mismatch_plots(tmp_path):
     """A real 1-step GRPO run (tests/rl/helpers.py, 4 completions of 4 tokens): its reward_mean and mismatch_kl are plotted and summarised."""
-    from gptoss_cli.train.worker import run_worker
+    from gptoss_cli.run.worker import run_worker
     from tests.rl.helpers import grpo_job
 
     job = grpo_job(tmp_path, train_iters=1, group_size=4, global_batch_size=4, micro_batch_size=4,

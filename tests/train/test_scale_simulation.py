@@ -8,7 +8,7 @@ import pytest
 from gptoss_cli.model.hybrid import HybridModel
 from gptoss_cli.parallel.grads import ALIGN
 from gptoss_cli.recipe import load_recipe
-from gptoss_cli.recipe.memory import estimate_memory
+from gptoss_cli.recipe.estimate.memory import estimate_memory
 from tests.support.simulate import simulate_rank
 
 BUCKET = 20_000
@@ -105,7 +105,7 @@ def test_measured_peak_of_a_tiny_recipe_step_is_within_15_percent_of_the_estimat
     (state, activations and transients). On the CPU attention runs SDPA's math path, which saves
     more than the fused kernel the estimate counts; at 32 tokens that difference is small."""
     from gptoss_cli.train.job import TrainJob
-    from gptoss_cli.train.worker import run_worker
+    from gptoss_cli.run.worker import run_worker
     from tests.support.simulate import CollectiveRecorder, fake_world
 
     r = load_recipe(name, ["training.train_iters=1", "checkpoint.dir=null", "checkpoint.save_interval=null",
@@ -125,7 +125,7 @@ def test_overlap_grad_reduce_issues_every_bucket_during_the_last_backward(overla
     finalize_model_grads waits for them; without it, none is."""
     from gptoss_cli.parallel import grads
     from gptoss_cli.train.job import TrainJob
-    from gptoss_cli.train.worker import run_worker
+    from gptoss_cli.run.worker import run_worker
     from tests.support.simulate import CollectiveRecorder, fake_world
 
     r = tiny(4, "training.train_iters=1", "checkpoint.dir=null", "checkpoint.save_interval=null",

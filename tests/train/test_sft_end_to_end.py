@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from gptoss_cli.cli import app
 from gptoss_cli.data.token_format import read_token_header
-from gptoss_cli.train.worker import run_worker
+from gptoss_cli.run.worker import run_worker
 from tests.train.jobs import TINY, train_job
 
 pytest.importorskip("openai_harmony", reason="the test extra installs openai-harmony")

@@ -24,7 +24,7 @@ from gptoss_cli.parallel.grads import unwrap_model
 from gptoss_cli.parallel.state import ParallelState, init_parallel
 from gptoss_cli.schedule import get_forward_backward_func
 from gptoss_cli.train.data import DataLoaderState, PackedDocumentSource, build_source
-from gptoss_cli.train.worker import run_worker
+from gptoss_cli.run.worker import run_worker
 from gptoss_cli.train.objective import forward_step
 from tests.tolerances import assert_tensors_close, reassociation_rel
 from tests.schedule.workers import build as build_overlap

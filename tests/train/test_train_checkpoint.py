@@ -10,7 +10,7 @@ import torch.distributed.checkpoint as dcp
 
 from gptoss_cli.errors import TrainingError
 from gptoss_cli.train.checkpointing import latest_checkpoint
-from gptoss_cli.train.worker import run_worker
+from gptoss_cli.run.worker import run_worker
 from gptoss_cli.train.progress import CheckpointSaved
 from tests.tolerances import reassociation_rel
 from tests.train.dist_helpers import once_per_session

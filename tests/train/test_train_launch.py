@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from gptoss_cli.cli import app
 from gptoss_cli.model.config import PRESETS
-from gptoss_cli.recipe.flops import model_flops_per_token
+from gptoss_cli.recipe.estimate.flops import model_flops_per_token
 
 FAST = ["training.seq_length=16", "training.global_batch_size=4", "precision.params_dtype=fp32"]
 
@@ -33,7 +33,7 @@ def test_train_tiny_ep2_on_two_processes_writes_metrics_and_checkpoint(tmp_path)
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert sorted((r["step"], r["rank"]) for r in rows) == [(s, r) for s in (1, 2, 3) for r in (0, 1)]
     assert {"loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "rank_loss"} <= rows[0].keys()
-    # Model FLOPs (recipe/flops.py) of the tiny preset at 16 tokens; TFLOP/s per GPU is them x the
+    # Model FLOPs (recipe/estimate/flops.py) of the tiny preset at 16 tokens; TFLOP/s per GPU is them x the
     # step's 4 x 16 tokens / step time / 2 processes; no MFU on a CPU (no peak).
     flops = model_flops_per_token(PRESETS["tiny"], 16)
     for r in rows:
@@ -97,7 +97,7 @@ def test_a_worker_the_oom_killer_ended_is_reported_as_out_of_memory(tmp_path, mo
     """The elastic agent sees a SIGKILLed worker as exit code -9; the kernel's own count of OOM kills
     (/proc/vmstat `oom_kill`) going up during the run is what says it was out of memory."""
     from gptoss_cli.errors import TrainingError
-    from gptoss_cli.train import launch
+    from gptoss_cli.run import launch
 
     vmstat = tmp_path / "vmstat"
     vmstat.write_text("nr_free_pages 1\noom_kill 3\npgfault 9\n")

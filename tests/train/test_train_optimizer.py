@@ -15,6 +15,7 @@ from gptoss_cli.parallel.grads import GradAccumulatingModel
 from gptoss_cli.parallel.state import ParallelState
 from gptoss_cli.model.config import preset
 from gptoss_cli.model.hybrid import HybridModel
+from gptoss_cli.model.pattern import parse_pattern
 from tests.train.jobs import optimizer_config, train_job
 from gptoss_cli.train.optimizer import DistributedAdamW, WarmupCosineLR, decays, flat_range_boxes
 
@@ -113,7 +114,7 @@ def test_without_warmup_the_first_step_uses_the_full_lr():
 
 
 def test_metrics_lr_column_follows_megatron_schedule_through_the_loop(tmp_path):
-    from gptoss_cli.train.worker import run_worker
+    from gptoss_cli.run.worker import run_worker
 
     plan = train_job(tmp_path, name="lr", device="cpu", seq_length=8, micro_batch_size=1, global_batch_size=1,
                      train_iters=7, lr=1e-3, min_lr=1e-4, warmup_iters=2, lr_decay_iters=6, lr_decay_style="cosine")
@@ -145,7 +146,7 @@ def _decayed_by_one_step(pattern: str, **model_kw) -> tuple[set[str], set[str], 
     gradients on a real HybridModel: Adam's update is then exactly 0, so a parameter changes only
     by AdamW's decoupled decay, p <- p * (1 - lr * weight_decay), element by element."""
     lr, wd = 0.25, 0.5
-    module = HybridModel(TINY, pattern, **model_kw)
+    module = HybridModel(TINY, parse_pattern(pattern), **model_kw)
     with torch.no_grad():
         for p in module.parameters():
             p.fill_(1.0)
@@ -172,7 +173,7 @@ def test_weight_decay_applies_by_parameter_name(pattern, model_kw):
     assert decayed == {n for n in names if n.endswith(DECAY_SUFFIXES)}
     # the stacked expert biases [E_local, out] are 2-D yet biases: the bug a shape rule had
     stacked_biases = {n for n in kept if ".mlp.experts." in n}
-    assert stacked_biases and all(dict(HybridModel(TINY, pattern, **model_kw).named_parameters())[n].dim() == 2
+    assert stacked_biases and all(dict(HybridModel(TINY, parse_pattern(pattern), **model_kw).named_parameters())[n].dim() == 2
                                   for n in stacked_biases)
     assert any(".mlp.router.bias" in n for n in kept) and any("softmax_offset" in n for n in kept)
 

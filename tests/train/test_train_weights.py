@@ -76,7 +76,7 @@ def test_training_from_a_vocab_padded_hybrid_equals_training_from_the_unpadded_o
     """Two steps from a Hybrid folder with Megatron's vocabulary padding (1024 rows) give the losses
     and gradient norms of the same steps from the unpadded folder, and no padding row is trained."""
     from tests.model.tiny_checkpoints import write_padded_hybrid
-    from gptoss_cli.train.worker import run_worker
+    from gptoss_cli.run.worker import run_worker
 
     _, hybrid = checkpoints
     padded = write_padded_hybrid(hybrid, tmp_path / "padded")

@@ -228,7 +228,7 @@ def tiny_plan(run_dir: str, **changes: Any):
 
 def run_plan_worker(rank: int, plan: Any) -> dict[str, Any]:
     """run_worker on an already-initialised group; the result and this rank's model tensors."""
-    from gptoss_cli.train.worker import run_worker
+    from gptoss_cli.run.worker import run_worker
 
     result = run_worker(plan)
     return {"losses": result.losses, "result": result}
@@ -247,7 +247,7 @@ def ep2_checkpoint_run(work: Path) -> tuple[Path, list[dict[str, Any]]]:
 def torchrun_style_worker(rank: int, overrides: list[str]) -> dict[str, Any]:
     """`gptoss train`'s library entry inside an already-started process (RANK/WORLD_SIZE set)."""
     from gptoss_cli.recipe.load import load_recipe
-    from gptoss_cli.train import launch
+    from gptoss_cli.run import launch
 
     def no_launch(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("train() started workers from inside a torchrun-started process")

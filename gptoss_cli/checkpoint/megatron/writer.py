@@ -12,7 +12,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from gptoss_cli import outputs
+from gptoss_cli import outputs, torch_private
 from gptoss_cli.checkpoint.mapping import VOCAB_PADDED_HYBRID
 from gptoss_cli.checkpoint.megatron.names import (
     BACKEND, CHECKPOINT_VERSION, COMMON, METADATA_JSON, expert_slot, extra_state_keys,
@@ -118,12 +118,12 @@ class MegatronWriter:
             self._tensor(slot.key, shape, (slot.expert, a, *(0,) * (len(spec.shape) - 1)), piece.unsqueeze(0))
 
     def close(self, index_metadata: dict | None = None) -> None:
-        from torch.distributed.checkpoint.filesystem import _StorageInfo
         from torch.distributed.checkpoint.metadata import (
             BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta, TensorProperties,
             TensorStorageMetadata,
         )
 
+        storage_info = torch_private.dcp_storage_info()
         for name, spec in self.plan.items():
             if self._rows.get(name, 0) != (spec.shape[0] if spec.shape else 1):
                 raise RuntimeError(f"tensor {name} got {self._rows.get(name, 0)} rows, planned {spec.shape}")
@@ -143,10 +143,10 @@ class MegatronWriter:
         for key, offsets, file, off, length in self._storage:
             if offsets is None:
                 state[key] = BytesStorageMetadata()
-                storage[MetadataIndex(key)] = _StorageInfo(file, off, length)
+                storage[MetadataIndex(key)] = storage_info(file, off, length)
             else:
                 i = index[key] = index.get(key, -1) + 1
-                storage[MetadataIndex(key, torch.Size(offsets), i)] = _StorageInfo(file, off, length)
+                storage[MetadataIndex(key, torch.Size(offsets), i)] = storage_info(file, off, length)
         metadata = Metadata(state_dict_metadata=state, planner_data={}, storage_data=storage,
                             storage_meta=StorageMeta(checkpoint_id=None, save_id=None, load_id=None))
         _write_bytes(self.folder / METADATA, pickle.dumps(metadata))

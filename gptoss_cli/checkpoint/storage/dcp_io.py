@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from gptoss_cli import torch_private
 from gptoss_cli.checkpoint.storage.safetensors_io import TensorSpec
 from gptoss_cli.errors import CheckpointError, describe_os_error, first_line
 from gptoss_cli.model.expert_names import expert_name, parse_expert_name
@@ -127,7 +128,6 @@ def _tensor_problem(key: str, meta: Any) -> str | None:
 def _storage_problem(index: Any, info: Any) -> str | None:
     from pathlib import PurePosixPath
 
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import MetadataIndex
 
     if not isinstance(index, MetadataIndex) or not isinstance(index.fqn, str):
@@ -136,7 +136,7 @@ def _storage_problem(index: Any, info: Any) -> str | None:
         return f"storage of {index.fqn!r}: offset {index.offset!r:.40} is not a position"
     if index.index is not None and (not isinstance(index.index, int) or isinstance(index.index, bool)):
         return f"storage of {index.fqn!r}: index {index.index!r:.40} is not an integer"
-    if not isinstance(info, _StorageInfo):
+    if not isinstance(info, torch_private.dcp_storage_info()):
         return f"storage of {index.fqn!r} is a {type(info).__name__}"
     rel = info.relative_path
     if not isinstance(rel, str) or not rel or PurePosixPath(rel).is_absolute() or ".." in PurePosixPath(rel).parts:

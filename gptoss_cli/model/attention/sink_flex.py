@@ -40,6 +40,8 @@ from typing import Any, Callable
 
 import torch
 
+from gptoss_cli import torch_private
+
 # FlexAttention's options as the public function fills them in (torch 2.13), with the log-sum-exp on.
 _EAGER_OPTIONS = {"BACKEND": "AUTO", "PRESCALE_QK": False, "ROWS_GUARANTEED_SAFE": False,
                   "BLOCKS_ARE_CONTIGUOUS": False, "WRITE_DQ": True, "OUTPUT_LOGSUMEXP": True, "OUTPUT_MAX": False}
@@ -49,8 +51,9 @@ _lock = threading.Lock()
 
 def available() -> bool:
     """Whether this torch has FlexAttention (torch >= 2.5) and its reference implementation."""
+    if not torch_private.has_flex_attention_op():
+        return False
     try:
-        from torch._higher_order_ops.flex_attention import flex_attention  # noqa: F401
         from torch.nn.attention.flex_attention import create_block_mask  # noqa: F401
     except ImportError:
         return False
@@ -114,15 +117,14 @@ RECOMPILE_LIMIT = 64
 
 def _fused(q, k, v, mask, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The compiled kernels: (out, natural log-sum-exp fp32)."""
-    import torch._dynamo
-
     flex = _compiled_flex()
     try:
         from torch.nn.attention.flex_attention import AuxRequest
     except ImportError:  # torch < 2.9: the older keyword
         AuxRequest = None
-    limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"  # torch < 2.7
-    with torch._dynamo.config.patch(**{limit: RECOMPILE_LIMIT}):
+    config = torch_private.dynamo_config()
+    limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # torch < 2.7
+    with config.patch(**{limit: RECOMPILE_LIMIT}):
         if AuxRequest is None:
             return flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=True, return_lse=True)
         out, aux = flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=True, return_aux=AuxRequest(lse=True))
@@ -131,9 +133,7 @@ def _fused(q, k, v, mask, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _eager(q, k, v, mask, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """FlexAttention's reference implementation (the higher-order op, with autograd): (out, natural lse)."""
-    from torch._higher_order_ops.flex_attention import flex_attention as flex_attention_op
-
-    out, lse_base2, _ = flex_attention_op(q, k, v, _score, mask.as_tuple(), scale, dict(_EAGER_OPTIONS))
+    out, lse_base2, _ = torch_private.flex_attention_op()(q, k, v, _score, mask.as_tuple(), scale, dict(_EAGER_OPTIONS))
     return out, lse_base2 * math.log(2.0)
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from gptoss_cli import torch_private
 from gptoss_cli.model.attention.layer import AttentionLayer
 from gptoss_cli.model.hybrid import run_layer
 from gptoss_cli.model.decode.moe import DecodeExperts, decode_moe, decode_moe_available
@@ -37,10 +38,7 @@ from gptoss_cli.model.decode.skinny_gemm import skinny_linear
 # [batch, heads, chunk, keys].
 PREFILL_CHUNK = 256
 
-try:
-    _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
-except (AttributeError, RuntimeError):  # a torch build without the CPU flash kernel
-    _FLASH = None
+_FLASH = torch_private.has_cpu_flash_attention()  # False: a torch build without the CPU flash kernel
 _FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
@@ -79,7 +77,7 @@ def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> to
 
 def fused_available(q: torch.Tensor) -> bool:
     """Whether the fused path runs for q: the CPU flash kernel, a plain CPU tensor of a dtype it computes."""
-    return _FLASH is not None and q.device.type == "cpu" and q.dtype in _FLASH_DTYPES and type(q) is torch.Tensor
+    return _FLASH and q.device.type == "cpu" and q.dtype in _FLASH_DTYPES and type(q) is torch.Tensor
 
 
 def fused_sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
@@ -88,7 +86,7 @@ def fused_sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink
     (views into the cache), `mask` additive [B, 1, n, T] in q's dtype (0 visible, -inf not) or None
     (every key visible) -> [B, heads, n, d]. A query row that sees no key gets zeros (the kernel's
     output there), as the explicit form gives."""
-    out, lse = _FLASH(q, k, v, 0.0, False, attn_mask=mask, scale=q.shape[-1] ** -0.5)
+    out, lse = torch_private.cpu_flash_attention(q, k, v, attn_mask=mask, scale=q.shape[-1] ** -0.5)
     keep = torch.exp(lse - torch.logaddexp(lse, sinks.to(lse.dtype).view(1, -1, 1)))
     return out.mul_(keep.unsqueeze(-1).to(out.dtype))
 

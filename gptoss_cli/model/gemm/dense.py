@@ -35,7 +35,7 @@ class DenseAdapter(Protocol):
 
 def attached_adapter(layer: nn.Module) -> DenseAdapter | None:
     """The adapter attached to `layer` as its `adapter` submodule; None without one."""
-    return layer._modules.get(ADAPTER)
+    return dict(layer.named_children()).get(ADAPTER)
 
 
 class DenseGemm:

@@ -33,6 +33,7 @@ from typing import Any, Callable
 
 import torch
 
+from gptoss_cli import torch_private
 from gptoss_cli.errors import TrainingError
 from gptoss_cli.model.gemm.main_grad import added_to_main_grad, main_grad_target, mm_fp32
 
@@ -40,7 +41,7 @@ from gptoss_cli.model.gemm.main_grad import added_to_main_grad, main_grad_target
 def _grouped_mm_usable(a: torch.Tensor, b_shape: tuple[int, ...]) -> bool:
     """Whether torch._grouped_mm takes these operands: CPU fp32/bf16, CUDA bf16 (torch runs its fast
     kernel on sm90/sm100 and its own per-group loop elsewhere), every row stride a multiple of 16 bytes."""
-    if not hasattr(torch, "_grouped_mm") or a.dtype not in (torch.float32, torch.bfloat16):
+    if not torch_private.has_grouped_mm() or a.dtype not in (torch.float32, torch.bfloat16):
         return False
     if a.is_cuda and a.dtype != torch.bfloat16:
         return False  # the CUDA grouped kernel is bf16-only
@@ -56,7 +57,7 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, what: s
     only hide (and run slower for the rest of the run): it stops the run with the GEMM's shapes and
     torch's reason. Out-of-memory passes through unchanged."""
     try:
-        return torch._grouped_mm(a, b, offs=offsets)
+        return torch_private.grouped_mm(a, b, offsets)
     except torch.OutOfMemoryError:
         raise
     except RuntimeError as exc:

@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.model.pattern import HybridPattern
 from gptoss_cli.fp8.catalog import RECIPES as FP8_RECIPES
-from gptoss_cli.recipe.memory import MemoryEstimate, estimate_memory
+from gptoss_cli.recipe.estimate.memory import MemoryEstimate, estimate_memory
 from gptoss_cli.recipe.schema import RecipeConfig
 
 ERROR = "error"

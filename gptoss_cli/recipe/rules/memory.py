@@ -1,8 +1,8 @@
-"""Per-GPU memory against the GPU's (rule `memory.fits`; the formulas are gptoss_cli/recipe/memory.py)."""
+"""Per-GPU memory against the GPU's (rule `memory.fits`; the formulas are gptoss_cli/recipe/estimate/memory.py)."""
 
 from __future__ import annotations
 
-from gptoss_cli.recipe.memory import GB, WARN_FRACTION
+from gptoss_cli.recipe.estimate.memory import GB, WARN_FRACTION
 from gptoss_cli.recipe.rules.core import ERROR, WARNING, Context, Finding, error, rule, warning
 from gptoss_cli.recipe.schema import RecipeConfig
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import math
 
 from gptoss_cli.errors import ConfigError
-from gptoss_cli.pipeline.layout import pipeline_layout, schedule_problems
+from gptoss_cli.schedule.pipeline.layout import pipeline_layout, schedule_problems
 from gptoss_cli.recipe.rules.core import ERROR, WARNING, Context, Finding, error, rule, short_pattern, warning
 from gptoss_cli.recipe.schema import RecipeConfig
-from gptoss_cli.recipe.sizes import data_parallel_size, expert_model_parallel_product, model_parallel_size
+from gptoss_cli.recipe.estimate.sizes import data_parallel_size, expert_model_parallel_product, model_parallel_size
 
 
 # --- parallel arithmetic -----------------------------------------------------------------------

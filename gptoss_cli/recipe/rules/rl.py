@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from gptoss_cli.recipe.rules.core import ERROR, WARNING, Context, Finding, error, rule, warning
 from gptoss_cli.recipe.schema import RecipeConfig
-from gptoss_cli.recipe.sizes import data_parallel_size
+from gptoss_cli.recipe.estimate.sizes import data_parallel_size
 
 
 def _grpo(cfg: RecipeConfig) -> bool:

@@ -40,7 +40,7 @@ TABLE: tuple[Unsupported, ...] = (
         lambda c: "tensor/sequence parallelism",
         "set parallelism.tensor_model_parallel_size=1 parallelism.sequence_parallel=false"),
     Unsupported(
-        # Under pipelining the overlap runs in DualPipeV's OVERLAP_F_B actions (gptoss_cli/pipeline/plan_stage.py).
+        # Under pipelining the overlap runs in DualPipeV's OVERLAP_F_B actions (gptoss_cli/schedule/pipeline/plan_stage.py).
         "pipeline_ep_overlap", "EP all-to-all overlap under pipeline parallelism with a schedule other than dualpipev",
         ("parallelism.pipeline_model_parallel_size", "parallelism.pipeline_schedule",
          "overlap.overlap_moe_expert_parallel_comm"),

@@ -1,4 +1,4 @@
-"""The pipeline layout (gptoss_cli/pipeline/layout.py): Megatron's layout grammar, stage cuts between
+"""The pipeline layout (gptoss_cli/schedule/pipeline/layout.py): Megatron's layout grammar, stage cuts between
 HF blocks only, which rank holds which stage, the schedules' requirements and their theory."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 
 from gptoss_cli.errors import ConfigError
 from gptoss_cli.model.pattern import parse_pattern
-from gptoss_cli.pipeline.layout import (
+from gptoss_cli.schedule.pipeline.layout import (
     BLOCK_RULE, balanced_layout, bubble_fraction, expand_layout, in_flight, pipeline_layout, schedule_problems,
 )
 

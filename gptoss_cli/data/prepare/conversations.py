@@ -11,7 +11,6 @@ the final names unless every row rendered (or was skipped); the header OUT.json 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -22,38 +21,16 @@ from gptoss_cli.data.conversation import MESSAGES_FIELD, conversation_from_row, 
 from gptoss_cli.data.harmony import ANALYSIS_MODES, TRAIN_ON, ConversationError, HarmonyTokenizer, render_many
 from gptoss_cli.data.rows import BATCH_ROWS, Row, iter_rows, resolve_inputs
 from gptoss_cli.data.packing import pack_documents, packing_efficiency
+from gptoss_cli.data.prepare.result import PrepareResult
 from gptoss_cli.errors import UsageError, file_system_error
 from gptoss_cli.limits import INT32_MAX
 from gptoss_cli.data.token_format import (
     INDEX_DTYPE, commit_token_set, document_file_paths, token_dtype_for, token_file_paths, token_header,
 )
-from gptoss_cli.data.prepare_text import DECODE_ERRORS, open_tokenizer, prepare_outputs, to_bytes
+from gptoss_cli.data.prepare.text import DECODE_ERRORS, open_tokenizer, prepare_outputs, to_bytes
 
 ROW_ERRORS = DECODE_ERRORS + ("skip",)
 MAX_REPORTED = 20  # skipped rows named in the result (all are counted)
-
-
-@dataclass
-class PrepareConversationsResult:
-    bin_path: str
-    header_path: str
-    index_path: str
-    mask_path: str
-    num_tokens: int
-    num_documents: int
-    num_loss_tokens: int
-    num_dropped: int  # longer than max_length (without --truncate), or nothing trained left after truncating
-    num_truncated: int
-    max_document_length: int
-    dtype: str
-    vocab_size: int
-    rendering: dict[str, Any]
-    packing: dict[str, Any] | None  # {"seq_length", "rows", "efficiency"} when seq_length was given
-    sources: list[str] = field(default_factory=list)
-    num_skipped: int = 0  # rows that did not parse, with errors="skip"
-    skipped: list[str] = field(default_factory=list)  # the first MAX_REPORTED of them: "FILE:LINE: why"
-
-
 
 
 def _check_options(analysis: str, train_on: str, max_length: int | None, truncate: bool, seq_length: int | None,
@@ -141,7 +118,7 @@ def prepare_conversations(
     field_name: str = MESSAGES_FIELD,
     batch_rows: int = BATCH_ROWS,
     progress: Callable[[int, int], None] | None = None,
-) -> PrepareConversationsResult:
+) -> PrepareResult:
     """Render the conversations of `inputs` (JSONL or Parquet files, dataset folders, dataset ids in the Hub
     cache; data/rows.py) into OUT.bin, OUT.idx, OUT.mask and OUT.json (version 2).
 
@@ -205,10 +182,30 @@ def prepare_conversations(
     finally:
         for tmp in (tmp_bin, tmp_mask, tmp_idx):
             tmp.unlink(missing_ok=True)
-    return PrepareConversationsResult(
-        str(bin_path), str(header_path), str(idx_path), str(mask_path), w.offsets[-1], len(lengths), w.num_loss,
-        w.num_dropped, w.num_truncated, max(lengths), dtype_name, vocab_size, rendering, packing, sources,
-        w.num_skipped, w.skipped)
+    details = {"index_path": str(idx_path), "mask_path": str(mask_path), "num_loss_tokens": w.num_loss,
+               # num_dropped: longer than max_length (without truncate), or nothing trained left after truncating
+               "num_dropped": w.num_dropped, "num_truncated": w.num_truncated, "max_document_length": max(lengths),
+               "rendering": rendering, "packing": packing}  # packing: {"seq_length", "rows", "efficiency"} or None
+    return PrepareResult(
+        "harmony", str(bin_path), str(header_path), [str(bin_path), str(idx_path), str(mask_path), str(header_path)],
+        w.offsets[-1], len(lengths), dtype_name, vocab_size, sources, details=details,
+        summary=_summary(w, len(lengths), max(lengths), rendering, packing), num_skipped=w.num_skipped,
+        skipped=w.skipped)
 
 
-__all__ = ["prepare_conversations", "PrepareConversationsResult"]
+def _summary(w: _Writer, documents: int, longest: int, rendering: dict[str, Any], packing: dict[str, Any] | None
+             ) -> list[tuple[str, str]]:
+    num_tokens = w.offsets[-1]
+    rows = [("conversations", f"{documents:,} (longest {longest:,} tokens)"),
+            ("trained tokens", f"{w.num_loss:,} ({w.num_loss / num_tokens:.1%})"),
+            ("dropped / truncated", f"{w.num_dropped:,} / {w.num_truncated:,} "
+                                    f"(max length {rendering['max_length'] or 'none'})")]
+    if w.num_skipped:
+        rows.append(("skipped rows", f"{w.num_skipped:,} (--errors skip)"))
+    rows.append(("rendering", f"analysis {rendering['analysis']}, train on {rendering['train_on']}"))
+    if packing:
+        rows.append(("packing", f"{packing['efficiency']:.2%} of {packing['rows']:,} rows of {packing['seq_length']:,} tokens"))
+    return rows
+
+
+__all__ = ["prepare_conversations"]

@@ -6,7 +6,7 @@ last stage (none elsewhere), plus one log carrying the step's router telemetry r
 `get_forward_backward_func` picks it when the model's runtime config has PP > 1.
 
 torch.distributed.pipelining runs the stages (`PipelineStage`s built once per model and reused,
-gptoss_cli/pipeline/stage.py) under the schedule the recipe names (`SCHEDULE_CLASSES`); what gptoss
+gptoss_cli/schedule/pipeline/stage.py) under the schedule the recipe names (`SCHEDULE_CLASSES`); what gptoss
 adds around it:
 - the objective's loss: `forward_step_func(iter([microbatch]), stand_in)` is called once per
   microbatch with a stand-in model that only records the call, to get the objective's `loss_func`;
@@ -34,9 +34,9 @@ from gptoss_cli.errors import ConfigError
 from gptoss_cli.model.pattern import MOE
 from gptoss_cli.parallel.grads import get_attr_wrapped_model, get_model_config, unwrap_model
 from gptoss_cli.model.gemm.grouped import WgradQueue
-from gptoss_cli.pipeline.layout import SPLIT_BACKWARD, PipelineLayout, schedule_problems
-from gptoss_cli.pipeline.plan_stage import overlap_f_b, plan_stage_class
-from gptoss_cli.pipeline.stage import StageModule, StepTables, rank_stage_class, stage_metas
+from gptoss_cli.schedule.pipeline.layout import SPLIT_BACKWARD, PipelineLayout, schedule_problems
+from gptoss_cli.schedule.pipeline.plan_stage import PlanStage, overlap_f_b
+from gptoss_cli.schedule.pipeline.stage import RankStage, StageModule, StepTables, stage_metas
 from gptoss_cli.schedule.plain import ForwardStep, StepAccounting, finalizer
 
 SCHEDULE_CLASSES = {
@@ -76,10 +76,10 @@ class PipelineRuntime:
         self.layout, self.num_microbatches, self.micro_shape = layout, num_microbatches, micro_shape
         self.tables = StepTables()
         carry = bool(inner.aux_loss_coef > 0 or inner.z_loss_coef > 0)
-        # EP overlap (DualPipeV only): the stages run as schedule-plan nodes (pipeline/plan_stage.py)
+        # EP overlap (DualPipeV only): the stages run as schedule-plan nodes (plan_stage.py)
         self.overlap = bool(getattr(config, "overlap_moe_expert_parallel_comm", False))
         self.queue = WgradQueue() if self.overlap and getattr(config, "delay_wgrad_compute", False) else None
-        stage_cls = plan_stage_class() if self.overlap else rank_stage_class()
+        stage_cls = PlanStage if self.overlap else RankStage
         no_sync = getattr(config, "no_sync_func", None)
         self.modules: list[StageModule] = []
         self.metas: list[tuple[tuple, tuple]] = []  # (input_args, output_args) of each stage
@@ -167,7 +167,7 @@ class PipelineRuntime:
         last stage (with loss_sum and num_tokens), handed to every pipeline rank (an objective's
         prepare_step attaches them to the microbatches, whichever stage it runs on)."""
         if self._eval is None:
-            cls, state = rank_stage_class(), self._state
+            cls, state = RankStage, self._state
             stages = [cls(m, index=m.stage.index, num_stages=self.layout.num_stages, device=state.device,
                           input_args=ins, output_args=outs, group=state.pp_group, microbatches=self.num_microbatches,
                           no_sync=None, defer_wgrad=False) for m, (ins, outs) in zip(self.modules, self.metas)]

@@ -1,4 +1,5 @@
-"""Tokenize text or JSONL files into the token file format that training memory-maps.
+"""`prepare-data --format text` (the default): tokenize text or JSONL files into the token file format that
+training memory-maps (version 1).
 
 Streaming: documents are read and tokenized in batches and appended to `OUT.bin`; memory use
 does not grow with the input. Each document's tokens are followed by the EOS id. The header
@@ -17,12 +18,12 @@ import array
 import json
 import os
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from gptoss_cli import outputs
 from gptoss_cli.errors import ConfigError, UsageError, file_system_error
+from gptoss_cli.data.prepare.result import PrepareResult
 from gptoss_cli.data.tokenizer import read_tokenizer, tokenizer_path
 from gptoss_cli.json_input import jsonl_lines, parse_json
 from gptoss_cli.data.token_format import (
@@ -32,18 +33,6 @@ from gptoss_cli.data.token_format import (
 BATCH_DOCS = 512
 DECODE_ERRORS = ("strict", "replace")
 EOS_CANDIDATES = ("<|endoftext|>", "<|return|>", "</s>", "<eos>")
-
-
-@dataclass
-class PrepareResult:
-    bin_path: str
-    header_path: str
-    num_tokens: int
-    num_documents: int
-    dtype: str
-    vocab_size: int
-    eos_token_id: int
-    sources: list[str] = field(default_factory=list)
 
 
 def _tokenizer_file(path: Path) -> Path:
@@ -237,8 +226,10 @@ def prepare_data(
         raise file_system_error(exc, f"writing {bin_path} failed") from None
     finally:
         tmp.unlink(missing_ok=True)
-    return PrepareResult(str(bin_path), str(header_path), num_tokens, num_docs, dtype_name, vocab_size, eos,
-                         [str(p) for p in inputs])
+    return PrepareResult(
+        "text", str(bin_path), str(header_path), [str(bin_path), str(header_path)], num_tokens, num_docs, dtype_name,
+        vocab_size, [str(p) for p in inputs], details={"eos_token_id": eos},
+        summary=[("documents", f"{num_docs:,}"), ("vocab / eos", f"{vocab_size} / {eos}")])
 
 
 def _check_not_overwritten(out: Path, targets: tuple[Path, ...], sources: list[Path]) -> None:
@@ -265,5 +256,5 @@ def to_bytes(ids: list[int], dtype: str) -> bytes:
     return arr.tobytes()
 
 
-__all__ = ["prepare_data", "PrepareResult", "check_inputs", "decode_line", "line_decoder", "open_tokenizer", "prepare_outputs",
+__all__ = ["prepare_data", "check_inputs", "decode_line", "line_decoder", "open_tokenizer", "prepare_outputs",
            "to_bytes"]

@@ -154,7 +154,7 @@ def mutated(mutation: str | None):
     import torch.distributed as dist
 
     from gptoss_cli.parallel import grads as grads_module
-    from gptoss_cli.pipeline import stage as stage_module
+    from gptoss_cli.schedule.pipeline import stage as stage_module
     from gptoss_cli.train import optimizer as optimizer_module
 
     def per_stage(real):
@@ -233,8 +233,8 @@ def _remember_stage_group():
 
 def train_configs(rank: int, plans: list[tuple[Any, str | None]]) -> list[list[dict[str, Any]]]:
     """run_worker for each (job, mutation) in turn, in one gloo group; this rank's step records per job."""
-    from gptoss_cli.pipeline.plan_stage import OVERLAPPED
-    from gptoss_cli.train.worker import run_worker
+    from gptoss_cli.schedule.pipeline.plan_stage import OVERLAPPED
+    from gptoss_cli.run.worker import run_worker
 
     module, real, spy = _remember_stage_group()
     module.state_from_world = spy
@@ -258,7 +258,7 @@ def run_world(folder: Path, world: int, names: list[str], hf: Path, prefix: Path
     from tests.train.dist_helpers import run_distributed
 
     plans = [(job(name, folder / "runs" / name, hf, prefix), CONFIGS[name][2]) for name in names]
-    preload = ("tests.pipeline.runs", "gptoss_cli.train.loop", "gptoss_cli.pipeline.schedule")
+    preload = ("tests.schedule.pipeline.runs", "gptoss_cli.train.loop", "gptoss_cli.schedule.pipeline.schedule")
     per_rank = run_distributed(train_configs, world, folder / f"ranks{world}", plans, timeout=900.0, preload=preload)
     out = {}
     for i, name in enumerate(names):

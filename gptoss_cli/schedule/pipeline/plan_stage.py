@@ -29,13 +29,14 @@ from typing import Any
 
 import torch
 
+from gptoss_cli import torch_private
 from gptoss_cli.model.attention.layer import AttentionLayer
 from gptoss_cli.model.gemm.grouped import WgradQueue
 from gptoss_cli.model.mlp import DenseMLPLayer
 from gptoss_cli.model.moe import MoELayer
 from gptoss_cli.model.router_stats import RouterStats, router_table
 from gptoss_cli.model.schedule_plan import STAT_FIELDS, ComputeNode, PlanNode, Ref, SchedulePlan, moe_layer_nodes
-from gptoss_cli.pipeline.stage import StageModule, rank_stage_class, router_terms, router_width
+from gptoss_cli.schedule.pipeline.stage import RankStage, StageModule, router_terms, router_width
 from gptoss_cli.schedule.combined_1f1b import plan_backward_ops, plan_forward_ops, run_interleaved
 
 
@@ -144,69 +145,65 @@ class StagePlan:
         return tuple(self.entry.input_grads.get(name) for name in self.names)
 
 
-def plan_stage_class():
-    """RankStage whose forward and backward run as plan nodes (defined lazily, as rank_stage_class)."""
+class PlanStage(RankStage):
+    """A stage for EP overlap under pipelining: `forward_one_chunk` and `backward_one_chunk` run a
+    `StagePlan` (each also split in begin/end halves, which `overlap_f_b` interleaves)."""
 
-    class PlanStage(rank_stage_class()):
-        """A stage for EP overlap under pipelining: `forward_one_chunk` and `backward_one_chunk` run a
-        `StagePlan` (each also split in begin/end halves, which `overlap_f_b` interleaves)."""
+    queue: WgradQueue | None = None  # the runtime's delayed-wgrad queue (None: wgrads in backward)
+    observer: Any = None  # a ScheduleObserver watching the all-to-alls (bench/pipeline.py)
 
-        queue: WgradQueue | None = None  # the runtime's delayed-wgrad queue (None: wgrads in backward)
-        observer: Any = None  # a ScheduleObserver watching the all-to-alls (bench/pipeline.py)
+    def __init__(self, *args: Any, **kwargs: Any):
+        kwargs["defer_wgrad"] = False
+        super().__init__(*args, **kwargs)
+        self.dw_builder = lambda: (lambda: None)  # W: the queue already ran behind the all-to-alls
+        self.plans: dict[int, tuple[StagePlan, list]] = {}
 
-        def __init__(self, *args: Any, **kwargs: Any):
-            kwargs["defer_wgrad"] = False
-            super().__init__(*args, **kwargs)
-            self.dw_builder = lambda: (lambda: None)  # W: the queue already ran behind the all-to-alls
-            self.plans: dict[int, tuple[StagePlan, list]] = {}
+    def begin_forward(self, index: int, args: tuple, kwargs: dict | None) -> StagePlan:
+        inputs = tuple(args) if self.is_first else tuple(torch_private.retrieve_recv_activations(self, index))
+        micro = self.submod.tables.microbatches[int(kwargs["mb"].reshape(-1)[0])]
+        plan = StagePlan(self.submod, inputs, micro, self.queue, self.observer)
+        self.plans[index] = (plan, [t for t in inputs if isinstance(t, torch.Tensor)])
+        return plan
 
-        def begin_forward(self, index: int, args: tuple, kwargs: dict | None) -> StagePlan:
-            inputs = tuple(args) if self.is_first else tuple(self._retrieve_recv_activations(index))
-            micro = self.submod.tables.microbatches[int(kwargs["mb"].reshape(-1)[0])]
-            plan = StagePlan(self.submod, inputs, micro, self.queue, self.observer)
-            self.plans[index] = (plan, [t for t in inputs if isinstance(t, torch.Tensor)])
-            return plan
+    def end_forward(self, index: int, plan: StagePlan) -> tuple[torch.Tensor, ...]:
+        outputs = plan.outputs()
+        self.fwd_cache[index] = (outputs, self.plans[index][1])
+        return outputs
 
-        def end_forward(self, index: int, plan: StagePlan) -> tuple[torch.Tensor, ...]:
-            outputs = plan.outputs()
-            self.fwd_cache[index] = (outputs, self.plans[index][1])
-            return outputs
+    def forward_one_chunk(self, fwd_chunk_id: int, args: tuple, kwargs: dict | None = None,
+                          save_forward_output: bool = True):
+        plan = self.begin_forward(fwd_chunk_id, args, kwargs)
+        run_interleaved(plan.forward_ops(), [])
+        return self.end_forward(fwd_chunk_id, plan)
 
-        def forward_one_chunk(self, fwd_chunk_id: int, args: tuple, kwargs: dict | None = None,
-                              save_forward_output: bool = True):
-            plan = self.begin_forward(fwd_chunk_id, args, kwargs)
-            run_interleaved(plan.forward_ops(), [])
-            return self.end_forward(fwd_chunk_id, plan)
+    def begin_backward(self, index: int, loss: torch.Tensor | None) -> tuple[StagePlan, Any]:
+        """The plan seeded for backward, and the gradient-sync context of this microbatch."""
+        torch_private.check_chunk_id(self, index)
+        plan, _ = self.plans.pop(index)
+        self.fwd_cache.pop(index, None)
+        grads = None if self.is_last else tuple(torch_private.retrieve_recv_grads(self, index))
+        plan.seed(loss if self.is_last else None, grads)
+        self.backwards_done += 1
+        sync = contextlib.nullcontext() if self.backwards_done == self.microbatches else self.no_sync()
+        return plan, sync
 
-        def begin_backward(self, index: int, loss: torch.Tensor | None) -> tuple[StagePlan, Any]:
-            """The plan seeded for backward, and the gradient-sync context of this microbatch."""
-            self._check_chunk_id(index)
-            plan, _ = self.plans.pop(index)
-            self.fwd_cache.pop(index, None)
-            plan.seed(loss if self.is_last else None, None if self.is_last else tuple(self._retrieve_recv_grads(index)))
-            self.backwards_done += 1
-            sync = contextlib.nullcontext() if self.backwards_done == self.microbatches else self.no_sync()
-            return plan, sync
+    def end_backward(self, index: int, plan: StagePlan, full_backward: bool = True) -> None:
+        self.bwd_cache[index] = plan.input_grads()
+        if not full_backward:
+            self.dw_runner[index] = lambda: None
 
-        def end_backward(self, index: int, plan: StagePlan, full_backward: bool = True) -> None:
-            self.bwd_cache[index] = plan.input_grads()
-            if not full_backward:
-                self.dw_runner[index] = lambda: None
+    def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True,
+                           last_backward: bool = False):
+        if not self.has_backward:
+            return
+        plan, sync = self.begin_backward(bwd_chunk_id, loss)
+        with sync:
+            run_interleaved([], plan.backward_ops())
+        self.end_backward(bwd_chunk_id, plan, full_backward)
 
-        def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True,
-                               last_backward: bool = False):
-            if not self.has_backward:
-                return
-            plan, sync = self.begin_backward(bwd_chunk_id, loss)
-            with sync:
-                run_interleaved([], plan.backward_ops())
-            self.end_backward(bwd_chunk_id, plan, full_backward)
-
-        def clear_runtime_states(self) -> None:
-            super().clear_runtime_states()
-            self.plans.clear()
-
-    return PlanStage
+    def clear_runtime_states(self) -> None:
+        super().clear_runtime_states()
+        self.plans.clear()
 
 
 # Overlapped forward-backward pairs run in this process (diagnostics: tests and bench/pipeline.py read it).
@@ -216,26 +213,24 @@ OVERLAPPED = {"pairs": 0}
 def overlap_f_b(action: Any, ctx: Any) -> None:
     """torch's OVERLAP_F_B action of DualPipeV: the forward sub-action and the backward sub-action run as
     two plans' op streams merged by `run_interleaved`, with the runtime's bookkeeping of each around it."""
-    from torch.distributed.pipelining.schedules import _wait_batch_p2p
-
     schedule = ctx.schedule_ref
-    stages = {s.stage_index: s for s in schedule._stages}
+    stages = {s.stage_index: s for s in torch_private.schedule_stages(schedule)}
     fwd, bwd = action.sub_actions
     fs, bs = stages[fwd.stage_index], stages[bwd.stage_index]
     f_mb, b_mb = fwd.microbatch_index, bwd.microbatch_index
     if not fs.is_first and fwd.stage_index - 1 not in stages:
-        _wait_batch_p2p(schedule.fwd_recv_ops.pop((fwd.stage_index, f_mb)))
+        torch_private.wait_batch_p2p(schedule.fwd_recv_ops.pop((fwd.stage_index, f_mb)))
     if not bs.is_last and bwd.stage_index + 1 not in stages:
-        _wait_batch_p2p(schedule.bwd_recv_ops.pop((bwd.stage_index, b_mb)))
+        torch_private.wait_batch_p2p(schedule.bwd_recv_ops.pop((bwd.stage_index, b_mb)))
     f_plan = fs.begin_forward(f_mb, ctx.arg_mbs[f_mb], ctx.kwarg_mbs[f_mb])
-    loss = schedule._maybe_get_loss(bs, b_mb)
+    loss = torch_private.schedule_loss(schedule, bs, b_mb)
     schedule.backward_counter[bwd.stage_index] += 1
     b_plan, sync = bs.begin_backward(b_mb, loss)
     with sync:
         run_interleaved(f_plan.forward_ops(), b_plan.backward_ops())
     OVERLAPPED["pairs"] += 1
     output = fs.end_forward(f_mb, f_plan)
-    schedule._maybe_compute_loss(fs, output, ctx.target_mbs, f_mb)
+    torch_private.compute_schedule_loss(schedule, fs, output, ctx.target_mbs, f_mb)
     if fwd.stage_index + 1 in stages:
         stages[fwd.stage_index + 1].set_local_fwd_input(output, f_mb)
     bs.end_backward(b_mb, b_plan)
@@ -243,4 +238,4 @@ def overlap_f_b(action: Any, ctx: Any) -> None:
         stages[bwd.stage_index - 1].set_local_bwd_input(bs.get_local_bwd_output(b_mb), b_mb)
 
 
-__all__ = ["StagePlan", "plan_stage_class", "overlap_f_b", "OVERLAPPED"]
+__all__ = ["StagePlan", "PlanStage", "overlap_f_b", "OVERLAPPED"]

@@ -32,22 +32,26 @@ import sys
 import tempfile
 import uuid
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from gptoss_cli import errors
 from gptoss_cli.errors import ConfigError, GptossError, Terminated, TrainingError
 from gptoss_cli.outputs import FolderLock
 from gptoss_cli.parallel.state import check_local_gpus, torchrun_env
+from gptoss_cli.run.worker import run_worker
 from gptoss_cli.train.heartbeat import Watchdog
 from gptoss_cli.train.job import TrainJob
-from gptoss_cli.train.worker import run_worker
 from gptoss_cli.train.progress import TrainProgress, TrainResult
 from gptoss_cli.train.resume import check_resume_point
 
+if TYPE_CHECKING:
+    from gptoss_cli.recipe.load import Recipe
+    from gptoss_cli.recipe.validate import ValidationReport
 
-def default_nproc(recipe: Any) -> int:
+
+def default_nproc(recipe: Recipe) -> int:
     """Processes on this node when --nproc-per-node is not given: the recipe's world size."""
-    from gptoss_cli.recipe.sizes import resolve_world_size
+    from gptoss_cli.recipe.estimate.sizes import resolve_world_size
 
     p = recipe.config.parallelism
     if p.nodes not in (None, 1):
@@ -58,7 +62,7 @@ def default_nproc(recipe: Any) -> int:
     return resolve_world_size(recipe.config)[0]
 
 
-def preflight_recipe(recipe: Any, world_size: int) -> Any:
+def preflight_recipe(recipe: Recipe, world_size: int) -> ValidationReport:
     """The shared rules with the launch world size and path checks; ValidationFailed stops the launch."""
     from gptoss_cli.recipe.validate import preflight
     from gptoss_cli.train.loggers import check_backends
@@ -80,7 +84,7 @@ def _detect_gpu(device: str) -> str:
     return gpu_from_device_name(torch.cuda.get_device_name())
 
 
-def train(recipe: Any, *, nproc_per_node: int | None = None, progress: TrainProgress | None = None) -> TrainResult:
+def train(recipe: Recipe, *, nproc_per_node: int | None = None, progress: TrainProgress | None = None) -> TrainResult:
     """Validate, then train: in this process (torchrun or one process) or on N local workers; then, when the
     recipe asks (`serve_check.engine`), check the final checkpoint against the serving engine."""
     result = _train(recipe, nproc_per_node=nproc_per_node, progress=progress)
@@ -106,7 +110,7 @@ def _serve_check(section: Any, result: TrainResult) -> None:
                         f"max |dlogprob| {worst:.3g}): {path}")
 
 
-def _train(recipe: Any, *, nproc_per_node: int | None, progress: TrainProgress | None) -> TrainResult:
+def _train(recipe: Recipe, *, nproc_per_node: int | None, progress: TrainProgress | None) -> TrainResult:
     env = torchrun_env()
     if env is not None:
         if nproc_per_node is not None and int(os.environ.get("LOCAL_WORLD_SIZE", nproc_per_node)) != nproc_per_node:

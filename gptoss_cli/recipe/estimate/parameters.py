@@ -1,5 +1,5 @@
 """What one rank's parameters are and how large its gradient buffers are: the parameter side of the
-memory estimate (gptoss_cli/recipe/memory.py), pure Python.
+memory estimate (gptoss_cli/recipe/estimate/memory.py), pure Python.
 
 `parameter_layout` lists a rank's parameters in `HybridModel.named_parameters()` order (its slice of
 the experts; a pipeline rank's layers, embedding and head only), `lora_layout` its LoRA adapters,
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from gptoss_cli.buckets import ALIGN
 from gptoss_cli.model.config import GptOssArch
-from gptoss_cli.model.pattern import ATTENTION, MLP, MOE, HybridPattern, parse_pattern
+from gptoss_cli.model.pattern import ATTENTION, MLP, MOE, HybridPattern
 
 
 # --- parameters -----------------------------------------------------------------------------------
@@ -24,12 +24,11 @@ class ParamSpec:
     expert: bool  # reduced over expert-DP (a slice of the experts), else over DP
 
 
-def parameter_layout(arch: GptOssArch, pattern: HybridPattern | str, num_local_experts: int | None = None, *,
+def parameter_layout(arch: GptOssArch, pattern: HybridPattern, num_local_experts: int | None = None, *,
                      layers: set[int] | None = None, embedding: bool = True, head: bool = True) -> list[ParamSpec]:
     """One rank's parameters in `HybridModel.named_parameters()` order, with its `num_local_experts`
     experts per MoE layer (default: all); a pipeline rank's: only `layers`, the embedding and the
     final norm and output layer when it holds them."""
-    pattern = parse_pattern(pattern) if isinstance(pattern, str) else pattern
     h, i, e = arch.hidden_size, arch.intermediate_size, arch.num_local_experts
     e_loc = e if num_local_experts is None else num_local_experts
     attn_width = arch.num_attention_heads * arch.head_dim
@@ -65,11 +64,10 @@ def parameter_layout(arch: GptOssArch, pattern: HybridPattern | str, num_local_e
     return out
 
 
-def lora_layout(arch: GptOssArch, pattern: HybridPattern | str, rank: int, targets: list[str] | tuple[str, ...],
+def lora_layout(arch: GptOssArch, pattern: HybridPattern, rank: int, targets: list[str] | tuple[str, ...],
                 num_local_experts: int | None = None, layers: set[int] | None = None) -> list[ParamSpec]:
     """One rank's LoRA adapters (gptoss_cli/model/lora.py) in `named_parameters()` order: A [rank, in] and
     B [out, rank] per targeted layer, one pair per local expert on the experts."""
-    pattern = parse_pattern(pattern) if isinstance(pattern, str) else pattern
     h, i = arch.hidden_size, arch.intermediate_size
     e_loc = arch.num_local_experts if num_local_experts is None else num_local_experts
     attn_width = arch.num_attention_heads * arch.head_dim

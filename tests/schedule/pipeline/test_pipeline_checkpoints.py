@@ -1,6 +1,6 @@
 """Pipeline-parallel checkpoints: converted to HF they equal the PP = 1 run's bit for bit; a resumed run
 continues bit for bit; a checkpoint saved at PP = 2 resumes at PP = 4 (DCP reshards every tensor by its
-Hybrid name). The runs are tests/pipeline/runs.py's (shared with test_pipeline_training.py)."""
+Hybrid name). The runs are tests/schedule/pipeline/runs.py's (shared with test_pipeline_training.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.pipeline import runs as P
-from tests.pipeline.test_pipeline_training import PP_REL
+from tests.schedule.pipeline import runs as P
+from tests.schedule.pipeline.test_pipeline_training import PP_REL
 from tests.train import reference as R
 
 

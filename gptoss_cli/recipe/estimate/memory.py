@@ -30,14 +30,14 @@ Pure Python: validation must not need torch. The layout is gptoss train's (PP x 
   parameters; with `lora.base_experts=mxfp4` the expert weights at 4.25 bits each plus one expert
   layer's weight decoded to the params dtype for the GEMM that runs (twice that under MXFP4 QAT).
 
-- Pipeline parallelism (gptoss_cli/pipeline/layout.py): every pipeline rank holds the parameters of its
+- Pipeline parallelism (gptoss_cli/schedule/pipeline/layout.py): every pipeline rank holds the parameters of its
   stages' layers (the embedding on the first stage's rank, the final norm and output layer on the
   last's), its buffers reduced over the stage's world / PP ranks; its activations are those of its
   layers times the microbatches in flight at its peak (`in_flight`: the first rank of 1F1B holds PP),
   the head's only on the last stage's rank. The estimate is that of the largest rank; `stages` lists
   every rank's.
 
-- GRPO (objective.kind=grpo, recipe/memory_rl.py): the rollout's KV cache with the gptoss engine, the
+- GRPO (objective.kind=grpo, recipe/estimate/memory_rl.py): the rollout's KV cache with the gptoss engine, the
   vLLM engine's share of the GPU when it runs on the training GPUs, the KL reference of full fine-tuning.
 
 Not included: the CUDA context, NCCL and allocator slack; the 90% warning leaves room for them.
@@ -53,10 +53,10 @@ from gptoss_cli.model.catalog import SLIDING_QUERY_BLOCK
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.model.loss_chunk import LM_LOSS_CHUNK_TOKENS as LM_LOSS_CHUNK
 from gptoss_cli.model.loss_chunk import lm_loss_chunk_tokens
-from gptoss_cli.model.pattern import ATTENTION, MLP, MOE, HybridPattern, parse_pattern
+from gptoss_cli.model.pattern import ATTENTION, MLP, MOE, HybridPattern
 from gptoss_cli.model.recompute_plan import RecomputePlan
-from gptoss_cli.recipe.memory_rl import rl_items
-from gptoss_cli.recipe.parameters import ParamSpec, buffer_numel, lora_layout, parameter_layout
+from gptoss_cli.recipe.estimate.memory_rl import rl_items
+from gptoss_cli.recipe.estimate.parameters import ParamSpec, buffer_numel, lora_layout, parameter_layout
 from gptoss_cli.recipe.schema import RecipeConfig
 
 GB = 1e9
@@ -240,7 +240,7 @@ class RankView:
     layers: frozenset[int] | None = None  # None: every layer
     embedding: bool = True
     head: bool = True
-    in_flight: float = 1.0  # microbatches whose activations it holds at its peak (pipeline/layout.py)
+    in_flight: float = 1.0  # microbatches whose activations it holds at its peak (schedule/pipeline/layout.py)
     rank: int = 0
     text: str = ""  # its stages in the layout grammar
 
@@ -305,7 +305,7 @@ def _head_items(cfg: RecipeConfig, arch: GptOssArch, t: int, b: int, per_token: 
     return items
 
 
-def estimate_memory(cfg: RecipeConfig, arch: GptOssArch, pattern: HybridPattern | str, world_size: int,
+def estimate_memory(cfg: RecipeConfig, arch: GptOssArch, pattern: HybridPattern, world_size: int,
                     gpu: str | None = None, pipeline_rank: int | None = None) -> MemoryEstimate | None:
     """The per-GPU estimate of `cfg` at `world_size` (with PP > 1: of the pipeline rank that needs the
     most, or of `pipeline_rank`; every rank's total in `stages`); None when TP or ETP is above 1 (not what gptoss train runs),
@@ -321,7 +321,6 @@ def estimate_memory(cfg: RecipeConfig, arch: GptOssArch, pattern: HybridPattern 
     stage_world = world_size // pp
     if stage_world % cp or ep < 1 or stage_world % ep or arch.num_local_experts % ep:
         return None
-    pattern = parse_pattern(pattern) if isinstance(pattern, str) else pattern
     views = _rank_views(cfg, pattern, stage_world // cp)
     if views is None:
         return None
@@ -340,7 +339,7 @@ def _rank_views(cfg: RecipeConfig, pattern: HybridPattern, data_parallel: int) -
     if pp == 1:
         return [RankView()]
     from gptoss_cli.errors import ConfigError
-    from gptoss_cli.pipeline.layout import in_flight, pipeline_layout
+    from gptoss_cli.schedule.pipeline.layout import in_flight, pipeline_layout
 
     try:
         layout = pipeline_layout(pattern, pp, vpp, par.pipeline_schedule, par.pipeline_model_parallel_layout)

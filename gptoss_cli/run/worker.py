@@ -1,10 +1,7 @@
 """A rank's entry point: `run_worker(job, progress)` joins the process group (torchrun's
 environment, or a single process), starts the heartbeat and the loggers, and runs the `Trainer`
-(train/loop.py) of the recipe's `objective.kind` with its training objective.
-
-This module is the one place an objective kind is switched on (`build_objective`, `trainer_class`):
-it sits above both train/loop.py and gptoss_cli/rl/, which builds on the loop, so neither imports
-the other's chooser. A new objective adds its branch here (docs/architecture.md).
+(train/loop.py) of the recipe's `objective.kind` with its training objective, both from the one
+table in run/objectives.py.
 """
 
 from __future__ import annotations
@@ -12,34 +9,16 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from gptoss_cli.parallel.state import destroy_parallel, init_parallel
-from gptoss_cli.recipe.schema import RecipeConfig
+from gptoss_cli.run.objectives import objective_row
 from gptoss_cli.train.heartbeat import Heartbeat
 from gptoss_cli.train.job import TrainJob
 from gptoss_cli.train.loggers import open_loggers
-from gptoss_cli.train.loop import Trainer
-from gptoss_cli.train.objective import CrossEntropyObjective, TrainingObjective
 from gptoss_cli.train.progress import TrainProgress, TrainResult
-
-
-def build_objective(config: Any) -> TrainingObjective:
-    """The objective a recipe (`RecipeConfig`) trains with (`objective.kind`): next-token cross-entropy, or
-    GRPO (gptoss_cli/rl/objective.py) on the rollouts its Trainer samples; a new objective adds its
-    recipe switch here."""
-    if config.objective.kind == "grpo":
-        from gptoss_cli.rl.objective import GRPOObjective  # noqa: PLC0415 - only GRPO recipes load rl/
-
-        rl = config.rl
-        return GRPOObjective(loss_type=rl.loss, clip_low=rl.clip_low, clip_high=rl.clip_high, kl_coeff=rl.kl_coeff,
-                             kl_unbiased=rl.kl_unbiased, temperature=rl.temperature, max_new_tokens=rl.max_new_tokens,
-                             is_cap=None if rl.rollout.engine == "gptoss" else rl.rollout.is_cap,
-                             aux_loss_coeff=config.moe.aux_loss_coeff, z_loss_coeff=config.moe.z_loss_coeff)
-    return CrossEntropyObjective(config.moe.aux_loss_coeff, config.moe.z_loss_coeff)
 
 
 def run_worker(job: TrainJob, progress: TrainProgress | None = None) -> TrainResult:
@@ -65,9 +44,10 @@ def run_worker(job: TrainJob, progress: TrainProgress | None = None) -> TrainRes
             # TensorBoard / W&B on rank 0 (train/loggers.py); their packages were checked before launch.
             loggers = open_loggers(cfg.logging, Path(job.run_dir), job.name, job.recipe) if state.rank == 0 else None
             try:
+                row = objective_row(cfg)  # a TrainJob may bring its own objective; the row's Trainer runs it
                 if job.objective is None:
-                    job = dataclasses.replace(job, objective=build_objective(cfg))
-                trainer = trainer_class(cfg)(job, state, progress=progress, heartbeat=heartbeat, loggers=loggers)
+                    job = dataclasses.replace(job, objective=row.build(cfg))
+                trainer = row.trainer(job, state, progress=progress, heartbeat=heartbeat, loggers=loggers)
                 try:
                     trainer.resume()
                     return trainer.train()
@@ -83,13 +63,4 @@ def run_worker(job: TrainJob, progress: TrainProgress | None = None) -> TrainRes
         heartbeat.stop()
 
 
-def trainer_class(cfg: RecipeConfig) -> type[Trainer]:
-    """The Trainer of the recipe's objective: GRPO's samples its own data (gptoss_cli/rl/trainer.py)."""
-    if cfg.objective.kind == "grpo":
-        from gptoss_cli.rl.trainer import RLTrainer  # noqa: PLC0415 - only GRPO recipes load rl/
-
-        return RLTrainer
-    return Trainer
-
-
-__all__ = ["run_worker", "build_objective", "trainer_class"]
+__all__ = ["run_worker"]

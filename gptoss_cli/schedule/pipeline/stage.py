@@ -36,11 +36,17 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+# Importing torch.distributed.pipelining costs a process one to four seconds; this module (and the
+# rest of schedule/pipeline/ but layout.py) is imported only by a run that pipelines, through
+# schedule/__init__.py's get_forward_backward_func, so the stage classes can subclass it at module level.
+from torch.distributed.pipelining import PipelineStage
+
+from gptoss_cli import torch_private
 from gptoss_cli.model.gemm.grouped import WgradQueue
 from gptoss_cli.model.loss import HybridOutput
 from gptoss_cli.model.moe import MoELayer
 from gptoss_cli.model.router_stats import RouterStats, router_table
-from gptoss_cli.pipeline.layout import Stage
+from gptoss_cli.schedule.pipeline.layout import Stage
 
 
 @dataclass
@@ -159,50 +165,47 @@ class StageModule(nn.Module):
         return out
 
 
-def rank_stage_class():
-    """torch's PipelineStage with what gptoss needs around backward (defined lazily: importing
-    torch.distributed.pipelining costs every process about a second)."""
-    from torch.distributed.pipelining import PipelineStage
+class RankStage(PipelineStage):
+    """One stage on this rank: torch's PipelineStage with what gptoss needs around backward. Backward
+    runs inside the model's `no_sync` except for the stage's last microbatch (so gradient buckets can
+    start reducing during it, overlap_grad_reduce); with `defer_wgrad` the W action runs the
+    microbatch's queued expert weight gradients."""
 
-    class RankStage(PipelineStage):
-        """One stage on this rank. Backward runs inside the model's `no_sync` except for the stage's
-        last microbatch (so gradient buckets can start reducing during it, overlap_grad_reduce); with
-        `defer_wgrad` the W action runs the microbatch's queued expert weight gradients."""
+    def __init__(self, module: StageModule, *, index: int, num_stages: int, device: torch.device,
+                 input_args: tuple, output_args: tuple, group: Any, microbatches: int,
+                 no_sync: Callable[[], Any] | None, defer_wgrad: bool):
+        # overriding backward_one_chunk and clear_runtime_states, and reading submod, relies on the
+        # stage's undocumented contract: the torch versions it was tested with only
+        torch_private.require(torch_private.PIPELINING)
+        kwargs: dict[str, Any] = {"input_args": input_args, "output_args": output_args, "group": group}
+        if defer_wgrad:  # (a forward-only stage over the same module leaves the flag alone)
+            module.defer_wgrad = True
+            kwargs["dw_builder"] = self._dw_runner
+        super().__init__(module, index, num_stages, device, **kwargs)
+        self.microbatches = microbatches
+        self.no_sync = no_sync or contextlib.nullcontext
+        self.backwards_done = 0
+        self.backward_of: int | None = None
 
-        def __init__(self, module: StageModule, *, index: int, num_stages: int, device: torch.device,
-                     input_args: tuple, output_args: tuple, group: Any, microbatches: int,
-                     no_sync: Callable[[], Any] | None, defer_wgrad: bool):
-            kwargs: dict[str, Any] = {"input_args": input_args, "output_args": output_args, "group": group}
-            if defer_wgrad:  # (a forward-only stage over the same module leaves the flag alone)
-                module.defer_wgrad = True
-                kwargs["dw_builder"] = self._dw_runner
-            super().__init__(module, index, num_stages, device, **kwargs)
-            self.microbatches = microbatches
-            self.no_sync = no_sync or contextlib.nullcontext
-            self.backwards_done = 0
-            self.backward_of: int | None = None
+    def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True,
+                           last_backward: bool = False):
+        self.backward_of = bwd_chunk_id
+        self.backwards_done += 1
+        last = self.backwards_done == self.microbatches
+        with contextlib.nullcontext() if last else self.no_sync():
+            return super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
+                                              last_backward=last_backward)
 
-        def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True,
-                               last_backward: bool = False):
-            self.backward_of = bwd_chunk_id
-            self.backwards_done += 1
-            last = self.backwards_done == self.microbatches
-            with contextlib.nullcontext() if last else self.no_sync():
-                return super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
-                                                  last_backward=last_backward)
+    def _dw_runner(self) -> Callable[[], Any]:
+        queue = self.submod.wgrad_queues.pop(self.backward_of, None)
+        return queue.execute if queue is not None else (lambda: None)
 
-        def _dw_runner(self) -> Callable[[], Any]:
-            queue = self.submod.wgrad_queues.pop(self.backward_of, None)
-            return queue.execute if queue is not None else (lambda: None)
-
-        def clear_runtime_states(self) -> None:
-            super().clear_runtime_states()
-            self.backwards_done = 0
-            for queue in self.submod.wgrad_queues.values():
-                queue.clear()
-            self.submod.wgrad_queues.clear()
-
-    return RankStage
+    def clear_runtime_states(self) -> None:
+        super().clear_runtime_states()
+        self.backwards_done = 0
+        for queue in self.submod.wgrad_queues.values():
+            queue.clear()
+        self.submod.wgrad_queues.clear()
 
 
 def stage_metas(stage: Stage, micro_shape: tuple[int, int], hidden: int, dtype: torch.dtype,
@@ -216,5 +219,5 @@ def stage_metas(stage: Stage, micro_shape: tuple[int, int], hidden: int, dtype: 
     return inputs, carried
 
 
-__all__ = ["StageModule", "StepTables", "rank_stage_class", "stage_metas", "router_terms", "router_width",
+__all__ = ["StageModule", "StepTables", "RankStage", "stage_metas", "router_terms", "router_width",
            "attach_router_losses"]

@@ -1,4 +1,4 @@
-"""GRPO's items in the per-GPU memory estimate (recipe/memory.py): the rollout's KV cache and a vLLM engine
+"""GRPO's items in the per-GPU memory estimate (recipe/estimate/memory.py): the rollout's KV cache and a vLLM engine
 sharing the training GPUs.
 
 - The gptoss engine decodes with `generate`'s preallocated cache (gptoss_cli/model/decode/kv_cache.py): per
@@ -21,8 +21,15 @@ Pure Python, like the rest of the estimate.
 
 from __future__ import annotations
 
+from typing import Callable, TypeVar
+
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.model.pattern import HybridPattern, layer_windows
+from gptoss_cli.recipe.schema import RecipeConfig
+
+# memory.MemoryItem, handed in by memory.py (which imports this module): (key, label, bytes, formula, knobs)
+Item = TypeVar("Item")
+ItemType = Callable[[str, str, float, str, str], Item]
 
 
 def kv_cache_bytes(arch: GptOssArch, pattern: HybridPattern, rows: int, columns: int, dtype_bytes: int) -> int:
@@ -31,15 +38,15 @@ def kv_cache_bytes(arch: GptOssArch, pattern: HybridPattern, rows: int, columns:
     return sum(per_slot * (columns if w is None or w >= columns else w) for w in layer_windows(arch, pattern).values())
 
 
-def rollout_rows(cfg, dp: int) -> int:
+def rollout_rows(cfg: RecipeConfig, dp: int) -> int:
     """Completions one rank decodes at once: rl.rollout.batch_size, at most the rank's share of a rollout."""
     per_rank = max(1, cfg.training.global_batch_size * cfg.rl.steps_per_rollout // max(dp, 1))
     size = cfg.rl.rollout.batch_size
     return min(size, per_rank) if size else per_rank
 
 
-def rl_items(cfg, arch: GptOssArch, pattern: HybridPattern, dp: int, b: int, capacity_bytes: float | None,
-             item_type, notes: list[str], rank_params: int = 0) -> list:
+def rl_items(cfg: RecipeConfig, arch: GptOssArch, pattern: HybridPattern, dp: int, b: int, capacity_bytes: float | None,
+             item_type: ItemType[Item], notes: list[str], rank_params: int = 0) -> list[Item]:
     """The GRPO items (`item_type` is memory.MemoryItem) of one rank holding `rank_params` model parameters;
     [] unless objective.kind=grpo."""
     if cfg.objective.kind != "grpo":
@@ -48,15 +55,15 @@ def rl_items(cfg, arch: GptOssArch, pattern: HybridPattern, dp: int, b: int, cap
                                                                              capacity_bytes, item_type, notes)
 
 
-def _reference_items(cfg, b: int, rank_params: int, item_type) -> list:
+def _reference_items(cfg: RecipeConfig, b: int, rank_params: int, item_type: ItemType[Item]) -> list[Item]:
     if cfg.rl.kl_coeff <= 0 or cfg.lora.rank > 0:
         return []
     return [item_type("rl.reference", "KL reference model (frozen copy)", b * rank_params, f"{b} B x {rank_params:,}",
                       "rl.kl_coeff=0, or LoRA (the reference is then the base with the adapters off)")]
 
 
-def _rollout_items(cfg, arch: GptOssArch, pattern: HybridPattern, dp: int, b: int, capacity_bytes: float | None,
-                   item_type, notes: list[str]) -> list:
+def _rollout_items(cfg: RecipeConfig, arch: GptOssArch, pattern: HybridPattern, dp: int, b: int,
+                   capacity_bytes: float | None, item_type: ItemType[Item], notes: list[str]) -> list[Item]:
     rollout = cfg.rl.rollout
     if rollout.engine == "vllm":
         share = rollout.gpu_memory_utilization

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gptoss_cli.model.config import GptOssArch
-from gptoss_cli.model.pattern import ATTENTION, MLP, MOE, HybridPattern, parse_pattern
+from gptoss_cli.model.pattern import ATTENTION, MLP, MOE, HybridPattern, default_pattern
 
 # Dense (no sparsity) peak tensor throughput of one GPU, TFLOP/s, from the vendors' data sheets:
 # (bf16, fp8). A100 has no FP8 tensor cores. MXFP8 runs at the FP8 rate.
@@ -81,9 +81,9 @@ def layer_matmul_params(arch: GptOssArch, symbol: str) -> int:
     return 0
 
 
-def count_flops(arch: GptOssArch, seq_length: int, pattern: HybridPattern | str | None = None) -> FlopCount:
+def count_flops(arch: GptOssArch, seq_length: int, pattern: HybridPattern | None = None) -> FlopCount:
     """FLOPs per token of `arch` in `pattern` (default: its `*E` layout) on sequences of `seq_length`."""
-    pattern = parse_pattern(pattern or arch.hybrid_layer_pattern) if not isinstance(pattern, HybridPattern) else pattern
+    pattern = pattern or default_pattern(arch)
     params = arch.vocab_size * arch.hidden_size  # the LM head
     attention: list[float] = []
     block = 0
@@ -97,17 +97,17 @@ def count_flops(arch: GptOssArch, seq_length: int, pattern: HybridPattern | str 
     return FlopCount(matmul_params=params, attention=3.0 * sum(attention), attention_layers=tuple(attention))
 
 
-def model_flops_per_token(arch: GptOssArch, seq_length: int, pattern: HybridPattern | str | None = None) -> float:
+def model_flops_per_token(arch: GptOssArch, seq_length: int, pattern: HybridPattern | None = None) -> float:
     """Training (forward + backward) model FLOPs per token; see the module docstring."""
     return count_flops(arch, seq_length, pattern).model_flops_per_token
 
 
-def recompute_flops_per_token(arch: GptOssArch, seq_length: int, pattern: HybridPattern | str | None,
+def recompute_flops_per_token(arch: GptOssArch, seq_length: int, pattern: HybridPattern | None,
                               layers: dict[int, set[str]]) -> float:
     """The forward work recompute repeats per token: for each physical layer j, `layers[j]` names
     what it recomputes ("layer": all of it; "core_attn", "moe", "mlp": that piece; elementwise
     pieces such as "moe_act" and "layernorm" count as no FLOPs)."""
-    pattern = parse_pattern(pattern or arch.hybrid_layer_pattern) if not isinstance(pattern, HybridPattern) else pattern
+    pattern = pattern or default_pattern(arch)
     count = count_flops(arch, seq_length, pattern)
     h, i, k = arch.hidden_size, arch.intermediate_size, arch.num_experts_per_tok
     total = 0.0
@@ -127,13 +127,13 @@ def recompute_flops_per_token(arch: GptOssArch, seq_length: int, pattern: Hybrid
     return total
 
 
-def pipeline_op_flops(arch: GptOssArch, seq_length: int, pattern: HybridPattern | str | None = None
+def pipeline_op_flops(arch: GptOssArch, seq_length: int, pattern: HybridPattern | None = None
                       ) -> tuple[float, float, float]:
     """(forward, backward for inputs, deferred weight gradients) model FLOPs per token, what a pipeline
-    schedule's F, I and W actions compute (gptoss_cli/pipeline/: W is the experts' weight-gradient
+    schedule's F, I and W actions compute (gptoss_cli/schedule/pipeline/: W is the experts' weight-gradient
     GEMMs, the rest of the backward runs in I): forward = a third of the training FLOPs, backward
     twice the forward, W = 2 x the experts' active matmul parameters."""
-    pattern = parse_pattern(pattern or arch.hybrid_layer_pattern) if not isinstance(pattern, HybridPattern) else pattern
+    pattern = pattern or default_pattern(arch)
     forward = model_flops_per_token(arch, seq_length, pattern) / 3.0
     w = 2.0 * pattern.layers.count(MOE) * arch.num_experts_per_tok * 3 * arch.hidden_size * arch.intermediate_size
     return forward, 2.0 * forward - w, w

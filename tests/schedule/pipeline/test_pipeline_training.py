@@ -1,7 +1,7 @@
 """Pipeline parallelism trains what a single model trains: every schedule at PP = 2 and PP = 4, with
 and without EP = 2 (and CP = 2), against transformers + torch AdamW and against gptoss at PP = 1.
 
-Each configuration's first step (tests/pipeline/runs.py: `gptoss train`'s loop on gloo processes, the
+Each configuration's first step (tests/schedule/pipeline/runs.py: `gptoss train`'s loop on gloo processes, the
 fixture and error model of tests/train/reference.py) is judged on (a) the loss, the grad norm and
 every parameter's finalised gradient against transformers at the same weights (DELTA), (b) the update
 against torch's clip_grad_norm_ + AdamW given the same weights and gptoss's own gradients (a few ulp;
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.pipeline import runs as P
+from tests.schedule.pipeline import runs as P
 from tests.tolerances import U_FP32, reassociation_rel
 from tests.train import reference as R
 
