@@ -21,11 +21,14 @@ from __future__ import annotations
 import torch
 
 from gptoss_cli.model.gemm.main_grad import addmm_fp32_, fp32_accumulating_gemm, mm_fp32
-from gptoss_cli.model.workspace import buffer
+from gptoss_cli.model.workspace import borrow, buffer
 
 # The workspace's slots (model/workspace.py): the chunk's fp32 logits (also the entropy's scratch), its
-# log-softmax (turned into the gradient in place), and the GEMM's output in a non-fp32 activation dtype.
+# log-softmax (turned into the gradient in place), and the GEMM's output in a non-fp32 activation dtype;
+# for a non-fp32 output layer without fp32-accumulating GEMMs (the CPU's bf16), the weight gradient's
+# fp32 sum and each chunk's product.
 LOGITS, LOG_SOFTMAX, ACTIVATION = "lm_head.logits", "lm_head.log_softmax", "lm_head.activation"
+WEIGHT_GRAD_SUM, WEIGHT_GRAD_CHUNK = "lm_head.weight_grad_sum", "lm_head.weight_grad_chunk"
 
 
 def chunk_logits(h: torch.Tensor, weight: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -58,12 +61,20 @@ def chunk_activation_grad(dlogits: torch.Tensor, dtype: torch.dtype) -> torch.Te
 class WeightGradSum:
     """dW = sum over chunks of dlogits^T @ h for an output layer `weight`, summed in fp32 (then cast once, as
     one GEMM would round once): for a bf16 layer on a device with fp32-accumulating GEMMs
-    (model/gemm/main_grad.py) by the GEMM itself, elsewhere by adding each chunk's product."""
+    (model/gemm/main_grad.py) by the GEMM itself, elsewhere by adding each chunk's product.
 
-    def __init__(self, weight: torch.Tensor):
+    The fp32 sum is the caller's to keep (`total()`) for an fp32 layer: `borrowed` (model/workspace.py,
+    the caller hands it back) or fresh (autograd will hold it). For another dtype it is scratch (the
+    caller keeps its cast), and it and the chunks' products live in the workspace's slots."""
+
+    def __init__(self, weight: torch.Tensor, borrowed: bool = False):
         self.weight = weight
         # Written by the first chunk's GEMM, accumulated by the others: no pass to zero it first.
-        self.sum = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
+        if weight.dtype == torch.float32:
+            self.sum = (borrow if borrowed else torch.empty)(tuple(weight.shape), dtype=torch.float32,
+                                                             device=weight.device)
+        else:
+            self.sum = buffer(WEIGHT_GRAD_SUM, tuple(weight.shape), torch.float32, weight.device)
         self.fused_fp32 = fp32_accumulating_gemm(weight.device)
         self.chunks = 0
 
@@ -75,10 +86,13 @@ class WeightGradSum:
                 mm_fp32(dlogits.t(), h, out=self.sum)
             else:
                 addmm_fp32_(self.sum, dlogits.t(), h)
-        elif first:
-            self.sum.copy_(dlogits.t() @ h)
+            return
+        product = torch.mm(dlogits.t(), h, out=buffer(WEIGHT_GRAD_CHUNK, tuple(self.sum.shape), dlogits.dtype,
+                                                      dlogits.device))
+        if first:
+            self.sum.copy_(product)
         else:
-            self.sum += dlogits.t() @ h
+            self.sum += product
 
     def total(self) -> torch.Tensor:
         """The fp32 sum (zeros when no chunk was added)."""
@@ -144,5 +158,5 @@ def chunked_log_probs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.
     return _ChunkedLogProbs.apply(hidden, weight, labels, float(temperature), max(1, int(chunk_tokens)), with_entropy)
 
 
-__all__ = ["ACTIVATION", "LOGITS", "LOG_SOFTMAX", "WeightGradSum", "chunk_activation_grad", "chunk_log_softmax",
+__all__ = ["ACTIVATION", "LOGITS", "LOG_SOFTMAX", "WEIGHT_GRAD_CHUNK", "WEIGHT_GRAD_SUM", "WeightGradSum", "chunk_activation_grad", "chunk_log_softmax",
            "chunk_logits", "chunked_log_probs"]

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from gptoss_cli.model.gemm.main_grad import added_to_main_grad, main_grad_target
 from gptoss_cli.model.lm_head import WeightGradSum, chunk_activation_grad, chunk_log_softmax, chunk_logits
 from gptoss_cli.model.loss_chunk import LM_LOSS_CHUNK_TOKENS, lm_loss_chunk_tokens
+from gptoss_cli.model.workspace import borrow, give_back
 from gptoss_cli.model.router_stats import RouterStats, load_balancing_loss, router_table, router_z_loss
 
 IGNORE_INDEX = -100
@@ -48,7 +49,7 @@ class _ChunkedLMLoss(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_h = torch.empty_like(hidden) if want_grad else None
         # A frozen output layer (LoRA) gets no gradient: its V x H accumulator is never allocated.
-        grad_w = WeightGradSum(weight) if want_grad and weight.requires_grad else None
+        grad_w = WeightGradSum(weight, borrowed=True) if want_grad and weight.requires_grad else None
         for start in range(0, hidden.shape[0], chunk):
             h, lab = hidden[start:start + chunk], labels[start:start + chunk]
             logp = chunk_log_softmax(chunk_logits(h, weight))
@@ -70,7 +71,7 @@ class _ChunkedLMLoss(torch.autograd.Function):
             if grad_w.dtype != weight.dtype:
                 # Held until backward in the weight's dtype (the memory estimate's b*V*h): a bf16 layer
                 # keeps its bf16 gradient; only an fp32 layer's accumulator goes straight into main_grad.
-                grad_w = grad_w.to(weight.dtype)
+                grad_w = borrow(tuple(weight.shape), weight.dtype, weight.device).copy_(grad_w)
         ctx.grads = (grad_h, grad_w)
         ctx.weight = weight
         return total
@@ -86,13 +87,16 @@ class _ChunkedLMLoss(torch.autograd.Function):
             # (model/gemm/main_grad.py) instead of a scaled copy that the buffers' hook adds.
             # A bf16 layer's gradient goes in too where main_grad_target allows it (an fp32 add of
             # the bf16 gradient held since forward, in the same pass as the scaling).
+            # The held gradient is borrowed (model/workspace.py): handed back once read, the next
+            # microbatch's forward takes it again instead of mapping a fresh [V, h] tensor.
             target = main_grad_target(weight)
             if target is not None:
                 target.addcmul_(grad_w, grad_out.to(target.dtype))
+                give_back(grad_w)
                 grad_w = added_to_main_grad(weight)
             else:
-                grad_w = grad_w.to(weight.dtype)
-                grad_w = grad_w * grad_out.to(grad_w.dtype)
+                held, grad_w = grad_w, grad_w * grad_out.to(grad_w.dtype)
+                give_back(held)
         return grad_h * grad_out.to(grad_h.dtype), grad_w, None, None, None
 
 

@@ -17,9 +17,15 @@ the next chunk, step or call may overwrite it. tests/model/test_workspace.py che
 that: results bit for bit equal with and without reuse, and no saved tensor on a buffer's storage.
 
 A slot's buffer only grows (the largest request so far, a smaller one is a view of its head), so
-the kept memory is a few chunks of the largest vocabulary seen; `release()` drops them. Reuse is on
-for CPU tensors only, per thread, unless `GPTOSS_LM_HEAD_BUFFERS=fresh` is set (each request a
-fresh tensor, as before issue 55: what the benches' before/after rows compare).
+the kept memory is a few chunks of the largest vocabulary seen; `release()` drops them.
+
+A tensor held past the call (the chunked loss's output-layer gradient, computed in forward and
+added into main_grad in backward) is `borrow`ed instead and handed back with `give_back` by its
+holder once nothing refers to it; up to KEEP_RETURNED of each shape wait for the next borrower. One
+never handed back (a graph dropped before its backward) is simply freed.
+
+Reuse is on for CPU tensors only, per thread, unless `GPTOSS_LM_HEAD_BUFFERS=fresh` is set (each
+request a fresh tensor, as before issue 55: what the benches' before/after rows compare).
 """
 
 from __future__ import annotations
@@ -64,9 +70,39 @@ def buffer(slot: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.
     return flat[:n].view(shape)
 
 
+# Handed-back tensors kept per (shape, dtype, device): the microbatches whose gradients are in flight at once.
+KEEP_RETURNED = 2
+
+
+def _returned() -> dict[tuple, list[torch.Tensor]]:
+    returned = getattr(_local, "returned", None)
+    if returned is None:
+        returned = _local.returned = {}
+    return returned
+
+
+def borrow(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialised tensor of `shape` that the caller may hold past the call and hands back with
+    `give_back` (on the CPU, one handed back before, when there is one)."""
+    device = torch.device(device)
+    waiting = _returned().get((tuple(shape), dtype, device)) if reusing(device) else None
+    return waiting.pop() if waiting else torch.empty(shape, dtype=dtype, device=device)
+
+
+def give_back(tensor: torch.Tensor) -> None:
+    """Hand a `borrow`ed tensor back: the caller holds no reference that it will read again, and nothing else
+    holds one at all (not autograd, not a returned view)."""
+    if not reusing(tensor.device):
+        return
+    waiting = _returned().setdefault((tuple(tensor.shape), tensor.dtype, tensor.device), [])
+    if len(waiting) < KEEP_RETURNED:
+        waiting.append(tensor)
+
+
 def kept_bytes() -> int:
-    """The bytes this thread's kept buffers hold."""
-    return sum(t.numel() * t.element_size() for t in _kept().values())
+    """The bytes this thread's kept buffers and handed-back tensors hold."""
+    held = [*_kept().values(), *(t for ts in _returned().values() for t in ts)]
+    return sum(t.numel() * t.element_size() for t in held)
 
 
 def kept_storages() -> set[int]:
@@ -75,8 +111,10 @@ def kept_storages() -> set[int]:
 
 
 def release() -> None:
-    """Drop this thread's kept buffers (the next request maps afresh)."""
+    """Drop this thread's kept buffers and handed-back tensors (the next request maps afresh)."""
     _kept().clear()
+    _returned().clear()
 
 
-__all__ = ["BUFFERS_ENV", "buffer", "kept_bytes", "kept_storages", "release", "reusing"]
+__all__ = ["BUFFERS_ENV", "KEEP_RETURNED", "borrow", "buffer", "give_back", "kept_bytes", "kept_storages", "release",
+           "reusing"]

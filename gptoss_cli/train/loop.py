@@ -36,7 +36,7 @@ from gptoss_cli.parallel.state import ParallelState, barrier
 from gptoss_cli.recipe.environment import gpu_from_device_name
 from gptoss_cli.recipe.estimate.flops import model_flops_per_token, peak_tflops, recompute_flops_per_token, throughput
 from gptoss_cli.recipe.schema import RecipeConfig
-from gptoss_cli.resources import release_freed_heap
+from gptoss_cli.resources import HeapRelease
 from gptoss_cli.schedule import get_forward_backward_func
 from gptoss_cli.train.blend import BlendedSource, blended_source
 from gptoss_cli.train.checkpointing import latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
@@ -312,11 +312,12 @@ class Trainer:
     def train(self) -> TrainResult:
         """Steps from the resumed one to training.train_iters, saving as checkpoint.* says; the result."""
         t = self.cfg.training
+        heap = HeapRelease() if self.state.device.type == "cpu" else None
         for step in range(self.start_step, t.train_iters):
             outcome = self.train_step(step)
             self.record_step(outcome, self.validate(step + 1))
-            if self.state.device.type == "cpu":
-                release_freed_heap()  # the heap's free pages back to the OS (resources.py says why)
+            if heap is not None:
+                heap.after_step()  # the heap's free pages back to the OS once it has grown (resources.py says why)
             if self.should_save(step + 1):
                 self.save_checkpoint(step + 1)
         self.heartbeat.progress(t.train_iters, "finishing", watched=False)
