@@ -110,11 +110,18 @@ def kept_storages() -> set[int]:
     return {t.untyped_storage().data_ptr() for t in _kept().values()}
 
 
+def fill_kept(value: float) -> None:
+    """Write `value` into every kept buffer and handed-back tensor of this thread: what a computation that
+    read a buffer before writing it (or after the next chunk overwrote it) would then see (tests use NaN)."""
+    for t in [*_kept().values(), *(t for ts in _returned().values() for t in ts)]:
+        t.fill_(value)
+
+
 def release() -> None:
     """Drop this thread's kept buffers and handed-back tensors (the next request maps afresh)."""
     _kept().clear()
     _returned().clear()
 
 
-__all__ = ["BUFFERS_ENV", "KEEP_RETURNED", "borrow", "buffer", "give_back", "kept_bytes", "kept_storages", "release",
-           "reusing"]
+__all__ = ["BUFFERS_ENV", "KEEP_RETURNED", "borrow", "buffer", "fill_kept", "give_back", "kept_bytes", "kept_storages",
+           "release", "reusing"]
