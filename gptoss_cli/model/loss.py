@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from gptoss_cli.model.gemm.main_grad import added_to_main_grad, main_grad_target
-from gptoss_cli.model.lm_head import WeightGradSum, chunk_activation_grad, chunk_log_softmax, chunk_logits
+from gptoss_cli.model.lm_head import (WeightGradSum, chunk_activation_grad, chunk_log_softmax, chunk_logits,
+                                      labelled_rows)
 from gptoss_cli.model.loss_chunk import LM_LOSS_CHUNK_TOKENS, lm_loss_chunk_tokens
 from gptoss_cli.model.workspace import borrow, give_back
 from gptoss_cli.model.router_stats import RouterStats, load_balancing_loss, router_table, router_z_loss
@@ -105,11 +106,14 @@ def chunked_lm_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torc
     """`token_cross_entropy(hidden @ weight^T, labels, reduction="sum")` without the logits of every
     token in memory at once: hidden [..., H] (after the final norm), weight [V, H], labels [...];
     `chunk_tokens` None: the device's chunk (model/loss_chunk.py)."""
-    h = hidden.reshape(-1, hidden.shape[-1])
+    h, labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+    rows = labelled_rows(h, labels != IGNORE_INDEX)  # the CPU: only the labelled positions (model/lm_head.py)
+    if rows is not None:
+        h, labels = h[rows], labels[rows]
     if chunk_tokens is None:
         chunk_tokens = lm_loss_chunk_tokens(weight.shape[0], hidden.element_size(), hidden.device.type)
     want_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    return _ChunkedLMLoss.apply(h, weight, labels.reshape(-1), max(1, int(chunk_tokens)), want_grad)
+    return _ChunkedLMLoss.apply(h, weight, labels, max(1, int(chunk_tokens)), want_grad)
 
 
 class HybridOutput:

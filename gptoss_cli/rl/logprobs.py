@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from gptoss_cli.model.lm_head import chunked_log_probs
+from gptoss_cli.model.lm_head import chunked_log_probs, labelled_rows
 from gptoss_cli.model.loss import IGNORE_INDEX, HybridOutput
 from gptoss_cli.model.loss_chunk import lm_loss_chunk_tokens
 
@@ -33,7 +33,13 @@ def policy_log_probs(output: HybridOutput, labels: torch.Tensor, temperature: fl
         h = hidden.reshape(-1, hidden.shape[-1])
         chunk = chunk_tokens or getattr(output, "loss_chunk_tokens", None)
         chunk = max(1, int(chunk or lm_loss_chunk_tokens(output.head_weight.shape[0], h.element_size(), h.device.type)))
-        logp, entropy = chunked_log_probs(h, output.head_weight, safe, temperature, chunk)
+        rows = labelled_rows(h, valid)  # the CPU: only the labelled positions (model/lm_head.py)
+        if rows is None:
+            logp, entropy = chunked_log_probs(h, output.head_weight, safe, temperature, chunk)
+        else:
+            picked, ent = chunked_log_probs(h[rows], output.head_weight, safe[rows], temperature, chunk)
+            logp = h.new_zeros(flat.shape[0], dtype=torch.float32).index_put((rows,), picked)
+            entropy = h.new_zeros(flat.shape[0], dtype=torch.float32).index_put_((rows,), ent)
     zero = torch.zeros_like(logp)
     return (torch.where(valid, logp, zero).reshape(labels.shape),
             torch.where(valid, entropy.detach(), zero.detach()).reshape(labels.shape))

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator
 import torch
 import torch.nn.functional as F
 
-from gptoss_cli.model.lm_head import chunked_log_probs
+from gptoss_cli.model.lm_head import chunked_log_probs, labelled_rows
 from gptoss_cli.model.loss import IGNORE_INDEX, HybridOutput, lm_loss_sum
 from gptoss_cli.model.loss_chunk import lm_loss_chunk_tokens
 from gptoss_cli.parallel.grads import get_attr_wrapped_model, get_model_config
@@ -201,6 +201,10 @@ def token_log_probs(output: HybridOutput, labels: torch.Tensor, chunk_tokens: in
     chunk = chunk_tokens or getattr(output, "loss_chunk_tokens", None)
     # the loss's own chunk where the output does not set one (model/loss_chunk.py: per vocabulary and device)
     chunk = max(1, int(chunk or lm_loss_chunk_tokens(output.head_weight.shape[0], h.element_size(), h.device.type)))
+    rows = labelled_rows(h, valid)  # the CPU: only the labelled positions (model/lm_head.py)
+    if rows is not None:
+        picked, _ = chunked_log_probs(h[rows], output.head_weight, safe[rows], 1.0, chunk, with_entropy=False)
+        return h.new_zeros(flat.shape[0], dtype=torch.float32).index_put((rows,), picked).reshape(labels.shape)
     picked, _ = chunked_log_probs(h, output.head_weight, safe, 1.0, chunk, with_entropy=False)
     return torch.where(valid, picked, torch.zeros_like(picked)).reshape(labels.shape)
 
