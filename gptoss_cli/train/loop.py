@@ -31,6 +31,7 @@ import torch.distributed as dist
 from gptoss_cli import outputs
 from gptoss_cli.checkpoint.training_format import RUN_KEY, read_train_state
 from gptoss_cli.errors import ConfigError, TrainingError
+from gptoss_cli.model import workspace
 from gptoss_cli.model.pattern import MOE
 from gptoss_cli.parallel.state import ParallelState, barrier
 from gptoss_cli.recipe.environment import gpu_from_device_name
@@ -321,6 +322,7 @@ class Trainer:
             if self.should_save(step + 1):
                 self.save_checkpoint(step + 1)
         self.heartbeat.progress(t.train_iters, "finishing", watched=False)
+        workspace.release()  # the LM head's kept chunk buffers (model/workspace.py) outlive no run
         barrier()
         result = self.result()
         if self.emit:
