@@ -31,10 +31,11 @@ FORBIDDEN = {
     "parallel": ("train", "cli", "checkpoint", "recipe", "run"),
     "schedule": ("train", "cli", "checkpoint", "recipe", "run"),  # pipeline/ included
     "fp8": ("train", "cli", "checkpoint", "recipe", "parallel", "schedule", "run"),
-    "train": ("cli", "rl", "run"),
+    "train": ("cli", "rl", "run", "score"),
     "parity": ("cli", "train", "run"),
     "generate": ("cli", "train", "schedule", "run"),
     "rl": ("cli", "run"),
+    "score": ("cli", "rl", "run"),
     "run": ("cli",),
     "data": ("cli", "train", "model", "checkpoint", "parallel", "schedule", "fp8", "recipe", "parity", "run"),
     "doctor": ("cli", "train", "checkpoint", "schedule", "run"),

@@ -15,6 +15,7 @@ from __future__ import annotations
 # Each command module registers itself on `app` when imported; `gptoss --help` lists the commands
 # in this order. A missing module is an ImportError here, not a command that silently disappears.
 from gptoss_cli.cli import (  # noqa: F401, I001
-    convert, make_tiny, validate, parity, train, prepare_data, demo, evaluate, generate, report, serve_check, doctor,
+    convert, make_tiny, validate, parity, train, prepare_data, demo, evaluate, score, generate, report, serve_check,
+    doctor,
 )
 from gptoss_cli.cli.app import app, main  # noqa: F401

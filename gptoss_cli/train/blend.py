@@ -72,6 +72,8 @@ class BlendedSource:
         item = self.sources[k].sample(n)
         if self.documents and isinstance(item, torch.Tensor):
             return PackedRow(item[:-1].clone(), item[1:].clone(), [len(item) - 1])
+        if isinstance(item, PackedRow):  # a trained-token index of one file of several identifies nothing
+            item.token_index = None
         return item
 
     def state_dict(self, consumed_samples: int) -> dict[str, Any]:

@@ -12,6 +12,14 @@ step; DP rank r takes the contiguous slice [c + r*G/dp, c + (r+1)*G/dp) in micro
 DP=2 run equal a DP=1 run with gradient accumulation. The position (consumed samples) is saved in
 the checkpoint.
 
+Token index: each position of a token-file microbatch also carries the index of its label among the
+file's trained tokens (`Microbatch.token_index`, -1 where the label is not trained): trained tokens
+are numbered in file order (documents in order, positions in order, only where the loss mask trains
+the label; every next token of a version-1 file's windows, window j's position p being j*S + p).
+That number does not depend on the packing, the DP split or the microbatch order, so values
+precomputed per trained token (gptoss_cli/score/: a reference's log-probs, a teacher's top-k) are
+looked up by it. Mock data and blends carry none.
+
 Context parallel (docs/context-parallel.md): the CP ranks of one group read the same microbatches
 (`dp_rank`/`dp_size` are then the data-parallel rank and size, world / CP) and each keeps its
 contiguous slice of S/CP positions of every row; positions and document boundaries are computed on
@@ -131,15 +139,21 @@ class TokenFileSource(_EpochOrder):
         _check_ids(window, self.vocab_size, self.bin_path, j * self.seq_length)
         return window
 
+    def window_token_index(self, js: list[int]) -> torch.Tensor:
+        """[len(js), S] the trained-token index of each label of windows `js` (every label is trained)."""
+        return torch.tensor(js, dtype=torch.int64)[:, None] * self.seq_length + torch.arange(self.seq_length)
+
 
 @dataclass
 class PackedRow:
     """One row of packed documents: inputs, labels (IGNORE_INDEX where untrained, at each document's
-    last token and on the padding) and the lengths of the documents it holds, in order."""
+    last token and on the padding), the lengths of the documents it holds, in order, and each label's
+    index among the file's trained tokens (see the module docstring; None where unknown)."""
 
     tokens: torch.Tensor  # [S]
     labels: torch.Tensor  # [S]
     lengths: list[int]
+    token_index: torch.Tensor | None = None  # [S] int64, -1 where the label is not trained
 
 
 class PackedDocumentSource(_EpochOrder):
@@ -168,6 +182,10 @@ class PackedDocumentSource(_EpochOrder):
                               hint="raise training.seq_length to the longest document, or re-create the file with "
                                    "a smaller --max-length") from None
         self.efficiency = packing_efficiency(self.lengths, self.rows, seq_length)
+        # trained tokens before each document (D+1): what numbers a label among the file's trained tokens
+        trained = (np.add.reduceat(np.asarray(self.mask.numpy()), self.offsets[:-1], dtype=np.int64)
+                   if self.mask is not None else np.diff(self.offsets) - 1)  # mask[first token] is 0 (checked)
+        self.trained_before = np.concatenate([[0], np.cumsum(trained, dtype=np.int64)])
         self.seq_length, self.seed = seq_length, seed
         self.num_samples = len(self.rows)
         self.bin_path, self.vocab_size = bin_path, vocab_size
@@ -177,6 +195,7 @@ class PackedDocumentSource(_EpochOrder):
         s = self.seq_length
         tokens = torch.zeros(s, dtype=torch.int64)  # padding: token 0, never a label
         labels = torch.full((s,), IGNORE_INDEX, dtype=torch.int64)
+        index = torch.full((s,), -1, dtype=torch.int64)
         at, lengths = 0, []
         for d in self.rows[j]:
             a, b = int(self.offsets[d]), int(self.offsets[d + 1])
@@ -188,9 +207,11 @@ class PackedDocumentSource(_EpochOrder):
             if self.mask is not None:
                 target = torch.where(self.mask[a + 1:b].bool(), target, IGNORE_INDEX)
             labels[at:at + n - 1] = target
+            trained = target != IGNORE_INDEX
+            index[at:at + n - 1] = torch.where(trained, int(self.trained_before[d]) + trained.cumsum(0) - 1, -1)
             at += n
             lengths.append(n)
-        return PackedRow(tokens, labels, lengths)
+        return PackedRow(tokens, labels, lengths, index)
 
     def sample(self, index: int) -> PackedRow:
         return self.row(self.sample_at(index))
@@ -207,6 +228,9 @@ class Microbatch:
     # per-position tensors [mbs, S] a training objective attaches (advantages, old log-probs, ...:
     # train/objective.py, `prepare_step`); sliced with the labels under context parallel
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    # [mbs, S] int64: each label's index among the token file's trained tokens, -1 where not trained
+    # (the module docstring); None for data without one (mock, blends, rollouts)
+    token_index: torch.Tensor | None = None
 
     def model_inputs(self) -> dict:
         """Keyword arguments of the model's forward (and schedule plan) besides the tokens."""
@@ -226,7 +250,9 @@ class Microbatch:
         return Microbatch(tokens=slice_sequence(self.tokens, cp_size, cp_rank),
                           labels=slice_sequence(self.labels, cp_size, cp_rank),
                           position_ids=slice_sequence(positions, cp_size, cp_rank), cu_seqlens=self.cu_seqlens,
-                          extras={k: slice_sequence(v, cp_size, cp_rank) for k, v in self.extras.items()})
+                          extras={k: slice_sequence(v, cp_size, cp_rank) for k, v in self.extras.items()},
+                          token_index=(None if self.token_index is None
+                                       else slice_sequence(self.token_index, cp_size, cp_rank)))
 
 
 class DataLoaderState:
@@ -261,12 +287,16 @@ class DataLoaderState:
 
     def _full_rows(self, base: int) -> Iterator[Microbatch]:
         for m in range(self.num_microbatches):
-            rows = [self.source.sample(base + m * self.micro_batch_size + j) for j in range(self.micro_batch_size)]
+            samples = [base + m * self.micro_batch_size + j for j in range(self.micro_batch_size)]
+            rows = [self.source.sample(i) for i in samples]
             if isinstance(rows[0], PackedRow):
                 yield packed_microbatch(rows, self.device)
                 continue
             batch = torch.stack(rows).to(self.device)
-            yield Microbatch(tokens=batch[:, :-1].contiguous(), labels=batch[:, 1:].contiguous())
+            index = None
+            if isinstance(self.source, TokenFileSource):
+                index = self.source.window_token_index([self.source.sample_at(i) for i in samples]).to(self.device)
+            yield Microbatch(tokens=batch[:, :-1].contiguous(), labels=batch[:, 1:].contiguous(), token_index=index)
 
     def state_dict(self) -> dict[str, int]:
         return {"consumed_samples": self.consumed_samples}
@@ -276,9 +306,11 @@ def packed_microbatch(rows: list[PackedRow], device: torch.device) -> Microbatch
     """The microbatch of packed rows: stacked, with their document boundaries and positions."""
     seq = rows[0].tokens.shape[0]
     cu = document_offsets([r.lengths for r in rows], seq)
+    index = (torch.stack([r.token_index for r in rows]).to(device)
+             if all(r.token_index is not None for r in rows) else None)
     return Microbatch(tokens=torch.stack([r.tokens for r in rows]).to(device),
                       labels=torch.stack([r.labels for r in rows]).to(device),
-                      position_ids=document_positions(cu, len(rows), seq, device), cu_seqlens=cu)
+                      position_ids=document_positions(cu, len(rows), seq, device), cu_seqlens=cu, token_index=index)
 
 
 def file_rows(source: Any, js: list[int], device: torch.device) -> Microbatch:
@@ -287,7 +319,8 @@ def file_rows(source: Any, js: list[int], device: torch.device) -> Microbatch:
     if getattr(source, "documents", False):
         return packed_microbatch([source.row(j) for j in js], device)
     batch = torch.stack([source.window(j) for j in js]).to(device)
-    return Microbatch(tokens=batch[:, :-1].contiguous(), labels=batch[:, 1:].contiguous())
+    return Microbatch(tokens=batch[:, :-1].contiguous(), labels=batch[:, 1:].contiguous(),
+                      token_index=source.window_token_index(js).to(device))
 
 
 def token_file_source(path: str | Path, seq_length: int, seed: int, vocab_size: int | None = None):

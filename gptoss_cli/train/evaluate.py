@@ -14,10 +14,11 @@ every rank scores its share of the rows, and the figures are gathered. Validatio
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -122,16 +123,45 @@ def _score_rows(model: Any, source: Any, js: list[int], packed: bool, device: to
     return scores
 
 
-def evaluate(checkpoint: str | Path, data: str | Path, *, seq_length: int | None = None,
-             dtype: torch.dtype = torch.float32, device: str = "auto", micro_batch_size: int = 1,
-             expert_parallel: int = 1, progress: EvalProgress | None = None,
-             load_progress: Callable[[str], None] | None = None) -> EvalResult:
-    """Evaluate `checkpoint` (any kind `gptoss_cli/checkpoint/load.py` reads) on the token file `data`.
+@dataclass
+class ScoringRun:
+    """A frozen checkpoint ready to score a token file's rows on this rank: what `gptoss eval` and
+    `gptoss score` (gptoss_cli/score/) share. `rows(micro_batch_size)` yields this rank's rows in
+    rounds; `source` gives them (`file_rows`, or `source.row(j)` for packed documents)."""
 
-    Under torchrun (or in a process group joined already) every rank holds 1/expert_parallel of the
-    experts (training's EP layout and all-to-all dispatcher) and scores every world_size-th row; the
-    figures are gathered so every rank returns the whole result. A rank without a row left in the last
-    round runs one padding row, so the expert all-to-alls of its EP group still match."""
+    model: Any
+    source: Any  # PackedDocumentSource (version 2) or TokenFileSource (version 1)
+    state: Any  # the rank's ParallelState
+    arch: Any  # GptOssArch
+    header: dict[str, Any]  # the token file's header
+    packed: bool
+    seq_length: int
+
+    def rows(self, micro_batch_size: int, progress: EvalProgress | None = None) -> Iterator[list[int]]:
+        """This rank's rows (every world_size-th, from its rank on), `micro_batch_size` per round, with
+        no gradients. A rank without a row left in a round runs one padding row itself, so the expert
+        all-to-alls of its EP group still match; `progress(rows done, rows)` after every round."""
+        rows, world = self.source.num_samples, self.state.world_size
+        mine = list(range(self.state.rank, rows, world))
+        per_rank = -(-rows // world)  # rows of the busiest rank
+        with torch.no_grad():
+            for k in range(-(-per_rank // micro_batch_size)):
+                js = mine[k * micro_batch_size:(k + 1) * micro_batch_size]
+                if js:
+                    yield js
+                elif self.state.ep_size > 1:  # keep the EP group's all-to-alls matched
+                    self.model(torch.zeros(1, self.seq_length, dtype=torch.long, device=self.state.device))
+                if progress is not None:
+                    progress(min(rows, (k + 1) * micro_batch_size * world), rows)
+
+
+@contextlib.contextmanager
+def scoring_run(checkpoint: str | Path, data: str | Path, *, seq_length: int | None = None,
+                dtype: torch.dtype = torch.float32, device: str = "auto", expert_parallel: int = 1,
+                load_progress: Callable[[str], None] | None = None, command: str = "eval") -> Iterator[ScoringRun]:
+    """Load `checkpoint` (any kind gptoss_cli/checkpoint/load.py reads) frozen in eval mode over the
+    token file `data`, in training's EP layout under torchrun (or in a process group joined already:
+    every rank holds 1/expert_parallel of the experts); the process group it made is torn down after."""
     import torch.distributed as dist  # noqa: PLC0415
 
     from gptoss_cli.checkpoint.load import checkpoint_architecture, model_from_checkpoint  # noqa: PLC0415
@@ -141,7 +171,7 @@ def evaluate(checkpoint: str | Path, data: str | Path, *, seq_length: int | None
     if expert_parallel > 1 and not dist.is_initialized() and torchrun_env() is None:
         raise ConfigError(f"--expert-parallel {expert_parallel} splits the experts over {expert_parallel} processes, "
                           "but this is one process",
-                          hint=f"torchrun --nproc-per-node {expert_parallel} -m gptoss_cli eval ... "
+                          hint=f"torchrun --nproc-per-node {expert_parallel} -m gptoss_cli {command} ... "
                                f"--expert-parallel {expert_parallel}")
     arch, _ = checkpoint_architecture(checkpoint)
     header = read_token_header(data)
@@ -161,27 +191,34 @@ def evaluate(checkpoint: str | Path, data: str | Path, *, seq_length: int | None
             checkpoint, dtype=dtype, device=state.device, progress=load_progress, expert_offset=offset,
             num_local_experts=n_local, token_dispatcher_factory=dispatcher_factory(arch.num_local_experts, state),
         ).eval()
-        rows, world = source.num_samples, state.world_size
-        mine = list(range(state.rank, rows, world))
-        per_rank = -(-rows // world)  # rows of the busiest rank
-        rounds = -(-per_rank // micro_batch_size)
-        scores: list[dict[str, Any]] = []
-        with torch.no_grad():
-            for k in range(rounds):
-                js = mine[k * micro_batch_size:(k + 1) * micro_batch_size]
-                if js:
-                    scores += _score_rows(model, source, js, packed, state.device)
-                elif state.ep_size > 1:  # keep the EP group's all-to-alls matched
-                    model(torch.zeros(1, seq, dtype=torch.long, device=state.device))
-                if progress is not None:
-                    progress(min(rows, (k + 1) * micro_batch_size * world), rows)
-        if state.distributed:
-            gathered: list[Any] = [None] * world
-            dist.all_gather_object(gathered, scores)
-            scores = [x for part in gathered for x in part]
+        yield ScoringRun(model, source, state, arch, header, packed, seq)
     finally:
         if owns_group:
             destroy_parallel()
+
+
+def evaluate(checkpoint: str | Path, data: str | Path, *, seq_length: int | None = None,
+             dtype: torch.dtype = torch.float32, device: str = "auto", micro_batch_size: int = 1,
+             expert_parallel: int = 1, progress: EvalProgress | None = None,
+             load_progress: Callable[[str], None] | None = None) -> EvalResult:
+    """Evaluate `checkpoint` (any kind `gptoss_cli/checkpoint/load.py` reads) on the token file `data`.
+
+    Under torchrun (or in a process group joined already) every rank holds 1/expert_parallel of the
+    experts (training's EP layout and all-to-all dispatcher) and scores every world_size-th row; the
+    figures are gathered so every rank returns the whole result (`scoring_run`)."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    with scoring_run(checkpoint, data, seq_length=seq_length, dtype=dtype, device=device,
+                     expert_parallel=expert_parallel, load_progress=load_progress) as run:
+        source, state, packed, seq, header = run.source, run.state, run.packed, run.seq_length, run.header
+        scores: list[dict[str, Any]] = []
+        for js in run.rows(micro_batch_size, progress):
+            scores += _score_rows(run.model, source, js, packed, state.device)
+        if state.distributed:
+            gathered: list[Any] = [None] * state.world_size
+            dist.all_gather_object(gathered, scores)
+            scores = [x for part in gathered for x in part]
+        rows = source.num_samples
 
     total_sum = sum(x["loss_sum"] for x in scores)
     total_count = sum(x["loss_tokens"] for x in scores)
@@ -200,4 +237,4 @@ def evaluate(checkpoint: str | Path, data: str | Path, *, seq_length: int | None
     )
 
 
-__all__ = ["EvalResult", "evaluate", "default_seq_length", "check_seq_length", "DEFAULT_SEQ_LENGTH"]
+__all__ = ["EvalResult", "evaluate", "ScoringRun", "scoring_run", "default_seq_length", "check_seq_length", "DEFAULT_SEQ_LENGTH"]
