@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from gptoss_cli.model.gemm.main_grad import addmm_fp32_, fp32_accumulating_gemm, mm_fp32
+from gptoss_cli.model.gemm.main_grad import add_cast_, addmm_fp32_, fp32_accumulating_gemm, mm_fp32
 from gptoss_cli.model.workspace import borrow, buffer
 
 # The workspace's slots (model/workspace.py): the chunk's fp32 logits (also the entropy's scratch), its
@@ -92,7 +92,7 @@ class WeightGradSum:
         if first:
             self.sum.copy_(product)
         else:
-            self.sum += product
+            add_cast_(self.sum, product)
 
     def total(self) -> torch.Tensor:
         """The fp32 sum (zeros when no chunk was added)."""

@@ -95,3 +95,14 @@ def test_lm_head_chunk_per_device():
     assert lm_loss_chunk_tokens(201_088, 2, "cuda") == 1280  # 14 x 201,088 B x 1280 = 3.6 GB
     assert lm_loss_chunk_tokens(1003, 2, "cuda") == 4096
     assert lm_loss_chunk_tokens(10**8, 2, "cuda") == 256
+
+
+def test_a_bf16_gradient_added_in_blocks_equals_one_add():
+    # add_cast_ adds a gradient of another dtype block by block (its cast's temporary stays small):
+    # elementwise, so every element is the one add torch computes, bit for bit, the last block short
+    g = torch.Generator().manual_seed(2)
+    rows = 3 * main_grad.ADD_CAST_BLOCK // 64 + 1  # [rows, 64]: three blocks and a short fourth
+    target, grad = torch.randn(rows, 64, generator=g), torch.randn(rows, 64, generator=g).bfloat16()
+    want = target + grad.float()
+    assert main_grad.add_cast_(target, grad) is target
+    assert torch.equal(target, want)
