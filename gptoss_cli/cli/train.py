@@ -130,10 +130,12 @@ def render_result(result: Any) -> None:
     table.add_row("steps", f"{result.steps} (reached step {result.final_step})")
     if result.losses:
         table.add_row("loss", f"{result.losses[0]:.4f} -> {result.losses[-1]:.4f}")
-    table.add_row("tokens/s", f"{result.tokens_per_s:.0f} (world {result.world_size}, EP {result.ep_size})")
-    table.add_row("model FLOPs", f"{flops_text(result.tflops_per_gpu, result.mfu)} "
-                                 f"({result.model_flops_per_token / 1e9:.3g} GFLOP per token"
-                                 + (f", peak {result.peak_tflops:.0f} TFLOP/s)" if result.peak_tflops else ", no known peak here)"))
+    if result.steps:  # a run with nothing to do measured nothing
+        table.add_row("tokens/s", f"{result.tokens_per_s:.0f} (world {result.world_size}, EP {result.ep_size})")
+        table.add_row("model FLOPs", f"{flops_text(result.tflops_per_gpu, result.mfu)} "
+                                     f"({result.model_flops_per_token / 1e9:.3g} GFLOP per token"
+                                     + (f", peak {result.peak_tflops:.0f} TFLOP/s)" if result.peak_tflops
+                                        else ", no known peak here)"))
     if result.fp8:
         f = result.fp8
         table.add_row("fp8", f"{f['recipe']} {f['format']}: {f['path']} ({f['kernel']}) on {f['device']}, "

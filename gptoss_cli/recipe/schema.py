@@ -246,6 +246,10 @@ class CheckpointConfig:
         False, "resume with this recipe's learning-rate schedule (training.lr, min_lr, warmup_iters, lr_decay_style, "
         "lr_decay_iters or train_iters) even where it differs from the checkpoint's; false = such a resume is refused",
     )
+    override_data: bool = _f(
+        False, "resume on this recipe's data (data.kind, path, blend) even where it differs from the checkpoint's "
+        "run, carrying on from the checkpoint's position (consumed_samples); false = such a resume is refused",
+    )
 
 
 @dataclass
@@ -317,6 +321,8 @@ OBJECTIVES = ("cross_entropy", "grpo")
 # GRPO's loss normalisations, as TRL names them (docs/rl.md)
 RL_LOSSES = ("grpo", "dapo", "dr_grpo")
 ROLLOUT_ENGINES = ("gptoss", "vllm")
+# what the trainer's MoE layers route a rollout's tokens to (docs/rl.md, "Routing replay")
+ROUTING_REPLAY = ("none", "rollout", "old_policy")
 
 
 @dataclass
@@ -380,6 +386,12 @@ class RLConfig:
     kl_unbiased: bool = _f(True, "multiply the KL term by the ratio p / p_old, which makes its gradient the unbiased "
                            "reverse-KL gradient (DeepSeek-V3.2; TRL's use_bias_correction_kl); false = GRPO's plain k3 "
                            "estimator")
+    # --- routing replay (docs/rl.md, "Routing replay") ---
+    routing_replay: str = _f("none", "which experts the trainer's MoE layers send a rollout's tokens to: none (their "
+                             "own live top-k), rollout (the experts the rollout engine used, R3; needs an engine that "
+                             "reports them), old_policy (the trainer's own at the rollout's weights, for every update "
+                             "of the rollout: rl.steps_per_rollout > 1); the combine weights are the live router's "
+                             "softmax at those experts either way", choices=ROUTING_REPLAY)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
 
 

@@ -5,7 +5,7 @@ prompt already repeated rl.group_size times) and `sync(model, version)`, called 
 with the policy as it is after `version` optimizer steps.
 
 - `GptossRollout` decodes with the training model itself on every rank (rl/sampling.py); nothing to
-  sync. Its generator is seeded by (rl.seed, rollout, data-parallel rank), so a resumed run samples
+  sync. With `routes` each sample also carries the experts its tokens went to (routing replay). Its generator is seeded by (rl.seed, rollout, data-parallel rank), so a resumed run samples
   what an uninterrupted one does.
 - `VllmRollout` runs vLLM in its own interpreter (generate/engines/vllm_offline.py), fed by rank 0:
   every rank's prompts are gathered there and the completions sent back. Each completion has its
@@ -17,7 +17,10 @@ with the policy as it is after `version` optimizer steps.
   against the trainer's own, within serve-check's error budget for the engine's dtype
   (parity/serve/budget.py). A push the engine did not take is a TrainingError naming the version.
   The engine's log-probabilities are vLLM's `processed_logprobs`: after temperature and top_p, the
-  distribution it sampled from, as gptoss's engine reports them.
+  distribution it sampled from, as gptoss's engine reports them. With `routes` (rl.routing_replay:
+  rollout) vLLM is asked for the experts each token went to (`enable_return_routed_experts`, its V2
+  model runner: a GPU; refused in one line on an engine that cannot) and they are mapped to gptoss's
+  numbering (rl/routes.py, `vllm_routes`).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ if TYPE_CHECKING:
     from gptoss_cli.model.config import GptOssArch
     from gptoss_cli.parallel.state import ParallelState
 
-Sample = tuple[list[int], list[float], str]
+Sample = tuple  # (ids, logprobs, finish) and, when asked, the routes (rl/routes.py)
 
 
 def mixed_seed(*parts: int) -> int:
@@ -57,8 +60,8 @@ class GptossRollout:
     name = "gptoss"
 
     def __init__(self, model: torch.nn.Module, *, sampling: Sampling, max_new_tokens: int, stop_ids: Sequence[int],
-                 batch_size: int | None, seed: int, dp_rank: int, group=None):
-        self.model, self.sampling, self.max_new_tokens = model, sampling, max_new_tokens
+                 batch_size: int | None, seed: int, dp_rank: int, group=None, routes: bool = False):
+        self.model, self.sampling, self.max_new_tokens, self.routes = model, sampling, max_new_tokens, routes
         self.stop_ids, self.batch_size, self.seed, self.dp_rank, self.group = stop_ids, batch_size, seed, dp_rank, group
         self.version = 0
         self.push_seconds = 0.0
@@ -70,7 +73,7 @@ class GptossRollout:
         generator = torch.Generator().manual_seed(mixed_seed(self.seed, rollout, self.dp_rank))
         return sample_completions(self.model, prompts, max_new_tokens=self.max_new_tokens, stop_ids=self.stop_ids,
                                   sampling=self.sampling, generator=generator, batch_size=self.batch_size,
-                                  group=self.group)
+                                  group=self.group, routes=self.routes)
 
     def close(self) -> None:
         pass
@@ -83,13 +86,15 @@ class VllmRollout:
 
     def __init__(self, model: torch.nn.Module, arch: GptOssArch, state: ParallelState, *, sampling: Sampling, max_new_tokens: int,
                  stop_ids: Sequence[int], seed: int, dtype: str, max_model_len: int, qat: bool, probe: Sequence[int],
-                 python: str | None, version: int, rollout_rows: int = 1, log_dir: str | Path | None = None):
+                 python: str | None, version: int, rollout_rows: int = 1, log_dir: str | Path | None = None,
+                 routes_of: Sequence[tuple[int, int]] | None = None):
         self.arch, self.state, self.sampling, self.max_new_tokens = arch, state, sampling, max_new_tokens
         self.stop_ids, self.seed, self.dtype, self.qat, self.probe = list(stop_ids), seed, dtype, qat, list(probe)
         self.engine = None
         self.version = version
         self.push_seconds = 0.0
         self.last_fingerprint: dict[str, Any] = {}
+        self.routes_of = routes_of  # the MoE layers' (index, HF block) when routes are asked for (rl/routes.py)
         if state.rank == 0:
             from gptoss_cli.generate.engines.vllm_offline import VllmEngine
             from gptoss_cli.rl.weights import write_hf_folder
@@ -97,14 +102,24 @@ class VllmRollout:
             self._tmp = Path(tempfile.mkdtemp(prefix="gptoss-rl-weights-", dir=log_dir))
             folder = write_hf_folder(model, arch, self._tmp / "policy", qat=qat, dtype=dtype)
             self.engine = VllmEngine(python, log_dir=log_dir)
+            self._routes_possible()
             engine_args = {}
             if self.engine.info.device == "cpu":
                 # vLLM's CPU build fails a seeded request whose prompt is prefilled in chunks ("CPU Generator
                 # does not use offset"): a token budget that holds every prompt of a rollout avoids the chunks
                 engine_args["max_num_batched_tokens"] = max(max_model_len, rollout_rows * max_model_len)
             self.engine.load_model(folder, dtype=dtype, max_model_len=max_model_len, vocab_size=arch.vocab_size,
-                                   seed=seed, logprobs_mode="processed_logprobs", engine_args=engine_args)
+                                   seed=seed, logprobs_mode="processed_logprobs", engine_args=engine_args,
+                                   routed_experts=routes_of is not None)
         self._agree(lambda: self._fingerprint(model, "at start"))
+
+    def _routes_possible(self) -> None:
+        if self.routes_of is not None and self.engine.info.device != "cuda":
+            device = self.engine.info.device
+            self.engine.close()
+            raise TrainingError(f"rl.routing_replay=rollout needs the engine's routed experts, which vLLM returns only "
+                                f"with its V2 model runner on a GPU; this vLLM runs on {device}",
+                                hint="rl.rollout.engine=gptoss, or rl.routing_replay=old_policy / none")
 
     def _agree(self, fn) -> None:
         """Run `fn` on rank 0; every rank raises the TrainingError it raised (no rank waits alone)."""
@@ -170,13 +185,22 @@ class VllmRollout:
             done = self.engine.generate(flat, sampling)
             out, at = [], 0
             for rank_prompts in everyone:
-                out.append([(c.ids, c.logprobs, "stop" if c.finish_reason == "stop" else "length")
-                            for c in done[at:at + len(rank_prompts)]])
+                out.append([self._sample(p, c) for p, c in zip(rank_prompts, done[at:at + len(rank_prompts)])])
                 at += len(rank_prompts)
             results = [out]
         if state.distributed:
             dist.broadcast_object_list(results, src=0)
         return results[0][state.rank]
+
+    def _sample(self, prompt: list[int], c: Any) -> Sample:
+        finish = "stop" if c.finish_reason == "stop" else "length"
+        if self.routes_of is None:
+            return c.ids, c.logprobs, finish
+        from gptoss_cli.rl.routes import vllm_routes
+
+        routes = None if c.routed_experts is None else vllm_routes(c.routed_experts, prompt=len(prompt),
+                                                                   completion=len(c.ids), layers=self.routes_of)
+        return c.ids, c.logprobs, finish, routes
 
     def close(self) -> None:
         if self.engine is not None:

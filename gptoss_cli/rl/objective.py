@@ -23,7 +23,10 @@ log-prob itself (detached), as in TRL; otherwise the rollout scored it before th
 
 `mismatch_kl` is the per-token estimate exp(d) - 1 - d, d = old_t - engine_t, of KL(engine || trainer)
 over the completion tokens: the trainer's recomputation against the log-probs the engine reported
-for the tokens it sampled.
+for the tokens it sampled. `routing_flip_rate` (when the engine reported its experts) is the share of
+token-layer pairs whose live top-k set in the trainer's forward at the rollout's weights (where old_t
+is computed) differs from the engine's, counted by each router before any replay (model/routes.py;
+docs/rl.md, "Routing replay"); tokens of the whole row count, the prompt's too.
 """
 
 from __future__ import annotations
@@ -84,11 +87,13 @@ class GRPOObjective(TrainingObjective):
     sums: ClassVar[tuple[str, ...]] = (
         "loss_sum", "num_tokens", "pg_loss_sum", "completion_tokens", "completions", "kl_ref_sum", "clipped_sum",
         "entropy_sum", "mismatch_sum", "mismatch_abs_sum", "is_weight_sum", "is_capped_sum", "aux_loss_sum",
-        "z_loss_sum")
+        "z_loss_sum", "route_flip_sum", "route_pairs")
     # reward_mean is the rollout's (RLTrainer adds it to the step's metrics, rl/rollouts.py)
     shown_metrics: ClassVar[tuple[MetricDisplay, ...]] = (
         MetricDisplay("reward_mean", label="mean reward", console="reward", format=".3f"),
-        MetricDisplay("mismatch_kl", label="mismatch KL (engine || trainer)", console="mismatch", format=".1e"))
+        MetricDisplay("mismatch_kl", label="mismatch KL (engine || trainer)", console="mismatch", format=".1e"),
+        MetricDisplay("routing_flip_rate", label="routing flip rate (trainer vs engine top-k)", console="flips",
+                      format=".1e"))
 
     @classmethod
     def from_recipe(cls, config: RecipeConfig) -> "GRPOObjective":
@@ -137,6 +142,11 @@ class GRPOObjective(TrainingObjective):
                     clipped_sum=((low | high).float() * mask).sum(), entropy_sum=(entropy * mask).sum(),
                     mismatch_sum=((torch.exp(d) - 1 - d) * mask).sum().detach(),
                     mismatch_abs_sum=d.abs().sum().detach())
+        flips, pairs = ex.get("route_flips"), ex.get("route_pairs")  # counted at the rollout's weights when scored
+        if pairs is None and getattr(output, "route_pairs", None) is not None:
+            flips, pairs = output.route_flips, output.route_pairs
+        if pairs is not None:  # the engine's routes came with the microbatch
+            logs.update(route_flip_sum=flips.sum().float(), route_pairs=pairs.sum().float())
         loss_sum = objective + router_losses(output, normaliser, self.aux_loss_coeff, self.z_loss_coeff, logs)
         return loss_sum, normaliser, logs
 
@@ -158,6 +168,8 @@ class GRPOObjective(TrainingObjective):
         for name, coeff in (("aux_loss", self.aux_loss_coeff), ("z_loss", self.z_loss_coeff)):
             if coeff > 0:
                 out[name] = per(f"{name}_sum", norm)
+        if sums.get("route_pairs"):
+            out["routing_flip_rate"] = sums["route_flip_sum"] / sums["route_pairs"]
         return out
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import shutil
@@ -42,6 +43,7 @@ from gptoss_cli.run.worker import run_worker
 from gptoss_cli.train.heartbeat import Watchdog
 from gptoss_cli.train.job import TrainJob
 from gptoss_cli.train.progress import TrainProgress, TrainResult
+from gptoss_cli.train.report import METRICS
 from gptoss_cli.train.resume import check_resume_point
 
 if TYPE_CHECKING:
@@ -121,22 +123,107 @@ def _train(recipe: Recipe, *, nproc_per_node: int | None, progress: TrainProgres
         preflight_recipe(recipe, env["WORLD_SIZE"])
         check_local_gpus(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), recipe.config.system.device)
         job = TrainJob.from_recipe(recipe)
-        with run_folders(job, owner=env["RANK"] == 0) as notes:
-            check_resume_point(job.config)
-            return _with_notes(run_worker(job, progress), notes)
+        with run_folders(job, owner=env["RANK"] == 0) as notes, reporting_stop(job):
+            done = nothing_to_do(job, check_resume_point(job.config), env["WORLD_SIZE"])
+            return _with_notes(done or run_worker(job, progress), notes)
     nproc = nproc_per_node if nproc_per_node is not None else default_nproc(recipe)
     if nproc < 1:
         raise ConfigError(f"--nproc-per-node {nproc} must be at least 1")
     preflight_recipe(recipe, nproc)
     check_local_gpus(nproc, recipe.config.system.device)
     job = TrainJob.from_recipe(recipe)
-    with run_folders(job) as notes:
-        # Holding the folders: a resume that would change the lr schedule or the blend is one line,
-        # before any worker starts.
-        check_resume_point(job.config)
+    with run_folders(job) as notes, reporting_stop(job):
+        # Holding the folders: a resume that would change the lr schedule or the data is one line,
+        # before any worker starts; so is a run already at training.train_iters.
+        done = nothing_to_do(job, check_resume_point(job.config), nproc)
+        if done is not None:
+            return _with_notes(done, notes)
         if nproc == 1:
             return _with_notes(run_worker(job, progress), notes)
         return _with_notes(launch_local(job, nproc, progress), notes)
+
+
+def nothing_to_do(job: TrainJob, resume: tuple[Path, dict[str, Any]] | None, world_size: int) -> TrainResult | None:
+    """The result of a run whose checkpoint is already at training.train_iters (`resume`: the checkpoint it
+    would resume and its train state, check_resume_point's): no worker starts, and the note says so and how
+    to train longer; None when there are steps to train."""
+    if resume is None:
+        return None
+    folder, saved = resume
+    step, t = int(saved["step"]), job.config.training
+    if step < t.train_iters:
+        return None
+    schedule = saved.get("lr_schedule") if isinstance(saved.get("lr_schedule"), dict) else {}
+    keep = ""
+    if schedule.get("style") not in (None, "constant") and t.lr_decay_iters is None:
+        keep = (f" with training.lr_decay_iters={schedule.get('decay_iters')} to keep the checkpoint's learning-rate "
+                "schedule (later steps run at min_lr)")
+    note = (f"nothing to do: already at step {step} ({folder}), and training.train_iters={t.train_iters}; to train "
+            f"longer, raise training.train_iters{keep}")
+    return TrainResult(steps=0, final_step=step, losses=[], grad_norms=[], tokens_per_s=0.0, run_dir=str(job.run_dir),
+                       checkpoint=str(folder), resumed_from=str(folder), world_size=world_size,
+                       ep_size=job.config.parallelism.expert_model_parallel_size, notes=[note])
+
+
+@contextlib.contextmanager
+def reporting_stop(job: TrainJob) -> Iterator[None]:
+    """A run stopped by Ctrl-C or SIGTERM ends as the same KeyboardInterrupt / Terminated, its message saying
+    what survives (`what_survives`): the CLI prints it after "interrupted:" / "terminated:"."""
+    metrics = Path(job.run_dir) / METRICS
+    try:
+        start = metrics.stat().st_size  # this run's steps are the lines appended from here
+    except OSError:
+        start = 0
+    try:
+        yield
+    except (KeyboardInterrupt, Terminated) as exc:
+        raise type(exc)(what_survives(job, _last_step(metrics, start))) from None
+
+
+def _last_step(metrics: Path, start: int) -> int | None:
+    """The last step metrics.jsonl logged after byte `start` (this run's), None when it logged none."""
+    try:
+        with metrics.open("rb") as fh:
+            fh.seek(start)
+            lines = fh.read().splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):  # a line cut by the stop does not parse: the one before it counts
+        try:
+            step = json.loads(line).get("step")
+        except (ValueError, AttributeError):
+            continue
+        if isinstance(step, int):
+            return step
+    return None
+
+
+def what_survives(job: TrainJob, last_step: int | None) -> str:
+    """'nothing was left half-written; last checkpoint: step N (folder)' or 'none ...', and the steps this run
+    finished since that checkpoint, which a resume does again."""
+    from gptoss_cli.checkpoint.formats.training.record import latest_checkpoint
+
+    ckpt_dir = job.config.checkpoint.dir
+    try:
+        folder = latest_checkpoint(ckpt_dir) if ckpt_dir else None
+    except GptossError:
+        folder = None
+    saved = int(folder.name[len("iter_"):]) if folder is not None else None
+    if saved is None:
+        where = "checkpoint.dir is not set" if not ckpt_dir else f"none saved in {ckpt_dir} yet"
+        text = f"nothing was left half-written; last checkpoint: none ({where})"
+        lost = last_step if last_step is not None else 0
+        return text + (f"; the {_steps(lost)} of this run are lost" if lost else "")
+    text = f"nothing was left half-written; last checkpoint: step {saved} ({folder})"
+    if last_step is None or last_step <= saved:
+        return text + "; no step since is lost"
+    lost = last_step - saved
+    since = f"step {last_step}" if lost == 1 else f"steps {saved + 1}-{last_step}"
+    return text + f"; {_steps(lost)} since ({since}) {'is' if lost == 1 else 'are'} lost (a resume trains them again)"
+
+
+def _steps(n: int) -> str:
+    return f"{n} step{'s' * (n != 1)}"
 
 
 @contextlib.contextmanager

@@ -42,11 +42,12 @@ from gptoss_cli.checkpoint.storage.dcp_io import (
     check_storage_files, dcp_error, interruption, quiet_single_process, read_metadata, storage_reader,
 )
 from gptoss_cli.checkpoint.storage.finite import all_finite
+from gptoss_cli.checkpoint.storage.torch_bytes import signals_held
 from gptoss_cli.checkpoint.formats.training.record import (
     ITER_NAME, LATEST, MODEL, OPTIMIZER, PARTIAL_NAME, RNG, TRAIN_STATE, iter_name, latest_checkpoint, latest_name,
     read_train_state,
 )
-from gptoss_cli.errors import CheckpointError, TrainingError
+from gptoss_cli.errors import CheckpointError, TrainingError, signal_since, signals_seen
 from gptoss_cli.model.lora import has_lora, is_adapter_name
 from gptoss_cli.parallel.state import ParallelState, barrier
 
@@ -121,6 +122,24 @@ def save_checkpoint(
         RNG: _rng_state(state),
     }
     check_finite_state(ckpt_dir, step, payload[MODEL], payload[OPTIMIZER], state)
+    mark = signals_seen()
+    try:
+        _write_checkpoint(ckpt_dir, tmp, final, step, payload, train_state, state, mark)
+    except BaseException:
+        if state.rank == 0:  # whatever stopped the save (a signal anywhere in it): the partial folder goes
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    barrier()
+    # a signal whose exception a C++ frame swallowed: the save completed (`latest` names it), the run still stops
+    stop = signal_since(mark)
+    if stop is not None:
+        raise stop
+    return final
+
+
+def _write_checkpoint(ckpt_dir: Path, tmp: Path, final: Path, step: int, payload: dict[str, Any],
+                      train_state: dict[str, Any], state: ParallelState, mark: int) -> None:
+    """DCP's shards into `tmp`, then (rank 0) train_state.json, the rename to `final` and `latest`."""
     if state.rank == 0:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
         if tmp.exists():
@@ -135,9 +154,9 @@ def save_checkpoint(
             dcp.save(payload, checkpoint_id=str(tmp))
     except (Exception, CheckpointException) as exc:  # DCP wraps each rank's OSError (a full disk) in one
         latest = latest_name(ckpt_dir)
-        if state.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        stop = interruption(exc)  # Ctrl-C or SIGTERM inside DCP is not a failed save: exit 130 / 143
+        # Ctrl-C or SIGTERM inside DCP is not a failed save: exit 130 / 143. DCP wraps the signal's exception,
+        # or torch's zip writer turned it into its own RuntimeError ("unexpected pos"): the record says which.
+        stop = interruption(exc) or signal_since(mark)
         if stop is not None:
             raise stop from None
         # torch's own message for a full disk can be as cryptic as "unexpected pos 704 vs 598"
@@ -149,17 +168,17 @@ def save_checkpoint(
         ) from None
     barrier()
     if state.rank == 0:
-        meta = dict(train_state)
-        meta.update(step=step, world_size=state.world_size, ep_size=state.ep_size, pp_size=state.pp_size)
-        outputs.write_text(tmp / TRAIN_STATE, json.dumps(meta, indent=2) + "\n")  # a full disk names the file
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        pointer_tmp = ckpt_dir / f".{LATEST}.tmp"
-        outputs.write_text(pointer_tmp, name + "\n")
-        os.replace(pointer_tmp, ckpt_dir / LATEST)
-    barrier()
-    return final
+        # held: a signal lands before the folder is in place or after `latest` names it, never between
+        with signals_held():
+            meta = dict(train_state)
+            meta.update(step=step, world_size=state.world_size, ep_size=state.ep_size, pp_size=state.pp_size)
+            outputs.write_text(tmp / TRAIN_STATE, json.dumps(meta, indent=2) + "\n")  # a full disk names the file
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            pointer_tmp = ckpt_dir / f".{LATEST}.tmp"
+            outputs.write_text(pointer_tmp, final.name + "\n")
+            os.replace(pointer_tmp, ckpt_dir / LATEST)
 
 
 def _local_parts(t: Any) -> list[torch.Tensor]:

@@ -40,7 +40,10 @@ from gptoss_cli.errors import ConfigError
 from gptoss_cli.model.positions import document_offsets, document_positions
 from gptoss_cli.model.context_parallel import slice_sequence
 from gptoss_cli.model.loss import IGNORE_INDEX
-from gptoss_cli.data.token_format import INDEX_DTYPE, TOKEN_ITEMSIZE, check_token_files, document_file_paths, has_documents, read_token_header
+from gptoss_cli.model.routes import ExpertRoutes
+from gptoss_cli.data.token_format import (
+    TOKEN_ITEMSIZE, check_token_files, document_file_paths, has_documents, read_document_offsets, read_token_header,
+)
 
 # The format's dtype names (gptoss_cli/data/token_format.py) as the torch dtypes the reader maps them to.
 TOKEN_DTYPES = {name: getattr(torch, name) for name in TOKEN_ITEMSIZE}
@@ -171,7 +174,7 @@ class PackedDocumentSource(_EpochOrder):
             raise ConfigError(f"{bin_path}: a version-1 token file has no documents to pack")
         self.tokens = _map_tokens(bin_path, header, num_tokens)
         idx_path, mask_path = document_file_paths(path)
-        self.offsets = np.fromfile(idx_path, dtype=INDEX_DTYPE).astype(np.int64)  # checked by check_token_files
+        self.offsets = read_document_offsets(idx_path)  # checked by check_token_files
         self.mask = (torch.from_file(str(mask_path), shared=False, size=num_tokens, dtype=torch.uint8)
                      if header.get("loss_mask") else None)
         self.lengths = np.diff(self.offsets).tolist()
@@ -231,12 +234,17 @@ class Microbatch:
     # [mbs, S] int64: each label's index among the token file's trained tokens, -1 where not trained
     # (the module docstring); None for data without one (mock, blends, rollouts)
     token_index: torch.Tensor | None = None
+    # expert ids per position and MoE layer the forward is handed (routing replay, model/routes.py);
+    # sliced with the tokens under context parallel
+    routes: ExpertRoutes | None = None
 
     def model_inputs(self) -> dict:
         """Keyword arguments of the model's forward (and schedule plan) besides the tokens."""
-        if self.cu_seqlens is None and self.position_ids is None:
-            return {}
-        return {"position_ids": self.position_ids, "cu_seqlens": self.cu_seqlens}
+        out = {} if self.cu_seqlens is None and self.position_ids is None else {
+            "position_ids": self.position_ids, "cu_seqlens": self.cu_seqlens}
+        if self.routes is not None:
+            out["routes"] = self.routes
+        return out
 
     def context_slice(self, cp_size: int, cp_rank: int) -> "Microbatch":
         """CP rank `cp_rank`'s contiguous slice of every row: tokens, labels and positions (of the
@@ -252,7 +260,8 @@ class Microbatch:
                           position_ids=slice_sequence(positions, cp_size, cp_rank), cu_seqlens=self.cu_seqlens,
                           extras={k: slice_sequence(v, cp_size, cp_rank) for k, v in self.extras.items()},
                           token_index=(None if self.token_index is None
-                                       else slice_sequence(self.token_index, cp_size, cp_rank)))
+                                       else slice_sequence(self.token_index, cp_size, cp_rank)),
+                          routes=None if self.routes is None else self.routes.context_slice(cp_size, cp_rank))
 
 
 class DataLoaderState:

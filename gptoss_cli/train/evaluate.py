@@ -25,7 +25,7 @@ import torch
 from gptoss_cli.errors import ConfigError
 from gptoss_cli.model.dtypes import dtype_name
 from gptoss_cli.model.loss import IGNORE_INDEX, chunked_lm_loss_sum
-from gptoss_cli.data.token_format import INDEX_DTYPE, document_file_paths, has_documents, read_token_header
+from gptoss_cli.data.token_format import document_file_paths, has_documents, read_document_offsets, read_token_header
 from gptoss_cli.train.data import PackedDocumentSource, TokenFileSource, file_rows, packed_microbatch
 
 EvalProgress = Callable[[int, int], None]  # (rows done, rows in all)
@@ -67,7 +67,7 @@ def default_seq_length(data: str | Path) -> int:
         return max(1, min(DEFAULT_SEQ_LENGTH, int(header.get("num_tokens") or 2) - 1))
     import numpy as np  # noqa: PLC0415
 
-    offsets = np.fromfile(document_file_paths(data)[0], dtype=INDEX_DTYPE)
+    offsets = read_document_offsets(document_file_paths(data)[0])
     longest = int(np.diff(offsets).max()) if len(offsets) > 1 else 1
     return max(DEFAULT_SEQ_LENGTH, longest)
 

@@ -189,6 +189,9 @@ class Trainer:
 
     def _resume_blend(self, folder: Path, saved: dict[str, Any] | None) -> None:
         source = getattr(self.data, "source", None)
+        if self.cfg.checkpoint.override_data and not (isinstance(source, BlendedSource) and isinstance(saved, dict)
+                                                      and saved.get("files") == source.files):
+            saved = None  # other data on purpose: a blend replays its stream up to the position, a file reads on
         if isinstance(source, BlendedSource):
             source.load_state_dict(saved, self.data.consumed_samples, folder)
         elif saved is not None:

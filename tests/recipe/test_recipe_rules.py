@@ -112,7 +112,7 @@ CASES = {
         ["overlap.overlap_param_gather=true"], "error",
         ["overlap.overlap_param_gather=true", "overlap.overlap_grad_reduce=true"]),
     "data.source": (["data.kind=tokens"], "error", ["data.kind=tokens", "data.path=data/tokens"]),
-    "checkpoint.settings": (["checkpoint.dir=null"], "error", ["checkpoint.dir=null", "checkpoint.save_interval=null"]),
+    "checkpoint.settings": (["checkpoint.dir=null"], "warning", ["checkpoint.dir=null", "checkpoint.save_interval=null"]),
     "checkpoint.retention": (["checkpoint.keep_every=5"], "warning", ["checkpoint.keep_every=5", "checkpoint.keep_last=2"]),
     "validation.source": (["validation.interval=10"], "warning", ["validation.interval=10", "validation.data=data/val"]),
     # ~130 GB per GPU: 4M tokens per microbatch of the tiny model's activations and logits
@@ -131,6 +131,8 @@ CASES = {
                        [*GRPO, "rl.steps_per_rollout=2", "training.train_iters=4", "checkpoint.save_interval=2"]),
     "rl.layout": ([*GRPO, "parallelism.pipeline_model_parallel_size=2", "parallelism.world_size=4"], "error",
                   [*GRPO, "parallelism.world_size=4"]),
+    "rl.routing_replay": ([*GRPO, "rl.routing_replay=rollout", "rl.rollout.engine=vllm", "system.gpu=none"], "error",
+                         [*GRPO, "rl.routing_replay=rollout", "rl.rollout.engine=vllm", "system.gpu=h100"]),
     "serve_check.engine": (["serve_check.engine=vllm", "checkpoint.dir=null", "checkpoint.save_interval=null"], "error",
                            ["serve_check.engine=vllm"]),
     "lora.combinations": ([*LORA, "parallelism.context_parallel_size=2", "parallelism.world_size=2"], "error",
@@ -434,3 +436,23 @@ def test_rl_engine_names_the_interpreter():
     findings = run_rule("rl.engine", [*GRPO, "rl.rollout.engine=vllm", "rl.rollout.engine_python=/nonexistent/python",
                                       "parallelism.expert_model_parallel_size=1"], check_paths=True)
     assert findings and findings[0].rule == "rl.engine" and "/nonexistent/python" in findings[0].message
+
+
+def test_old_policy_replay_with_one_step_per_rollout_is_a_warning():
+    """old_policy replays the trainer's routes at the rollout's weights: with one step per rollout that step's own."""
+    findings = run_rule("rl.routing_replay", [*GRPO, "rl.routing_replay=old_policy"])
+    assert [(f.severity, f.fields["rl.steps_per_rollout"]) for f in findings] == [("warning", 1)]
+    assert run_rule("rl.routing_replay", [*GRPO, "rl.routing_replay=old_policy", "rl.steps_per_rollout=2",
+                                          "training.train_iters=4"]) == []
+
+
+def test_rollout_replay_with_vllms_cpu_build_is_refused_at_launch(monkeypatch):
+    """At launch the engine's interpreter is asked which vLLM it has; its CPU build returns no routes."""
+    import gptoss_cli.generate.engines.vllm_offline as offline
+
+    monkeypatch.setattr(offline, "vllm_build", lambda python: "cpu")
+    replay = [*GRPO, "rl.routing_replay=rollout", "rl.rollout.engine=vllm", "system.gpu=h100"]
+    findings = run_rule("rl.routing_replay", replay, check_paths=True)
+    assert len(findings) == 1 and "CPU build" in findings[0].message and "\n" not in findings[0].message
+    monkeypatch.setattr(offline, "vllm_build", lambda python: "gpu")
+    assert run_rule("rl.routing_replay", replay, check_paths=True) == []

@@ -43,6 +43,7 @@ FIELDS = {
     "pretrained": "checkpoint.pretrained", "log_interval": "logging.log_interval",
     "keep_last": "checkpoint.keep_last", "keep_every": "checkpoint.keep_every",
     "override_lr_schedule": "checkpoint.override_lr_schedule", "data_blend": "data.blend",
+    "override_data": "checkpoint.override_data",
     "validation_data": "validation.data", "validation_interval": "validation.interval",
     "validation_iters": "validation.iters",
     "lora_rank": "lora.rank", "lora_alpha": "lora.alpha", "lora_dropout": "lora.dropout",
@@ -54,6 +55,7 @@ FIELDS = {
     "kl_coeff": "rl.kl_coeff", "kl_unbiased": "rl.kl_unbiased", "rollout_engine": "rl.rollout.engine",
     "engine_python": "rl.rollout.engine_python", "rollout_batch_size": "rl.rollout.batch_size",
     "is_cap": "rl.rollout.is_cap", "mismatch_warn": "rl.rollout.mismatch_warn",
+    "routing_replay": "rl.routing_replay",
 }
 
 BASE: dict[str, Any] = dict(

