@@ -1,10 +1,19 @@
-"""Benchmark a GRPO step: rollout against training time, the rollout's decode against `generate`'s, peak memory.
+"""Benchmark a GRPO step against TRL's GRPOTrainer: rollout and training time, the kernel's share, the decode.
 
-Part 1, the step: `tiny_cpu_grpo` (1 process, gptoss rollouts, builtin:arithmetic prompts, even_tokens) run
-by `gptoss train`'s worker on a randomly initialised model of `--preset` for `--steps` steps; from its
-metrics.jsonl, per step after the first (warm-up), the median rollout time (sampling plus scoring and the
-old/reference log-probabilities), training time and the rollout's share of the step; the process's peak
-RSS (ru_maxrss) after the run.
+Part 1, the step: `tiny_cpu_grpo` (1 process, gptoss rollouts, builtin:arithmetic prompts, even_tokens,
+4 prompts x 4 completions of 16 tokens per step) run by `gptoss train`'s worker for `--steps` steps on
+the policy of bench/trl_peer.py (transformers' GptOssForCausalLM with the tests' random weights, saved
+as an HF folder, at `--preset` and `--vocab`), then TRL's GRPOTrainer on the same folder, prompts and
+settings (bench/trl_peer.py). Per optimizer step after the first (warm-up), on this process's CPU
+clock (one thread): the step's time, the rollout's (sampling, rewards, old/reference log-probs) and
+the rest (training), completion tokens per second of the step, and the kernel's account of the step
+(harness counters: user and system seconds, minor page faults). The headline: gptoss over TRL in
+completion tokens per second, per step pair (median, min-max). Before the runs, one fixed rollout
+(random completions, fixed advantages, old log-probabilities the current ones +-0.35 so the clip is
+active) goes through both losses at the initial weights: the step-1 losses must agree to 1e-4
+(relative; fp32 sums over the vocabulary in another order are far below it) or the bench stops.
+`--before` adds a gptoss run with the LM head's buffers fresh per chunk and the heap handed back
+after every step (GPTOSS_LM_HEAD_BUFFERS=fresh, GPTOSS_HEAP_RELEASE_GROWTH=0: as before issue 55).
 
 Part 2, the decode: the same rows of completions sampled by the rollout engine (`rl/sampling.py`
 `sample_completions`, which also returns each token's log-probability) and by `generate`'s loop
@@ -13,14 +22,13 @@ no stop token (every row decodes `--new` tokens), in rounds whose order rotates;
 The headline is rollout tokens/s over generate's, the median of the per-round ratios with min-max.
 
     python bench/grpo.py --preset tiny --steps 6 --rounds 5
+    python bench/grpo.py --vocab 201088 --steps 4 --before --no-decode     # the real vocabulary
     python bench/grpo.py --preset medium --steps 4 --rounds 3 --json grpo.json
 """
 
 from __future__ import annotations
 
 import json
-import resource
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -30,40 +38,73 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 from bench import harness  # noqa: E402
 from bench.peers import bench_arch  # noqa: E402
+from gptoss_cli.resources import peak_rss_bytes  # noqa: E402
 
 import torch  # noqa: E402
 
 
-def grpo_step_times(run: harness.Run, arch, steps: int, folder: Path, overrides: list[str]) -> dict:
-    """Run tiny_cpu_grpo's settings on `arch` for `steps` steps; medians of its per-step times (and
-    each step's, recorded as the `step` case)."""
-    from gptoss_cli.data.tiny_tokenizer import tiny_tokenizer
-    from gptoss_cli.recipe import load_recipe
-    from gptoss_cli.model.pattern import default_pattern
-    from gptoss_cli.train.job import TrainJob
-    from gptoss_cli.run.worker import run_worker
+STEP_METRICS = ("time_s", "user_s", "system_s", "minor_faults")
 
-    tok = folder / "tokenizer.json"
-    tok.write_text(json.dumps(tiny_tokenizer(arch.vocab_size)))
-    recipe = load_recipe("tiny_cpu_grpo", [f"training.train_iters={steps}", "checkpoint.pretrained=null",
-                                           "checkpoint.dir=null", f"rl.tokenizer={tok}",
-                                           f"logging.run_dir={folder / 'run'}", *overrides])
+
+def grpo_step_times(arch, steps: int, folder: Path, policy: Path, overrides: list[str],
+                    env: dict[str, str] | None = None) -> dict:
+    """Run tiny_cpu_grpo's settings on the policy folder for `steps` steps; per step (after the first): the
+    harness's counters of the whole step and the rollout's CPU time, completion tokens, reward."""
+    import os
+
+    from gptoss_cli.model.pattern import default_pattern
+    from gptoss_cli.recipe import load_recipe
+    from gptoss_cli.rl.rollouts import RolloutData
+    from gptoss_cli.run.worker import run_worker
+    from gptoss_cli.train.job import TrainJob
+    from gptoss_cli.train.progress import StepDone
+
+    recipe = load_recipe("tiny_cpu_grpo", [f"training.train_iters={steps}", f"checkpoint.pretrained={policy}",
+                                           "checkpoint.dir=null", f"rl.tokenizer={policy / 'tokenizer.json'}",
+                                           "moe.aux_loss_coeff=0", f"logging.run_dir={folder / 'run'}", *overrides])
     job = TrainJob(config=recipe.config, arch=arch, pattern=default_pattern(arch), name="bench",
                    run_dir=str(folder / "run"))
-    run_worker(job)
+    calls: list[dict] = []
+    rollouts: list[float] = []
+    mark = [harness.cpu_clock(), harness.usage()]
+
+    def progress(event) -> None:  # one StepDone per step (tiny_cpu logs every step)
+        if isinstance(event, StepDone):
+            calls.append({"time_s": harness.cpu_clock() - mark[0], **harness.usage_since(mark[1])})
+            mark[:] = [harness.cpu_clock(), harness.usage()]
+
+    sample = RolloutData.sample
+
+    def timed_sample(self, *a, **k):
+        out, metrics = harness.measure(lambda: sample(self, *a, **k))
+        rollouts.append(metrics["time_s"])
+        return out
+
+    saved = {k: os.environ.get(k) for k in (env or {})}
+    os.environ.update(env or {})
+    RolloutData.sample = timed_sample
+    try:
+        run_worker(job, progress=progress)
+    finally:
+        RolloutData.sample = sample
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
     rows = [json.loads(line) for line in (folder / "run" / "metrics.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if r.get("rank", 0) == 0][1:] or rows
-    rollout = statistics.median(r["rollout_time_s"] for r in rows)
-    train = statistics.median(r["train_time_s"] for r in rows)
-    run.add("step", "gptoss", "rollout_s", [r["rollout_time_s"] for r in rows])
-    run.add("step", "gptoss", "train_s", [r["train_time_s"] for r in rows])
-    run.add("step", "gptoss", "rollout_tokens_per_s", [r["rollout_tokens_per_s"] for r in rows])
-    return {"steps_timed": len(rows), "rollout_s": rollout, "train_s": train, "rollout_share": rollout / (rollout + train),
-            "rollout_tokens_per_s": statistics.median(r["rollout_tokens_per_s"] for r in rows),
-            "completion_length": statistics.median(r["completion_length"] for r in rows),
-            "reward_first": rows[0]["reward_mean"], "reward_last": rows[-1]["reward_mean"],
-            "rows": recipe.config.training.global_batch_size, "max_new_tokens": recipe.config.rl.max_new_tokens,
-            "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9}
+    rows = [r for r in rows if r.get("rank", 0) == 0]
+    out = {k: [c[k] for c in calls] for k in STEP_METRICS}
+    out["rollout_s"] = rollouts[:len(calls)]
+    out["completion_tokens"] = [r["rollout_tokens"] for r in rows]
+    out["reward"] = [r["reward_mean"] for r in rows]
+    return out
+
+
+def per_step(raw: dict[str, list[float]]) -> dict[str, list[float]]:
+    """Steps after the first: the counters, the training part, completion tokens per second."""
+    keep = {k: v[1:] for k, v in raw.items()}
+    keep["train_s"] = [t - r for t, r in zip(keep["time_s"], keep["rollout_s"])]
+    keep["completion_tokens_per_s"] = [n / t for n, t in zip(keep["completion_tokens"], keep["time_s"])]
+    keep["system_share"] = [s / u for s, u in zip(keep["system_s"], keep["user_s"])]
+    return keep
 
 
 def decode_ratio(run: harness.Run, arch, rows: int, prompt: int, new: int, rounds: int) -> dict:
@@ -99,31 +140,86 @@ def decode_ratio(run: harness.Run, arch, rows: int, prompt: int, new: int, round
             "ratio_text": harness.ratio_text(ratio["values"])}
 
 
+def run_steps(run: harness.Run, args, arch, tmp: Path) -> dict:
+    """Part 1: the step-1 check, gptoss's steps (and --before's), TRL's steps; recorded as case `step`."""
+    from bench import trl_peer
+
+    policy = trl_peer.write_policy(arch, tmp / "policy")
+    prompts = trl_peer.prompt_ids(policy)
+    trl = None if args.no_trl else trl_peer.trl_trainer(policy, prompts, args.steps, tmp / "trl")
+    check = trl_peer.step1_check(trl, policy, arch, prompts) if trl is not None else None
+    if check is not None and check["relative_difference"] > 1e-4:
+        raise SystemExit(f"bench: step-1 GRPO losses differ: gptoss {check['gptoss_loss']:.7g}, TRL "
+                         f"{check['trl_loss']:.7g}: the two sides do not compute the same loss")
+    sides = {"gptoss": grpo_step_times(arch, args.steps, tmp / "gptoss", policy, args.overrides)}
+    if args.before:
+        sides["gptoss, before issue 55"] = grpo_step_times(
+            arch, args.steps, tmp / "before", policy, args.overrides,
+            env={"GPTOSS_LM_HEAD_BUFFERS": "fresh", "GPTOSS_HEAP_RELEASE_GROWTH": "0"})
+    if trl is not None:
+        sides["TRL GRPOTrainer"] = trl_peer.trl_step_times(trl)
+    for name, raw in sides.items():
+        for metric, values in per_step(raw).items():
+            run.add("step", name, metric, values)
+    if trl is not None:
+        run.ratio("step", "gptoss", "TRL GRPOTrainer", "completion_tokens_per_s", name="gptoss / TRL, tokens/s")
+    return {"check": check, "sides": list(sides)}
+
+
+def print_steps(run: harness.Run, result: dict) -> None:
+    settings = run.cases["step"]["settings"]
+    check = result["check"]
+    if check is not None:
+        print(f"step-1 loss on one fixed rollout: gptoss {check['gptoss_loss']:.7g}, TRL {check['trl_loss']:.7g} "
+              f"(relative difference {check['relative_difference']:.1e})")
+    print(f"per GRPO step ({STEP_ROWS_TEXT}), median [min, max] over the steps after the first, CPU time:")
+    print(f"  {'side':<26} {'step s':>8} {'rollout s':>10} {'train s':>8} {'tokens/s':>9} {'user s':>7} "
+          f"{'system s':>9} {'sys/user':>9} {'minor faults':>13}")
+    for name in result["sides"]:
+        m = {k: v["median"] for k, v in settings[name].items()}
+        print(f"  {name:<26} {m['time_s']:>8.3f} {m['rollout_s']:>10.3f} {m['train_s']:>8.3f} "
+              f"{m['completion_tokens_per_s']:>9.1f} {m['user_s']:>7.3f} {m['system_s']:>9.3f} "
+              f"{100 * m['system_share']:>8.1f}% {m['minor_faults']:>13.0f}")
+    ratio = run.cases["step"]["ratios"].get("gptoss / TRL, tokens/s")
+    if ratio:
+        print(f"gptoss / TRL GRPOTrainer, completion tokens per second of a step: "
+              f"{harness.ratio_text(ratio['values'])}")
+
+
+STEP_ROWS_TEXT = "4 prompts x 4 completions of up to 16 tokens"
+
+
 def main() -> int:
     p = harness.parser(__doc__)
     p.add_argument("--preset", default="tiny", help="tiny, medium or wide (bench/peers.py)")
+    p.add_argument("--vocab", type=int, default=None, help="the preset at this vocabulary (201088: GPT-OSS's)")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--prompt", type=int, default=136, help="prompt tokens in part 2 (the arithmetic prompts' length)")
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("overrides", nargs="*", help="recipe overrides for part 1 (key=value)")
+    p.add_argument("--before", action="store_true", help="also run gptoss as before issue 55 (fresh LM-head "
+                   "buffers, the heap handed back after every step)")
+    p.add_argument("--no-trl", action="store_true", help="skip TRL's GRPOTrainer (and the step-1 check)")
+    p.add_argument("--no-decode", action="store_true", help="skip part 2 (rollout decode against generate's)")
+    p.add_argument("overrides", nargs="*", help="recipe overrides for gptoss's runs (key=value)")
     args = p.parse_args()
+    harness.check_clock(p, "cpu", args.threads)
     torch.set_num_threads(args.threads)
     arch = bench_arch(args.preset)
+    if args.vocab:
+        arch = arch.replace(vocab_size=args.vocab)
     with harness.Run("grpo", args, clock="cpu") as run, tempfile.TemporaryDirectory() as tmp:
-        step = grpo_step_times(run, arch, args.steps, Path(tmp), args.overrides)
-        decode = decode_ratio(run, arch, step["rows"], args.prompt, step["max_new_tokens"], args.rounds)
-    run.add("step", "gptoss", "peak_rss_gb", step["peak_rss_gb"])
-    run.extra["step"] = step
-    print(f"preset {args.preset}, {args.threads} thread(s)")
-    print(f"GRPO step ({step['rows']} completions of up to {step['max_new_tokens']} tokens, median over "
-          f"{step['steps_timed']} steps): rollout {step['rollout_s']:.3f} s, train {step['train_s']:.3f} s, rollout "
-          f"{100 * step['rollout_share']:.0f}% of the step; rollout {step['rollout_tokens_per_s']:.0f} tokens/s; "
-          f"reward {step['reward_first']:.2f} -> {step['reward_last']:.2f}; peak RSS {step['peak_rss_gb']:.2f} GB")
-    r, g = decode["rollout_tokens_per_s"], decode["generate_tokens_per_s"]
-    print(f"decode, {decode['rows']} rows x ({decode['prompt']} + {decode['new']}) tokens, CPU time: rollout "
-          f"{r[0]:.0f} tokens/s [{r[1]:.0f}, {r[2]:.0f}], generate {g[0]:.0f} [{g[1]:.0f}, {g[2]:.0f}]: rollout / "
-          f"generate {decode['ratio_text']}")
+        result = run_steps(run, args, arch, Path(tmp))
+        decode = None if args.no_decode else decode_ratio(run, arch, 16, args.prompt, 16, args.rounds)
+    run.extra.update(step_check=result["check"], peak_rss_gb=peak_rss_bytes() / 1e9)
+    print(f"preset {args.preset}, vocabulary {arch.vocab_size}, {args.threads} thread(s); peak RSS of the "
+          f"process {peak_rss_bytes() / 1e9:.2f} GB")
+    print_steps(run, result)
+    if decode is not None:
+        r, g = decode["rollout_tokens_per_s"], decode["generate_tokens_per_s"]
+        print(f"decode, {decode['rows']} rows x ({decode['prompt']} + {decode['new']}) tokens, CPU time: rollout "
+              f"{r[0]:.0f} tokens/s [{r[1]:.0f}, {r[2]:.0f}], generate {g[0]:.0f} [{g[1]:.0f}, {g[2]:.0f}]: "
+              f"rollout / generate {decode['ratio_text']}")
     run.finish()
     return 0
 

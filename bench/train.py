@@ -46,10 +46,13 @@ heads of 64 and a 20480-token vocabulary, 61M parameters, where the experts, att
 have realistic shares of the step): bench/peers.py.
 
 Both sides share the process, so they share its allocator and thread settings. The headline runs
-with the allocator as `gptoss train` runs it (glibc's defaults); `--allocators train keep` adds a
-second row from a second process in which glibc keeps freed memory (resources.keep_freed_memory,
-which `gptoss train` used on the CPU until it fragmented the heap: bench/memory.py). The load
-average during the run is printed with the figures.
+with the allocator as `gptoss train` runs it (glibc's defaults, the free heap handed back after a
+step once it has grown by 256 MiB: resources.HeapRelease, which ours' step calls as the Trainer
+does; `GPTOSS_HEAP_RELEASE_GROWTH=0` hands it back after every step, as before issue 55). Each
+side's minor page faults and system time per step are printed with the times; `--allocators train
+keep` adds a second row from a second process in which glibc keeps freed memory
+(resources.keep_freed_memory, which `gptoss train` used on the CPU until it fragmented the heap:
+bench/memory.py). The load average during the run is printed with the figures.
 """
 
 from __future__ import annotations
@@ -101,9 +104,12 @@ def _recipe(dtype: str, ep_size: int = 1):
 
 def ours_step_fn(arch, tokens: torch.Tensor, dtype: str, state=None, microbatches: int = 1,
                  weights: dict[str, torch.Tensor] | None = None):
-    """A closure running one full training step of ours on `tokens` (this rank's share); it returns
-    the step's mean token loss. `weights`: a Hybrid state dict to start from (default: seed 0's init)."""
+    """A closure running one full training step of ours on `tokens` (this rank's share), with what the
+    Trainer does after a CPU step (glibc's free heap handed back once grown: resources.HeapRelease);
+    it returns the step's mean token loss. `weights`: a Hybrid state dict to start from (default: seed
+    0's init)."""
     from gptoss_cli.parallel.state import ParallelState
+    from gptoss_cli.resources import HeapRelease
     from gptoss_cli.schedule import get_forward_backward_func
     from gptoss_cli.train.data import Microbatch
     from gptoss_cli.train.objective import forward_step
@@ -122,6 +128,7 @@ def ours_step_fn(arch, tokens: torch.Tensor, dtype: str, state=None, microbatche
     schedule = get_forward_backward_func(config)
     mbs = [Microbatch(tokens=t[:, :-1].contiguous(), labels=t[:, 1:].contiguous())
            for t in tokens.chunk(microbatches)]
+    heap = HeapRelease() if state.device.type == "cpu" else None
 
     def step() -> float:
         model.zero_grad_buffer()
@@ -130,7 +137,10 @@ def ours_step_fn(arch, tokens: torch.Tensor, dtype: str, state=None, microbatche
         t0 = harness.CLOCKS[CLOCK]()
         optimizer.step(1e-4)
         step.optimizer_times.append(harness.CLOCKS[CLOCK]() - t0)
-        return float(sum(log["loss_sum"] for log in logs) / sum(log["num_tokens"] for log in logs))
+        loss = float(sum(log["loss_sum"] for log in logs) / sum(log["num_tokens"] for log in logs))
+        if heap is not None:
+            heap.after_step()
+        return loss
 
     step.optimizer_times = []
     return step
@@ -471,6 +481,11 @@ def run_step_bench(run: harness.Run, args: argparse.Namespace) -> dict:
         "ratio_ours_vs_transformers": ratio["median"], "ratio_per_repeat": ratio["values"],
         "ratio_min": ratio["min"], "ratio_max": ratio["max"],
         "ours_optimizer_share": statistics.median(ours.optimizer_times) / ours_s,
+        # the kernel's share of a step (harness: getrusage around each call), medians over repeats
+        "ours_minor_faults_per_step": timed.median("ours", "minor_faults"),
+        "transformers_minor_faults_per_step": timed.median("transformers", "minor_faults"),
+        "ours_system_s_per_step": timed.median("ours", "system_s"),
+        "transformers_system_s_per_step": timed.median("transformers", "system_s"),
         "model_flops_per_step": flops, "gemm_peak_gflops": peak, "gemm_peak_gflops_min_max": [min(rates), max(rates)],
         "ours_share_of_gemm_peak": flops / ours_s / 1e9 / peak,
         "transformers_share_of_gemm_peak": flops / hf_s / 1e9 / peak,

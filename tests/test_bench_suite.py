@@ -15,7 +15,7 @@ import pytest
 from bench import harness, report
 
 ROOT = Path(__file__).resolve().parent.parent
-SHARED = {"harness", "peers", "report"}  # bench/'s modules that are not benchmarks
+SHARED = {"harness", "peers", "report", "trl_peer"}  # bench/'s modules that are not benchmarks
 BENCHES = sorted(p.stem for p in (ROOT / "bench").glob("*.py") if p.stem not in SHARED)
 TOOLS = sorted(p.stem for p in (ROOT / "tools").glob("*.py"))
 

@@ -59,8 +59,12 @@ def choose(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator 
     """Next token per row of fp32 logits [B, V], on the logits' device (the generator's device)."""
     if sampling.greedy:
         return logits.argmax(dim=-1)
-    probs = top_p_filter(torch.softmax(logits / sampling.temperature, dim=-1), sampling.top_p)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return sample_probs(torch.softmax(logits / sampling.temperature, dim=-1), sampling, generator)
+
+
+def sample_probs(probs: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> torch.Tensor:
+    """`choose`'s draw from probs = softmax(logits / temperature) [B, V]: cut to the top_p nucleus, sampled."""
+    return torch.multinomial(top_p_filter(probs, sampling.top_p), 1, generator=generator).squeeze(-1)
 
 
 def left_pad(prompts: Sequence[Sequence[int]], device) -> tuple[torch.Tensor, torch.Tensor]:

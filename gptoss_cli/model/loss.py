@@ -11,9 +11,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from gptoss_cli.model.gemm.main_grad import added_to_main_grad, main_grad_target
+from gptoss_cli.model.lm_head import (WeightGradSum, chunk_activation_grad, chunk_log_softmax, chunk_logits,
+                                      labelled_rows)
 from gptoss_cli.model.loss_chunk import LM_LOSS_CHUNK_TOKENS, lm_loss_chunk_tokens
-from gptoss_cli.model.gemm.main_grad import (added_to_main_grad, addmm_fp32_, fp32_accumulating_gemm, main_grad_target,
-                                        mm_fp32)
+from gptoss_cli.model.workspace import borrow, give_back
 from gptoss_cli.model.router_stats import RouterStats, load_balancing_loss, router_table, router_z_loss
 
 IGNORE_INDEX = -100
@@ -27,59 +29,50 @@ def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, reduction: s
                            ignore_index=IGNORE_INDEX, reduction=reduction)
 
 
-
-
 class _ChunkedLMLoss(torch.autograd.Function):
     """sum over tokens of token_cross_entropy(hidden @ weight^T, labels), one chunk of tokens at a time.
 
     The loss is the last op of the graph, so its gradients are computed in the same pass (the
-    fused linear + cross-entropy of Liger and Megatron): per chunk, the logits, the loss and its
-    gradient with respect to the logits (autograd of token_cross_entropy), then dhidden = dlogits @ W
-    and dW += dlogits^T @ hidden. backward scales them by the incoming gradient; no chunk's logits
-    outlive it. dW is summed over the chunks in fp32: for a bf16 layer on a device with
-    fp32-accumulating GEMMs (model/gemm/main_grad.py) by the GEMM itself, elsewhere by adding each
-    chunk's bf16 product (the CPU's path). Chunk sizes: model/loss_chunk.py."""
+    fused linear + cross-entropy of Liger and Megatron): per chunk, the logits, their log-softmax,
+    the loss (nll_loss of the log-softmax: F.cross_entropy's own two ops) and its gradient with
+    respect to the logits, softmax - onehot on the labelled rows (what autograd of
+    token_cross_entropy computes), then dhidden = dlogits @ W and dW += dlogits^T @ hidden.
+    backward scales them by the incoming gradient; no chunk's logits outlive it. A chunk's
+    [tokens x vocabulary] tensors live in reusable buffers (model/lm_head.py, model/workspace.py:
+    on the CPU the same pages every chunk and step). dW is summed over the chunks in fp32: for a
+    bf16 layer on a device with fp32-accumulating GEMMs (model/gemm/main_grad.py) by the GEMM
+    itself, elsewhere by adding each chunk's bf16 product (the CPU's path). Chunk sizes:
+    model/loss_chunk.py."""
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int,
                 want_grad: bool) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_h = torch.empty_like(hidden) if want_grad else None
-        # dW adds up over chunks: in fp32, then cast once (as a single GEMM would round once).
         # A frozen output layer (LoRA) gets no gradient: its V x H accumulator is never allocated.
-        want_w = want_grad and weight.requires_grad
-        # Written by the first chunk's GEMM, accumulated by the others: no pass to zero it first.
-        grad_w = torch.empty(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
-        fused_fp32 = fp32_accumulating_gemm(hidden.device)
+        grad_w = WeightGradSum(weight, borrowed=True) if want_grad and weight.requires_grad else None
         for start in range(0, hidden.shape[0], chunk):
-            h = hidden[start:start + chunk]
-            logits = F.linear(h, weight)
+            h, lab = hidden[start:start + chunk], labels[start:start + chunk]
+            logp = chunk_log_softmax(chunk_logits(h, weight))
+            total += F.nll_loss(logp, lab, ignore_index=IGNORE_INDEX, reduction="sum")
             if not want_grad:
-                total += token_cross_entropy(logits, labels[start:start + chunk], reduction="sum")
                 continue
-            with torch.enable_grad():
-                logits.requires_grad_(True)
-                loss = token_cross_entropy(logits, labels[start:start + chunk], reduction="sum")
-                (dlogits,) = torch.autograd.grad(loss, logits)
-            total += loss.detach()
-            torch.mm(dlogits, weight, out=grad_h[start:start + chunk])
-            if grad_w is None:
-                continue
-            if grad_w.dtype == dlogits.dtype or fused_fp32:
-                if start == 0:
-                    mm_fp32(dlogits.t(), h, out=grad_w)
-                else:
-                    addmm_fp32_(grad_w, dlogits.t(), h)
-            elif start == 0:
-                grad_w.copy_(dlogits.t() @ h)
-            else:
-                grad_w += dlogits.t() @ h
-        if grad_w is not None and hidden.shape[0] == 0:
-            grad_w.zero_()
-        if grad_w is not None and grad_w.dtype != weight.dtype:
-            # Held until backward in the weight's dtype (the memory estimate's b*V*h): a bf16 layer
-            # keeps its bf16 gradient; only an fp32 layer's accumulator goes straight into main_grad.
-            grad_w = grad_w.to(weight.dtype)
+            # d loss / d logits: exp(logp) - onehot(label) on labelled rows, 0 on ignored ones (in place)
+            valid = lab != IGNORE_INDEX
+            dlogits = logp.exp_()
+            dlogits.scatter_add_(-1, torch.where(valid, lab, 0)[:, None], valid.to(dlogits.dtype).neg()[:, None])
+            if h.device.type != "cpu" or not bool(valid.all()):  # (a GPU is not made to wait for the answer)
+                dlogits.masked_fill_(~valid[:, None], 0.0)
+            d = chunk_activation_grad(dlogits, hidden.dtype)
+            torch.mm(d, weight, out=grad_h[start:start + chunk])
+            if grad_w is not None:
+                grad_w.add(d, h)
+        if grad_w is not None:
+            grad_w = grad_w.total()
+            if grad_w.dtype != weight.dtype:
+                # Held until backward in the weight's dtype (the memory estimate's b*V*h): a bf16 layer
+                # keeps its bf16 gradient; only an fp32 layer's accumulator goes straight into main_grad.
+                grad_w = borrow(tuple(weight.shape), weight.dtype, weight.device).copy_(grad_w)
         ctx.grads = (grad_h, grad_w)
         ctx.weight = weight
         return total
@@ -95,13 +88,16 @@ class _ChunkedLMLoss(torch.autograd.Function):
             # (model/gemm/main_grad.py) instead of a scaled copy that the buffers' hook adds.
             # A bf16 layer's gradient goes in too where main_grad_target allows it (an fp32 add of
             # the bf16 gradient held since forward, in the same pass as the scaling).
+            # The held gradient is borrowed (model/workspace.py): handed back once read, the next
+            # microbatch's forward takes it again instead of mapping a fresh [V, h] tensor.
             target = main_grad_target(weight)
             if target is not None:
                 target.addcmul_(grad_w, grad_out.to(target.dtype))
+                give_back(grad_w)
                 grad_w = added_to_main_grad(weight)
             else:
-                grad_w = grad_w.to(weight.dtype)
-                grad_w = grad_w * grad_out.to(grad_w.dtype)
+                held, grad_w = grad_w, grad_w * grad_out.to(grad_w.dtype)
+                give_back(held)
         return grad_h * grad_out.to(grad_h.dtype), grad_w, None, None, None
 
 
@@ -110,11 +106,14 @@ def chunked_lm_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torc
     """`token_cross_entropy(hidden @ weight^T, labels, reduction="sum")` without the logits of every
     token in memory at once: hidden [..., H] (after the final norm), weight [V, H], labels [...];
     `chunk_tokens` None: the device's chunk (model/loss_chunk.py)."""
-    h = hidden.reshape(-1, hidden.shape[-1])
+    h, labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+    rows = labelled_rows(h, labels != IGNORE_INDEX)  # the CPU: only the labelled positions (model/lm_head.py)
+    if rows is not None:
+        h, labels = h[rows], labels[rows]
     if chunk_tokens is None:
         chunk_tokens = lm_loss_chunk_tokens(weight.shape[0], hidden.element_size(), hidden.device.type)
     want_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    return _ChunkedLMLoss.apply(h, weight, labels.reshape(-1), max(1, int(chunk_tokens)), want_grad)
+    return _ChunkedLMLoss.apply(h, weight, labels, max(1, int(chunk_tokens)), want_grad)
 
 
 class HybridOutput:

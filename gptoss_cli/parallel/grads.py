@@ -45,7 +45,7 @@ from torch import nn
 from gptoss_cli.buckets import ALIGN, default_bucket_size
 from gptoss_cli.errors import ConfigError, TrainingError
 from gptoss_cli.model.expert_names import is_expert_name
-from gptoss_cli.model.gemm.main_grad import take_added
+from gptoss_cli.model.gemm.main_grad import add_cast_, take_added
 from gptoss_cli.parallel.state import ParallelState, all_reduce, group_rank, group_size, reduce_scatter
 
 
@@ -227,7 +227,7 @@ class GradBuffers:
         # A backward that added its gradient into main_grad itself hands autograd a stand-in
         # (gptoss_cli/model/gemm/main_grad.py): nothing left to add.
         if not take_added(param, param.grad):
-            param.main_grad.add_(param.grad)
+            add_cast_(param.main_grad, param.grad)  # a bf16 gradient in blocks (no fresh fp32 copy of it)
         param.grad = None
         self.grad_ready(param)
 

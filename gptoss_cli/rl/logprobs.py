@@ -5,30 +5,18 @@ softmax(logits / temperature) (TRL's GRPOTrainer divides the logits by the tempe
 `policy_log_probs(output, labels, temperature)` returns log p(label) with gradients and the entropy
 of that distribution (no gradients) at every position, 0 where the label is IGNORE_INDEX. From a
 HybridOutput it computes `chunk` positions at a time from the final hidden states and the output
-layer, each chunk's logits recomputed in backward rather than kept (as train/objective.py's
-`token_log_probs` does), so no [tokens, vocabulary] tensor outlives its chunk.
+layer (model/lm_head.py, `chunked_log_probs`: each chunk's logits recomputed in backward rather than
+kept, in buffers reused from chunk to chunk on the CPU), so no [tokens, vocabulary] tensor outlives
+its chunk.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
+from gptoss_cli.model.lm_head import chunked_log_probs, labelled_rows
 from gptoss_cli.model.loss import IGNORE_INDEX, HybridOutput
 from gptoss_cli.model.loss_chunk import lm_loss_chunk_tokens
-
-
-def _chunk(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-           temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = F.linear(hidden, weight).float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    logp_all = torch.log_softmax(logits, dim=-1)
-    picked = logp_all.gather(-1, labels[:, None])[:, 0]
-    with torch.no_grad():
-        entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return picked, entropy
 
 
 def policy_log_probs(output: HybridOutput, labels: torch.Tensor, temperature: float = 1.0,
@@ -45,14 +33,13 @@ def policy_log_probs(output: HybridOutput, labels: torch.Tensor, temperature: fl
         h = hidden.reshape(-1, hidden.shape[-1])
         chunk = chunk_tokens or getattr(output, "loss_chunk_tokens", None)
         chunk = max(1, int(chunk or lm_loss_chunk_tokens(output.head_weight.shape[0], h.element_size(), h.device.type)))
-        parts = []
-        for start in range(0, h.shape[0], chunk):
-            args = (h[start:start + chunk], output.head_weight, safe[start:start + chunk], temperature)
-            parts.append(checkpoint(_chunk, *args, use_reentrant=False) if torch.is_grad_enabled() else _chunk(*args))
-        if parts:
-            logp, entropy = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        rows = labelled_rows(h, valid)  # the CPU: only the labelled positions (model/lm_head.py)
+        if rows is None:
+            logp, entropy = chunked_log_probs(h, output.head_weight, safe, temperature, chunk)
         else:
-            logp = entropy = h.new_zeros(0, dtype=torch.float32)
+            picked, ent = chunked_log_probs(h[rows], output.head_weight, safe[rows], temperature, chunk)
+            logp = h.new_zeros(flat.shape[0], dtype=torch.float32).index_put((rows,), picked)
+            entropy = h.new_zeros(flat.shape[0], dtype=torch.float32).index_put_((rows,), ent)
     zero = torch.zeros_like(logp)
     return (torch.where(valid, logp, zero).reshape(labels.shape),
             torch.where(valid, entropy.detach(), zero.detach()).reshape(labels.shape))

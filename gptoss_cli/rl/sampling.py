@@ -1,13 +1,15 @@
 """gptoss's own rollout engine: `generate`'s KV-cache decoding on the training model, with the log-probability
 of every sampled token, on every rank, in step with the expert-parallel group.
 
-The decoding is gptoss_cli/generate's: prompts left-padded (model/decode/kv_cache.py: padding has position
--1, no query sees it), prefill in chunks, then one token per row per step; the token is chosen as
-generate chooses it (`choose`: softmax(logits / temperature), cut to the top_p nucleus, sampled with
-the rollout's generator). The log-probability reported for it is that of the distribution it was
-drawn from: log softmax(logits / temperature), less the log of the nucleus' mass when top_p < 1
-(what vLLM's `processed_logprobs` reports). The model's layers are the training model's own (its
-kernels, FP8 or MXFP4 QAT GEMMs, LoRA adapters).
+The decoding is gptoss_cli/generate's: prompts left-padded (model/decode/kv_cache.py: padding has
+position -1, no query sees it), prefill in chunks, then one token per row per step; the token is
+chosen as generate chooses it (`choose`: softmax(logits / temperature), cut to the top_p nucleus,
+sampled with the rollout's generator). The log-probability reported for it is that of the
+distribution it was drawn from: log softmax(logits / temperature), less the log of the nucleus' mass
+when top_p < 1 (what vLLM's `processed_logprobs` reports). The [rows x vocabulary] tensors of a
+decoding step (the logits, their scaled softmax and log-softmax) are written into buffers reused
+from step to step (model/workspace.py: on the CPU no page faults per token). The model's layers are
+the training model's own (its kernels, FP8 or MXFP4 QAT GEMMs, LoRA adapters).
 
 Under expert parallelism every MoE layer is an all-to-all over the EP group, so the group's ranks
 must run the same forwards: each batch's padded width is the group's widest (prompts padded further
@@ -29,8 +31,10 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from gptoss_cli.generate.decode import Sampling, choose, left_pad, top_p_filter
+from gptoss_cli.generate.decode import Sampling, choose, left_pad, sample_probs, top_p_filter
 from gptoss_cli.model.decode.kv_cache import KVCache, forward_cached, next_token_logits, prefill
+from gptoss_cli.model.lm_head import LOGITS
+from gptoss_cli.model.workspace import buffer
 
 
 def _group_max(value: int, group) -> int:
@@ -49,6 +53,27 @@ def token_log_prob(logits: torch.Tensor, token: torch.Tensor, temperature: float
         kept = top_p_filter(torch.softmax(logits.float() / temperature, dim=-1), top_p).sum(-1)
         picked = picked - torch.log(kept)
     return picked
+
+
+# The rollout's [rows x vocabulary] scratch (model/workspace.py): the logits / temperature, and their
+# softmax (then, once the token is drawn, their log-softmax).
+SCALED, PROBS = "rollout.scaled_logits", "rollout.probs"
+
+
+def choose_with_log_prob(logits: torch.Tensor, sampling: Sampling,
+                         generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`choose(logits, sampling, generator)`, `token_log_prob` of it): the same draws and values, the
+    [B, V] tensors in reused buffers (one division and one softmax for both)."""
+    if sampling.greedy:
+        token = choose(logits, sampling, generator)
+        return token, token_log_prob(logits, token, sampling.temperature, sampling.top_p)
+    shape = tuple(logits.shape)
+    scaled = torch.div(logits, sampling.temperature, out=buffer(SCALED, shape, torch.float32, logits.device))
+    probs = torch.softmax(scaled, -1, out=buffer(PROBS, shape, torch.float32, logits.device))
+    token = sample_probs(probs, sampling, generator)
+    kept = top_p_filter(probs, sampling.top_p).sum(-1) if sampling.top_p < 1.0 else None
+    picked = torch.log_softmax(scaled, -1, out=probs).gather(-1, token[:, None])[:, 0]
+    return token, picked if kept is None else picked - torch.log(kept)
 
 
 @torch.no_grad()
@@ -71,8 +96,8 @@ def sample_batch(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int
     next_pos = pos[:, -1:] + 1
     out: list[tuple[list[int], list[float], str]] = [([], [], "") for _ in prompts]
     for step in range(max_new_tokens):
-        token = choose(logits, sampling, generator)
-        logp = token_log_prob(logits, token, sampling.temperature, sampling.top_p).tolist()
+        token, logp = choose_with_log_prob(logits, sampling, generator)
+        logp = logp.tolist()
         for row, (toks, lps, finish) in enumerate(out):
             if finish:
                 continue
@@ -87,7 +112,7 @@ def sample_batch(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int
         if not _group_max(running, group):
             break
         hidden = forward_cached(model, token[:, None], next_pos, cache, routes_out=chosen)
-        logits = next_token_logits(model, hidden)
+        logits = next_token_logits(model, hidden, out=buffer(LOGITS, tuple(logits.shape), torch.float32, device))
         next_pos = next_pos + 1
     if chosen is None:
         return out
@@ -115,4 +140,4 @@ def sample_completions(model, prompts: Sequence[Sequence[int]], *, max_new_token
     return out
 
 
-__all__ = ["sample_batch", "sample_completions", "token_log_prob"]
+__all__ = ["choose_with_log_prob", "sample_batch", "sample_completions", "token_log_prob"]

@@ -39,7 +39,7 @@ def run_worker(job: TrainJob, progress: TrainProgress | None = None) -> TrainRes
                               pp_size=cfg.parallelism.pipeline_model_parallel_size)
         # glibc's allocator stays at its defaults here: keeping freed memory in the heap (resources.py)
         # fragments it under a training step's mix of sizes, and a worker grew without bound; on the CPU
-        # the Trainer hands the heap's free pages back after every step (resources.release_freed_heap).
+        # the Trainer hands the heap's free pages back once it has grown (resources.HeapRelease).
         try:
             # TensorBoard / W&B on rank 0 (train/loggers.py); their packages were checked before launch.
             loggers = open_loggers(cfg.logging, Path(job.run_dir), job.name, job.recipe) if state.rank == 0 else None

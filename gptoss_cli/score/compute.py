@@ -26,8 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
+from gptoss_cli.model.lm_head import chunk_log_softmax, chunk_logits
 from gptoss_cli.model.loss_chunk import lm_loss_chunk_tokens
 
 
@@ -50,7 +50,9 @@ def score_chunk(logits: torch.Tensor, labels: torch.Tensor, top_k: int, temperat
     z = logits.float()
     if temperature != 1.0:
         z = z / temperature
-    logprobs = -F.cross_entropy(z, labels, reduction="none")
+    # -cross_entropy(z, labels), as its log-softmax gathered at the labels, the log-softmax in the LM
+    # head's reused buffer (model/workspace.py)
+    logprobs = chunk_log_softmax(z).gather(-1, labels[:, None])[:, 0]
     if top_k <= 0:
         return TokenScores(logprobs)
     lse = torch.logsumexp(z, dim=-1, keepdim=True)
@@ -67,7 +69,9 @@ def score_positions(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
     if chunk_tokens is None:
         chunk_tokens = lm_loss_chunk_tokens(weight.shape[0], hidden.element_size(), hidden.device.type)
     chunk = max(1, int(chunk_tokens))
-    parts = [score_chunk(F.linear(hidden[s:s + chunk], weight), labels[s:s + chunk], top_k, temperature)
+    # a chunk's fp32 logits / temperature in the LM head's reused buffer (model/lm_head.py: op for op
+    # F.linear(h, weight).float() / temperature)
+    parts = [score_chunk(chunk_logits(hidden[s:s + chunk], weight, temperature), labels[s:s + chunk], top_k)
              for s in range(0, hidden.shape[0], chunk)]
     if not parts:
         empty = hidden.new_zeros(0, dtype=torch.float32)

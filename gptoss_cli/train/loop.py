@@ -34,12 +34,13 @@ import torch.distributed as dist
 from gptoss_cli import outputs
 from gptoss_cli.checkpoint.formats.training.record import RUN_KEY, read_train_state
 from gptoss_cli.errors import ConfigError, TrainingError
+from gptoss_cli.model import workspace
 from gptoss_cli.model.pattern import MOE
 from gptoss_cli.parallel.state import ParallelState, barrier
 from gptoss_cli.recipe.environment import gpu_from_device_name
 from gptoss_cli.recipe.estimate.flops import model_flops_per_token, peak_tflops, recompute_flops_per_token, throughput
 from gptoss_cli.recipe.schema import RecipeConfig
-from gptoss_cli.resources import release_freed_heap
+from gptoss_cli.resources import HeapRelease
 from gptoss_cli.schedule import get_forward_backward_func
 from gptoss_cli.train.blend import BlendedSource, blended_source
 from gptoss_cli.train.async_save import AsyncCheckpointer
@@ -380,12 +381,13 @@ class Trainer:
         A save still in flight when the run stops is finished or removed (train/async_save.py, `abandon`)."""
         t = self.cfg.training
         saves = self.async_saves.guarded() if self.async_saves is not None else contextlib.nullcontext()
+        heap = HeapRelease() if self.state.device.type == "cpu" else None
         with self.step_end.watching(), saves:
             for step in range(self.start_step, t.train_iters):
                 outcome = self.train_step(step)
                 self.record_step(outcome, self.validate(step + 1))
-                if self.state.device.type == "cpu":
-                    release_freed_heap()  # the heap's free pages back to the OS (resources.py says why)
+                if heap is not None:
+                    heap.after_step()  # the heap's free pages back to the OS once it has grown (resources.py says why)
                 if self.should_save(step + 1):
                     self.save_checkpoint(step + 1)
                 self.end_step(step + 1)
@@ -393,6 +395,7 @@ class Trainer:
             if self.async_saves is not None:
                 self._published(self.async_saves.wait())  # the last save completes before the run ends
             self.end_step(max(self.start_step, t.train_iters))  # a signal during the last save still stops it
+        workspace.release()  # the LM head's kept chunk buffers (model/workspace.py) outlive no run
         barrier()
         result = self.result()
         if self.emit:

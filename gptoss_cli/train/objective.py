@@ -45,8 +45,8 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
+from gptoss_cli.model.lm_head import chunked_log_probs, labelled_rows
 from gptoss_cli.model.loss import IGNORE_INDEX, HybridOutput, lm_loss_sum
 from gptoss_cli.model.loss_chunk import lm_loss_chunk_tokens
 from gptoss_cli.parallel.grads import get_attr_wrapped_model, get_model_config
@@ -186,8 +186,9 @@ def forward_step(data_iterator: Iterator[Microbatch], model: torch.nn.Module,
 def token_log_probs(output: HybridOutput, labels: torch.Tensor, chunk_tokens: int | None = None) -> torch.Tensor:
     """log p(label) of every position of a model output, [*labels.shape] fp32, 0 where the label is
     IGNORE_INDEX; differentiable. Computed `chunk_tokens` positions at a time from the final hidden
-    states and the output layer (HybridOutput), each chunk's logits recomputed in backward rather than
-    kept, so no [tokens, vocabulary] tensor outlives its chunk; from `output.logits` otherwise."""
+    states and the output layer (HybridOutput; model/lm_head.py, `chunked_log_probs`), each chunk's
+    logits recomputed in backward rather than kept, so no [tokens, vocabulary] tensor outlives its
+    chunk; from `output.logits` otherwise."""
     flat = labels.reshape(-1)
     valid = flat != IGNORE_INDEX
     safe = torch.where(valid, flat, torch.zeros_like(flat))
@@ -200,17 +201,12 @@ def token_log_probs(output: HybridOutput, labels: torch.Tensor, chunk_tokens: in
     chunk = chunk_tokens or getattr(output, "loss_chunk_tokens", None)
     # the loss's own chunk where the output does not set one (model/loss_chunk.py: per vocabulary and device)
     chunk = max(1, int(chunk or lm_loss_chunk_tokens(output.head_weight.shape[0], h.element_size(), h.device.type)))
-    parts = []
-    for start in range(0, h.shape[0], chunk):
-        args = (h[start:start + chunk], output.head_weight, safe[start:start + chunk])
-        parts.append(checkpoint(_chunk_log_probs, *args, use_reentrant=False) if torch.is_grad_enabled()
-                     else _chunk_log_probs(*args))
-    picked = torch.cat(parts) if parts else h.new_zeros(0, dtype=torch.float32)
+    rows = labelled_rows(h, valid)  # the CPU: only the labelled positions (model/lm_head.py)
+    if rows is not None:
+        picked, _ = chunked_log_probs(h[rows], output.head_weight, safe[rows], 1.0, chunk, with_entropy=False)
+        return h.new_zeros(flat.shape[0], dtype=torch.float32).index_put((rows,), picked).reshape(labels.shape)
+    picked, _ = chunked_log_probs(h, output.head_weight, safe, 1.0, chunk, with_entropy=False)
     return torch.where(valid, picked, torch.zeros_like(picked)).reshape(labels.shape)
-
-
-def _chunk_log_probs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return -F.cross_entropy(F.linear(hidden, weight).float(), labels, reduction="none")
 
 
 __all__ = ["TrainingObjective", "CrossEntropyObjective", "StepContext", "forward_step",

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gptoss_cli.model import loss
+from gptoss_cli.model import lm_head
 from gptoss_cli.model.gemm import main_grad
 from gptoss_cli.model.loss import chunked_lm_loss_sum, token_cross_entropy
 from gptoss_cli.model.loss_chunk import LM_LOSS_CHUNK_TOKENS, lm_loss_chunk_tokens
@@ -26,7 +26,7 @@ SCALE = 0.375
 
 @pytest.fixture
 def fp32_gemm(monkeypatch):
-    for module in (main_grad, loss):
+    for module in (main_grad, lm_head):
         monkeypatch.setattr(module, "fp32_accumulating_gemm", lambda device: True)
 
 
@@ -83,8 +83,26 @@ def test_without_fp32_accumulating_gemms_a_bf16_parameter_keeps_the_unfused_path
 
 
 def test_lm_head_chunk_per_device():
-    assert lm_loss_chunk_tokens(201_088, 2, "cpu") == LM_LOSS_CHUNK_TOKENS == 256
+    # the CPU: at most 256 tokens, fewer where the kept buffers (two fp32 rows per token, a third in a
+    # non-fp32 activation dtype) would pass 1/32 of the host's memory, never fewer than 32
+    gib = 2**30
+    assert lm_loss_chunk_tokens(201_088, 2, "cpu", host_memory=64 * gib) == LM_LOSS_CHUNK_TOKENS == 256
+    assert lm_loss_chunk_tokens(201_088, 4, "cpu", host_memory=8 * gib) == 160  # 8 x 201,088 B x 160 = 257 MB
+    assert lm_loss_chunk_tokens(201_088, 2, "cpu", host_memory=8 * gib) == 128  # 10 x 201,088 B x 128 = 257 MB
+    assert lm_loss_chunk_tokens(201_088, 4, "cpu", host_memory=1 * gib) == 32
+    assert lm_loss_chunk_tokens(1003, 4, "cpu", host_memory=1 * gib) == 256
     # a GPU: the largest multiple of 256 whose (b + 12) V bytes per token fit 4 GiB, within [256, 4096]
     assert lm_loss_chunk_tokens(201_088, 2, "cuda") == 1280  # 14 x 201,088 B x 1280 = 3.6 GB
     assert lm_loss_chunk_tokens(1003, 2, "cuda") == 4096
     assert lm_loss_chunk_tokens(10**8, 2, "cuda") == 256
+
+
+def test_a_bf16_gradient_added_in_blocks_equals_one_add():
+    # add_cast_ adds a gradient of another dtype block by block (its cast's temporary stays small):
+    # elementwise, so every element is the one add torch computes, bit for bit, the last block short
+    g = torch.Generator().manual_seed(2)
+    rows = 3 * main_grad.ADD_CAST_BLOCK // 64 + 1  # [rows, 64]: three blocks and a short fourth
+    target, grad = torch.randn(rows, 64, generator=g), torch.randn(rows, 64, generator=g).bfloat16()
+    want = target + grad.float()
+    assert main_grad.add_cast_(target, grad) is target
+    assert torch.equal(target, want)

@@ -103,9 +103,10 @@ def test_activation_formula_equals_what_autograd_saves():
     for key, want in (("1E", per[MOE]), ("3-", per[MLP]), ("2*", attention_outside_core), ("head", per["head"])):
         assert saved[key] / tokens == pytest.approx(want, rel=0.02), key
     # the chunked loss holds the output layer's gradient in the params dtype (the formula's b*V*h;
-    # its fp32 accumulator lives only during the forward); what autograd saves inside it is one
-    # chunk's fp32 log-probabilities (4V of the per-chunk-token (b + 12)V), freed before the next
-    assert saved["loss"] / min(tokens, LM_LOSS_CHUNK_TOKENS) == pytest.approx(4 * arch.vocab_size, rel=0.01)
+    # its fp32 accumulator lives only during the forward); autograd saves nothing inside it: a
+    # chunk's logits and log-softmax (within the per-chunk-token (b + 12)V) are scratch buffers
+    # (model/lm_head.py), reused by the next chunk
+    assert saved.get("loss", 0) == 0
     assert saved["loss.grad_weight"] == 2 * arch.vocab_size * arch.hidden_size
     assert M.LM_LOSS_CHUNK == LM_LOSS_CHUNK_TOKENS
 
@@ -207,13 +208,19 @@ RECOMPUTE_SETTINGS = {
 
 
 @pytest.mark.parametrize("setting", sorted(RECOMPUTE_SETTINGS))
-def test_activations_held_for_backward_match_the_estimate_for_each_recompute_setting(setting):
+def test_activations_held_for_backward_match_the_estimate_for_each_recompute_setting(setting, monkeypatch):
     """The live memory after one bf16 forward (every storage an op created that is still alive: what
     autograd and the recompute checkpoints hold for backward, tests/recipe/live_bytes.py) is within
     15% of the estimate's activations that outlive the forward: the layers, the head, full
     recompute's unit inputs and the output layer's gradient the chunked loss holds (b*V*h).
-    Full causal attention layers, so the CPU runs SDPA's fused kernel as the formula assumes."""
+    Full causal attention layers, so the CPU runs SDPA's fused kernel as the formula assumes. The
+    estimate is a GPU's, where the LM head's chunk buffers are fresh tensors (model/workspace.py), not
+    kept as on the CPU: measured so here too."""
     import gc
+
+    from gptoss_cli.model.workspace import BUFFERS_ENV
+
+    monkeypatch.setenv(BUFFERS_ENV, "fresh")
 
     from tests.recipe.live_bytes import LiveBytes
 

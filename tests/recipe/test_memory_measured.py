@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from gptoss_cli.model.config import preset
+from gptoss_cli.model.workspace import BUFFERS_ENV
 from gptoss_cli.model.pattern import parse_pattern
 from gptoss_cli.recipe import load_recipe
 from gptoss_cli.recipe.estimate import memory as M
@@ -40,12 +41,14 @@ def _chunked_loss_bytes(vocab: int, hidden: int, tokens: int, trainable: bool) -
     return peak, held
 
 
-def test_the_output_layers_gradient_term_is_what_the_chunked_loss_allocates():
+def test_the_output_layers_gradient_term_is_what_the_chunked_loss_allocates(monkeypatch):
     """The estimate's output-layer term (its logits item with a trainable head minus a frozen one, LoRA)
     against the chunked loss measured with a trainable and a frozen weight: the bf16 gradient held
     until backward is exactly b*V*h, and the forward's extra peak (fp32 accumulator + that copy, (4 + b)
     V*h) is the estimate's term up to the chunk's own tensors (the frozen run's whole peak), which may
-    or may not coexist with the conversion. h = 512 >> tokens so that V*h dominates."""
+    or may not coexist with the conversion. h = 512 >> tokens so that V*h dominates. The estimate is a
+    GPU's, where the chunk's buffers are fresh tensors (model/workspace.py): measured so here too."""
+    monkeypatch.setenv(BUFFERS_ENV, "fresh")
     tokens = 8
     arch = preset("tiny").replace(hidden_size=512)
     seq = [f"training.seq_length={tokens}"]

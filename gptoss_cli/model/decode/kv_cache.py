@@ -285,7 +285,13 @@ def prefill(model, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: K
 
 
 @torch.no_grad()
-def next_token_logits(model, hidden: torch.Tensor) -> torch.Tensor:
+def next_token_logits(model, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """LM head of the last position of final-norm hidden states [B, n, H] -> fp32 logits [B, V]
-    (a few rows against the vocabulary: model/decode/skinny_gemm.py)."""
-    return skinny_linear(hidden[:, -1], model.output_layer.weight).float()
+    (a few rows against the vocabulary: model/decode/skinny_gemm.py), written into `out` (fp32 [B, V])
+    when given (a reused buffer: model/workspace.py)."""
+    weight = model.output_layer.weight
+    if out is None:
+        return skinny_linear(hidden[:, -1], weight).float()
+    if weight.dtype == torch.float32 and hidden.dtype == torch.float32:
+        return skinny_linear(hidden[:, -1], weight, out=out)
+    return out.copy_(skinny_linear(hidden[:, -1], weight))
