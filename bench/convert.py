@@ -56,15 +56,15 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from bench import harness  # noqa: E402
-from gptoss_cli.checkpoint.storage import direct_write  # noqa: E402
-from gptoss_cli.model.mxfp4 import codec as mxfp4  # noqa: E402
-from gptoss_cli.checkpoint.convert_plan import plan_to_hf  # noqa: E402
-from gptoss_cli.checkpoint.layouts import HF_MXFP4  # noqa: E402
+from gptoss_cli.checkpoint.formats.hf.config import to_hf_config  # noqa: E402
+from gptoss_cli.checkpoint.formats.hf.layouts import HF_MXFP4  # noqa: E402
+from gptoss_cli.checkpoint.formats.hf.plan import plan_to_hf  # noqa: E402
 from gptoss_cli.checkpoint.mapping import units  # noqa: E402
+from gptoss_cli.checkpoint.storage import direct_write  # noqa: E402
 from gptoss_cli.checkpoint.storage.pipeline import worker_count  # noqa: E402
 from gptoss_cli.checkpoint.storage.safetensors_io import ShardedWriter  # noqa: E402
-from gptoss_cli.checkpoint.hf_config import to_hf_config  # noqa: E402
 from gptoss_cli.model.config import preset  # noqa: E402
+from gptoss_cli.model.mxfp4 import codec as mxfp4  # noqa: E402
 from gptoss_cli.resources import keep_freed_memory  # noqa: E402
 
 

@@ -22,7 +22,7 @@ buffers the model holds), MXFP4 over bf16 (the experts alone: 4.25 / 16 bits wit
 `--profile N` adds, after the timings, torch.profiler's top operators (self CPU time over N steps)
 of ours-LoRA and of transformers + PEFT: where each step's time goes.
 
-`--base-hash-mb N` instead times naming the frozen base (checkpoint/training_format.py's
+`--base-hash-mb N` instead times naming the frozen base (checkpoint/formats/training/record.py's
 base_fingerprint, at every LoRA start, resume and export) on a base of N MB of safetensors files:
 the full sha256 read (the baseline, from the page cache: its fastest) against the cached fingerprint
 (a stat of each file), medians over --repeats, and their ratio.
@@ -102,7 +102,7 @@ def hf_peft_step_fn(arch, tokens: torch.Tensor, dtype: str, rank: int, alpha: fl
     import peft
     from transformers import GptOssConfig, GptOssForCausalLM
 
-    from gptoss_cli.checkpoint.hf_config import to_hf_config
+    from gptoss_cli.checkpoint.formats.hf.config import to_hf_config
 
     hf_cfg = to_hf_config(arch)
     hf_cfg.update(output_router_logits=False)
@@ -143,7 +143,7 @@ def bench_base_hash(run: harness.Run, megabytes: int, repeats: int) -> None:
     import os
     import tempfile
 
-    from gptoss_cli.checkpoint.training_format import base_fingerprint, hash_base_files
+    from gptoss_cli.checkpoint.formats.training.record import base_fingerprint, hash_base_files
 
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["GPTOSS_CACHE_DIR"] = str(Path(tmp) / "cache")

@@ -99,7 +99,7 @@ def hf_view(shards: Path, folder: Path, arch) -> None:
     """An HF folder of the first `arch.num_hidden_layers` blocks: hard-linked shards + index + config."""
     from safetensors import safe_open
 
-    from gptoss_cli.checkpoint.hf_config import to_hf_config
+    from gptoss_cli.checkpoint.formats.hf.config import to_hf_config
 
     folder.mkdir(parents=True)
     files = ["globals.safetensors"] + [f"block-{i:05d}.safetensors" for i in range(arch.num_hidden_layers)]

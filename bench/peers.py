@@ -46,7 +46,7 @@ def hf_peer(arch, dtype=None, seed: int = 0):
     import torch
     from transformers import GptOssConfig, GptOssForCausalLM
 
-    from gptoss_cli.checkpoint.hf_config import to_hf_config
+    from gptoss_cli.checkpoint.formats.hf.config import to_hf_config
     from tests.model.conftest import randomize_
 
     cfg = to_hf_config(arch)

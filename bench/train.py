@@ -68,7 +68,7 @@ if str(ROOT) not in sys.path:  # tests/train/dist_helpers.py runs the 2-process 
 
 import torch  # noqa: E402
 
-from gptoss_cli.checkpoint.hf_config import to_hf_config
+from gptoss_cli.checkpoint.formats.hf.config import to_hf_config
 from gptoss_cli.model.catalog import SWIGLU_KERNELS
 from gptoss_cli.recipe.estimate.flops import model_flops_per_token
 

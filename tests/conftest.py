@@ -40,7 +40,7 @@ def _one_thread():
 
 @pytest.fixture(autouse=True, scope="session")
 def _private_cache_dir(tmp_path_factory):
-    """gptoss's cache (a LoRA base's hash, checkpoint/training_format.py) in a temporary folder, never
+    """gptoss's cache (a LoRA base's hash, checkpoint/formats/training/record.py) in a temporary folder, never
     the user's; spawned workers and CLI subprocesses inherit it."""
     previous = os.environ.get("GPTOSS_CACHE_DIR")
     os.environ["GPTOSS_CACHE_DIR"] = str(tmp_path_factory.mktemp("gptoss-cache"))

@@ -1,7 +1,7 @@
 """`gptoss convert`'s library side: `convert()` (the one entry point), its options, its result and progress.
 
 It opens SRC (checkpoint/sources.py), asks the registry for the output format (`--to`, or SRC's
-default) and that format's plan (checkpoint/convert_plan.py and the rows in checkpoint/formats/),
+default) and that format's plan (a `ConvertPlan`, formats/plan.py, built by the format's row),
 and runs the plan: worker threads read and transform chunks in parallel (storage/pipeline.py), each
 is checked for NaN/inf and appended to the output in order, then dropped, so memory is bounded by a
 few chunks (for experts: a chunk of experts of one stack), never by the model. The output is
@@ -21,8 +21,8 @@ import torch
 
 from gptoss_cli import __version__, outputs
 from gptoss_cli.checkpoint import formats
-from gptoss_cli.checkpoint.convert_plan import PROVENANCE_KEY, ConvertPlan
 from gptoss_cli.checkpoint.export_cost import measure_model
+from gptoss_cli.checkpoint.formats.plan import PROVENANCE_KEY, ConvertPlan
 from gptoss_cli.checkpoint.formats.registry import Format, Source, check_tensors
 from gptoss_cli.checkpoint.mapping import VOCAB_PADDED_HYBRID, hybrid_shapes
 from gptoss_cli.checkpoint.sources import open_source
@@ -214,12 +214,12 @@ def read_arch_from(arch_from: str | None) -> GptOssArch | None:
         raise UsageError(f"--arch-from {arch_from!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor an HF "
                          "config.json (or a folder holding one)")
     from gptoss_cli.checkpoint.formats.hf import load_json  # noqa: PLC0415
-    from gptoss_cli.checkpoint.hf_config import from_hf_config  # noqa: PLC0415
+    from gptoss_cli.checkpoint.formats.hf.config import from_hf_config  # noqa: PLC0415
 
     return from_hf_config(load_json(path), source=str(path))
 
 
-class _Run:
+class _PlanRun:
     """What running a plan measured: its writer's bytes, files and I/O time, the stage clock, the workers."""
 
     def __init__(self, writer, clock: StageClock, workers: int):
@@ -227,7 +227,8 @@ class _Run:
 
 
 def _write(plan: ConvertPlan, source: Source, finite: NonFiniteCheck, tmp: Path, dst: Path, provenance: dict, *,
-           progress: ConvertProgress | None, max_shard_bytes: int, chunk_bytes: int, concurrent_reads: bool) -> _Run:
+           progress: ConvertProgress | None, max_shard_bytes: int, chunk_bytes: int,
+           concurrent_reads: bool) -> _PlanRun:
     """Run `plan` into the temporary folder `tmp`: its jobs, cut into tasks, through the worker pipeline
     into the plan's writer; then its folder files and the source's tokenizer files."""
     on_bytes = (lambda n: progress.advance(nbytes=n)) if progress else None
@@ -257,10 +258,10 @@ def _write(plan: ConvertPlan, source: Source, finite: NonFiniteCheck, tmp: Path,
         if (source.extras_folder / name).is_file():
             with outputs.naming(tmp / name):
                 shutil.copyfile(source.extras_folder / name, tmp / name)
-    return _Run(writer, clock, pipeline.workers)
+    return _PlanRun(writer, clock, pipeline.workers)
 
 
-def _result(plan: ConvertPlan, source: Source, target: Format, run: _Run, *, src: str, dst: Path,
+def _result(plan: ConvertPlan, source: Source, target: Format, run: _PlanRun, *, src: str, dst: Path,
             revision: str | None, t0: float, notes: list[str], provenance: dict) -> ConvertResult:
     return ConvertResult(
         direction=f"{source.kind} -> {target.name}", source=src, revision=revision, destination=str(dst),

@@ -2,10 +2,9 @@
 
 `load_weights` fills a model (built with model/build.py's `build_model`) from whatever the folder
 holds, `model_from_checkpoint` builds and fills in one call (the architecture from the folder),
-`checkpoint_architecture` reads the architecture alone; `load_hybrid`, `load_hf` and
-`load_training` insist on one format. The source's registry row says how its tensors are named:
-Hybrid-named ones (Hybrid, training, Megatron) are filled by name, HF and OpenAI-original ones
-through the mapping table.
+`checkpoint_architecture` reads the architecture alone; `load_hybrid` and `load_hf` insist on one
+format. The source's registry row says how its tensors are named: Hybrid-named ones (Hybrid,
+training, Megatron) are filled by name, HF and OpenAI-original ones through the mapping table.
 
 Streaming and strict: tensors are read one at a time by name (for HF sources, one mapping-table
 unit at a time, experts in chunks), only the experts the model holds are read, and a missing,
@@ -21,15 +20,13 @@ from typing import Callable
 
 import torch
 
-from gptoss_cli.checkpoint import formats
-from gptoss_cli.checkpoint.hybrid_format import HYBRID_CONFIG, read_hybrid_config
-from gptoss_cli.checkpoint.layouts import EXPERT_CHUNK
-from gptoss_cli.checkpoint.mapping import VOCAB_PADDED_HYBRID, check_vocab_padding, units
+from gptoss_cli.checkpoint.formats.hf.layouts import EXPERT_CHUNK
+from gptoss_cli.checkpoint.formats.hybrid.config import HYBRID_CONFIG, read_hybrid_config
 from gptoss_cli.checkpoint.formats.registry import Source, check_tensors
+from gptoss_cli.checkpoint.mapping import VOCAB_PADDED_HYBRID, check_vocab_padding, units
 from gptoss_cli.checkpoint.sources import open_source, source_pattern
 from gptoss_cli.checkpoint.storage.readers import TensorReader
 from gptoss_cli.checkpoint.storage.safetensors_io import CheckpointReader
-from gptoss_cli.checkpoint.training_format import MODEL
 from gptoss_cli.errors import CheckpointError, ConfigError
 from gptoss_cli.model.build import build_model
 from gptoss_cli.model.config import GptOssArch
@@ -98,19 +95,6 @@ def _fill_by_hybrid_names(model: HybridModel, reader: TensorReader, folder: Path
             _store(dest, read_hybrid_tensor(reader, name, tuple(dest.shape), model.arch), name, folder)
             if progress is not None:
                 progress(name)
-
-
-def load_training(model: HybridModel, folder: str | Path, progress: LoadProgress | None = None, *,
-                  weights: str = MODEL) -> None:
-    """Fill every parameter from a `gptoss train` checkpoint (a checkpoint.dir through `latest`, or an
-    iter_* folder), from its model state or its fp32 master weights, reading only the experts held."""
-    source = open_source(str(folder), weights=weights)
-    try:
-        if source.format is not formats.TRAINING:
-            raise CheckpointError(f"{folder}: is {source.format.title} checkpoint, not a training checkpoint")
-        _fill_from_source(model, source, progress)
-    finally:
-        source.close()
 
 
 def load_hf(model: HybridModel, folder: str | Path, progress: LoadProgress | None = None) -> None:
@@ -242,5 +226,5 @@ def model_from_checkpoint(folder: str | Path, *, dtype: torch.dtype = torch.floa
     return model
 
 
-__all__ = ["load_hybrid", "load_hf", "load_training", "load_weights", "model_from_checkpoint", "read_hybrid_tensor",
+__all__ = ["load_hybrid", "load_hf", "load_weights", "model_from_checkpoint", "read_hybrid_tensor",
            "checkpoint_architecture"]

@@ -15,15 +15,15 @@ import torch
 
 from gptoss_cli import outputs
 from gptoss_cli.checkpoint.convert import parse_dtype
-from gptoss_cli.checkpoint.convert_plan import plan_to_hf
 from gptoss_cli.checkpoint.formats import HF
-from gptoss_cli.checkpoint.layouts import HF_LAYOUTS
+from gptoss_cli.checkpoint.formats.hf.config import to_hf_config
+from gptoss_cli.checkpoint.formats.hf.layouts import HF_LAYOUTS
+from gptoss_cli.checkpoint.formats.hf.plan import plan_to_hf
 from gptoss_cli.checkpoint.mapping import canonical_hf_shapes, units
 from gptoss_cli.checkpoint.storage.safetensors_io import ShardedWriter
 from gptoss_cli.data.tiny_tokenizer import SPECIAL as TINY_SPECIAL, tiny_tokenizer
 from gptoss_cli.data.tokenizer import TOKENIZER_FILE
 from gptoss_cli.errors import UsageError
-from gptoss_cli.checkpoint.hf_config import to_hf_config
 from gptoss_cli.model.config import GptOssArch, preset
 from gptoss_cli.model.dtypes import dtype_name
 

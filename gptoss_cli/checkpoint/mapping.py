@@ -5,7 +5,7 @@ here are *canonical*: every HF tensor as Hugging Face names it, except that the 
 stacks are named `experts.gate_up` `[E, 2I, H]` and `experts.down` `[E, H, I]`, i.e. in
 `[expert, out, in]` orientation with gate/up rows still interleaved. How those canonical tensors
 are stored (bf16 `gate_up_proj [E, H, 2I]`, MXFP4 `*_blocks`/`*_scales`, OpenAI's `original/`
-names) is the job of `layouts.py`; orientation there is keyed on the stored form, never on shapes.
+names) is the job of `formats/hf/layouts.py`; orientation there is keyed on the stored form, never on shapes.
 
 Placeholders: `{i}` HF block, `{attn}` = 2i (attention layer), `{moe}` = 2i+1 (MoE layer),
 `{e}` global expert id.

@@ -10,8 +10,8 @@ import re
 from pathlib import Path
 
 from gptoss_cli.checkpoint import formats
+from gptoss_cli.checkpoint.formats.hf.config import EXTRA_FILES
 from gptoss_cli.checkpoint.formats.registry import OpenOptions, Source
-from gptoss_cli.checkpoint.hf_config import EXTRA_FILES
 from gptoss_cli.errors import UsageError
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.model.pattern import HybridPattern, default_pattern, parse_pattern
@@ -60,7 +60,7 @@ def open_source(src: str, revision: str | None = None, *, weights: str | None = 
     """Resolve SRC, detect its format (the registry's first row that recognises it) and open it.
 
     `weights` picks what a training checkpoint's tensors are read from (`model` or `master`). A LoRA
-    training checkpoint reads as its base with the adapters merged in (checkpoint/lora_merge.py), or,
+    training checkpoint reads as its base with the adapters merged in (checkpoint/formats/training/readers.py), or,
     with `adapters_only`, as its adapters alone (`Source.lora` says which run made them). `arch_from`:
     the architecture of a Megatron checkpoint whose args cannot say it."""
     root, revision = resolve(src, revision)

@@ -1,7 +1,7 @@
 """GPT-OSS architecture: the one place sizes live, their validation, and the presets.
 
 Numbers are from `gpt-oss-reference.md` section 1. Reading and writing a checkpoint's HF or OpenAI
-config.json is the checkpoint side's job (`checkpoint/hf_config.py`).
+config.json is the checkpoint side's job (`checkpoint/formats/hf/config.py`).
 """
 
 from __future__ import annotations

@@ -80,7 +80,7 @@ def run_parity(
     """Compare HYBRID (a converted checkpoint) with HF. Returns the report; raises UsageError /
     CheckpointError for bad input. The caller decides pass/fail from `report.passed`."""
     require_transformers()
-    from gptoss_cli.checkpoint.hybrid_format import read_hybrid_config
+    from gptoss_cli.checkpoint.formats.hybrid.config import read_hybrid_config
     from gptoss_cli.checkpoint.storage.safetensors_io import CheckpointReader
     from gptoss_cli.checkpoint import formats
     from gptoss_cli.checkpoint.formats.registry import check_tensors

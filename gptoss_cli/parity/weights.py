@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from gptoss_cli.checkpoint.layouts import EXPERT_CHUNK
+from gptoss_cli.checkpoint.formats.hf.layouts import EXPERT_CHUNK
 from gptoss_cli.checkpoint.mapping import VOCAB_PADDED_HYBRID, Unit, units
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.parity.report import WeightReport

@@ -5,7 +5,7 @@ weights (`merged_weight`, as the merged export does), and under MXFP4 QAT each e
 to MXFP4 (`rounded_weight`, the forward's own rounding; an engine without an MXFP4 kernel then computes
 with the rounded weights in its dtype, which is what QAT's forward does). The Hybrid -> HF
 re-arrangement is the checkpoint mapping's (checkpoint/mapping.py) and the experts are stored in the
-HF bf16 layout (checkpoint/layouts.py; the dtype is the engine's). The folder holds
+HF bf16 layout (checkpoint/formats/hf/layouts.py; the dtype is the engine's). The folder holds
 `model.safetensors` and `config.json`, written under a temporary name and renamed.
 """
 
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from gptoss_cli.checkpoint.hf_config import to_hf_config
-from gptoss_cli.checkpoint.layouts import HF_BF16
+from gptoss_cli.checkpoint.formats.hf.config import to_hf_config
+from gptoss_cli.checkpoint.formats.hf.layouts import HF_BF16
 from gptoss_cli.checkpoint.mapping import units
 from gptoss_cli.model.lora import is_adapter_name, lora_deltas
 from gptoss_cli.model.mxfp4.qat import rounded_weight

@@ -6,7 +6,7 @@ A checkpoint folder `<dir>/iter_0000010/` holds the DCP shards of
   optimizer.*  fp32 master weights and AdamW moments per parameter name (from their owners),
   rng.rank{r}  each rank's torch RNG state,
 plus `train_state.json` (step, data position, learning-rate schedule, the layout that wrote it, and
-the run record that lets `gptoss convert` rebuild the model: gptoss_cli/checkpoint/training_format.py).
+the run record that lets `gptoss convert` rebuild the model: gptoss_cli/checkpoint/formats/training/record.py).
 It is written under a temporary name and renamed when every rank has finished, then `latest`
 (one line: the folder name) is replaced atomically; a run killed mid-save leaves the previous
 checkpoint as the latest. Loading asks DCP only for the keys this rank's layout needs, which is
@@ -42,7 +42,7 @@ from gptoss_cli.checkpoint.storage.dcp_io import (
     check_storage_files, dcp_error, interruption, quiet_single_process, read_metadata, storage_reader,
 )
 from gptoss_cli.checkpoint.storage.finite import all_finite
-from gptoss_cli.checkpoint.training_format import (
+from gptoss_cli.checkpoint.formats.training.record import (
     ITER_NAME, LATEST, MODEL, OPTIMIZER, PARTIAL_NAME, RNG, TRAIN_STATE, iter_name, latest_checkpoint, latest_name,
     read_train_state,
 )

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gptoss_cli.checkpoint.training_format import run_record
+from gptoss_cli.checkpoint.formats.training.record import run_record
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.model.pattern import HybridPattern
 from gptoss_cli.recipe.load import Recipe
@@ -36,7 +36,7 @@ class TrainJob:
     objective: TrainingObjective | None = None
 
     def run_record(self, lora_base: dict[str, Any] | None = None) -> dict[str, Any]:
-        """What every checkpoint of this run records about it (gptoss_cli/checkpoint/training_format.py);
+        """What every checkpoint of this run records about it (gptoss_cli/checkpoint/formats/training/record.py);
         a LoRA run adds its settings and `lora_base`, the fingerprint of its frozen base."""
         lo = self.config.lora
         lora = None if lo.rank == 0 else {

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from gptoss_cli import outputs
-from gptoss_cli.checkpoint.training_format import RUN_KEY, read_train_state
+from gptoss_cli.checkpoint.formats.training.record import RUN_KEY, read_train_state
 from gptoss_cli.errors import ConfigError, TrainingError
 from gptoss_cli.model.pattern import MOE
 from gptoss_cli.parallel.state import ParallelState, barrier

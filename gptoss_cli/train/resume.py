@@ -19,7 +19,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from gptoss_cli.checkpoint.training_format import RUN_KEY, base_fingerprint, read_train_state, require_same_base
+from gptoss_cli.checkpoint.formats.training.record import RUN_KEY, base_fingerprint, read_train_state, require_same_base
 from gptoss_cli.errors import CheckpointError, ConfigError
 from gptoss_cli.parallel.state import ParallelState
 from gptoss_cli.recipe.schema import RecipeConfig

@@ -14,7 +14,7 @@ import torch
 
 from gptoss_cli.checkpoint.convert import PROVENANCE_KEY, convert
 from gptoss_cli.checkpoint.load import load_hf, model_from_checkpoint
-from gptoss_cli.checkpoint.training_format import TRAIN_STATE
+from gptoss_cli.checkpoint.formats.training.record import TRAIN_STATE
 from gptoss_cli.model.build import build_model
 from gptoss_cli.errors import CheckpointError, UsageError
 from tests.faults.conftest import digest

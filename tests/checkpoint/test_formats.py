@@ -1,13 +1,15 @@
 """The registry of checkpoint formats (checkpoint/formats/): every row is reachable from detection and from
-`convert --to`, detection and the architecture read need no torch, nothing outside the rows asks what kind a
-folder is, and a training checkpoint is a `model.checkpoint` for validate-config as it is a SRC for convert.
+the CLI's `convert --to`, a format is one package and one row, detection and the architecture read need no
+torch, nothing outside the rows asks what kind a folder is, and a training checkpoint is a `model.checkpoint`
+for validate-config as it is a SRC for convert.
 
 The folders are what each format's own writer wrote: transformers (HF), OpenAI's naming rules
-(tests/checkpoint/test_convert_sources.py), `gptoss train` (a 2-step LoRA run) and `convert --to NAME`.
+(tests/checkpoint/test_convert_sources.py), `gptoss train` (a 2-step LoRA run) and `gptoss convert --to NAME`.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import re
@@ -16,10 +18,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import typer
 from typer.testing import CliRunner
 
 from gptoss_cli.checkpoint import formats
 from gptoss_cli.checkpoint.convert import convert
+from gptoss_cli.checkpoint.formats.plan import ConvertPlan
 from gptoss_cli.checkpoint.load import checkpoint_architecture
 from gptoss_cli.cli import app
 from gptoss_cli.model.config import GptOssArch
@@ -29,6 +33,7 @@ from tests.train.jobs import train_job
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "gptoss_cli"
+FORMATS_DIR = PACKAGE / "checkpoint" / "formats"
 
 
 @pytest.fixture(scope="module")
@@ -45,14 +50,16 @@ def lora_run(hybrid_from_bf16, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def folders(hf_bf16, hf_mxfp4, hybrid_from_bf16, lora_run, tmp_path_factory) -> dict[str, Path]:
-    """One folder per row; a writable row's is `convert --to <its name>`'s output."""
+    """One folder per row; a writable row's is the output of the command `gptoss convert SRC DST --to <its name>`."""
     root = tmp_path_factory.mktemp("formats")
     write_openai_original(hf_mxfp4, root / "repo")
-    made = {"hybrid": (hf_bf16, {}), "hf": (hybrid_from_bf16, {}), "megatron": (hf_bf16, {}), "peft": (lora_run, {})}
+    made = {"hybrid": hf_bf16, "hf": hybrid_from_bf16, "megatron": hf_bf16, "peft": lora_run}
     out = {"openai-original": root / "repo", "training": lora_run}
-    for name, (src, options) in made.items():
+    for name, src in made.items():
         out[name] = root / name
-        convert(str(src), out[name], to=name, dtype="float32", **options)
+        result = CliRunner().invoke(app, ["convert", str(src), str(out[name]), "--to", name, "--dtype", "float32",
+                                          "--quiet"])
+        assert result.exit_code == 0, (name, result.output)
     return out
 
 
@@ -62,8 +69,55 @@ def test_every_row_is_reachable_from_detection_and_every_writer_from_convert_to(
         "hybrid", "hf", "megatron", "peft"}
     for name, folder in folders.items():
         assert formats.detect(folder) is formats.by_name(name), (name, formats.detect(folder))
-    with pytest.raises(Exception, match="--to 'openai-original' is not supported"):
-        convert(str(folders["hf"]), folders["hf"].parent / "never", to="openai-original")
+
+
+def test_convert_to_refuses_every_row_without_a_plan_and_names_the_writers(folders, tmp_path):
+    """The CLI's --to choices are the rows with a plan: each of the others is refused in one line (exit 2) that
+    names exactly those, and nothing is written; the option's help names every one of them."""
+    readers_only = [f.name for f in formats.FORMATS if f.plan is None]
+    assert readers_only == ["openai-original", "training"]
+    for name in readers_only:
+        result = CliRunner().invoke(app, ["convert", str(folders["hf"]), str(tmp_path / name), "--to", name])
+        assert result.exit_code == 2, (name, result.output)
+        assert f"--to {name!r} is not supported; use {' or '.join(formats.WRITERS)}" in result.output
+        assert not (tmp_path / name).exists()
+    help_text = next(p.help for p in typer.main.get_command(app).commands["convert"].params if p.name == "to")
+    assert [w for w in formats.WRITERS if not re.search(rf"\b{w}\b", help_text)] == [], help_text
+
+
+def _row_packages() -> list[str]:
+    return sorted(p.parent.name for p in FORMATS_DIR.glob("*/__init__.py"))
+
+
+def test_a_format_is_one_package_holding_its_row_its_functions_and_its_plan():
+    """`formats/<name>/__init__.py` is exactly one row of FORMATS, every function of the row is defined in that
+    package, and a writable row's plan is the package's plan.py (the only ConvertPlan whose target it is)."""
+    rows = {}
+    for package in _row_packages():
+        module = importlib.import_module(f"gptoss_cli.checkpoint.formats.{package}")
+        defined = [v for v in vars(module).values() if isinstance(v, formats.Format)]
+        assert len(defined) == 1, (package, defined)
+        rows[defined[0].name] = module.__name__
+    assert sorted(rows) == sorted(f.name for f in formats.FORMATS)
+    plans = {}
+    for fmt in formats.FORMATS:
+        home = rows[fmt.name]
+        functions = {k: v for k in ("detect", "architecture", "open", "plan", "replaceable")
+                     if (v := getattr(fmt, k)) is not None}
+        strays = {k: v.__module__ for k, v in functions.items() if not (v.__module__ + ".").startswith(home + ".")}
+        assert strays == {}, (fmt.name, strays)
+        has_plan = (FORMATS_DIR / home.rsplit(".", 1)[1] / "plan.py").is_file()
+        assert has_plan == fmt.writable, fmt.name
+        if has_plan:
+            plans[fmt.name] = importlib.import_module(f"{home}.plan")
+    found = []
+    todo = list(ConvertPlan.__subclasses__())
+    while todo:
+        cls = todo.pop()
+        todo += cls.__subclasses__()
+        if cls.__module__.startswith("gptoss_cli."):
+            found.append((cls.target, cls.__module__))
+    assert sorted(found) == sorted((name, module.__name__) for name, module in plans.items())
 
 
 def test_detection_and_the_architecture_read_import_no_torch(folders, hf_bf16):

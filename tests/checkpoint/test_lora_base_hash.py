@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from gptoss_cli.checkpoint import training_format
-from gptoss_cli.checkpoint.training_format import base_fingerprint, base_hash_cache
+from gptoss_cli.checkpoint.formats.training import record as training_record
+from gptoss_cli.checkpoint.formats.training.record import base_fingerprint, base_hash_cache
 
 
 def _reference_sha256(folder: Path) -> str:
@@ -37,7 +37,7 @@ def base(tmp_path, monkeypatch):
 def _no_full_read(monkeypatch):
     def refuse(files):
         raise AssertionError(f"read the files in full: {files}")
-    monkeypatch.setattr(training_format, "hash_base_files", refuse)
+    monkeypatch.setattr(training_record, "hash_base_files", refuse)
 
 
 def test_the_first_fingerprint_is_the_content_hash_and_later_ones_read_no_file(base, monkeypatch):

@@ -51,7 +51,7 @@ def hf_config(folder: Path) -> dict:
 
 def assert_same_architecture(a: Path, b: Path) -> None:
     """The HF configs of two folders describe the same network (layer types, window, rope, sizes, ...)."""
-    from gptoss_cli.checkpoint.hf_config import from_hf_config
+    from gptoss_cli.checkpoint.formats.hf.config import from_hf_config
 
     assert from_hf_config(hf_config(a)).differences(from_hf_config(hf_config(b))) == []
 
@@ -385,7 +385,7 @@ def test_tracker_naming_an_iteration_folder(megatron_out, hf_bf16, tmp_path):
 
 def test_an_expert_parallel_rank_reads_only_its_experts(megatron_out, hf_bf16, monkeypatch):
     """checkpoint.pretrained at EP=2: rank 1's model (experts 2..3) gets the HF weights of exactly those."""
-    from gptoss_cli.checkpoint.megatron import reader as megatron_reader
+    from gptoss_cli.checkpoint.formats.megatron import reader as megatron_reader
     from gptoss_cli.checkpoint.load import checkpoint_architecture, load_weights
     from gptoss_cli.model.build import build_model
 
@@ -404,7 +404,7 @@ def test_an_expert_parallel_rank_reads_only_its_experts(megatron_out, hf_bf16, m
 
 
 def test_recipe_model_checkpoint_reads_the_architecture_from_megatron_args(megatron_out, hf_bf16):
-    from gptoss_cli.checkpoint.hf_config import from_hf_config
+    from gptoss_cli.checkpoint.formats.hf.config import from_hf_config
     from gptoss_cli.recipe.load import architecture_from_checkpoint
 
     arch, pattern = architecture_from_checkpoint(megatron_out)
@@ -446,7 +446,7 @@ def test_streams_in_chunks_both_ways(hf_bf16, tmp_path, monkeypatch):
     """With a 4 KiB chunk budget the embedding (and its padding) is written as row chunks of at most that
     size, and reading back never loads a stored chunk bigger than one expert half, one row range or the
     largest tensor group convert holds anyway."""
-    from gptoss_cli.checkpoint.megatron import reader as megatron_reader
+    from gptoss_cli.checkpoint.formats.megatron import reader as megatron_reader
 
     budget = 4096
     convert(str(hf_bf16), tmp_path / "mg", to="megatron", dtype="float32", chunk_bytes=budget)

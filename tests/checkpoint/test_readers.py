@@ -9,12 +9,12 @@ import pytest
 
 from gptoss_cli.checkpoint.storage.dcp_io import DcpReader
 from gptoss_cli.checkpoint.storage.finite import NonFiniteCheck
-from gptoss_cli.checkpoint.lora_merge import LoraMergedReader
-from gptoss_cli.checkpoint.megatron.reader import MegatronReader
+from gptoss_cli.checkpoint.formats.training.readers import LoraMergedReader
+from gptoss_cli.checkpoint.formats.megatron.reader import MegatronReader
 from gptoss_cli.checkpoint.storage.pipeline import StageClock
 from gptoss_cli.checkpoint.storage.readers import RowReader, TensorReader
 from gptoss_cli.checkpoint.storage.safetensors_io import CheckpointReader, SafetensorsFile
-from gptoss_cli.checkpoint.formats.training import Mxfp4QatReader
+from gptoss_cli.checkpoint.formats.training.readers import Mxfp4QatReader
 
 
 def _protocol_methods(protocol) -> list[str]:

@@ -14,7 +14,7 @@ import dataclasses
 import pytest
 
 from gptoss_cli.checkpoint.mapping import is_vocab_padding
-from gptoss_cli.checkpoint.megatron.names import DEFAULT_VOCAB_MULTIPLE, padded_vocab
+from gptoss_cli.checkpoint.formats.megatron.names import DEFAULT_VOCAB_MULTIPLE, padded_vocab
 from gptoss_cli.model.config import preset
 
 

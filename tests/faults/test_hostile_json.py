@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from gptoss_cli.checkpoint.training_format import run_record
+from gptoss_cli.checkpoint.formats.training.record import run_record
 from gptoss_cli.json_input import parse_json
-from gptoss_cli.checkpoint.hf_config import to_hf_config
+from gptoss_cli.checkpoint.formats.hf.config import to_hf_config
 from gptoss_cli.model.config import preset
 from tests.faults.conftest import TRAIN_FAST, assert_one_line, digest
 from tests.support.cli import exit_and_output as invoke

@@ -68,7 +68,7 @@ def test_a_signal_or_a_full_disk_inside_a_megatron_shard_write_is_that_not_a_cpp
     exception or ENOSPC raised there came out as a RuntimeError traceback, exit 1."""
     from typer.testing import CliRunner
 
-    from gptoss_cli.checkpoint.megatron import writer
+    from gptoss_cli.checkpoint.formats.megatron import writer
     from gptoss_cli.cli import app
     from gptoss_cli.cli.app import _terminate
 

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from gptoss_cli.cli import app
 from gptoss_cli.errors import ConfigError
-from gptoss_cli.checkpoint.hf_config import from_hf_config, to_hf_config
+from gptoss_cli.checkpoint.formats.hf.config import from_hf_config, to_hf_config
 from gptoss_cli.model.config import GptOssArch, preset
 from tests.faults.conftest import assert_one_line, gptoss
 

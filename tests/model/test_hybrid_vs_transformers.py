@@ -196,7 +196,7 @@ def transformers_yarn(hf_config: dict):
 
 @pytest.mark.parametrize("truncate", [False, True])
 def test_yarn_frequencies_match_transformers_at_head_dim_64(truncate):
-    from gptoss_cli.checkpoint.hf_config import from_hf_config
+    from gptoss_cli.checkpoint.formats.hf.config import from_hf_config
     from gptoss_cli.model.rope import yarn_inv_freq
 
     cfg = {**RELEASED_120B, "rope_scaling": {**RELEASED_120B["rope_scaling"], "truncate": truncate}}
@@ -209,7 +209,7 @@ def test_yarn_frequencies_match_transformers_at_head_dim_64(truncate):
 @pytest.mark.parametrize("key", ["rope_scaling", "rope_parameters"])
 def test_yarn_without_truncate_in_the_config_follows_transformers_default(key):
     """A config.json whose YaRN block has no `truncate` is read by transformers as truncate=True."""
-    from gptoss_cli.checkpoint.hf_config import from_hf_config
+    from gptoss_cli.checkpoint.formats.hf.config import from_hf_config
     from gptoss_cli.model.rope import yarn_inv_freq
 
     rope = {k: v for k, v in RELEASED_120B["rope_scaling"].items() if k != "truncate"}
@@ -237,7 +237,7 @@ def test_openai_original_config_gives_the_rope_of_the_corresponding_hf_config(ro
     must be transformers' for the HF config.json of the same model."""
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRotaryEmbedding
 
-    from gptoss_cli.checkpoint.hf_config import from_openai_config
+    from gptoss_cli.checkpoint.formats.hf.config import from_openai_config
     from gptoss_cli.model.rope import YarnRotaryEmbedding, yarn_inv_freq
 
     original = {**OPENAI_120B_ORIGINAL, **(OPENAI_OTHER_ROPE if rope == "other" else {})}

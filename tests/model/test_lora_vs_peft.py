@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gptoss_cli.checkpoint.load import model_from_checkpoint
-from gptoss_cli.checkpoint.peft_format import (
+from gptoss_cli.checkpoint.formats.peft.adapter import (
     ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_config, adapter_config_text, peft_tensors,
 )
 from gptoss_cli.model.lora import LoraSettings, adapter_modules, adapter_tensors, attach_lora, merge_lora_

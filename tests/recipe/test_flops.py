@@ -11,7 +11,7 @@ import torch
 from typer.testing import CliRunner
 
 from gptoss_cli.cli import app
-from gptoss_cli.checkpoint.hf_config import to_hf_config
+from gptoss_cli.checkpoint.formats.hf.config import to_hf_config
 from gptoss_cli.model.config import PRESETS
 from gptoss_cli.model.pattern import parse_pattern
 from gptoss_cli.recipe.estimate.flops import (

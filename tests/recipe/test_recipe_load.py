@@ -7,7 +7,7 @@ import json
 import pytest
 
 from gptoss_cli.errors import ConfigError
-from gptoss_cli.checkpoint.hf_config import to_hf_config
+from gptoss_cli.checkpoint.formats.hf.config import to_hf_config
 from gptoss_cli.model.config import PRESETS
 from gptoss_cli.recipe.load import RECIPES_DIR, available_recipes, load_recipe, parse_overrides
 from gptoss_cli.recipe.schema import RecipeConfig, describe_schema, iter_fields

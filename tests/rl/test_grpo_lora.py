@@ -15,7 +15,7 @@ import torch
 
 from gptoss_cli.checkpoint.load import checkpoint_architecture, model_from_checkpoint
 from gptoss_cli.checkpoint.sources import open_source
-from gptoss_cli.checkpoint.training_format import latest_checkpoint
+from gptoss_cli.checkpoint.formats.training.record import latest_checkpoint
 from gptoss_cli.model.expert_names import checkpoint_slots
 from gptoss_cli.model.lora import LoraSettings, attach_lora
 from gptoss_cli.rl.reference import adapters_off

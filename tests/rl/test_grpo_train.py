@@ -114,7 +114,7 @@ def test_resume_mid_run_gives_the_same_rewards_and_weights_bit_for_bit(tmp_path)
     want, got = metrics(whole.run_dir), metrics(resumed.run_dir)
     for field in ("reward_mean", "loss", "grad_norm", "mismatch_kl", "kl_ref", "entropy"):
         assert [r[field] for r in got] == [r[field] for r in want], field
-    from gptoss_cli.checkpoint.training_format import iter_name
+    from gptoss_cli.checkpoint.formats.training.record import iter_name
 
     a, b = (_checkpoint_weights(tmp_path / run / "ckpt" / iter_name(4)) for run in ("whole", "split"))
     assert a.keys() == b.keys() and any(k.startswith("model.") for k in a)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from gptoss_cli.checkpoint.training_format import read_train_state
+from gptoss_cli.checkpoint.formats.training.record import read_train_state
 from gptoss_cli.data.token_format import token_file_paths, write_token_header
 from gptoss_cli.errors import ConfigError
 from gptoss_cli.recipe.schema import BlendSource

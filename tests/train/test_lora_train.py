@@ -15,7 +15,7 @@ from gptoss_cli.checkpoint.convert import convert
 from gptoss_cli.checkpoint.storage.dcp_io import read_metadata
 from gptoss_cli.checkpoint.load import checkpoint_architecture, model_from_checkpoint
 from gptoss_cli.checkpoint.sources import open_source
-from gptoss_cli.checkpoint.training_format import TRAIN_STATE, latest_checkpoint
+from gptoss_cli.checkpoint.formats.training.record import TRAIN_STATE, latest_checkpoint
 from gptoss_cli.cli import app
 from gptoss_cli.errors import CheckpointError
 from gptoss_cli.run.worker import run_worker

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from gptoss_cli.checkpoint.load import model_from_checkpoint
-from gptoss_cli.checkpoint.formats.training import Mxfp4QatReader
+from gptoss_cli.checkpoint.formats.training.readers import Mxfp4QatReader
 from gptoss_cli.checkpoint.sources import open_source
-from gptoss_cli.checkpoint.training_format import TRAIN_STATE
+from gptoss_cli.checkpoint.formats.training.record import TRAIN_STATE
 from gptoss_cli.model.mxfp4.qat import Mxfp4QatGemm, qat_gemms, rounded_weight
 from gptoss_cli.parallel.state import ParallelState, init_parallel
 from tests.model.tiny_checkpoints import load_hf_reference

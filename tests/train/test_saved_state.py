@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gptoss_cli.errors import TrainingError
-from gptoss_cli.checkpoint.training_format import run_record
+from gptoss_cli.checkpoint.formats.training.record import run_record
 from gptoss_cli.model.config import preset
 from gptoss_cli.parallel.state import ParallelState
 from gptoss_cli.schedule import get_forward_backward_func

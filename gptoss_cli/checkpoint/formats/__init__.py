@@ -1,11 +1,15 @@
-"""The registry of checkpoint formats: one module and one row (`registry.Format`) per kind of folder.
+"""The registry of checkpoint formats: one package and one row (`registry.Format`) per kind of folder.
 
-    hybrid.py    gptoss's Hybrid checkpoint (hybrid_config.json)          read, written (--to hybrid)
-    hf.py        Hugging Face GPT-OSS (config.json, model_type gpt_oss)   read, written (--to hf)
-    original.py  OpenAI's original/ layout                                read
-    megatron.py  Megatron-LM torch_dist (checkpoint/megatron/)            read, written (--to megatron)
-    training.py  a `gptoss train` checkpoint (DCP + train_state.json)     read
-    peft.py      a PEFT LoRA adapter                                      recognised, written (--to peft)
+    hybrid/      gptoss's Hybrid checkpoint (hybrid_config.json)          read, written (--to hybrid)
+    hf/          Hugging Face GPT-OSS (config.json, model_type gpt_oss)   read, written (--to hf)
+    original/    OpenAI's original/ layout                                read
+    megatron/    Megatron-LM torch_dist                                   read, written (--to megatron)
+    training/    a `gptoss train` checkpoint (DCP + train_state.json)     read
+    peft/        a PEFT LoRA adapter                                      recognised, written (--to peft)
+
+A format's package `__init__` is its row; its plan (plan.py, for a format gptoss writes), its
+record or config and its readers are modules beside it. Every row answers `registry.Format`; every
+plan is a `plan.ConvertPlan`.
 
 `detect` asks each row in `FORMATS` order whether a folder is one of its kind (the first that says
 yes owns it: a Megatron iteration folder also holds DCP's `.metadata`, so Megatron comes before

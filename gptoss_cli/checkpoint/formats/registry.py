@@ -4,11 +4,12 @@ Torch-free at import.
 A row answers, for one kind of checkpoint folder: is this folder one (`detect`, file checks only),
 what model does it hold (`architecture`, without torch: validate-config reads it), how is it
 opened as a `Source` (`open`), how `convert --to <name>` writes one (`plan`), and what `--force`
-may replace (`replaceable`). `open_source`, `convert`, the model loader and recipe loading ask the
-table (checkpoint/formats/__init__.py); nothing else branches on what kind a checkpoint is.
+may replace (`replaceable`). Each row is the `__init__` of its format's package. `open_source`,
+`convert`, the model loader and recipe loading ask the table (checkpoint/formats/__init__.py); nothing
+else branches on what kind a checkpoint is.
 `check_tensors` checks an opened source against what its record says it holds.
 
-This module imports no row and nothing that imports one, so that the rows, their openers and plans,
+At import this module loads no row and nothing that loads one, so that the rows, their openers and plans,
 and the table above them form no import circle.
 """
 
@@ -23,7 +24,7 @@ from gptoss_cli.json_input import parse_json
 from gptoss_cli.model.config import GptOssArch
 
 if TYPE_CHECKING:
-    from gptoss_cli.checkpoint.layouts import Layout
+    from gptoss_cli.checkpoint.formats.hf.layouts import Layout
     from gptoss_cli.checkpoint.storage.readers import TensorReader
 
 @dataclass(frozen=True)
@@ -83,7 +84,7 @@ class Source:
     hybrid_layer_pattern: str | None = None  # for Hybrid and training sources
     provenance: dict = field(default_factory=dict)  # what an output records besides SRC (training: run, iteration)
     protected: tuple[Path, ...] = ()  # more folders an output may not be in (a training run's checkpoint.dir)
-    lora: dict | None = None  # a LoRA training checkpoint: its run's LoRA record (training_format.run_record)
+    lora: dict | None = None  # a LoRA training checkpoint: its run's LoRA record (training/record.py run_record)
     experts_form: str = "bf16"  # how the experts are stored: bf16, mxfp4, or a training checkpoint's dtype
 
     @property
@@ -119,7 +120,7 @@ def check_tensors(source: Source, expected: dict[str, tuple[tuple[int, ...], str
         )
     import torch  # noqa: PLC0415 (the registry imports no torch)
 
-    from gptoss_cli.checkpoint.layouts import UINT8  # noqa: PLC0415
+    from gptoss_cli.checkpoint.formats.hf.layouts import UINT8  # noqa: PLC0415
     from gptoss_cli.checkpoint.mapping import check_vocab_padding  # noqa: PLC0415
 
     for name, (shape, kind) in expected.items():

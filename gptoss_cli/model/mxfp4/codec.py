@@ -1,6 +1,6 @@
 """MXFP4 codec: GPT-OSS expert blocks/scales to dense values and back (OCP floor rule), and the QAT rounding.
 
-One implementation for `convert --experts mxfp4` (gptoss_cli/checkpoint/layouts.py imports it) and for
+One implementation for `convert --experts mxfp4` (gptoss_cli/checkpoint/formats/hf/layouts.py imports it) and for
 quantisation-aware training (`round_to_mxfp4`, model/mxfp4/qat.py): the rounding the forward applies is
 the export's encoder followed by its decoder, so the two cannot drift apart.
 

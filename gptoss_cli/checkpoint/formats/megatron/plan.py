@@ -10,10 +10,11 @@ from typing import Callable, ClassVar
 import torch
 
 from gptoss_cli import outputs
-from gptoss_cli.checkpoint.convert_plan import Empty, ToHybrid, fresh
-from gptoss_cli.checkpoint.megatron.args import megatron_args
-from gptoss_cli.checkpoint.megatron.names import DEFAULT_VOCAB_MULTIPLE, RELEASE, TRACKER, padded_vocab
-from gptoss_cli.checkpoint.megatron.writer import MegatronWriter, write_folder_files
+from gptoss_cli.checkpoint.formats.hybrid.plan import ToHybrid
+from gptoss_cli.checkpoint.formats.megatron.args import megatron_args
+from gptoss_cli.checkpoint.formats.megatron.names import DEFAULT_VOCAB_MULTIPLE, RELEASE, TRACKER, padded_vocab
+from gptoss_cli.checkpoint.formats.megatron.writer import MegatronWriter, write_folder_files
+from gptoss_cli.checkpoint.formats.plan import Empty, fresh
 
 
 @dataclass

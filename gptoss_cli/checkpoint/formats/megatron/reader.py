@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
+from gptoss_cli.checkpoint.formats.megatron.names import COMMON, expert_slot, singleton_keys
 from gptoss_cli.checkpoint.mapping import VOCAB_PADDED_HYBRID, hybrid_shapes
-from gptoss_cli.checkpoint.megatron.names import COMMON, expert_slot, singleton_keys
 from gptoss_cli.checkpoint.storage.dcp_io import METADATA, SpecReader, check_storage_files, read_metadata
 from gptoss_cli.checkpoint.storage.safetensors_io import TensorSpec
 from gptoss_cli.errors import CheckpointError, first_line

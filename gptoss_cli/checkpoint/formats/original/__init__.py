@@ -1,7 +1,9 @@
 """OpenAI's `original/` layout (its own config.json and tensor names; MXFP4 experts): its registry row.
 
 SRC may be the repository folder holding `original/`, or the `original/` folder itself. It is read,
-never written: convert makes Hybrid (or Megatron) checkpoints of it.
+never written: convert makes Hybrid (or Megatron) checkpoints of it. Torch-free at import. Its config
+and tensor names are variants of HF's, so the HF row's package holds them (formats/hf/config.py:
+`from_openai_config`; formats/hf/layouts.py: `OPENAI_ORIGINAL`).
 """
 
 from __future__ import annotations
@@ -10,8 +12,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gptoss_cli.checkpoint.formats.hf import CONFIG, is_openai_config, load_json
+from gptoss_cli.checkpoint.formats.hf.config import from_openai_config
 from gptoss_cli.checkpoint.formats.registry import Format, OpenOptions
-from gptoss_cli.checkpoint.hf_config import from_openai_config
 from gptoss_cli.errors import CheckpointError, ConfigError
 from gptoss_cli.model.config import GptOssArch
 
@@ -41,7 +43,7 @@ def architecture(root: Path, options: OpenOptions | None = None) -> tuple[GptOss
 
 
 def open_original(src: str, root: Path, revision: str | None, options: OpenOptions) -> Source:
-    from gptoss_cli.checkpoint.layouts import OPENAI_ORIGINAL  # noqa: PLC0415 (imports torch)
+    from gptoss_cli.checkpoint.formats.hf.layouts import OPENAI_ORIGINAL  # noqa: PLC0415 (imports torch)
     from gptoss_cli.checkpoint.formats.registry import Source  # noqa: PLC0415
     from gptoss_cli.checkpoint.storage.safetensors_io import CheckpointReader  # noqa: PLC0415
 

@@ -24,12 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gptoss_cli.checkpoint.hybrid_format import check_stored_pattern
+from gptoss_cli.checkpoint.formats.hybrid.config import check_stored_pattern
 from gptoss_cli.errors import CheckpointError, ConfigError
-from gptoss_cli.model.config import GptOssArch
-from gptoss_cli.limits import INT32_MAX
-from gptoss_cli.model.dtypes import RECIPE_DTYPES
 from gptoss_cli.json_input import parse_json
+from gptoss_cli.limits import INT32_MAX
+from gptoss_cli.model.config import GptOssArch
+from gptoss_cli.model.dtypes import RECIPE_DTYPES
 from gptoss_cli.outputs import replace_text
 
 LATEST = "latest"

@@ -12,15 +12,15 @@ from typing import Callable, ClassVar, Iterator
 import torch
 
 from gptoss_cli import outputs
-from gptoss_cli.checkpoint.convert_plan import PROVENANCE_KEY, ConvertPlan, Empty, Job, fresh
-from gptoss_cli.checkpoint.formats.registry import Source
-from gptoss_cli.checkpoint.peft_format import (
+from gptoss_cli.checkpoint.formats.peft.adapter import (
     ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_config, adapter_config_text, peft_block_tensors,
 )
+from gptoss_cli.checkpoint.formats.plan import PROVENANCE_KEY, ConvertPlan, Empty, Job, fresh
+from gptoss_cli.checkpoint.formats.registry import Source
+from gptoss_cli.checkpoint.formats.training.record import check_base
 from gptoss_cli.checkpoint.storage.pipeline import Task
 from gptoss_cli.checkpoint.storage.readers import RowReader
 from gptoss_cli.checkpoint.storage.safetensors_io import ShardedWriter, TensorSpec
-from gptoss_cli.checkpoint.training_format import check_base
 from gptoss_cli.errors import UsageError
 
 
@@ -41,7 +41,6 @@ class ToPeft(ConvertPlan):
     adapter_model.safetensors) for transformers' GptOssForCausalLM of the base: one job per HF block."""
 
     target: ClassVar[str] = "peft"
-    extra_files: ClassVar[tuple[str, ...]] = ()
     targets: tuple[str, ...] = ()
 
     @classmethod

@@ -16,7 +16,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from gptoss_cli.checkpoint.megatron.names import BACKEND, RUN_CONFIG, padded_vocab
+from gptoss_cli.checkpoint.formats.megatron.names import BACKEND, RUN_CONFIG, padded_vocab
 from gptoss_cli.errors import CheckpointError, ConfigError, first_line
 from gptoss_cli.model.config import FULL, SLIDING, GptOssArch
 

@@ -1,5 +1,26 @@
-"""A Megatron-LM `torch_dist` checkpoint (its dir, read through the tracker file, or one iteration folder):
-its registry row. The format itself is checkpoint/megatron/ (names, args, common.pt, reader, writer, plan)."""
+"""Megatron-LM's `torch_dist` checkpoint of a GPT-OSS hybrid model: its registry row (detection, the
+architecture, the opener, the writer plan, the `--force` policy), and the format itself beside it, one
+concern per module. Torch-free at import, as every row.
+
+A Megatron checkpoint folder (docs/megatron-checkpoints.md), given as its dir (read through the tracker
+file) or one iteration folder:
+
+    <dir>/latest_checkpointed_iteration.txt   "release" or an iteration number
+    <dir>/release/ or <dir>/iter_0000100/
+        metadata.json      {"sharded_backend": "torch_dist", ...}: how the rest is stored
+        common.pt          torch.save of the non-sharded state: `args` (an argparse.Namespace with the
+                           architecture), `iteration`, `checkpoint_version`
+        .metadata          DCP's pickled Metadata: every key, its global shape and its chunks
+        __<rank>_<n>.distcp  the chunks, each a torch.save'd tensor (or raw bytes for objects)
+    <dir>/run_config.yaml  (Megatron-Bridge) the model provider's settings, read when `args` lack a field
+
+- names.py   file names, the sharded keys (experts stacked or `singleton_local_shards`, `_extra_state`), vocabulary padding
+- args.py    the architecture as Megatron-LM's `args` (and Megatron-Bridge's run_config.yaml) record it
+- common.py  common.pt through a restricted unpickler (nothing from the file is imported or run); the folder's checks
+- reader.py  `MegatronReader`: the weights under Hybrid names, chunk by chunk
+- writer.py  `MegatronWriter` and the folder files: what `convert --to megatron` writes
+- plan.py    `ToMegatron`: the conversion plan
+"""
 
 from __future__ import annotations
 
@@ -7,11 +28,11 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gptoss_cli.checkpoint.formats.registry import Format, OpenOptions
-from gptoss_cli.checkpoint.megatron.common import is_megatron_checkpoint, read_megatron_checkpoint
-from gptoss_cli.checkpoint.megatron.names import (
+from gptoss_cli.checkpoint.formats.megatron.common import is_megatron_checkpoint, read_megatron_checkpoint
+from gptoss_cli.checkpoint.formats.megatron.names import (
     COMMON, DCP_METADATA, ITER_FOLDER, METADATA_JSON, RELEASE, SHARD_FILE, TRACKER,
 )
+from gptoss_cli.checkpoint.formats.registry import Format, OpenOptions
 from gptoss_cli.errors import UsageError
 from gptoss_cli.model.config import GptOssArch
 
@@ -27,7 +48,7 @@ def architecture(root: Path, options: OpenOptions | None = None) -> tuple[GptOss
 def open_megatron(src: str, root: Path, revision: str | None, options: OpenOptions) -> Source:
     """The architecture from common.pt's args (or run_config.yaml, or --arch-from), the model weights
     under Hybrid names."""
-    from gptoss_cli.checkpoint.megatron.reader import MegatronReader  # noqa: PLC0415 (imports torch)
+    from gptoss_cli.checkpoint.formats.megatron.reader import MegatronReader  # noqa: PLC0415 (imports torch)
     from gptoss_cli.checkpoint.formats.registry import Source, expert_dtype_form  # noqa: PLC0415
 
     ckpt = read_megatron_checkpoint(root, options.arch_from)
@@ -40,7 +61,7 @@ def open_megatron(src: str, root: Path, revision: str | None, options: OpenOptio
 
 
 def plan(source: Source, *, experts: str | None, dtype: Any, vocab_multiple: int | None = None):
-    from gptoss_cli.checkpoint.megatron.plan import ToMegatron  # noqa: PLC0415
+    from gptoss_cli.checkpoint.formats.megatron.plan import ToMegatron  # noqa: PLC0415
 
     return ToMegatron.for_source(source, dtype, vocab_multiple)
 

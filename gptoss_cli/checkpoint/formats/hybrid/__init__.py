@@ -1,4 +1,6 @@
-"""gptoss's Hybrid checkpoint (hybrid_config.json + safetensors shards under Hybrid names): its registry row."""
+"""gptoss's Hybrid checkpoint (hybrid_config.json + safetensors shards under Hybrid names): its registry row.
+Torch-free at import. Beside it: config.py (hybrid_config.json, written and read) and plan.py (`ToHybrid`,
+the plan of `convert --to hybrid`)."""
 
 from __future__ import annotations
 
@@ -7,9 +9,11 @@ from typing import TYPE_CHECKING, Any
 
 from gptoss_cli import outputs
 from gptoss_cli.checkpoint.formats.hf import load_json
+from gptoss_cli.checkpoint.formats.hf.config import EXTRA_FILES
+from gptoss_cli.checkpoint.formats.hybrid.config import (
+    FORMAT_NAME, HYBRID_CONFIG, check_stored_pattern, read_hybrid_config,
+)
 from gptoss_cli.checkpoint.formats.registry import Format, OpenOptions, json_field_is
-from gptoss_cli.checkpoint.hf_config import EXTRA_FILES
-from gptoss_cli.checkpoint.hybrid_format import FORMAT_NAME, HYBRID_CONFIG, check_stored_pattern, read_hybrid_config
 from gptoss_cli.errors import CheckpointError, ConfigError
 from gptoss_cli.model.config import GptOssArch
 
@@ -51,7 +55,7 @@ def open_hybrid(src: str, root: Path, revision: str | None, options: OpenOptions
 
 
 def plan(source: Source, *, experts: str | None, dtype: Any, vocab_multiple: int | None = None):
-    from gptoss_cli.checkpoint.convert_plan import ToHybrid  # noqa: PLC0415
+    from gptoss_cli.checkpoint.formats.hybrid.plan import ToHybrid  # noqa: PLC0415 (imports torch)
 
     return ToHybrid.for_source(source, dtype)
 

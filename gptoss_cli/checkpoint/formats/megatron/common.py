@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gptoss_cli.checkpoint.megatron.args import RecordedArgs, arch_from_args
-from gptoss_cli.checkpoint.megatron.names import (
+from gptoss_cli.checkpoint.formats.megatron.args import RecordedArgs, arch_from_args
+from gptoss_cli.checkpoint.formats.megatron.names import (
     BACKEND, COMMON, METADATA_JSON, RELEASE, RUN_CONFIG, TRACKER, iter_folder_name,
 )
 from gptoss_cli.errors import CheckpointError, first_line

@@ -1,12 +1,14 @@
-"""A LoRA training checkpoint read as merged weights: the frozen base's tensors plus scaling * B @ A.
+"""The readers a training checkpoint is read through, each with the reader interface of CheckpointReader /
+DcpReader over Hybrid names: a LoRA run's adapters merged into its base, an HF base under Hybrid names,
+and a QAT run's experts rounded to MXFP4 as its forward computed (`merged_with_base` puts them together).
 
-`LoraMergedReader` has the reader interface of CheckpointReader / DcpReader over Hybrid names: the
-base's tensors, and for every adapted weight (`<layer>.weight`, or `<layer>.weight{e}` of an
-expert) the base tensor plus its adapter's delta, in fp32 by `model.lora.merged_weight` (the formula
-a QAT run's forward rounds; the caller casts once to its output dtype, so the fine-tune is rounded
-once, not twice). Conversion, loading and parity read a LoRA checkpoint through it as if it were a
-full one. `HfHybridView` serves an HF (or OpenAI original)
-base under Hybrid names, so adapters trained on a released checkpoint merge by name too.
+A LoRA training checkpoint read as merged weights is the frozen base's tensors plus scaling * B @ A:
+`LoraMergedReader` serves the base's tensors, and for every adapted weight (`<layer>.weight`, or
+`<layer>.weight{e}` of an expert) the base tensor plus its adapter's delta, in fp32 by
+`model.lora.merged_weight` (the formula a QAT run's forward rounds; the caller casts once to its
+output dtype, so the fine-tune is rounded once, not twice). Conversion, loading and parity read a
+LoRA checkpoint through it as if it were a full one. `HfHybridView` serves an HF (or OpenAI
+original) base under Hybrid names, so adapters trained on a released checkpoint merge by name too.
 """
 
 from __future__ import annotations
@@ -15,13 +17,17 @@ from pathlib import Path
 
 import torch
 
-from gptoss_cli.checkpoint.storage.dcp_io import SpecReader
-from gptoss_cli.checkpoint.layouts import Layout
+from gptoss_cli.checkpoint.formats.hf.layouts import Layout
+from gptoss_cli.checkpoint.formats.registry import check_tensors
+from gptoss_cli.checkpoint.formats.training.record import TRAIN_STATE, check_base
 from gptoss_cli.checkpoint.mapping import Unit, hybrid_shapes, identity, units
+from gptoss_cli.checkpoint.storage.dcp_io import SpecReader
 from gptoss_cli.checkpoint.storage.safetensors_io import TensorSpec
+from gptoss_cli.errors import CheckpointError
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.model.expert_names import expert_name, parse_expert_name
 from gptoss_cli.model.lora import ADAPTER, LINEAR_IN, LINEAR_OUT, merged_weight
+from gptoss_cli.model.mxfp4.codec import round_to_mxfp4
 
 
 def adapter_names(name: str) -> tuple[str, str] | None:
@@ -37,7 +43,7 @@ def adapter_names(name: str) -> tuple[str, str] | None:
 
 class HfHybridView(SpecReader):
     """An HF or OpenAI-original checkpoint read under Hybrid names through the mapping table (mapping.py)
-    and its stored layout (layouts.py), as `gptoss convert` to Hybrid computes them: a read computes its
+    and its stored layout (formats/hf/layouts.py), as `gptoss convert` to Hybrid computes them: a read computes its
     table unit (the fused QKV from q/k/v, one expert's fc1 de-interleaved from its gate_up stack, MXFP4
     decoded) and nothing more, so memory stays bounded by one tensor group. MXFP4 experts read as bf16,
     which holds every MXFP4 value exactly; other tensors keep their stored dtype."""
@@ -122,4 +128,56 @@ class LoraMergedReader:
         return merged_weight(t, a, b, self.scaling)
 
 
-__all__ = ["HfHybridView", "LoraMergedReader", "adapter_names"]
+def merged_with_base(run, folder: Path, adapters, open_source):
+    """The base a LoRA run names (checked byte for byte), opened by `open_source` (sources.open_source, handed
+    in: the rows sit below it) and read under Hybrid names (an HF or OpenAI-original base through
+    `HfHybridView`) with the run's adapters merged in."""
+    base_source = None
+    try:
+        check_base(run.lora["base"], folder / TRAIN_STATE)
+        base_source = open_source(run.lora["base"]["path"])
+        if not base_source.format.lora_base:
+            raise CheckpointError(f"{folder}: its LoRA base {base_source.folder} is {base_source.format.title} "
+                                  "checkpoint; the adapters merge into a Hybrid, HF or OpenAI-original base")
+        base = base_source.reader
+        if base_source.layout is not None:  # HF or original: Hybrid names through the mapping table
+            check_tensors(base_source, base_source.layout.stored_specs(base_source.arch))
+            base = HfHybridView(base, base_source.layout, base_source.arch)
+    except BaseException:
+        if base_source is not None:
+            base_source.close()
+        adapters.close()
+        raise
+    if run.lora.get("base_experts") == "mxfp4":  # the model stored the base's experts encoded: W is Q(W)
+        base = Mxfp4QatReader(base)
+    merged = LoraMergedReader(base, adapters, float(run.lora["alpha"]) / int(run.lora["rank"]))
+    # QAT rounded the merged expert weights, W + scaling * B @ A, in the forward: so does the reader
+    return Mxfp4QatReader(merged) if run.qat == "mxfp4" else merged
+
+
+def _is_expert_weight(name: str) -> bool:
+    """A per-expert weight under its Hybrid name: decoder.layers.<i>.mlp.experts.linear_fc<1|2>.weight<e>."""
+    per_expert = parse_expert_name(name)
+    return per_expert is not None and per_expert.is_base and per_expert.kind == "weight"
+
+
+class Mxfp4QatReader:
+    """A training checkpoint of a `precision.qat=mxfp4` run (or the base of a `lora.base_experts=mxfp4`
+    run, which the model stored encoded), read as its forward computed: every expert
+    weight rounded to MXFP4 along its input axis (`round_to_mxfp4`, the export's own codec), every
+    other tensor as stored. Rows are rounded independently, so row-range reads round the same."""
+
+    def __init__(self, reader):
+        self._reader = reader
+
+    def __getattr__(self, name):
+        return getattr(self._reader, name)
+
+    def read(self, name: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
+        t = self._reader.read(name, start, stop)
+        if not _is_expert_weight(name) or not t.is_floating_point() or not torch.isfinite(t).all():
+            return t  # non-finite weights are left for the finite checks to name
+        return round_to_mxfp4(t)
+
+
+__all__ = ["HfHybridView", "LoraMergedReader", "Mxfp4QatReader", "adapter_names", "merged_with_base"]

@@ -1,6 +1,6 @@
 """How canonical HF tensors are stored: bf16 experts, MXFP4 experts, and OpenAI's `original/` names.
 
-A layout maps each canonical tensor (see `mapping.py`) to the tensor(s) a checkpoint stores and
+A layout maps each canonical tensor (see checkpoint/mapping.py) to the tensor(s) a checkpoint stores and
 back. Expert orientation is a property of the stored form (docs/checkpoint-layouts.md, "Hugging Face layout"):
 bf16 `gate_up_proj` is `[E, H, 2I]` (input-major, used as `x @ W`), MXFP4 blocks are `[E, 2I, ...]`
 (output-major). It is never inferred from shapes, which are square for the real models.
@@ -14,10 +14,10 @@ from typing import Callable
 
 import torch
 
-from gptoss_cli.model.mxfp4 import codec as mxfp4
 from gptoss_cli.checkpoint.mapping import canonical_hf_shapes
 from gptoss_cli.checkpoint.storage.readers import RowReader
 from gptoss_cli.model.config import GptOssArch
+from gptoss_cli.model.mxfp4 import codec as mxfp4
 
 FLOAT = "float"
 UINT8 = "uint8"

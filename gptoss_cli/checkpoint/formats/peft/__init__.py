@@ -1,8 +1,10 @@
 """A PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors): its registry row.
+Torch-free at import.
 
-gptoss writes one from a LoRA training run (`convert --to peft`, checkpoint/peft_format.py) and
-recognises one, but does not read it as a model: it holds deltas for a base, not weights (nor an
-architecture).
+gptoss writes one from a LoRA training run (`convert --to peft`) and recognises one, but does not
+read it as a model: it holds deltas for a base, not weights (nor an architecture). Beside the row:
+adapter.py (the folder's files, adapter_config.json, our adapter tensors in PEFT's layout) and
+plan.py (`ToPeft`).
 """
 
 from __future__ import annotations
@@ -11,8 +13,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gptoss_cli import outputs
+from gptoss_cli.checkpoint.formats.peft.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from gptoss_cli.checkpoint.formats.registry import Format, OpenOptions, json_field_is
-from gptoss_cli.checkpoint.peft_format import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from gptoss_cli.errors import CheckpointError, UsageError
 from gptoss_cli.model.config import GptOssArch
 
@@ -36,7 +38,7 @@ def open_peft(src: str, root: Path, revision: str | None, options: OpenOptions) 
 
 
 def plan(source: Source, *, experts: str | None, dtype: Any, vocab_multiple: int | None = None):
-    from gptoss_cli.checkpoint.peft_plan import ToPeft  # noqa: PLC0415 (imports torch)
+    from gptoss_cli.checkpoint.formats.peft.plan import ToPeft  # noqa: PLC0415 (imports torch)
 
     return ToPeft.for_source(source, source.origin)
 

@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Any
 
 from gptoss_cli.errors import CheckpointError, ConfigError
+from gptoss_cli.json_input import parse_json
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.model.dtypes import CHECKPOINT_DTYPES
 from gptoss_cli.model.pattern import parse_pattern
-from gptoss_cli.json_input import parse_json
 
 HYBRID_CONFIG = "hybrid_config.json"
 FORMAT_NAME = "gptoss-hybrid"

@@ -17,8 +17,8 @@ ours are `[gate; up]` rows, so B's rows are interleaved on export.
 Our fused linear_qkv has one A for q, k and v: the PEFT adapters of q_proj, k_proj and v_proj share
 that A and take their rows of B (rank unchanged, the deltas exactly the same).
 
-Torch-free at import (the registry's PEFT row reads the file names here); `convert --to peft`'s plan
-is checkpoint/peft_plan.py.
+Torch-free at import (the PEFT row, formats/peft/__init__.py, reads the file names here); `convert --to
+peft`'s plan is formats/peft/plan.py.
 """
 
 from __future__ import annotations

@@ -13,10 +13,10 @@ from typing import Any, Callable, Sequence
 import torch
 
 from gptoss_cli import outputs, torch_private
-from gptoss_cli.checkpoint.mapping import VOCAB_PADDED_HYBRID
-from gptoss_cli.checkpoint.megatron.names import (
+from gptoss_cli.checkpoint.formats.megatron.names import (
     BACKEND, CHECKPOINT_VERSION, COMMON, METADATA_JSON, expert_slot, extra_state_keys,
 )
+from gptoss_cli.checkpoint.mapping import VOCAB_PADDED_HYBRID
 from gptoss_cli.checkpoint.storage.dcp_io import METADATA
 from gptoss_cli.checkpoint.storage.safetensors_io import TensorSpec
 from gptoss_cli.checkpoint.storage.torch_bytes import save_bytes

@@ -1,4 +1,12 @@
-"""A Hugging Face GPT-OSS folder (config.json with model_type gpt_oss; bf16 or MXFP4 experts): its registry row."""
+"""A Hugging Face GPT-OSS folder (config.json with model_type gpt_oss; bf16 or MXFP4 experts): its registry row.
+Torch-free at import.
+
+Beside the row:
+- config.py    HF and OpenAI config.json <-> the architecture; the tokenizer files copied with the weights
+- layouts.py   how the canonical HF tensors are stored: bf16 experts, MXFP4 experts, OpenAI's original/ names
+               (the original row reads through it too)
+- plan.py      `ToHf`, the plan of `convert --to hf`
+"""
 
 from __future__ import annotations
 
@@ -7,14 +15,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gptoss_cli import outputs
+from gptoss_cli.checkpoint.formats.hf.config import EXTRA_FILES, from_hf_config
 from gptoss_cli.checkpoint.formats.registry import Format, OpenOptions, json_field_is
-from gptoss_cli.checkpoint.hf_config import EXTRA_FILES, from_hf_config
 from gptoss_cli.errors import CheckpointError, ConfigError
 from gptoss_cli.json_input import parse_json
 from gptoss_cli.model.config import GptOssArch
 
 if TYPE_CHECKING:
-    from gptoss_cli.checkpoint.layouts import Layout
+    from gptoss_cli.checkpoint.formats.hf.layouts import Layout
     from gptoss_cli.checkpoint.formats.registry import Source
 
 CONFIG = "config.json"
@@ -72,7 +80,7 @@ def open_hf(src: str, root: Path, revision: str | None, options: OpenOptions) ->
 
 def stored_layout(reader: Any, config: dict, config_path: Path) -> Layout:
     """The expert form, from the tensors present (never from shapes), cross-checked with quantization_config."""
-    from gptoss_cli.checkpoint.layouts import HF_LAYOUTS  # noqa: PLC0415
+    from gptoss_cli.checkpoint.formats.hf.layouts import HF_LAYOUTS  # noqa: PLC0415
 
     names = set(reader.names())
     has_mx = any(n.endswith("mlp.experts.gate_up_proj_blocks") for n in names)
@@ -92,7 +100,7 @@ def stored_layout(reader: Any, config: dict, config_path: Path) -> Layout:
 
 
 def plan(source: Source, *, experts: str | None, dtype: Any, vocab_multiple: int | None = None):
-    from gptoss_cli.checkpoint.convert_plan import to_hf_plan  # noqa: PLC0415
+    from gptoss_cli.checkpoint.formats.hf.plan import to_hf_plan  # noqa: PLC0415 (imports torch)
 
     return to_hf_plan(source, experts=experts, dtype=dtype)
 
