@@ -188,7 +188,8 @@ def serve_check(checkpoint: str, options: ServeCheckOptions | None = None, progr
     if options.engine == "llamacpp" and options.endpoint is None:
         from gptoss_cli.parity.serve.llamacpp import serve_check_llamacpp
 
-        return serve_check_llamacpp(checkpoint, options, progress or (lambda text: None))
+        return serve_check_llamacpp(checkpoint, options, progress or (lambda text: None),
+                                    full_vocab_limit=FULL_VOCAB_LIMIT, default_top_k=DEFAULT_TOP_K)
     running = engine
     say = progress or (lambda text: None)
     t_start = time.perf_counter()

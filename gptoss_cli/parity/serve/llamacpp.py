@@ -137,11 +137,21 @@ def _truncation_effect(model, refs, as_trained) -> float:
     return worst
 
 
-def serve_check_llamacpp(checkpoint: str, options, say) -> ServeReport:
-    """The whole check with llama.cpp (module docstring); `options` a ServeCheckOptions."""
+def _open(checkpoint: str):
+    from gptoss_cli.checkpoint.sources import open_source
+
+    source = open_source(checkpoint)
+    try:
+        return source.kind, source.arch, Path(source.extras_folder)
+    finally:
+        source.close()
+
+
+def serve_check_llamacpp(checkpoint: str, options, say, *, full_vocab_limit: int, default_top_k: int) -> ServeReport:
+    """The whole check with llama.cpp (module docstring); `options` a ServeCheckOptions; the engine's top-k above
+    `full_vocab_limit` tokens (as for vLLM)."""
     from gptoss_cli.generate.engines.base import SamplingParams
     from gptoss_cli.generate.engines.llamacpp import LlamaCppEngine, engine_python
-    from gptoss_cli.parity.serve.check import DEFAULT_TOP_K, FULL_VOCAB_LIMIT, _open
     from gptoss_cli.parity.serve.prompts import load_prompts
 
     t_start, timings = time.perf_counter(), {}
@@ -149,7 +159,7 @@ def serve_check_llamacpp(checkpoint: str, options, say) -> ServeReport:
     kind, arch, extras = _open(checkpoint)
     tokenizer = Path(options.tokenizer) if options.tokenizer else extras / "tokenizer.json"
     prompts = load_prompts(arch, Path(options.prompts) if options.prompts else None, tokenizer)
-    top_k = options.top_k if options.top_k is not None else (None if arch.vocab_size <= FULL_VOCAB_LIMIT else DEFAULT_TOP_K)
+    top_k = options.top_k if options.top_k is not None else (None if arch.vocab_size <= full_vocab_limit else default_top_k)
     if options.export is not None:
         check_same_model(Path(options.export), arch, checkpoint)
     work = Path(options.work_dir) if options.work_dir else Path(tempfile.mkdtemp(prefix="gptoss-serve-check-"))
