@@ -286,6 +286,18 @@ def sft_conversations(held_out: bool) -> list[dict[str, Any]]:
                           {"role": "assistant", "content": f"{a} plus {b} is {a + b}."}]} for a, b in chosen]
 
 
+def preference_pairs(held_out: bool) -> list[dict[str, Any]]:
+    """Preference pairs a tiny model learns in a few steps (docs/dpo.md): the same arithmetic answer on both
+    sides, the chosen one ending in " Thanks", the rejected one in " please" (held-out: other numbers). Harmony's
+    JSON form without a system message, so that a pair is about 40 tiny-tokenizer tokens."""
+    pairs = [(a, b) for a in range(1, 10) for b in range(1, 10)]
+    chosen = pairs[-12:] if held_out else pairs[:-12]
+    return [{"prompt": [{"role": "user", "content": f"What is {a} plus {b}?"}],
+             "chosen": [{"role": "assistant", "channel": "final", "content": f"{a + b}. Thanks"}],
+             "rejected": [{"role": "assistant", "channel": "final", "content": f"{a + b}. please"}]}
+            for a, b in chosen]
+
+
 def _tokenizers_available() -> bool:
     import importlib.util
 

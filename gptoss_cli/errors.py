@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 
 
 class GptossError(Exception):
@@ -51,8 +52,37 @@ class TrainingError(GptossError):
     exit_code = 1
 
 
+class OutOfMemory(GptossError):
+    """An allocation that failed, or a claim no allocation here could meet: names what was being read (exit 1)."""
+
+    exit_code = 1
+
+
 class Terminated(BaseException):
     """SIGTERM arrived: unwinds like KeyboardInterrupt (temporary files are removed on the way out)."""
+
+
+# Every SIGINT / SIGTERM the CLI's handlers saw (cli/app.py), in order. A handler's exception raised inside
+# a Python callback that C++ called (torch's zip writer calling a file's `write`) comes out of C++ as that
+# code's own error ("unexpected pos"); the record still says a signal arrived, so the run ends as the signal.
+_SIGNALS_SEEN: list[int] = []
+
+
+def note_signal(signum: int) -> None:
+    """Record that `signum` arrived (the CLI's handlers call this before raising)."""
+    _SIGNALS_SEEN.append(signum)
+
+
+def signals_seen() -> int:
+    """A mark: how many signals have been recorded so far (for `signal_since`)."""
+    return len(_SIGNALS_SEEN)
+
+
+def signal_since(mark: int) -> BaseException | None:
+    """The exception of the first signal recorded after `mark` (KeyboardInterrupt or Terminated), or None."""
+    for signum in _SIGNALS_SEEN[mark:]:
+        return KeyboardInterrupt() if signum == signal.SIGINT else Terminated()
+    return None
 
 
 class FileSystemError(UsageError):

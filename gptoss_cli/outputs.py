@@ -380,8 +380,68 @@ class FolderLock:
             self._fd = None
 
 
+# The watcher of a ScratchFolder: standard library only, deaf to the signals its owner's terminal and job get,
+# it reads its pipe until the owner closes it (by hand or by ending, however it ends), then removes the folder
+# unless the owner wrote "keep".
+_WATCHER = ("import shutil, signal, sys\n"
+            "for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP): signal.signal(s, signal.SIG_IGN)\n"
+            "if sys.stdin.buffer.read() != b'keep': shutil.rmtree(sys.argv[1], ignore_errors=True)\n")
+
+
+class ScratchFolder:
+    """A temporary folder that goes with the process that made it, however that ends.
+
+    `remove()` removes it (the normal way out: success, an error, Ctrl-C or SIGTERM unwinding). A process
+    that cannot unwind (a worker's `os._exit` on Ctrl-C, SIGTERM's default action, SIGKILL, the OOM killer)
+    is covered by a watcher: a small process in its own session that holds the read end of a pipe whose
+    only write end is this process's, and removes the folder when it reads end-of-file. `keep()` leaves
+    the folder in place (an engine's log a user must read)."""
+
+    def __init__(self, prefix: str, parent: str | Path | None = None):
+        import subprocess
+        import sys
+        import tempfile
+
+        parent = Path(parent).expanduser() if parent else Path(tempfile.gettempdir())
+        parent.mkdir(parents=True, exist_ok=True)
+        self.path = Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=parent)).resolve()
+        read_end, self._write_end = os.pipe()  # not inherited by the processes this one starts (O_CLOEXEC)
+        try:
+            self._watcher = subprocess.Popen([sys.executable, "-I", "-S", "-c", _WATCHER, str(self.path)],
+                                             stdin=read_end, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                             start_new_session=True)
+        except OSError:
+            os.close(self._write_end)
+            self._write_end = None
+            shutil.rmtree(self.path, ignore_errors=True)
+            raise
+        finally:
+            os.close(read_end)
+
+    def _release(self, word: bytes) -> None:
+        if self._write_end is None:
+            return
+        try:
+            if word:
+                os.write(self._write_end, word)
+        finally:
+            os.close(self._write_end)
+            self._write_end = None
+        try:
+            self._watcher.wait(timeout=10)
+        except Exception:  # noqa: BLE001 - the watcher ends on its own; never hold up the owner
+            pass
+
+    def remove(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+        self._release(b"")
+
+    def keep(self) -> None:
+        self._release(b"keep")
+
+
 __all__ = [
-    "FolderLock",
+    "FolderLock", "ScratchFolder",
     "temp_path", "pid_alive", "leftovers", "recover", "check_destination", "check_replaceable", "check_separate",
     "check_free_space", "check_writable_location", "commit", "exchange", "existing_ancestor", "Leftover",
 ]

@@ -5,7 +5,8 @@ A fenced block whose info string is `bash tiny` holds commands that need nothing
 order, in a new empty folder (never the repository: recipes are found by name, paths are relative
 to where the reader stands), through the CLI in this process; a line's `# comment` is dropped and
 `&&` chains commands. What a reader brings, their own conversations (`conversations.jsonl`,
-`held_out.jsonl`), is written first. Every command must exit 0.
+`held_out.jsonl`: plain exchanges and conversations with tool definitions, calls and results) and
+preference pairs (`pairs.jsonl`, `held_out_pairs.jsonl`), is written first. Every command must exit 0.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import pytest
 from typer.testing import CliRunner
 
 from gptoss_cli.cli import app
-from gptoss_cli.demo import sft_conversations
+from gptoss_cli.demo import preference_pairs, sft_conversations
 
 ROOT = Path(__file__).resolve().parent.parent
 FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -49,11 +50,36 @@ def test_the_offline_path_is_documented_and_run():
     assert any("--format" in c and "harmony" in c for c in DOCUMENTED["README.md"])
 
 
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Gets the current weather in a city.",
+    "parameters": {"type": "object", "properties": {"location": {"type": "string", "description": "the city"},
+                                                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                   "required": ["location"]}}}
+
+
+def tool_conversation(city: str, temp: int) -> dict:
+    """A conversation with a tool (docs/sft-data.md's form): its definition, a call, the result, the answer."""
+    return {"tools": [WEATHER], "messages": [
+        {"role": "user", "content": f"What is the weather in {city}?"},
+        {"role": "assistant", "thinking": "Use the tool.", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"location": city}}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": {"temp": temp, "unit": "celsius"}},
+        {"role": "assistant", "content": f"It is {temp} °C in {city}."}]}
+
+
+def reader_conversations(held_out: bool) -> list[dict]:
+    """What a reader brings: plain exchanges, and conversations with tools."""
+    cities = [("Oslo", 3), ("Lima", 19)] if held_out else [("Tokyo", 21), ("Paris", 14), ("Cairo", 30), ("Quito", 12)]
+    return sft_conversations(held_out) + [tool_conversation(c, t) for c, t in cities]
+
+
 @pytest.mark.parametrize("name", sorted(n for n, commands in DOCUMENTED.items() if commands))
 def test_tiny_commands_run_as_written_from_another_directory(name, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     for file, held_out in (("conversations.jsonl", False), ("held_out.jsonl", True)):
-        Path(file).write_text("".join(json.dumps(c) + "\n" for c in sft_conversations(held_out)))
+        Path(file).write_text("".join(json.dumps(c) + "\n" for c in reader_conversations(held_out)))
+    for file, held_out in (("pairs.jsonl", False), ("held_out_pairs.jsonl", True)):
+        Path(file).write_text("".join(json.dumps(p) + "\n" for p in preference_pairs(held_out)))
     runner = CliRunner()
     for argv in DOCUMENTED[name]:
         result = runner.invoke(app, argv)

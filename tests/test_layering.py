@@ -6,7 +6,8 @@ Function-local imports count too (they used to hide cycles). The rules:
 - recipe/ never imports train/ (validation must not need the trainer);
 - checkpoint/ never imports train/ nor recipe/ (conversion knows no recipes);
 - data/ (conversations, packing) is torch-free and imports none of the other layers;
-- train/ (the loop) never imports rl/, which builds on it; run/ (the composition root: the objective
+- train/ (the loop) never imports rl/, preference/ or distill/, which build on it (preference/ takes GRPO's frozen
+  reference from rl/, distill/ rl/'s rollouts, never the other way); run/ (the composition root: the objective
   table, the worker, the launcher) sits above both, and only the CLI (and demo.py) import it;
 - the library never imports the CLI (gptoss_cli/cli/) or rich;
 - no file in the package over 500 lines, no function (package or tests) over 100, no import circle;
@@ -31,11 +32,13 @@ FORBIDDEN = {
     "parallel": ("train", "cli", "checkpoint", "recipe", "run"),
     "schedule": ("train", "cli", "checkpoint", "recipe", "run"),  # pipeline/ included
     "fp8": ("train", "cli", "checkpoint", "recipe", "parallel", "schedule", "run"),
-    "train": ("cli", "rl", "run", "score"),
+    "train": ("cli", "rl", "preference", "run", "score", "distill"),
     "parity": ("cli", "train", "run"),
     "generate": ("cli", "train", "schedule", "run"),
-    "rl": ("cli", "run"),
-    "score": ("cli", "rl", "run"),
+    "rl": ("cli", "preference", "run", "distill"),
+    "preference": ("cli", "run", "distill"),
+    "score": ("cli", "rl", "preference", "run", "distill"),
+    "distill": ("cli", "run", "preference"),
     "run": ("cli",),
     "data": ("cli", "train", "model", "checkpoint", "parallel", "schedule", "fp8", "recipe", "parity", "run"),
     "doctor": ("cli", "train", "checkpoint", "schedule", "run"),

@@ -26,6 +26,13 @@ def test_ci_runs_the_readme_quickstart_commands_verbatim():
         assert command in ci_lines, f".ci/run does not run the README line {command!r}"
 
 
+def test_the_readme_says_how_a_cpu_only_machine_installs_the_pinned_torch_without_cuda():
+    """From PyPI alone `pip install torch==X` on Linux is the CUDA build: the README names PyTorch's CPU index."""
+    pinned = re.search(r"pip install (torch==\S+)", quickstart_commands()[0]).group(1)
+    section = " ".join((ROOT / "README.md").read_text().split("## Quickstart", 1)[1].split("\n## ", 1)[0].split())
+    assert f"pip install {pinned} --index-url https://download.pytorch.org/whl/cpu" in section
+
+
 def test_ci_runs_the_main_job_in_a_venv_without_extras():
     main_job = quickstart_commands()[0]
     assert "pip install -e . " in main_job + " " and ".[" not in main_job

@@ -28,6 +28,7 @@ from gptoss_cli.checkpoint.mapping import VOCAB_PADDED_HYBRID, hybrid_shapes
 from gptoss_cli.checkpoint.sources import open_source
 from gptoss_cli.checkpoint.storage.finite import NonFiniteCheck
 from gptoss_cli.checkpoint.storage.pipeline import Pipeline, StageClock, torch_threads, worker_count
+from gptoss_cli.checkpoint.storage.torch_bytes import signals_deferred
 from gptoss_cli.errors import UsageError
 from gptoss_cli.model.config import GptOssArch
 from gptoss_cli.model.dtypes import torch_dtype
@@ -256,15 +257,18 @@ def _write(plan: ConvertPlan, source: Source, finite: NonFiniteCheck, tmp: Path,
     empty = plan.allocator(writer)
     with torch_threads(1):  # one torch thread per worker (pipeline.torch_threads)
         try:
-            for job in plan.jobs:
-                pipeline.next_job()
-                tasks = list(plan.tasks(clock, job, chunk_bytes, empty))
-                for i, task in enumerate(tasks):
-                    last = i == len(tasks) - 1
-                    done = partial(progress.advance, tensors=len(job.outputs)) if progress and last else None
-                    pipeline.submit(task, done)
-            pipeline.finish()
-            plan.close_writer(writer, provenance)
+            # Ctrl-C / SIGTERM take effect between tasks, never inside the locks the workers share
+            with signals_deferred() as signal_point:
+                for job in plan.jobs:
+                    pipeline.next_job()
+                    tasks = list(plan.tasks(clock, job, chunk_bytes, empty))
+                    for i, task in enumerate(tasks):
+                        signal_point()
+                        last = i == len(tasks) - 1
+                        done = partial(progress.advance, tensors=len(job.outputs)) if progress and last else None
+                        pipeline.submit(task, done)
+                pipeline.finish()
+                plan.close_writer(writer, provenance)
         except BaseException:
             pipeline.abort()
             writer.abort()

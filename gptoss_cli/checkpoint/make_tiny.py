@@ -7,6 +7,7 @@ eval and generate run on it without a download.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,8 +66,13 @@ def make_tiny(
     dtype: str = "bfloat16",
     force: bool = False,
     max_shard_bytes: int = 5 * 1024**3,
+    head_dim: int | None = None,
 ) -> MakeTinyResult:
     arch = arch or preset("tiny")
+    if head_dim is not None:
+        if isinstance(head_dim, bool) or not isinstance(head_dim, int) or not 2 <= head_dim <= 512 or head_dim % 2:
+            raise UsageError(f"--head-dim {head_dim!r} must be an even number from 2 to 512 (RoPE rotates pairs)")
+        arch = dataclasses.replace(arch, head_dim=head_dim)
     if experts not in HF_LAYOUTS:
         raise UsageError(f"--experts {experts!r} is not supported; use bf16 or mxfp4")
     torch_dtype = parse_dtype(dtype)

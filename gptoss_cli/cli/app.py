@@ -18,7 +18,11 @@ from rich.text import Text
 from typer.core import TyperGroup
 
 from gptoss_cli import outputs
-from gptoss_cli.errors import FileSystemError, GptossError, Terminated, UsageError, describe_os_error
+from gptoss_cli.allocation import is_allocation_failure, out_of_memory
+from gptoss_cli.errors import (
+    FileSystemError, GptossError, OutOfMemory, Terminated, UsageError, describe_os_error, note_signal, signal_since,
+    signals_seen,
+)
 
 class _OneLineUsageErrors(TyperGroup):
     """Click's usage errors (an option value outside its range or of the wrong type, a missing argument,
@@ -106,29 +110,54 @@ def print_error(message: str, label: str = "error: ") -> None:
 
 
 def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Turn a GptossError, an OSError, Ctrl-C or SIGTERM into one line and its exit code, never a traceback."""
+    """Turn a GptossError, an OSError, an allocation failure, Ctrl-C or SIGTERM into one line and its exit
+    code, never a traceback. A failure a command ends with after a signal arrived (one of ours, a RuntimeError,
+    an OSError) is that signal's (130 / 143): its exception was turned into another on the way out (torch's
+    C++ zip writer, a library's wrapper)."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        mark = signals_seen()
         try:
-            return fn(*args, **kwargs)
-        except GptossError as exc:
-            print_error(str(exc))
-            raise typer.Exit(exc.exit_code) from None
-        except OSError as exc:  # an unwritable, missing or full path the library did not name itself
-            print_error(describe_os_error(exc))
-            raise typer.Exit(FileSystemError.exit_code) from None
-        except MemoryError:
-            print_error("out of memory")
-            raise typer.Exit(1) from None
-        except KeyboardInterrupt:
-            print_error("nothing was left half-written", label="interrupted: ")
-            raise typer.Exit(EXIT_INTERRUPTED) from None
-        except Terminated:
-            print_error("nothing was left half-written", label="terminated: ")
-            raise typer.Exit(EXIT_TERMINATED) from None
+            result = fn(*args, **kwargs)
+            # a signal whose exception something swallowed (a finaliser, a C++ frame): the work is done, but
+            # the command still ends as the signal asked
+            stop = signal_since(mark)
+            if stop is None:
+                return result
+            _exit_for(stop)
+        except (typer.Exit, SystemExit):
+            raise
+        except BaseException as exc:  # noqa: BLE001 - each kind below is one line; anything else is re-raised
+            stop = signal_since(mark)
+            # what a signal's exception becomes on its way through C++ or a library's wrapper; a bug stays itself
+            swallowed = isinstance(exc, (GptossError, RuntimeError, OSError))
+            _exit_for(stop if stop is not None and swallowed else exc)
 
     return wrapper
+
+
+def _exit_for(exc: BaseException) -> None:
+    """Print `exc` as one line and raise its exit code; re-raise what is not ours to turn into a line (a bug)."""
+    try:
+        raise exc
+    except GptossError:
+        print_error(str(exc))
+        raise typer.Exit(exc.exit_code) from None
+    except OSError:  # an unwritable, missing or full path the library did not name itself
+        print_error(describe_os_error(exc))
+        raise typer.Exit(FileSystemError.exit_code) from None
+    except (MemoryError, RuntimeError):  # an allocator's failure that no reader named (allocation.py)
+        if not is_allocation_failure(exc):
+            raise
+        print_error(str(out_of_memory(None, exc)))
+        raise typer.Exit(OutOfMemory.exit_code) from None
+    except KeyboardInterrupt:  # a command may say what survives in the message (train does)
+        print_error(str(exc) or "nothing was left half-written", label="interrupted: ")
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+    except Terminated:
+        print_error(str(exc) or "nothing was left half-written", label="terminated: ")
+        raise typer.Exit(EXIT_TERMINATED) from None
 
 
 def check_number(option: str, value: float | None, *, low: float | None = None, high: float | None = None,
@@ -201,12 +230,24 @@ def print_note(note: str) -> None:
 
 
 def _terminate(signum: int, frame: Any) -> None:
+    note_signal(signum)
     raise Terminated()
 
 
-def main() -> None:
-    # SIGTERM unwinds like Ctrl-C, so the `finally` blocks that remove temporary folders run.
+def _interrupt(signum: int, frame: Any) -> None:
+    note_signal(signum)  # then what Python's own handler does
+    raise KeyboardInterrupt()
+
+
+def install_signal_handlers() -> None:
+    """SIGTERM unwinds like Ctrl-C, so the `finally` blocks that remove temporary folders run; both are
+    recorded (errors.note_signal) so that one C++ turned into its own error still ends the run as itself."""
     signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGINT, _interrupt)
+
+
+def main() -> None:
+    install_signal_handlers()
     app(prog_name="gptoss")
 
 

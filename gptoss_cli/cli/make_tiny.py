@@ -20,20 +20,26 @@ def make_tiny_cmd(
     experts: str = typer.Option("mxfp4", "--experts", help="Expert form: mxfp4 (as released) or bf16."),
     seed: int = typer.Option(0, "--seed", min=0, max=2**63 - 1, help="Random seed for the weights."),
     dtype: str = typer.Option("bfloat16", "--dtype", help="bfloat16 or float32 for the float tensors."),
+    head_dim: int = typer.Option(16, "--head-dim", help="Attention head size: 16 keeps the tiny preset's (what "
+                                 "model.preset: tiny recipes build); 64, GPT-OSS's own, is what vLLM's CPU build "
+                                 "serves (serve-check, GRPO with vLLM rollouts)."),
     force: bool = typer.Option(False, "--force", help="Replace a non-empty DST."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Also write a machine-readable summary."),
 ) -> None:
     """Write a tiny GPT-OSS checkpoint in the real Hugging Face layout, for demos and tests.
 
-    3 blocks, 4 experts (top-2), hidden 64, intermediate 96, 6 query / 2 kv heads, vocab 1003,
-    sliding window 8: small, but shaped so that layout bugs show.
+    3 blocks, 4 experts (top-2), hidden 64, intermediate 96, 6 query / 2 kv heads of size 16 (--head-dim),
+    vocab 1003, sliding window 8: small, but shaped so that layout bugs show.
 
     Example: gptoss make-tiny /tmp/tiny --experts mxfp4 && gptoss convert /tmp/tiny /tmp/tiny-hybrid
+
+    Example: gptoss make-tiny h64-hf --head-dim 64 && gptoss serve-check h64-hf
     """
     check_json_path(json_path)
     from gptoss_cli.checkpoint.make_tiny import make_tiny
 
-    result = make_tiny(dst, experts=experts, seed=seed, dtype=dtype, force=force)
+    result = make_tiny(dst, experts=experts, seed=seed, dtype=dtype, force=force,
+                       head_dim=head_dim)
     for note in result.notes:
         print_note(note)
     if json_path:

@@ -24,6 +24,9 @@ from gptoss_cli.data.prepare.formats import FORMATS, PrepareOptions, data_format
         "Face chat form, tools and tool calls included), rendered in harmony with a loss mask on what the assistant "
         "writes; writes OUT.idx and OUT.mask too. Inputs may also be Hugging Face dataset folders (save_to_disk) "
         "or dataset ids in the Hub cache (docs/sft-data.md).\n\n"
+        "--format preference: each row is a preference pair (TRL's prompt/chosen/rejected or chosen/rejected "
+        "conversations, harmony's JSON form); both sides rendered in harmony with the loss mask on the reply, two "
+        "documents a pair, for objective.kind=dpo (docs/dpo.md).\n\n"
         "Example: gptoss prepare-data corpus.jsonl --tokenizer /models/gpt-oss-20b --out data/corpus\n"
         "then: gptoss train --recipe R data.kind=tokens data.path=data/corpus"
     ),
@@ -38,29 +41,30 @@ def prepare_data_cmd(
     eos_id: Optional[int] = typer.Option(None, "--eos-id", min=0, help="end-of-document id (default: config.json's eos_token_id)"),
     errors: str = typer.Option(
         "strict", "--errors", help="invalid UTF-8: strict (an error naming the file and byte offset) or replace (U+FFFD); "
-        "harmony: or skip (rows that do not parse are left out and counted)",
+        "harmony, preference: or skip (rows that do not parse are left out and counted)",
     ),
-    split: Optional[str] = typer.Option(None, "--split", help="harmony: the split of a dataset folder or id "
+    split: Optional[str] = typer.Option(None, "--split", help="harmony, preference: the split of a dataset folder or id "
                                                               "(default: its only split, else train)", show_default=False),
     field_name: Optional[str] = typer.Option(None, "--field", help="harmony: the column holding the messages, or a "
                                                                    "string of a conversation's JSON (default: messages)",
                                              show_default=False),
     batch_rows: Optional[int] = typer.Option(None, "--batch-rows", min=1, max=1 << 20,
-                                             help="harmony: rows rendered per batch (memory is bounded by a batch; "
+                                             help="harmony, preference: rows rendered per batch (memory is bounded by a batch; "
                                                   "default 256)", show_default=False),
     fmt: str = typer.Option("text", "--format", help=" or ".join(f"{f.name} ({f.reads})" for f in FORMATS.values())),
     analysis: Optional[str] = typer.Option(
-        None, "--analysis", help="harmony: keep (default; the last turn's analysis is trained, earlier ones dropped) "
+        None, "--analysis", help="harmony, preference: keep (default; the last turn's analysis is trained, earlier ones dropped) "
         "or drop (no analysis messages)", show_default=False),
     train_on: Optional[str] = typer.Option(None, "--train-on", help="harmony: last (default: every assistant turn after the "
                                            "last user message) or all assistant turns",
                                            show_default=False),
     max_length: Optional[int] = typer.Option(
-        None, "--max-length", help="harmony: longer conversations are dropped and counted (default: --seq-length)",
+        None, "--max-length", help="harmony: longer conversations are dropped and counted (default: --seq-length); "
+        "preference: longer pairs (both sides together)",
         show_default=False),
     truncate: bool = typer.Option(False, "--truncate", help="harmony: cut conversations at --max-length instead"),
     seq_length: Optional[int] = typer.Option(
-        None, "--seq-length", help="harmony: training row length to report packing efficiency for", show_default=False),
+        None, "--seq-length", help="harmony, preference: training row length to report packing efficiency for", show_default=False),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar or table"),
     json_path: Optional[Path] = typer.Option(None, "--json", help="also write the result as JSON"),
 ) -> None:

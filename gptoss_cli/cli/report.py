@@ -20,7 +20,7 @@ def _value(v: float | None) -> str:
 
 def _trend(t: float | None) -> str:
     if t is None:
-        return "-"
+        return "-"  # too few values, or a start at the series' noise level (train/report.py, trend)
     word = "up" if t > 0 else "down" if t < 0 else "flat"
     return f"{word} {abs(t) * 100:.1f}%"
 
@@ -58,13 +58,42 @@ def render_summary(summary: dict[str, Any], plots: list[Path]) -> None:
         console.print(f"plots: {escape(str(plots[0].parent))} ({', '.join(p.name for p in plots)})", highlight=False)
 
 
+def render_rollouts(r: dict[str, Any]) -> None:
+    """The saved rollouts' summary (rl/rollout_file.py, `summarise_rollouts`)."""
+    steps = f", steps {r['steps'][0]}-{r['steps'][1]}" if r["steps"] else ""
+    table = Table(title=f"rollouts: {r['completions']} completions in {r['files']} files{steps}", title_justify="left",
+                  show_header=False)
+    table.add_column("", style="bold")
+    table.add_column("")
+    w = r["reward"]
+    if "mean" in w:
+        table.add_row("reward", f"mean {_value(w['mean'])}, std {_value(w['std'])}; min {_value(w['min'])}, quartiles "
+                      f"{_value(w['p25'])} / {_value(w['median'])} / {_value(w['p75'])}, max {_value(w['max'])}")
+    if w["failed"]:
+        table.add_row("reward failed", str(w["failed"]))
+    n = r["completion_length"]
+    if n["mean"] is not None:
+        table.add_row("completion tokens", f"mean {n['mean']:.1f}, min {n['min']}, max {n['max']}; "
+                      f"{n['truncated'] * 100:.1f}% stopped at rl.max_new_tokens")
+    if r["masked_tokens"] is not None:
+        table.add_row("masked (rl.is_correction)", f"{r['masked_tokens'] * 100:.2f}% of tokens, "
+                      f"{r['masked_completions'] * 100:.2f}% of completions wholly")
+    console.print(table)
+    for e in r["examples"]:
+        console.print(f"[bold]{escape(e['which'])}[/bold] (step {e['step']}, reward {_value(e['reward'])}, "
+                      f"{e['tokens']} tokens): {escape(e['prompt'])} -> {escape(e['completion'])}", highlight=False)
+    console.print(f"rollout files: {escape(r['folder'])}", highlight=False)
+
+
 @app.command(
     "report",
     help=(
         "Plot and summarise a training run from its folder's metrics.jsonl: PNGs of loss, lr, grad norm, "
         "tokens/s (and MFU, aux/z-loss and the metrics the run's objective shows when recorded), a heatmap of expert load per MoE layer, and a "
-        "summary table (last values, trends, most and least loaded experts). Works on a run that is "
-        "still going or was killed. Plots need matplotlib (the plot extra of gptoss-cli).\n\n"
+        "summary table (last values, trends, most and least loaded experts); with a GRPO run's saved rollouts "
+        "(rl.save_rollouts: RUN_DIR/rollouts/, pyarrow) their rewards, lengths, masked share and example "
+        "completions. Works on a run that is still going or was killed. Plots need matplotlib (the plot extra of "
+        "gptoss-cli).\n\n"
         "Example: gptoss report runs/tiny_cpu_ep2 --out /tmp/plots --json /tmp/summary.json"
     ),
 )
@@ -76,6 +105,7 @@ def report_cmd(
     json_path: Optional[Path] = typer.Option(None, "--json", help="also write the summary as JSON"),
 ) -> None:
     check_json_path(json_path)
+    from gptoss_cli.rl.rollout_file import summarise_rollouts
     from gptoss_cli.train.report import read_metrics, summarise, write_plots
 
     metrics = read_metrics(run_dir)
@@ -84,6 +114,11 @@ def report_cmd(
     summary = summarise(metrics)
     plots = [] if no_plots else write_plots(metrics, out if out is not None else Path(run_dir) / "report")
     summary["plots"] = [str(p) for p in plots]
+    rollouts = summarise_rollouts(run_dir)
+    if rollouts is not None:
+        summary["rollouts"] = rollouts
     render_summary(summary, plots)
+    if rollouts is not None:
+        render_rollouts(rollouts)
     if json_path:
         write_json(json_path, summary, done="the plots were written" if plots else None)

@@ -108,5 +108,6 @@ def serve_check_cmd(
         write_json(json_path, report.to_json(), done="serve-check ran")
     failure = report.failure_line()
     if failure is not None:
-        raise ParityFailure(failure)
+        log = report.engine.get("log")
+        raise ParityFailure(failure, hint=f"the engine's log: {log}" if log else None)
     console.print("[bold green]the engine computes what gptoss computes, within the budget[/]")

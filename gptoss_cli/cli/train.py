@@ -88,6 +88,8 @@ class TrainProgressBar:
         if event.qat != "none":
             where += f", QAT {event.qat} (experts)"
         self._console.print(f"training on {where}", highlight=False)
+        for note in event.notes:
+            self._console.print(escape(note), highlight=False)
         if event.resumed_from:
             self._console.print(f"resuming from [bold]{escape(event.resumed_from)}[/] at step {event.start_step}")
         if self._console.is_terminal:
@@ -130,10 +132,14 @@ def render_result(result: Any) -> None:
     table.add_row("steps", f"{result.steps} (reached step {result.final_step})")
     if result.losses:
         table.add_row("loss", f"{result.losses[0]:.4f} -> {result.losses[-1]:.4f}")
-    table.add_row("tokens/s", f"{result.tokens_per_s:.0f} (world {result.world_size}, EP {result.ep_size})")
-    table.add_row("model FLOPs", f"{flops_text(result.tflops_per_gpu, result.mfu)} "
-                                 f"({result.model_flops_per_token / 1e9:.3g} GFLOP per token"
-                                 + (f", peak {result.peak_tflops:.0f} TFLOP/s)" if result.peak_tflops else ", no known peak here)"))
+    for m in result.shown:  # the objective's own numbers (GRPO: the reward), first and last step
+        table.add_row(escape(m["label"]), f"{m['first']:{m['format']}} -> {m['last']:{m['format']}}")
+    if result.steps:  # a run with nothing to do measured nothing
+        table.add_row("tokens/s", f"{result.tokens_per_s:.0f} (world {result.world_size}, EP {result.ep_size})")
+        table.add_row("model FLOPs", f"{flops_text(result.tflops_per_gpu, result.mfu)} "
+                                     f"({result.model_flops_per_token / 1e9:.3g} GFLOP per token"
+                                     + (f", peak {result.peak_tflops:.0f} TFLOP/s)" if result.peak_tflops
+                                        else ", no known peak here)"))
     if result.fp8:
         f = result.fp8
         table.add_row("fp8", f"{f['recipe']} {f['format']}: {f['path']} ({f['kernel']}) on {f['device']}, "

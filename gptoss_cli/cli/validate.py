@@ -40,6 +40,7 @@ def _memory_row(report: ValidationReport) -> tuple[str, str, str] | None:
                                                      f"{est.tokens_per_microbatch} tokens/microbatch") + "[/]"
     lines = [escape(est.summary())]
     lines += [f"[dim]{escape(it.label)}: {size_text(it.bytes)}[/]" for it in est.items]
+    lines += [f"[dim]host memory, {escape(it.label)}: {size_text(it.bytes)}[/]" for it in est.host_items]
     lines += [escape(n) for n in est.notes]
     lines += [escape(f"pipeline rank {s['rank']} ({s['stages']}, {s['in_flight']:g} microbatches in flight): "
                      f"{size_text(s['total_bytes'])}") for s in est.stages]

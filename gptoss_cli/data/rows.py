@@ -186,8 +186,9 @@ def _table_rows(f: InputFile, batch_rows: int) -> Iterator[Row]:
                 for k, row in enumerate(part.to_pylist()):
                     yield Row(f"{f.path} row {index}", share // max(part.num_rows, 1), value=_drop_nulls(row))
                     index += 1
-    except (pa.ArrowException, OSError) as exc:
-        raise UsageError(f"{f.path}: not a readable {f.kind} file ({str(exc).splitlines()[0]})") from None
+    except (pa.ArrowException, OSError, ValueError) as exc:  # ValueError: bytes that are not UTF-8 where text is due
+        raise UsageError(f"{f.path}: not a readable {f.kind} file ({(str(exc) or type(exc).__name__).splitlines()[0]})") \
+            from None
 
 
 def iter_rows(files: list[InputFile], errors: str = "strict", batch_rows: int = BATCH_ROWS) -> Iterator[list[Row]]:

@@ -37,6 +37,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from gptoss_cli import outputs
+from gptoss_cli.allocation import claimed
 from gptoss_cli.errors import ConfigError
 from gptoss_cli.json_input import parse_json
 
@@ -144,7 +145,8 @@ def read_token_header(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{json_path}: not JSON ({exc.msg} at line {exc.lineno})") from None
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{json_path}: not JSON (not UTF-8: {exc.reason})") from None
-    if not isinstance(header, dict) or header.get("format") != TOKEN_FORMAT or header.get("dtype") not in TOKEN_ITEMSIZE:
+    if not isinstance(header, dict) or header.get("format") != TOKEN_FORMAT or not isinstance(header.get("dtype"), str) \
+            or header["dtype"] not in TOKEN_ITEMSIZE:
         got = header if not isinstance(header, dict) else {k: header.get(k) for k in ("format", "dtype")}
         raise ConfigError(f"{json_path}: not a gptoss token header ({got})",
                           hint="create the files with `gptoss prepare-data`")
@@ -179,6 +181,14 @@ def _memmap(path: Path, dtype: str, count: int) -> np.ndarray:
     return np.memmap(path, dtype=dtype, mode="r", shape=(count,))
 
 
+def read_document_offsets(idx_path: str | Path) -> np.ndarray:
+    """OUT.idx as int64 offsets in memory; a file larger than this machine could hold (a sparse one whose
+    header claims billions of documents) is one line naming it, never an allocator's traceback."""
+    size = Path(idx_path).stat().st_size
+    return claimed(f"{idx_path}: document index", size,
+                   lambda: np.fromfile(idx_path, dtype=INDEX_DTYPE).astype(np.int64), idx_path)
+
+
 def check_document_files(path: str | Path, header: dict[str, Any], num_tokens: int) -> np.ndarray:
     """The document start offsets of a version-2 file, after checking OUT.idx (D+1 strictly increasing
     offsets from 0 to num_tokens, every document at least 2 tokens) and, when the header announces
@@ -193,7 +203,7 @@ def check_document_files(path: str | Path, header: dict[str, Any], num_tokens: i
     if size != 8 * (num_docs + 1):
         raise ConfigError(f"{idx_path}: {size} bytes do not hold the {num_docs + 1} int64 offsets of the "
                           f"{num_docs} documents the header announces", hint=hint)
-    offsets = np.fromfile(idx_path, dtype=INDEX_DTYPE).astype(np.int64)
+    offsets = read_document_offsets(idx_path)
     if offsets[0] != 0 or offsets[-1] != num_tokens:
         raise ConfigError(f"{idx_path}: offsets run from {int(offsets[0])} to {int(offsets[-1])}, not from 0 to "
                           f"num_tokens={num_tokens}", hint=hint)
@@ -269,5 +279,5 @@ def check_token_files(path: str | Path, vocab_size: int | None) -> tuple[Path, P
 __all__ = ["TOKEN_FORMAT", "TOKEN_FORMAT_VERSION", "DOCUMENTS_FORMAT_VERSION", "TOKEN_FORMAT_VERSIONS", "TOKEN_ITEMSIZE",
            "INDEX_DTYPE", "MASK_DTYPE", "DOCUMENT_FIELDS", "token_dtype_for", "token_file_paths", "document_file_paths",
            "write_atomically", "write_document_index", "token_header", "write_token_header", "commit_token_set",
-           "read_token_header", "has_documents",
+           "read_token_header", "has_documents", "read_document_offsets",
            "check_document_files", "check_header_fits_model", "check_token_files"]

@@ -52,6 +52,7 @@ from gptoss_cli.model.positions import default_position_ids
 from gptoss_cli.model.recompute import RecomputePlan, checkpointed
 from gptoss_cli.model.rope import YarnRotaryEmbedding
 from gptoss_cli.model.router_stats import RouterStats, RouterStatsRequest
+from gptoss_cli.model.routes import ExpertRoutes, LayerRoutes, collect
 
 def buildable_pattern(arch: GptOssArch, pattern: HybridPattern) -> HybridPattern:
     """`pattern`, checked buildable and holding one attention layer per HF block of `arch`."""
@@ -193,12 +194,13 @@ class HybridModel(nn.Module):
         position_ids: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         cu_seqlens: tuple[int, ...] | None = None,
+        routes: ExpertRoutes | None = None,
     ):
         """One microbatch's combined-1F1B schedule plan: nodes per layer with detached inputs
         (gptoss_cli/model/schedule_plan.py); the schedule configures it (`SchedulePlan.configure`)."""
         from gptoss_cli.model.schedule_plan import build_hybrid_schedule_plan
 
-        return build_hybrid_schedule_plan(self, input_ids, position_ids, labels, cu_seqlens)
+        return build_hybrid_schedule_plan(self, input_ids, position_ids, labels, cu_seqlens, routes)
 
     # --- structure helpers ----------------------------------------------------------------
     def moe_layers(self) -> Iterator[tuple[int, MoELayer]]:
@@ -299,27 +301,33 @@ class HybridModel(nn.Module):
         labels: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         cu_seqlens: tuple[int, ...] | None = None,
+        routes: ExpertRoutes | None = None,
     ) -> HybridOutput:
         """input_ids [B, S]; labels [B, S] are the targets of each position, ALREADY shifted
         (Megatron convention: labels[t] = input_ids[t+1]), -100 to ignore.
 
         cu_seqlens: packed documents, as start offsets into the flattened [B*S] tokens including
         every row start (model/attention/backends.py, `document_attention`): attention stays within each
-        document and positions restart at 0 in each (unless position_ids are given)."""
+        document and positions restart at 0 in each (unless position_ids are given).
+
+        routes: expert ids per token and MoE layer (routing replay, model/routes.py); what the routers
+        found is in the output's route_flips, route_pairs and live_routes."""
         want = self.router_stats_request()
         x = self.embed(input_ids)
         cos, sin = self.rope(input_ids, position_ids, x.dtype, cu_seqlens)
-        x, stats = self.run_layers(0, len(self.decoder.layers), x, cos, sin, cu_seqlens, want)
+        by_layer = self.layer_routes(routes)
+        x, stats = self.run_layers(0, len(self.decoder.layers), x, cos, sin, cu_seqlens, want, by_layer)
         out = self.output(x)
         self.attach_router_stats(out, stats)
+        self.attach_routes(out, by_layer, input_ids.shape)
         return self.attach_losses(out, labels)
 
     def run_layers(self, start: int, end: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   cu_seqlens: tuple[int, ...] | None = None, want: RouterStatsRequest | None = None
-                   ) -> tuple[torch.Tensor, list[RouterStats]]:
+                   cu_seqlens: tuple[int, ...] | None = None, want: RouterStatsRequest | None = None,
+                   routes: dict[int, LayerRoutes] | None = None) -> tuple[torch.Tensor, list[RouterStats]]:
         """Layers [start, end) -> (x, the MoE layers' routing statistics when `want` asks for them),
         a full-recompute unit kept as one checkpoint (cut at `start` and `end`: a pipeline stage
-        recomputes only its own layers)."""
+        recomputes only its own layers; the unit's recompute routes to the same `routes`)."""
         stats: list[RouterStats] = []
         units = self.recompute.full_units
         j = start
@@ -327,12 +335,31 @@ class HybridModel(nn.Module):
             unit = next(((s, e) for s, e in units if s <= j < e), None)
             stop = min(unit[1], end) if unit else j + 1
             if unit:  # full recompute: the unit keeps only its input
-                x, got = checkpointed(self._run_layers, j, stop, x, cos, sin, cu_seqlens, want)
+                x, got = checkpointed(self._run_layers, j, stop, x, cos, sin, cu_seqlens, want, routes)
             else:
-                x, got = self._run_layers(j, stop, x, cos, sin, cu_seqlens, want)
+                x, got = self._run_layers(j, stop, x, cos, sin, cu_seqlens, want, routes)
             stats.extend(got)
             j = stop
         return x, stats
+
+    def layer_routes(self, routes: ExpertRoutes | None) -> dict[int, LayerRoutes] | None:
+        """Each MoE layer's view of `routes` by physical layer index (the i-th `E` of the full pattern
+        reads index i of the ids, whatever stage holds it); None without routes."""
+        if routes is None:
+            return None
+        moe = [j for j, symbol in enumerate(self.pattern.layers) if symbol == MOE]
+        for name, ids in (("engine", routes.engine), ("replay", routes.replay)):
+            if ids is not None and (ids.dim() != 4 or ids.shape[2] != len(moe)
+                                    or ids.shape[3] != self.arch.num_experts_per_tok):
+                raise ConfigError(f"routes.{name} has shape {tuple(ids.shape)}; the model takes [batch, seq, "
+                                  f"{len(moe)} MoE layers, {self.arch.num_experts_per_tok}]")
+        return {j: routes.layer(i) for i, j in enumerate(moe)}
+
+    def attach_routes(self, out: HybridOutput, routes: dict[int, LayerRoutes] | None, shape: torch.Size) -> None:
+        """What the routers found about the given routes -> out.route_flips, route_pairs, live_routes."""
+        if routes is not None:
+            held = [routes[j] for j in sorted(routes) if isinstance(self.decoder.layers[j], MoELayer)]
+            out.route_flips, out.route_pairs, out.live_routes = collect(held, shape[0], shape[1])
 
     def router_stats_request(self) -> RouterStatsRequest | None:
         """What the MoE layers return in a forward: in training, the telemetry and the terms of
@@ -347,14 +374,18 @@ class HybridModel(nn.Module):
                              z_loss=self.z_loss_coef > 0)
 
     def _run_layers(self, start: int, end: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                    cu_seqlens: tuple[int, ...] | None = None, want: RouterStatsRequest | None = None
-                    ) -> tuple[torch.Tensor, list[RouterStats]]:
+                    cu_seqlens: tuple[int, ...] | None = None, want: RouterStatsRequest | None = None,
+                    routes: dict[int, LayerRoutes] | None = None) -> tuple[torch.Tensor, list[RouterStats]]:
         """Layers [start, end) -> (x, the MoE layers' routing statistics when `want` asks for them)."""
         stats: list[RouterStats] = []
-        for layer in self.decoder.layers[start:end]:
+        for j in range(start, end):
+            layer = self.decoder.layers[j]
+            route = None if routes is None else routes.get(j)
             if want is not None and isinstance(layer, MoELayer):
-                x, got = layer(x, want)  # through __call__: the layer's hooks run
+                x, got = layer(x, want, route)  # through __call__: the layer's hooks run
                 stats.append(got)
+            elif route is not None:
+                x = layer(x, None, route)
             else:
                 x = run_layer(layer, x, cos, sin, cu_seqlens)
         return x, stats

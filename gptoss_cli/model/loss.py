@@ -135,6 +135,11 @@ class HybridOutput:
         self.z_loss: torch.Tensor | None = None  # unscaled router z-loss, when collected
         # float64 [MoE layers, E + 2] routing telemetry in training (model/router_stats.py, `router_table`)
         self.router_table: torch.Tensor | None = None
+        # routing replay (model/routes.py), when the forward was handed routes: per position [B, S], the MoE
+        # layers whose live top-k set differs from the engine's ids and those with engine ids; the live ids [B, S, L, k]
+        self.route_flips: torch.Tensor | None = None
+        self.route_pairs: torch.Tensor | None = None
+        self.live_routes: torch.Tensor | None = None
 
     @property
     def logits(self) -> torch.Tensor:

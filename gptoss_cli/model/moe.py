@@ -36,6 +36,7 @@ from gptoss_cli.model.gemm.grouped import GroupedGemm, WgradQueue, grouped_linea
 from gptoss_cli.model.mlp import clamped_swiglu
 from gptoss_cli.model.norm import RMSNorm
 from gptoss_cli.model.recompute import checkpointed, discard_saved, without_output
+from gptoss_cli.model.routes import LayerRoutes
 from gptoss_cli.model.router_stats import RouterStats, RouterStatsRequest, router_stats
 
 
@@ -51,7 +52,9 @@ class RouterOutput:
 
 
 class Router(nn.Module):
-    """`logits = x W^T + b`; top-k of the raw logits; softmax over those k only (docs/architecture.md, "Router")."""
+    """`logits = x W^T + b`; top-k of the raw logits; softmax over those k only (docs/architecture.md, "Router").
+    With `routes` (routing replay, model/routes.py) a token may be sent to given ids instead, weighted by the
+    softmax of its live logits at them."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, device=None, dtype=None):
         super().__init__()
@@ -59,8 +62,11 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(num_experts, device=device, dtype=dtype))
 
-    def forward(self, x: torch.Tensor) -> RouterOutput:
+    def forward(self, x: torch.Tensor, routes: LayerRoutes | None = None) -> RouterOutput:
         logits = F.linear(x, self.weight, self.bias)
+        if routes is not None:
+            probs, indices = routes.route(logits, self.top_k)
+            return RouterOutput(logits=logits, probs=probs, indices=indices)
         top, indices = torch.topk(logits, self.top_k, dim=-1)
         return RouterOutput(logits=logits, probs=torch.softmax(top, dim=-1), indices=indices)
 
@@ -222,20 +228,23 @@ class MoELayer(nn.Module):
         self.mlp.experts.recompute_act = "moe_act" in pieces and "moe" not in pieces
 
     # --- the four stages (the overlap schedule's node split) --------------------------------
-    def pre_dispatch(self, x: torch.Tensor, stats: RouterStatsRequest | None = None
+    def pre_dispatch(self, x: torch.Tensor, stats: RouterStatsRequest | None = None,
+                     routes: LayerRoutes | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, RouterStats | None]:
         """x [B, S, H] -> (normalised tokens [T, H], probs [T, k], global expert indices [T, k],
-        the routing's statistics when `stats` asks for them, else None)."""
+        the routing's statistics when `stats` asks for them, else None). With `routes` (routing replay,
+        model/routes.py) tokens with given ids go to them; the statistics count the experts the tokens
+        went to, the router losses' probabilities are the live router's (docs/rl.md, "Routing replay")."""
         if self.recompute_norm:
-            hidden, routed = without_output(self.pre_mlp_layernorm, (x,), self._route)
+            hidden, routed = without_output(self.pre_mlp_layernorm, (x,), lambda n: self._route(n, routes))
         else:
-            hidden, routed = self._route(self.pre_mlp_layernorm(x))
+            hidden, routed = self._route(self.pre_mlp_layernorm(x), routes)
         got = None if stats is None else router_stats(routed.logits, routed.indices, self.num_experts, stats)
         return hidden, routed.probs, routed.indices, got
 
-    def _route(self, normed: torch.Tensor) -> tuple[torch.Tensor, RouterOutput]:
+    def _route(self, normed: torch.Tensor, routes: LayerRoutes | None = None) -> tuple[torch.Tensor, RouterOutput]:
         hidden = normed.reshape(-1, normed.shape[-1])
-        return hidden, self.mlp.router(hidden)
+        return hidden, self.mlp.router(hidden, routes)
 
     def dispatcher(self) -> AllToAllTokenDispatcher:
         """The layer's token dispatcher; a layer holding a slice of the experts needs an EP one."""
@@ -257,10 +266,10 @@ class MoELayer(nn.Module):
         out = self.token_dispatcher.combine(expert_output, ctx)
         return residual + out.view_as(residual)
 
-    def forward(self, x: torch.Tensor, stats: RouterStatsRequest | None = None
+    def forward(self, x: torch.Tensor, stats: RouterStatsRequest | None = None, routes: LayerRoutes | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, RouterStats]:
-        """The layer's output; with `stats`, (output, the routing's statistics)."""
-        hidden, probs, indices, got = self.pre_dispatch(x, stats)
+        """The layer's output; with `stats`, (output, the routing's statistics); `routes`: see pre_dispatch."""
+        hidden, probs, indices, got = self.pre_dispatch(x, stats, routes)
         expert_input, tokens_per_expert, ctx = self.dispatch(hidden, probs, indices)
         expert_output = self.experts(expert_input, tokens_per_expert)
         out = self.combine(expert_output, ctx, x)

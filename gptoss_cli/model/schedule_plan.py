@@ -48,6 +48,7 @@ from gptoss_cli.model.gemm.grouped import WgradQueue
 from gptoss_cli.model.mlp import DenseMLPLayer
 from gptoss_cli.model.moe import MoELayer
 from gptoss_cli.model.router_stats import RouterStats, RouterStatsRequest
+from gptoss_cli.model.routes import ExpertRoutes, LayerRoutes
 from gptoss_cli.model.pattern import ATTENTION, MLP, MOE, HybridPattern, schedule_plan_support
 
 COMPUTE, COMM = "compute", "comm"
@@ -302,7 +303,7 @@ _STAT_FIELDS = ("tokens_per_expert", "prob_sum", "num_tokens", "entropy_sum", "z
 
 
 def _moe_nodes(plan: SchedulePlan, j: int, layer: MoELayer, x: Ref,
-               want: RouterStatsRequest | None) -> list[PlanNode]:
+               want: RouterStatsRequest | None, route: LayerRoutes | None = None) -> list[PlanNode]:
     """The four nodes of an E layer, each calling its phases of the layer's token dispatcher."""
     d = layer.dispatcher()
     p = f"decoder.layers.{j}"
@@ -315,7 +316,7 @@ def _moe_nodes(plan: SchedulePlan, j: int, layer: MoELayer, x: Ref,
         )
 
     def pre_dispatch(x: torch.Tensor) -> dict[str, Any]:
-        hidden, probs, indices, stats = layer.pre_dispatch(x, want)
+        hidden, probs, indices, stats = layer.pre_dispatch(x, want, route)
         permuted, prob_of_row, routing = d.dispatch_preprocess(hidden, probs, indices)
         out: dict[str, Any] = {"permuted": permuted, "prob_of_row": prob_of_row, "routing": routing,
                                "send": routing.input_splits, "recv": routing.output_splits}
@@ -353,11 +354,11 @@ def _moe_nodes(plan: SchedulePlan, j: int, layer: MoELayer, x: Ref,
 
 
 def moe_layer_nodes(plan: SchedulePlan, j: int, layer: MoELayer, x: Ref,
-                    want: RouterStatsRequest | None) -> list[PlanNode]:
+                    want: RouterStatsRequest | None, route: LayerRoutes | None = None) -> list[PlanNode]:
     """The four nodes of MoE layer `j` reading `x` (pre_dispatch, dispatch, experts, combine; the
     first outputs `stat_<field>` of RouterStats when `want` asks): what a pipeline stage's plan
     (gptoss_cli/schedule/pipeline/plan_stage.py) strings together for its own layers."""
-    return _moe_nodes(plan, j, layer, x, want)
+    return _moe_nodes(plan, j, layer, x, want, route)
 
 
 STAT_FIELDS = _STAT_FIELDS
@@ -369,6 +370,7 @@ def build_hybrid_schedule_plan(
     position_ids: torch.Tensor | None = None,
     labels: torch.Tensor | None = None,
     cu_seqlens: tuple[int, ...] | None = None,
+    routes: ExpertRoutes | None = None,
 ) -> SchedulePlan:
     """The plan of one microbatch for a HybridModel (see the module docstring). Nothing runs yet.
 
@@ -383,6 +385,7 @@ def build_hybrid_schedule_plan(
                           "alone; a full unit would repeat the all-to-all nodes)",
                           hint="use recompute.recompute_granularity=selective, or turn overlap off")
     want = model.router_stats_request()
+    by_layer = model.layer_routes(routes)  # routing replay (model/routes.py): each E layer's ids
 
     def embedding(input_ids: torch.Tensor, position_ids: torch.Tensor | None) -> dict[str, Any]:
         x = model.embed(input_ids)
@@ -409,7 +412,7 @@ def build_hybrid_schedule_plan(
                                    {"x": hidden}, layer=j, symbol=MLP)
                 unit.append(node)
             elif isinstance(layer, MoELayer):
-                nodes = _moe_nodes(plan, j, layer, hidden, want)
+                nodes = _moe_nodes(plan, j, layer, hidden, want, None if by_layer is None else by_layer[j])
                 moe_nodes.append(nodes[0])
                 unit.extend(nodes)
                 node = nodes[-1]
@@ -429,6 +432,7 @@ def build_hybrid_schedule_plan(
         if want is not None:
             model.attach_router_stats(out, [RouterStats(**{name: stats[f"{name}{i}"] for name in _STAT_FIELDS})
                                             for i in range(len(moe_nodes))])
+        model.attach_routes(out, by_layer, input_ids.shape)  # the pre_dispatch nodes have run
         if plan.loss_fn is not None:
             loss, extra = plan.loss_fn(out)
             return {"loss": loss, "extra": extra}

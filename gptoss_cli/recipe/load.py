@@ -124,7 +124,26 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     return data  # type: ignore[return-value]
 
 
-def _compose(path: Path, stack: tuple[Path, ...] = ()) -> tuple[dict[str, Any], list[Path]]:
+def _find_base(path: Path, base: str, recipes_dir: Path) -> Path:
+    """A `base:` entry: a file relative to the recipe that names it; else a shipped one, by name as --recipe
+    finds it (`tiny_cpu_sft`) or by its path in recipes/ (`bases/tiny_cpu.yaml`, what a shipped recipe copied
+    elsewhere names)."""
+    local = (path.parent / base).expanduser()
+    if _is(local, "file"):
+        return local
+    shipped = [recipes_dir / base]
+    if "/" not in base and "\\" not in base and not base.endswith((".yaml", ".yml")):
+        shipped = [recipes_dir / f"{base}.yaml", recipes_dir / f"{base}.yml"]
+    for cand in shipped:
+        if _is(cand, "file"):
+            return cand
+    raise ConfigError(f"{path}: base recipe {base!r} not found (looked for {local}, and for the shipped recipe "
+                      f"{shipped[0]})", hint="a base is a file relative to the recipe file, or a shipped recipe's name "
+                      f"({', '.join(available_recipes(recipes_dir)[:4])}, ...)")
+
+
+def _compose(path: Path, stack: tuple[Path, ...] = (), recipes_dir: Path = RECIPES_DIR
+             ) -> tuple[dict[str, Any], list[Path]]:
     """The recipe at `path` with its bases merged under it (bases in order, then the file itself)."""
     path = path.resolve()
     if path in stack:
@@ -141,11 +160,7 @@ def _compose(path: Path, stack: tuple[Path, ...] = ()) -> tuple[dict[str, Any], 
     merged: dict[str, Any] = {}
     sources: list[Path] = []
     for base in bases:
-        base_path = (path.parent / base).expanduser()
-        if not base_path.is_file():
-            raise ConfigError(f"{path}: base recipe {base!r} not found (looked for {base_path})",
-                              hint="base paths are relative to the recipe file")
-        base_data, base_sources = _compose(base_path, (*stack, path))
+        base_data, base_sources = _compose(_find_base(path, base, recipes_dir), (*stack, path), recipes_dir)
         merged = _merge(merged, base_data)
         sources.extend(s for s in base_sources if s not in sources)
     merged = _merge(merged, data)
@@ -193,6 +208,13 @@ def parse_overrides(overrides: Iterable[str]) -> dict[str, Any]:
 
 
 # --- checking names, types and choices -------------------------------------------------------
+# fields a recipe may still carry that were replaced: dotted name -> what to write instead (one line)
+RETIRED_FIELDS = {
+    "rl.rollout.is_cap": "rl.is_max (rl.is_correction: tis, the default, truncates each token's importance "
+                         "weight at it, with every engine; docs/rl.md)",
+}
+
+
 def _schema_children(cls: type) -> dict[str, Any]:
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
@@ -206,6 +228,9 @@ def _check_keys(data: Any, cls: type, prefix: str, problems: list[str]) -> None:
     children = _schema_children(cls)
     for key, value in data.items():
         dotted = f"{prefix}{key}"
+        if dotted in RETIRED_FIELDS:
+            problems.append(f"{dotted} was replaced by {RETIRED_FIELDS[dotted]}")
+            continue
         if key not in children:
             close = difflib.get_close_matches(str(key), list(children), n=1, cutoff=0.6)
             # a field written at top level instead of inside its group
@@ -357,7 +382,7 @@ def resolve_model(cfg: RecipeConfig) -> tuple[GptOssArch, HybridPattern]:
 def load_recipe(ref: str | Path, overrides: Sequence[str] = (), *, recipes_dir: Path = RECIPES_DIR) -> Recipe:
     """Find, compose, override, type-check and resolve a recipe; ConfigError on anything malformed."""
     path = find_recipe(ref, recipes_dir)
-    data, sources = _compose(path)
+    data, sources = _compose(path, recipes_dir=recipes_dir)
     over = parse_overrides(overrides)
     data = _merge(data, over)
     where = str(path) + (f" with overrides {list(overrides)}" if overrides else "")

@@ -22,28 +22,15 @@ from gptoss_cli.model.catalog import (ATTENTION_BACKEND_DEFAULT, ATTENTION_BACKE
                                       SWIGLU_KERNELS, TARGET_MODULES as LORA_TARGETS)
 from gptoss_cli.model.dtypes import RECIPE_DTYPES
 from gptoss_cli.schedule.pipeline.layout import SCHEDULES as PIPELINE_SCHEDULES
+from gptoss_cli.recipe.field_spec import spec as _f
+from gptoss_cli.recipe.schema_dpo import DPO_LOSSES, DPO_REFERENCES, DPOConfig
+from gptoss_cli.recipe.schema_distill import DISTILL_LOSSES, DISTILL_TEACHERS, DistillConfig
 
 # numpy and Megatron seed with at most 2**32 - 1; the data sources seed torch generators with
 # seed x 1_000_003 + sample index, which must stay below 2**64 (torch.Generator.manual_seed).
 SEED_MAX = 2**32 - 1
 # A step that makes no progress for a day is a hang whatever the model; the collective timeout is 10 minutes.
 HEARTBEAT_MAX_S = 86_400.0
-
-
-def _f(default: Any = None, help: str = "", *, choices: tuple | None = None, min: float | None = None,
-       max: float | None = None, below: float | None = None, factory: Any = None) -> Any:
-    meta: dict[str, Any] = {"help": help}
-    if choices is not None:
-        meta["choices"] = choices
-    if min is not None:
-        meta["min"] = min
-    if max is not None:
-        meta["max"] = max
-    if below is not None:
-        meta["below"] = below
-    if factory is not None:
-        return field(default_factory=factory, metadata=meta)
-    return field(default=default, metadata=meta)
 
 
 @dataclass
@@ -242,9 +229,17 @@ class CheckpointConfig:
         None, "with keep_last, also keep every checkpoint whose step is a multiple of N; null = none extra",
         min=1, max=INT32_MAX,
     )
+    async_save: bool = _f(False, "write checkpoints while the next steps run (a host copy, counted in the estimate; "
+                          "`latest` moves once one is complete): docs/reliability.md")
+    save_on_signal: bool = _f(False, "on SIGTERM / SIGINT every rank finishes the step, saves it and exits 143 / 130; "
+                              "false = stop at once (steps since the last save are lost)")
     override_lr_schedule: bool = _f(
         False, "resume with this recipe's learning-rate schedule (training.lr, min_lr, warmup_iters, lr_decay_style, "
         "lr_decay_iters or train_iters) even where it differs from the checkpoint's; false = such a resume is refused",
+    )
+    override_data: bool = _f(
+        False, "resume on this recipe's data (data.kind, path, blend) even where it differs from the checkpoint's "
+        "run, carrying on from the checkpoint's position (consumed_samples); false = such a resume is refused",
     )
 
 
@@ -313,16 +308,23 @@ class ServeCheckConfig:
 
 
 # What a training step minimises (gptoss_cli/train/objective.py): the kinds of gptoss_cli/run/objectives.py's table.
-OBJECTIVES = ("cross_entropy", "grpo")
+OBJECTIVES = ("cross_entropy", "grpo", "dpo", "distill")
 # GRPO's loss normalisations, as TRL names them (docs/rl.md)
 RL_LOSSES = ("grpo", "dapo", "dr_grpo")
 ROLLOUT_ENGINES = ("gptoss", "vllm")
+# what the trainer's MoE layers route a rollout's tokens to (docs/rl.md, "Routing replay")
+ROUTING_REPLAY = ("none", "rollout", "old_policy")
+# the trainer/engine importance-sampling corrections (gptoss_cli/rl/importance.py, docs/rl.md)
+IS_CORRECTIONS = ("tis", "mis", "icepop", "seq_tis", "seq_mis", "none")
+IS_SEQUENCE_RATIOS = ("geometric", "product")
 
 
 @dataclass
 class ObjectiveConfig:
-    kind: str = _f("cross_entropy", "what a step minimises: cross_entropy (pre-training, SFT: the data section) or "
-                   "grpo (reinforcement learning from rewards of sampled completions: the rl section, docs/rl.md)",
+    kind: str = _f("cross_entropy", "what a step minimises: cross_entropy (pre-training, SFT: the data section), "
+                   "grpo (reinforcement learning from rewards of sampled completions: the rl section, docs/rl.md), "
+                   "dpo (preference pairs of the data section: the dpo section, docs/dpo.md) or "
+                   "distill (a frozen teacher's distributions: the distill section, docs/distill.md)",
                    choices=OBJECTIVES)
 
 
@@ -334,11 +336,13 @@ class RolloutConfig:
     engine_python: Optional[str] = _f(None, "vllm: the Python of the engine's venv; null = $GPTOSS_ENGINE_PYTHON")
     dtype: Optional[str] = _f(None, "vllm: what the engine computes in; null = precision.params_dtype",
                               choices=(None, "float32", "bfloat16"))
+    stage_dir: Optional[str] = _f(
+        None, "vllm: the folder each push writes the policy's served weights to for the engine to load (a folder "
+        "gptoss-rl-weights-PID-* made there, removed when the run ends however it ends; room for two copies in the "
+        "engine's dtype: about 84 GB for gpt-oss-20b in bf16); null = $TMPDIR")
     batch_size: Optional[int] = _f(
         None, "gptoss: completions decoded at once per rank (the KV cache holds this many rows); null = all of the "
         "rank's completions of a rollout", min=1, max=INT32_MAX)
-    is_cap: float = _f(3.0, "truncated importance sampling when the engine is not gptoss: each token's loss is "
-                       "weighted by min(p_trainer / p_engine, is_cap) of the token the engine sampled", min=1.0)
     mismatch_warn: float = _f(1.0e-3, "mismatch_kl (engine vs trainer, per token) above which a step warns, naming "
                               "the likely source", min=0.0)
     gpu_memory_utilization: float = _f(
@@ -380,6 +384,27 @@ class RLConfig:
     kl_unbiased: bool = _f(True, "multiply the KL term by the ratio p / p_old, which makes its gradient the unbiased "
                            "reverse-KL gradient (DeepSeek-V3.2; TRL's use_bias_correction_kl); false = GRPO's plain k3 "
                            "estimator")
+    # --- the trainer/engine mismatch (docs/rl.md, "Importance-sampling corrections") ---
+    is_correction: str = _f("tis", "how each token's loss is weighted by rho = p_trainer / p_engine of the sampled "
+                            "token: tis (clamp(rho, is_min, is_max)), mis (rho, 0 above is_max), icepop (rho, 0 "
+                            "outside [is_min, is_max]), seq_tis / seq_mis (the completion's ratio, rl.is_sequence_ratio, "
+                            "truncated / masked alike on every token), none (TRL's vLLM importance-sampling modes)",
+                            choices=IS_CORRECTIONS)
+    is_max: float = _f(3.0, "upper bound of the importance ratio (TRL's vllm_importance_sampling_clip_max)", min=1.0)
+    is_min: Optional[float] = _f(None, "lower bound of the importance ratio (TRL's vllm_importance_sampling_clip_min); "
+                                 "null = none; icepop needs one (IcePop: 0.5)", min=0.0, max=1.0)
+    is_sequence_ratio: str = _f("geometric", "seq_tis / seq_mis: the completion's ratio is the geometric mean of its "
+                                "tokens' (exp of the mean log-ratio) or their product (TRL's sequence modes)",
+                                choices=IS_SEQUENCE_RATIOS)
+    save_rollouts: bool = _f(False, "write each rollout batch to logging.run_dir/rollouts/ as Parquet (prompts, "
+                             "completions, rewards, advantages, engine and trainer log-probs, IS weights, routes; "
+                             "pyarrow: the datasets extra); `gptoss report` summarises them")
+    # --- routing replay (docs/rl.md, "Routing replay") ---
+    routing_replay: str = _f("none", "which experts the trainer's MoE layers send a rollout's tokens to: none (their "
+                             "own live top-k), rollout (the experts the rollout engine used, R3; needs an engine that "
+                             "reports them), old_policy (the trainer's own at the rollout's weights, for every update "
+                             "of the rollout: rl.steps_per_rollout > 1); the combine weights are the live router's "
+                             "softmax at those experts either way", choices=ROUTING_REPLAY)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
 
 
@@ -418,6 +443,8 @@ class RecipeConfig:
     serve_check: ServeCheckConfig = field(default_factory=ServeCheckConfig)
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     rl: RLConfig = field(default_factory=RLConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
 
 
 def iter_fields(cls: type = RecipeConfig, prefix: str = ""):
@@ -466,7 +493,7 @@ _GROUPS: dict[str, type] = {
     c.__name__: c for c in (
         ModelConfig, ParallelismConfig, MoEConfig, OverlapConfig, PrecisionConfig, CudaGraphConfig,
         RecomputeConfig, TrainingConfig, OptimizerConfig, DataConfig, CheckpointConfig, LoraConfig, ValidationConfig,
-        LoggingConfig, SystemConfig, ServeCheckConfig, ObjectiveConfig, RLConfig, RolloutConfig,
+        LoggingConfig, SystemConfig, ServeCheckConfig, ObjectiveConfig, RLConfig, RolloutConfig, DPOConfig, DistillConfig,
     )
 }
 
@@ -475,5 +502,7 @@ __all__ = [
     "CudaGraphConfig", "RecomputeConfig", "TrainingConfig", "OptimizerConfig", "DataConfig",
     "CheckpointConfig", "LoraConfig", "ValidationConfig", "BlendSource", "LoggingConfig", "SystemConfig",
     "ServeCheckConfig", "ObjectiveConfig", "RLConfig", "RolloutConfig", "OBJECTIVES", "RL_LOSSES", "ROLLOUT_ENGINES",
+    "DPOConfig", "DPO_LOSSES", "DPO_REFERENCES",
+    "DistillConfig", "DISTILL_LOSSES", "DISTILL_TEACHERS",
     "iter_fields", "describe_schema",
 ]

@@ -6,7 +6,9 @@ at the positions that predict them (the prompt's last token predicts the first),
 elsewhere; `extras` carry, at the same positions, the engine's log-probability of each sampled
 token (`rollout_logp`) and the completion's advantage (`advantages`), and, when the rollout scored
 them, the trainer's (`old_logp`) and the reference policy's (`ref_logp`). Positions are the default
-ones (0.. along the row), the positions the engine sampled at.
+ones (0.. along the row), the positions the engine sampled at. When the engine reported the experts it
+routed each token to, the microbatch's `routes.engine` holds them at the same positions
+(rl/routes.py, `rows_routes`; the trainer counts its flips against them and may replay them).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from typing import Iterator, Sequence
 import torch
 
 from gptoss_cli.model.loss import IGNORE_INDEX
+from gptoss_cli.model.routes import ExpertRoutes
+from gptoss_cli.rl.routes import rows_routes
 from gptoss_cli.train.data import Microbatch
 
 
@@ -29,6 +33,8 @@ class SampledCompletion:
     ids: list[int]
     logprobs: list[float]  # the engine's, of each sampled token
     finish: str = ""  # "stop" (a stop token ended it) or "length"
+    # the engine's experts per fed token and MoE layer [prompt + completion - 1, L, k] (rl/routes.py), if reported
+    routes: torch.Tensor | None = None
 
 
 @dataclass
@@ -61,8 +67,10 @@ def completion_rows(completions: Sequence[SampledCompletion], advantages: Sequen
         labels[i, p - 1:p + m - 1] = torch.tensor(c.ids, dtype=torch.long)
         engine[i, p - 1:p + m - 1] = torch.tensor(c.logprobs, dtype=torch.float32)
         adv[i] = float(a)
+    routes = rows_routes(completions, seq_length)
     return Microbatch(tokens=tokens.to(device), labels=labels.to(device),
-                      extras={"rollout_logp": engine.to(device), "advantages": adv.to(device)})
+                      extras={"rollout_logp": engine.to(device), "advantages": adv.to(device)},
+                      routes=None if routes is None else ExpertRoutes(engine=routes.to(device)))
 
 
 def split_microbatches(rollout: Rollout, micro_batch_size: int, seq_length: int,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import shutil
@@ -42,6 +43,7 @@ from gptoss_cli.run.worker import run_worker
 from gptoss_cli.train.heartbeat import Watchdog
 from gptoss_cli.train.job import TrainJob
 from gptoss_cli.train.progress import TrainProgress, TrainResult
+from gptoss_cli.train.report import METRICS
 from gptoss_cli.train.resume import check_resume_point
 
 if TYPE_CHECKING:
@@ -121,22 +123,119 @@ def _train(recipe: Recipe, *, nproc_per_node: int | None, progress: TrainProgres
         preflight_recipe(recipe, env["WORLD_SIZE"])
         check_local_gpus(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), recipe.config.system.device)
         job = TrainJob.from_recipe(recipe)
-        with run_folders(job, owner=env["RANK"] == 0) as notes:
-            check_resume_point(job.config)
-            return _with_notes(run_worker(job, progress), notes)
+        with run_folders(job, owner=env["RANK"] == 0) as notes, reporting_stop(job):
+            done = nothing_to_do(job, check_resume_point(job.config), env["WORLD_SIZE"])
+            return _with_notes(done or run_worker(job, progress), notes)
     nproc = nproc_per_node if nproc_per_node is not None else default_nproc(recipe)
     if nproc < 1:
         raise ConfigError(f"--nproc-per-node {nproc} must be at least 1")
     preflight_recipe(recipe, nproc)
     check_local_gpus(nproc, recipe.config.system.device)
     job = TrainJob.from_recipe(recipe)
-    with run_folders(job) as notes:
-        # Holding the folders: a resume that would change the lr schedule or the blend is one line,
-        # before any worker starts.
-        check_resume_point(job.config)
+    with run_folders(job) as notes, reporting_stop(job):
+        # Holding the folders: a resume that would change the lr schedule or the data is one line,
+        # before any worker starts; so is a run already at training.train_iters.
+        done = nothing_to_do(job, check_resume_point(job.config), nproc)
+        if done is not None:
+            return _with_notes(done, notes)
         if nproc == 1:
             return _with_notes(run_worker(job, progress), notes)
         return _with_notes(launch_local(job, nproc, progress), notes)
+
+
+def nothing_to_do(job: TrainJob, resume: tuple[Path, dict[str, Any]] | None, world_size: int) -> TrainResult | None:
+    """The result of a run whose checkpoint is already at training.train_iters (`resume`: the checkpoint it
+    would resume and its train state, check_resume_point's): no worker starts, and the note says so and how
+    to train longer; None when there are steps to train."""
+    if resume is None:
+        return None
+    folder, saved = resume
+    step, t = int(saved["step"]), job.config.training
+    if step < t.train_iters:
+        return None
+    schedule = saved.get("lr_schedule") if isinstance(saved.get("lr_schedule"), dict) else {}
+    keep = ""
+    if schedule.get("style") not in (None, "constant") and t.lr_decay_iters is None:
+        keep = (f" with training.lr_decay_iters={schedule.get('decay_iters')} to keep the checkpoint's learning-rate "
+                "schedule (later steps run at min_lr)")
+    note = (f"nothing to do: already at step {step} ({folder}), and training.train_iters={t.train_iters}; to train "
+            f"longer, raise training.train_iters{keep}")
+    return TrainResult(steps=0, final_step=step, losses=[], grad_norms=[], tokens_per_s=0.0, run_dir=str(job.run_dir),
+                       checkpoint=str(folder), resumed_from=str(folder), world_size=world_size,
+                       ep_size=job.config.parallelism.expert_model_parallel_size, notes=[note])
+
+
+@contextlib.contextmanager
+def reporting_stop(job: TrainJob) -> Iterator[None]:
+    """A run stopped by Ctrl-C or SIGTERM ends as the same KeyboardInterrupt / Terminated, its message saying
+    what survives (`what_survives`): the CLI prints it after "interrupted:" / "terminated:"."""
+    metrics = Path(job.run_dir) / METRICS
+    try:
+        start = metrics.stat().st_size  # this run's steps are the lines appended from here
+    except OSError:
+        start = 0
+    try:
+        yield
+    except (KeyboardInterrupt, Terminated) as exc:
+        raise type(exc)(what_survives(job, _last_step(metrics, start))) from None
+
+
+def _last_step(metrics: Path, start: int) -> int | None:
+    """The last step metrics.jsonl logged after byte `start` (this run's), None when it logged none."""
+    try:
+        with metrics.open("rb") as fh:
+            fh.seek(start)
+            lines = fh.read().splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):  # a line cut by the stop does not parse: the one before it counts
+        try:
+            step = json.loads(line).get("step")
+        except (ValueError, AttributeError):
+            continue
+        if isinstance(step, int):
+            return step
+    return None
+
+
+def what_survives(job: TrainJob, last_step: int | None) -> str:
+    """'nothing was left half-written; last checkpoint: step N (folder)' or 'none ...', and the steps this run
+    finished since that checkpoint, which a resume does again."""
+    from gptoss_cli.checkpoint.formats.training.record import latest_checkpoint
+
+    ckpt_dir = job.config.checkpoint.dir
+    try:
+        folder = latest_checkpoint(ckpt_dir) if ckpt_dir else None
+    except GptossError:
+        folder = None
+    saved = int(folder.name[len("iter_"):]) if folder is not None else None
+    if saved is None:
+        where = "checkpoint.dir is not set" if not ckpt_dir else f"none saved in {ckpt_dir} yet"
+        text = f"nothing was left half-written; last checkpoint: none ({where})"
+        lost = last_step if last_step is not None else 0
+        return text + (f"; the {_steps(lost)} of this run are lost" if lost else "")
+    text = f"nothing was left half-written; last checkpoint: step {saved} ({folder})"
+    if (last_step is None or last_step <= saved) and _saved_on_signal(folder):
+        return text + ", saved on the signal (checkpoint.save_on_signal): no step was lost"
+    if last_step is None or last_step <= saved:
+        return text + "; no step since is lost"
+    lost = last_step - saved
+    since = f"step {last_step}" if lost == 1 else f"steps {saved + 1}-{last_step}"
+    return text + f"; {_steps(lost)} since ({since}) {'is' if lost == 1 else 'are'} lost (a resume trains them again)"
+
+
+def _saved_on_signal(folder: Path) -> bool:
+    """Whether the checkpoint `folder` was saved because a signal stopped the run (its train_state.json says)."""
+    from gptoss_cli.checkpoint.formats.training.record import read_train_state
+
+    try:
+        return read_train_state(folder).get("saved_on") == "signal"
+    except GptossError:
+        return False
+
+
+def _steps(n: int) -> str:
+    return f"{n} step{'s' * (n != 1)}"
 
 
 @contextlib.contextmanager
@@ -181,6 +280,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+SIGNAL_EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}  # what a process a signal stopped exits with (128 + signum)
+
+
 def _exit_on_interrupt(signum: int, frame: Any) -> None:
     # Ctrl-C reaches every worker twice (from the terminal, then from the agent stopping them);
     # unwinding a KeyboardInterrupt through DCP threads and gloo teardown can print tracebacks and
@@ -195,10 +297,14 @@ def _exit_on_interrupt(signum: int, frame: Any) -> None:
 
 
 def _worker_entry(job: TrainJob, progress: TrainProgress | None) -> TrainResult:
-    """Body of one elastic worker: a GptossError is recorded for the agent as one line, no traceback."""
+    """Body of one elastic worker: a GptossError is recorded for the agent as one line, no traceback; a run
+    stopped by a signal after its save (checkpoint.save_on_signal) exits 130 / 143, which the launcher reports
+    as the signal."""
     signal.signal(signal.SIGINT, _exit_on_interrupt)
     try:
         return run_worker(job, progress)
+    except (KeyboardInterrupt, Terminated) as exc:
+        raise SystemExit(SIGNAL_EXIT[signal.SIGINT if isinstance(exc, KeyboardInterrupt) else signal.SIGTERM]) from None
     except (GptossError, OSError) as exc:  # an OSError (full disk, unwritable metrics) is one line naming the path
         from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
@@ -222,8 +328,11 @@ def launch_local(job: TrainJob, nproc: int, progress: TrainProgress | None = Non
 
     options: dict[str, Any] = {}
     if "shutdown_timeout" in {f.name for f in dataclasses.fields(LaunchConfig)}:
-        # Workers die on SIGTERM at once unless they are stopped; do not wait 30 s for those.
-        options["shutdown_timeout"] = 5
+        # Workers die on SIGTERM at once unless they are stopped; do not wait 30 s for those. With
+        # checkpoint.save_on_signal they finish the step and save first: they get a rank's heartbeat budget.
+        ckpt = job.config.checkpoint
+        options["shutdown_timeout"] = (max(5, int(job.config.system.heartbeat_timeout_s))
+                                       if ckpt.dir and ckpt.save_on_signal else 5)
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"gptoss-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", rdzv_configs={"timeout": int(timeout_s)},
@@ -249,6 +358,9 @@ def launch_local(job: TrainJob, nproc: int, progress: TrainProgress | None = Non
                 if watchdog.reason:
                     raise TrainingError(watchdog.reason) from None
                 rank, failure = exc.get_first_failure()
+                stopped = {code: signum for signum, code in SIGNAL_EXIT.items()}.get(failure.exitcode)
+                if stopped is not None:  # the ranks stopped for a signal one of them got (checkpoint.save_on_signal)
+                    raise (KeyboardInterrupt if stopped == signal.SIGINT else Terminated)() from None
                 raise _worker_error(rank, failure, oom_before) from None
             except SignalException as exc:  # the agent has stopped the workers
                 if exc.sigval == signal.SIGINT:

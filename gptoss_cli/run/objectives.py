@@ -17,7 +17,10 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple
 
+from gptoss_cli.distill.trainer import distill_objective, distill_trainer
 from gptoss_cli.errors import ConfigError
+from gptoss_cli.preference.objective import DPOObjective
+from gptoss_cli.preference.trainer import PreferenceTrainer
 from gptoss_cli.recipe.schema import RecipeConfig
 from gptoss_cli.rl.objective import GRPOObjective
 from gptoss_cli.rl.trainer import RLTrainer
@@ -37,6 +40,9 @@ class ObjectiveRow(NamedTuple):
 OBJECTIVES: dict[str, ObjectiveRow] = {
     "cross_entropy": ObjectiveRow(CrossEntropyObjective.from_recipe, Trainer),
     "grpo": ObjectiveRow(GRPOObjective.from_recipe, RLTrainer),
+    "dpo": ObjectiveRow(DPOObjective.from_recipe, PreferenceTrainer),
+    # offline (the loop's Trainer) or on-policy (GRPO's) as distill.on_policy says: gptoss_cli/distill/trainer.py
+    "distill": ObjectiveRow(distill_objective, distill_trainer),
 }
 
 

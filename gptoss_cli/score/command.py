@@ -102,8 +102,8 @@ def check_out(out: Path, force: bool) -> None:
 def _check_options(top_k: int, temperature: float) -> None:
     if top_k < 0:
         raise UsageError(f"--top-k {top_k} is negative", hint="0 stores the log-prob of each trained token only")
-    if not (math.isfinite(temperature) and temperature > 0):
-        raise UsageError(f"--temperature {temperature} is not a positive number")
+    if not (math.isfinite(temperature) and 1e-6 <= temperature <= 100):  # logits / T stay finite (generate's bound)
+        raise UsageError(f"--temperature {temperature} must be a finite number in [1e-06, 100]")
 
 
 def _rank() -> int:
@@ -130,10 +130,12 @@ def _score_rows(run: Any, js: list[int], writer: ShardWriter, top_k: int, temper
 def score(checkpoint: str | Path, data: str | Path, out: str | Path, *, top_k: int = 0, temperature: float = 1.0,
           seq_length: int | None = None, dtype: torch.dtype = torch.float32, device: str = "auto",
           micro_batch_size: int = 1, expert_parallel: int = 1, force: bool = False, shard_tokens: int | None = None,
-          progress: ScoreProgress | None = None, load_progress: Callable[[str], None] | None = None) -> ScoreResult:
+          progress: ScoreProgress | None = None, load_progress: Callable[[str], None] | None = None,
+          model_setup: Callable[[Any], None] | None = None) -> ScoreResult:
     """Score every trained token of the token file `data` with `checkpoint` into the folder `out`
     (gptoss_cli/score/files.py's format); the module docstring says how. Under torchrun every rank
-    returns the result."""
+    returns the result. `model_setup(model)`: what a training run's pre-pass sets on the loaded model
+    (its recipe's kernels), so the scores are what its own reference would compute."""
     import torch.distributed as dist  # noqa: PLC0415
 
     _check_options(top_k, temperature)
@@ -142,7 +144,7 @@ def score(checkpoint: str | Path, data: str | Path, out: str | Path, *, top_k: i
     notes = outputs.recover(out) if leader else []
     with ThreadPoolExecutor(max_workers=1) as pool, scoring_run(
             checkpoint, data, seq_length=seq_length, dtype=dtype, device=device, expert_parallel=expert_parallel,
-            load_progress=load_progress, command="score") as run:
+            load_progress=load_progress, command="score", model_setup=model_setup) as run:
         arch, state = run.arch, run.state
         if top_k > arch.vocab_size:
             raise UsageError(f"--top-k {top_k} exceeds the model's vocabulary ({arch.vocab_size})")

@@ -42,11 +42,12 @@ from gptoss_cli.checkpoint.storage.dcp_io import (
     check_storage_files, dcp_error, interruption, quiet_single_process, read_metadata, storage_reader,
 )
 from gptoss_cli.checkpoint.storage.finite import all_finite
+from gptoss_cli.checkpoint.storage.torch_bytes import signals_held
 from gptoss_cli.checkpoint.formats.training.record import (
     ITER_NAME, LATEST, MODEL, OPTIMIZER, PARTIAL_NAME, RNG, TRAIN_STATE, iter_name, latest_checkpoint, latest_name,
     read_train_state,
 )
-from gptoss_cli.errors import CheckpointError, TrainingError
+from gptoss_cli.errors import CheckpointError, TrainingError, signal_since, signals_seen
 from gptoss_cli.model.lora import has_lora, is_adapter_name
 from gptoss_cli.parallel.state import ParallelState, barrier
 
@@ -101,6 +102,11 @@ def _rng_state(state: ParallelState) -> dict[str, torch.Tensor]:
     return rng
 
 
+def checkpoint_payload(model: torch.nn.Module, optimizer: Any, state: ParallelState) -> dict[str, Any]:
+    """What a checkpoint holds (module docstring): the model, the optimizer's state, this rank's RNG."""
+    return {MODEL: _model_state(model), OPTIMIZER: optimizer.state_dict(), RNG: _rng_state(state)}
+
+
 def save_checkpoint(
     ckpt_dir: str | Path,
     *,
@@ -112,20 +118,62 @@ def save_checkpoint(
 ) -> Path:
     """Write checkpoint `iter_{step}` atomically and point `latest` at it; returns its folder."""
     ckpt_dir = Path(ckpt_dir)
-    name = iter_name(step)
-    final = ckpt_dir / name
-    tmp = ckpt_dir / f".{name}.partial"
-    payload: dict[str, Any] = {
-        MODEL: _model_state(model),
-        OPTIMIZER: optimizer.state_dict(),
-        RNG: _rng_state(state),
-    }
+    tmp, final = partial_folder(ckpt_dir, step), ckpt_dir / iter_name(step)
+    payload = checkpoint_payload(model, optimizer, state)
     check_finite_state(ckpt_dir, step, payload[MODEL], payload[OPTIMIZER], state)
+    mark = signals_seen()
+    try:
+        prepare_folder(ckpt_dir, tmp, state)
+        _write_shards(ckpt_dir, tmp, step, payload, mark)
+        barrier()
+        if state.rank == 0:
+            publish_checkpoint(ckpt_dir, tmp, final, step, train_state, state)
+    except BaseException:
+        if state.rank == 0:  # whatever stopped the save (a signal anywhere in it): the partial folder goes
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    barrier()
+    # a signal whose exception a C++ frame swallowed: the save completed (`latest` names it), the run still stops
+    stop = signal_since(mark)
+    if stop is not None:
+        raise stop
+    return final
+
+
+def partial_folder(ckpt_dir: Path, step: int) -> Path:
+    """Where the save of `step` is written before it is renamed into place."""
+    return ckpt_dir / f".{iter_name(step)}.partial"
+
+
+def prepare_folder(ckpt_dir: Path, tmp: Path, state: ParallelState) -> None:
+    """Rank 0 creates checkpoint.dir and clears `tmp`; every rank waits for it."""
     if state.rank == 0:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
         if tmp.exists():
             shutil.rmtree(tmp)
     barrier()
+
+
+def save_failed(ckpt_dir: Path, tmp: Path, step: int, exc: BaseException, mark: int) -> BaseException:
+    """What a failed DCP save ends as: the signal that stopped it (Ctrl-C or SIGTERM inside DCP is not a failed
+    save: exit 130 / 143; DCP wraps the signal's exception, or torch's zip writer turned it into its own
+    RuntimeError, "unexpected pos": the record says which), else a CheckpointError naming the folder, the
+    first rank's error and the free space."""
+    stop = interruption(exc) or signal_since(mark)
+    if stop is not None:
+        return stop
+    latest = latest_name(ckpt_dir)
+    # torch's own message for a full disk can be as cryptic as "unexpected pos 704 vs 598"
+    free = shutil.disk_usage(ckpt_dir).free if ckpt_dir.is_dir() else 0
+    return CheckpointError(
+        f"{tmp}: saving the checkpoint of step {step} failed ({dcp_error(exc)}; {free / 1e6:.1f} MB free "
+        f"there); `latest` " + (f"still points at {latest}" if latest else "was not created"),
+        hint="free space in checkpoint.dir, then resume",
+    )
+
+
+def _write_shards(ckpt_dir: Path, tmp: Path, step: int, payload: dict[str, Any], mark: int) -> None:
+    """DCP's shards of every rank into `tmp` (a collective)."""
     import torch.distributed.checkpoint as dcp  # lazy: importing DCP costs every worker about a second
 
     from torch.distributed.checkpoint.api import CheckpointException
@@ -134,21 +182,14 @@ def save_checkpoint(
         with quiet_single_process():
             dcp.save(payload, checkpoint_id=str(tmp))
     except (Exception, CheckpointException) as exc:  # DCP wraps each rank's OSError (a full disk) in one
-        latest = latest_name(ckpt_dir)
-        if state.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        stop = interruption(exc)  # Ctrl-C or SIGTERM inside DCP is not a failed save: exit 130 / 143
-        if stop is not None:
-            raise stop from None
-        # torch's own message for a full disk can be as cryptic as "unexpected pos 704 vs 598"
-        free = shutil.disk_usage(ckpt_dir).free
-        raise CheckpointError(
-            f"{tmp}: saving the checkpoint of step {step} failed ({dcp_error(exc)}; {free / 1e6:.1f} MB free "
-            f"there); `latest` " + (f"still points at {latest}" if latest else "was not created"),
-            hint="free space in checkpoint.dir, then resume",
-        ) from None
-    barrier()
-    if state.rank == 0:
+        raise save_failed(ckpt_dir, tmp, step, exc, mark) from None
+
+
+def publish_checkpoint(ckpt_dir: Path, tmp: Path, final: Path, step: int, train_state: dict[str, Any],
+                       state: ParallelState) -> None:
+    """Rank 0, once every rank's shards are in `tmp`: train_state.json, the rename to `final`, then `latest`."""
+    # held: a signal lands before the folder is in place or after `latest` names it, never between
+    with signals_held():
         meta = dict(train_state)
         meta.update(step=step, world_size=state.world_size, ep_size=state.ep_size, pp_size=state.pp_size)
         outputs.write_text(tmp / TRAIN_STATE, json.dumps(meta, indent=2) + "\n")  # a full disk names the file
@@ -156,10 +197,8 @@ def save_checkpoint(
             shutil.rmtree(final)
         os.replace(tmp, final)
         pointer_tmp = ckpt_dir / f".{LATEST}.tmp"
-        outputs.write_text(pointer_tmp, name + "\n")
+        outputs.write_text(pointer_tmp, final.name + "\n")
         os.replace(pointer_tmp, ckpt_dir / LATEST)
-    barrier()
-    return final
 
 
 def _local_parts(t: Any) -> list[torch.Tensor]:

@@ -40,7 +40,10 @@ from gptoss_cli.errors import ConfigError
 from gptoss_cli.model.positions import document_offsets, document_positions
 from gptoss_cli.model.context_parallel import slice_sequence
 from gptoss_cli.model.loss import IGNORE_INDEX
-from gptoss_cli.data.token_format import INDEX_DTYPE, TOKEN_ITEMSIZE, check_token_files, document_file_paths, has_documents, read_token_header
+from gptoss_cli.model.routes import ExpertRoutes
+from gptoss_cli.data.token_format import (
+    TOKEN_ITEMSIZE, check_token_files, document_file_paths, has_documents, read_document_offsets, read_token_header,
+)
 
 # The format's dtype names (gptoss_cli/data/token_format.py) as the torch dtypes the reader maps them to.
 TOKEN_DTYPES = {name: getattr(torch, name) for name in TOKEN_ITEMSIZE}
@@ -147,13 +150,16 @@ class TokenFileSource(_EpochOrder):
 @dataclass
 class PackedRow:
     """One row of packed documents: inputs, labels (IGNORE_INDEX where untrained, at each document's
-    last token and on the padding), the lengths of the documents it holds, in order, and each label's
-    index among the file's trained tokens (see the module docstring; None where unknown)."""
+    last token and on the padding), the lengths of the documents it holds and their indices in the file,
+    in order, each label's index among the file's trained tokens (see the module docstring; None where
+    unknown), and per-position tensors [S] an objective's source adds (they become `Microbatch.extras`)."""
 
     tokens: torch.Tensor  # [S]
     labels: torch.Tensor  # [S]
     lengths: list[int]
     token_index: torch.Tensor | None = None  # [S] int64, -1 where the label is not trained
+    documents: list[int] = field(default_factory=list)
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class PackedDocumentSource(_EpochOrder):
@@ -161,27 +167,39 @@ class PackedDocumentSource(_EpochOrder):
 
     The packing (best-fit decreasing) is computed once over the whole file; epochs reshuffle the
     order of its rows. The label of a document's token t is its token t+1 where the loss mask marks
-    that token trained (every token of a file without a mask), else IGNORE_INDEX."""
+    that token trained (every token of a file without a mask), else IGNORE_INDEX. With `unit` > 1 the
+    packing moves runs of `unit` consecutive documents as one (a preference pair's two sides,
+    gptoss_cli/preference/data.py): a row holds whole runs, never part of one."""
 
     documents = True
 
-    def __init__(self, path: str | Path, seq_length: int, seed: int, vocab_size: int | None = None):
+    def __init__(self, path: str | Path, seq_length: int, seed: int, vocab_size: int | None = None, unit: int = 1):
         bin_path, _, header, num_tokens = check_token_files(path, vocab_size)
         if not has_documents(header):
             raise ConfigError(f"{bin_path}: a version-1 token file has no documents to pack")
         self.tokens = _map_tokens(bin_path, header, num_tokens)
         idx_path, mask_path = document_file_paths(path)
-        self.offsets = np.fromfile(idx_path, dtype=INDEX_DTYPE).astype(np.int64)  # checked by check_token_files
+        self.offsets = read_document_offsets(idx_path)  # checked by check_token_files
         self.mask = (torch.from_file(str(mask_path), shared=False, size=num_tokens, dtype=torch.uint8)
                      if header.get("loss_mask") else None)
         self.lengths = np.diff(self.offsets).tolist()
+        if len(self.lengths) % unit:
+            raise ConfigError(f"{idx_path}: {len(self.lengths)} documents are not runs of {unit}",
+                              hint="re-create the files with `gptoss prepare-data`")
+        units = [sum(self.lengths[u:u + unit]) for u in range(0, len(self.lengths), unit)]
+        if unit > 1 and units and max(units) > seq_length:
+            u = units.index(max(units))
+            raise ConfigError(f"{idx_path}: documents {u * unit} to {u * unit + unit - 1}, packed together, have "
+                              f"{units[u]} tokens, more than a row of training.seq_length={seq_length} holds",
+                              hint="raise training.seq_length, or re-create the file with a smaller --max-length")
         try:
-            self.rows = pack_documents(self.lengths, seq_length)
+            packed = pack_documents(units, seq_length)
         except ValueError as exc:
             raise ConfigError(f"{idx_path}: {exc} (training.seq_length={seq_length})",
                               hint="raise training.seq_length to the longest document, or re-create the file with "
                                    "a smaller --max-length") from None
-        self.efficiency = packing_efficiency(self.lengths, self.rows, seq_length)
+        self.rows = [[u * unit + k for u in row for k in range(unit)] for row in packed]
+        self.efficiency = packing_efficiency(units, packed, seq_length)
         # trained tokens before each document (D+1): what numbers a label among the file's trained tokens
         trained = (np.add.reduceat(np.asarray(self.mask.numpy()), self.offsets[:-1], dtype=np.int64)
                    if self.mask is not None else np.diff(self.offsets) - 1)  # mask[first token] is 0 (checked)
@@ -211,7 +229,7 @@ class PackedDocumentSource(_EpochOrder):
             index[at:at + n - 1] = torch.where(trained, int(self.trained_before[d]) + trained.cumsum(0) - 1, -1)
             at += n
             lengths.append(n)
-        return PackedRow(tokens, labels, lengths, index)
+        return PackedRow(tokens, labels, lengths, index, list(self.rows[j]))
 
     def sample(self, index: int) -> PackedRow:
         return self.row(self.sample_at(index))
@@ -231,12 +249,17 @@ class Microbatch:
     # [mbs, S] int64: each label's index among the token file's trained tokens, -1 where not trained
     # (the module docstring); None for data without one (mock, blends, rollouts)
     token_index: torch.Tensor | None = None
+    # expert ids per position and MoE layer the forward is handed (routing replay, model/routes.py);
+    # sliced with the tokens under context parallel
+    routes: ExpertRoutes | None = None
 
     def model_inputs(self) -> dict:
         """Keyword arguments of the model's forward (and schedule plan) besides the tokens."""
-        if self.cu_seqlens is None and self.position_ids is None:
-            return {}
-        return {"position_ids": self.position_ids, "cu_seqlens": self.cu_seqlens}
+        out = {} if self.cu_seqlens is None and self.position_ids is None else {
+            "position_ids": self.position_ids, "cu_seqlens": self.cu_seqlens}
+        if self.routes is not None:
+            out["routes"] = self.routes
+        return out
 
     def context_slice(self, cp_size: int, cp_rank: int) -> "Microbatch":
         """CP rank `cp_rank`'s contiguous slice of every row: tokens, labels and positions (of the
@@ -252,7 +275,8 @@ class Microbatch:
                           position_ids=slice_sequence(positions, cp_size, cp_rank), cu_seqlens=self.cu_seqlens,
                           extras={k: slice_sequence(v, cp_size, cp_rank) for k, v in self.extras.items()},
                           token_index=(None if self.token_index is None
-                                       else slice_sequence(self.token_index, cp_size, cp_rank)))
+                                       else slice_sequence(self.token_index, cp_size, cp_rank)),
+                          routes=None if self.routes is None else self.routes.context_slice(cp_size, cp_rank))
 
 
 class DataLoaderState:
@@ -310,7 +334,8 @@ def packed_microbatch(rows: list[PackedRow], device: torch.device) -> Microbatch
              if all(r.token_index is not None for r in rows) else None)
     return Microbatch(tokens=torch.stack([r.tokens for r in rows]).to(device),
                       labels=torch.stack([r.labels for r in rows]).to(device),
-                      position_ids=document_positions(cu, len(rows), seq, device), cu_seqlens=cu, token_index=index)
+                      position_ids=document_positions(cu, len(rows), seq, device), cu_seqlens=cu, token_index=index,
+                      extras={k: torch.stack([r.extras[k] for r in rows]).to(device) for k in rows[0].extras})
 
 
 def file_rows(source: Any, js: list[int], device: torch.device) -> Microbatch:

@@ -25,7 +25,8 @@ import torch
 from gptoss_cli.errors import ConfigError
 from gptoss_cli.model.dtypes import dtype_name
 from gptoss_cli.model.loss import IGNORE_INDEX, chunked_lm_loss_sum
-from gptoss_cli.data.token_format import INDEX_DTYPE, document_file_paths, has_documents, read_token_header
+from gptoss_cli.data.preference import PREFERENCE_KIND
+from gptoss_cli.data.token_format import document_file_paths, has_documents, read_document_offsets, read_token_header
 from gptoss_cli.train.data import PackedDocumentSource, TokenFileSource, file_rows, packed_microbatch
 
 EvalProgress = Callable[[int, int], None]  # (rows done, rows in all)
@@ -67,7 +68,7 @@ def default_seq_length(data: str | Path) -> int:
         return max(1, min(DEFAULT_SEQ_LENGTH, int(header.get("num_tokens") or 2) - 1))
     import numpy as np  # noqa: PLC0415
 
-    offsets = np.fromfile(document_file_paths(data)[0], dtype=INDEX_DTYPE)
+    offsets = read_document_offsets(document_file_paths(data)[0])
     longest = int(np.diff(offsets).max()) if len(offsets) > 1 else 1
     return max(DEFAULT_SEQ_LENGTH, longest)
 
@@ -158,10 +159,13 @@ class ScoringRun:
 @contextlib.contextmanager
 def scoring_run(checkpoint: str | Path, data: str | Path, *, seq_length: int | None = None,
                 dtype: torch.dtype = torch.float32, device: str = "auto", expert_parallel: int = 1,
-                load_progress: Callable[[str], None] | None = None, command: str = "eval") -> Iterator[ScoringRun]:
+                load_progress: Callable[[str], None] | None = None, command: str = "eval",
+                model_setup: Callable[[Any], None] | None = None) -> Iterator[ScoringRun]:
     """Load `checkpoint` (any kind gptoss_cli/checkpoint/load.py reads) frozen in eval mode over the
     token file `data`, in training's EP layout under torchrun (or in a process group joined already:
-    every rank holds 1/expert_parallel of the experts); the process group it made is torn down after."""
+    every rank holds 1/expert_parallel of the experts); the process group it made is torn down after.
+    A preference file's rows are packed a pair at a time, as training packs them (gptoss_cli/preference/);
+    `model_setup(model)` may set the loaded model's kernels as a training run's recipe sets them."""
     import torch.distributed as dist  # noqa: PLC0415
 
     from gptoss_cli.checkpoint.load import checkpoint_architecture, model_from_checkpoint  # noqa: PLC0415
@@ -180,7 +184,8 @@ def scoring_run(checkpoint: str | Path, data: str | Path, *, seq_length: int | N
         check_seq_length(seq_length, arch.max_position_embeddings, data, header)
     seq = seq_length if seq_length is not None else default_seq_length(data)
     if packed:
-        source: Any = PackedDocumentSource(data, seq, seed=0, vocab_size=arch.vocab_size)
+        unit = 2 if header.get("kind") == PREFERENCE_KIND else 1  # both sides of a pair in one row
+        source: Any = PackedDocumentSource(data, seq, seed=0, vocab_size=arch.vocab_size, unit=unit)
     else:
         source = TokenFileSource(data, seq, seed=0, vocab_size=arch.vocab_size)
     owns_group = not dist.is_initialized()
@@ -191,6 +196,8 @@ def scoring_run(checkpoint: str | Path, data: str | Path, *, seq_length: int | N
             checkpoint, dtype=dtype, device=state.device, progress=load_progress, expert_offset=offset,
             num_local_experts=n_local, token_dispatcher_factory=dispatcher_factory(arch.num_local_experts, state),
         ).eval()
+        if model_setup is not None:
+            model_setup(model)
         yield ScoringRun(model, source, state, arch, header, packed, seq)
     finally:
         if owns_group:

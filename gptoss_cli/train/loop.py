@@ -6,8 +6,10 @@ checkpoint of `checkpoint.dir` (train/resume.py: refusing one whose lr schedule 
 recipe would change); `train_step(step)` runs one optimizer step through the selected schedule
 with the job's training objective (train/objective.py) and returns its numbers; `validate(done)`
 scores the held-out data when due (train/validation.py); `record_step` writes the step's numbers;
-`save_checkpoint(done)` saves and applies checkpoint retention; `train()` runs it all and returns
-the `TrainResult` (train/progress.py).
+`save_checkpoint(done)` saves (synchronously, or with checkpoint.async_save its upload runs while the next
+steps do: train/async_save.py) and a published checkpoint goes through retention; `end_step(done)` is the
+ranks' agreement at the step's end (train/stop.py: checkpoint.save_on_signal, the asynchronous save's
+state); `train()` runs it all and returns the `TrainResult` (train/progress.py).
 
 Only rank 0 calls `progress(event)` with the typed events of gptoss_cli/train/progress.py (the CLI
 renders them); every rank's metrics go to `<run_dir>/metrics.jsonl` (train/metrics.py: written by rank
@@ -17,6 +19,7 @@ line, train/telemetry.py), and to TensorBoard / W&B when the recipe asks (train/
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import random
@@ -39,6 +42,7 @@ from gptoss_cli.recipe.schema import RecipeConfig
 from gptoss_cli.resources import release_freed_heap
 from gptoss_cli.schedule import get_forward_backward_func
 from gptoss_cli.train.blend import BlendedSource, blended_source
+from gptoss_cli.train.async_save import AsyncCheckpointer
 from gptoss_cli.train.checkpointing import latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
 from gptoss_cli.train.data import DataLoaderState, build_source
 from gptoss_cli.train.heartbeat import Heartbeat
@@ -54,6 +58,7 @@ from gptoss_cli.train.provider import HybridModelProvider, ModelRuntimeConfig
 from gptoss_cli.train.report import OBJECTIVE, objective_record
 from gptoss_cli.train.resume import check_resume_base, check_resume_recipe, lora_base
 from gptoss_cli.train.setup import setup_model_and_optimizer
+from gptoss_cli.train.stop import StepEnd, stop_exception
 from gptoss_cli.train.telemetry import StepTotals
 from gptoss_cli.train.validation import Validator
 
@@ -128,9 +133,16 @@ class Trainer:
         self.start_step, self.resumed_from = 0, None
         self.resumed_meta: dict[str, Any] | None = None  # the resumed checkpoint's train_state.json
         self.losses: list[float] = []
+        self._shown: dict[str, dict[str, Any]] = {}  # the objective's shown metrics, first and last (the summary)
         self.grad_norms: list[float] = []
         self._timed = [0.0, 0.0, 0]  # tokens, seconds, steps (the first step warms up: not counted)
         self.last_checkpoint: Path | None = None
+        self.saved_step: int | None = None  # the step of the last save started by this run
+        ckpt = cfg.checkpoint
+        self.async_saves = (AsyncCheckpointer(state)
+                            if ckpt.dir and ckpt.async_save else None)
+        self.step_end = StepEnd(state, save_on_signal=bool(ckpt.dir and ckpt.save_on_signal),
+                                async_save=self.async_saves is not None)
 
     def _build_data(self) -> DataLoaderState:
         t, state, d = self.cfg.training, self.state, self.cfg.data
@@ -184,10 +196,18 @@ class Trainer:
                                    pipeline_schedule=self.cfg.parallelism.pipeline_schedule
                                    if self.state.pp_size > 1 else None, resumed_from=self.resumed_from,
                                    fp8=self.fp8.describe() if self.fp8 else None, packing=self.packing,
-                                   qat=self.cfg.precision.qat, shown_metrics=self.objective.shown_metrics))
+                                   qat=self.cfg.precision.qat, shown_metrics=self.objective.shown_metrics,
+                                   notes=tuple(self.started_notes())))
+
+    def started_notes(self) -> list[str]:
+        """Lines the run's start shows besides the loop's own (a subclass's: GRPO's rollout engine)."""
+        return []
 
     def _resume_blend(self, folder: Path, saved: dict[str, Any] | None) -> None:
         source = getattr(self.data, "source", None)
+        if self.cfg.checkpoint.override_data and not (isinstance(source, BlendedSource) and isinstance(saved, dict)
+                                                      and saved.get("files") == source.files):
+            saved = None  # other data on purpose: a blend replays its stream up to the position, a file reads on
         if isinstance(source, BlendedSource):
             source.load_state_dict(saved, self.data.consumed_samples, folder)
         elif saved is not None:
@@ -269,6 +289,7 @@ class Trainer:
         records = self.metrics.write(out.step, common, [rank_loss, local_tokens, dt], rank0=out.router)
         if self.loggers is not None:
             self.loggers.log(out.step, records)
+        self._follow_shown(common)
         if self.emit and (out.step % self.cfg.logging.log_interval == 0 or out.step == t.train_iters):
             # every other number of the line by name (the objective's, its Trainer's, a validation's
             # beyond val_loss): the loop knows none of them
@@ -279,27 +300,72 @@ class Trainer:
                                **{k: v for k, v in common.items() if k in STEP_FIELDS}))
         return common
 
+    def _follow_shown(self, values: dict[str, Any]) -> None:
+        """The first and last value of each of the objective's shown metrics, for the run's summary."""
+        for m in self.objective.shown_metrics:
+            v = values.get(m.name)
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                entry = self._shown.setdefault(m.name, {"name": m.name, "label": m.label, "format": m.format, "first": v})
+                entry["last"] = v
+
     # -- checkpoints -----------------------------------------------------------------------------
     def should_save(self, done: int) -> bool:
         ckpt = self.cfg.checkpoint
         return bool(ckpt.dir) and (done == self.cfg.training.train_iters
                                    or bool(ckpt.save_interval and done % ckpt.save_interval == 0))
 
-    def save_checkpoint(self, done: int) -> Path:
-        """Checkpoint `iter_{done}` with the data position, the lr schedule and the run record."""
+    def checkpoint_boundary(self, done: int) -> bool:
+        """Whether a checkpoint may be taken after step `done` (a subclass with state inside a step group says
+        no there: GRPO inside a rollout); a save on a signal waits for the next boundary."""
+        return True
+
+    def save_checkpoint(self, done: int, reason: str | None = None) -> Path | None:
+        """Checkpoint `iter_{done}` with the data position, the lr schedule and the run record; with
+        checkpoint.async_save its upload is started (the folder is published later: train/async_save.py).
+        Returns the folder published now, if any. `reason`: why, when not the schedule ("signal")."""
         ckpt = self.cfg.checkpoint
         self.heartbeat.progress(done, "checkpoint save", watched=False)  # disks may be slow; a stopped rank still shows
         train_state = {"consumed_samples": self.data.consumed_samples, "lr_schedule": self.lr_schedule.state_dict(),
                        "name": self.job.name, RUN_KEY: self.job.run_record(self.lora_base)}
+        if reason:
+            train_state["saved_on"] = reason
         if isinstance(getattr(self.data, "source", None), BlendedSource):
             train_state["blend"] = self.data.source.state_dict(self.data.consumed_samples)
         train_state.update(self.extra_train_state())
-        self.last_checkpoint = save_checkpoint(ckpt.dir, step=done, model=self.model.module, optimizer=self.optimizer,
-                                               state=self.state, train_state=train_state)
+        self.saved_step = done
+        if self.async_saves is not None:  # the save before it is finished (and published) first
+            return self._published(self.async_saves.save(ckpt.dir, step=done, model=self.model.module,
+                                                         optimizer=self.optimizer, train_state=train_state))
+        return self._published(save_checkpoint(ckpt.dir, step=done, model=self.model.module, optimizer=self.optimizer,
+                                               state=self.state, train_state=train_state))
+
+    def _published(self, folder: Path | None) -> Path | None:
+        """A checkpoint now complete and named by `latest`: retention, and the progress event."""
+        if folder is None:
+            return None
+        ckpt = self.cfg.checkpoint
+        self.last_checkpoint = folder
         removed = prune_checkpoints(ckpt.dir, ckpt.keep_last, ckpt.keep_every) if self.state.rank == 0 else []
         if self.emit:
-            self.emit(CheckpointSaved(step=done, path=str(self.last_checkpoint), removed=[str(p) for p in removed]))
-        return self.last_checkpoint
+            self.emit(CheckpointSaved(step=int(folder.name[len("iter_"):]), path=str(folder),
+                                      removed=[str(p) for p in removed]))
+        return folder
+
+    def end_step(self, done: int) -> None:
+        """The ranks' agreement at the end of step `done` (train/stop.py): an asynchronous save published or
+        failed, and with checkpoint.save_on_signal a signal seen by any rank: the step saved, the run stopped."""
+        if not self.step_end.active:
+            return
+        running, failed = self.async_saves.local_state() if self.async_saves is not None else (0, 0)
+        agreed = self.step_end.agree(running, failed)
+        if self.async_saves is not None:
+            self._published(self.async_saves.settle(agreed.running, agreed.failed))
+        if agreed.signum and self.checkpoint_boundary(done):
+            if self.cfg.checkpoint.dir and self.saved_step != done:
+                self.save_checkpoint(done, reason="signal")
+            if self.async_saves is not None:
+                self._published(self.async_saves.wait())
+            raise stop_exception(agreed.signum)
 
     def extra_train_state(self) -> dict[str, Any]:
         """What a subclass saves in train_state.json besides the loop's own (it comes back as resumed_meta)."""
@@ -310,16 +376,23 @@ class Trainer:
 
     # -- the run ---------------------------------------------------------------------------------
     def train(self) -> TrainResult:
-        """Steps from the resumed one to training.train_iters, saving as checkpoint.* says; the result."""
+        """Steps from the resumed one to training.train_iters, saving as checkpoint.* says; the result.
+        A save still in flight when the run stops is finished or removed (train/async_save.py, `abandon`)."""
         t = self.cfg.training
-        for step in range(self.start_step, t.train_iters):
-            outcome = self.train_step(step)
-            self.record_step(outcome, self.validate(step + 1))
-            if self.state.device.type == "cpu":
-                release_freed_heap()  # the heap's free pages back to the OS (resources.py says why)
-            if self.should_save(step + 1):
-                self.save_checkpoint(step + 1)
-        self.heartbeat.progress(t.train_iters, "finishing", watched=False)
+        saves = self.async_saves.guarded() if self.async_saves is not None else contextlib.nullcontext()
+        with self.step_end.watching(), saves:
+            for step in range(self.start_step, t.train_iters):
+                outcome = self.train_step(step)
+                self.record_step(outcome, self.validate(step + 1))
+                if self.state.device.type == "cpu":
+                    release_freed_heap()  # the heap's free pages back to the OS (resources.py says why)
+                if self.should_save(step + 1):
+                    self.save_checkpoint(step + 1)
+                self.end_step(step + 1)
+            self.heartbeat.progress(t.train_iters, "finishing", watched=False)
+            if self.async_saves is not None:
+                self._published(self.async_saves.wait())  # the last save completes before the run ends
+            self.end_step(max(self.start_step, t.train_iters))  # a signal during the last save still stops it
         barrier()
         result = self.result()
         if self.emit:
@@ -337,7 +410,7 @@ class Trainer:
             resumed_from=self.resumed_from, world_size=self.state.world_size, ep_size=self.state.ep_size,
             fp8=self.fp8.summary() if self.fp8 else None, packing=self.packing,
             model_flops_per_token=self.flops_per_token, tflops_per_gpu=tflops, mfu=mfu if seconds else None,
-            peak_tflops=self.peak, qat=self.cfg.precision.qat,
+            peak_tflops=self.peak, qat=self.cfg.precision.qat, shown=list(self._shown.values()),
         )
 
 

@@ -51,6 +51,8 @@ class TrainResult:
     peak_tflops: float | None = None  # the peak used (bf16 or FP8 by precision.fp8_recipe, per system.gpu)
     qat: str = "none"  # precision.qat: "mxfp4" when the experts computed with MXFP4-rounded weights (docs/qat.md)
     notes: list[str] = field(default_factory=list)  # e.g. leftovers of killed runs that were removed
+    # the objective's shown metrics (GRPO's reward...) over this run: {"name", "label", "format", "first", "last"}
+    shown: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,7 @@ class TrainStarted:
     packing: dict[str, Any] | None = None  # {"efficiency", "rows", "seq_length"} for packed documents
     qat: str = "none"  # precision.qat
     shown_metrics: tuple[MetricDisplay, ...] = ()  # the objective's, for the step lines (TrainingObjective)
+    notes: tuple[str, ...] = ()  # what the Trainer says at the start (GRPO: the rollout engine, its log, its start-up)
 
 
 @dataclass(frozen=True)

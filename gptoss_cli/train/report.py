@@ -38,7 +38,8 @@ CURVES = (("loss", "loss"), ("lr", "learning rate"), ("grad_norm", "gradient nor
           ("aux_loss", "aux loss"), ("z_loss", "router z-loss"), ("val_loss", "validation loss"))
 # A run folder without objective.json was written before it existed: the objective curves report
 # drew then (a GRPO run's; absent from other runs' records, so drawn for none of them).
-BEFORE_OBJECTIVE_FILE = (("reward_mean", "mean reward"), ("mismatch_kl", "mismatch KL (engine || trainer)"))
+BEFORE_OBJECTIVE_FILE = (("reward_mean", "mean reward"), ("mismatch_kl", "mismatch KL (engine || trainer)"),
+                         ("mismatch_logp_abs", "mean |logprob engine - trainer|"))
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*\Z")  # a metric's name is also its plot's file name
 
 
@@ -213,14 +214,21 @@ def series(metrics: RunMetrics, key: str) -> tuple[list[int], list[float]]:
     return xs, ys
 
 
+NOISE_SHARE = 0.1  # a start within this share of the series' range of zero has no relative trend
+
+
 def trend(values: list[float]) -> float | None:
     """Relative change from the mean of the first tenth of the values to the mean of the last
-    tenth (at least one value each); None for fewer than 2 values or a zero start."""
-    if len(values) < 2:
+    tenth (at least one value each); None for fewer than 2 values, or a series about zero: one that
+    takes both signs, or starts within NOISE_SHARE of its range of zero (a GRPO loss of +-1e-7, a
+    mismatch KL of 1e-9 that rounding makes negative: a percentage of those is a ratio of roundings)."""
+    if len(values) < 2 or (min(values) < 0 < max(values)):
         return None
     w = max(1, len(values) // 10)
     first, last = sum(values[:w]) / w, sum(values[-w:]) / w
-    return None if first == 0 else (last - first) / abs(first)
+    if abs(first) <= NOISE_SHARE * (max(values) - min(values)) or first == 0:
+        return None
+    return (last - first) / abs(first)
 
 
 def summarise(metrics: RunMetrics) -> dict[str, Any]:

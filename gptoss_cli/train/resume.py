@@ -2,11 +2,18 @@
 
 - A LoRA run's frozen base is fingerprinted once on rank 0 (`lora_base`) and checked against the
   base the checkpoint names (`check_resume_base`); a full fine-tune resumes a full checkpoint only.
-- The learning-rate schedule (`check_resume_schedule`): a resume that would change it (training.lr,
-  min_lr, warmup_iters, lr_decay_style, or the decay length: lr_decay_iters, else train_iters) is
-  refused with one line naming the field and both values, unless checkpoint.override_lr_schedule
-  says to continue with the recipe's schedule (Megatron refuses the mismatch too, and has
-  `--override-opt_param-scheduler` for the same purpose).
+- The learning-rate schedule (`check_resume_schedule`): a resume that would change the lr of a step
+  already taken or to come (the two schedules' values compared step by step; a field such as
+  train_iters or min_lr that moves no lr, as on a constant schedule, changes nothing) is refused
+  with one line naming the field (training.lr, min_lr, warmup_iters, lr_decay_style, or the decay
+  length: lr_decay_iters, else train_iters), both values and the first step whose lr differs,
+  unless checkpoint.override_lr_schedule says to continue with the recipe's schedule (Megatron
+  refuses the mismatch too, and has `--override-opt_param-scheduler` for the same purpose). More
+  train_iters on a decaying schedule keeps it with training.lr_decay_iters at the checkpoint's
+  decay length (the hint says so).
+- The data (`check_resume_data`): another data.kind, data.path or data.blend than the checkpoint's
+  run record is refused like the schedule, unless checkpoint.override_data: the data position
+  (consumed_samples) would otherwise carry on silently into other files.
 - A LoRA run's adapters (`check_resume_lora`): another lora.target_modules (the new `latest` would
   silently drop the other adapters), rank or alpha (another scaling of the same tensors) than the
   checkpoint's run record is refused with one line naming the field and both values.
@@ -14,6 +21,8 @@
 
 from __future__ import annotations
 
+import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -50,39 +59,55 @@ def check_resume_base(folder: Path, lora_base: dict[str, Any] | None) -> None:
 
 
 def _schedule_fields(cfg: RecipeConfig) -> list[tuple[str, str]]:
-    """(key of the saved lr_schedule, the recipe field that sets it) for what shapes the lr from here on."""
+    """(key of the saved lr_schedule, the recipe field that sets it) for every field of the schedule."""
     t = cfg.training
-    fields = [("max_lr", "training.lr"), ("warmup_iters", "training.warmup_iters"), ("style", "training.lr_decay_style")]
-    if t.lr_decay_style != "constant":
-        decay = "training.lr_decay_iters" if t.lr_decay_iters is not None else "training.train_iters"
-        fields += [("min_lr", "training.min_lr"), ("decay_iters", decay)]
-    return fields
+    decay = "training.lr_decay_iters" if t.lr_decay_iters is not None else "training.train_iters"
+    return [("max_lr", "training.lr"), ("warmup_iters", "training.warmup_iters"), ("style", "training.lr_decay_style"),
+            ("min_lr", "training.min_lr"), ("decay_iters", decay)]
+
+
+def first_changed_step(was: Any, now: Any, steps: int) -> int | None:
+    """The first 0-based step below `steps` whose lr differs between the schedules `was` and `now`, or None.
+    Both compute lr_at with the same formula: equal inputs give equal floats, so a difference beyond a
+    relative 1e-12 (a few ulps of rearranged arithmetic) is a real change."""
+    for s in range(steps):
+        if not math.isclose(was.lr_at(s), now.lr_at(s), rel_tol=1e-12, abs_tol=0.0):
+            return s
+    return None
 
 
 def check_resume_schedule(folder: Path, saved: dict[str, Any] | None, current: Any, cfg: RecipeConfig,
                           step: int) -> None:
-    """Refuse a resume whose learning-rate schedule differs from the checkpoint's (see the module
-    docstring). `saved`: the checkpoint's train_state.json `lr_schedule` (None in checkpoints that
-    predate it: nothing to compare); `current`: the recipe's WarmupCosineLR; `step`: the resume step."""
+    """Refuse a resume that would change the learning rate of a step already taken or to come (see the
+    module docstring): the two schedules' values are compared at every step up to the longer of the
+    checkpoint's `step` and training.train_iters, so a change that moves no lr (more steps on a
+    constant schedule, min_lr of a constant one) resumes. `saved`: the checkpoint's train_state.json
+    `lr_schedule` (None in checkpoints that predate it: nothing to compare); `current`: the recipe's
+    WarmupCosineLR; `step`: the resume step."""
     if not isinstance(saved, dict) or cfg.checkpoint.override_lr_schedule:
         return
     mine = current.state_dict()
-    if saved.get("style") == "constant" and mine["style"] == "constant":
-        keys = [k for k in _schedule_fields(cfg) if k[0] in ("max_lr", "warmup_iters", "style")]
-    else:
-        keys = _schedule_fields(cfg)
-    for key, name in keys:
-        theirs = saved.get(key)
-        if theirs is None or _same(theirs, mine[key]):
-            continue
-        was = type(current).from_state_dict({k: saved.get(k, v) for k, v in mine.items()})
-        lr_then, lr_now = was.lr_at(step), current.lr_at(step)
-        raise ConfigError(
-            f"{folder}: resuming would change the learning-rate schedule: {name}={_recipe_value(cfg, name)} gives "
-            f"{key} {mine[key]}, the checkpoint's {key} is {theirs} (lr of step {step + 1}: {lr_then:.3g} in the "
-            f"checkpoint's schedule, {lr_now:.3g} in this one)",
-            hint=f"resume with the checkpoint's {name}, or set checkpoint.override_lr_schedule=true to continue with "
-                 "this recipe's schedule")
+    was = type(current).from_state_dict({k: saved.get(k, v) for k, v in mine.items()})
+    if was.state_dict() == mine:
+        return
+    changed = first_changed_step(was, current, max(step, cfg.training.train_iters))
+    if changed is None:
+        return
+    key, name = next((k, n) for k, n in _schedule_fields(cfg) if not _same(was.state_dict()[k], mine[k]))
+    theirs = was.state_dict()[key]
+    raise ConfigError(
+        f"{folder}: resuming would change the learning-rate schedule: {name}={_recipe_value(cfg, name)} gives "
+        f"{key} {mine[key]}, the checkpoint's {key} is {theirs} (lr of step {changed + 1}: "
+        f"{was.lr_at(changed):.3g} in the checkpoint's schedule, {current.lr_at(changed):.3g} in this one)",
+        hint=_schedule_hint(was, cfg, name, key, step))
+
+
+def _schedule_hint(was: Any, cfg: RecipeConfig, name: str, key: str, step: int) -> str:
+    override = "checkpoint.override_lr_schedule=true to continue with this recipe's schedule"
+    if key == "decay_iters" and name == "training.train_iters" and cfg.training.train_iters > step:
+        return (f"to train longer on the checkpoint's schedule, keep its decay length: training.lr_decay_iters="
+                f"{was.decay_iters} (the steps after it run at min_lr {was.min_lr:g}); or set {override}")
+    return f"resume with the checkpoint's {name}, or set {override}"
 
 
 def check_resume_lora(folder: Path, saved: Any, cfg: RecipeConfig) -> None:
@@ -108,7 +133,7 @@ def check_resume_lora(folder: Path, saved: Any, cfg: RecipeConfig) -> None:
 
 def check_resume_recipe(folder: Path, saved: dict[str, Any], cfg: RecipeConfig) -> None:
     """What the recipe may not change in a resume from `folder` (its train_state.json `saved`): the LoRA
-    settings, the lr schedule, and the data blend (train/blend.py)."""
+    settings, the lr schedule, and the data (kind, path or blend: train/blend.py)."""
     from gptoss_cli.train.blend import check_same_blend  # noqa: PLC0415
     from gptoss_cli.train.optimizer import WarmupCosineLR  # noqa: PLC0415
 
@@ -116,21 +141,84 @@ def check_resume_recipe(folder: Path, saved: dict[str, Any], cfg: RecipeConfig) 
     check_resume_lora(folder, run.get("lora") if isinstance(run, dict) else None, cfg)
     check_resume_schedule(folder, saved.get("lr_schedule"), WarmupCosineLR.from_training(cfg.training), cfg,
                           int(saved.get("step", 0)))
+    check_resume_data(folder, saved, cfg)
     blend = saved.get("blend")
-    if isinstance(blend, dict) and cfg.data.blend:
+    if isinstance(blend, dict) and cfg.data.blend and not cfg.checkpoint.override_data:
         check_same_blend(blend.get("files"), [{"path": b.path, "weight": float(b.weight)} for b in cfg.data.blend],
                          folder)
 
 
-def check_resume_point(cfg: RecipeConfig) -> None:
+def _data_source(data: Any) -> tuple[str, Any] | None:
+    """What a run trains on, from a recipe's data section (the typed one, or the run record's plain copy):
+    ("data.kind", "mock"), ("data.path", path) or ("data.blend", [(path, weight), ...]); None when unknown."""
+    get = data.get if isinstance(data, dict) else (lambda key: getattr(data, key, None))
+    kind = get("kind")
+    if kind == "mock":
+        return "data.kind", "mock"
+    if kind != "tokens":
+        return None
+    blend = get("blend") or []
+    if blend:
+        pairs = [(b.get("path"), b.get("weight")) if isinstance(b, dict) else (b.path, b.weight) for b in blend]
+        return "data.blend", [(str(p), float(w)) for p, w in pairs]
+    return "data.path", get("path")
+
+
+def _same_path(a: Any, b: Any) -> bool:
+    """Two spellings of one token file prefix: equal once normalised, or the same place from here."""
+    if not isinstance(a, str) or not isinstance(b, str):
+        return a == b
+    if os.path.normpath(a) == os.path.normpath(b):
+        return True
+    try:
+        return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
+    except (OSError, ValueError, RuntimeError):
+        return False
+
+
+def _same_source(a: tuple[str, Any], b: tuple[str, Any]) -> bool:
+    if a[0] != b[0]:
+        return False
+    if a[0] == "data.blend":
+        return len(a[1]) == len(b[1]) and all(_same_path(p, q) and float(w) == float(v)
+                                              for (p, w), (q, v) in zip(a[1], b[1]))
+    return _same_path(a[1], b[1])
+
+
+def check_resume_data(folder: Path, saved: dict[str, Any], cfg: RecipeConfig) -> None:
+    """Refuse a resume on other data than the checkpoint's run trained on (its run record's data.kind,
+    data.path or data.blend), unless checkpoint.override_data: "resume" means this run carried on, and
+    the data position (consumed_samples) would silently index into another file."""
+    run = saved.get(RUN_KEY)
+    recipe = run.get("recipe") if isinstance(run, dict) else None
+    theirs = _data_source(recipe.get("data")) if isinstance(recipe, dict) else None
+    mine = _data_source(cfg.data)
+    if theirs is None or mine is None or cfg.checkpoint.override_data or _same_source(theirs, mine):
+        return
+    field = "data.kind" if "data.kind" in (mine[0], theirs[0]) else mine[0]
+    shown = {"data.kind": lambda v: v, "data.path": lambda v: v,
+             "data.blend": lambda v: "[" + ", ".join(f"{p} x {w:g}" for p, w in v) + "]"}
+    what = "mock data" if theirs[0] == "data.kind" else f"{theirs[0]}={shown[theirs[0]](theirs[1])}"
+    now = "mock data" if mine[0] == "data.kind" else f"{mine[0]}={shown[mine[0]](mine[1])}"
+    raise ConfigError(
+        f"{folder}: resuming would change the data: {field} differs from the checkpoint's (it trained on {what}, "
+        f"this recipe trains on {now})",
+        hint=f"resume with the checkpoint's data, start a new checkpoint.dir, or set checkpoint.override_data=true to "
+             f"carry on with this data from the checkpoint's position (consumed_samples)")
+
+
+def check_resume_point(cfg: RecipeConfig) -> tuple[Path, dict[str, Any]] | None:
     """Before any worker starts: when the run will resume (checkpoint.dir has a `latest`), the recipe
-    agrees with that checkpoint (`check_resume_recipe`)."""
+    agrees with that checkpoint (`check_resume_recipe`); returns (that checkpoint, its train state), or None."""
     from gptoss_cli.train.checkpointing import latest_checkpoint  # noqa: PLC0415
 
     ckpt = cfg.checkpoint
     folder = latest_checkpoint(ckpt.dir) if ckpt.dir and ckpt.resume else None
-    if folder is not None:
-        check_resume_recipe(folder, read_train_state(folder), cfg)
+    if folder is None:
+        return None
+    saved = read_train_state(folder)
+    check_resume_recipe(folder, saved, cfg)
+    return folder, saved
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -144,4 +232,5 @@ def _recipe_value(cfg: RecipeConfig, dotted: str) -> Any:
     return getattr(getattr(cfg, section), name)
 
 
-__all__ = ["lora_base", "check_resume_base", "check_resume_lora", "check_resume_schedule", "check_resume_recipe", "check_resume_point"]
+__all__ = ["lora_base", "check_resume_base", "check_resume_lora", "check_resume_schedule", "check_resume_recipe", "check_resume_point",
+           "check_resume_data", "first_changed_step"]

@@ -79,6 +79,54 @@ def test_the_mxfp4_export_of_a_run_without_qat_says_what_it_cost(runs, tmp_path)
     assert cost["kl"] > 0 and cost["loss_after"] != pytest.approx(cost["loss_before"], rel=rel)
 
 
+@pytest.fixture(scope="module")
+def sft_run(tmp_path_factory):
+    """(a 2-step fine-tune, without QAT, on an SFT file (documents with a loss mask); its documents and masks)."""
+    from tests.train.sft_files import sft_documents, write_sft_file
+
+    root = tmp_path_factory.mktemp("export-cost-sft")
+    hf = write_hf_checkpoint(root / "hf", experts="bf16", seed=5)
+    cfg = json.loads((hf / "config.json").read_text())
+    docs, masks = sft_documents([9, 16, 5, 12, 7, 14, 11, 6, 13], cfg["vocab_size"], seed=2)
+    data = write_sft_file(root / "sft", docs, masks, cfg["vocab_size"])
+    from gptoss_cli.checkpoint.load import checkpoint_architecture
+
+    arch, _ = checkpoint_architecture(hf)
+    job = train_job(root / "run", arch=arch, pretrained=str(hf), seq_length=16, global_batch_size=2,
+                    micro_batch_size=1, train_iters=2, save_interval=2, lr=1e-3, checkpoint_dir=str(root / "ckpt"),
+                    use_distributed_optimizer=False, data_kind="tokens", data_path=str(data))
+    run_worker(dataclasses.replace(job, recipe=json.loads(json.dumps(dataclasses.asdict(job.config), default=str))))
+    return root / "ckpt", docs, masks
+
+
+def test_after_an_sft_run_the_loss_is_over_the_trained_tokens_as_its_training_loss(sft_run, tmp_path):
+    """An SFT run's training loss counts the trained tokens only; the export's loss is counted the same way on
+    the file's last conversations (all of the next tokens would compare a prompt's loss with the run's)."""
+    ckpt, docs, masks = sft_run
+    result = convert(str(ckpt), tmp_path / "mx", to="hf", experts="mxfp4", dtype="float32")
+    cost = result.export_cost
+    last = list(range(len(docs)))[-SEQUENCES:][::-1]  # the last conversations, the last first
+    labels = [masks[i][1:].bool() for i in last]  # the mask marks trained tokens; position t predicts token t+1
+    assert cost["tokens"] == sum(int(m.sum()) for m in labels) < sum(len(docs[i]) - 1 for i in last)
+    assert cost["counted"] == "trained" and cost["sequences"] == SEQUENCES
+    convert(str(ckpt), tmp_path / "exact", to="hf", dtype="float32")
+
+    def masked_loss(folder) -> float:
+        model, total = load_hf_reference(folder), 0.0
+        with torch.no_grad():
+            for i, keep in zip(last, labels):
+                logits = model(docs[i][None, :-1].long()).logits[0]
+                total += float(torch.nn.functional.cross_entropy(logits[keep], docs[i][1:].long()[keep],
+                                                                 reduction="sum"))
+        return total / cost["tokens"]
+
+    rel = 1e-4  # fp32 forwards of the same weights differ by reassociation only (as above)
+    assert cost["loss_before"] == pytest.approx(masked_loss(tmp_path / "exact"), rel=rel)
+    assert cost["loss_after"] == pytest.approx(masked_loss(tmp_path / "mx"), rel=rel)
+    assert any(f"over their {cost['tokens']} trained tokens as the training loss counts them" in n
+               for n in result.notes), result.notes
+
+
 def test_without_data_or_a_tokenizer_the_weight_error_is_said(runs, tmp_path):
     _, ckpt, _ = runs  # the run's Hybrid export: no run data recorded, no tokenizer.json
     result = convert(str(ckpt), tmp_path / "mx", to="hf", experts="mxfp4", dtype="float32")

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -148,3 +149,23 @@ def test_replacing_an_existing_dst_is_one_atomic_swap_where_the_file_system_has_
     monkeypatch.setattr(os, "rename", no_two_step)
     outputs.commit(new, old)
     assert (old / "f").read_text() == "new" and not new.exists()
+
+
+@pytest.mark.parametrize("ending", ["os._exit(130)", "os.kill(os.getpid(), signal.SIGKILL)", "s.remove()", "s.keep()"])
+def test_a_scratch_folder_goes_with_its_process_however_it_ends(tmp_path, ending):
+    """ScratchFolder (GRPO's staged weight pushes): removed by hand, or by its watcher when the process that made it
+    ends without unwinding (a worker's exit on Ctrl-C, SIGKILL); `keep()` leaves it."""
+    code = textwrap.dedent(f"""
+        import os, signal
+        from gptoss_cli.outputs import ScratchFolder
+        s = ScratchFolder("gptoss-rl-weights-", {str(tmp_path)!r})
+        (s.path / "model.safetensors").write_bytes(b"x" * 1000)
+        {ending}
+    """)
+    subprocess.run([sys.executable, "-c", code], env=child_env(), timeout=60)
+    left = [p.name for p in tmp_path.iterdir()]
+    deadline = time.monotonic() + 10
+    while left and ending != "s.keep()" and time.monotonic() < deadline:  # the watcher's own exit
+        time.sleep(0.05)
+        left = [p.name for p in tmp_path.iterdir()]
+    assert (left != []) == (ending == "s.keep()"), left

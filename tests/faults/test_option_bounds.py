@@ -53,6 +53,18 @@ CASES = {
                                        str((1 << 20) + 1), "Invalid value for '--batch-rows'"),
     ("serve-check", "--top-k"): (["CKPT"], str((1 << 20) + 1), "Invalid value for '--top-k'"),
     ("serve-check", "--greedy-tokens"): (["CKPT"], "4097", "Invalid value for '--greedy-tokens'"),
+    ("make-tiny", "--head-dim"): (["DST"], "7", "--head-dim 7 must be an even number from 2 to 512"),
+    ("score", "--top-k"): (["CKPT", "--data", "DATA", "--out", "OUT"], str((1 << 20) + 1), "Invalid value for '--top-k'"),
+    ("score", "--temperature"): (["CKPT", "--data", "DATA", "--out", "OUT"], "1e-300",
+                                 "--temperature 1e-300 must be a finite number in [1e-06, 100]"),
+    ("score", "--seq-length"): (["CKPT", "--data", "DATA", "--out", "OUT"], str((1 << 24) + 1),
+                                "Invalid value for '--seq-length'"),
+    ("score", "--micro-batch-size"): (["CKPT", "--data", "DATA", "--out", "OUT"], str((1 << 16) + 1),
+                                      "Invalid value for '--micro-batch-size'"),
+    ("score", "--expert-parallel"): (["CKPT", "--data", "DATA", "--out", "OUT"], str((1 << 16) + 1),
+                                     "Invalid value for '--expert-parallel'"),
+    ("score", "--shard-tokens"): (["CKPT", "--data", "DATA", "--out", "OUT"], str((1 << 40) + 1),
+                                  "Invalid value for '--shard-tokens'"),
 }
 
 

@@ -13,6 +13,9 @@ checked against the loop, not against themselves:
   - offs int32, one dimension; 2d-2d: every group's length positive, all but the last a multiple
     of 16 (the TMA alignment), the last within mat_a;
   - output bf16, fewer than 1024 groups.
+
+`exact_scaled_mm` is `torch._scaled_mm`'s numerics without a kernel's summation order, for tests that
+compare two ways of laying out the same GEMMs bit for bit (see its docstring).
 """
 
 from __future__ import annotations
@@ -20,6 +23,29 @@ from __future__ import annotations
 import torch
 
 E4M3 = torch.float8_e4m3fn
+
+
+# e4m3 values are integer multiples of 2**-9 (its smallest subnormal) of magnitude at most 448 < 2**9.
+E4M3_QUANTUM_LOG2, E4M3_MAX_LOG2 = -9, 9
+MAX_EXACT_K = 1 << 10
+
+
+def exact_scaled_mm(a: torch.Tensor, b: torch.Tensor, *, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                    out_dtype: torch.dtype = torch.bfloat16, **_: object) -> torch.Tensor:
+    """`a @ b` of fp8 operands scaled by `scale_a` (tensorwise, or a column [M, 1]) and `scale_b` (tensorwise,
+    or a row [1, N]), with no summation-order rounding: the product sum is exact, whatever the order.
+
+    Why it is exact: every product of two e4m3 values is an integer multiple of 2**-18 below 2**18, so any
+    partial sum of at most 2**10 of them is an integer multiple of 2**-18 below 2**28: 46 significant bits,
+    which fp64's 53 hold. The sum is then scaled (fp64, in one fixed order: sum x scale_a x scale_b) and
+    rounded once to `out_dtype`, elementwise IEEE operations every CPU computes alike. torch's own CPU
+    kernel accumulates in fp32 in an order that depends on the CPU (its GEMM kernel, its blocking for the
+    contraction length): two layouts of the same products may then round differently, which is not what
+    a layout test is about."""
+    assert a.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and b.dtype == a.dtype, (a.dtype, b.dtype)
+    assert a.shape[-1] <= MAX_EXACT_K, ("contraction too long for an exact fp64 sum", a.shape)
+    acc = a.double() @ b.double()
+    return (acc * scale_a.double() * scale_b.double()).to(out_dtype)
 
 
 def _row_major(t: torch.Tensor) -> bool:

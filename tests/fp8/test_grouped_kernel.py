@@ -5,6 +5,14 @@ asserts the CUDA op's contract (layouts, strides, scale shapes, int32 offsets, 2
 and computes each group with the CPU `_scaled_mm` kernel the loop uses
 (tests/fp8/scaled_grouped_reference.py). Equal bytes out means the grouped path quantised every
 expert's operands exactly as the loop does and laid them out as the kernel reads them.
+
+The two paths are the same computation: the same fp8 operands and scales, the same nonzero products
+(the grouped wgrad only adds zero rows to reach whole groups of 16 tokens). What a CPU GEMM kernel would
+make of them is not: torch's CPU `_scaled_mm` sums in fp32 in an order that depends on the CPU's kernel
+and the contraction length (5 tokens in the loop, 16 padded in the grouped call), so on an AVX512 Xeon
+the grouped wgrad differed from the loop in the last bf16 bit while both were right. Both paths' GEMMs
+therefore run here through `exact_scaled_mm`, whose sum is exact in any order: equal bytes out are
+then a property of the operands alone, on every machine.
 """
 
 from __future__ import annotations
@@ -17,7 +25,7 @@ from gptoss_cli.fp8 import grouped_kernel
 from gptoss_cli.fp8.scaling import E4M3, E5M2
 from gptoss_cli.fp8.selection import Fp8Settings, select_gemms
 from gptoss_cli.model.gemm.grouped import expert_of_row
-from tests.fp8.scaled_grouped_reference import scaled_grouped_mm
+from tests.fp8.scaled_grouped_reference import exact_scaled_mm, scaled_grouped_mm
 
 COUNTS = [5, 0, 37, 32, 1]  # an expert without tokens, one of whole blocks of 16, odd counts
 
@@ -32,6 +40,8 @@ def grouped_kernel_on(monkeypatch):
 
     monkeypatch.setattr(grouped_kernel, "available", lambda device: True)
     monkeypatch.setattr(grouped_kernel, "run", stand_in)
+    # the loop's GEMMs and the stand-in's groups alike: a sum with no CPU-dependent rounding (module docstring)
+    monkeypatch.setattr(torch, "_scaled_mm", exact_scaled_mm)
     return calls
 
 

@@ -20,7 +20,7 @@ from tests.support.cli import run_cli
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     folder = tmp_path_factory.mktemp("serve-cli") / "tiny"
-    make_tiny(folder, experts="bf16", dtype="float32")
+    make_tiny(folder, experts="bf16", dtype="float32", head_dim=64)  # a head size vLLM's CPU build serves
     return folder
 
 
@@ -107,3 +107,16 @@ def test_a_failing_report_is_exit_1_naming_the_prompt_and_token(tiny, monkeypatc
     result = run(tiny, "--json", tiny.parent / "r.json")
     one_line_error(result, 1, "p: the engine's logprobs leave the float32 budget at token 2 of 6")
     assert (tiny.parent / "r.json").is_file()
+
+
+def test_mean_kl_is_kl_of_gptoss_from_the_engine_and_never_negative():
+    ref = _reference(n=6, vocab=5)
+    engine = torch.log_softmax(torch.randn(5, 5, generator=torch.Generator().manual_seed(1), dtype=torch.float64), -1)
+    result = compare_prompt(ref, PromptScores(ref.ids, engine.numpy()), ref.greedy)
+    p, q = ref.logprobs.exp(), engine.exp()
+    forward = float((p * (p / q).log()).sum(-1).mean())  # KL(gptoss || engine): the direction serve-check reports
+    backward = float((q * (q / p).log()).sum(-1).mean())
+    assert result.mean_kl == pytest.approx(forward, rel=1e-12) and abs(forward - backward) > 0.05
+    # the engine's distribution off by rounding only (each row sums to 1 + 5e-9): KL is 0 to rounding, not below
+    rounded = (ref.logprobs + 1e-9).numpy()
+    assert 0.0 <= compare_prompt(ref, PromptScores(ref.ids, rounded), ref.greedy).mean_kl < 1e-16

@@ -74,3 +74,45 @@ def test_the_kl_reference_is_a_second_model_under_full_fine_tuning_and_free_unde
     assert full.total_bytes - off.total_bytes == 4 * params
     _, lora = _estimate("gpt_oss_20b_grpo_lora", ["rl.kl_coeff=0.1"])
     assert lora.bytes_of("rl.reference") == 0
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_routes_term_is_what_the_rollouts_microbatches_hold(name):
+    """The rollout's expert routes: rl/routes.py's rows for every completion of the rank's rollout, once per
+    MoE layer of the published architecture (one per block) and per expert chosen (4); twice under
+    old_policy replay; none for vLLM without replay."""
+    from types import SimpleNamespace
+
+    from gptoss_cli.rl.routes import rows_routes
+
+    layers, world = PUBLISHED[name]
+    cfg, est = _estimate(name)
+    per_rank = cfg.training.global_batch_size * cfg.rl.steps_per_rollout // world
+    one_row = rows_routes([SimpleNamespace(routes=torch.zeros(3, layers, 4, dtype=torch.uint8))],
+                          cfg.training.seq_length)
+    assert est.bytes_of("rl.routes") == per_rank * one_row.nbytes
+    _, old = _estimate(name, ["rl.routing_replay=old_policy", "rl.steps_per_rollout=2", "training.train_iters=2",
+                              "checkpoint.save_interval=2"])
+    assert old.bytes_of("rl.routes") == 2 * 2 * per_rank * one_row.nbytes  # two steps' rows, two copies
+    _, vllm = _estimate(name, ["rl.rollout.engine=vllm", "lora.base_experts=bf16"])
+    assert vllm.bytes_of("rl.routes") == 0
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_saved_rollouts_count_the_trainer_logprobs_kept_with_one_step_per_rollout(name):
+    """rl.save_rollouts keeps each microbatch's trainer log-probs (the loss's own, fp32 per position of its rows, as
+    the rollout's engine log-probs: rl/batch.py) until the file is written; with several steps per rollout the
+    rollout scores them anyway."""
+    from gptoss_cli.rl.batch import SampledCompletion, completion_rows
+
+    _, world = PUBLISHED[name]
+    cfg, est = _estimate(name, ["rl.save_rollouts=true"])
+    per_rank = cfg.training.global_batch_size // world
+    row = completion_rows([SampledCompletion(0, [1, 2], [3], [-1.0])], [0.0], cfg.training.seq_length,
+                          torch.device("cpu")).extras["rollout_logp"]
+    assert est.bytes_of("rl.saved_logprobs") == per_rank * row.nbytes
+    _, off = _estimate(name)
+    assert off.bytes_of("rl.saved_logprobs") == 0
+    _, several = _estimate(name, ["rl.save_rollouts=true", "rl.steps_per_rollout=2", "training.train_iters=2",
+                                  "checkpoint.save_interval=2"])
+    assert several.bytes_of("rl.saved_logprobs") == 0

@@ -98,6 +98,13 @@ def test_field_at_top_level_is_pointed_to_its_group():
         load_recipe("tiny_cpu_ep2", ["train_iters=3"])
 
 
+def test_a_replaced_field_names_its_replacement_in_one_line(tmp_path):
+    recipe = _write(tmp_path / "old.yaml", "base: tiny_cpu_ep2\nrl: {rollout: {is_cap: 2.0}}\n")
+    with pytest.raises(ConfigError) as exc:
+        load_recipe(recipe)
+    assert "rl.rollout.is_cap was replaced by rl.is_max" in str(exc.value) and "\n" not in str(exc.value)
+
+
 def test_unknown_architecture_field_gets_did_you_mean():
     with pytest.raises(ConfigError, match="model.architecture.num_hidden_layers"):
         load_recipe("tiny_cpu_ep2", ["model.architecture.num_hiden_layers=2"])

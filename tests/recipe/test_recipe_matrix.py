@@ -35,6 +35,12 @@ VERDICTS = {
     "tiny_cpu_grpo": (set(), set()),
     "gpt_oss_20b_grpo_lora": (set(), set()),
     "gpt_oss_120b_grpo_lora": (set(), set()),
+    "tiny_cpu_dpo": (set(), set()),
+    "gpt_oss_20b_dpo_lora": (set(), set()),
+    "gpt_oss_120b_dpo_lora": (set(), set()),
+    "tiny_cpu_distill": (set(), set()),
+    "gpt_oss_20b_distill_from_120b": (set(), set()),  # 120B's stored top-64
+    "gpt_oss_20b_distill_from_120b_on_policy": (set(), set()),  # an MXFP4 120B beside a LoRA 20B
     "gpt_oss_20b_lora": (set(), set()),
     "gpt_oss_120b_lora": (set(), set()),
     "gb200_bf16": (set(), set()),

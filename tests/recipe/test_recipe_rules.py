@@ -18,6 +18,7 @@ LORA = ["lora.rank=4", "lora.target_modules=[linear_qkv, linear_fc1]"]
 # The quiet case differs from the trigger only in what the rule is about.
 GRPO = ["objective.kind=grpo", "rl.prompts=builtin:arithmetic", "rl.tokenizer=TOK", "rl.max_new_tokens=8",
         "rl.group_size=2"]
+DISTILL = ["objective.kind=distill", "distill.teacher_checkpoint=checkpoints/teacher"]
 CASES = {
     "field.range": (["training.micro_batch_size=0"], "error", ["training.micro_batch_size=1"]),
     "model.pattern_matches_architecture": (
@@ -112,8 +113,13 @@ CASES = {
         ["overlap.overlap_param_gather=true"], "error",
         ["overlap.overlap_param_gather=true", "overlap.overlap_grad_reduce=true"]),
     "data.source": (["data.kind=tokens"], "error", ["data.kind=tokens", "data.path=data/tokens"]),
-    "checkpoint.settings": (["checkpoint.dir=null"], "error", ["checkpoint.dir=null", "checkpoint.save_interval=null"]),
+    "checkpoint.settings": (["checkpoint.dir=null"], "warning", ["checkpoint.dir=null", "checkpoint.save_interval=null"]),
     "checkpoint.retention": (["checkpoint.keep_every=5"], "warning", ["checkpoint.keep_every=5", "checkpoint.keep_last=2"]),
+    "checkpoint.async_save": (["checkpoint.async_save=true", "checkpoint.dir=null", "checkpoint.save_interval=null"],
+                              "warning", ["checkpoint.async_save=true"]),
+    "checkpoint.save_on_signal": ([*GRPO, "checkpoint.save_on_signal=true", "rl.steps_per_rollout=2",
+                                   "training.train_iters=4", "checkpoint.save_interval=2"], "warning",
+                                  [*GRPO, "checkpoint.save_on_signal=true", "rl.steps_per_rollout=1"]),
     "validation.source": (["validation.interval=10"], "warning", ["validation.interval=10", "validation.data=data/val"]),
     # ~130 GB per GPU: 4M tokens per microbatch of the tiny model's activations and logits
     "memory.fits": (["system.gpu=h100", "training.seq_length=65536", "training.micro_batch_size=128"], "error",
@@ -131,6 +137,20 @@ CASES = {
                        [*GRPO, "rl.steps_per_rollout=2", "training.train_iters=4", "checkpoint.save_interval=2"]),
     "rl.layout": ([*GRPO, "parallelism.pipeline_model_parallel_size=2", "parallelism.world_size=4"], "error",
                   [*GRPO, "parallelism.world_size=4"]),
+    "rl.routing_replay": ([*GRPO, "rl.routing_replay=rollout", "rl.rollout.engine=vllm", "system.gpu=none"], "error",
+                         [*GRPO, "rl.routing_replay=rollout", "rl.rollout.engine=vllm", "system.gpu=h100"]),
+    "dpo.inputs": (["objective.kind=dpo"], "error", ["objective.kind=dpo", "data.kind=tokens", "data.path=data/pairs"]),
+    "dpo.loss": (["objective.kind=dpo", "dpo.label_smoothing=0.1"], "error",
+                 ["objective.kind=dpo", "dpo.loss=robust", "dpo.label_smoothing=0.1"]),
+    "dpo.reference": (["objective.kind=dpo", "dpo.reference=precomputed"], "error",
+                      ["objective.kind=dpo", "dpo.reference=precomputed", "checkpoint.pretrained=checkpoints/base"]),
+    "distill.inputs": (["objective.kind=distill"], "error", [*DISTILL]),
+    "distill.teacher": ([*DISTILL, "distill.teacher_preset=gpt_oss_20b"], "error", [*DISTILL, "distill.teacher_preset=tiny"]),
+    "distill.loss": ([*DISTILL, "distill.loss=jsd", "distill.jsd_beta=0"], "error", [*DISTILL, "distill.loss=jsd"]),
+    "distill.layout": ([*DISTILL, "parallelism.pipeline_model_parallel_size=2", "parallelism.world_size=4"], "error",
+                       [*DISTILL, "parallelism.world_size=4"]),
+    "rl.is_correction": ([*GRPO, "rl.is_correction=icepop"], "error", [*GRPO, "rl.is_correction=icepop", "rl.is_min=0.5"]),
+    "rl.save_rollouts": (["rl.save_rollouts=true"], "warning", [*GRPO, "rl.save_rollouts=true"]),
     "serve_check.engine": (["serve_check.engine=vllm", "checkpoint.dir=null", "checkpoint.save_interval=null"], "error",
                            ["serve_check.engine=vllm"]),
     "lora.combinations": ([*LORA, "parallelism.context_parallel_size=2", "parallelism.world_size=2"], "error",
@@ -434,3 +454,62 @@ def test_rl_engine_names_the_interpreter():
     findings = run_rule("rl.engine", [*GRPO, "rl.rollout.engine=vllm", "rl.rollout.engine_python=/nonexistent/python",
                                       "parallelism.expert_model_parallel_size=1"], check_paths=True)
     assert findings and findings[0].rule == "rl.engine" and "/nonexistent/python" in findings[0].message
+
+
+def test_old_policy_replay_with_one_step_per_rollout_is_a_warning():
+    """old_policy replays the trainer's routes at the rollout's weights: with one step per rollout that step's own."""
+    findings = run_rule("rl.routing_replay", [*GRPO, "rl.routing_replay=old_policy"])
+    assert [(f.severity, f.fields["rl.steps_per_rollout"]) for f in findings] == [("warning", 1)]
+    assert run_rule("rl.routing_replay", [*GRPO, "rl.routing_replay=old_policy", "rl.steps_per_rollout=2",
+                                          "training.train_iters=4"]) == []
+
+
+def test_is_correction_refuses_a_lower_bound_mis_ignores_and_warns_on_none_with_vllm():
+    (f,) = run_rule("rl.is_correction", [*GRPO, "rl.is_correction=mis", "rl.is_min=0.5"])
+    assert f.severity == "error" and f.fields == {"rl.is_correction": "mis", "rl.is_min": 0.5} and "icepop" in f.hint
+    assert run_rule("rl.is_correction", [*GRPO, "rl.is_correction=mis"]) == []
+    (f,) = run_rule("rl.is_correction", [*GRPO, "rl.is_correction=none", "rl.rollout.engine=vllm"])
+    assert f.severity == "warning" and f.fields["rl.rollout.engine"] == "vllm"
+    assert run_rule("rl.is_correction", [*GRPO, "rl.is_correction=none"]) == []  # gptoss's engine is the trainer
+
+
+def test_save_rollouts_needs_pyarrow_at_launch(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "pyarrow" else real(name, *a))
+    (f,) = run_rule("rl.save_rollouts", [*GRPO, "rl.save_rollouts=true"], check_paths=True)
+    assert f.severity == "error" and "pyarrow" in f.message and "datasets" in f.hint
+    assert run_rule("rl.save_rollouts", [*GRPO, "rl.save_rollouts=true"]) == []  # validate-config elsewhere: not asked
+
+
+def test_rollout_replay_with_vllms_cpu_build_is_refused_at_launch(monkeypatch):
+    """At launch the engine's interpreter is asked which vLLM it has; its CPU build returns no routes."""
+    import gptoss_cli.generate.engines.vllm_offline as offline
+
+    monkeypatch.setattr(offline, "vllm_build", lambda python: "cpu")
+    replay = [*GRPO, "rl.routing_replay=rollout", "rl.rollout.engine=vllm", "system.gpu=h100"]
+    findings = run_rule("rl.routing_replay", replay, check_paths=True)
+    assert len(findings) == 1 and "CPU build" in findings[0].message and "\n" not in findings[0].message
+    monkeypatch.setattr(offline, "vllm_build", lambda python: "gpu")
+    assert run_rule("rl.routing_replay", replay, check_paths=True) == []
+
+
+VLLM = [*GRPO, "parallelism.world_size=1", "parallelism.expert_model_parallel_size=1", "rl.rollout.engine=vllm"]
+
+
+def test_grpo_with_vllm_on_the_cpu_refuses_a_head_size_its_attention_refuses_naming_the_fix():
+    findings = run_rule("rl.layout", VLLM)  # the tiny preset: head size 16, system.device cpu
+    assert len(findings) == 1 and "head_dim 16" in findings[0].message, findings
+    assert "make-tiny DST --head-dim 64" in findings[0].hint
+    assert run_rule("rl.layout", [*VLLM, "model.architecture={head_dim: 64}"]) == []
+    assert run_rule("rl.layout", [*VLLM, "system.device=cuda", "system.gpu=h100"]) == []  # vLLM's GPU kernels differ
+
+
+def test_the_pushes_stage_folder_must_be_writable_at_launch(tmp_path, monkeypatch):
+    monkeypatch.setenv("GPTOSS_ENGINE_PYTHON", "/bin/sh")  # an executable: the interpreter check passes
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    ok = run_rule("rl.engine", [*VLLM, f"rl.rollout.stage_dir={tmp_path / 'stage'}"], check_paths=True)
+    bad = run_rule("rl.engine", [*VLLM, f"rl.rollout.stage_dir={blocker / 'stage'}"], check_paths=True)
+    assert ok == [] and len(bad) == 1 and "is a file, not a folder" in bad[0].message, bad

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -72,20 +73,27 @@ def test_reward_rises_at_ep1_and_not_with_the_gradient_zeroed(tmp_path):
 
 
 def _ep2_worker(rank: int, folder: str) -> list[float]:
-    from pathlib import Path
-
-    job = grpo_job(Path(folder), train_iters=LEARN_STEPS, ep_size=2)
+    job = grpo_job(Path(folder), train_iters=LEARN_STEPS, ep_size=2, save_rollouts=True)
     run_worker(job)
     return _rewards(job.run_dir) if rank == 0 else []
 
 
 def test_reward_rises_at_ep2(tmp_path):
     """EP=2 on 2 processes (DP=2): each rank samples its own prompt's group with its half of the experts, the
-    decode steps in step over the EP group (rl/sampling.py)."""
+    decode steps in step over the EP group (rl/sampling.py); rank 0 writes both ranks' completions of each rollout
+    (rl.save_rollouts), whose rewards are the step's reward_mean."""
+    pq = pytest.importorskip("pyarrow.parquet")
+
     rewards = run_distributed(_ep2_worker, 2, tmp_path / "out", str(tmp_path), timeout=300)[0]
     first, last = _first_last(rewards)
     assert len(rewards) == LEARN_STEPS
     assert 0.35 < first < 0.65 and last > first + 0.25 and last > 0.8, rewards
+    files = sorted((tmp_path / "run" / "rollouts").iterdir())
+    assert len(files) == LEARN_STEPS
+    for path, reward in zip(files, rewards):
+        table = pq.read_table(path)
+        assert table.column("rank").to_pylist() == [0] * 8 + [1] * 8
+        assert sum(table.column("reward").to_pylist()) / 16 == pytest.approx(reward, rel=1e-12)
 
 
 def _checkpoint_weights(folder) -> dict[str, torch.Tensor]:
@@ -100,10 +108,11 @@ def _checkpoint_weights(folder) -> dict[str, torch.Tensor]:
     return want
 
 
-def test_resume_mid_run_gives_the_same_rewards_and_weights_bit_for_bit(tmp_path):
+def test_resume_mid_run_gives_the_same_rewards_weights_and_rollout_files_bit_for_bit(tmp_path):
     """4 steps (2 rollouts of 2 steps: old log-probs scored at rollout time) against 2 steps, a checkpoint, and
-    a second run that resumes it for the last 2."""
-    common = dict(train_iters=4, steps_per_rollout=2, save_interval=2, kl_coeff=0.05, lr_decay_style="constant")
+    a second run that resumes it for the last 2; both save their rollouts (rl.save_rollouts), the same rows."""
+    common = dict(train_iters=4, steps_per_rollout=2, save_interval=2, kl_coeff=0.05, lr_decay_style="constant",
+                  save_rollouts=True)
     whole = grpo_job(tmp_path / "whole", checkpoint_dir=str(tmp_path / "whole" / "ckpt"), **common)
     run_worker(whole)
     ckpt = str(tmp_path / "split" / "ckpt")
@@ -121,6 +130,14 @@ def test_resume_mid_run_gives_the_same_rewards_and_weights_bit_for_bit(tmp_path)
     assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])][:3]
     state = json.loads((tmp_path / "split" / "ckpt" / iter_name(4) / "train_state.json").read_text())
     assert state["rl"]["rollouts"] == 2 and state["rl"]["weights_version"] == 2
+    files = [sorted((Path(job.run_dir) / "rollouts").iterdir()) for job in (whole, resumed)]
+    assert [p.name for p in files[0]] == [p.name for p in files[1]] == ["rollout_000001.parquet", "rollout_000002.parquet"]
+    for a, b in zip(*files):  # the same rows; prompt_source names each run's own prompts file
+        pq = pytest.importorskip("pyarrow.parquet")
+        ta, tb = pq.read_table(a), pq.read_table(b)
+        assert ta.drop(["prompt_source"]).equals(tb.drop(["prompt_source"])) and ta.schema.equals(tb.schema, True)
+        assert [s.replace("whole", "split") for s in ta.column("prompt_source").to_pylist()] == \
+            tb.column("prompt_source").to_pylist()
 
 
 def flaky_reward(prompt_messages, completion_text, completion_ids, record):

@@ -43,7 +43,7 @@ def trainer(tmp_path_factory):
     convert(str(write_hf(root / "hf", seed=3)), root / "hybrid", dtype="float32")
     arch, _ = checkpoint_architecture(root / "hybrid")
     job = grpo_job(root, arch=arch, pretrained=str(root / "hybrid"), rollout_engine="vllm", engine_python=python,
-                   train_iters=2, is_cap=IS_CAP, lr=1e-2)
+                   train_iters=2, is_max=IS_CAP, lr=1e-2)
     job = dataclasses.replace(job, objective=build_objective(job.config))  # what run_worker does
     state = init_parallel(1, "cpu")
     t = RLTrainer(job, state)
@@ -68,8 +68,10 @@ def test_vllm_rollouts_push_weights_and_match_the_trainer_in_fp32(trainer):
     rows = metrics(t.job.run_dir)
     assert [r["weights_version"] for r in rows] == [0, 1]  # rollout 2 sampled the policy after step 1
     assert rows[1]["weight_push_s"] > 0 and rows[0]["weight_push_s"] == 0
-    budget = t.data.engine.last_fingerprint["budget"]  # serve-check's fp32 budget on the probe (~2e-5 here)
-    assert t.data.engine.last_fingerprint["max_abs_logprob_diff"] <= budget
+    last = t.data.engine.check.last  # the push's fingerprint: serve-check's fp32 budget of these weights on the probe
+    budget = last.budget
+    assert last.verdict == "passed" and last.max_abs_logprob_diff <= budget
+    assert rows[1]["fingerprint_logp_abs"] == last.max_abs_logprob_diff and rows[1]["fingerprint_budget"] == budget
     for r in rows:
         # per token |engine - trainer| within the budget of one logprob; k3 ~ d^2 / 2 below it squared
         assert r["mismatch_logp_abs"] < budget and r["mismatch_kl"] < budget**2, r
@@ -91,7 +93,7 @@ def test_vllm_rollouts_push_weights_and_match_the_trainer_in_fp32(trainer):
     with torch.no_grad():
         for p in planted.values():
             p.add_(0.2 * torch.randn(p.shape, generator=gen))
-        perturbed = write_hf_folder(model, model.arch, t.data.engine._tmp / "perturbed", qat=False, dtype="float32")
+        perturbed = write_hf_folder(model, model.arch, t.data.engine.stage.path / "perturbed", qat=False, dtype="float32")
         for n, p in planted.items():
             p.copy_(saved[n])
     t.data.engine.engine.load_weights(perturbed)
@@ -127,7 +129,7 @@ def test_vllm_rollouts_push_weights_and_match_the_trainer_in_fp32(trainer):
     engine.engine.load_weights(perturbed)  # what the engine serves now: not the policy
     with pytest.raises(TrainingError, match=r"does not serve the policy's weights of version"):
         engine._fingerprint(model, "in the test")
-    policy = write_hf_folder(model, model.arch, engine._tmp / "policy", qat=False, dtype="float32")
+    policy = write_hf_folder(model, model.arch, engine.stage.path / "policy", qat=False, dtype="float32")
     engine.engine.load_weights(policy, method="vllm_inplace")  # vLLM's reload_weights: experts, sinks stay stale
     with pytest.raises(TrainingError, match=r"differ from the trainer's by up to"):
         engine._fingerprint(model, "after vLLM's in-place reload")

@@ -275,8 +275,8 @@ def test_an_existing_out_needs_force_and_force_replaces_only_a_score_folder(chec
 
 @pytest.mark.parametrize("args, message", [
     (("--top-k", 2000), "--top-k 2000 exceeds the model's vocabulary (1003)"),
-    (("--temperature", 0), "--temperature 0.0 is not a positive number"),
-    (("--temperature", "nan"), "is not a positive number"),
+    (("--temperature", 0), "--temperature 0.0 must be a finite number in [1e-06, 100]"),
+    (("--temperature", "nan"), "must be a finite number in [1e-06, 100]"),
     (("--seq-length", 10), "document 1 has 29 tokens"),
 ])
 def test_bad_options_are_one_line_exit_2_and_write_nothing(checkpoints, data, tmp_path, args, message):

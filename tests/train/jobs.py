@@ -43,6 +43,8 @@ FIELDS = {
     "pretrained": "checkpoint.pretrained", "log_interval": "logging.log_interval",
     "keep_last": "checkpoint.keep_last", "keep_every": "checkpoint.keep_every",
     "override_lr_schedule": "checkpoint.override_lr_schedule", "data_blend": "data.blend",
+    "override_data": "checkpoint.override_data", "async_save": "checkpoint.async_save",
+    "save_on_signal": "checkpoint.save_on_signal",
     "validation_data": "validation.data", "validation_interval": "validation.interval",
     "validation_iters": "validation.iters",
     "lora_rank": "lora.rank", "lora_alpha": "lora.alpha", "lora_dropout": "lora.dropout",
@@ -53,7 +55,9 @@ FIELDS = {
     "scale_rewards": "rl.scale_rewards", "clip_low": "rl.clip_low", "clip_high": "rl.clip_high",
     "kl_coeff": "rl.kl_coeff", "kl_unbiased": "rl.kl_unbiased", "rollout_engine": "rl.rollout.engine",
     "engine_python": "rl.rollout.engine_python", "rollout_batch_size": "rl.rollout.batch_size",
-    "is_cap": "rl.rollout.is_cap", "mismatch_warn": "rl.rollout.mismatch_warn",
+    "is_correction": "rl.is_correction", "is_max": "rl.is_max", "is_min": "rl.is_min",
+    "is_sequence_ratio": "rl.is_sequence_ratio", "save_rollouts": "rl.save_rollouts", "mismatch_warn": "rl.rollout.mismatch_warn", "stage_dir": "rl.rollout.stage_dir",
+    "routing_replay": "rl.routing_replay",
 }
 
 BASE: dict[str, Any] = dict(

@@ -139,6 +139,9 @@ def test_peft_export_and_merged_export_compute_the_trained_model(base, trained, 
     assert "MXFP4" not in cli.output  # no QAT: no note
     convert(str(run / "ckpt"), tmp_path / "merged", to="hf", dtype="float32")
     assert {p.name for p in (tmp_path / "adapter").iterdir()} == {"adapter_config.json", "adapter_model.safetensors"}
+    # the base as PEFT users load it: the HF folder the Hybrid base was converted from, by name, not a local path
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == hf.name
     ours = model_from_checkpoint(run / "ckpt").eval()
     ids = torch.randint(0, ours.arch.vocab_size, (2, 10), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():

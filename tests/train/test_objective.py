@@ -159,8 +159,8 @@ def test_the_objective_table_has_a_row_for_every_kind_a_recipe_may_name():
     from gptoss_cli.errors import ConfigError
 
     config = schema.RecipeConfig()
-    config.objective.kind = "dpo"
-    with pytest.raises(ConfigError, match="objective.kind='dpo': no such training objective"):
+    config.objective.kind = "kto"
+    with pytest.raises(ConfigError, match="objective.kind='kto': no such training objective"):
         objective_row(config)
 
 

@@ -233,6 +233,17 @@ def test_a_grpo_run_gets_reward_and_mismatch_plots(tmp_path):
     assert result.exit_code == 0, result.output
     rows = [json.loads(line) for line in (Path(job.run_dir) / "metrics.jsonl").read_text().splitlines()]
     summary = json.loads((tmp_path / "s.json").read_text())
-    for key in ("reward_mean", "mismatch_kl"):
+    for key in ("reward_mean", "mismatch_kl", "mismatch_logp_abs"):
         assert summary["curves"][key]["last"] == rows[-1][key]
         _not_blank(out / f"{key}.png")
+
+
+def test_a_trend_is_given_only_where_the_start_stands_out_of_the_series_noise():
+    from gptoss_cli.train.report import trend
+
+    assert trend([4.5, 4.2, 3.9, 3.6, 3.0]) == pytest.approx((3.0 - 4.5) / 4.5)  # a falling loss
+    assert trend([0.5, 0.6, 0.8, 0.9, 1.0]) == pytest.approx(1.0)  # a rising reward
+    assert trend([2e-2] * 5) == 0.0  # a constant learning rate: flat, not noise
+    # a GRPO loss about 0 and a mismatch KL flipping sign: no percentage of roundings
+    assert trend([1.2e-8, -3e-7, 2.5e-7, -1e-7, -4e-8]) is None
+    assert trend([4.6e-9, 8.0e-9, -4.4e-11, 2.1e-10, 0.0]) is None

@@ -18,12 +18,14 @@ import contextlib
 import io
 import pickle
 import warnings
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
 
 from gptoss_cli import torch_private
+from gptoss_cli.allocation import claimed
 from gptoss_cli.checkpoint.storage.safetensors_io import TensorSpec
 from gptoss_cli.errors import CheckpointError, describe_os_error, first_line
 from gptoss_cli.model.expert_names import expert_name, parse_expert_name
@@ -69,7 +71,7 @@ def read_metadata(folder: str | Path) -> Any:
 
     path = Path(folder) / METADATA
     try:
-        data = path.read_bytes()
+        data = claimed(str(path), path.stat().st_size, path.read_bytes, path)
     except FileNotFoundError:
         raise CheckpointError(f"{folder}: has no {METADATA}; the checkpoint is incomplete",
                               hint="use a checkpoint that `latest` points at (saves are renamed into place when done)"
@@ -154,25 +156,28 @@ def metadata_problem(metadata: Any) -> str | None:
     leaves the folder); every reader relies on what is checked here."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-    for key, meta in metadata.state_dict_metadata.items():
-        if not isinstance(key, str):
-            return f"state dict key {key!r:.60} is not a name"
-        if isinstance(meta, BytesStorageMetadata):
-            continue
-        if not isinstance(meta, TensorStorageMetadata):
-            return f"entry {key!r} is a {type(meta).__name__}"
-        problem = _tensor_problem(key, meta)
-        if problem:
-            return problem
-    storage = metadata.storage_data
-    if storage is None:
-        return None
-    if not isinstance(storage, dict):
-        return f"storage_data is a {type(storage).__name__}, not a table"
-    for index, info in storage.items():
-        problem = _storage_problem(index, info)
-        if problem:
-            return problem
+    try:  # an allow-listed object unpickled without one of its fields: AttributeError on reading it
+        for key, meta in metadata.state_dict_metadata.items():
+            if not isinstance(key, str):
+                return f"state dict key {key!r:.60} is not a name"
+            if isinstance(meta, BytesStorageMetadata):
+                continue
+            if not isinstance(meta, TensorStorageMetadata):
+                return f"entry {key!r} is a {type(meta).__name__}"
+            problem = _tensor_problem(key, meta)
+            if problem:
+                return problem
+        storage = metadata.storage_data
+        if storage is None:
+            return None
+        if not isinstance(storage, dict):
+            return f"storage_data is a {type(storage).__name__}, not a table"
+        for index, info in storage.items():
+            problem = _storage_problem(index, info)
+            if problem:
+                return problem
+    except AttributeError as exc:
+        return f"an entry lacks a field ({first_line(exc)})"
     return None
 
 
@@ -258,13 +263,17 @@ class SpecReader:
         return name in self._specs
 
     def spec(self, name: str) -> TensorSpec:
-        return self._specs[name]
+        try:
+            return self._specs[name]
+        except KeyError:  # a name the metadata lacks: one line, never a KeyError
+            raise CheckpointError(f"{getattr(self, 'folder', '?')}: tensor {name!r} is not in the checkpoint's "
+                                  "metadata", hint="the checkpoint is incomplete or damaged") from None
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return self._specs[name].shape
+        return self.spec(name).shape
 
     def dtype(self, name: str) -> torch.dtype:
-        return self._specs[name].dtype
+        return self.spec(name).dtype
 
 
 class DcpReader(SpecReader):
@@ -336,7 +345,9 @@ class DcpReader(SpecReader):
         from torch.distributed.checkpoint.api import CheckpointException
 
         self._cache = {}  # drop the previous tensors before the next ones are allocated
-        state = {self._key_of(n): torch.empty(self._specs[n].shape, dtype=self._specs[n].dtype) for n in names}
+        state = {self._key_of(n): claimed(f"{self.file_of(n)}: tensor {self._key_of(n)!r}", self._specs[n].nbytes,
+                                          partial(torch.empty, self._specs[n].shape, dtype=self._specs[n].dtype),
+                                          self.file_of(n)) for n in names}
         try:
             with quiet_single_process():
                 dcp.load(state, storage_reader=self._storage, no_dist=True)

@@ -23,6 +23,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from gptoss_cli.allocation import claimed
 from gptoss_cli.checkpoint.storage import direct_write
 from gptoss_cli.errors import CheckpointError
 from gptoss_cli.json_input import parse_json
@@ -152,7 +153,8 @@ class SafetensorsFile:
             shape = (stop - start, *spec.shape[1:])
         row_bytes = spec.row_bytes if spec.shape else _itemsize(spec.dtype)
         nbytes = (stop - start) * row_bytes
-        buf = torch.empty(nbytes, dtype=torch.uint8)
+        # a header may claim more than the file holds (a sparse file): refused or named, never a traceback
+        buf = claimed(f"{self.path}: tensor {name!r}", nbytes, lambda: torch.empty(nbytes, dtype=torch.uint8), self.path)
         got = self._read_into(memoryview(buf.numpy()), self._offsets[name] + start * row_bytes) if nbytes else 0
         if got != nbytes:
             raise CheckpointError(f"{self.path}: truncated shard while reading tensor {name!r}")
@@ -261,6 +263,8 @@ class CheckpointReader:
         return name in self._where
 
     def spec(self, name: str) -> TensorSpec:
+        if name not in self._where:  # one line naming it, never a KeyError
+            raise CheckpointError(f"{self.folder}: tensor {name!r} is missing")
         return self._files[self._where[name]].specs[name]
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -273,8 +277,7 @@ class CheckpointReader:
         return self.folder / self._where[name]
 
     def read(self, name: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
-        if name not in self._where:
-            raise CheckpointError(f"{self.folder}: tensor {name!r} is missing")
+        self.spec(name)  # a missing name is one line
         return self._files[self._where[name]].read(name, start, stop)
 
 

@@ -54,6 +54,12 @@ def _check_options(analysis: str, train_on: str, max_length: int | None, truncat
     return max_length
 
 
+# Why a conversation was dropped (the --json `dropped` keys), each with the rows it names.
+TOO_LONG = "longer_than_max_length"  # without --truncate
+NOTHING_TRAINED = "no_trained_token_before_the_cut"  # with --truncate: the cut would train nothing
+MAX_DROPPED_ROWS = 5  # dropped rows named per reason (all are counted)
+
+
 class _Writer:
     """Appends rendered documents to the temporary token and mask files; counts what it keeps and drops."""
 
@@ -62,6 +68,18 @@ class _Writer:
         self.offsets, self.lengths = [0], []
         self.num_loss = self.num_dropped = self.num_truncated = self.num_skipped = 0
         self.skipped: list[str] = []
+        # per reason: {"count", "rows" (the first few: where, tokens, first trained token), "longest", "first_trained"}
+        self.dropped: dict[str, dict[str, Any]] = {}
+
+    def drop(self, reason: str, where: str, ids: list[int], mask: list[int]) -> None:
+        first = next((i for i, m in enumerate(mask) if m), None)
+        entry = self.dropped.setdefault(reason, {"count": 0, "rows": [], "longest": 0, "first_trained": 0})
+        entry["count"] += 1
+        entry["longest"] = max(entry["longest"], len(ids))
+        entry["first_trained"] = max(entry["first_trained"], first if first is not None else 0)
+        if len(entry["rows"]) < MAX_DROPPED_ROWS:
+            entry["rows"].append({"row": where, "tokens": len(ids), "first_trained_token": first})
+        self.num_dropped += 1
 
     def skip(self, where: str, why: str) -> None:
         if self.errors != "skip":
@@ -71,10 +89,10 @@ class _Writer:
         if len(self.skipped) < MAX_REPORTED:
             self.skipped.append(f"{where}: {why}")
 
-    def add(self, ids: list[int], mask: list[int]) -> None:
+    def add(self, where: str, ids: list[int], mask: list[int]) -> None:
         if self.max_length is not None and len(ids) > self.max_length:
             if not self.truncate or not any(mask[:self.max_length]):
-                self.num_dropped += 1
+                self.drop(NOTHING_TRAINED if self.truncate else TOO_LONG, where, ids, mask)
                 return
             ids, mask = ids[:self.max_length], mask[:self.max_length]
             self.num_truncated += 1
@@ -100,7 +118,7 @@ class _Writer:
             if isinstance(doc, ConversationError):
                 self.skip(where, str(doc))
             else:
-                self.add(doc.ids, doc.mask)
+                self.add(where, doc.ids, doc.mask)
 
 
 def prepare_conversations(
@@ -158,8 +176,8 @@ def prepare_conversations(
         if not lengths:
             names = [str(p) for p in inputs]
             if w.num_dropped:
-                raise UsageError(f"all {w.num_dropped} conversations in {names} are longer than --max-length "
-                                 f"{max_length}", hint="raise --max-length / --seq-length, or pass --truncate")
+                reason, fix = _drop_lines(w, max_length, seq_length)[0]
+                raise UsageError(f"all {w.num_dropped} conversations in {names} were dropped: {reason}", hint=fix)
             raise UsageError(f"no conversations found in {names}"
                              + (f" ({w.num_skipped} rows skipped: {w.skipped[0]})" if w.num_skipped else ""))
         packing = None
@@ -185,21 +203,47 @@ def prepare_conversations(
     details = {"index_path": str(idx_path), "mask_path": str(mask_path), "num_loss_tokens": w.num_loss,
                # num_dropped: longer than max_length (without truncate), or nothing trained left after truncating
                "num_dropped": w.num_dropped, "num_truncated": w.num_truncated, "max_document_length": max(lengths),
+               # why, per reason: {"count", "rows": the first few {"row", "tokens", "first_trained_token"}}
+               "dropped": {k: {"count": v["count"], "rows": v["rows"]} for k, v in w.dropped.items()},
                "rendering": rendering, "packing": packing}  # packing: {"seq_length", "rows", "efficiency"} or None
     return PrepareResult(
         "harmony", str(bin_path), str(header_path), [str(bin_path), str(idx_path), str(mask_path), str(header_path)],
         w.offsets[-1], len(lengths), dtype_name, vocab_size, sources, details=details,
-        summary=_summary(w, len(lengths), max(lengths), rendering, packing), num_skipped=w.num_skipped,
+        summary=_summary(w, len(lengths), max(lengths), rendering, packing, seq_length), num_skipped=w.num_skipped,
         skipped=w.skipped)
 
 
-def _summary(w: _Writer, documents: int, longest: int, rendering: dict[str, Any], packing: dict[str, Any] | None
-             ) -> list[tuple[str, str]]:
+def _drop_lines(w: _Writer, max_length: int, seq_length: int | None) -> list[tuple[str, str]]:
+    """(why, with the count and the first rows; the fix) per reason conversations were dropped."""
+    flag = f"--max-length {max_length}" if seq_length is None or max_length != seq_length else f"--seq-length {seq_length}"
+    out = []
+    for reason, entry in w.dropped.items():
+        n, more = entry["count"], entry["count"] - len(entry["rows"])
+        if reason == TOO_LONG:
+            why = f"longer than {flag}"
+            rows = [f"{r['row']} ({r['tokens']} tokens)" for r in entry["rows"]]
+            fix = (f"a {flag.split()[0]} of at least {entry['longest']} keeps them whole, or --truncate cuts them "
+                   "there (keeping those with a trained token before the cut)")
+        else:
+            why = f"no trained token in their first {max_length} tokens, where --truncate cuts"
+            rows = [f"{r['row']} (first trained token at {r['first_trained_token']} of {r['tokens']})"
+                    for r in entry["rows"]]
+            fix = (f"a {flag.split()[0]} of at least {entry['longest']} keeps them whole, "
+                   f"{entry['first_trained'] + 1} a trained token of each: --truncate keeps a conversation's start "
+                   "(system message, tool definitions, the prompt) and the trained turns come last")
+        shown = ", ".join(rows) + (f" and {more:,} more" if more else "")
+        out.append((f"{n:,} {why}: {shown}", fix))
+    return out
+
+
+def _summary(w: _Writer, documents: int, longest: int, rendering: dict[str, Any], packing: dict[str, Any] | None,
+             seq_length: int | None = None) -> list[tuple[str, str]]:
     num_tokens = w.offsets[-1]
     rows = [("conversations", f"{documents:,} (longest {longest:,} tokens)"),
             ("trained tokens", f"{w.num_loss:,} ({w.num_loss / num_tokens:.1%})"),
             ("dropped / truncated", f"{w.num_dropped:,} / {w.num_truncated:,} "
                                     f"(max length {rendering['max_length'] or 'none'})")]
+    rows += [("dropped", f"{why} ({fix})") for why, fix in _drop_lines(w, rendering["max_length"], seq_length)]
     if w.num_skipped:
         rows.append(("skipped rows", f"{w.num_skipped:,} (--errors skip)"))
     rows.append(("rendering", f"analysis {rendering['analysis']}, train on {rendering['train_on']}"))

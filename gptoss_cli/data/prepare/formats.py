@@ -76,11 +76,24 @@ def _write_harmony(inputs: list[str], out: Path, tokenizer: Path, o: PrepareOpti
                                  progress=progress)
 
 
+def _write_preference(inputs: list[str], out: Path, tokenizer: Path, o: PrepareOptions, progress: Progress | None
+                      ) -> PrepareResult:
+    from gptoss_cli.data.prepare.preference import prepare_preference
+    from gptoss_cli.data.rows import BATCH_ROWS
+
+    return prepare_preference(list(inputs), out, tokenizer, analysis=o.analysis or "keep", max_length=o.max_length,
+                              seq_length=o.seq_length, errors=o.errors, split=o.split,
+                              batch_rows=o.batch_rows or BATCH_ROWS, progress=progress)
+
+
 FORMATS: dict[str, DataFormat] = {f.name: f for f in (
     DataFormat("text", "token streams", frozenset({"text_key", "eos_id"}), ("strict", "replace"), _write_text),
     DataFormat("harmony", "conversations, loss mask",
                frozenset({"analysis", "train_on", "max_length", "truncate", "seq_length", "split", "field", "batch_rows"}),
                ("strict", "replace", "skip"), _write_harmony),
+    DataFormat("preference", "preference pairs, both sides in harmony, loss mask on the reply",
+               frozenset({"analysis", "max_length", "seq_length", "split", "batch_rows"}),
+               ("strict", "replace", "skip"), _write_preference),
 )}
 
 

@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterator
 
 from gptoss_cli import outputs
 from gptoss_cli.errors import ConfigError, UsageError, file_system_error
+from gptoss_cli.data.conversation import MESSAGES_FIELD
 from gptoss_cli.data.prepare.result import PrepareResult
 from gptoss_cli.data.tokenizer import read_tokenizer, tokenizer_path
 from gptoss_cli.json_input import jsonl_lines, parse_json
@@ -105,9 +106,12 @@ def _documents(path: Path, text_key: str, errors: str = "strict") -> Iterator[tu
                 continue
             obj = line.value
             if not isinstance(obj, dict) or not isinstance(obj.get(text_key), str):
+                chat = isinstance(obj, dict) and isinstance(obj.get(MESSAGES_FIELD), list)
                 raise UsageError(
-                    f"{path}:{line.number}: no string field {text_key!r}",
-                    hint="pass --text-key with the field that holds the text",
+                    f"{path}:{line.number}: no string field {text_key!r}"
+                    + (f" (the line is a conversation: a {MESSAGES_FIELD!r} list)" if chat else ""),
+                    hint=("pass --format harmony to render conversations with a loss mask on what the assistant "
+                          "writes (docs/sft-data.md)" if chat else "pass --text-key with the field that holds the text"),
                 )
             yield obj[text_key], line.nbytes
         return

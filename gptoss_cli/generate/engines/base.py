@@ -4,12 +4,14 @@ An engine serves one model. `score` returns, for each prompt of n token ids, the
 the n - 1 next tokens given their prefixes (row p predicts token p + 1), either over the whole
 vocabulary or over the engine's top-k plus the token that actually follows. `generate` continues
 prompts and returns the new ids with the log-probability of each sampled token. `load_weights`
-pushes new weights into the running engine (the path RL rollouts take after each update).
+pushes new weights into the running engine (the path RL rollouts take after each update). Every path
+an engine is handed goes through `local_folder` first: absolute, and an existing folder.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol, Sequence
 
 import numpy as np
@@ -83,6 +85,8 @@ class Completion:
     ids: list[int]
     logprobs: list[float]
     finish_reason: str | None = None
+    # the experts every fed token went to, as the engine reports them (vLLM: numpy [tokens, layers, k]); None: not asked
+    routed_experts: Any = None
 
 
 class Engine(Protocol):
@@ -103,6 +107,16 @@ class Engine(Protocol):
         ...
 
 
+def local_folder(path: str | Path, what: str = "the model") -> str:
+    """`path` as an engine must be handed it: an existing folder, absolute. An engine works in a folder of its own
+    (vLLM's worker starts in a temporary one), and vLLM takes a relative path that is not a folder there for a
+    Hub repo id: a network error offline, the Hub's model online. Every engine resolves what it is given here."""
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise EngineError(f"{what} {path}: no such folder")
+    return str(folder.resolve())
+
+
 def one_line(text: str, limit: int = 600) -> str:
     """An engine's message on one line, cut to `limit` characters."""
     text = " ".join(str(text).split())
@@ -110,4 +124,4 @@ def one_line(text: str, limit: int = 600) -> str:
 
 
 __all__ = ["ENGINE_PYTHON_ENV", "EngineError", "EngineInfo", "PromptScores", "SamplingParams", "Completion", "Engine",
-           "one_line"]
+           "local_folder", "one_line"]

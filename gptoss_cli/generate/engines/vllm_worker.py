@@ -9,7 +9,9 @@ stderr, which the parent keeps in a log file). Every answer is {"ok": true, ...}
 a safetensors file the request names.
 
 Operations: hello (versions), start (build an LLM on an HF folder; one at a time), score (prompt
-logprobs), generate (ids and sampled-token logprobs; one seed per prompt when `seeds` is given),
+logprobs), generate (ids and sampled-token logprobs; one seed per prompt when `seeds` is given; with
+`routed_experts` at start, each completion's routed experts, vLLM's [tokens, layers, k] array as base64
+bytes, shape and dtype),
 load_weights (the served weights replaced by a folder's, `_reload_from_fresh_model`; method
 "vllm_inplace" is vLLM's own in-place reload, which misses tensors on GPT-OSS; then the prefix cache
 reset), close.
@@ -100,6 +102,11 @@ def op_start(req: dict) -> dict:
         kwargs["kv_cache_memory_bytes"] = int(req["kv_cache_bytes"])
     if req.get("enable_lora"):
         kwargs.update(enable_lora=True, max_lora_rank=int(req["max_lora_rank"]), max_loras=1)
+    if req.get("routed_experts"):
+        # vLLM returns routed experts through its auxiliary outputs: model runner V2 (read from the
+        # environment when the engine is built) and prefix caching (reset after every weight reload)
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+        kwargs.update(enable_return_routed_experts=True, enable_prefix_caching=True)
     kwargs.update(req.get("engine_args") or {})
     STATE["llm"] = LLM(**kwargs)
     STATE["lora_ids"] = {}
@@ -172,8 +179,21 @@ def op_generate(req: dict) -> dict:
     for out in outs:
         c = out.outputs[0]
         lps = [float(step[t].logprob) for t, step in zip(c.token_ids, c.logprobs or [])]
-        completions.append({"ids": list(c.token_ids), "logprobs": lps, "finish_reason": c.finish_reason})
+        completions.append({"ids": list(c.token_ids), "logprobs": lps, "finish_reason": c.finish_reason,
+                            "routed_experts": _array(getattr(c, "routed_experts", None))})
     return {"completions": completions, "seconds": time.perf_counter() - t0}
+
+
+def _array(a) -> dict | None:
+    """A numpy array as JSON: base64 of its bytes, its shape and dtype (None stays None)."""
+    if a is None:
+        return None
+    import base64
+
+    import numpy as np
+
+    a = np.ascontiguousarray(a)
+    return {"b64": base64.b64encode(a.tobytes()).decode(), "shape": list(a.shape), "dtype": str(a.dtype)}
 
 
 def op_load_weights(req: dict) -> dict:

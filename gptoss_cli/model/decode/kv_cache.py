@@ -33,6 +33,8 @@ from gptoss_cli.model.attention.layer import AttentionLayer
 from gptoss_cli.model.hybrid import run_layer
 from gptoss_cli.model.decode.moe import DecodeExperts, decode_moe, decode_moe_available
 from gptoss_cli.model.decode.skinny_gemm import skinny_linear
+from gptoss_cli.model.moe import MoELayer
+from gptoss_cli.model.routes import LayerRoutes, routes_dtype
 
 # Queries per call when a long prompt is fed through the cache: the scores of one chunk are
 # [batch, heads, chunk, keys].
@@ -221,12 +223,15 @@ def _attend_step(cache: LayerKVCache, q, k, v, sinks, q_pos, column: int) -> tor
 
 @torch.no_grad()
 def forward_cached(model, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: KVCache,
-                   prompt: bool = False) -> torch.Tensor:
+                   prompt: bool = False, routes_out: list | None = None) -> torch.Tensor:
     """Feed input_ids [B, n] at position_ids [B, n] (-1 = left padding) through `model`, reading and
     extending `cache`; returns the final-norm hidden states [B, n, H].
 
     One column of real tokens (a decoding step, `prompt` False) writes its slot and attends to the
-    filled ones; prompt columns (any n, padding allowed) build their masks from the positions."""
+    filled ones; prompt columns (any n, padding allowed) build their masks from the positions.
+    `routes_out`: the global expert ids every MoE layer sent the new tokens to, [B, n, MoE layers, k],
+    is appended to it (a rollout's routes, model/routes.py; under expert parallelism the layer's own
+    forward routes them, so the ids are global there too)."""
     n, start = input_ids.shape[1], cache.seen
     step = n == 1 and not prompt
     if start + n > cache.capacity:
@@ -238,6 +243,7 @@ def forward_cached(model, input_ids: torch.Tensor, position_ids: torch.Tensor, c
         for cols in cache.by_window.values():
             cols.positions[:, cols.decode_slot(start)] = position_ids[:, 0]
             cols.decoded(start)
+    chosen: list | None = None if routes_out is None else []
     for j, layer in enumerate(model.decoder.layers):
         if j in cache.layers:
             attn, layer_cache = layer.self_attention, cache.layers[j]
@@ -249,25 +255,32 @@ def forward_cached(model, input_ids: torch.Tensor, position_ids: torch.Tensor, c
                 out = _attend_chunk(layer_cache, q, k, v, sinks, position_ids, start, masks)
             x = x + attn.project_out(out)
         elif step and j in cache.moe_layers:
-            x = decode_moe(cache.moe_layers[j], x)
+            x = decode_moe(cache.moe_layers[j], x, chosen)
+        elif chosen is not None and isinstance(layer, MoELayer):
+            recorded = LayerRoutes(record=True)
+            x = layer(x, None, recorded)
+            chosen.append(recorded.live)
         else:
             x = run_layer(layer, x, cos, sin)
     if not step:
         for cols in cache.by_window.values():
             cols.record(start, position_ids)
     cache.seen += n
+    if routes_out is not None and chosen:  # stored narrow at once: a rollout keeps every column's
+        ids = torch.stack(chosen, dim=1).to(routes_dtype(model.arch.num_local_experts))
+        routes_out.append(ids.reshape(input_ids.shape[0], n, len(chosen), -1))
     return model.decoder.final_norm(x)
 
 
 @torch.no_grad()
 def prefill(model, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: KVCache,
-            chunk: int = PREFILL_CHUNK) -> torch.Tensor:
+            chunk: int = PREFILL_CHUNK, routes_out: list | None = None) -> torch.Tensor:
     """`forward_cached` over a prompt in chunks of `chunk` tokens; returns the logits [B, V] of the
-    last position (the distribution of the first new token)."""
+    last position (the distribution of the first new token). `routes_out`: see forward_cached."""
     hidden = None
     for start in range(0, input_ids.shape[1], chunk):
         hidden = forward_cached(model, input_ids[:, start:start + chunk], position_ids[:, start:start + chunk], cache,
-                                prompt=True)
+                                prompt=True, routes_out=routes_out)
     return next_token_logits(model, hidden)
 
 

@@ -88,9 +88,10 @@ def _one_token(experts_of: DecodeExperts, hidden: torch.Tensor, probs: torch.Ten
 
 
 @torch.no_grad()
-def decode_moe(experts_of: DecodeExperts, x: torch.Tensor) -> torch.Tensor:
+def decode_moe(experts_of: DecodeExperts, x: torch.Tensor, chosen_out: list | None = None) -> torch.Tensor:
     """The layer's output x + MoE(RMSNorm(x)) for x [B, n, H] (n small: a decoding step), equal to
-    `layer(x)` up to the order of fp32 sums."""
+    `layer(x)` up to the order of fp32 sums. `chosen_out`: the experts each token went to, [B*n, k], is
+    appended to it (a rollout's routes, model/routes.py)."""
     layer = experts_of.layer
     experts = layer.mlp.experts
     router = layer.mlp.router
@@ -98,6 +99,8 @@ def decode_moe(experts_of: DecodeExperts, x: torch.Tensor) -> torch.Tensor:
     logits = F.linear(hidden, router.weight, router.bias)
     top, chosen = torch.topk(logits, router.top_k, dim=-1)
     probs = torch.softmax(top, dim=-1)
+    if chosen_out is not None:
+        chosen_out.append(chosen)
     if experts_of.on_host and hidden.shape[0] == 1:
         return x + _one_token(experts_of, hidden, probs, chosen).view_as(x)
     flat = chosen.flatten()

@@ -153,6 +153,39 @@ def _engine(options: ServeCheckOptions, arch: GptOssArch, max_len: int, served, 
     return engine
 
 
+def _engine_device() -> str:
+    """Where an offline vLLM started here will run: its CPU build unless this machine has a CUDA GPU."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _check_shapes(arch: GptOssArch, checkpoint: str, device: str) -> None:
+    """Refuse, before the engine starts (half a minute on a CPU), a model it is known to refuse."""
+    from gptoss_cli.generate.engines.vllm_offline import shape_problem
+
+    problem = shape_problem(arch.head_dim, device)
+    if problem is not None:
+        raise UsageError(f"{checkpoint}: {problem}", hint="a model with head_dim 64, as GPT-OSS has (`gptoss make-tiny "
+                         "DST --head-dim 64` for a tiny one), or --endpoint URL of a server that takes it")
+
+
+def _resolved(checkpoint: str, options: ServeCheckOptions) -> tuple[str, ServeCheckOptions]:
+    """Every local path absolute before anything is handed to an engine, which starts in a folder of its own (and
+    vLLM reads a relative path that is not a folder there as a Hub repo id); a Hub id stays as it is."""
+    import dataclasses
+
+    def absolute(path: str | None) -> str | None:
+        if path is None or not Path(path).expanduser().exists():
+            return path
+        return str(Path(path).expanduser().resolve())
+
+    work = str(Path(options.work_dir).expanduser().resolve()) if options.work_dir else None
+    return absolute(checkpoint), dataclasses.replace(options, export=absolute(options.export), work_dir=work,
+                                                     prompts=absolute(options.prompts),
+                                                     tokenizer=absolute(options.tokenizer))
+
+
 def _adapter_rank(adapter: str | None) -> int:
     if adapter is None:
         return 16
@@ -185,6 +218,8 @@ def serve_check(checkpoint: str, options: ServeCheckOptions | None = None, progr
 
     options = options or ServeCheckOptions()
     options.check()
+    named = checkpoint
+    checkpoint, options = _resolved(checkpoint, options)
     if options.engine == "llamacpp" and options.endpoint is None:
         from gptoss_cli.parity.serve.llamacpp import serve_check_llamacpp
 
@@ -201,6 +236,8 @@ def serve_check(checkpoint: str, options: ServeCheckOptions | None = None, progr
     torch_dtype = torch.float32 if dtype == "float32" else torch.bfloat16
     top_k = options.top_k if options.top_k is not None else (None if arch.vocab_size <= FULL_VOCAB_LIMIT else DEFAULT_TOP_K)
     serves_lora, runs_mxfp4 = (engine.info.lora_experts, False) if engine is not None else _engine_probe(options)
+    if options.endpoint is None:
+        _check_shapes(arch, named, engine.info.device if engine is not None else _engine_device())
 
     work = Path(options.work_dir) if options.work_dir else Path(tempfile.mkdtemp(prefix="gptoss-serve-check-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -237,6 +274,9 @@ def serve_check(checkpoint: str, options: ServeCheckOptions | None = None, progr
         findings = known_findings(arch, _served_config(served.model), engine.info.name, engine.info.device)
         findings += _form_findings(served, options)
         info = engine.info.to_json()
+        if any(r.verdict != "pass" for r in results) and engine is not running and hasattr(engine, "keep_log"):
+            engine.keep_log()  # the engine's side of a failed check, for the user to read
+            info["log"] = str(engine.log_path)
     finally:
         if engine is not None and engine is not running:
             engine.close()
@@ -247,7 +287,7 @@ def serve_check(checkpoint: str, options: ServeCheckOptions | None = None, progr
                    "artifacts": served.artifacts if options.work_dir else {}, "top_k": top_k}
     model = (f"per position: 2*sqrt(2) * max_i(4 * sigma * ||w_i * h|| + u * |z_i|), u = "
              f"{'2**-24' if dtype == 'float32' else '2**-8'} ({dtype}); router near-ties excluded")
-    return ServeReport(checkpoint, kind, dtype, served_json, info, model, results, findings,
+    return ServeReport(named, kind, dtype, served_json, info, model, results, findings,
                        {k: round(v, 3) for k, v in timings.items()}, notes=list(served.notes))
 
 

@@ -1,10 +1,12 @@
 """gptoss's side of serve-check: its own forward of the checkpoint on the same ids, with the error budget.
 
 Per prompt: gptoss's greedy continuation (the KV-cache decoding `gptoss generate` runs), then one
-forward over prompt + continuation that keeps the log-probabilities of every next token, the final
-normalised hidden states and the output weight (for the budget, budget.py) and every router's
-input and logits (for near-ties); then, where routers are near-tied, batched forwards with each such
-token's routers flipped (how far a flip on the engine's side can move each position).
+forward over prompt + continuation that keeps the log-probabilities of every next token, the logits
+and every router's input, logits and choice (for near-ties); then one batched forward whose rows carry
+the error model's roundings (budget.py), drawn at random after every sublayer with the routers held to
+their choices, which says how far this model's own layers carry a rounding to each logprob (the
+budget); then, where routers are near-tied, batched forwards with each such token's routers flipped
+(how far a flip on the engine's side can move each position).
 """
 
 from __future__ import annotations
@@ -13,11 +15,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gptoss_cli.parity.serve.budget import logit_budgets, router_near_ties
+from gptoss_cli.parity.serve.budget import (ROUNDING_SAMPLES, amplification, head_rounding_sd, logit_budgets,
+                                            point_sigma, router_near_ties)
 
 
 MAX_FLIPS = 64  # near-tie tokens flipped one by one; the rest together
 FLIP_BATCH = 16  # rows per batched forward
+ROUNDING_SEED = 0x5EED  # the injected roundings are drawn from a generator of their own: the budget is reproducible
 
 
 @dataclass
@@ -43,13 +47,54 @@ def _routers(model) -> list:
     return [m for m in model.modules() if isinstance(m, Router)]
 
 
-def _capture_hooks(model, captured: list):
-    """Keep every router's (input, weight, logits), in block order."""
+def _capture_hooks(model, captured: list, chosen: list):
+    """Keep every router's (input, weight, logits) and its chosen experts, in block order."""
     def hook(mod, inputs, output):
         x = inputs[0].detach()
         captured.append((x.reshape(-1, x.shape[-1]), mod.weight.detach(),
                          output.logits.detach().reshape(-1, output.logits.shape[-1])))
+        chosen.append(output.indices.detach().reshape(-1, output.indices.shape[-1]))
     return [r.register_forward_hook(hook) for r in _routers(model)]
+
+
+def _held_router_hooks(model, chosen: list[torch.Tensor], rows: int):
+    """Every router takes the experts it chose in the plain forward (`chosen[block]`, [T, k]) in each of `rows`
+    rows, weighted by the softmax of its own logits there: a rounding moves the weights, never the choice
+    (a choice that a rounding can change is a near-tie, budgeted by the flips)."""
+    from gptoss_cli.model.moe import RouterOutput
+
+    def make(idx: torch.Tensor):
+        def hook(mod, inputs, output):
+            logits = output.logits
+            flat = logits.reshape(-1, logits.shape[-1])
+            keep = idx.to(flat.device).repeat(rows, 1)
+            shape = output.indices.shape
+            return RouterOutput(logits=logits, probs=torch.softmax(flat.gather(1, keep), dim=-1).reshape(shape),
+                                indices=keep.reshape(shape))
+        return hook
+    return [r.register_forward_hook(make(c)) for r, c in zip(_routers(model), chosen)]
+
+
+def _rounding_hooks(model, scale_of, generator: torch.Generator):
+    """At every rounding point of budget.ROUNDING_POINTS (a module's output; "residual" is each decoder layer's), the
+    output times (1 + scale_of(point) * xi), xi ~ N(0, 1) per element."""
+    from gptoss_cli.parity.serve.budget import ROUNDING_POINTS
+
+    def make(scale: float):
+        def hook(mod, inputs, output):
+            x = output[0] if isinstance(output, tuple) else output
+            xi = torch.randn(x.shape, generator=generator, dtype=torch.float32).to(x.device, x.dtype)
+            y = x + scale * xi * x
+            return (y, *output[1:]) if isinstance(output, tuple) else y
+        return hook
+
+    hooks = []
+    for name, module in model.named_modules():
+        parts = name.split(".")
+        point = "residual" if parts[:2] == ["decoder", "layers"] and len(parts) == 3 else parts[-1]
+        if point in ROUNDING_POINTS:
+            hooks.append(module.register_forward_hook(make(scale_of(point))))
+    return hooks
 
 
 def _flip_hooks(model, ties: list[torch.Tensor]):
@@ -83,6 +128,33 @@ def _forward(model, ids: list[int], hooks, rows: int = 1) -> tuple[torch.Tensor,
         for h in hooks:
             h.remove()
     return hidden, out.head_weight.detach(), logits
+
+
+def rounding_spread(model, ids: list[int], chosen: list[torch.Tensor], hidden: torch.Tensor, head: torch.Tensor,
+                    logits: torch.Tensor, dtype: torch.dtype, n_terms: int) -> torch.Tensor:
+    """Per position, the largest over the vocabulary of the standard deviation of gptoss's logprob under the
+    error model's roundings, carried to the logprobs by this model's own layers ([len(ids)], float64), from the
+    plain forward's final normalised `hidden` [len(ids), H], output weight `head` [V, H] and `logits`.
+
+    One batched forward of ROUNDING_SAMPLES rows, each with its own draw at every rounding point inside the
+    blocks (amplified by budget.amplification, then scaled back: far above the forward's own rounding, well
+    inside its linear response), the routers held to their choices; the output layer's own rounding is then
+    drawn at its size on each row's logits, its effect on the logprobs (through the log-sum-exp) to first order."""
+    gain = amplification(dtype, n_terms)
+    generator = torch.Generator().manual_seed(ROUNDING_SEED)
+    hooks = _held_router_hooks(model, chosen, ROUNDING_SAMPLES) + _rounding_hooks(
+        model, lambda point: gain * point_sigma(dtype, point, n_terms), generator)
+    _, _, noisy = _forward(model, ids, hooks, rows=ROUNDING_SAMPLES)
+    noisy = noisy.reshape(ROUNDING_SAMPLES, len(ids), -1)
+    plain = torch.log_softmax(logits.double(), dim=-1).to(noisy.device)
+    p = plain.exp()
+    head_sd = head_rounding_sd(hidden, head, logits, dtype, n_terms).to(noisy.device)
+    squares = torch.zeros_like(plain)
+    for k in range(ROUNDING_SAMPLES):
+        inner = (torch.log_softmax(noisy[k].double(), dim=-1) - plain) / gain
+        d = head_sd * torch.randn(head_sd.shape, generator=generator, dtype=torch.float64).to(head_sd.device)
+        squares += (inner + d - (p * d).sum(dim=-1, keepdim=True)) ** 2
+    return (squares / ROUNDING_SAMPLES).sqrt().amax(dim=-1).cpu()
 
 
 def flip_spread(model, ids: list[int], ties: list[torch.Tensor], near: torch.Tensor,
@@ -122,10 +194,12 @@ def reference_for(model, name: str, prompt: list[int], *, greedy_tokens: int, dt
         greedy = list(gen[0].output_ids)
     ids = list(prompt) + greedy
     captured: list = []
-    hidden, head, logits = _forward(model, ids, _capture_hooks(model, captured))
+    chosen: list = []
+    hidden, head, logits = _forward(model, ids, _capture_hooks(model, captured, chosen))
     logprobs = torch.log_softmax(logits.double(), dim=-1)[:-1]
     n_terms = max(arch.hidden_size, arch.intermediate_size, arch.head_dim, len(ids))
-    budget, bound = logit_budgets(hidden.float(), head.float(), logits.float(), dtype, arch.num_hidden_layers, n_terms)
+    spread = rounding_spread(model, ids, chosen, hidden, head, logits, dtype, n_terms)
+    budget, bound = logit_budgets(spread)
     ties = router_near_ties([(x.float(), w.float(), lg.float()) for x, w, lg in captured],
                             arch.num_experts_per_tok, dtype, n_terms)
     near = torch.stack(ties).any(dim=0) if ties else torch.zeros(len(ids), dtype=torch.bool)
@@ -147,4 +221,4 @@ def references(checkpoint: str, prompts: list[tuple[str, list[int]]], *, dtype: 
         del model
 
 
-__all__ = ["Reference", "reference_for", "references"]
+__all__ = ["Reference", "reference_for", "references", "rounding_spread", "flip_spread"]

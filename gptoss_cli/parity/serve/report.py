@@ -2,7 +2,8 @@
 
 Per prompt, over every scored position (the prompt and gptoss's greedy continuation):
 `max_abs_logprob_diff` over the full vocabulary (or the top-k the engine returned), `mean_kl`
-(gptoss || engine, nats per position; over the top-k the engine returned when it is top-k),
+(KL(gptoss || engine), nats per position, summed as p * (r - 1 - log r) so that it is never negative; over
+the top-k the engine returned when it is top-k),
 `first_divergent_position` (the first token whose logprobs lie outside the error budget, which includes
 what router near-ties may move), and the greedy comparison: how many of the engine's greedy tokens
 equal gptoss's before the first difference, and whether gptoss's top two logits there lie within
@@ -56,6 +57,14 @@ class PromptResult:
         return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in asdict(self).items()}
 
 
+def _kl_terms(mine: torch.Tensor, engine: torch.Tensor) -> torch.Tensor:
+    """Per entry, p * (r - 1 - log r) with p gptoss's probability and r = q / p the engine's over it: summed, KL(gptoss
+    || engine) of two normalised distributions (the r - 1 terms add to 1 - 1 = 0), and every term >= 0, so rounding
+    that leaves the engine's probabilities summing to 1 + 1e-9 cannot make the sum negative as p * log(p / q) can."""
+    d = torch.nan_to_num(engine - mine, nan=math.inf, neginf=-math.inf)
+    return torch.where(mine > -math.inf, mine.exp() * (torch.expm1(d) - d), torch.zeros_like(mine))
+
+
 def _engine_rows(scores: PromptScores, ref: Reference) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(|engine - gptoss| per position's max, KL per position, gptoss's logprobs of the compared entries)."""
     lp = torch.from_numpy(np.asarray(scores.logprobs, dtype=np.float64))
@@ -64,15 +73,13 @@ def _engine_rows(scores: PromptScores, ref: Reference) -> tuple[torch.Tensor, to
         raise ValueError(f"the engine scored {lp.shape[0]} positions, gptoss {want.shape[0]}")
     if scores.ids is None:
         diff = (lp - want).abs()
-        p = want.exp()
-        kl = (p * (want - lp)).sum(-1)
+        kl = _kl_terms(want, lp).sum(-1)
     else:
         ids = torch.from_numpy(np.asarray(scores.ids, dtype=np.int64))
         valid = ids >= 0
         mine = want.gather(1, ids.clamp(min=0))
         diff = torch.where(valid, (lp - mine).abs(), torch.zeros_like(lp))
-        p = mine.exp() * valid
-        kl = (p * torch.where(valid, mine - lp, torch.zeros_like(lp))).sum(-1)
+        kl = torch.where(valid, _kl_terms(mine, torch.where(valid, lp, mine)), torch.zeros_like(lp)).sum(-1)
     diff = torch.nan_to_num(diff, nan=math.inf)
     return diff.max(dim=-1).values, kl
 

@@ -37,8 +37,18 @@ Pure Python: validation must not need torch. The layout is gptoss train's (PP x 
   the head's only on the last stage's rank. The estimate is that of the largest rank; `stages` lists
   every rank's.
 
+- checkpoint.async_save (train/async_save.py): a save's staged copy in host memory (`host_items`, not
+  counted against the GPU): what the checkpoint holds of the rank, its parameters' buffers (a LoRA run's
+  adapters) and its optimizer state, as the items above count them (DCP's stager copies whole storages, and
+  fp32 parameters are their own master weights: one copy). Kept from one save to the next; per host, times
+  the ranks on it. On the CPU (system.device=cpu) host memory is the device's.
+
 - GRPO (objective.kind=grpo, recipe/estimate/memory_rl.py): the rollout's KV cache with the gptoss engine, the
   vLLM engine's share of the GPU when it runs on the training GPUs, the KL reference of full fine-tuning.
+- DPO (objective.kind=dpo, recipe/estimate/memory_dpo.py): the frozen reference model of full fine-tuning with
+  dpo.reference=model.
+- Distillation (objective.kind=distill, recipe/estimate/memory_distill.py): a model teacher's parameters (its own
+  architecture, MXFP4 experts allowed) and forward, the teacher's top-K or hidden states of a microbatch, the loss chunk.
 
 Not included: the CUDA context, NCCL and allocator slack; the 90% warning leaves room for them.
 """
@@ -55,6 +65,8 @@ from gptoss_cli.model.loss_chunk import LM_LOSS_CHUNK_TOKENS as LM_LOSS_CHUNK
 from gptoss_cli.model.loss_chunk import lm_loss_chunk_tokens
 from gptoss_cli.model.pattern import ATTENTION, MLP, MOE, HybridPattern
 from gptoss_cli.model.recompute_plan import RecomputePlan
+from gptoss_cli.recipe.estimate.memory_dpo import dpo_items
+from gptoss_cli.recipe.estimate.memory_distill import distill_items
 from gptoss_cli.recipe.estimate.memory_rl import rl_items
 from gptoss_cli.recipe.estimate.parameters import ParamSpec, buffer_numel, lora_layout, parameter_layout
 from gptoss_cli.recipe.schema import RecipeConfig
@@ -175,6 +187,11 @@ class MemoryEstimate:
     pp_size: int = 1
     pipeline_rank: int = 0  # with PP > 1, the rank these items are of: the one that needs the most
     stages: list[dict[str, Any]] = field(default_factory=list)  # every pipeline rank: its stages, total
+    host_items: list[MemoryItem] = field(default_factory=list)  # per rank in host memory, not the GPU's
+
+    @property
+    def host_bytes(self) -> float:
+        return sum(it.bytes for it in self.host_items)
 
     @property
     def total_bytes(self) -> float:
@@ -196,7 +213,8 @@ class MemoryEstimate:
                if self.capacity_bytes else "")
         top = ", ".join(f"{it.label} {size_text(it.bytes)}" for it in self.biggest(3))
         where = f" (pipeline rank {self.pipeline_rank} of {self.pp_size}, the largest)" if self.pp_size > 1 else ""
-        return f"{size_text(self.total_bytes)} per GPU{where}{cap}; biggest: {top}"
+        host = "".join(f"; host memory per rank: {it.label} {size_text(it.bytes)}" for it in self.host_items)
+        return f"{size_text(self.total_bytes)} per GPU{where}{cap}; biggest: {top}{host}"
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -210,6 +228,8 @@ class MemoryEstimate:
             "items": [{**asdict(it), "gb": it.bytes / GB} for it in self.items],
             "notes": list(self.notes),
             "pp_size": self.pp_size, "pipeline_rank": self.pipeline_rank, "stages": list(self.stages),
+            "host_items": [{**asdict(it), "gb": it.bytes / GB} for it in self.host_items],
+            "host_gb": self.host_bytes / GB,
         }
 
 
@@ -414,10 +434,28 @@ def _rank_estimate(cfg: RecipeConfig, arch: GptOssArch, pattern: HybridPattern, 
     cap = GPU_MEMORY_GB.get(gpu)
     items += rl_items(cfg, arch, pattern, dp, b, cap * GB if cap else None, MemoryItem, notes,
                       rank_params=sum(p.numel for p in frozen_layout))
+    items += dpo_items(cfg, b, sum(p.numel for p in frozen_layout), MemoryItem)
+    items += distill_items(cfg, arch, t, b, ep, MemoryItem, notes, lambda a, nb: activation_bytes_per_token(a, nb, False))
     return MemoryEstimate(items=items, world_size=world_size, ep_size=ep, dp_size=dp, expert_dp_size=edp,
                           tokens_per_microbatch=t, buckets={"dense": dense_buckets, "expert": expert_buckets},
                           gpu=gpu, capacity_bytes=cap * GB if cap else None, notes=notes,
-                          pp_size=par.pipeline_model_parallel_size, pipeline_rank=view.rank)
+                          pp_size=par.pipeline_model_parallel_size, pipeline_rank=view.rank,
+                          host_items=_staged_items(cfg, items))
+
+
+def staged_checkpoint_bytes(items: list[MemoryItem]) -> float:
+    """What a rank's checkpoint holds, from its items: the trained parameters' buffers and the optimizer state."""
+    return sum(it.bytes for it in items if it.key == "params" or it.key.startswith("optimizer."))
+
+
+def _staged_items(cfg: RecipeConfig, items: list[MemoryItem]) -> list[MemoryItem]:
+    """checkpoint.async_save's staged copy (module docstring); none without it or without a checkpoint dir."""
+    if not (cfg.checkpoint.async_save and cfg.checkpoint.dir):
+        return []
+    staged = staged_checkpoint_bytes(items)
+    return [MemoryItem("host.checkpoint_staged", "async checkpoint's staged copy", staged,
+                       "parameters + optimizer state of the rank (as above)",
+                       "checkpoint.async_save=false; more GPUs (a smaller shard per rank)")]
 
 
 def _state_items(cfg: RecipeConfig, b: int, dense_n: int, expert_n: int, dense_shards: int,
@@ -446,4 +484,5 @@ def _state_items(cfg: RecipeConfig, b: int, dense_n: int, expert_n: int, dense_s
 
 
 __all__ = ["RankView", "GB", "size_text", "GPU_MEMORY_GB", "WARN_FRACTION", "ALIGN", "ParamSpec", "parameter_layout", "lora_layout", "buffer_numel",
-           "activation_bytes_per_token", "attention_core_bytes_per_token", "default_bucket_size", "MemoryItem", "MemoryEstimate", "estimate_memory"]
+           "activation_bytes_per_token", "attention_core_bytes_per_token", "default_bucket_size", "MemoryItem", "MemoryEstimate", "estimate_memory",
+           "staged_checkpoint_bytes"]

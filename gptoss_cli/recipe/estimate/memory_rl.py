@@ -12,6 +12,17 @@ sharing the training GPUs.
 - The vLLM engine on the training GPUs (rl.rollout.gpu_memory_utilization > 0) takes that share of each
   GPU's memory (vLLM's own setting: weights, its KV cache and activations inside it); it is counted
   when the GPU's capacity is known. Rollouts then decode in the engine, so there is no gptoss cache.
+- The rollout's expert routes (routing replay, docs/rl.md "Routing replay"), kept on the device with the
+  rollout's microbatches from the rollout to its last update: int16 ids [rows, training.seq_length, MoE
+  layers, k] for every completion of the rank's rollout (training.global_batch_size x rl.steps_per_rollout /
+  data-parallel size), recorded whenever the engine is gptoss (the flip rate is logged in every mode) or
+  rl.routing_replay=rollout; twice that under old_policy, whose scoring forward records the trainer's own ids
+  beside the engine's.
+- The trainer's log-probabilities rl.save_rollouts writes: with one step per rollout the step's own forward
+  computes them, and the objective keeps them ([rows, training.seq_length] fp32 for the rank's completions of
+  the rollout) until the rollout's file is written after the step; with several steps the rollout scores
+  them anyway. Rank 0 gathers the rollout's rows in host memory to write them, which the per-GPU estimate
+  does not count.
 - The KL term's reference (rl.kl_coeff > 0) under full fine-tuning is a second, frozen model
   (rl/reference.py): the rank's parameters once more in the parameters' dtype. Under LoRA it is the base
   with the adapters off, which costs nothing.
@@ -48,11 +59,49 @@ def rollout_rows(cfg: RecipeConfig, dp: int) -> int:
 def rl_items(cfg: RecipeConfig, arch: GptOssArch, pattern: HybridPattern, dp: int, b: int, capacity_bytes: float | None,
              item_type: ItemType[Item], notes: list[str], rank_params: int = 0) -> list[Item]:
     """The GRPO items (`item_type` is memory.MemoryItem) of one rank holding `rank_params` model parameters;
-    [] unless objective.kind=grpo."""
-    if cfg.objective.kind != "grpo":
+    [] unless the run samples rollouts (objective.kind=grpo, or distill with distill.on_policy)."""
+    if cfg.objective.kind != "grpo" and not (cfg.objective.kind == "distill" and cfg.distill.on_policy):
+        return []  # on-policy distillation samples with GRPO's rollouts
+    return (_reference_items(cfg, b, rank_params, item_type) + _routes_items(cfg, pattern, arch, dp, item_type)
+            + _saved_items(cfg, dp, item_type) + _rollout_items(cfg, arch, pattern, dp, b, capacity_bytes, item_type,
+                                                                  notes))
+
+
+ROUTE_ID_BYTES = 2  # int16 on the device (rl/routes.py, `rows_routes`)
+
+
+def routes_bytes(cfg, arch: GptOssArch, pattern: HybridPattern, dp: int) -> int:
+    """Bytes of the expert routes a rank keeps for one rollout (see the module docstring); 0 when none are kept."""
+    rl = cfg.rl
+    if rl.rollout.engine != "gptoss" and rl.routing_replay != "rollout":
+        return 0
+    copies = 2 if rl.routing_replay == "old_policy" and rl.steps_per_rollout > 1 else 1
+    rows = max(1, cfg.training.global_batch_size * rl.steps_per_rollout // max(dp, 1))
+    layers = pattern.layers.count("E")
+    return copies * rows * cfg.training.seq_length * layers * arch.num_experts_per_tok * ROUTE_ID_BYTES
+
+
+def _routes_items(cfg, pattern: HybridPattern, arch: GptOssArch, dp: int, item_type) -> list:
+    size = routes_bytes(cfg, arch, pattern, dp)
+    if not size:
         return []
-    return _reference_items(cfg, b, rank_params, item_type) + _rollout_items(cfg, arch, pattern, dp, b,
-                                                                             capacity_bytes, item_type, notes)
+    rows = max(1, cfg.training.global_batch_size * cfg.rl.steps_per_rollout // max(dp, 1))
+    return [item_type("rl.routes", "rollout expert routes (routing replay, routing_flip_rate)", size,
+                      f"{size // (rows * cfg.training.seq_length)} B x {rows} rows x {cfg.training.seq_length}",
+                      "rl.routing_replay=none with rl.rollout.engine=vllm keeps none")]
+
+
+LOGPROB_BYTES = 4  # fp32, as the rollout's other per-position tensors (rl/batch.py)
+
+
+def _saved_items(cfg: RecipeConfig, dp: int, item_type: ItemType[Item]) -> list[Item]:
+    rl = cfg.rl
+    if not rl.save_rollouts or rl.steps_per_rollout > 1:
+        return []
+    rows = max(1, cfg.training.global_batch_size // max(dp, 1))
+    size = rows * cfg.training.seq_length * LOGPROB_BYTES
+    return [item_type("rl.saved_logprobs", "trainer log-probs kept for the rollout file (rl.save_rollouts)", size,
+                      f"{LOGPROB_BYTES} B x {rows} rows x {cfg.training.seq_length}", "rl.save_rollouts=false")]
 
 
 def _reference_items(cfg: RecipeConfig, b: int, rank_params: int, item_type: ItemType[Item]) -> list[Item]:
@@ -86,4 +135,4 @@ def _rollout_items(cfg: RecipeConfig, arch: GptOssArch, pattern: HybridPattern, 
                       f"{arch.sliding_window})", "rl.rollout.batch_size; training.seq_length; rl.max_new_tokens")]
 
 
-__all__ = ["kv_cache_bytes", "rollout_rows", "rl_items"]
+__all__ = ["kv_cache_bytes", "rollout_rows", "rl_items", "routes_bytes"]

@@ -3,7 +3,7 @@
 `core.py` holds the machinery (findings, the `rule` decorator, the context); each other module
 registers the rules of one area, in the order they run: field bounds (the gate), the model,
 parallel arithmetic and MoE, EP overlap, CUDA graphs and recompute, precision, training, LoRA, the
-end-of-run serve check, reinforcement learning (GRPO), memory per GPU, and the table of options gptoss does not implement yet.
+end-of-run serve check, reinforcement learning (GRPO), preference tuning (DPO), distillation, memory per GPU, and the table of options gptoss does not implement yet.
 """
 
 from gptoss_cli.recipe.rules.core import (  # noqa: F401
@@ -14,6 +14,8 @@ from gptoss_cli.recipe.rules import fields, model, parallel, overlap, graphs, pr
 from gptoss_cli.recipe.rules import lora  # noqa: F401,E402
 from gptoss_cli.recipe.rules import serve_check  # noqa: F401,E402
 from gptoss_cli.recipe.rules import rl  # noqa: F401,E402
+from gptoss_cli.recipe.rules import dpo  # noqa: F401,E402
+from gptoss_cli.recipe.rules import distill  # noqa: F401,E402
 from gptoss_cli.recipe.rules import memory  # noqa: F401,E402
 from gptoss_cli.recipe.rules import unsupported  # noqa: F401,E402  (registers last: unsupported.* after semantics)
 

@@ -178,23 +178,27 @@ def _longest_document(path: str) -> tuple[int, int, str] | None:
     return int(lengths.max()), int(lengths.argmax()), str(idx_path)
 
 
-@rule("checkpoint.settings", "save_interval and keep_last need a checkpoint dir; at launch, pretrained weights "
-      "exist and their architecture is the recipe's",
-      fix="set checkpoint.dir (or checkpoint.save_interval=null, checkpoint.keep_last=null); checkpoint.pretrained "
-          "must exist (a `gptoss convert` output) and match model.*")
+@rule("checkpoint.settings", "without a checkpoint dir no checkpoint is saved (save_interval, keep_last and "
+      "keep_every have nothing to act on: a warning); at launch, pretrained weights exist and their architecture is "
+      "the recipe's",
+      fix="checkpoint.dir=null turns checkpoints off; set checkpoint.dir to save them. checkpoint.pretrained must "
+          "exist (`gptoss make-tiny` for the tiny preset, else a `gptoss convert` output) and match model.*",
+      severities=(ERROR, WARNING))
 def checkpoint_settings(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
     c, out = cfg.checkpoint, []
-    for name in ("save_interval", "keep_last"):
-        if getattr(c, name) is not None and not c.dir:
-            out.append(error({f"checkpoint.{name}": getattr(c, name), "checkpoint.dir": None},
-                             f"checkpoint.{name} is set but there is no checkpoint directory",
-                             f"set checkpoint.dir, or checkpoint.{name}=null"))
+    moot = {f"checkpoint.{name}": getattr(c, name) for name in ("save_interval", "keep_last", "keep_every")
+            if getattr(c, name) is not None}
+    if moot and not c.dir:
+        out.append(warning({**moot, "checkpoint.dir": None},
+                           f"checkpoint.dir is null: this run saves no checkpoint ({', '.join(moot)} "
+                           f"{'has' if len(moot) == 1 else 'have'} nothing to act on)",
+                           "set checkpoint.dir to save checkpoints"))
     if ctx.check_paths and c.pretrained:
-        out += _pretrained_problems(c.pretrained, ctx)
+        out += _pretrained_problems(c.pretrained, ctx, tiny=cfg.model.preset == "tiny")
     return out
 
 
-def _pretrained_problems(pretrained: str, ctx: Context) -> list[Finding]:
+def _pretrained_problems(pretrained: str, ctx: Context, tiny: bool = False) -> list[Finding]:
     """The pretrained weights exist (else bad input) and hold the recipe's architecture: a mismatch
     would otherwise surface in every worker as a shape error after the launch."""
     from pathlib import Path  # noqa: PLC0415
@@ -207,8 +211,10 @@ def _pretrained_problems(pretrained: str, ctx: Context) -> list[Finding]:
     except (OSError, ValueError):  # a name the file system cannot hold
         exists = False
     if not exists:
+        make = (f"create them with `gptoss make-tiny {pretrained}`" if tiny
+                else "convert them first (`gptoss convert`)")
         return [error({"checkpoint.pretrained": pretrained}, f"pretrained weights {pretrained!r} do not exist",
-                      "convert them first (`gptoss convert`) or fix the path", bad_input=True)]
+                      f"{make}, or fix the path", bad_input=True)]
     try:
         arch, _ = architecture_from_checkpoint(pretrained)
     except GptossError:  # a kind the recipe reader does not know: the loader in the workers judges it
@@ -233,6 +239,38 @@ def checkpoint_retention(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
         return [warning({"checkpoint.keep_every": c.keep_every, "checkpoint.keep_last": None},
                         "checkpoint.keep_every without keep_last: every checkpoint is kept anyway")]
     return []
+
+
+@rule("checkpoint.async_save", "checkpoint.async_save saves into checkpoint.dir (without one it has nothing to do: "
+      "a warning); its staged copy is host memory, which the memory estimate counts per rank",
+      fix="set checkpoint.dir, or checkpoint.async_save=false", severities=(WARNING,))
+def checkpoint_async_save(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
+    c = cfg.checkpoint
+    if c.async_save and not c.dir:
+        return [warning({"checkpoint.async_save": True, "checkpoint.dir": None},
+                        "checkpoint.async_save without checkpoint.dir: this run saves no checkpoint")]
+    return []
+
+
+@rule("checkpoint.save_on_signal", "checkpoint.save_on_signal saves into checkpoint.dir (without one a signal stops "
+      "the run at once, as without the field: a warning); under GRPO a signal inside a rollout of "
+      "rl.steps_per_rollout steps trains to the rollout's end before the save (a warning: the scheduler's grace "
+      "period must cover those steps)",
+      fix="set checkpoint.dir; with GRPO, rl.steps_per_rollout=1 saves after the step the signal arrives in",
+      severities=(WARNING,))
+def checkpoint_save_on_signal(cfg: RecipeConfig, ctx: Context) -> list[Finding]:
+    c, out = cfg.checkpoint, []
+    if not c.save_on_signal:
+        return out
+    if not c.dir:
+        out.append(warning({"checkpoint.save_on_signal": True, "checkpoint.dir": None},
+                           "checkpoint.save_on_signal without checkpoint.dir: a signal stops the run at once and "
+                           "nothing is saved"))
+    elif cfg.objective.kind == "grpo" and cfg.rl.steps_per_rollout > 1:
+        out.append(warning({"checkpoint.save_on_signal": True, "rl.steps_per_rollout": cfg.rl.steps_per_rollout},
+                           f"a signal inside a rollout trains up to {cfg.rl.steps_per_rollout - 1} more steps (to the "
+                           "rollout's end, where GRPO checkpoints fall) before the save"))
+    return out
 
 
 @rule("system.backend", "the distributed backend suits the device (nccl needs cuda)",

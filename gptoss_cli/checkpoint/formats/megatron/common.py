@@ -45,11 +45,29 @@ def _opaque_class(module: str, name: str) -> type:
     return type(f"Opaque[{module}.{name}]", (Opaque,), {"__module__": __name__})
 
 
+# common.pt's pickle holds `args` and a few counters (tensors are separate entries of the zip): bounded so that
+# a zip entry inflating to gigabytes is refused, not decompressed into memory
+MAX_COMMON_PICKLE_BYTES = 64 << 20
+# containers a pickle may build by calling their type (list(range(10**12)) would allocate without end)
+_MAX_ITEMS = 1 << 22
+
+
+def _bounded(kind: type) -> Any:
+    def make(*args: Any) -> Any:
+        first = args[0] if args else ()
+        n = first if isinstance(first, int) else len(first) if hasattr(first, "__len__") else None
+        if n is None or n > _MAX_ITEMS:
+            raise pickle.UnpicklingError(f"refusing to build a {kind.__name__} of {n if n is not None else 'unknown'} "
+                                         "items")
+        return kind(*args)
+    return make
+
+
 _COMMON_ALLOWED: dict[tuple[str, str], Any] = {
     ("argparse", "Namespace"): argparse.Namespace,
     ("collections", "OrderedDict"): collections.OrderedDict,
-    **{("builtins", n): getattr(builtins, n)
-       for n in ("set", "frozenset", "slice", "range", "complex", "bytearray", "list", "dict", "tuple")},
+    **{("builtins", n): getattr(builtins, n) for n in ("slice", "range", "complex")},
+    **{("builtins", n): _bounded(getattr(builtins, n)) for n in ("set", "frozenset", "bytearray", "list", "dict", "tuple")},
 }
 
 
@@ -70,6 +88,10 @@ def load_common(path: Path) -> dict:
             pkl = [n for n in zf.namelist() if n.endswith("/data.pkl") or n == "data.pkl"]
             if not pkl:
                 raise CheckpointError(f"{path}: not a torch.save archive (no data.pkl)")
+            size = zf.getinfo(pkl[0]).file_size  # what it inflates to: a few KB of args, never gigabytes
+            if size > MAX_COMMON_PICKLE_BYTES:
+                raise CheckpointError(f"{path}: its {pkl[0]} inflates to {size} bytes; Megatron's common state is "
+                                      f"a few KB (at most {MAX_COMMON_PICKLE_BYTES} are read)")
             data = _CommonUnpickler(io.BytesIO(zf.read(pkl[0]))).load()
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing; the Megatron checkpoint is incomplete") from None

@@ -12,6 +12,7 @@ from typing import Callable, ClassVar, Iterator
 import torch
 
 from gptoss_cli import outputs
+from gptoss_cli.checkpoint.formats.peft.base_id import base_model_id
 from gptoss_cli.checkpoint.formats.peft.adapter import (
     ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_config, adapter_config_text, peft_block_tensors,
 )
@@ -85,7 +86,7 @@ class ToPeft(ConvertPlan):
     def write_files(self, folder: Path, provenance: dict) -> None:
         lora = self.source.lora
         config = adapter_config(rank=int(lora["rank"]), alpha=float(lora["alpha"]), dropout=float(lora.get("dropout", 0.0)),
-                                target_modules=self.targets, base_model=lora["base"]["path"])
+                                target_modules=self.targets, base_model=base_model_id(lora["base"]["path"]))
         outputs.write_text(folder / ADAPTER_CONFIG, adapter_config_text(config))
 
 

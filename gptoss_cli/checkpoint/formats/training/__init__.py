@@ -40,7 +40,7 @@ def architecture(root: Path, options: OpenOptions | None = None) -> tuple[GptOss
 def open_training(src: str, root: Path, revision: str | None, options: OpenOptions) -> Source:
     """The iter_* folder `root` is or `latest` names, read as the options say. Nothing is written into it."""
     from gptoss_cli.checkpoint.formats.registry import Source, expert_dtype_form  # noqa: PLC0415
-    from gptoss_cli.checkpoint.formats.training.readers import Mxfp4QatReader, merged_with_base  # noqa: PLC0415
+    from gptoss_cli.checkpoint.formats.training.readers import Mxfp4QatReader, check_group, merged_with_base  # noqa: PLC0415
     from gptoss_cli.checkpoint.storage.dcp_io import DcpReader  # noqa: PLC0415 (imports torch)
 
     weights = options.weights or MODEL
@@ -55,6 +55,8 @@ def open_training(src: str, root: Path, revision: str | None, options: OpenOptio
         prefix, suffix = f"{OPTIMIZER}.", f".{MASTER}"
         reader = DcpReader(folder, lambda n: optimizer_key(n, MASTER),
                            lambda k: k[len(prefix):-len(suffix)] if k.startswith(prefix) and k.endswith(suffix) else None)
+    if run.lora is None:  # a LoRA run's group holds its adapters: check_lora_record below checks those
+        check_group(reader, run, folder, weights)
     # Tokenizer files come from the weights the run started from, when that folder is still there.
     extras = Path(run.pretrained) if run.pretrained and Path(run.pretrained).is_dir() else folder
     if run.lora is not None:

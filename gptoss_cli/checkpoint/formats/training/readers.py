@@ -19,7 +19,7 @@ import torch
 
 from gptoss_cli.checkpoint.formats.hf.layouts import Layout
 from gptoss_cli.checkpoint.formats.registry import check_tensors
-from gptoss_cli.checkpoint.formats.training.record import TRAIN_STATE, check_base
+from gptoss_cli.checkpoint.formats.training.record import MASTER, MODEL, TRAIN_STATE, check_base, model_key, optimizer_key
 from gptoss_cli.checkpoint.mapping import Unit, hybrid_shapes, identity, units
 from gptoss_cli.checkpoint.storage.dcp_io import SpecReader
 from gptoss_cli.checkpoint.storage.safetensors_io import TensorSpec
@@ -180,4 +180,35 @@ class Mxfp4QatReader:
         return round_to_mxfp4(t)
 
 
-__all__ = ["HfHybridView", "LoraMergedReader", "Mxfp4QatReader", "adapter_names", "merged_with_base"]
+
+def check_group(reader, run, folder: Path, weights: str) -> None:
+    """Every tensor the recorded architecture has is in the group `--weights` reads, at its shape: a
+    checkpoint whose metadata lacks some (master copies a run never saved, a damaged `.metadata`) is one
+    line naming the first, before anything is read or written."""
+    from gptoss_cli.checkpoint.mapping import VOCAB_PADDED_HYBRID  # noqa: PLC0415
+
+    key = model_key if weights == MODEL else (lambda n: optimizer_key(n, MASTER))
+    try:
+        names = set(reader.names())
+        expected = hybrid_shapes(run.arch)
+        missing = [n for n in expected if n not in names]
+        if missing:
+            more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+            raise CheckpointError(
+                f"{folder}: its DCP metadata has no tensor {key(missing[0])!r}{more}, which the recorded architecture "
+                f"needs (--weights {weights})",
+                hint="the checkpoint is incomplete or damaged; use an earlier iter_* folder"
+                + (", or --weights model" if weights == MASTER else ""))
+        for name, shape in expected.items():
+            stored = tuple(reader.shape(name))
+            padded = name in VOCAB_PADDED_HYBRID and stored[1:] == shape[1:] and stored[0] >= shape[0]
+            if stored != tuple(shape) and not padded:
+                raise CheckpointError(f"{folder}: tensor {key(name)!r} has shape {list(stored)} in the DCP metadata, "
+                                      f"the recorded architecture gives it {list(shape)}",
+                                      hint="train_state.json's run record does not describe these tensors")
+    except BaseException:
+        reader.close()
+        raise
+
+
+__all__ = ["HfHybridView", "LoraMergedReader", "Mxfp4QatReader", "adapter_names", "check_group", "merged_with_base"]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from typing import Any
 
 from gptoss_cli.checkpoint.formats.hybrid.config import check_stored_pattern
 from gptoss_cli.errors import CheckpointError, ConfigError
+from gptoss_cli.model.catalog import TARGET_MODULES
 from gptoss_cli.json_input import parse_json
 from gptoss_cli.limits import INT32_MAX
 from gptoss_cli.model.config import GptOssArch
@@ -278,6 +280,10 @@ def check_train_state(path: Path, data: dict[str, Any]) -> None:
             shown = "missing" if key not in data else f"{value!r}"[:40]
             raise CheckpointError(f"{path}: {key} is {shown}; a gptoss train state has an integer in [{low}, {high}]",
                                   hint="the file was edited or is not from gptoss train; resume from another iter_* folder")
+    bad = non_finite_field(data)
+    if bad is not None:
+        raise CheckpointError(f"{path}: {bad} is not a finite number (NaN or infinity)",
+                              hint="the file was edited or is not from gptoss train; resume from another iter_* folder")
     for key, kind in _TYPED.items():
         if data.get(key) is not None and not isinstance(data[key], kind):
             raise CheckpointError(f"{path}: {key} must be a JSON {'object' if kind is dict else 'string'}, "
@@ -338,15 +344,50 @@ def _qat_of(run: dict[str, Any], path: Path) -> str:
     return qat
 
 
+# run.lora's numbers, as a recipe bounds them (recipe/schema.py LoraConfig): (lowest, lowest allowed, highest).
+# An export writes them (adapter_config.json's r, lora_alpha, lora_dropout) and a merge scales by alpha / rank.
+_LORA_NUMBERS = {"rank": (1, True, INT32_MAX), "alpha": (0.0, False, None), "dropout": (0.0, True, 1.0)}
+
+
 def _lora_record(lora: Any, path: Path) -> dict[str, Any] | None:
     if lora is None:
         return None
-    ok = (isinstance(lora, dict) and isinstance(lora.get("rank"), int) and lora["rank"] >= 1
-          and isinstance(lora.get("alpha"), (int, float)) and isinstance(lora.get("target_modules"), list)
-          and isinstance(lora.get("base"), dict) and isinstance(lora["base"].get("sha256"), str))
+    ok = (isinstance(lora, dict) and isinstance(lora.get("target_modules"), list)
+          and all(t in TARGET_MODULES for t in lora["target_modules"])
+          and isinstance(lora.get("base"), dict) and isinstance(lora["base"].get("sha256"), str)
+          and isinstance(lora["base"].get("path"), str) and lora.get("base_experts", "bf16") in ("bf16", "mxfp4"))
     if not ok:
-        raise CheckpointError(f"{path}: run.lora is not a LoRA record (rank, alpha, target_modules, base)")
+        raise CheckpointError(f"{path}: run.lora is not a LoRA record (rank, alpha, target_modules among "
+                              f"{list(TARGET_MODULES)}, base with path and sha256)")
+    for key, (low, inclusive, high) in _LORA_NUMBERS.items():
+        value = lora.get(key, 0.0 if key == "dropout" else None)
+        number = isinstance(value, (int, float)) and not isinstance(value, bool) and (key != "rank" or isinstance(value, int))
+        if not number or not math.isfinite(value) or (value < low if inclusive else value <= low) or \
+                (high is not None and value > high):
+            bound = f"{'>=' if inclusive else '>'} {low:g}" + (f" and <= {high:g}" if high is not None else "")
+            kind = "an integer" if key == "rank" else "a finite number"
+            raise CheckpointError(f"{path}: run.lora.{key} is {value!r:.40}; a LoRA record holds {kind} {bound}",
+                                  hint="the file was edited or is not from gptoss train")
     return lora
+
+
+def non_finite_field(value: Any, where: str = "") -> str | None:
+    """The dotted name of the first NaN or infinite number in a JSON value, or None: JSON has no such
+    numbers, Python's reader accepts them, and no field of a gptoss record may hold one."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return where or "(the document)"
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, list):
+        items = ((f"[{i}]", v) for i, v in enumerate(value))
+    else:
+        return None
+    for key, item in items:
+        name = f"{where}{key}" if str(key).startswith("[") else (f"{where}.{key}" if where else str(key))
+        found = non_finite_field(item, name)
+        if found is not None:
+            return found
+    return None
 
 
 def looks_like_training_checkpoint(path: Path) -> bool:
@@ -382,5 +423,5 @@ __all__ = [
     "LATEST", "TRAIN_STATE", "MODEL", "OPTIMIZER", "RNG", "MASTER", "ITER_NAME", "PARTIAL_NAME",
     "WEIGHT_SOURCES", "TrainingRun", "iter_name", "model_key", "optimizer_key", "latest_name", "latest_checkpoint",
     "run_record", "base_fingerprint", "hash_base_files", "base_hash_cache", "check_base", "require_same_base",
-    "read_train_state", "check_train_state", "read_training_run", "looks_like_training_checkpoint", "find_checkpoint_folder",
+    "read_train_state", "check_train_state", "non_finite_field", "read_training_run", "looks_like_training_checkpoint", "find_checkpoint_folder",
 ]

@@ -1,0 +1,188 @@
+"""`prepare-data --format preference`: render preference pairs into a version-2 token file of paired documents.
+
+Each row (data/rows.py: a JSONL line, a Parquet or Arrow row, from files, dataset folders or Hub-cache ids)
+is a pair (data/preference.py) and becomes two documents, the chosen side then the rejected side, each
+with its loss mask on what the assistant writes: documents 2i and 2i+1 are pair i. The header says
+`"kind": "preference"` (data/token_format.py), which is what makes training read the file as pairs
+(gptoss_cli/preference/data.py): a pair is packed into one row as a unit, so both sides always sit in the
+same microbatch on the same rank. --max-length bounds a pair (both sides together, what one row must hold);
+a longer pair is dropped and counted, never cut. A row that does not parse or fails a pair check is an
+error naming its file and row, or with errors="skip" counted and left out. Nothing appears under the final
+names unless every row rendered (or was skipped); the header OUT.json is written last.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from gptoss_cli import outputs
+from gptoss_cli.data.harmony import ANALYSIS_MODES, ConversationError, HarmonyTokenizer
+from gptoss_cli.data.packing import pack_documents, packing_efficiency
+from gptoss_cli.data.preference import PREFERENCE_KIND, parse_pair, render_pairs
+from gptoss_cli.data.prepare.result import PrepareResult
+from gptoss_cli.data.prepare.text import DECODE_ERRORS, open_tokenizer, prepare_outputs, to_bytes
+from gptoss_cli.data.rows import BATCH_ROWS, Row, iter_rows, resolve_inputs
+from gptoss_cli.data.token_format import (
+    INDEX_DTYPE, commit_token_set, document_file_paths, token_dtype_for, token_file_paths, token_header,
+)
+from gptoss_cli.errors import UsageError, file_system_error
+from gptoss_cli.limits import INT32_MAX
+
+ROW_ERRORS = DECODE_ERRORS + ("skip",)
+MAX_REPORTED = 20
+
+
+class _PairWriter:
+    """Appends both sides of each pair to the temporary token and mask files; counts what it keeps and drops."""
+
+    def __init__(self, fb: Any, fm: Any, dtype: str, max_length: int | None, errors: str):
+        self.fb, self.fm, self.dtype, self.max_length, self.errors = fb, fm, dtype, max_length, errors
+        self.offsets, self.pair_lengths = [0], []
+        self.num_loss = self.num_dropped = self.num_skipped = 0
+        self.skipped: list[str] = []
+
+    def skip(self, where: str, why: str) -> None:
+        if self.errors != "skip":
+            raise UsageError(f"{where}: {why}",
+                             hint="fix the row, or pass --errors skip to leave such rows out (and count them)")
+        self.num_skipped += 1
+        if len(self.skipped) < MAX_REPORTED:
+            self.skipped.append(f"{where}: {why}")
+
+    def batch(self, rows: list[Row], tok: HarmonyTokenizer, analysis: str) -> None:
+        parsed = []
+        for row in rows:
+            if row.error is not None:
+                self.skip(row.where, row.error)
+            elif row.value is not None:
+                try:
+                    parsed.append((row.where, parse_pair(row.value)))
+                except ConversationError as exc:
+                    self.skip(row.where, str(exc))
+        for (where, _), pair in zip(parsed, render_pairs([p for _, p in parsed], tok, analysis=analysis)):
+            if isinstance(pair, ConversationError):
+                self.skip(where, str(pair))
+                continue
+            n = len(pair.chosen.ids) + len(pair.rejected.ids)
+            if self.max_length is not None and n > self.max_length:
+                self.num_dropped += 1
+                continue
+            for doc in (pair.chosen, pair.rejected):
+                self.fb.write(to_bytes(doc.ids, self.dtype))
+                self.fm.write(bytes(doc.mask))
+                self.offsets.append(self.offsets[-1] + len(doc.ids))
+                self.num_loss += sum(doc.mask)
+            self.pair_lengths.append(n)
+
+
+def _check_options(analysis: str, max_length: int | None, seq_length: int | None, errors: str) -> int | None:
+    if analysis not in ANALYSIS_MODES:
+        raise UsageError(f"--analysis {analysis!r} is not one of {', '.join(ANALYSIS_MODES)}")
+    if errors not in ROW_ERRORS:
+        raise UsageError(f"--errors {errors!r} is not one of {', '.join(ROW_ERRORS)}")
+    for name, value in (("--max-length", max_length), ("--seq-length", seq_length)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 4 <= value <= INT32_MAX):
+            raise UsageError(f"{name} {value!r} must be at least 4 tokens (two sides of two) and at most {INT32_MAX}")
+    if max_length is None:
+        return seq_length  # a pair longer than a row could never be trained whole
+    if seq_length is not None and max_length > seq_length:
+        raise UsageError(f"--max-length {max_length} is longer than --seq-length {seq_length}: such pairs would fit "
+                         "no training row", hint="leave --max-length out, or make it at most --seq-length")
+    return max_length
+
+
+def prepare_preference(
+    inputs: list[Path | str],
+    out: Path,
+    tokenizer: Path,
+    *,
+    analysis: str = "keep",
+    max_length: int | None = None,
+    seq_length: int | None = None,
+    errors: str = "strict",
+    split: str | None = None,
+    batch_rows: int = BATCH_ROWS,
+    progress: Callable[[int, int], None] | None = None,
+) -> PrepareResult:
+    """Render the pairs of `inputs` into OUT.bin, OUT.idx, OUT.mask and OUT.json (version 2, kind preference).
+
+    max_length: pairs whose two sides together are longer are dropped and counted; defaults to seq_length,
+    the training row length the packing report is for. errors: strict, replace (invalid UTF-8 as U+FFFD)
+    or skip (rows that do not parse or fail a pair check are counted and left out)."""
+    max_length = _check_options(analysis, max_length, seq_length, errors)
+    files = resolve_inputs(list(inputs), split)
+    tok, tok_file = open_tokenizer(tokenizer)
+    try:
+        harmony_tok = HarmonyTokenizer(tok, str(tok_file))
+    except ConversationError as exc:
+        raise UsageError(str(exc), hint="use the checkpoint's own tokenizer.json") from None
+    vocab_size = tok.get_vocab_size(with_added_tokens=True)
+    dtype_name = token_dtype_for(vocab_size)
+    bin_path, header_path = token_file_paths(out)
+    idx_path, mask_path = document_file_paths(out)
+    prepare_outputs(out, [bin_path, idx_path, mask_path, header_path], [f.path for f in files] + [tok_file])
+    tmp_bin, tmp_mask, tmp_idx = (outputs.temp_path(p, outputs.TMP) for p in (bin_path, mask_path, idx_path))
+    total_bytes, done_bytes = sum(f.path.stat().st_size for f in files), 0
+    rendering = {"analysis": analysis, "train_on": "last", "max_length": max_length}
+    try:
+        with outputs.naming(tmp_bin), tmp_bin.open("wb") as fb, tmp_mask.open("wb") as fm:
+            w = _PairWriter(fb, fm, dtype_name, max_length, errors)
+            for rows in iter_rows(files, errors, batch_rows):
+                w.batch(rows, harmony_tok, analysis)
+                done_bytes += sum(r.nbytes for r in rows)
+                if progress:
+                    progress(min(done_bytes, total_bytes), total_bytes)
+        if not w.pair_lengths:
+            names = [str(p) for p in inputs]
+            if w.num_dropped:
+                raise UsageError(f"all {w.num_dropped} pairs in {names} are longer than --max-length {max_length} "
+                                 "(both sides together)", hint="raise --max-length / --seq-length")
+            raise UsageError(f"no preference pairs found in {names}"
+                             + (f" ({w.num_skipped} rows skipped: {w.skipped[0]})" if w.num_skipped else ""))
+        packing = None
+        if seq_length is not None:
+            rows_ = pack_documents(w.pair_lengths, seq_length)
+            packing = {"seq_length": seq_length, "rows": len(rows_),
+                       "efficiency": round(packing_efficiency(w.pair_lengths, rows_, seq_length), 6)}
+        lengths = np.diff(np.asarray(w.offsets))
+        documents = {"loss_mask": True, "kind": PREFERENCE_KIND, "num_loss_tokens": w.num_loss,
+                     "max_document_length": int(lengths.max()), "num_dropped": w.num_dropped,
+                     "num_skipped": w.num_skipped, "rendering": rendering, "packing": packing}
+        sources = [str(p) for p in inputs]
+        header = token_header(dtype=dtype_name, num_tokens=w.offsets[-1], num_documents=len(w.offsets) - 1,
+                              vocab_size=vocab_size, eos_token_id=None, tokenizer=str(tok_file), sources=sources,
+                              documents=documents)
+        with outputs.naming(idx_path):
+            tmp_idx.write_bytes(np.asarray(w.offsets, dtype=INDEX_DTYPE).tobytes())
+        commit_token_set([(tmp_bin, bin_path), (tmp_mask, mask_path), (tmp_idx, idx_path)], header_path, header)
+    except OSError as exc:
+        raise file_system_error(exc, f"writing {bin_path} failed") from None
+    finally:
+        for tmp in (tmp_bin, tmp_mask, tmp_idx):
+            tmp.unlink(missing_ok=True)
+    details = {"index_path": str(idx_path), "mask_path": str(mask_path), "num_pairs": len(w.pair_lengths),
+               "num_loss_tokens": w.num_loss, "num_dropped": w.num_dropped, "max_pair_length": max(w.pair_lengths),
+               "rendering": rendering, "packing": packing}
+    return PrepareResult(
+        "preference", str(bin_path), str(header_path), [str(bin_path), str(idx_path), str(mask_path), str(header_path)],
+        w.offsets[-1], len(w.offsets) - 1, dtype_name, vocab_size, sources, details=details,
+        summary=_summary(w, rendering, packing), num_skipped=w.num_skipped, skipped=w.skipped)
+
+
+def _summary(w: _PairWriter, rendering: dict[str, Any], packing: dict[str, Any] | None) -> list[tuple[str, str]]:
+    rows = [("pairs", f"{len(w.pair_lengths):,} (longest {max(w.pair_lengths):,} tokens, both sides)"),
+            ("trained tokens", f"{w.num_loss:,} ({w.num_loss / w.offsets[-1]:.1%})"),
+            ("dropped", f"{w.num_dropped:,} (max length {rendering['max_length'] or 'none'}, both sides)")]
+    if w.num_skipped:
+        rows.append(("skipped rows", f"{w.num_skipped:,} (--errors skip)"))
+    rows.append(("rendering", f"analysis {rendering['analysis']}, the reply after the prompt trained"))
+    if packing:
+        rows.append(("packing", f"{packing['efficiency']:.2%} of {packing['rows']:,} rows of "
+                                f"{packing['seq_length']:,} tokens, a pair at a time"))
+    return rows
+
+
+__all__ = ["prepare_preference"]
