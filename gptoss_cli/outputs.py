@@ -191,6 +191,16 @@ def check_destination(dst: Path, force: bool) -> None:
         raise UsageError(f"{dst}: DST exists and is not empty", hint="pass --force to replace it")
 
 
+def check_file_destination(dst: Path, force: bool) -> None:
+    """DST, a file to be written (a GGUF), may be absent; an existing file only with --force (the format's
+    `replaceable` then says whether it is one gptoss may replace); never a folder."""
+    check_writable_location(dst, "DST")
+    if dst.is_dir():
+        raise UsageError(f"{dst}: DST is a folder; this output is one file", hint="name the file to write")
+    if os.path.lexists(dst) and not force:
+        raise UsageError(f"{dst}: DST exists", hint="pass --force to replace it")
+
+
 def check_replaceable(dst: Path, config_name: str, is_ours, kind: str, extra_files: tuple[str, ...] = ()) -> None:
     """--force replaces only an empty folder or a previous gptoss output of the same kind.
 
@@ -311,6 +321,13 @@ def commit(tmp: Path, dst: Path) -> None:
     os.rename(dst, old)
     os.rename(tmp, dst)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def commit_file(tmp_file: Path, dst: Path, tmp_folder: Path) -> None:
+    """Put the finished file `tmp_file` (inside this process's temporary folder `tmp_folder`, next to DST) in place
+    of `dst` in one rename, then remove the folder; a kill between leaves the folder, which `recover` removes."""
+    os.replace(tmp_file, dst)
+    shutil.rmtree(tmp_folder, ignore_errors=True)
 
 
 class FolderLock:

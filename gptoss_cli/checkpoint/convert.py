@@ -31,14 +31,14 @@ from gptoss_cli.checkpoint.storage.pipeline import Pipeline, StageClock, torch_t
 from gptoss_cli.checkpoint.storage.torch_bytes import signals_deferred
 from gptoss_cli.errors import UsageError
 from gptoss_cli.model.config import GptOssArch
-from gptoss_cli.model.dtypes import dtype_name, torch_dtype
+from gptoss_cli.model.dtypes import torch_dtype
 from gptoss_cli.resources import peak_rss_bytes
 
 OUTPUT_DTYPES = ("bfloat16", "float32", "bf16", "fp32")
 EXPERT_FORMS = ("bf16", "mxfp4")
 # convert's options that only some outputs take (`Format.writer_options`), and what to say when misused
-WRITER_OPTIONS = {"experts": "--experts applies to HF output only; Hybrid, Megatron and PEFT outputs hold "
-                             "bf16/fp32 experts or none",
+WRITER_OPTIONS = {"experts": "--experts applies to HF and GGUF outputs only; Hybrid, Megatron and PEFT outputs "
+                             "hold bf16/fp32 experts or none",
                   "vocab_multiple": "--vocab-multiple applies to --to megatron only"}
 
 
@@ -143,12 +143,18 @@ def convert(
     (Megatron sources only): an HF config.json (or its folder) or a preset name giving the architecture
     that the checkpoint's args cannot say."""
     t0 = time.perf_counter()
-    out_dtype = parse_dtype(dtype)
     dst = Path(dst).expanduser()
-    asked = _check_options(to, experts, vocab_multiple, max_shard_bytes)
+    asked = _check_options(to, experts, vocab_multiple, max_shard_bytes, dst)
+    to = asked.name if asked is not None else None  # DST.gguf names its format
+    out_dtype = dtype if asked is not None and asked.dtypes else parse_dtype(dtype)
+    if asked is not None and asked.dtypes and dtype not in asked.dtypes + OUTPUT_DTYPES + ("float16", "fp16"):
+        raise UsageError(f"--dtype {dtype!r} is not one of {', '.join(asked.dtypes)} for {asked.title} output")
     # First, what killed runs left for DST: a stranded old DST goes back in place before DST is judged.
     notes = outputs.recover(dst)
-    outputs.check_destination(dst, force)
+    if asked is not None and asked.file_suffix:
+        outputs.check_file_destination(dst, force)
+    else:
+        outputs.check_destination(dst, force)
     source = open_source(str(src), revision, weights=weights, adapters_only=bool(asked and asked.reads_adapters),
                          arch_from=read_arch_from(arch_from))
     try:
@@ -170,7 +176,10 @@ def convert(
         with outputs.removed_on_error(tmp, dst):
             run = _write(plan, source, finite, tmp, dst, provenance, progress=progress, max_shard_bytes=max_shard_bytes,
                          chunk_bytes=chunk_bytes, concurrent_reads=concurrent_reads)
-            outputs.commit(tmp, dst)
+            if target.file_suffix:  # one file: it was written inside tmp under the plan's name
+                outputs.commit_file(tmp / plan.file_name, dst, tmp)
+            else:
+                outputs.commit(tmp, dst)
     finally:
         source.close()
     result = _result(plan, source, target, run, src=str(src), dst=dst, revision=revision, t0=t0,
@@ -185,11 +194,18 @@ def convert(
     return result
 
 
-def _check_options(to: str | None, experts: str | None, vocab_multiple: int | None, max_shard_bytes: int) -> Format | None:
-    """Options checked before anything is opened; the output format `to` names, if any."""
-    if experts is not None and experts not in EXPERT_FORMS:
-        raise UsageError(f"--experts {experts!r} is not supported; use bf16 or mxfp4")
+def _check_options(to: str | None, experts: str | None, vocab_multiple: int | None, max_shard_bytes: int,
+                   dst: Path) -> Format | None:
+    """Options checked before anything is opened; the output format `to` names (or DST's suffix), if any."""
+    if to is None:  # DST.gguf: the one format written as a file of that suffix
+        to = next((f.name for f in formats.FORMATS if f.file_suffix and dst.suffix == f.file_suffix), None)
     asked = formats.writer(to) if to is not None else None
+    if asked is not None and asked.file_suffix and dst.suffix != asked.file_suffix:
+        raise UsageError(f"DST {dst}: {asked.title} output is one file whose name ends in {asked.file_suffix}",
+                         hint=f"name it {dst.name}{asked.file_suffix}")
+    forms = asked.expert_forms if asked is not None and asked.expert_forms else EXPERT_FORMS
+    if experts is not None and experts not in forms:
+        raise UsageError(f"--experts {experts!r} is not supported; use {' or '.join(forms)}")
     if vocab_multiple is not None and (asked is None or "vocab_multiple" not in asked.writer_options):
         raise UsageError(WRITER_OPTIONS["vocab_multiple"])
     if vocab_multiple is not None and (isinstance(vocab_multiple, bool) or not isinstance(vocab_multiple, int)
@@ -270,7 +286,7 @@ def _result(plan: ConvertPlan, source: Source, target: Format, run: _PlanRun, *,
     return ConvertResult(
         direction=f"{source.kind} -> {target.name}", source=src, revision=revision, destination=str(dst),
         source_format=source.kind, experts_in=plan.experts_in, experts_out=plan.experts_out,
-        dtype=dtype_name(plan.dtype), num_tensors=len(plan.specs), bytes_written=run.writer.bytes_written,
+        dtype=plan.dtype_label(), num_tensors=len(plan.specs), bytes_written=run.writer.bytes_written,
         num_shards=len(run.writer.file_names), seconds=time.perf_counter() - t0, peak_rss_bytes=peak_rss_bytes(),
         write_seconds=run.writer.io_seconds, read_seconds=run.clock.read_seconds, read_bytes=run.clock.read_bytes,
         transform_seconds=run.clock.transform_seconds, workers=run.workers, architecture=source.arch.to_dict(),

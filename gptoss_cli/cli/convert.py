@@ -20,18 +20,21 @@ def convert_cmd(
     src: str = typer.Argument(..., help="HF folder or Hugging Face repo id (owner/name), OpenAI original/ folder, a Hybrid "
                               "folder, a training checkpoint (a run's checkpoint.dir, read through `latest`, or one "
                               "iter_* folder), or a Megatron-LM torch_dist checkpoint (its dir or one iteration folder)."),
-    dst: Path = typer.Argument(..., help="Output folder (written under a temporary name, renamed when complete)."),
+    dst: Path = typer.Argument(..., help="Output folder, or DST.gguf for --to gguf (written under a temporary name, "
+                               "renamed when complete)."),
     to: Optional[str] = typer.Option(None, "--to", help="Output layout: hybrid or hf (a LoRA training checkpoint: its "
                                      "base with the adapters merged in), megatron (a Megatron-LM torch_dist "
-                                     "checkpoint), or peft (a LoRA run's adapters as a PEFT adapter, docs/lora.md). "
-                                     "Default: the other layout than SRC's; hybrid for a training or Megatron "
-                                     "checkpoint."),
-    experts: Optional[str] = typer.Option(None, "--experts", help="Expert form of an HF output: bf16 (default) or mxfp4."),
+                                     "checkpoint), peft (a LoRA run's adapters as a PEFT adapter, docs/lora.md), or gguf (one "
+                                     "DST.gguf file for llama.cpp, docs/gguf.md). Default: the other layout than "
+                                     "SRC's; hybrid for a training or Megatron checkpoint; gguf for a DST.gguf."),
+    experts: Optional[str] = typer.Option(None, "--experts", help="Expert form of an HF output: bf16 (default) or "
+                                          "mxfp4; of a GGUF: mxfp4 (default) or same (as --dtype)."),
     weights: Optional[str] = typer.Option(
         None, "--weights", help="Training checkpoints only. model (default): the weights the run computed with, in "
         "its params_dtype, so the export computes what the run's losses measured. master: the optimizer's fp32 master "
         "copies, which keep the precision that rounding to params_dtype drops (pair with --dtype float32)."),
-    dtype: str = typer.Option("bfloat16", "--dtype", help="dtype of non-expert tensors and dequantized experts: bfloat16 or float32."),
+    dtype: str = typer.Option("bfloat16", "--dtype", help="dtype of non-expert tensors and dequantized experts: "
+                              "bfloat16 or float32; a GGUF's: f32, bf16, f16 or q8_0."),
     revision: Optional[str] = typer.Option(None, "--revision", help="Hub revision (branch, tag or commit) when SRC is a repo id."),
     force: bool = typer.Option(False, "--force", help="Replace a non-empty DST (only after the new one is complete)."),
     vocab_multiple: Optional[int] = typer.Option(
@@ -63,6 +66,8 @@ def convert_cmd(
     rounding them costs a run trained without precision.qat=mxfp4)
 
     Example: gptoss convert openai/gpt-oss-20b ./gpt-oss-20b-megatron --to megatron
+
+    Example: gptoss convert runs/ft/checkpoints ft.gguf --to gguf --dtype q8_0   (llama.cpp; MXFP4 experts)
     """
     check_number("--max-shard-size", max_shard_gb, low=0.0, low_inclusive=False, high=1e6)
     check_json_path(json_path)

@@ -48,20 +48,26 @@ def render(report) -> None:
 def serve_check_cmd(
     checkpoint: str = typer.Argument(..., help="any checkpoint gptoss reads: HF, Hybrid, a training run or iteration "
                                                "(LoRA runs too), Megatron torch_dist"),
-    engine: str = typer.Option("vllm", "--engine", help="the offline engine: vllm"),
+    engine: str = typer.Option("vllm", "--engine", help="the offline engine: vllm, or llamacpp (llama.cpp on a GGUF, "
+                                                         "through llama-cpp-python: docs/gguf.md)"),
     engine_python: Optional[str] = typer.Option(
-        None, "--engine-python", help="the Python of the engine's own venv (default: $GPTOSS_ENGINE_PYTHON, "
-                                      "else this one if it has vLLM)"),
+        None, "--engine-python", help="the Python of the engine's own venv (default: $GPTOSS_ENGINE_PYTHON "
+                                      "for vLLM, $GPTOSS_LLAMACPP_PYTHON for llamacpp, else this one if it has it)"),
     endpoint: Optional[str] = typer.Option(None, "--endpoint", help="check a running OpenAI-compatible server "
                                                                     "instead (e.g. http://127.0.0.1:8000)"),
     served_model: Optional[str] = typer.Option(None, "--served-model", help="with --endpoint: the model name "
                                                                             "(default: the first it serves)"),
-    dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16: what the engine computes in"),
+    dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16: what the engine computes in; "
+                                                         "llamacpp: the GGUF's tensors, f32, bf16, f16 or q8_0"),
     experts: Optional[str] = typer.Option(None, "--experts", help="export the experts as bf16 or mxfp4 "
-                                                                  "(default: as the checkpoint has them)"),
+                                                                  "(default: as the checkpoint has them); llamacpp: "
+                                                                  "mxfp4 (default) or same (as --dtype)"),
+    kv_cache: str = typer.Option("f32", "--kv-cache", help="llamacpp: the KV cache's type, f32 or f16 (llama.cpp's "
+                                                          "default; its rounding is in the budget)"),
     lora: str = typer.Option("auto", "--lora", help="LoRA runs: adapter (the engine's LoRA), merged, or auto"),
     export: Optional[str] = typer.Option(None, "--export", help="check this existing export (HF folder, or PEFT "
-                                                                "adapter of a LoRA run) instead of writing one"),
+                                                                "adapter of a LoRA run; llamacpp: a FILE.gguf) "
+                                                                "instead of writing one"),
     prompts: Optional[Path] = typer.Option(None, "--prompts", help='JSONL: {"messages": [...]} conversations '
                                                                    '(SFT format) or {"prompt_ids": [...]} per line'),
     tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="tokenizer.json for --prompts conversations "
@@ -85,6 +91,8 @@ def serve_check_cmd(
     Example: gptoss serve-check runs/sft/checkpoints --engine-python /opt/vllm/bin/python --json serve.json
 
     Example: gptoss serve-check ./gpt-oss-20b --endpoint http://127.0.0.1:8000 --dtype bfloat16
+
+    Example: gptoss serve-check runs/sft/checkpoints --engine llamacpp --dtype q8_0 (exports the GGUF, runs llama.cpp)
     """
     check_json_path(json_path)
     from gptoss_cli.parity.serve.check import ServeCheckOptions, serve_check
@@ -92,7 +100,7 @@ def serve_check_cmd(
     options = ServeCheckOptions(engine=engine, engine_python=engine_python, endpoint=endpoint,
                                 served_model=served_model, dtype=dtype, experts=experts, lora=lora, export=export,
                                 prompts=str(prompts) if prompts else None, tokenizer=tokenizer, top_k=top_k,
-                                greedy_tokens=greedy_tokens, work_dir=str(keep) if keep else None)
+                                greedy_tokens=greedy_tokens, work_dir=str(keep) if keep else None, kv_cache=kv_cache)
     with err_console.status("serve-check: starting") as status:
         report = serve_check(checkpoint, options, progress=lambda stage: status.update(f"serve-check: {stage}"))
     render(report)

@@ -183,6 +183,6 @@ def test_bad_options(hf_bf16, hybrid_from_bf16, tmp_path):
     r, out = run_convert(hf_bf16, tmp_path / "o", "--dtype", "float8")
     assert_clean_failure(r, out, "--dtype 'float8'")
     r, out = run_convert(hf_bf16, tmp_path / "o", "--experts", "mxfp4")
-    assert_clean_failure(r, out, "--experts applies to HF output only", dst=tmp_path / "o")
+    assert_clean_failure(r, out, "--experts applies to HF and GGUF outputs only", dst=tmp_path / "o")
     r, out = run_convert(tmp_path / "nope", tmp_path / "o")
     assert_clean_failure(r, out, "nope")

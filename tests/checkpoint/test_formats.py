@@ -10,6 +10,7 @@ The folders are what each format's own writer wrote: transformers (HF), OpenAI's
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
 import re
@@ -60,13 +61,21 @@ def folders(hf_bf16, hf_mxfp4, hybrid_from_bf16, lora_run, tmp_path_factory) -> 
         result = CliRunner().invoke(app, ["convert", str(src), str(out[name]), "--to", name, "--dtype", "float32",
                                           "--quiet"])
         assert result.exit_code == 0, (name, result.output)
+    if importlib.util.find_spec("gguf") is not None:  # a GGUF carries its tokenizer: make-tiny's model has one
+        from gptoss_cli.checkpoint.make_tiny import make_tiny
+
+        make_tiny(root / "tiny", experts="mxfp4")
+        out["gguf"] = root / "model.gguf"
+        result = CliRunner().invoke(app, ["convert", str(root / "tiny"), str(out["gguf"]), "--to", "gguf", "--quiet"])
+        assert result.exit_code == 0, result.output
     return out
 
 
 def test_every_row_is_reachable_from_detection_and_every_writer_from_convert_to(folders):
+    pytest.importorskip("gguf")
     assert {f.name for f in formats.FORMATS} == set(folders)
     assert set(formats.WRITERS) == {f.name for f in formats.FORMATS if f.plan is not None} == {
-        "hybrid", "hf", "megatron", "peft"}
+        "hybrid", "hf", "megatron", "peft", "gguf"}
     for name, folder in folders.items():
         assert formats.detect(folder) is formats.by_name(name), (name, formats.detect(folder))
 

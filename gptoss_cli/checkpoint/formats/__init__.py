@@ -6,6 +6,7 @@
     megatron/    Megatron-LM torch_dist                                   read, written (--to megatron)
     training/    a `gptoss train` checkpoint (DCP + train_state.json)     read
     peft/        a PEFT LoRA adapter                                      recognised, written (--to peft)
+    gguf/        one GGUF file for llama.cpp (gpt-oss architecture)       recognised, written (--to gguf)
 
 A format's package `__init__` is its row; its plan (plan.py, for a format gptoss writes), its
 record or config and its readers are modules beside it. Every row answers `registry.Format`; every
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from gptoss_cli.checkpoint.formats.gguf import GGUF
 from gptoss_cli.checkpoint.formats.hf import HF
 from gptoss_cli.checkpoint.formats.hybrid import HYBRID
 from gptoss_cli.checkpoint.formats.megatron import MEGATRON
@@ -30,7 +32,7 @@ from gptoss_cli.checkpoint.formats.registry import Format, OpenOptions
 from gptoss_cli.checkpoint.formats.training import TRAINING
 from gptoss_cli.errors import CheckpointError, UsageError
 
-FORMATS: tuple[Format, ...] = (HYBRID, HF, ORIGINAL, MEGATRON, TRAINING, PEFT)  # detection order
+FORMATS: tuple[Format, ...] = (HYBRID, HF, ORIGINAL, MEGATRON, TRAINING, PEFT, GGUF)  # detection order
 WRITERS: tuple[str, ...] = tuple(f.name for f in FORMATS if f.writable)  # the `convert --to` choices
 
 
@@ -78,4 +80,4 @@ def architecture(root: Path, options: OpenOptions | None = None) -> tuple[Format
 
 
 __all__ = ["FORMATS", "WRITERS", "Format", "OpenOptions", "detect", "detect_or_fail", "by_name", "writer",
-           "architecture", "HF", "HYBRID", "ORIGINAL", "MEGATRON", "TRAINING", "PEFT"]
+           "architecture", "HF", "HYBRID", "ORIGINAL", "MEGATRON", "TRAINING", "PEFT", "GGUF"]

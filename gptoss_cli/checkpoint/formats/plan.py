@@ -106,6 +106,12 @@ class ConvertPlan(ABC):
     def total_bytes(self) -> int:
         return sum(s.nbytes for s in self.specs)
 
+    def dtype_label(self) -> str:
+        """The output's --dtype as the result reports it."""
+        from gptoss_cli.model.dtypes import dtype_name  # noqa: PLC0415
+
+        return dtype_name(self.dtype)
+
     @abstractmethod
     def tasks(self, reader: RowReader, job: Job, budget: int, empty: Empty = fresh) -> Iterator[Task | object]:
         """The tasks computing `job`'s output in chunks of about `budget` bytes (RELEASE_HELD among

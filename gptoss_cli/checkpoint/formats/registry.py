@@ -60,6 +60,9 @@ class Format:
     lora_base: bool = False  # a LoRA run may adapt it (safetensors weights with a fingerprint)
     reads_adapters: bool = False  # `convert --to <name>` reads the source's adapters only
     training_run: bool = False  # a `gptoss train` checkpoint (it may hold a LoRA run's adapters)
+    file_suffix: str | None = None  # it is one file DST ending so (GGUF), not a folder
+    dtypes: tuple[str, ...] = ()  # the --dtype values its plan takes, as given, when not convert's own
+    expert_forms: tuple[str, ...] = ()  # the --experts values its plan takes, when not convert's own
 
     @property
     def writable(self) -> bool:

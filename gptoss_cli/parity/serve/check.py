@@ -22,7 +22,7 @@ from gptoss_cli.errors import UsageError
 from gptoss_cli.model.config import FULL, SLIDING, GptOssArch
 from gptoss_cli.parity.serve.report import ServeFinding, ServeReport, compare_prompt
 
-ENGINES = ("vllm",)
+ENGINES = ("vllm", "llamacpp")  # llamacpp: parity/serve/llamacpp.py
 LORA_MODES = ("auto", "adapter", "merged")
 SERVE_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
 DEFAULT_GREEDY_TOKENS = 8
@@ -47,8 +47,11 @@ class ServeCheckOptions:
     top_k: int | None = None  # None: the full vocabulary when it is at most FULL_VOCAB_LIMIT
     greedy_tokens: int = DEFAULT_GREEDY_TOKENS
     work_dir: str | None = None  # keep the exports here (default: a temporary folder, removed)
+    kv_cache: str = "f32"  # llamacpp: the KV cache's type (f32, or f16 as llama.cpp defaults to)
 
     def check(self) -> None:
+        if self.engine == "llamacpp" and self.endpoint is None:
+            return self._check_llamacpp()
         if self.endpoint is None and self.engine not in ENGINES:
             raise UsageError(f"--engine {self.engine!r} is not one of {', '.join(ENGINES)}",
                              hint="or --endpoint URL for a running OpenAI-compatible server")
@@ -64,6 +67,24 @@ class ServeCheckOptions:
             raise UsageError(f"--greedy-tokens {self.greedy_tokens} must be in [0, 4096]")
         if self.export is not None and not Path(self.export).is_dir():
             raise UsageError(f"--export {self.export}: no such folder")
+
+
+    def _check_llamacpp(self) -> None:
+        from gptoss_cli.parity.serve.llamacpp import GGUF_DTYPES, KV_CACHES
+
+        if self.dtype not in GGUF_DTYPES + ("float32", "bfloat16"):
+            raise UsageError(f"--dtype {self.dtype!r} is not one of {', '.join(GGUF_DTYPES)} (the GGUF's tensors)")
+        self.dtype = {"float32": "f32", "bfloat16": "bf16"}.get(self.dtype, self.dtype)
+        if self.experts not in (None, "mxfp4", "same"):
+            raise UsageError(f"--experts {self.experts!r} is not one of mxfp4, same (the GGUF's experts)")
+        if self.kv_cache not in KV_CACHES:
+            raise UsageError(f"--kv-cache {self.kv_cache!r} is not one of {', '.join(KV_CACHES)}")
+        if self.top_k is not None and not 1 <= self.top_k <= 1 << 20:
+            raise UsageError(f"--top-k {self.top_k} must be at least 1")
+        if not 0 <= self.greedy_tokens <= 4096:
+            raise UsageError(f"--greedy-tokens {self.greedy_tokens} must be in [0, 4096]")
+        if self.export is not None and (not Path(self.export).is_file() or not self.export.endswith(".gguf")):
+            raise UsageError(f"--export {self.export}: no such GGUF file (llamacpp checks a FILE.gguf)")
 
 
 # --- known divergences ------------------------------------------------------------------------
@@ -199,6 +220,11 @@ def serve_check(checkpoint: str, options: ServeCheckOptions | None = None, progr
     options.check()
     named = checkpoint
     checkpoint, options = _resolved(checkpoint, options)
+    if options.engine == "llamacpp" and options.endpoint is None:
+        from gptoss_cli.parity.serve.llamacpp import serve_check_llamacpp
+
+        return serve_check_llamacpp(checkpoint, options, progress or (lambda text: None),
+                                    full_vocab_limit=FULL_VOCAB_LIMIT, default_top_k=DEFAULT_TOP_K)
     running = engine
     say = progress or (lambda text: None)
     t_start = time.perf_counter()
