@@ -7,4 +7,9 @@ from __future__ import annotations
 # global_batch_size) stays far inside int64.
 INT32_MAX = 2**31 - 1
 
-__all__ = ["INT32_MAX"]
+
+# numpy and Megatron seed with at most 2**32 - 1; the data sources seed torch generators with
+# seed x 1_000_003 + sample index, which must stay below 2**64 (torch.Generator.manual_seed).
+SEED_MAX = 2**32 - 1
+
+__all__ = ["INT32_MAX", "SEED_MAX"]
