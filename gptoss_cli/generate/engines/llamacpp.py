@@ -78,8 +78,12 @@ class LlamaCppEngine:
 
     # --- the worker ----------------------------------------------------------------------
     def _call(self, request: dict[str, Any], what: str) -> dict[str, Any]:
-        if self._closed or self._proc.poll() is not None:
+        if self._closed:
             raise EngineError(f"llama.cpp {what}: the engine process is not running{self._log_tail()}")
+        if self._proc.poll() is not None:  # it ended before this request (a crash at start-up, on a slow host)
+            self._keep_log = True
+            raise EngineError(f"llama.cpp {what}: the engine process ended (exit {self._proc.returncode})"
+                              f"{self._log_tail()}", hint=f"the engine's log: {self.log_path}")
         try:
             self._proc.stdin.write((json.dumps(request) + "\n").encode())
             self._proc.stdin.flush()

@@ -134,8 +134,12 @@ class VllmEngine:
 
     # --- the worker ----------------------------------------------------------------------
     def _call(self, request: dict[str, Any], what: str) -> dict[str, Any]:
-        if self._closed or self._proc.poll() is not None:
+        if self._closed:
             raise EngineError(f"vLLM {what}: the engine process is not running{self._log_tail()}")
+        if self._proc.poll() is not None:  # it ended before this request (a crash at start-up, on a slow host)
+            self._keep_log = True
+            raise EngineError(f"vLLM {what}: the engine process ended (exit {self._proc.returncode}){self._log_tail()}",
+                              hint=f"the engine's log: {self.log_path}")
         try:
             self._proc.stdin.write((json.dumps(request) + "\n").encode())
             self._proc.stdin.flush()
@@ -146,7 +150,14 @@ class VllmEngine:
             code = self._proc.wait()
             self._keep_log = True
             raise EngineError(f"vLLM {what}: the engine process ended (exit {code}){self._log_tail()}")
-        answer = json.loads(line)
+        try:
+            answer = json.loads(line)
+        except (ValueError, UnicodeDecodeError):
+            answer = None
+        if not isinstance(answer, dict):
+            self._keep_log = True
+            raise EngineError(f"vLLM {what}: the engine answered {one_line(line.decode(errors='replace'), 200)!r}, "
+                              "not the worker's JSON", hint=f"the engine's log: {self.log_path}")
         if not answer.get("ok"):
             self._keep_log = True
             raise EngineError(f"vLLM {what}: {one_line(answer.get('error', 'failed'))}",
