@@ -40,6 +40,8 @@ from hypothesis import strategies as st
 
 from gptoss_cli import allocation
 from gptoss_cli.cli.app import handle_errors
+from tests.faults.test_preference_pairs import pairs_folder, read_pairs
+from tests.faults.test_score_file import read_score, score_folder
 
 EXAMPLES = int(os.environ.get("GPTOSS_FUZZ_EXAMPLES", "100"))
 MEMORY_CAP = 256 << 20
@@ -412,6 +414,66 @@ def read_rollouts(folder: Path) -> None:
     summarise_rollouts(folder)
 
 
+# --- this turn's inputs: score folders, preference pairs, GGUF headers ---------------------------------------
+@st.composite
+def score_files(draw) -> tuple[Folder, dict[str, int]]:
+    return draw(score_folder()), {}  # a real tiny score folder (tests/faults/test_score_file.py), edited
+
+
+def read_scores(folder: Path) -> None:
+    read_score(folder)
+
+
+def read_preference(folder: Path) -> None:
+    read_pairs(folder, TOKENIZER_FOLDER)
+
+
+@functools.lru_cache(maxsize=1)
+def _gguf_example() -> bytes:
+    """make-tiny's checkpoint written by `convert --to gguf` (f32 tensors, MXFP4 experts): the file's bytes."""
+    from gptoss_cli.checkpoint.convert import convert
+    from gptoss_cli.checkpoint.make_tiny import make_tiny
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src, out = Path(tmp) / "tiny", Path(tmp) / "m.gguf"
+        make_tiny(src, experts="mxfp4", seed=3)
+        convert(str(src), out, to="gguf", dtype="f32")
+        return out.read_bytes()
+
+
+@st.composite
+def gguf_folder(draw) -> tuple[Folder, dict[str, int]]:
+    """The example GGUF with its header's bytes flipped, cut, or a count / length claimed huge (the header is the
+    first few kB: the edits land there), or the file cut short of its tensors."""
+    raw = bytearray(_gguf_example())
+    header_end = min(len(raw), 1 << 14)
+    how = draw(st.sampled_from(["flip", "truncate", "u64", "version"]))
+    if how == "flip":
+        for _ in range(draw(st.integers(1, 6))):
+            raw[draw(st.integers(0, header_end - 1))] = draw(st.integers(0, 255))
+    elif how == "truncate":
+        raw = raw[:draw(st.one_of(st.integers(0, header_end), st.integers(header_end, len(raw) - 1)))]
+    elif how == "u64":  # a length or count field: 8 bytes anywhere in the header set to a huge or odd value
+        at = draw(st.integers(8, header_end - 8))
+        raw[at:at + 8] = draw(st.sampled_from([2**63, 2**64 - 1, TB, 2**31])).to_bytes(8, "little")
+    else:
+        raw[4:8] = draw(st.integers(0, 2**32 - 1)).to_bytes(4, "little")
+    return {"model.gguf": bytes(raw)}, {}
+
+
+def read_gguf(folder: Path) -> None:
+    """What serve-check --export and convert --force read of a GGUF they are handed: the architecture it holds,
+    its tensors' types, whether gptoss wrote it."""
+    from gptoss_cli.checkpoint import formats
+    from gptoss_cli.checkpoint.formats.gguf import reader
+    from gptoss_cli.parity.serve.llamacpp import _gguf_types
+
+    path = folder / "model.gguf"
+    formats.GGUF.architecture(path)
+    _gguf_types(path, "f32")
+    reader.read_header(path)
+
+
 READERS: dict[str, Reader] = {
     "safetensors": Reader(safetensors_folder, read_safetensors),
     "dcp-metadata": Reader(dcp_folder, read_dcp),
@@ -422,6 +484,9 @@ READERS: dict[str, Reader] = {
     "conversations-jsonl-parquet": Reader(conversations_folder, read_conversations),
     "configs": Reader(config_folder, read_config),
     "rollout-files": Reader(rollouts_folder, read_rollouts),
+    "score-folder": Reader(score_files, read_scores),
+    "preference-pairs": Reader(pairs_folder, read_preference),
+    "gguf-header": Reader(gguf_folder, read_gguf),
 }
 
 
