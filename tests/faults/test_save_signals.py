@@ -7,11 +7,11 @@ into, fsync). Each interrupted save goes through the CLI's error handling (`hand
 end with exit 130 ("interrupted:") or 143 ("terminated:"), one line; then:
 - training (DCP): `latest` names the last complete checkpoint (the previous one, or the one being saved
   if the signal landed after it was published), no `.iter_*.partial` is left, and a resume trains on;
-- convert (`WRITERS`: hybrid, hf, megatron, peft): DST does not exist and nothing is left beside it,
+- convert (`WRITERS`: hybrid, hf, megatron, peft, gguf): DST does not exist and nothing is left beside it,
   and converting again succeeds;
 - a GRPO run's rollout file (rl.save_rollouts, rl/rollout_file.py): it is whole or absent, nothing beside it.
 
-A new writer is one entry in `WRITERS` (a GGUF writer: `"gguf": Writer(source, "gguf")`).
+A new writer is one entry in `WRITERS` (a writer of one file names it: `Writer(source, "gguf", "dst.gguf")`).
 GPTOSS_SAVE_POINTS raises the number of spread points (default 4 per writer, 6 for training) for a
 longer local run: `GPTOSS_SAVE_POINTS=200 python -m pytest tests/faults/test_save_signals.py`.
 """
@@ -78,6 +78,7 @@ class Writer:
 
     source: str
     to: str
+    dst: str = "dst"  # a GGUF is one file, named .gguf
 
 
 WRITERS = {
@@ -85,6 +86,7 @@ WRITERS = {
     "hf": Writer("tiny_hybrid", "hf"),
     "megatron": Writer("tiny_hf", "megatron"),
     "peft": Writer("lora_ckpt", "peft"),
+    "gguf": Writer("tiny_hf", "gguf", "dst.gguf"),
 }
 
 
@@ -115,26 +117,33 @@ def test_a_signal_anywhere_in_a_convert_write_ends_as_that_signal_with_nothing_a
     def save(dst: Path) -> Callable[[], object]:
         return lambda: convert(str(src), dst, to=writer.to, dtype="float32")
 
-    sweep = points(save, tmp_path, spread=4)
+    def run_to(folder: Path) -> Callable[[], object]:  # DST inside `folder`: counted and interrupted alike
+        folder.mkdir(parents=True, exist_ok=True)  # before the counted calls (mkdir is a landmark)
+        return save(folder / writer.dst)
+
+    sweep = points(run_to, tmp_path, spread=4)
+    dst = out / writer.dst
     for i, point in enumerate(sweep):
         signum = (signal.SIGINT, signal.SIGTERM)[i % 2]
         with signal_at(point, signum) as where:
-            code, err = through_the_cli(save(out / "dst"))
+            code, err = through_the_cli(run_to(out))
         assert where["fired"], (point, sweep)
         want, label = EXPECTED[signum]
         assert code == want, (where, code, err)
         assert_one_line((code, err), want, "nothing was left half-written", prefix=label)
         # DST is absent, or complete when the signal came after it was put in place (the command still stops)
-        assert leftovers(out) == [] and [p.name for p in out.iterdir()] in ([], ["dst"]), (where, list(out.iterdir()))
-        if (out / "dst").exists():
-            assert _sizes(out / "dst") == _sizes(tmp_path / "second"), where
-            shutil.rmtree(out / "dst")
-    save(out / "dst")()  # converting again: nothing in the way
-    assert (out / "dst").is_dir() and leftovers(out) == []
+        assert leftovers(out) == [] and [p.name for p in out.iterdir()] in ([], [dst.name]), (where, list(out.iterdir()))
+        if dst.exists():
+            assert _sizes(dst) == _sizes(tmp_path / "second" / writer.dst), where
+            shutil.rmtree(dst) if dst.is_dir() else dst.unlink()
+    save(dst)()  # converting again: nothing in the way
+    assert dst.exists() and leftovers(out) == []
 
 
 def _sizes(folder: Path) -> dict[str, int]:
     """Every file of an output and its size, but the files recording where and when it was made."""
+    if folder.is_file():
+        return {folder.name: folder.stat().st_size}
     return {str(p.relative_to(folder)): p.stat().st_size for p in folder.rglob("*")
             if p.is_file() and p.suffix != ".json" and p.name != "common.pt"}
 
