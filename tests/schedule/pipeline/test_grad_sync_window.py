@@ -2,8 +2,8 @@
 
 With `overlap_grad_reduce` a bucket's data-parallel reduction starts as soon as the backward outside
 the model's `no_sync` has produced the bucket's gradients (gptoss_cli/parallel/grads.py); a stage
-(gptoss_cli/schedule/pipeline/stage.py, `RankStage.backward_one_chunk`) must run every backward but its
-last inside `no_sync`, or a reduction starts on a partial sum and the microbatches after it never
+(gptoss_cli/schedule/pipeline/stage.py, `RankStage.backward_one_chunk`; plan_stage.py, `PlanStage.begin_backward`
+under DualPipeV with the EP overlap) must run every backward but its last inside `no_sync`, or a reduction starts on a partial sum and the microbatches after it never
 reach the other data-parallel replica. That is only visible with DP > 1 under PP > 1 and the
 overlap on: PP = 2 x DP = 2 (4 gloo processes, tests/schedule/pipeline/runs.py's `gptoss train`
 loop and fixture), 4 microbatches per stage (a global batch of 8 = the fixture's 4 samples twice,
@@ -26,7 +26,11 @@ from tests.train import reference as R
 PP_REL = reassociation_rel(8, depth=6)  # 8 microbatches' contributions, through a backward of 6 layers
 BASE = dict(pp_size=2, pipeline_layout=P.PP2, pipeline_schedule="1f1b", global_batch_size=2 * R.GLOBAL_BATCH,
             bucket_size=R.BUCKET)
-RUNS = {"pp2xdp2": BASE, "pp2xdp2-overlap": {**BASE, "overlap_grad_reduce": True}}
+RUNS = {"pp2xdp2": BASE, "pp2xdp2-overlap": {**BASE, "overlap_grad_reduce": True},
+        # the same window in the EP-overlap stages (plan_stage.py, DualPipeV): PP 2 x EP 2, both ranks of a
+        # stage data-parallel for the dense parameters
+        "pp2xep2-dualpipev-overlap": {**BASE, **P.OVERLAP, "pipeline_layout": P.PP2V, "ep_size": 2,
+                                      "overlap_grad_reduce": True}}
 
 
 def _compute(folder):
@@ -60,6 +64,7 @@ def test_pp2xdp2_gradients_equal_transformers(runs, name):
     assert len(runs[name]["norms"]) == 1, runs[name]["norms"]
 
 
-def test_overlap_grad_reduce_opens_the_window_on_the_last_microbatch(runs):
-    tensor, rel = P.max_rel_diff(runs["pp2xdp2-overlap"]["grads"], runs["pp2xdp2"]["grads"])
+@pytest.mark.parametrize("name", ["pp2xdp2-overlap", "pp2xep2-dualpipev-overlap"])
+def test_overlap_grad_reduce_opens_the_window_on_the_last_microbatch(runs, name):
+    tensor, rel = P.max_rel_diff(runs[name]["grads"], runs["pp2xdp2"]["grads"])
     assert rel <= PP_REL, f"gradient of {tensor} with overlap_grad_reduce vs without: {rel:.3g} relative"
