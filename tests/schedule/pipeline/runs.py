@@ -122,11 +122,11 @@ def write_packed(prefix: Path) -> None:
     write_sft_file(prefix, docs, masks, R.TINY.vocab_size)
 
 
-def job(name: str, run_dir: Path, hf: Path, prefix: Path):
+def job(name: str, run_dir: Path, hf: Path, prefix: Path, fields: dict[str, Any] | None = None):
+    """The train job of configuration `name` (its CONFIGS fields, or `fields` for one not in CONFIGS)."""
     from tests.train.jobs import train_job
 
-    _, fields, _ = CONFIGS[name]
-    fields = dict(fields)
+    fields = dict(CONFIGS[name][1] if fields is None else fields)
     ckpt = fields.pop("checkpoint_dir", None)
     objective = fields.pop("objective", None)
     if fields.pop("data", None) == "packed":
