@@ -61,7 +61,6 @@ from typing import Any
 from gptoss_cli.buckets import ALIGN, default_bucket_size
 from gptoss_cli.model.catalog import SLIDING_QUERY_BLOCK
 from gptoss_cli.model.config import GptOssArch
-from gptoss_cli.model.loss_chunk import LM_LOSS_CHUNK_TOKENS as LM_LOSS_CHUNK
 from gptoss_cli.model.loss_chunk import lm_loss_chunk_tokens
 from gptoss_cli.model.pattern import ATTENTION, MLP, MOE, HybridPattern
 from gptoss_cli.model.recompute_plan import RecomputePlan
@@ -149,7 +148,7 @@ def activation_bytes_per_token(arch: GptOssArch, b: int, aux_loss: bool, modules
         + (4 * e if aux_loss else 0),
         MLP: b * h if "mlp" in modules else norm + b * h + 2 * b * i + b * i,
         "head": 8 * h + b * h,
-        "logits": b * v + 4 * v + 2 * 4 * v,  # per token of one LM_LOSS_CHUNK chunk
+        "logits": b * v + 4 * v + 2 * 4 * v,  # per token of one LM-head chunk (model/loss_chunk.py)
     }
 
 
