@@ -61,6 +61,7 @@ from typing import Any
 from gptoss_cli.buckets import ALIGN, default_bucket_size
 from gptoss_cli.model.catalog import SLIDING_QUERY_BLOCK
 from gptoss_cli.model.config import GptOssArch
+from gptoss_cli.model.loss_chunk import LM_LOSS_CHUNK_TOKENS as LM_LOSS_CHUNK  # noqa: F401 (tests read it here)
 from gptoss_cli.model.loss_chunk import lm_loss_chunk_tokens
 from gptoss_cli.model.pattern import ATTENTION, MLP, MOE, HybridPattern
 from gptoss_cli.model.recompute_plan import RecomputePlan
