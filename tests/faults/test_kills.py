@@ -27,13 +27,15 @@ def reaped_pid() -> int:
     return p.pid
 
 
-def stop_mid_write(args: list, dst: Path, attempts: int = 5) -> subprocess.Popen:
+def stop_mid_write(args: list, dst: Path, reset, attempts: int = 5) -> subprocess.Popen:
     """Start `gptoss convert ... DST` and SIGSTOP it while its temporary folder holds a shard.
 
     The write window of the tiny model is short, so a run that finishes before it is seen is
-    retried; the stopped process is returned (the caller sends the kill).
+    retried; `reset()` puts DST back as the test set it up before each attempt (a finished run
+    replaced or created it). The stopped process is returned (the caller sends the kill).
     """
     for _ in range(attempts):
+        reset()
         proc = start(*args)
 
         def mid_write():
@@ -55,10 +57,15 @@ def stop_mid_write(args: list, dst: Path, attempts: int = 5) -> subprocess.Popen
 
 def test_kill_9_mid_conversion_keeps_the_old_dst_and_the_next_run_removes_the_leftover(tiny_hf, tiny_hybrid, tmp_path):
     dst = tmp_path / "dst"
-    shutil.copytree(tiny_hybrid, dst)
+
+    def reset():
+        shutil.rmtree(dst, ignore_errors=True)
+        shutil.copytree(tiny_hybrid, dst)
+
+    reset()
     before = digest(dst)
     args = ["convert", tiny_hf, dst, "--force", "--quiet"]
-    proc = stop_mid_write(args, dst)
+    proc = stop_mid_write(args, dst, reset)
     os.kill(proc.pid, signal.SIGKILL)
     proc.communicate(timeout=30)
     assert proc.returncode == -signal.SIGKILL
@@ -75,7 +82,7 @@ def test_kill_9_mid_conversion_keeps_the_old_dst_and_the_next_run_removes_the_le
 
 def test_sigterm_mid_conversion_removes_its_temporary_folder(tiny_hf, tmp_path):
     dst = tmp_path / "dst"
-    proc = stop_mid_write(["convert", tiny_hf, dst, "--quiet"], dst)
+    proc = stop_mid_write(["convert", tiny_hf, dst, "--quiet"], dst, lambda: shutil.rmtree(dst, ignore_errors=True))
     os.kill(proc.pid, signal.SIGTERM)
     os.kill(proc.pid, signal.SIGCONT)
     _, err = proc.communicate(timeout=60)

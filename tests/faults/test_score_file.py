@@ -33,9 +33,14 @@ def many_documents(tmp_path_factory):
     return write_sft_file(tmp_path_factory.mktemp("data") / "docs", docs, masks, 1000)
 
 
-def stop_mid_write(args: list, out: Path, attempts: int = 5):
-    """Start `gptoss score ... --out OUT` and SIGSTOP it while its temporary folder holds a shard."""
+def stop_mid_write(args: list, out: Path, reset, attempts: int = 5):
+    """Start `gptoss score ... --out OUT` and SIGSTOP it while its temporary folder holds a shard.
+
+    A run that finishes before it is seen is retried; `reset()` puts OUT back as the test set it up
+    before each attempt (the finished run replaced or created it).
+    """
     for _ in range(attempts):
+        reset()
         proc = start(*args)
 
         def mid_write():
@@ -60,11 +65,20 @@ def test_kill_9_mid_write_leaves_the_old_folder_or_none_and_the_next_run_cleans_
                                                                                    existing):
     out = tmp_path / "scores"
     args = ["score", tiny_hf, "--data", many_documents, "--out", out, "--seq-length", 32, "--shard-tokens", 1, "--quiet"]
+    old = tmp_path / "old-scores"
     if existing:
         first = run_cli(*args[:-3], "--quiet")  # one shard: a complete old folder
         assert first.exit_code == 0, first.output
         before = digest(out)
-    proc = stop_mid_write(args + ["--top-k", 4, "--force"], out)
+        out.rename(old)
+
+    def reset():
+        shutil.rmtree(out, ignore_errors=True)
+        if existing:
+            shutil.copytree(old, out)
+
+    proc = stop_mid_write(args + ["--top-k", 4, "--force"], out, reset)
+    shutil.rmtree(old, ignore_errors=True)
     os.kill(proc.pid, signal.SIGKILL)
     proc.communicate(timeout=30)
     assert proc.returncode == -signal.SIGKILL
