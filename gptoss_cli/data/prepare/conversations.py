@@ -14,20 +14,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
-
-from gptoss_cli import outputs
 from gptoss_cli.data.conversation import MESSAGES_FIELD, conversation_from_row, parse_conversation
 from gptoss_cli.data.harmony import ANALYSIS_MODES, TRAIN_ON, ConversationError, HarmonyTokenizer, render_many
-from gptoss_cli.data.rows import BATCH_ROWS, Row, iter_rows, resolve_inputs
+from gptoss_cli.data.rows import BATCH_ROWS, Row
 from gptoss_cli.data.packing import pack_documents, packing_efficiency
+from gptoss_cli.data.prepare.document_set import open_document_set
 from gptoss_cli.data.prepare.result import PrepareResult
-from gptoss_cli.errors import UsageError, file_system_error
+from gptoss_cli.errors import UsageError
 from gptoss_cli.limits import INT32_MAX
-from gptoss_cli.data.token_format import (
-    INDEX_DTYPE, commit_token_set, document_file_paths, token_dtype_for, token_file_paths, token_header,
-)
-from gptoss_cli.data.prepare.text import DECODE_ERRORS, open_tokenizer, prepare_outputs, to_bytes
+from gptoss_cli.data.prepare.text import DECODE_ERRORS, to_bytes
 
 ROW_ERRORS = DECODE_ERRORS + ("skip",)
 MAX_REPORTED = 20  # skipped rows named in the result (all are counted)
@@ -149,29 +144,13 @@ def prepare_conversations(
     max_length = _check_options(analysis, train_on, max_length, truncate, seq_length, errors)
     if not field_name:
         raise UsageError("--field must name the column that holds the messages")
-    files = resolve_inputs(list(inputs), split)
-    tok, tok_file = open_tokenizer(tokenizer)
-    try:
-        harmony_tok = HarmonyTokenizer(tok, str(tok_file))
-    except ConversationError as exc:
-        raise UsageError(str(exc), hint="use the checkpoint's own tokenizer.json") from None
-    vocab_size = tok.get_vocab_size(with_added_tokens=True)
-    dtype_name = token_dtype_for(vocab_size)
-    bin_path, header_path = token_file_paths(out)
-    idx_path, mask_path = document_file_paths(out)
-    prepare_outputs(out, [bin_path, idx_path, mask_path, header_path], [f.path for f in files] + [tok_file])
-    tmp_bin, tmp_mask, tmp_idx = (outputs.temp_path(p, outputs.TMP) for p in (bin_path, mask_path, idx_path))
-    total_bytes = sum(f.path.stat().st_size for f in files)
-    done_bytes = 0
+    docs = open_document_set(inputs, out, tokenizer, split)
     rendering = {"analysis": analysis, "train_on": train_on, "max_length": max_length, "truncate": truncate}
-    try:
-        with outputs.naming(tmp_bin), tmp_bin.open("wb") as fb, tmp_mask.open("wb") as fm:
-            w = _Writer(fb, fm, dtype_name, max_length, truncate, errors)
-            for rows in iter_rows(files, errors, batch_rows):
-                w.batch(rows, harmony_tok, field_name, analysis, train_on)
-                done_bytes += sum(r.nbytes for r in rows)
-                if progress:
-                    progress(min(done_bytes, total_bytes), total_bytes)
+    with docs.writing():
+        with docs.streaming(errors, batch_rows, progress) as (fb, fm, batches):
+            w = _Writer(fb, fm, docs.dtype_name, max_length, truncate, errors)
+            for rows in batches:
+                w.batch(rows, docs.harmony_tok, field_name, analysis, train_on)
         lengths = w.lengths
         if not lengths:
             names = [str(p) for p in inputs]
@@ -188,27 +167,16 @@ def prepare_conversations(
         documents = {"loss_mask": True, "kind": "harmony", "num_loss_tokens": w.num_loss,
                      "max_document_length": max(lengths), "num_dropped": w.num_dropped,
                      "num_skipped": w.num_skipped, "rendering": rendering, "packing": packing}
-        sources = [str(p) for p in inputs]
-        header = token_header(dtype=dtype_name, num_tokens=w.offsets[-1], num_documents=len(lengths),
-                              vocab_size=vocab_size, eos_token_id=None, tokenizer=str(tok_file), sources=sources,
-                              documents=documents)
-        with outputs.naming(idx_path):
-            tmp_idx.write_bytes(np.asarray(w.offsets, dtype=INDEX_DTYPE).tobytes())
-        commit_token_set([(tmp_bin, bin_path), (tmp_mask, mask_path), (tmp_idx, idx_path)], header_path, header)
-    except OSError as exc:
-        raise file_system_error(exc, f"writing {bin_path} failed") from None
-    finally:
-        for tmp in (tmp_bin, tmp_mask, tmp_idx):
-            tmp.unlink(missing_ok=True)
-    details = {"index_path": str(idx_path), "mask_path": str(mask_path), "num_loss_tokens": w.num_loss,
+        docs.commit(w.offsets, documents)
+    details = {"index_path": str(docs.idx_path), "mask_path": str(docs.mask_path), "num_loss_tokens": w.num_loss,
                # num_dropped: longer than max_length (without truncate), or nothing trained left after truncating
                "num_dropped": w.num_dropped, "num_truncated": w.num_truncated, "max_document_length": max(lengths),
                # why, per reason: {"count", "rows": the first few {"row", "tokens", "first_trained_token"}}
                "dropped": {k: {"count": v["count"], "rows": v["rows"]} for k, v in w.dropped.items()},
                "rendering": rendering, "packing": packing}  # packing: {"seq_length", "rows", "efficiency"} or None
     return PrepareResult(
-        "harmony", str(bin_path), str(header_path), [str(bin_path), str(idx_path), str(mask_path), str(header_path)],
-        w.offsets[-1], len(lengths), dtype_name, vocab_size, sources, details=details,
+        "harmony", str(docs.bin_path), str(docs.header_path), docs.paths, w.offsets[-1], len(lengths),
+        docs.dtype_name, docs.vocab_size, docs.sources, details=details,
         summary=_summary(w, len(lengths), max(lengths), rendering, packing, seq_length), num_skipped=w.num_skipped,
         skipped=w.skipped)
 
