@@ -163,11 +163,12 @@ def _hooks(model, types: GgufTypes, gen: torch.Generator, chosen: list, margins:
     return handles
 
 
-def _choices(model, ids: list[int]) -> list[torch.Tensor]:
+def _router_outputs(model, ids: list[int]) -> list:
+    """Each block's RouterOutput of the plain forward of `ids`, in block order."""
     from gptoss_cli.model.moe import Router
 
-    found: list[torch.Tensor] = []
-    hooks = [m.register_forward_hook(lambda mod, i, out: found.append(out.indices.detach()))
+    found: list = []
+    hooks = [m.register_forward_hook(lambda mod, i, out: found.append(out))
              for m in model.modules() if isinstance(m, Router)]
     try:
         with torch.no_grad():
@@ -176,6 +177,10 @@ def _choices(model, ids: list[int]) -> list[torch.Tensor]:
         for h in hooks:
             h.remove()
     return found
+
+
+def _choices(model, ids: list[int]) -> list[torch.Tensor]:
+    return [out.indices.detach() for out in _router_outputs(model, ids)]
 
 
 @dataclass
@@ -229,20 +234,9 @@ def near_ties(model, ids: list[int], spread: Spread) -> list[torch.Tensor]:
     """Per block, the positions whose router margin lies within SAFETY spreads of zero ([len(ids)] bool)."""
     if not spread.router_margin_sd:
         return []
-    chosen = _choices(model, ids)  # plain margins: recomputed with routers observed, not held
-    from gptoss_cli.model.moe import Router
-
-    logits_seen: list[torch.Tensor] = []
-    hooks = [m.register_forward_hook(lambda mod, i, out: logits_seen.append(out.logits.detach()))
-             for m in model.modules() if isinstance(m, Router)]
-    try:
-        with torch.no_grad():
-            model(torch.tensor([ids]))
-    finally:
-        for h in hooks:
-            h.remove()
+    routed = _router_outputs(model, ids)  # plain margins: recomputed with routers observed, not held
     out = []
-    for block, (logits, idx, sd) in enumerate(zip(logits_seen, chosen, spread.router_margin_sd)):
+    for logits, idx, sd in zip((r.logits for r in routed), (r.indices for r in routed), spread.router_margin_sd):
         flat = logits.reshape(-1, logits.shape[-1]).double()
         picked = idx.reshape(flat.shape[0], -1)
         kth = flat.gather(1, picked).min(dim=-1).values
