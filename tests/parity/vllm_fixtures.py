@@ -10,6 +10,7 @@ configuration"), so these models keep head_dim 64 as the released ones do.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -59,7 +60,8 @@ class VllmServer:
              "--port", str(self.port), "--dtype", "float32", "--max-model-len", "256", "--enforce-eager",
              "--skip-tokenizer-init", "--max-logprobs", "-1", "--kv-cache-memory-bytes", str(64 << 20),
              "--no-enable-prefix-caching", "--served-model-name", "tiny"],
-            stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env, cwd=str(log.parent))
+            stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env, cwd=str(log.parent),
+            start_new_session=True)  # its own process group: stop() ends the engine-core processes it starts too
 
     def wait(self, timeout_s: float = 420.0) -> str:
         deadline = time.monotonic() + timeout_s
@@ -75,10 +77,27 @@ class VllmServer:
         raise AssertionError(f"vllm serve not ready after {timeout_s:.0f} s: {self.log.read_text()[-2000:]}")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
+        """SIGTERM to the server's process group, SIGKILL to what is left of it after 30 s: `vllm serve`'s
+        engine core (and its CPU workers) are processes of their own, which outlived a terminated server and
+        kept a core and a gigabyte each through the rest of the test run."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
             try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+                os.killpg(self.proc.pid, 0)  # anything left in the group?
+            except ProcessLookupError:
+                break
+            time.sleep(0.2)
+        else:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait()
