@@ -5,7 +5,7 @@ The checkpoint is synthetic (make-tiny's writer with the 20B architecture: hidde
 heads of 64, 32 MXFP4 experts per block, the real 201088-token vocabulary and o200k tokenizer, random weights)
 with --layers blocks (24 real). Each side converts it to BF16 with MXFP4 experts in a fresh process, in
 interleaved rounds (gptoss, llama.cpp, then llama.cpp, gptoss, ...); per side the wall seconds and the peak
-RSS of the converting process (its own rusage), and per round gptoss's time over llama.cpp's.
+RSS of the converting process (its own VmHWM), and per round gptoss's time over llama.cpp's.
 llama.cpp's converter comes from llama.cpp's source (--llamacpp-src: the folder holding convert_hf_to_gguf.py,
 e.g. llama-cpp-python's sdist's vendor/llama.cpp), run by this interpreter (it needs torch, transformers, numpy).
 
@@ -15,12 +15,10 @@ e.g. llama-cpp-python's sdist's vendor/llama.cpp), run by this interpreter (it n
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,16 +41,12 @@ def make_checkpoint(dst: Path, layers: int, hidden: int) -> Path:
 
 
 def run_side(cmd: list[str], log: Path) -> tuple[float, float]:
-    """Wall seconds and peak RSS (bytes, the process's own rusage) of one converting process."""
-    t0 = time.perf_counter()
+    """Wall seconds and peak RSS (bytes: the process's own VmHWM, harness.run_with_peak) of one converting process."""
     with open(log, "wb") as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
-        _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        raise SystemExit(f"{cmd[1]} failed (exit {proc.returncode}): {log.read_text(errors='replace')[-500:]}")
-    return wall, usage.ru_maxrss * 1024.0
+        code, wall, peak = harness.run_with_peak(cmd, log.with_suffix(".peak"), stdout=subprocess.DEVNULL, stderr=err)
+    if code != 0:
+        raise SystemExit(f"{cmd[1]} failed (exit {code}): {log.read_text(errors='replace')[-500:]}")
+    return wall, peak
 
 
 def main() -> int:

@@ -192,6 +192,52 @@ def measure(fn: Callable[[], Any], clock: str = "cpu") -> tuple[Any, dict[str, f
     return out, metrics
 
 
+# A Python command run under this wrapper writes its own peak resident set (VmHWM of its address space, which
+# exec starts afresh) to argv[1] at exit. wait4's ru_maxrss cannot be used for it: the kernel keeps, across
+# exec, the high-water mark of the address space the child started in, which under vfork (what subprocess
+# uses) is the parent's: a bench that built a 19 GB checkpoint reported 19 GB for every process it started.
+_PEAK_WRAPPER = """
+import atexit, runpy, sys
+out = sys.argv[1]
+def _peak():
+    with open('/proc/self/status') as f, open(out, 'w') as o:
+        o.write(next(line for line in f if line.startswith('VmHWM:')).split()[1])
+atexit.register(_peak)
+args = sys.argv[2:]
+if args[0] == '-c':
+    sys.argv = ['-c'] + args[2:]
+    exec(compile(args[1], '<string>', 'exec'), {'__name__': '__main__'})
+elif args[0] == '-m':
+    sys.argv = [args[1]] + args[2:]
+    runpy.run_module(args[1], run_name='__main__', alter_sys=True)
+else:
+    sys.argv = args
+    sys.path.insert(0, __import__('os').path.dirname(args[0]))
+    runpy.run_path(args[0], run_name='__main__')
+"""
+
+
+def run_with_peak(cmd: Sequence[str], peak_file: Path, **popen: Any) -> tuple[int, float, float]:
+    """Run the Python command `cmd` ([python, script | -c CODE | -m MODULE, args...]) to its end:
+    (exit code, wall seconds, its own peak resident set in bytes; nan when it wrote none, e.g. it was killed)."""
+    cmd = list(cmd)
+    peak_file.unlink(missing_ok=True)
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([cmd[0], "-c", _PEAK_WRAPPER, str(peak_file), *cmd[1:]], **popen)
+    try:
+        code = proc.wait()
+    except BaseException:  # Ctrl-C or SIGTERM of the bench: no child left behind
+        proc.terminate()
+        proc.wait()
+        raise
+    wall = time.perf_counter() - t0
+    try:
+        peak = float(peak_file.read_text()) * 1024.0
+    except (OSError, ValueError):
+        peak = float("nan")
+    return code, wall, peak
+
+
 def _measure_cuda(fn: Callable[[], Any]) -> tuple[Any, dict[str, float]]:
     """`measure` on the GPU: the time between two CUDA events around the call (the device's time)."""
     import torch

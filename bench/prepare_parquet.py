@@ -6,7 +6,7 @@ text tokenizes like prose; 40,000 distinct ones, repeated to fill the large file
 one conversation per row: a JSONL file and a
 Parquet file (snappy, the column `conversation`) of the same rows for the comparison, and one Parquet file
 of --gb gigabytes for the memory bound. Each prepare-data run is its own process (`python -m gptoss_cli`),
-timed by wall clock, its peak RSS read from wait4's rusage. The comparison alternates JSONL and Parquet runs
+timed by wall clock, its peak RSS its own VmHWM (harness.run_with_peak). The comparison alternates JSONL and Parquet runs
 (--rounds each) and prints the median tokens/s of each and their ratio (the median of the per-round ratios); the large file runs once, with the
 subset's Parquet peak RSS beside it (memory bounded by a batch of rows means the two stay close).
 
@@ -17,11 +17,8 @@ harmony_tokenizer.py). Example: python bench/prepare_parquet.py --gb 1 --compare
 from __future__ import annotations
 
 import json
-import os
 import random
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -100,9 +97,10 @@ def write_data(folder: Path, gb: float, compare_mb: float, compression: str, see
 
 def tokenizer_rss(tokenizer: Path) -> float:
     """Peak RSS (MiB) of a process that only loads the tokenizer: the floor under every prepare-data run."""
-    proc = subprocess.Popen([sys.executable, "-c", "import sys; from tokenizers import Tokenizer; "
-                             "Tokenizer.from_file(sys.argv[1])", str(tokenizer)])
-    return os.wait4(proc.pid, 0)[2].ru_maxrss / 1024
+    _, _, peak = harness.run_with_peak([sys.executable, "-c", "import sys; from tokenizers import Tokenizer; "
+                                        "Tokenizer.from_file(sys.argv[1])", str(tokenizer)],
+                                       tokenizer.with_name("tokenizer-only.peak"))
+    return peak / 2**20
 
 
 def run_prepare(source: Path, tokenizer: Path, out: Path, field: bool) -> dict:
@@ -110,22 +108,14 @@ def run_prepare(source: Path, tokenizer: Path, out: Path, field: bool) -> dict:
     cmd = [sys.executable, "-m", "gptoss_cli", "prepare-data", str(source), "--format", "harmony", "--tokenizer",
            str(tokenizer), "--out", str(out), "--quiet", "--json", str(report)] + (["--field", "conversation"]
                                                                                    if field else [])
-    start = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=ROOT)
-    try:
-        _, status, usage = os.wait4(proc.pid, 0)
-    except BaseException:  # Ctrl-C or SIGTERM of the bench: no prepare-data left behind
-        proc.terminate()
-        proc.wait()
-        raise
-    seconds = time.perf_counter() - start
-    if os.waitstatus_to_exitcode(status) != 0:
+    code, seconds, peak = harness.run_with_peak(cmd, out.with_name(out.name + ".peak"), cwd=ROOT)
+    if code != 0:
         raise SystemExit(f"prepare-data failed on {source}")
     result = json.loads(report.read_text())
     for suffix in (".bin", ".idx", ".mask"):
         out.with_suffix(suffix).unlink()
     return {"tokens": result["num_tokens"], "documents": result["num_documents"], "seconds": seconds,
-            "tokens_per_s": result["num_tokens"] / seconds, "peak_rss_mib": usage.ru_maxrss / 1024}
+            "tokens_per_s": result["num_tokens"] / seconds, "peak_rss_mib": peak / 2**20}
 
 
 def main() -> None:

@@ -107,3 +107,25 @@ def test_every_committed_record_follows_the_schema_and_the_readme_table_is_their
     records = report.load_records(paths)
     assert report.generated_block(report.README.read_text()) == report.table(records), \
         "bench/README.md's figures table is stale: run `python bench/report.py --write`"
+
+
+def test_run_with_peak_reports_the_child_s_own_peak_whatever_the_parent_held(tmp_path):
+    """A child that touches 64 MiB reports about that (its own VmHWM), not this process's high-water mark,
+    which wait4's ru_maxrss carries into every child started by vfork; the three command forms run as
+    `python` runs them (exit codes and argv included)."""
+    import os
+
+    held = bytearray(256 << 20)  # this process's high-water mark at least 256 MiB
+    held[::4096] = b"\1" * len(held[::4096])
+    touch = "import sys; x = bytearray(int(sys.argv[1]) << 20); sys.exit(int(sys.argv[2]))"
+    code, _, peak = harness.run_with_peak([sys.executable, "-c", touch, "64", "3"], tmp_path / "p")
+    assert code == 3
+    assert 64 << 20 <= peak < 160 << 20, peak  # Python's own ~10-30 MiB on top
+    del held
+    script = tmp_path / "s.py"
+    script.write_text("import sys, helper; sys.exit(helper.CODE + len(sys.argv))\n")
+    (tmp_path / "helper.py").write_text("CODE = 10\n")
+    assert harness.run_with_peak([sys.executable, str(script), "a"], tmp_path / "p")[0] == 12
+    code, _, peak = harness.run_with_peak([sys.executable, "-m", "json.tool", os.devnull], tmp_path / "p",
+                                          stdout=harness.subprocess.DEVNULL, stderr=harness.subprocess.DEVNULL)
+    assert code == 1 and 0 < peak < 160 << 20  # json.tool on an empty file: "Expecting value", exit 1
