@@ -122,3 +122,32 @@ def tiny_hybrid(tiny_hf, tmp_path_factory) -> Path:
 
 def signal_name(code: int) -> str:
     return signal.Signals(-code).name if code < 0 else str(code)
+
+
+def stop_mid_write(args: list, dst: Path, reset, shard: str = "*.safetensors", attempts: int = 5) -> subprocess.Popen:
+    """Start `gptoss ARGS` writing DST and SIGSTOP it while its temporary folder (.DST.partial-PID) holds a file
+    matching `shard`; the stopped process is returned (the caller sends the kill).
+
+    The write window of a tiny model is short, so a run that finishes before it is seen is retried;
+    `reset()` puts DST back as the test set it up before each attempt (the finished run replaced or
+    created it).
+    """
+    for _ in range(attempts):
+        reset()
+        proc = start(*args)
+
+        def mid_write():
+            for tmp in dst.parent.glob(f".{dst.name}.partial-{proc.pid}"):
+                if any(tmp.glob(shard)):
+                    return tmp
+            return "exited" if proc.poll() is not None else None
+
+        seen = wait_for(mid_write, 120, f"{dst}'s temporary folder", interval=0.0002)
+        if seen != "exited":
+            os.kill(proc.pid, signal.SIGSTOP)
+            if seen.exists():
+                return proc
+            os.kill(proc.pid, signal.SIGCONT)
+        proc.communicate(timeout=60)
+        assert proc.returncode == 0, proc.stderr
+    pytest.fail(f"never caught `gptoss {args[0]}` mid-write in {attempts} attempts")

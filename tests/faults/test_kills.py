@@ -9,14 +9,13 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from gptoss_cli.cli import app
 from gptoss_cli.checkpoint.storage.safetensors_io import CheckpointReader
-from tests.faults.conftest import assert_one_line, child_env, leftovers, start, wait_for
+from tests.faults.conftest import assert_one_line, child_env, leftovers, stop_mid_write
 from tests.faults.test_paths import digest
 
 
@@ -25,34 +24,6 @@ def reaped_pid() -> int:
     p = subprocess.Popen(["true"])
     p.wait()
     return p.pid
-
-
-def stop_mid_write(args: list, dst: Path, reset, attempts: int = 5) -> subprocess.Popen:
-    """Start `gptoss convert ... DST` and SIGSTOP it while its temporary folder holds a shard.
-
-    The write window of the tiny model is short, so a run that finishes before it is seen is
-    retried; `reset()` puts DST back as the test set it up before each attempt (a finished run
-    replaced or created it). The stopped process is returned (the caller sends the kill).
-    """
-    for _ in range(attempts):
-        reset()
-        proc = start(*args)
-
-        def mid_write():
-            for tmp in dst.parent.glob(f".{dst.name}.partial-{proc.pid}"):
-                if any(tmp.glob("*.safetensors")):
-                    return tmp
-            return "exited" if proc.poll() is not None else None
-
-        seen = wait_for(mid_write, 120, "the conversion's temporary folder", interval=0.0002)
-        if seen != "exited":
-            os.kill(proc.pid, signal.SIGSTOP)
-            if seen.exists():
-                return proc
-            os.kill(proc.pid, signal.SIGCONT)
-        proc.communicate(timeout=60)
-        assert proc.returncode == 0, proc.stderr
-    pytest.fail(f"never caught the conversion mid-write in {attempts} attempts")
 
 
 def test_kill_9_mid_conversion_keeps_the_old_dst_and_the_next_run_removes_the_leftover(tiny_hf, tiny_hybrid, tmp_path):

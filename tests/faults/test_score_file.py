@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gptoss_cli.cli.app import handle_errors
-from tests.faults.conftest import digest, leftovers, start, wait_for
+from tests.faults.conftest import digest, leftovers, stop_mid_write
 from tests.support.cli import run_cli
 from tests.train.sft_files import sft_documents, write_sft_file
 
@@ -31,33 +31,6 @@ def many_documents(tmp_path_factory):
     """200 documents: a write window of a few hundred shards (one per row with --shard-tokens 1)."""
     docs, masks = sft_documents([20] * 200, 1000, seed=1)
     return write_sft_file(tmp_path_factory.mktemp("data") / "docs", docs, masks, 1000)
-
-
-def stop_mid_write(args: list, out: Path, reset, attempts: int = 5):
-    """Start `gptoss score ... --out OUT` and SIGSTOP it while its temporary folder holds a shard.
-
-    A run that finishes before it is seen is retried; `reset()` puts OUT back as the test set it up
-    before each attempt (the finished run replaced or created it).
-    """
-    for _ in range(attempts):
-        reset()
-        proc = start(*args)
-
-        def mid_write():
-            for tmp in out.parent.glob(f".{out.name}.partial-{proc.pid}"):
-                if any(tmp.glob("scores-*.safetensors")):
-                    return tmp
-            return "exited" if proc.poll() is not None else None
-
-        seen = wait_for(mid_write, 120, "the score's temporary folder", interval=0.0002)
-        if seen != "exited":
-            os.kill(proc.pid, signal.SIGSTOP)
-            if seen.exists():
-                return proc
-            os.kill(proc.pid, signal.SIGCONT)
-        proc.communicate(timeout=60)
-        assert proc.returncode == 0, proc.stderr
-    pytest.fail(f"never caught the score mid-write in {attempts} attempts")
 
 
 @pytest.mark.parametrize("existing", [False, True], ids=["new", "replacing"])
@@ -77,7 +50,7 @@ def test_kill_9_mid_write_leaves_the_old_folder_or_none_and_the_next_run_cleans_
         if existing:
             shutil.copytree(old, out)
 
-    proc = stop_mid_write(args + ["--top-k", 4, "--force"], out, reset)
+    proc = stop_mid_write(args + ["--top-k", 4, "--force"], out, reset, shard="scores-*.safetensors")
     shutil.rmtree(old, ignore_errors=True)
     os.kill(proc.pid, signal.SIGKILL)
     proc.communicate(timeout=30)

@@ -15,35 +15,22 @@ from pathlib import Path
 from typing import Any, Callable
 
 from gptoss_cli.data.conversation import MESSAGES_FIELD, conversation_from_row, parse_conversation
-from gptoss_cli.data.harmony import ANALYSIS_MODES, TRAIN_ON, ConversationError, HarmonyTokenizer, render_many
+from gptoss_cli.data.harmony import TRAIN_ON, ConversationError, HarmonyTokenizer, render_many
 from gptoss_cli.data.rows import BATCH_ROWS, Row
 from gptoss_cli.data.packing import pack_documents, packing_efficiency
-from gptoss_cli.data.prepare.document_set import open_document_set
+from gptoss_cli.data.prepare.document_set import check_options, open_document_set
 from gptoss_cli.data.prepare.result import PrepareResult
 from gptoss_cli.errors import UsageError
-from gptoss_cli.limits import INT32_MAX
-from gptoss_cli.data.prepare.text import DECODE_ERRORS, to_bytes
+from gptoss_cli.data.prepare.text import to_bytes
 
-ROW_ERRORS = DECODE_ERRORS + ("skip",)
 MAX_REPORTED = 20  # skipped rows named in the result (all are counted)
 
 
 def _check_options(analysis: str, train_on: str, max_length: int | None, truncate: bool, seq_length: int | None,
                    errors: str) -> int | None:
-    if analysis not in ANALYSIS_MODES:
-        raise UsageError(f"--analysis {analysis!r} is not one of {', '.join(ANALYSIS_MODES)}")
     if train_on not in TRAIN_ON:
         raise UsageError(f"--train-on {train_on!r} is not one of {', '.join(TRAIN_ON)}")
-    if errors not in ROW_ERRORS:
-        raise UsageError(f"--errors {errors!r} is not one of {', '.join(ROW_ERRORS)}")
-    for name, value in (("--max-length", max_length), ("--seq-length", seq_length)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 2 <= value <= INT32_MAX):
-            raise UsageError(f"{name} {value!r} must be at least 2 tokens and at most {INT32_MAX}")
-    if max_length is None:
-        max_length = seq_length  # a conversation longer than a row could never be trained whole
-    if seq_length is not None and max_length > seq_length:
-        raise UsageError(f"--max-length {max_length} is longer than --seq-length {seq_length}: such conversations "
-                         "would fit no training row", hint="leave --max-length out, or make it at most --seq-length")
+    max_length = check_options(analysis, errors, max_length, seq_length, least=2, unit="conversations")
     if truncate and max_length is None:
         raise UsageError("--truncate needs --max-length (or --seq-length) to say where to cut")
     return max_length

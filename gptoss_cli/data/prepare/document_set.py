@@ -3,7 +3,7 @@
 `open_document_set` resolves the inputs, opens the checkpoint's tokenizer as a harmony tokenizer and
 checks the outputs; `DocumentSet.streaming` gives a format's writer the temporary token and mask files
 and the rows a batch at a time, and `DocumentSet.commit` writes the index and moves the set under its final names, the
-header OUT.json last. A failure anywhere leaves the old set (or none) and no temporary file.
+header OUT.json last; `check_options` checks the options both take. A failure anywhere leaves the old set (or none) and no temporary file.
 """
 
 from __future__ import annotations
@@ -16,13 +16,36 @@ from typing import Any, BinaryIO, Callable, Iterator
 import numpy as np
 
 from gptoss_cli import outputs
-from gptoss_cli.data.harmony import ConversationError, HarmonyTokenizer
-from gptoss_cli.data.prepare.text import open_tokenizer, prepare_outputs
+from gptoss_cli.data.harmony import ANALYSIS_MODES, ConversationError, HarmonyTokenizer
+from gptoss_cli.data.prepare.text import DECODE_ERRORS, open_tokenizer, prepare_outputs
 from gptoss_cli.data.rows import Row, iter_rows, resolve_inputs
 from gptoss_cli.data.token_format import (
     INDEX_DTYPE, commit_token_set, document_file_paths, token_dtype_for, token_file_paths, token_header,
 )
 from gptoss_cli.errors import UsageError, file_system_error
+from gptoss_cli.limits import INT32_MAX
+
+ROW_ERRORS = DECODE_ERRORS + ("skip",)  # --errors: skip counts a row that does not parse and leaves it out
+
+
+def check_options(analysis: str, errors: str, max_length: int | None, seq_length: int | None, *, least: int,
+                  unit: str, why_least: str = "") -> int | None:
+    """The options both harmony formats take, checked; the max length a `unit` (a conversation, a pair) may
+    have: --max-length, else --seq-length (one longer than a row could never be trained whole)."""
+    if analysis not in ANALYSIS_MODES:
+        raise UsageError(f"--analysis {analysis!r} is not one of {', '.join(ANALYSIS_MODES)}")
+    if errors not in ROW_ERRORS:
+        raise UsageError(f"--errors {errors!r} is not one of {', '.join(ROW_ERRORS)}")
+    for name, value in (("--max-length", max_length), ("--seq-length", seq_length)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or not least <= value <= INT32_MAX):
+            raise UsageError(f"{name} {value!r} must be at least {least} tokens{why_least} and at most {INT32_MAX}")
+    if max_length is None:
+        return seq_length
+    if seq_length is not None and max_length > seq_length:
+        raise UsageError(f"--max-length {max_length} is longer than --seq-length {seq_length}: such {unit} would "
+                         "fit no training row", hint="leave --max-length out, or make it at most --seq-length")
+    return max_length
 
 
 @dataclass
@@ -109,4 +132,4 @@ def open_document_set(inputs: list[Path | str], out: Path, tokenizer: Path, spli
                        bin_path, header_path, idx_path, mask_path)
 
 
-__all__ = ["DocumentSet", "open_document_set"]
+__all__ = ["DocumentSet", "open_document_set", "check_options", "ROW_ERRORS"]

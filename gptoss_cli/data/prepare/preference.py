@@ -18,17 +18,15 @@ from typing import Any, Callable
 
 import numpy as np
 
-from gptoss_cli.data.harmony import ANALYSIS_MODES, ConversationError, HarmonyTokenizer
+from gptoss_cli.data.harmony import ConversationError, HarmonyTokenizer
 from gptoss_cli.data.packing import pack_documents, packing_efficiency
 from gptoss_cli.data.preference import PREFERENCE_KIND, parse_pair, render_pairs
-from gptoss_cli.data.prepare.document_set import open_document_set
+from gptoss_cli.data.prepare.document_set import check_options, open_document_set
 from gptoss_cli.data.prepare.result import PrepareResult
-from gptoss_cli.data.prepare.text import DECODE_ERRORS, to_bytes
+from gptoss_cli.data.prepare.text import to_bytes
 from gptoss_cli.data.rows import BATCH_ROWS, Row
 from gptoss_cli.errors import UsageError
-from gptoss_cli.limits import INT32_MAX
 
-ROW_ERRORS = DECODE_ERRORS + ("skip",)
 MAX_REPORTED = 20
 
 
@@ -76,19 +74,8 @@ class _PairWriter:
 
 
 def _check_options(analysis: str, max_length: int | None, seq_length: int | None, errors: str) -> int | None:
-    if analysis not in ANALYSIS_MODES:
-        raise UsageError(f"--analysis {analysis!r} is not one of {', '.join(ANALYSIS_MODES)}")
-    if errors not in ROW_ERRORS:
-        raise UsageError(f"--errors {errors!r} is not one of {', '.join(ROW_ERRORS)}")
-    for name, value in (("--max-length", max_length), ("--seq-length", seq_length)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 4 <= value <= INT32_MAX):
-            raise UsageError(f"{name} {value!r} must be at least 4 tokens (two sides of two) and at most {INT32_MAX}")
-    if max_length is None:
-        return seq_length  # a pair longer than a row could never be trained whole
-    if seq_length is not None and max_length > seq_length:
-        raise UsageError(f"--max-length {max_length} is longer than --seq-length {seq_length}: such pairs would fit "
-                         "no training row", hint="leave --max-length out, or make it at most --seq-length")
-    return max_length
+    return check_options(analysis, errors, max_length, seq_length, least=4, unit="pairs",
+                         why_least=" (two sides of two)")
 
 
 def prepare_preference(
