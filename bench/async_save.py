@@ -9,7 +9,10 @@ large enough for the save to matter on this host (--hidden, --experts, --layers;
 time is the time since the previous step's record: the save of step s (taken after its record) lands in step
 s + 1's time, and with async_save the upload overlaps the steps after it. Per side the bench prints the median
 ordinary step, the median step that carries a save, their ratio (the save stall: 1.0 is free), and the time the
-training thread spent inside the save call; sides run in interleaved rounds (sync, async, then async, sync...).
+training thread spent inside the save call, and of it the time waiting for the previous upload (one is in
+flight at a time: saves more frequent than the disk can take wait for it, and the bench says so); the first save
+(which allocates the host buffers) and the last (the run's end) are left out of the medians when --steps allows.
+Sides run in interleaved rounds (sync, async, then async, sync...).
 
     python bench/async_save.py --rounds 3
     python bench/async_save.py --hidden 128 --vocab 4096 --steps 6 --every 3 --rounds 1   # a smoke run
@@ -18,7 +21,6 @@ training thread spent inside the save call; sides run in interleaved rounds (syn
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -38,11 +40,20 @@ SIDES = {"sync": "false", "async": "true"}
 
 def child(args: list[str], out: Path) -> None:
     """Run `gptoss train ARGS` here, recording each step's end and the training thread's time in each save."""
+    import gptoss_cli.train.async_save as async_save
     import gptoss_cli.train.loop as loop
     from gptoss_cli.cli import app
 
-    ends, saves = [], []
+    ends, saves, waited = [], [], [0.0]
     record, save = loop.Trainer.record_step, loop.Trainer.save_checkpoint
+    wait = async_save.AsyncCheckpointer.wait
+
+    def timed_wait(self):
+        t0 = time.perf_counter()
+        try:
+            return wait(self)
+        finally:
+            waited[0] += time.perf_counter() - t0
 
     def timed_record(self, outcome, extra=None):
         result = record(self, outcome, extra)
@@ -50,13 +61,14 @@ def child(args: list[str], out: Path) -> None:
         return result
 
     def timed_save(self, done, reason=None):
-        t0 = time.perf_counter()
+        t0, waited[0] = time.perf_counter(), 0.0
         try:
             return save(self, done, reason)
         finally:
-            saves.append((done, time.perf_counter() - t0))
+            saves.append((done, time.perf_counter() - t0, waited[0]))
 
     loop.Trainer.record_step, loop.Trainer.save_checkpoint = timed_record, timed_save
+    async_save.AsyncCheckpointer.wait = timed_wait
     try:
         code = app(args, standalone_mode=False)
         if code:
@@ -84,17 +96,22 @@ def run_side(side: str, opts, work: Path, env: dict) -> dict:
         raise SystemExit(f"bench: {side}: gptoss train exited {proc.returncode}: {(proc.stderr or proc.stdout)[-800:]}")
     rec = json.loads(out.read_text())
     ends = dict((int(s), t) for s, t in rec["ends"])
-    saved = {int(s) for s, _ in rec["saves"]}
+    saved = {int(s) for s, _, _ in rec["saves"]}
     # step s's time: since step s - 1's record (step 1 and the first step after it warm up: left out)
     times = {s: ends[s] - ends[s - 1] for s in ends if s - 1 in ends and s > 2}
-    carrying = [t for s, t in times.items() if s - 1 in saved]
+    # the last save ends the run either way; the first allocates the host buffers (once per run): both left out
+    # where enough saves remain
+    kept = sorted((int(s), d, w) for s, d, w in rec["saves"] if int(s) < opts.steps)
+    kept = kept[1:] if len(kept) > 1 else kept
+    carrying = [t for s, t in times.items() if s - 1 in {k[0] for k in kept}]
     ordinary = [t for s, t in times.items() if s - 1 not in saved]
-    in_save = [d for s, d in rec["saves"] if int(s) < opts.steps]  # the last save ends the run either way
+    in_save, waits = [d for _, d, _ in kept], [w for _, _, w in kept]
     if not carrying or not ordinary:
         raise SystemExit("bench: no step carried a save; raise --steps or lower --every")
     step, saving = statistics.median(ordinary), statistics.median(carrying)
     return {"step_s": step, "saving_step_s": saving, "stall_x": saving / step,
-            "in_save_s": statistics.median(in_save), "checkpoint_gb": _size(ckpt) / 1e9}
+            "in_save_s": statistics.median(in_save), "waited_s": statistics.median(waits),
+            "checkpoint_gb": _size(ckpt) / 1e9}
 
 
 def _size(folder: Path) -> int:
@@ -112,8 +129,8 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=201088)
     ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--every", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=48)
+    ap.add_argument("--every", type=int, default=12)
     ap.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS of each training process")
     opts = ap.parse_args()
     env = harness.peer_env(opts.threads, {"COLUMNS": "120"})
@@ -124,17 +141,21 @@ def main() -> int:
         for i in range(opts.rounds):
             for side in harness.rotating(list(SIDES), i):
                 rounds.add(side, run_side(side, opts, work, env))
-    metrics = ("step_s", "saving_step_s", "stall_x", "in_save_s", "checkpoint_gb")
+    metrics = ("step_s", "saving_step_s", "stall_x", "in_save_s", "waited_s", "checkpoint_gb")
     run.add_rounds("save every %d steps" % opts.every, rounds, metrics)
     case = "save every %d steps" % opts.every
     run.ratio(case, "async", "sync", "saving_step_s", name="saving step, async / sync")
     print(f"{opts.rounds} rounds, rotating order, medians [min, max]; {opts.threads} thread(s); "
           f"checkpoint {rounds.median('sync', 'checkpoint_gb'):.2f} GB")
-    print(f"{'side':<6} {'ordinary step (s)':>22} {'saving step (s)':>22} {'stall (x)':>20} {'in save (s)':>20}")
+    print(f"{'side':<6} {'ordinary step (s)':>22} {'saving step (s)':>22} {'stall (x)':>20} {'in save (s)':>20} "
+          f"{'of it waiting (s)':>20}")
     for side in SIDES:
         cols = [f"{s['median']:6.2f} [{s['min']:5.2f}, {s['max']:5.2f}]"
-                for s in (run.cases[case]["settings"][side][k] for k in metrics[:4])]
-        print(f"{side:<6} {cols[0]:>22} {cols[1]:>22} {cols[2]:>20} {cols[3]:>20}")
+                for s in (run.cases[case]["settings"][side][k] for k in metrics[:5])]
+        print(f"{side:<6} {cols[0]:>22} {cols[1]:>22} {cols[2]:>20} {cols[3]:>20} {cols[4]:>20}")
+    if rounds.median("async", "waited_s") > 0.01:
+        print("note: async saves waited for the previous upload: the upload takes longer than --every steps "
+              "(raise --every to measure the stall itself)")
     for label, r in run.cases[case]["ratios"].items():
         print(f"{label}: {r['median']:.2f}x [{r['min']:.2f}, {r['max']:.2f}]")
     run.finish()

@@ -210,9 +210,19 @@ def _local_parts(t: Any) -> list[torch.Tensor]:
 
 
 def _first_non_finite(tensors: dict[str, Any]) -> tuple[int, str | None]:
+    """(how many entries hold a NaN or inf, the first one's name). The same elements seen under two names (fp32
+    parameters are their own master weights: `model.X` and `optimizer.X.master` are one view) are read once."""
     bad, first = 0, None
+    seen: dict[tuple, bool] = {}
+
+    def finite(p: torch.Tensor) -> bool:
+        ident = (p.device, p.data_ptr(), tuple(p.shape), p.stride(), p.dtype)
+        if ident not in seen:
+            seen[ident] = all_finite(p)
+        return seen[ident]
+
     for name, t in tensors.items():
-        if not all(all_finite(p) for p in _local_parts(t)):
+        if not all(finite(p) for p in _local_parts(t)):
             bad += 1
             first = first or name
     return bad, first
