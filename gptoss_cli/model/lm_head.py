@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from gptoss_cli.model import host_reads
 from gptoss_cli.model.gemm.main_grad import add_cast_, addmm_fp32_, fp32_accumulating_gemm, mm_fp32
 from gptoss_cli.model.workspace import borrow, buffer
 
@@ -156,15 +157,9 @@ def labelled_rows(hidden: torch.Tensor, valid: torch.Tensor) -> torch.Tensor | N
     those rows only; None to apply it to every row. On the CPU only, where reading the mask costs nothing:
     a GRPO row of 136 prompt and 16 completion tokens then computes 16 rows of [vocabulary] logits, not 152
     (elsewhere the dynamic shape would make the device wait for the host)."""
-    if not rows_on_host(hidden.device) or bool(valid.all()):
+    if not host_reads.free(hidden.device) or bool(valid.all()):
         return None
     return valid.nonzero()[:, 0]
-
-
-def rows_on_host(device: torch.device) -> bool:
-    """Whether reading the label mask back costs no device sync (tensors on the CPU). The host-sync budget
-    tests switch this off, with grouped GEMM's `_counts_on_host`, to count what the device path does."""
-    return device.type == "cpu"
 
 
 def chunked_log_probs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float,
@@ -175,5 +170,4 @@ def chunked_log_probs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.
 
 
 __all__ = ["ACTIVATION", "LOGITS", "LOG_SOFTMAX", "WEIGHT_GRAD_CHUNK", "WEIGHT_GRAD_SUM", "WeightGradSum",
-           "chunk_activation_grad", "chunk_log_softmax", "chunk_logits", "chunked_log_probs", "labelled_rows",
-           "rows_on_host"]
+           "chunk_activation_grad", "chunk_log_softmax", "chunk_logits", "chunked_log_probs", "labelled_rows"]

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from gptoss_cli.model.gemm.main_grad import added_to_main_grad, main_grad_target
-from gptoss_cli.model import lm_head
+from gptoss_cli.model import host_reads
 from gptoss_cli.model.lm_head import (WeightGradSum, chunk_activation_grad, chunk_log_softmax, chunk_logits,
                                       labelled_rows)
 from gptoss_cli.model.loss_chunk import LM_LOSS_CHUNK_TOKENS, lm_loss_chunk_tokens
@@ -62,7 +62,7 @@ class _ChunkedLMLoss(torch.autograd.Function):
             valid = lab != IGNORE_INDEX
             dlogits = logp.exp_()
             dlogits.scatter_add_(-1, torch.where(valid, lab, 0)[:, None], valid.to(dlogits.dtype).neg()[:, None])
-            if not lm_head.rows_on_host(h.device) or not bool(valid.all()):  # (a GPU is not made to wait for the answer)
+            if not host_reads.free(h.device) or not bool(valid.all()):  # (a GPU is not made to wait for the answer)
                 dlogits.masked_fill_(~valid[:, None], 0.0)
             d = chunk_activation_grad(dlogits, hidden.dtype)
             torch.mm(d, weight, out=grad_h[start:start + chunk])

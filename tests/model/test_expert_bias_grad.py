@@ -4,7 +4,7 @@ On a GPU the counts stay on the device, so the per-expert column sums of the CPU
 available; the bias gradient used to be an `index_add_` in bf16 there, which a GPU runs as atomics
 that round to bf16 after every add, in no fixed order. Emulated here in row order (one possible
 order), that error grows with the rows per expert; the replacement sums in fp32 and rounds once.
-The device path runs on the CPU with `_counts_on_host` switched off, as tests/schedule/workers.py does.
+The device path runs on the CPU with model/host_reads.py's `free` switched off, as tests/schedule/workers.py does.
 
 Error model (tests/tolerances.py): the fp32 sum of n bf16 values is within n 2^-24 sum|dy| of the
 exact sum, and rounding it once to bf16 (8 significant bits) adds at most 2^-8 of its magnitude.
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from gptoss_cli.model import host_reads
 from gptoss_cli.model.gemm import grouped as grouped_gemm
 
 COUNTS = [512, 256, 0, 768]  # an expert without rows gets a zero gradient
@@ -35,7 +36,7 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def test_device_path_bias_gradient_is_the_fp32_sum_rounded_once(monkeypatch):
-    monkeypatch.setattr(grouped_gemm, "_counts_on_host", lambda device: False)
+    monkeypatch.setattr(host_reads, "free", lambda device: False)
     g = torch.Generator().manual_seed(0)
     n = sum(COUNTS)
     # gradients with a common offset, as a bias gradient has: the sum grows with the rows
@@ -60,6 +61,6 @@ def test_device_and_host_paths_agree(monkeypatch):
     dy = torch.randn(sum(COUNTS), 40, generator=g).bfloat16()
     counts = torch.tensor(COUNTS)
     host = grouped_gemm._bias_grad(dy, counts)
-    monkeypatch.setattr(grouped_gemm, "_counts_on_host", lambda device: False)
+    monkeypatch.setattr(host_reads, "free", lambda device: False)
     device = grouped_gemm._bias_grad(dy, counts)
     assert ((host.double() - device.double()).abs() <= 2.0**-8 * host.double().abs() + 1e-6).all()

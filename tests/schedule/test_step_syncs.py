@@ -11,7 +11,7 @@ With expert parallelism add one per MoE layer and microbatch, the token all-to-a
 (tests/schedule/test_comm_costs.py).
 
 The CUDA-only branches are forced onto the CPU: the expert counts stay "on the device"
-(`_counts_on_host` and lm_head's `rows_on_host` off) and the grouped FP8 kernel is "available", its one CUDA call replaced by a
+(model/host_reads.py's `free` off) and the grouped FP8 kernel is "available", its one CUDA call replaced by a
 CPU stand-in that checks torch's contract (tests/fp8/scaled_grouped_reference.py, not counted: it
 reads its offsets, as the CUDA kernel does on the device). What the counter cannot see is listed
 in tests/schedule/host_syncs.py.
@@ -25,8 +25,7 @@ import pytest
 import torch
 
 from gptoss_cli.fp8 import grouped_kernel
-from gptoss_cli.model import lm_head
-from gptoss_cli.model.gemm import grouped as grouped_gemm
+from gptoss_cli.model import host_reads
 from gptoss_cli.parallel.state import ParallelState
 from gptoss_cli.schedule import get_forward_backward_func
 from gptoss_cli.train.data import DataLoaderState
@@ -62,8 +61,7 @@ def _count_step(monkeypatch, fp8_format: str, recipe: str = "rowwise", deferred:
         with counter[0].suspended():
             return scaled_grouped_mm(*args[:4], offs=args[4])
 
-    monkeypatch.setattr(grouped_gemm, "_counts_on_host", lambda device: False)
-    monkeypatch.setattr(lm_head, "rows_on_host", lambda device: False)
+    monkeypatch.setattr(host_reads, "free", lambda device: False)
     monkeypatch.setattr(grouped_kernel, "available", lambda device: True)
     monkeypatch.setattr(grouped_kernel, "run", stand_in)
     runtime = runtime_config(pattern="*E*E*E", params_dtype="bf16", aux_loss_coeff=0.01, fp8_recipe=recipe,

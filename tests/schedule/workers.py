@@ -71,15 +71,14 @@ def count_step_host_syncs(setup: Any, state: ParallelState, microbatches: int, m
     finalisation through the setup's schedule, after one uncounted warm-up step. The expert bias
     paths run as on a GPU (their CPU-only per-expert branch reads the counts, which costs nothing
     there but would sync a device)."""
-    from gptoss_cli.model import lm_head
-    from gptoss_cli.model.gemm import grouped as grouped_gemm
+    from gptoss_cli.model import host_reads
     from tests.schedule.host_syncs import HostSyncCounter
 
     data = DataLoaderState(RandomTokens(TINY.vocab_size, SEQ, seed=5), global_batch_size=microbatches * mbs * state.dp_size,
                            micro_batch_size=mbs, dp_rank=state.dp_rank, dp_size=state.dp_size)
     schedule = get_forward_backward_func(setup.config)
-    counts_on_host, rows_on_host = grouped_gemm._counts_on_host, lm_head.rows_on_host
-    grouped_gemm._counts_on_host = lm_head.rows_on_host = lambda device: False
+    reads_free = host_reads.free
+    host_reads.free = lambda device: False
     try:
         for counted in (False, True):
             setup.model.zero_grad_buffer()
@@ -88,7 +87,7 @@ def count_step_host_syncs(setup: Any, state: ParallelState, microbatches: int, m
                 schedule(forward_step_func=forward_step, data_iterator=data.step_iterator(), model=setup.model,
                          num_microbatches=microbatches)
     finally:
-        grouped_gemm._counts_on_host, lm_head.rows_on_host = counts_on_host, rows_on_host
+        host_reads.free = reads_free
     return dict(counter.sites)
 
 

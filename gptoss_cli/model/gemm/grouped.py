@@ -35,6 +35,7 @@ import torch
 
 from gptoss_cli import torch_private
 from gptoss_cli.errors import TrainingError
+from gptoss_cli.model import host_reads
 from gptoss_cli.model.gemm.main_grad import added_to_main_grad, main_grad_target, mm_fp32
 
 
@@ -110,7 +111,7 @@ class GroupedGemm:
         counts are on the host (the CPU: no device sync; the CUDA grouped kernel writes a fresh
         tensor and stays as it is) and the dtypes agree; False, with nothing done, elsewhere and for
         GEMMs with numerics of their own (FP8), which then take `wgrad`."""
-        if type(self).wgrad is not GroupedGemm.wgrad or not _counts_on_host(x.device):
+        if type(self).wgrad is not GroupedGemm.wgrad or not host_reads.free(x.device):
             return False
         if not (x.dtype == dy.dtype == out.dtype) or out.shape != (tokens_per_expert.numel(), dy.shape[1], x.shape[1]):
             return False
@@ -134,13 +135,6 @@ def map_experts(rows: torch.Tensor, counts: list[int], fn, out_features: int) ->
     return torch.cat(outs) if outs else rows.new_zeros(0, out_features)
 
 
-def _counts_on_host(device: torch.device) -> bool:
-    """Whether reading the expert counts back costs no device sync (tensors on the CPU): the bias
-    paths below then work per expert; elsewhere they take the sync-free path. The host-sync budget
-    tests switch this off to count what the device path does (tests/schedule/workers.py)."""
-    return device.type == "cpu"
-
-
 def _add_bias(y: torch.Tensor, bias: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
     """y [N, out] (the GEMM's own output) + each row's expert bias.
 
@@ -148,7 +142,7 @@ def _add_bias(y: torch.Tensor, bias: torch.Tensor, tokens_per_expert: torch.Tens
     time (no [N, out] tensor of repeated biases, one pass over y instead of three); elsewhere the
     repeats are materialised, which needs no host read of the counts."""
     bias = bias.to(y.dtype)
-    if _counts_on_host(y.device):
+    if host_reads.free(y.device):
         for rows, b in zip(torch.split(y, tokens_per_expert.tolist()), bias):
             rows.add_(b)
         return y
@@ -163,7 +157,7 @@ def _bias_grad(dy: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tenso
     fp32 (`mm_fp32`; a one-hot product is exact) in a fixed order. The index_add_ it replaces rounded
     after every add in dy's dtype (bf16 atomics on a GPU, in no fixed order): 11-32x the error
     (tests/model/test_expert_bias_grad.py)."""
-    if _counts_on_host(dy.device):
+    if host_reads.free(dy.device):
         sums = [rows.sum(0) for rows in torch.split(dy, tokens_per_expert.tolist())]
         return torch.stack(sums) if sums else dy.new_zeros(0, dy.shape[1])
     rows = expert_of_row(tokens_per_expert, dy.shape[0])
